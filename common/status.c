@@ -1,0 +1,25 @@
+/* Error code plus message, filled where a failure is detected. */
+#include "status.h"
+
+#include <stdio.h>
+
+int fsdp_status_setv(fsdp_status_t *st, int code, const char *fmt, va_list ap) {
+  if (st) {
+    st->code = code;
+    vsnprintf(st->message, sizeof st->message, fmt, ap);
+  }
+  return code;
+}
+
+int fsdp_status_set(fsdp_status_t *st, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fsdp_status_setv(st, code, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+void fsdp_status_clear(fsdp_status_t *st) {
+  st->code = 0;
+  st->message[0] = '\0';
+}

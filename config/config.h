@@ -1,0 +1,142 @@
+/* fsdpd configuration: one declarative option table, and the values built from it.
+ *
+ * FSDP_OPTIONS below is the only list of options. Parsing (INI file through libinih,
+ * environment, command-line flags), validation, `fsdpctl config show` (through
+ * Operator.Status), the shipped config/fsdpd.conf and docs derive from it; a test fails if
+ * the shipped file drifts from the table.
+ *
+ * Precedence: built-in default < file < environment (FSDPD_<SECTION>_<NAME>) < flags. Each
+ * value remembers its source and origin ("file:line", "FSDPD_X", "--flag").
+ *
+ * A fsdp_config_t is plain caller-owned storage (init/cleanup); it is not shared between
+ * threads. The daemon's loop thread owns the live one and builds a fresh one on reload. */
+#ifndef FSDP_CONFIG_H
+#define FSDP_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "status.h"
+
+/* Exit status for a configuration error (sysexits.h EX_CONFIG). */
+#define FSDP_EXIT_CONFIG 78
+
+typedef enum fsdp_option_type {
+  FSDP_OPT_BOOL,     /* true/false, yes/no, on/off, 1/0 */
+  FSDP_OPT_INT,      /* decimal integer within [min, max] */
+  FSDP_OPT_SIZE,     /* bytes: "4096", "64KiB", "16MiB", "2GiB"; within [min, max] bytes */
+  FSDP_OPT_DURATION, /* milliseconds: "250ms", "5s", "2m", "1h"; within [min, max] ms */
+  FSDP_OPT_STRING,   /* free text */
+  FSDP_OPT_PATH,     /* a filesystem path; not empty */
+  FSDP_OPT_ENUM,     /* one of `choices`; the value is the index */
+  FSDP_OPT_ADDRESS,  /* HOST:PORT or [V6]:PORT, port 0..65535; empty disables */
+} fsdp_option_type_t;
+
+/* X(id, key, type, default, min, max, choices, unit, reloadable, flag, help)
+ * min/max apply to INT, SIZE and DURATION; choices is "a|b|c" for ENUM, else NULL. */
+#define FSDP_OPTIONS(X)                                                                         \
+  X(RUN_DIR, "daemon.run_dir", FSDP_OPT_PATH, "./run", 0, 0, NULL, NULL, false, "--run-dir",    \
+    "Directory for the unix socket and the lock file; created with mode 0750.")                  \
+  X(LOG_LEVEL, "daemon.log_level", FSDP_OPT_ENUM, "info", 0, 0, "error|warning|info|debug",     \
+    NULL, true, "--log-level", "Least severe message the daemon logs.")                          \
+  X(BACKEND, "daemon.backend", FSDP_OPT_ENUM, "host", 0, 0, "host|cuda", NULL, false,           \
+    "--backend", "Where parameters live: host memory, or GPUs through CUDA.")                    \
+  X(HOUSEKEEPING_INTERVAL, "daemon.housekeeping_interval", FSDP_OPT_DURATION, "1s", 10, 60000,  \
+    NULL, "ms", true, NULL,                                                                      \
+    "Period of the timer that expires deadlines and updates statistics; the systemd watchdog "  \
+    "is pinged at least twice per WatchdogSec regardless.")                                      \
+  X(DRAIN_TIMEOUT, "daemon.drain_timeout", FSDP_OPT_DURATION, "5s", 0, 600000, NULL, "ms",      \
+    true, NULL, "On SIGTERM, how long in-flight calls may run before they are cancelled.")       \
+  X(MAX_MESSAGE_SIZE, "rpc.max_message_size", FSDP_OPT_SIZE, "16MiB", 4096, 1073741824, NULL,   \
+    "B", false, NULL, "Largest request or reply; a larger request gets RESOURCE_EXHAUSTED.")     \
+  X(MAX_INFLIGHT_CALLS, "rpc.max_inflight_calls", FSDP_OPT_INT, "1024", 1, 1000000, NULL, NULL, \
+    true, NULL, "Calls the daemon holds at once; beyond it, RESOURCE_EXHAUSTED.")                \
+  X(HEALTH_LISTEN, "health.listen", FSDP_OPT_ADDRESS, "127.0.0.1:7071", 0, 0, NULL, NULL,       \
+    false, "--health-listen",                                                                    \
+    "TCP address of the gRPC health service for schedulers; empty disables it.")                \
+  X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "8GiB", 67108864, 1099511627776, NULL, "B",    \
+    true, NULL, "Memory the daemon may hold for all jobs together.")
+
+typedef enum fsdp_option_id {
+#define FSDP_OPTION_ID(id, ...) FSDP_OPTION_##id,
+  FSDP_OPTIONS(FSDP_OPTION_ID)
+#undef FSDP_OPTION_ID
+  FSDP_OPTION_COUNT
+} fsdp_option_id_t;
+
+typedef struct fsdp_option {
+  const char *key;
+  fsdp_option_type_t type;
+  const char *default_value; /* spelled as in the file */
+  int64_t min, max;
+  const char *choices;
+  const char *unit;
+  bool reloadable;
+  const char *flag;
+  const char *help;
+} fsdp_option_t;
+
+typedef enum fsdp_config_source {
+  FSDP_SOURCE_DEFAULT = 1,
+  FSDP_SOURCE_FILE,
+  FSDP_SOURCE_ENV,
+  FSDP_SOURCE_FLAG,
+} fsdp_config_source_t;
+
+typedef struct fsdp_config_value {
+  int64_t number; /* BOOL (0/1), INT, SIZE (bytes), DURATION (ms), ENUM (index) */
+  char *text;     /* STRING, PATH, ADDRESS; owned */
+  fsdp_config_source_t source;
+  char origin[96]; /* "path:line", "FSDPD_X" or "--flag"; empty for defaults */
+} fsdp_config_value_t;
+
+typedef struct fsdp_config {
+  char *file; /* the file loaded, or NULL; owned */
+  fsdp_config_value_t values[FSDP_OPTION_COUNT];
+} fsdp_config_t;
+
+/* The table, indexed by fsdp_option_id_t. */
+const fsdp_option_t *fsdp_option_get(fsdp_option_id_t id);
+/* Lookups; NULL when there is no such option. */
+const fsdp_option_t *fsdp_option_find(const char *key, fsdp_option_id_t *ret_id);
+const fsdp_option_t *fsdp_option_find_flag(const char *flag, fsdp_option_id_t *ret_id);
+
+/* Fills cfg with the built-in defaults. Cannot fail except for memory (-ENOMEM). */
+int fsdp_config_init(fsdp_config_t *cfg);
+/* Frees what cfg owns; accepts a zeroed or half-built cfg. */
+void fsdp_config_cleanup(fsdp_config_t *cfg);
+
+/* Parses an INI file (sections are the part of the key before the dot). Every error names
+ * "path:line: key 'x': why" (unknown section or key, bad or out-of-range value, a key set
+ * twice). On error cfg may hold some of the file's values: callers start from a fresh cfg. */
+int fsdp_config_load_file(fsdp_config_t *cfg, const char *path, fsdp_status_t *st);
+/* The same from text in memory; `name` stands for the path in messages. */
+int fsdp_config_load_string(fsdp_config_t *cfg, const char *text, const char *name,
+                            fsdp_status_t *st);
+/* Applies FSDPD_<SECTION>_<NAME> variables found in envp (NULL-terminated "K=V" list). */
+int fsdp_config_load_env(fsdp_config_t *cfg, char *const *envp, fsdp_status_t *st);
+/* Sets one option from text, with its source and origin; validates like the file does. */
+int fsdp_config_set(fsdp_config_t *cfg, fsdp_option_id_t id, const char *value,
+                    fsdp_config_source_t source, const char *origin, fsdp_status_t *st);
+
+/* Accessors for the parsed value. */
+int64_t fsdp_config_number(const fsdp_config_t *cfg, fsdp_option_id_t id);
+const char *fsdp_config_text(const fsdp_config_t *cfg, fsdp_option_id_t id);
+
+/* The value spelled as the file would spell it ("16MiB", "5s", "info"). */
+int fsdp_config_format(const fsdp_config_t *cfg, fsdp_option_id_t id, char *buf, size_t size);
+
+/* Ids of options whose values differ between old and new (at most FSDP_OPTION_COUNT); the
+ * return value is their number. */
+size_t fsdp_config_diff(const fsdp_config_t *old_cfg, const fsdp_config_t *new_cfg,
+                        fsdp_option_id_t *ret_ids);
+
+/* Writes the annotated example file (config/fsdpd.conf) derived from the table. */
+void fsdp_config_write_example(FILE *out);
+
+/* Name of a source: "default", "file", "env", "flag". */
+const char *fsdp_config_source_name(fsdp_config_source_t source);
+
+#endif

@@ -1,0 +1,235 @@
+/* Wire codec between protobuf-c messages and gRPC byte buffers, plus the status table. */
+#include "wire.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+int fsdp_wire_method_path(const ProtobufCServiceDescriptor *service, unsigned method, char *buf,
+                          size_t size) {
+  if (method >= service->n_methods)
+    return -EINVAL;
+  int n = snprintf(buf, size, "/%s/%s", service->name, service->methods[method].name);
+  return n < 0 || (size_t)n >= size ? -ENAMETOOLONG : 0;
+}
+
+bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *service,
+                                          unsigned method) {
+  static const char *const streaming[] = {"/grpc.health.v1.Health/Watch"};
+  char path[FSDP_WIRE_PATH_MAX];
+  if (fsdp_wire_method_path(service, method, path, sizeof path) < 0)
+    return false;
+  for (size_t i = 0; i < sizeof streaming / sizeof streaming[0]; i++)
+    if (strcmp(path, streaming[i]) == 0)
+      return true;
+  return false;
+}
+
+int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer) {
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  grpc_slice slice = grpc_slice_malloc(len);
+  protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(slice));
+  grpc_byte_buffer *buffer = grpc_raw_byte_buffer_create(&slice, 1);
+  grpc_slice_unref(slice);
+  if (!buffer)
+    return -ENOMEM;
+  *ret_buffer = buffer;
+  return 0;
+}
+
+int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                           size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+  ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, len, data);
+  if (!msg)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "malformed %s: %zu bytes do not decode as this message", desc->name,
+                           len);
+  int r = fsdp_wire_validate(msg, st);
+  if (r < 0) {
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return r;
+  }
+  *ret_msg = msg;
+  return 0;
+}
+
+int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
+                     ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+  if (!buffer)
+    return fsdp_wire_decode_bytes(desc, NULL, 0, ret_msg, st);
+  grpc_byte_buffer_reader reader;
+  if (!grpc_byte_buffer_reader_init(&reader, buffer))
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: payload could not be decompressed",
+                           desc->name);
+  grpc_slice all = grpc_byte_buffer_reader_readall(&reader);
+  grpc_byte_buffer_reader_destroy(&reader);
+  int r = fsdp_wire_decode_bytes(desc, GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), ret_msg,
+                                 st);
+  grpc_slice_unref(all);
+  return r;
+}
+
+/* Strict UTF-8 (RFC 3629): no overlong forms, no surrogates, nothing above U+10FFFF. */
+static bool utf8_valid(const unsigned char *s) {
+  while (*s) {
+    unsigned char c = *s++;
+    if (c < 0x80)
+      continue;
+    unsigned need;
+    unsigned long cp;
+    if (c >= 0xC2 && c <= 0xDF) {
+      need = 1, cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      need = 2, cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      need = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    for (unsigned i = 0; i < need; i++, s++) {
+      if ((*s & 0xC0) != 0x80)
+        return false;
+      cp = (cp << 6) | (*s & 0x3F);
+    }
+    if ((need == 2 && cp < 0x800) || (need == 3 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+  }
+  return true;
+}
+
+static int validate_message(const ProtobufCMessage *msg, const char *prefix, fsdp_status_t *st);
+
+static int validate_value(const ProtobufCFieldDescriptor *f, const void *value, const char *path,
+                          fsdp_status_t *st) {
+  switch (f->type) {
+  case PROTOBUF_C_TYPE_ENUM: {
+    int v = *(const int *)value;
+    const ProtobufCEnumDescriptor *ed = f->descriptor;
+    if (!protobuf_c_enum_descriptor_get_value(ed, v))
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "field '%s' = %d is not a value of %s",
+                             path, v, ed->name);
+    return 0;
+  }
+  case PROTOBUF_C_TYPE_STRING: {
+    const char *s = *(char *const *)value;
+    if (s && !utf8_valid((const unsigned char *)s))
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "field '%s' is not valid UTF-8", path);
+    return 0;
+  }
+  case PROTOBUF_C_TYPE_MESSAGE: {
+    const ProtobufCMessage *sub = *(ProtobufCMessage *const *)value;
+    return sub ? validate_message(sub, path, st) : 0;
+  }
+  default:
+    return 0;
+  }
+}
+
+static size_t value_size(const ProtobufCFieldDescriptor *f) {
+  switch (f->type) {
+  case PROTOBUF_C_TYPE_ENUM:
+    return sizeof(int);
+  case PROTOBUF_C_TYPE_STRING:
+    return sizeof(char *);
+  case PROTOBUF_C_TYPE_MESSAGE:
+    return sizeof(ProtobufCMessage *);
+  default:
+    return 0;
+  }
+}
+
+static int validate_message(const ProtobufCMessage *msg, const char *prefix, fsdp_status_t *st) {
+  const ProtobufCMessageDescriptor *desc = msg->descriptor;
+  for (unsigned i = 0; i < desc->n_fields; i++) {
+    const ProtobufCFieldDescriptor *f = &desc->fields[i];
+    size_t size = value_size(f);
+    if (size == 0)
+      continue; /* scalars and bytes: every bit pattern is valid */
+    const char *base = (const char *)msg;
+    char path[256];
+    if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+      size_t n = *(const size_t *)(base + f->quantifier_offset);
+      const char *array = *(char *const *)(base + f->offset);
+      for (size_t k = 0; k < n; k++) {
+        snprintf(path, sizeof path, "%s%s%s[%zu]", prefix, *prefix ? "." : "", f->name, k);
+        int r = validate_value(f, array + k * size, path, st);
+        if (r < 0)
+          return r;
+      }
+      continue;
+    }
+    if ((f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) &&
+        *(const uint32_t *)(base + f->quantifier_offset) != f->id)
+      continue; /* another member of the oneof is set */
+    snprintf(path, sizeof path, "%s%s%s", prefix, *prefix ? "." : "", f->name);
+    int r = validate_value(f, base + f->offset, path, st);
+    if (r < 0)
+      return r;
+  }
+  return 0;
+}
+
+int fsdp_wire_validate(const ProtobufCMessage *msg, fsdp_status_t *st) {
+  return validate_message(msg, "", st);
+}
+
+/* The one table between fsdp error codes and gRPC status codes. Where several errors share
+ * a status, the first row is the one a client gets back from that status. */
+static const struct {
+  int error;
+  grpc_status_code status;
+} status_table[] = {
+    {FSDP_E_CANCELLED, GRPC_STATUS_CANCELLED},
+    {FSDP_E_UNKNOWN, GRPC_STATUS_UNKNOWN},
+    {FSDP_E_INVALID_ARGUMENT, GRPC_STATUS_INVALID_ARGUMENT},
+    {FSDP_E_DEADLINE_EXCEEDED, GRPC_STATUS_DEADLINE_EXCEEDED},
+    {FSDP_E_NOT_FOUND, GRPC_STATUS_NOT_FOUND},
+    {FSDP_E_ALREADY_EXISTS, GRPC_STATUS_ALREADY_EXISTS},
+    {FSDP_E_PERMISSION_DENIED, GRPC_STATUS_PERMISSION_DENIED},
+    {FSDP_E_RESOURCE_EXHAUSTED, GRPC_STATUS_RESOURCE_EXHAUSTED},
+    {FSDP_E_FAILED_PRECONDITION, GRPC_STATUS_FAILED_PRECONDITION},
+    {FSDP_E_ABORTED, GRPC_STATUS_ABORTED},
+    {FSDP_E_OUT_OF_RANGE, GRPC_STATUS_OUT_OF_RANGE},
+    {FSDP_E_UNIMPLEMENTED, GRPC_STATUS_UNIMPLEMENTED},
+    {FSDP_E_INTERNAL, GRPC_STATUS_INTERNAL},
+    {FSDP_E_UNAVAILABLE, GRPC_STATUS_UNAVAILABLE},
+    {FSDP_E_DATA_LOSS, GRPC_STATUS_DATA_LOSS},
+    {FSDP_E_UNAUTHENTICATED, GRPC_STATUS_UNAUTHENTICATED},
+    {FSDP_E_PROTOCOL_VERSION, GRPC_STATUS_FAILED_PRECONDITION},
+    {FSDP_E_CONFIG, GRPC_STATUS_INVALID_ARGUMENT},
+    {-EINVAL, GRPC_STATUS_INVALID_ARGUMENT},
+    {-ERANGE, GRPC_STATUS_OUT_OF_RANGE},
+    {-EOVERFLOW, GRPC_STATUS_OUT_OF_RANGE},
+    {-ENOENT, GRPC_STATUS_NOT_FOUND},
+    {-EEXIST, GRPC_STATUS_ALREADY_EXISTS},
+    {-EPERM, GRPC_STATUS_PERMISSION_DENIED},
+    {-EACCES, GRPC_STATUS_PERMISSION_DENIED},
+    {-ENOMEM, GRPC_STATUS_RESOURCE_EXHAUSTED},
+    {-ENOSPC, GRPC_STATUS_RESOURCE_EXHAUSTED},
+    {-EMFILE, GRPC_STATUS_RESOURCE_EXHAUSTED},
+    {-ETIMEDOUT, GRPC_STATUS_DEADLINE_EXCEEDED},
+    {-ECANCELED, GRPC_STATUS_CANCELLED},
+    {-ENOSYS, GRPC_STATUS_UNIMPLEMENTED},
+    {-EAGAIN, GRPC_STATUS_UNAVAILABLE},
+    {-ECONNREFUSED, GRPC_STATUS_UNAVAILABLE},
+    {-ECONNRESET, GRPC_STATUS_UNAVAILABLE},
+};
+
+grpc_status_code fsdp_wire_status_from_error(int err) {
+  if (err >= 0)
+    return GRPC_STATUS_OK;
+  for (size_t i = 0; i < sizeof status_table / sizeof status_table[0]; i++)
+    if (status_table[i].error == err)
+      return status_table[i].status;
+  return GRPC_STATUS_INTERNAL;
+}
+
+int fsdp_wire_error_from_status(grpc_status_code code) {
+  if (code == GRPC_STATUS_OK)
+    return 0;
+  for (size_t i = 0; i < sizeof status_table / sizeof status_table[0]; i++)
+    if (status_table[i].status == code)
+      return status_table[i].error;
+  return FSDP_E_UNKNOWN;
+}

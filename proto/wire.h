@@ -1,0 +1,50 @@
+/* The wire codec: protobuf-c messages in and out of gRPC byte buffers, request validation,
+ * and the one table that maps fsdp error codes to gRPC status codes and back.
+ *
+ * Both ends of every RPC use it: the daemon's server adapter and the client library. All
+ * functions are pure (no shared state) and safe from any thread. Messages returned by the
+ * decoders are the caller's, freed with protobuf_c_message_free_unpacked(msg, NULL). */
+#ifndef FSDP_WIRE_H
+#define FSDP_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
+
+#include "status.h"
+
+/* Longest method path we build: "/" service "/" method. */
+#define FSDP_WIRE_PATH_MAX 128
+
+/* Writes "/<package>.<Service>/<Method>" for method index `method` of `service`. */
+int fsdp_wire_method_path(const ProtobufCServiceDescriptor *service, unsigned method, char *buf,
+                          size_t size);
+
+/* Whether a method streams its replies. protobuf-c descriptors do not record streaming,
+ * so the few streaming methods are listed here, where the wire is defined. */
+bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *service,
+                                          unsigned method);
+
+/* Packs msg into a new byte buffer that the caller destroys (after the batch using it). */
+int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer);
+
+/* Unpacks and validates a message of type desc. On failure st names the type and why. A
+ * NULL buffer is an empty message (gRPC sends no bytes for one). */
+int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
+                     ProtobufCMessage **ret_msg, fsdp_status_t *st);
+int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                           size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st);
+
+/* Checks what protobuf-c accepts but a proto3 peer must not send: enum values outside the
+ * enum and strings that are not UTF-8. st names the field path and the value. */
+int fsdp_wire_validate(const ProtobufCMessage *msg, fsdp_status_t *st);
+
+/* The status table. Unknown or positive errors map to INTERNAL / OK. */
+grpc_status_code fsdp_wire_status_from_error(int err);
+int fsdp_wire_error_from_status(grpc_status_code code);
+
+#endif
