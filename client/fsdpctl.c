@@ -1,0 +1,680 @@
+/* fsdpctl: the operator's command-line tool for fsdpd. It asks the daemon through the client
+ * library and prints aligned tables for people or one JSON object (--json) for scripts. The
+ * exit status is part of the interface (see usage() and docs/fsdpctl.md): monitoring relies
+ * on 3 meaning "reachable but not serving", distinct from 1 "could not ask". */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <json-c/json.h>
+
+#include <fsdp/fsdp_client.h>
+#include <fsdp/fsdp_error.h>
+#include <fsdp/fsdp_version.h>
+
+#include "client_rpc.h"
+#include "fsdp/v1/operator.pb-c.h"
+#include "wire.h"
+
+enum {
+  EXIT_OK = 0,
+  EXIT_ERROR = 1,       /* daemon unreachable, RPC failed */
+  EXIT_USAGE = 2,       /* bad option or command */
+  EXIT_NOT_SERVING = 3, /* health not SERVING, or the daemon is DRAINING */
+};
+
+#define DEFAULT_SOCKET "./run/fsdpd.sock"
+#define DEFAULT_TIMEOUT_MS 5000
+/* Longer deadlines are surely a typo; they also keep milliseconds inside an int. */
+#define MAX_TIMEOUT_MS (24 * 3600 * 1000)
+
+typedef struct ctl {
+  const char *socket;
+  const char *address;
+  bool json;
+  bool verbose;
+  int timeout_ms;
+  char *target;
+  fsdp_client_t *client;
+} ctl_t;
+
+typedef struct command {
+  const char *name;
+  const char *sub; /* second word ("config show"), or NULL */
+  int max_args;    /* operands after the command words */
+  const char *args;
+  const char *help;
+  int (*run)(ctl_t *ctl, int argc, char **argv);
+} command_t;
+
+static void usage(FILE *out);
+
+__attribute__((format(printf, 1, 2))) static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fputs("fsdpctl: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputs("\nusage: fsdpctl [--socket PATH | --address HOST:PORT] [--json] [--timeout DURATION] "
+        "COMMAND\n(fsdpctl help lists the commands)\n",
+        stderr);
+  return EXIT_USAGE;
+}
+
+/* "NOT_FOUND" for FSDP_E_NOT_FOUND: the status names people know from gRPC. */
+static const char *code_name(int code) {
+  const char *name = fsdp_error_name(code);
+  if (name && strncmp(name, "FSDP_E_", 7) == 0)
+    return name + 7;
+  return fsdp_strerror(code);
+}
+
+/* The one error line: "fsdpctl: <method>: <status name>: <message>". */
+static int rpc_error(const ctl_t *ctl, const char *method, int code) {
+  const char *message = fsdp_client_last_error(ctl->client);
+  fprintf(stderr, "fsdpctl: %s: %s: %s\n", method, code_name(code),
+          *message ? message : fsdp_strerror(code));
+  if (code == FSDP_E_UNIMPLEMENTED && ctl->address)
+    fprintf(stderr, "fsdpctl: the TCP listener at %s serves only grpc.health.v1.Health; "
+                    "use --socket for this command\n",
+            ctl->address);
+  return EXIT_ERROR;
+}
+
+static int operator_call(ctl_t *ctl, const char *method, const ProtobufCMessage *request,
+                         const ProtobufCMessageDescriptor *reply_desc,
+                         ProtobufCMessage **ret_reply) {
+  const ProtobufCServiceDescriptor *sd = &fsdp__v1__operator__descriptor;
+  const ProtobufCMethodDescriptor *md = protobuf_c_service_descriptor_get_method_by_name(sd, method);
+  char path[FSDP_WIRE_PATH_MAX];
+  if (!md || fsdp_wire_method_path(sd, (unsigned)(md - sd->methods), path, sizeof path) < 0) {
+    fprintf(stderr, "fsdpctl: fsdp.v1.Operator has no method %s\n", method);
+    return FSDP_E_INTERNAL;
+  }
+  return fsdp_client_call(ctl->client, path, request, reply_desc, ctl->timeout_ms, ret_reply);
+}
+
+static int fetch_status(ctl_t *ctl, Fsdp__V1__StatusReply **ret_reply) {
+  Fsdp__V1__StatusRequest request = FSDP__V1__STATUS_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "Status", &request.base, &fsdp__v1__status_reply__descriptor, &reply);
+  if (r < 0)
+    return r;
+  *ret_reply = (Fsdp__V1__StatusReply *)reply;
+  return 0;
+}
+
+/* Printing helpers. */
+
+static const char *state_name(Fsdp__V1__ServingState state) {
+  switch (state) {
+  case FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING:
+    return "SERVING";
+  case FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING:
+    return "DRAINING";
+  default:
+    return "UNSPECIFIED";
+  }
+}
+
+static const char *source_name(Fsdp__V1__ConfigSource source) {
+  switch (source) {
+  case FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_DEFAULT:
+    return "default";
+  case FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_FILE:
+    return "file";
+  case FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_ENV:
+    return "env";
+  case FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_FLAG:
+    return "flag";
+  default:
+    return "unspecified";
+  }
+}
+
+/* "1.5 GiB", "512 B". */
+static void format_bytes(uint64_t bytes, char *buf, size_t size) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = (double)bytes;
+  size_t u = 0;
+  while (v >= 1024 && u + 1 < sizeof units / sizeof units[0]) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, size, "%" PRIu64 " B", bytes);
+  else
+    snprintf(buf, size, "%.1f %s", v, units[u]);
+}
+
+/* "2d 3h 4m 5s", "4m 5s", "1.234s". */
+static void format_duration(uint64_t ms, char *buf, size_t size) {
+  uint64_t s = ms / 1000, d = s / 86400, h = s / 3600 % 24, m = s / 60 % 60;
+  if (d)
+    snprintf(buf, size, "%" PRIu64 "d %" PRIu64 "h %" PRIu64 "m %" PRIu64 "s", d, h, m, s % 60);
+  else if (h)
+    snprintf(buf, size, "%" PRIu64 "h %" PRIu64 "m %" PRIu64 "s", h, m, s % 60);
+  else if (m)
+    snprintf(buf, size, "%" PRIu64 "m %" PRIu64 "s", m, s % 60);
+  else
+    snprintf(buf, size, "%" PRIu64 ".%03" PRIu64 "s", s, ms % 1000);
+}
+
+/* "file /etc/fsdpd/fsdpd.conf:12", "env FSDPD_LOG_LEVEL", "default". */
+static void format_source(const Fsdp__V1__ConfigEntry *e, char *buf, size_t size) {
+  if (e->origin && *e->origin)
+    snprintf(buf, size, "%s %s", source_name(e->source), e->origin);
+  else
+    snprintf(buf, size, "%s", source_name(e->source));
+}
+
+static int max_int(int a, int b) {
+  return a > b ? a : b;
+}
+
+static int text_width(const char *s, int cap) {
+  int n = (int)strlen(s);
+  return n > cap ? cap : n;
+}
+
+/* Prints one JSON object and frees it. Slashes stay unescaped: paths are common here. */
+static void print_json(json_object *obj) {
+  puts(json_object_to_json_string_ext(obj, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED |
+                                               JSON_C_TO_STRING_NOSLASHESCAPE));
+  json_object_put(obj);
+}
+
+static json_object *json_string(const char *s) {
+  return json_object_new_string(s ? s : "");
+}
+
+static json_object *config_entry_json(const Fsdp__V1__ConfigEntry *e) {
+  json_object *o = json_object_new_object();
+  json_object_object_add(o, "key", json_string(e->key));
+  json_object_object_add(o, "value", json_string(e->value));
+  json_object_object_add(o, "default_value", json_string(e->default_value));
+  json_object_object_add(o, "source", json_string(source_name(e->source)));
+  json_object_object_add(o, "origin", json_string(e->origin));
+  json_object_object_add(o, "reloadable", json_object_new_boolean(e->reloadable));
+  json_object_object_add(o, "unit", json_string(e->unit));
+  json_object_object_add(o, "help", json_string(e->help));
+  return o;
+}
+
+static json_object *config_json(const Fsdp__V1__StatusReply *s) {
+  json_object *a = json_object_new_array();
+  for (size_t i = 0; i < s->n_config; i++)
+    json_object_array_add(a, config_entry_json(s->config[i]));
+  return a;
+}
+
+/* Field names are those of operator.proto; enums are spelled without their prefix. */
+static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
+  json_object *o = json_object_new_object();
+  json_object_object_add(o, "target", json_string(ctl->target));
+  json_object_object_add(o, "version", json_string(s->version));
+  json_object_object_add(o, "protocol_version", json_object_new_int64(s->protocol_version));
+  json_object_object_add(o, "pid", json_object_new_int(s->pid));
+  json_object_object_add(o, "uptime_ms", json_object_new_uint64(s->uptime_ms));
+  json_object_object_add(o, "state", json_string(state_name(s->state)));
+  json_object_object_add(o, "config_file", json_string(s->config_file));
+  json_object_object_add(o, "backend", json_string(s->backend));
+
+  json_object *topo = json_object_new_object();
+  json_object_object_add(topo, "host_rank",
+                         json_object_new_int64(s->topology ? s->topology->host_rank : 0));
+  json_object_object_add(topo, "hosts", json_object_new_int64(s->topology ? s->topology->hosts : 0));
+  json_object_object_add(o, "topology", topo);
+
+  json_object *mem = json_object_new_object();
+  json_object_object_add(mem, "in_use_bytes",
+                         json_object_new_uint64(s->memory ? s->memory->in_use_bytes : 0));
+  json_object_object_add(mem, "limit_bytes",
+                         json_object_new_uint64(s->memory ? s->memory->limit_bytes : 0));
+  json_object_object_add(o, "memory", mem);
+
+  json_object *listeners = json_object_new_array();
+  for (size_t i = 0; i < s->n_listeners; i++) {
+    const Fsdp__V1__Listener *l = s->listeners[i];
+    json_object *lo = json_object_new_object();
+    json_object_object_add(lo, "address", json_string(l->address));
+    json_object *services = json_object_new_array();
+    for (size_t k = 0; k < l->n_services; k++)
+      json_object_array_add(services, json_string(l->services[k]));
+    json_object_object_add(lo, "services", services);
+    json_object_array_add(listeners, lo);
+  }
+  json_object_object_add(o, "listeners", listeners);
+
+  json_object *sessions = json_object_new_array();
+  for (size_t i = 0; i < s->n_sessions; i++) {
+    const Fsdp__V1__Session *se = s->sessions[i];
+    json_object *so = json_object_new_object();
+    json_object_object_add(so, "session_id", json_object_new_uint64(se->session_id));
+    json_object_object_add(so, "job", json_string(se->job));
+    json_object_object_add(so, "local_rank", json_object_new_int64(se->local_rank));
+    json_object_object_add(so, "pid", json_object_new_int(se->pid));
+    json_object_object_add(so, "attached_ms", json_object_new_uint64(se->attached_ms));
+    json_object_array_add(sessions, so);
+  }
+  json_object_object_add(o, "sessions", sessions);
+
+  json_object_object_add(o, "rpc_calls_total", json_object_new_uint64(s->rpc_calls_total));
+  json_object_object_add(o, "rpc_calls_failed", json_object_new_uint64(s->rpc_calls_failed));
+  json_object_object_add(o, "rpc_calls_inflight", json_object_new_int64(s->rpc_calls_inflight));
+  json_object_object_add(o, "config", config_json(s));
+  return o;
+}
+
+#define LABEL "%-13s"
+
+static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
+  char a[64], b[64];
+  printf(LABEL "%s (protocol %" PRIu32 ")\n", "fsdpd", s->version, s->protocol_version);
+  printf(LABEL "%s\n", "target", ctl->target);
+  printf(LABEL "%" PRId32 "\n", "pid", s->pid);
+  format_duration(s->uptime_ms, a, sizeof a);
+  printf(LABEL "%s\n", "uptime", a);
+  printf(LABEL "%s\n", "state", state_name(s->state));
+  printf(LABEL "%s\n", "config file",
+         s->config_file && *s->config_file ? s->config_file : "(none: built-in defaults)");
+  printf(LABEL "%s\n", "backend", s->backend && *s->backend ? s->backend : "-");
+  if (s->topology)
+    printf(LABEL "host %" PRIu32 " of %" PRIu32 "\n", "topology", s->topology->host_rank,
+           s->topology->hosts);
+  else
+    printf(LABEL "-\n", "topology");
+  if (s->memory) {
+    format_bytes(s->memory->in_use_bytes, a, sizeof a);
+    if (s->memory->limit_bytes) {
+      format_bytes(s->memory->limit_bytes, b, sizeof b);
+      printf(LABEL "%s in use of %s limit (%.0f%%)\n", "memory", a, b,
+             100.0 * (double)s->memory->in_use_bytes / (double)s->memory->limit_bytes);
+    } else {
+      printf(LABEL "%s in use, no limit\n", "memory", a);
+    }
+  } else {
+    printf(LABEL "-\n", "memory");
+  }
+  printf(LABEL "%" PRIu64 " total, %" PRIu64 " failed, %" PRIu32 " in flight\n", "rpc calls",
+         s->rpc_calls_total, s->rpc_calls_failed, s->rpc_calls_inflight);
+
+  int aw = 0;
+  for (size_t i = 0; i < s->n_listeners; i++)
+    aw = max_int(aw, text_width(s->listeners[i]->address, 60));
+  for (size_t i = 0; i < s->n_listeners; i++) {
+    const Fsdp__V1__Listener *l = s->listeners[i];
+    printf(LABEL "%-*s ", i == 0 ? "listeners" : "", aw, l->address);
+    for (size_t k = 0; k < l->n_services; k++)
+      printf("%s%s", k ? ", " : " ", l->services[k]);
+    putchar('\n');
+  }
+  if (s->n_listeners == 0)
+    printf(LABEL "none\n", "listeners");
+
+  if (s->n_sessions == 0) {
+    printf(LABEL "none\n", "sessions");
+    return;
+  }
+  printf(LABEL "%zu\n", "sessions", s->n_sessions);
+  int jw = 3;
+  for (size_t i = 0; i < s->n_sessions; i++)
+    jw = max_int(jw, text_width(s->sessions[i]->job, 40));
+  printf("  %-8s %-*s %5s %8s  %s\n", "ID", jw, "JOB", "RANK", "PID", "ATTACHED");
+  for (size_t i = 0; i < s->n_sessions; i++) {
+    const Fsdp__V1__Session *se = s->sessions[i];
+    format_duration(se->attached_ms, a, sizeof a);
+    printf("  %-8" PRIu64 " %-*s %5" PRIu32 " %8" PRId32 "  %s\n", se->session_id, jw, se->job,
+           se->local_rank, se->pid, a);
+  }
+}
+
+/* Commands. */
+
+static int cmd_status(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__StatusReply *s = NULL;
+  int r = fetch_status(ctl, &s);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Status", r);
+  if (ctl->json)
+    print_json(status_json(ctl, s));
+  else
+    print_status(ctl, s);
+  int rc = s->state == FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING ? EXIT_NOT_SERVING : EXIT_OK;
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  return rc;
+}
+
+static int cmd_health(ctl_t *ctl, int argc, char **argv) {
+  const char *service = argc > 0 ? argv[0] : "";
+  fsdp_health_status_t hs;
+  int r = fsdp_client_health_check(ctl->client, service, ctl->timeout_ms, &hs);
+  if (r < 0)
+    return rpc_error(ctl, "Health.Check", r);
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "target", json_string(ctl->target));
+    json_object_object_add(o, "service", json_string(service));
+    json_object_object_add(o, "status", json_string(fsdp_health_status_name(hs)));
+    print_json(o);
+  } else if (*service) {
+    printf("%s: %s\n", service, fsdp_health_status_name(hs));
+  } else {
+    printf("%s\n", fsdp_health_status_name(hs));
+  }
+  return hs == FSDP_HEALTH_SERVING ? EXIT_OK : EXIT_NOT_SERVING;
+}
+
+static void print_config_table(const Fsdp__V1__StatusReply *s) {
+  char src[256];
+  int kw = 3, vw = 5, sw = 6;
+  for (size_t i = 0; i < s->n_config; i++) {
+    const Fsdp__V1__ConfigEntry *e = s->config[i];
+    format_source(e, src, sizeof src);
+    kw = max_int(kw, text_width(e->key, 40));
+    vw = max_int(vw, text_width(e->value, 40));
+    sw = max_int(sw, text_width(src, 50));
+  }
+  printf("%-*s  %-*s  %-*s  %s\n", kw, "KEY", vw, "VALUE", sw, "SOURCE", "RELOADABLE");
+  for (size_t i = 0; i < s->n_config; i++) {
+    const Fsdp__V1__ConfigEntry *e = s->config[i];
+    format_source(e, src, sizeof src);
+    printf("%-*s  %-*s  %-*s  %s\n", kw, e->key, vw, e->value, sw, src,
+           e->reloadable ? "yes" : "no");
+  }
+}
+
+static void print_config_verbose(const Fsdp__V1__StatusReply *s) {
+  char src[256];
+  for (size_t i = 0; i < s->n_config; i++) {
+    const Fsdp__V1__ConfigEntry *e = s->config[i];
+    format_source(e, src, sizeof src);
+    printf("%s%s = %s\n", i ? "\n" : "", e->key, e->value);
+    printf("    source      %s\n", src);
+    printf("    default     %s\n", e->default_value);
+    if (e->unit && *e->unit)
+      printf("    unit        %s\n", e->unit);
+    printf("    reloadable  %s\n", e->reloadable ? "yes (config reload / SIGHUP)" : "no (restart)");
+    if (e->help && *e->help)
+      printf("    help        %s\n", e->help);
+  }
+}
+
+static int cmd_config_show(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__StatusReply *s = NULL;
+  int r = fetch_status(ctl, &s);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Status", r);
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "config_file", json_string(s->config_file));
+    json_object_object_add(o, "config", config_json(s));
+    print_json(o);
+  } else {
+    printf("# config file: %s\n",
+           s->config_file && *s->config_file ? s->config_file : "(none: built-in defaults)");
+    if (ctl->verbose)
+      print_config_verbose(s);
+    else
+      print_config_table(s);
+  }
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  return EXIT_OK;
+}
+
+static int cmd_config_reload(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__ReloadConfigRequest request = FSDP__V1__RELOAD_CONFIG_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "ReloadConfig", &request.base,
+                        &fsdp__v1__reload_config_reply__descriptor, &reply);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.ReloadConfig", r);
+  const Fsdp__V1__ReloadConfigReply *rr = (const Fsdp__V1__ReloadConfigReply *)reply;
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object *changed = json_object_new_array();
+    for (size_t i = 0; i < rr->n_changed; i++)
+      json_object_array_add(changed, json_string(rr->changed[i]));
+    json_object_object_add(o, "changed", changed);
+    print_json(o);
+  } else if (rr->n_changed == 0) {
+    printf("config reloaded, nothing changed\n");
+  } else {
+    printf("config reloaded, %zu changed:\n", rr->n_changed);
+    for (size_t i = 0; i < rr->n_changed; i++)
+      printf("  %s\n", rr->changed[i]);
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return EXIT_OK;
+}
+
+static int cmd_version(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__StatusReply *s = NULL;
+  int r = fetch_status(ctl, &s);
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object *mine = json_object_new_object();
+    json_object_object_add(mine, "version", json_string(FSDP_VERSION_STRING));
+    json_object_object_add(mine, "protocol_version", json_object_new_int64(FSDP_PROTOCOL_VERSION));
+    json_object_object_add(o, "fsdpctl", mine);
+    json_object *daemon = NULL;
+    if (r >= 0) {
+      daemon = json_object_new_object();
+      json_object_object_add(daemon, "version", json_string(s->version));
+      json_object_object_add(daemon, "protocol_version", json_object_new_int64(s->protocol_version));
+      json_object_object_add(daemon, "target", json_string(ctl->target));
+    }
+    json_object_object_add(o, "fsdpd", daemon);
+    print_json(o);
+  } else {
+    printf("fsdpctl  %s (protocol %u)\n", FSDP_VERSION_STRING, FSDP_PROTOCOL_VERSION);
+    if (r >= 0)
+      printf("fsdpd    %s (protocol %" PRIu32 ") at %s\n", s->version, s->protocol_version,
+             ctl->target);
+  }
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Status", r);
+  if (s->protocol_version != FSDP_PROTOCOL_VERSION)
+    fprintf(stderr, "fsdpctl: warning: fsdpd speaks protocol %" PRIu32 ", fsdpctl %u\n",
+            s->protocol_version, FSDP_PROTOCOL_VERSION);
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  return EXIT_OK;
+}
+
+static int cmd_help(ctl_t *ctl, int argc, char **argv) {
+  (void)ctl, (void)argc, (void)argv;
+  usage(stdout);
+  return EXIT_OK;
+}
+
+static const command_t commands[] = {
+    {"status", NULL, 0, "", "daemon state, listeners, sessions, memory, RPC counters", cmd_status},
+    {"health", NULL, 1, "[SERVICE]", "gRPC health check of the daemon or of one service",
+     cmd_health},
+    {"config", "show", 0, "", "effective configuration and where each value came from",
+     cmd_config_show},
+    {"config", "reload", 0, "", "re-read the config file (like SIGHUP), list changed keys",
+     cmd_config_reload},
+    {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version},
+    {"help", NULL, 0, "", "this text", cmd_help},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+static void usage(FILE *out) {
+  fputs("usage: fsdpctl [--socket PATH | --address HOST:PORT] [--json] [--verbose]\n"
+        "               [--timeout DURATION] COMMAND\n\ncommands:\n",
+        out);
+  for (size_t i = 0; i < N_COMMANDS; i++) {
+    char words[64];
+    snprintf(words, sizeof words, "%s%s%s%s%s", commands[i].name, commands[i].sub ? " " : "",
+             commands[i].sub ? commands[i].sub : "", *commands[i].args ? " " : "",
+             commands[i].args);
+    fprintf(out, "  %-20s %s\n", words, commands[i].help);
+  }
+  fputs("\noptions:\n"
+        "  -s, --socket PATH        the daemon's unix socket (default: $FSDPD_SOCKET,\n"
+        "                           else " DEFAULT_SOCKET ")\n"
+        "  -a, --address HOST:PORT  use TCP instead; fsdpd serves only health there\n"
+        "  -j, --json               print one JSON object (field names as in operator.proto)\n"
+        "  -v, --verbose            config show: one block per key with default, unit, help\n"
+        "  -t, --timeout DURATION   deadline of each call: 500ms, 5s, 1m (default 5s)\n"
+        "  -h, --help               this text\n"
+        "\nexit status:\n"
+        "  0  success\n"
+        "  1  error: the daemon could not be reached or a call failed\n"
+        "  2  usage: bad option or command\n"
+        "  3  not serving: health is not SERVING, or status shows the daemon DRAINING\n",
+        out);
+}
+
+/* "500ms", "5s", "1.5s", "2m", "5" (seconds). */
+static int parse_duration(const char *s, int *ret_ms) {
+  errno = 0;
+  char *end;
+  double v = strtod(s, &end);
+  if (end == s || errno || !isfinite(v))
+    return -EINVAL;
+  double scale;
+  if (strcmp(end, "ms") == 0)
+    scale = 1;
+  else if (strcmp(end, "s") == 0 || *end == '\0')
+    scale = 1000;
+  else if (strcmp(end, "m") == 0)
+    scale = 60000;
+  else
+    return -EINVAL;
+  double ms = v * scale;
+  if (ms < 1 || ms > MAX_TIMEOUT_MS)
+    return -ERANGE;
+  *ret_ms = (int)ms;
+  return 0;
+}
+
+/* "unix:" + PATH, unless PATH already is a unix target. */
+static char *socket_target(const char *path) {
+  char *t = NULL;
+  if (strncmp(path, "unix:", 5) == 0 || strncmp(path, "unix-abstract:", 14) == 0)
+    t = strdup(path);
+  else if (asprintf(&t, "unix:%s", path) < 0)
+    t = NULL;
+  return t;
+}
+
+static const command_t *find_command(int argc, char **argv, int *ret_words) {
+  bool name_known = false;
+  for (size_t i = 0; i < N_COMMANDS; i++) {
+    const command_t *c = &commands[i];
+    if (strcmp(argv[0], c->name) != 0)
+      continue;
+    name_known = true;
+    if (!c->sub) {
+      *ret_words = 1;
+      return c;
+    }
+    if (argc > 1 && strcmp(argv[1], c->sub) == 0) {
+      *ret_words = 2;
+      return c;
+    }
+  }
+  *ret_words = name_known ? -1 : 0;
+  return NULL;
+}
+
+int main(int argc, char **argv) {
+  static const struct option options[] = {
+      {"socket", required_argument, NULL, 's'}, {"address", required_argument, NULL, 'a'},
+      {"json", no_argument, NULL, 'j'},         {"verbose", no_argument, NULL, 'v'},
+      {"timeout", required_argument, NULL, 't'}, {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0},
+  };
+  ctl_t ctl = {.timeout_ms = DEFAULT_TIMEOUT_MS};
+  int opt;
+  opterr = 0; /* our own messages, with the usage line */
+  while ((opt = getopt_long(argc, argv, ":s:a:jvt:h", options, NULL)) != -1) {
+    switch (opt) {
+    case 's':
+      ctl.socket = optarg;
+      break;
+    case 'a':
+      ctl.address = optarg;
+      break;
+    case 'j':
+      ctl.json = true;
+      break;
+    case 'v':
+      ctl.verbose = true;
+      break;
+    case 't':
+      if (parse_duration(optarg, &ctl.timeout_ms) < 0)
+        return usage_error("--timeout '%s': expected a duration like 500ms, 5s or 1m", optarg);
+      break;
+    case 'h':
+      usage(stdout);
+      return EXIT_OK;
+    case ':':
+      if (strncmp(argv[optind - 1], "--", 2) == 0)
+        return usage_error("%s needs a value", argv[optind - 1]);
+      return usage_error("-%c needs a value", optopt);
+    default:
+      if (optopt)
+        return usage_error("unknown option '-%c'", optopt);
+      return usage_error("unknown option '%s'", argv[optind - 1]);
+    }
+  }
+  if (ctl.socket && ctl.address)
+    return usage_error("%s", "--socket and --address exclude each other");
+  if ((ctl.socket && !*ctl.socket) || (ctl.address && !*ctl.address))
+    return usage_error("%s", "--socket and --address need a non-empty value");
+  if (optind >= argc)
+    return usage_error("%s", "no command given");
+
+  int words;
+  const command_t *cmd = find_command(argc - optind, argv + optind, &words);
+  if (!cmd) {
+    if (words < 0)
+      return usage_error("'%s' needs a subcommand: show or reload", argv[optind]);
+    return usage_error("unknown command '%s'", argv[optind]);
+  }
+  int nargs = argc - optind - words;
+  char **args = argv + optind + words;
+  if (nargs > cmd->max_args)
+    return usage_error("unexpected argument '%s'", args[cmd->max_args]);
+  if (cmd->run == cmd_help)
+    return cmd_help(&ctl, nargs, args);
+
+  if (ctl.address) {
+    ctl.target = strdup(ctl.address);
+  } else {
+    const char *path = ctl.socket;
+    const char *env = getenv("FSDPD_SOCKET");
+    if (!path)
+      path = env && *env ? env : DEFAULT_SOCKET;
+    ctl.target = socket_target(path);
+  }
+  if (!ctl.target) {
+    fprintf(stderr, "fsdpctl: out of memory\n");
+    return EXIT_ERROR;
+  }
+  fsdp_client_options_t copts = FSDP_CLIENT_OPTIONS_INIT;
+  copts.timeout_ms = ctl.timeout_ms;
+  int r = fsdp_client_connect(ctl.target, &copts, &ctl.client);
+  if (r < 0) {
+    fprintf(stderr, "fsdpctl: connect to %s: %s\n", ctl.target, fsdp_strerror(r));
+    free(ctl.target);
+    return EXIT_ERROR;
+  }
+  int rc = cmd->run(&ctl, nargs, args);
+  fsdp_client_close(ctl.client);
+  free(ctl.target);
+  return rc;
+}
