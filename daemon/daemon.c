@@ -1,0 +1,259 @@
+/* Daemon lifecycle: start, serve, reload, drain, stop. */
+#include "daemon.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <systemd/sd-daemon.h>
+
+#include <fsdp/fsdp_version.h>
+
+#include "log.h"
+#include "services.h"
+
+uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon) {
+  uv_update_time(&daemon->loop);
+  return uv_now(&daemon->loop) - daemon->started_ms;
+}
+
+/* Values that take effect without a restart; called at start and after a reload. */
+static void apply_config(fsdp_daemon_t *daemon) {
+  const fsdp_config_t *cfg = &daemon->config;
+  fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(cfg, FSDP_OPTION_LOG_LEVEL));
+  if (daemon->rpc)
+    fsdp_rpc_server_set_max_inflight(
+        daemon->rpc, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
+  uint64_t period = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_HOUSEKEEPING_INTERVAL);
+  /* systemd wants a ping at least every WatchdogSec; twice as often leaves slack. */
+  if (daemon->watchdog_usec && daemon->watchdog_usec / 2000 < period)
+    period = daemon->watchdog_usec / 2000 ? daemon->watchdog_usec / 2000 : 1;
+  uv_timer_set_repeat(&daemon->housekeeping, period);
+  if (uv_is_active((uv_handle_t *)&daemon->housekeeping))
+    uv_timer_again(&daemon->housekeeping);
+}
+
+static void on_housekeeping(uv_timer_t *timer) {
+  fsdp_daemon_t *daemon = timer->data;
+  if (daemon->watchdog_usec)
+    sd_notify(0, "WATCHDOG=1");
+}
+
+int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,
+                       fsdp_status_t *st) {
+  fsdp_config_t next;
+  int r = fsdp_args_build_config(daemon->args, daemon->envp, &next, st);
+  if (r < 0) {
+    fsdp_config_cleanup(&next);
+    return r;
+  }
+  fsdp_option_id_t changed[FSDP_OPTION_COUNT];
+  size_t n = fsdp_config_diff(&daemon->config, &next, changed);
+  for (size_t i = 0; i < n; i++) {
+    const fsdp_option_t *opt = fsdp_option_get(changed[i]);
+    if (opt->reloadable)
+      continue;
+    char running[128], wanted[128];
+    fsdp_config_format(&daemon->config, changed[i], running, sizeof running);
+    fsdp_config_format(&next, changed[i], wanted, sizeof wanted);
+    fsdp_config_cleanup(&next);
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "key '%s' cannot change without a restart (running '%s', new '%s')",
+                           opt->key, running, wanted);
+  }
+  fsdp_config_cleanup(&daemon->config);
+  daemon->config = next;
+  apply_config(daemon);
+  memcpy(ret_changed, changed, n * sizeof changed[0]);
+  *ret_n = n;
+  return 0;
+}
+
+static void reload_from_signal(fsdp_daemon_t *daemon) {
+  sd_notify(0, "RELOADING=1\nSTATUS=reloading the config");
+  fsdp_option_id_t changed[FSDP_OPTION_COUNT];
+  size_t n = 0;
+  fsdp_status_t st;
+  if (fsdp_daemon_reload(daemon, changed, &n, &st) < 0) {
+    log_error("reload failed, keeping the running config: %s", st.message);
+  } else {
+    log_info("config reloaded: %zu value%s changed", n, n == 1 ? "" : "s");
+    for (size_t i = 0; i < n; i++)
+      log_info("  %s", fsdp_option_get(changed[i])->key);
+  }
+  sd_notify(0, "READY=1\nSTATUS=serving");
+}
+
+static void on_handle_closed(uv_handle_t *handle) {
+  (void)handle;
+}
+
+static void close_handles(fsdp_daemon_t *daemon) {
+  uv_handle_t *handles[] = {(uv_handle_t *)&daemon->sigterm, (uv_handle_t *)&daemon->sigint,
+                            (uv_handle_t *)&daemon->sighup, (uv_handle_t *)&daemon->housekeeping};
+  for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++)
+    if (!uv_is_closing(handles[i]))
+      uv_close(handles[i], on_handle_closed);
+}
+
+static void on_rpc_stopped(void *data) {
+  fsdp_daemon_t *daemon = data;
+  fsdp_rpc_server_free(daemon->rpc);
+  daemon->rpc = NULL;
+  fsdp_listener_close(&daemon->listener);
+  close_handles(daemon);
+  daemon->state = FSDP_DAEMON_STOPPED;
+  log_info("stopped");
+}
+
+void fsdp_daemon_drain(fsdp_daemon_t *daemon, const char *why) {
+  if (daemon->state != FSDP_DAEMON_SERVING)
+    return;
+  daemon->state = FSDP_DAEMON_DRAINING;
+  uint64_t drain_ms = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_DRAIN_TIMEOUT);
+  log_info("%s: draining (at most %llu ms)", why, (unsigned long long)drain_ms);
+  sd_notify(0, "STOPPING=1\nSTATUS=draining");
+  /* Watchers hear NOT_SERVING before their streams end and before the listeners close. */
+  fsdp_health_set_serving(&daemon->health, false);
+  fsdp_health_cleanup(&daemon->health);
+  fsdp_listener_stop(&daemon->listener);
+  fsdp_rpc_server_stop(daemon->rpc, drain_ms, on_rpc_stopped, daemon);
+}
+
+static void on_signal(uv_signal_t *handle, int signum) {
+  fsdp_daemon_t *daemon = handle->data;
+  if (signum == SIGHUP)
+    reload_from_signal(daemon);
+  else
+    fsdp_daemon_drain(daemon, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+/* "127.0.0.1:0" listened on port 41234 -> "127.0.0.1:41234". */
+static void format_bound_address(char *buf, size_t size, const char *address, int port) {
+  const char *colon = strrchr(address, ':');
+  int host_len = colon ? (int)(colon - address) : (int)strlen(address);
+  snprintf(buf, size, "%.*s:%d", host_len, address, port);
+}
+
+static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
+  const fsdp_config_t *cfg = &daemon->config;
+  fsdp_rpc_server_options_t options = {
+      .max_message_size = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MAX_MESSAGE_SIZE),
+      .max_inflight_calls = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS),
+  };
+  int r = fsdp_rpc_server_new(&daemon->loop, &options, &daemon->rpc);
+  if (r < 0)
+    return fsdp_status_set(st, r, "cannot create the RPC server: %s", fsdp_strerror(r));
+
+  r = fsdp_rpc_server_add_endpoint(daemon->rpc, "local", daemon->services, FSDP_SERVICE_COUNT,
+                                   &daemon->local_endpoint);
+  if (r < 0)
+    return fsdp_status_set(st, r, "cannot set up the local endpoint: %s", fsdp_strerror(r));
+
+  const char *health_listen = fsdp_config_text(cfg, FSDP_OPTION_HEALTH_LISTEN);
+  if (health_listen[0]) {
+    r = fsdp_rpc_server_add_endpoint(daemon->rpc, "health", &daemon->services[FSDP_SERVICE_HEALTH], 1,
+                                     &daemon->health_endpoint);
+    if (r < 0)
+      return fsdp_status_set(st, r, "cannot set up the health endpoint: %s", fsdp_strerror(r));
+    int port;
+    if ((r = fsdp_rpc_endpoint_listen(daemon->health_endpoint, health_listen, &port, st)) < 0)
+      return r;
+    format_bound_address(daemon->health_address, sizeof daemon->health_address, health_listen,
+                         port);
+  }
+  return 0;
+}
+
+static void start_handles(fsdp_daemon_t *daemon) {
+  uv_signal_t *signals[] = {&daemon->sigterm, &daemon->sigint, &daemon->sighup};
+  const int signums[] = {SIGTERM, SIGINT, SIGHUP};
+  for (size_t i = 0; i < 3; i++) {
+    uv_signal_init(&daemon->loop, signals[i]);
+    signals[i]->data = daemon;
+    uv_signal_start(signals[i], on_signal, signums[i]);
+  }
+  uv_timer_init(&daemon->loop, &daemon->housekeeping);
+  daemon->housekeeping.data = daemon;
+  /* sd_watchdog_enabled() is 0 unless WATCHDOG_PID is ours; then pinging is required. */
+  if (sd_watchdog_enabled(0, &daemon->watchdog_usec) <= 0)
+    daemon->watchdog_usec = 0;
+  apply_config(daemon);
+  uv_timer_start(&daemon->housekeeping, on_housekeeping, 0,
+                 uv_timer_get_repeat(&daemon->housekeeping));
+}
+
+int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
+                      fsdp_config_t *config, fsdp_status_t *st) {
+  memset(daemon, 0, sizeof *daemon);
+  daemon->args = args;
+  daemon->envp = envp;
+  daemon->config = *config;
+  memset(config, 0, sizeof *config);
+  daemon->listener.lock_fd = daemon->listener.socket_fd = -1;
+  fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(&daemon->config, FSDP_OPTION_LOG_LEVEL));
+
+  int r;
+  if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0) {
+    r = fsdp_status_set(st, FSDP_E_CONFIG,
+                        "key 'daemon.backend': value 'cuda' is not served by fsdpd %s yet; "
+                        "use 'host'",
+                        FSDP_VERSION_STRING);
+    goto fail_config;
+  }
+  if ((r = uv_loop_init(&daemon->loop)) < 0) {
+    fsdp_status_set(st, r, "cannot create the event loop: %s", uv_strerror(r));
+    goto fail_config;
+  }
+  daemon->started_ms = uv_now(&daemon->loop);
+  fsdp_health_init(&daemon->health);
+  fsdp_services_init(daemon);
+
+  if ((r = fsdp_listener_open(&daemon->listener,
+                              fsdp_config_text(&daemon->config, FSDP_OPTION_RUN_DIR), st)) < 0)
+    goto fail_loop;
+  if ((r = create_rpc(daemon, st)) < 0)
+    goto fail_rpc;
+  /* Nothing is accepted before the loop runs, so the listener may start before the server. */
+  if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint)) < 0) {
+    fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.socket_path,
+                    uv_strerror(r));
+    goto fail_rpc;
+  }
+  if ((r = fsdp_rpc_server_start(daemon->rpc)) < 0) {
+    fsdp_status_set(st, r, "cannot start the RPC server: %s", fsdp_strerror(r));
+    goto fail_rpc;
+  }
+  start_handles(daemon);
+
+  daemon->state = FSDP_DAEMON_SERVING;
+  fsdp_health_set_serving(&daemon->health, true);
+  log_info("fsdpd %s serving on unix:%s%s%s (backend host, protocol %u)", FSDP_VERSION_STRING,
+           daemon->listener.socket_path, daemon->health_endpoint ? ", health on " : "",
+           daemon->health_address, FSDP_PROTOCOL_VERSION);
+  sd_notifyf(0, "READY=1\nSTATUS=serving on unix:%s\nMAINPID=%ld", daemon->listener.socket_path,
+             (long)getpid());
+  return 0;
+
+fail_rpc:
+  fsdp_rpc_server_free(daemon->rpc);
+  daemon->rpc = NULL;
+  fsdp_listener_close(&daemon->listener);
+fail_loop:
+  uv_run(&daemon->loop, UV_RUN_DEFAULT); /* lets closed handles finish */
+  uv_loop_close(&daemon->loop);
+fail_config:
+  fsdp_config_cleanup(&daemon->config);
+  return r;
+}
+
+int fsdp_daemon_run(fsdp_daemon_t *daemon) {
+  uv_run(&daemon->loop, UV_RUN_DEFAULT);
+  int r = uv_loop_close(&daemon->loop);
+  if (r < 0)
+    log_warning("event loop closed with handles still open: %s", uv_strerror(r));
+  fsdp_config_cleanup(&daemon->config);
+  return 0;
+}

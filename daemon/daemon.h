@@ -1,0 +1,80 @@
+/* fsdp_daemon_t: the one object that owns the daemon's state, made in main() and passed
+ * down; nothing else in the daemon is global (except the log level).
+ *
+ * It runs on one libuv loop: the local listener (unix socket), the RPC server and its
+ * endpoints, the health service, signals (SIGTERM/SIGINT drain, SIGHUP reloads) and one
+ * housekeeping timer that also pings the systemd watchdog. Every function here runs on the
+ * loop thread. */
+#ifndef FSDP_DAEMON_H
+#define FSDP_DAEMON_H
+
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "args.h"
+#include "config.h"
+#include "health.h"
+#include "listener.h"
+#include "rpc_server.h"
+
+typedef enum fsdp_daemon_state {
+  FSDP_DAEMON_STARTING,
+  FSDP_DAEMON_SERVING,
+  FSDP_DAEMON_DRAINING,
+  FSDP_DAEMON_STOPPED,
+} fsdp_daemon_state_t;
+
+/* Service tables served on the unix socket; the health port serves only the last. */
+enum {
+  FSDP_SERVICE_TRAINER,
+  FSDP_SERVICE_OPERATOR,
+  FSDP_SERVICE_PEER,
+  FSDP_SERVICE_HEALTH,
+  FSDP_SERVICE_COUNT
+};
+
+typedef struct fsdp_daemon {
+  uv_loop_t loop;
+  const fsdp_args_t *args; /* borrowed: the flags a reload re-applies */
+  char *const *envp;       /* borrowed */
+  fsdp_config_t config;
+  fsdp_daemon_state_t state;
+  uint64_t started_ms; /* uv_now() at start */
+
+  fsdp_listener_t listener;
+  fsdp_health_t health;
+  fsdp_rpc_service_t services[FSDP_SERVICE_COUNT]; /* borrowed by the RPC server */
+  fsdp_rpc_server_t *rpc;
+  fsdp_rpc_endpoint_t *local_endpoint;
+  fsdp_rpc_endpoint_t *health_endpoint; /* NULL when health.listen is empty */
+  char health_address[320];             /* with the bound port */
+
+  uv_signal_t sigterm, sigint, sighup;
+  uv_timer_t housekeeping;
+  uint64_t watchdog_usec; /* 0 when systemd's watchdog is off */
+} fsdp_daemon_t;
+
+/* Brings the daemon up and tells systemd READY=1. Takes ownership of *config (moved into
+ * the daemon; the caller's copy is left zeroed). On failure everything is undone, st says
+ * why, and the return value is FSDP_E_CONFIG for a config the daemon cannot serve. */
+int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
+                      fsdp_config_t *config, fsdp_status_t *st);
+
+/* Runs the loop until the daemon has stopped and released everything; returns the exit
+ * status. */
+int fsdp_daemon_run(fsdp_daemon_t *daemon);
+
+/* Health NOT_SERVING at once, no new calls, in-flight calls drained within
+ * daemon.drain_timeout, then exit. Idempotent. */
+void fsdp_daemon_drain(fsdp_daemon_t *daemon, const char *why);
+
+/* Re-reads the config with the original precedence. All or nothing: on any error, or if a
+ * value that cannot change at run time differs, the running config stays and st says why.
+ * ret_changed receives the ids of changed options (room for FSDP_OPTION_COUNT). */
+int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,
+                       fsdp_status_t *st);
+
+uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon);
+
+#endif

@@ -1,0 +1,222 @@
+/* Run directory, lock file, unix socket and credential-checked accept. */
+#include "listener.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "log.h"
+
+/* Creates or checks the run dir; resolves it to an absolute path in listener->run_dir. */
+static int prepare_run_dir(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
+  struct stat sb;
+  if (lstat(run_dir, &sb) < 0) {
+    if (errno != ENOENT)
+      return fsdp_status_set(st, -errno, "run dir '%s': %s", run_dir, strerror(errno));
+    if (mkdir(run_dir, 0750) < 0)
+      return fsdp_status_set(st, -errno, "cannot create run dir '%s': %s", run_dir,
+                             strerror(errno));
+    if (lstat(run_dir, &sb) < 0)
+      return fsdp_status_set(st, -errno, "run dir '%s': %s", run_dir, strerror(errno));
+  }
+  if (S_ISLNK(sb.st_mode))
+    return fsdp_status_set(st, -ELOOP, "run dir '%s' is a symlink; refusing to follow it",
+                           run_dir);
+  if (!S_ISDIR(sb.st_mode))
+    return fsdp_status_set(st, -ENOTDIR, "run dir '%s' is not a directory", run_dir);
+  if (sb.st_uid != geteuid())
+    return fsdp_status_set(st, -EPERM, "run dir '%s' is owned by uid %u, not by the daemon's uid %u",
+                           run_dir, (unsigned)sb.st_uid, (unsigned)geteuid());
+  if ((sb.st_mode & 07777) != 0750) {
+    if (chmod(run_dir, 0750) < 0)
+      return fsdp_status_set(st, -errno, "cannot set mode 0750 on run dir '%s': %s", run_dir,
+                             strerror(errno));
+    log_warning("run dir '%s' had mode %04o; set it to 0750", run_dir,
+                (unsigned)(sb.st_mode & 07777));
+  }
+  if (!realpath(run_dir, listener->run_dir))
+    return fsdp_status_set(st, -errno, "run dir '%s': %s", run_dir, strerror(errno));
+  return 0;
+}
+
+static int take_lock(fsdp_listener_t *listener, fsdp_status_t *st) {
+  char path[sizeof listener->run_dir + sizeof FSDP_LOCK_NAME + 1];
+  snprintf(path, sizeof path, "%s/%s", listener->run_dir, FSDP_LOCK_NAME);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0640);
+  if (fd < 0)
+    return fsdp_status_set(st, -errno, "lock file '%s': %s", path, strerror(errno));
+  if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
+    int err = errno;
+    char owner[32] = "";
+    ssize_t n = pread(fd, owner, sizeof owner - 1, 0);
+    owner[n > 0 ? n : 0] = '\0';
+    owner[strcspn(owner, "\n")] = '\0';
+    close(fd);
+    if (err == EWOULDBLOCK)
+      return fsdp_status_set(st, -EBUSY, "run dir '%s' is in use by another fsdpd (pid %s)",
+                             listener->run_dir, owner[0] ? owner : "unknown");
+    return fsdp_status_set(st, -err, "cannot lock '%s': %s", path, strerror(err));
+  }
+  char pid[32];
+  int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+  if (ftruncate(fd, 0) < 0 || pwrite(fd, pid, (size_t)len, 0) != len)
+    log_warning("cannot record the pid in '%s': %s", path, strerror(errno));
+  listener->lock_fd = fd;
+  return 0;
+}
+
+/* Removes a socket left by a daemon that died; we hold the lock, so it cannot be live. */
+static int remove_stale_socket(const char *path, fsdp_status_t *st) {
+  struct stat sb;
+  if (lstat(path, &sb) < 0)
+    return errno == ENOENT ? 0 : fsdp_status_set(st, -errno, "'%s': %s", path, strerror(errno));
+  if (!S_ISSOCK(sb.st_mode))
+    return fsdp_status_set(st, -EEXIST, "'%s' exists and is not a socket; refusing to remove it",
+                           path);
+  if (sb.st_uid != geteuid())
+    return fsdp_status_set(st, -EPERM, "stale socket '%s' is owned by uid %u; refusing to remove it",
+                           path, (unsigned)sb.st_uid);
+  if (unlink(path) < 0)
+    return fsdp_status_set(st, -errno, "cannot remove stale socket '%s': %s", path,
+                           strerror(errno));
+  log_info("removed stale socket %s", path);
+  return 0;
+}
+
+static int bind_socket(fsdp_listener_t *listener, fsdp_status_t *st) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int n = snprintf(addr.sun_path, sizeof addr.sun_path, "%s/%s", listener->run_dir,
+                   FSDP_SOCKET_NAME);
+  if (n < 0 || (size_t)n >= sizeof addr.sun_path)
+    return fsdp_status_set(st, -ENAMETOOLONG,
+                           "socket path '%s/%s' is longer than the %zu bytes a unix socket allows",
+                           listener->run_dir, FSDP_SOCKET_NAME, sizeof addr.sun_path - 1);
+  memcpy(listener->socket_path, addr.sun_path, sizeof listener->socket_path);
+  int r = remove_stale_socket(addr.sun_path, st);
+  if (r < 0)
+    return r;
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return fsdp_status_set(st, -errno, "socket: %s", strerror(errno));
+  /* The umask makes the file 0660 at birth; chmod states it regardless of the umask. */
+  mode_t old_mask = umask(0117);
+  r = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+  umask(old_mask);
+  if (r < 0 || chmod(addr.sun_path, 0660) < 0 || listen(fd, 128) < 0) {
+    int err = errno;
+    close(fd);
+    return fsdp_status_set(st, -err, "cannot listen on '%s': %s", addr.sun_path, strerror(err));
+  }
+  listener->socket_fd = fd;
+  return 0;
+}
+
+int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
+  memset(listener, 0, sizeof *listener);
+  listener->lock_fd = listener->socket_fd = -1;
+  int r = prepare_run_dir(listener, run_dir, st);
+  if (r < 0)
+    return r;
+  r = take_lock(listener, st);
+  if (r < 0)
+    return r;
+  r = bind_socket(listener, st);
+  if (r < 0) {
+    close(listener->lock_fd);
+    listener->lock_fd = -1;
+    return r;
+  }
+  return 0;
+}
+
+/* Supplementary groups of a process, from /proc/PID/status ("Groups: 4 24 27"). */
+static bool process_in_group(pid_t pid, gid_t gid) {
+  char path[64], line[4096];
+  snprintf(path, sizeof path, "/proc/%ld/status", (long)pid);
+  FILE *f = fopen(path, "re");
+  if (!f)
+    return false;
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) {
+    if (strncmp(line, "Groups:", 7) != 0)
+      continue;
+    char *p = line + 7, *end;
+    for (unsigned long g; (g = strtoul(p, &end, 10)), end != p; p = end)
+      if (g == gid)
+        found = true;
+    break;
+  }
+  fclose(f);
+  return found;
+}
+
+bool fsdp_peer_allowed(pid_t pid, uid_t uid, gid_t gid) {
+  return uid == 0 || uid == geteuid() || gid == getegid() || process_in_group(pid, getegid());
+}
+
+static void on_readable(uv_poll_t *poll, int status, int events) {
+  (void)events;
+  fsdp_listener_t *listener = poll->data;
+  if (status < 0) {
+    log_error("socket %s: %s", listener->socket_path, uv_strerror(status));
+    return;
+  }
+  for (;;) {
+    int fd = accept4(listener->socket_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE)
+        log_warning("cannot accept on %s: %s", listener->socket_path, strerror(errno));
+      return; /* EAGAIN: drained */
+    }
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 ||
+        !fsdp_peer_allowed(cred.pid, cred.uid, cred.gid)) {
+      log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
+                  (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
+      listener->refused++;
+      close(fd);
+      continue;
+    }
+    listener->accepted++;
+    fsdp_rpc_endpoint_adopt(listener->endpoint, fd);
+  }
+}
+
+int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *endpoint) {
+  listener->endpoint = endpoint;
+  int r = uv_poll_init(loop, &listener->poll, listener->socket_fd);
+  if (r < 0)
+    return r;
+  listener->poll.data = listener;
+  listener->polling = true;
+  return uv_poll_start(&listener->poll, UV_READABLE, on_readable);
+}
+
+void fsdp_listener_stop(fsdp_listener_t *listener) {
+  if (listener->polling) {
+    uv_poll_stop(&listener->poll);
+    uv_close((uv_handle_t *)&listener->poll, NULL);
+    listener->polling = false;
+  }
+}
+
+void fsdp_listener_close(fsdp_listener_t *listener) {
+  fsdp_listener_stop(listener);
+  if (listener->socket_fd >= 0) {
+    unlink(listener->socket_path);
+    close(listener->socket_fd);
+    listener->socket_fd = -1;
+  }
+  if (listener->lock_fd >= 0) {
+    close(listener->lock_fd); /* releases the flock */
+    listener->lock_fd = -1;
+  }
+}

@@ -1,0 +1,58 @@
+/* The local listener: the run directory, its lock file and the unix socket trainers and
+ * operators connect to.
+ *
+ * The daemon binds and accepts the socket itself instead of letting gRPC do it, for three
+ * reasons: gRPC would unlink and re-bind a path that another live daemon is serving; the
+ * socket's mode must be 0660 from the start; and every connection's peer credentials
+ * (SO_PEERCRED) are checked before gRPC sees a byte. Accepted connections are handed to an
+ * RPC endpoint.
+ *
+ * Safety rules for the run directory: it must be a real directory (not a symlink) owned by
+ * the daemon's user, mode 0750; the lock file (flock) proves which daemon owns it, and only
+ * the holder of the lock removes a stale socket.
+ *
+ * Loop thread only. */
+#ifndef FSDP_LISTENER_H
+#define FSDP_LISTENER_H
+
+#include <stdbool.h>
+#include <sys/types.h>
+
+#include <uv.h>
+
+#include "rpc_server.h"
+#include "status.h"
+
+#define FSDP_SOCKET_NAME "fsdpd.sock"
+#define FSDP_LOCK_NAME "fsdpd.lock"
+
+typedef struct fsdp_listener {
+  uv_poll_t poll;
+  bool polling;
+  int lock_fd;
+  int socket_fd;
+  char run_dir[4096];
+  char socket_path[108]; /* sun_path's size */
+  fsdp_rpc_endpoint_t *endpoint;
+  unsigned long accepted, refused;
+} fsdp_listener_t;
+
+/* Prepares the run dir, takes its lock and binds the socket (mode 0660). Does not accept
+ * yet. On failure st says which path and why; nothing is left behind. */
+int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st);
+
+/* Accepts connections on the loop and hands them to endpoint (borrowed). */
+int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *endpoint);
+
+/* Stops accepting. The socket file stays until close, so clients see a refusal, not ENOENT. */
+void fsdp_listener_stop(fsdp_listener_t *listener);
+
+/* Removes the socket, releases the lock and closes everything. The uv_poll handle must have
+ * been stopped; close is synchronous apart from the handle's own close, which this starts. */
+void fsdp_listener_close(fsdp_listener_t *listener);
+
+/* Whether a peer with these credentials may use the daemon: root, the daemon's user, or a
+ * member of the daemon's group (primary or supplementary). */
+bool fsdp_peer_allowed(pid_t pid, uid_t uid, gid_t gid);
+
+#endif

@@ -1,0 +1,763 @@
+/* Generic gRPC server adapter: completion-queue thread, hand-off to the libuv loop, dispatch
+ * by method table, streaming replies and graceful stop.
+ *
+ * Call lifetime. A call context is reference-counted: one reference per outstanding gRPC tag
+ * (the request, RECV_CLOSE_ON_SERVER, a send batch), one per queued hand-off event, and one
+ * held by the loop from arrival until the final status has been sent. Whichever thread drops
+ * the last reference frees it; gRPC's call functions are safe from any thread.
+ *
+ * Stop. gRPC's rule is that only the thread that shuts a server down and cancels its calls
+ * may destroy it, and only after the shutdown tag has come back. The loop thread does all
+ * three: shutdown_and_notify, cancel_all_calls when the drain time is up, and destroy once
+ * every endpoint's tag is back and no call context is left. Then the completion queue is
+ * shut down, the thread sees GRPC_QUEUE_SHUTDOWN and exits, and the loop joins it. */
+#include "rpc_server.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_posix.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include <fsdp/fsdp_version.h>
+
+#include "log.h"
+#include "wire.h"
+
+/* Requests kept outstanding per method, so that bursts do not wait for a re-arm. */
+#define REQUESTS_PER_METHOD 4
+
+typedef enum tag_kind { TAG_REQUEST, TAG_RECV_CLOSE, TAG_SEND, TAG_SHUTDOWN } tag_kind_t;
+
+typedef struct tag {
+  tag_kind_t kind;
+  void *owner;
+} tag_t;
+
+typedef struct method {
+  fsdp_rpc_endpoint_t *endpoint;
+  const fsdp_rpc_service_t *service;
+  unsigned index;
+  fsdp_rpc_handler_fn handler; /* NULL: not implemented */
+  bool streaming;
+  void *registration;
+  char path[FSDP_WIRE_PATH_MAX];
+} method_t;
+
+struct fsdp_rpc_endpoint {
+  fsdp_rpc_server_t *server;
+  char name[32];
+  grpc_server *grpc;
+  method_t *methods;
+  size_t n_methods;
+  tag_t shutdown_tag;
+  bool shutdown_done;
+  fsdp_rpc_endpoint_t *next;
+};
+
+typedef struct pending_message {
+  grpc_byte_buffer *buffer;
+  struct pending_message *next;
+} pending_message_t;
+
+struct fsdp_rpc_call {
+  fsdp_rpc_server_t *server;
+  fsdp_rpc_endpoint_t *endpoint;
+  method_t *method; /* NULL: the catch-all for paths nobody registered */
+  atomic_int refs;
+  tag_t request_tag, close_tag, send_tag;
+
+  /* Filled by gRPC. */
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array request_metadata;
+  grpc_call_details details;
+  grpc_byte_buffer *request_payload;
+  int cancelled;
+
+  /* Loop thread only. */
+  fsdp_rpc_call_t *prev, *next; /* the server's list of active calls */
+  char path[FSDP_WIRE_PATH_MAX];
+  bool cancel_seen;
+  bool initial_metadata_sent;
+  bool batch_in_flight;
+  bool status_queued; /* the final status is decided; nothing may be added */
+  bool status_sent;   /* ... and is part of a started batch */
+  pending_message_t *queue_head, *queue_tail;
+  grpc_byte_buffer *sending;
+  grpc_status_code status;
+  grpc_slice status_details;
+  fsdp_rpc_cancel_fn on_cancel;
+  void *cancel_data;
+};
+
+typedef enum event_kind { EV_ARRIVED, EV_CANCELLED, EV_SENT, EV_SHUTDOWN, EV_THREAD_EXIT } event_kind_t;
+
+typedef struct event {
+  event_kind_t kind;
+  bool success;
+  fsdp_rpc_call_t *call;
+  fsdp_rpc_endpoint_t *endpoint;
+  struct event *next;
+} event_t;
+
+typedef enum server_state { SERVER_NEW, SERVER_RUNNING, SERVER_DRAINING, SERVER_CLOSING } server_state_t;
+
+struct fsdp_rpc_server {
+  uv_loop_t *loop;
+  fsdp_rpc_server_options_t options;
+  grpc_completion_queue *cq;
+  grpc_server_credentials *credentials;
+  fsdp_rpc_endpoint_t *endpoints;
+  pthread_t thread;
+  bool thread_started;
+
+  /* The hand-off queue: filled by the CQ thread, drained by the loop. Nodes are separate
+   * allocations because one call can be queued twice (arrival, then cancellation). */
+  pthread_mutex_t lock;
+  event_t *head, *tail;
+  uv_async_t async;
+  uv_timer_t drain_timer;
+  int open_handles;
+
+  atomic_bool stopping;
+  atomic_int alive; /* call contexts in existence */
+
+  /* Loop thread only. */
+  server_state_t state;
+  fsdp_rpc_call_t *active;
+  unsigned inflight;
+  uint64_t calls_total, calls_failed;
+  void (*done)(void *data);
+  void *done_data;
+};
+
+static void post(fsdp_rpc_server_t *server, event_kind_t kind, fsdp_rpc_call_t *call,
+                 fsdp_rpc_endpoint_t *endpoint, bool success) {
+  event_t *ev = calloc(1, sizeof *ev);
+  if (!ev) {
+    /* Losing an event would leak a call or hang the stop; there is no way to go on. */
+    log_error("out of memory handing an RPC event to the loop");
+    abort();
+  }
+  *ev = (event_t){.kind = kind, .success = success, .call = call, .endpoint = endpoint};
+  pthread_mutex_lock(&server->lock);
+  if (server->tail)
+    server->tail->next = ev;
+  else
+    server->head = ev;
+  server->tail = ev;
+  pthread_mutex_unlock(&server->lock);
+  uv_async_send(&server->async);
+}
+
+static void call_ref(fsdp_rpc_call_t *call) {
+  atomic_fetch_add(&call->refs, 1);
+}
+
+static void call_unref(fsdp_rpc_call_t *call) {
+  if (atomic_fetch_sub(&call->refs, 1) != 1)
+    return;
+  fsdp_rpc_server_t *server = call->server;
+  if (call->call)
+    grpc_call_unref(call->call);
+  grpc_metadata_array_destroy(&call->request_metadata);
+  grpc_call_details_destroy(&call->details);
+  if (call->request_payload)
+    grpc_byte_buffer_destroy(call->request_payload);
+  if (call->sending)
+    grpc_byte_buffer_destroy(call->sending);
+  for (pending_message_t *m = call->queue_head, *next; m; m = next) {
+    next = m->next;
+    grpc_byte_buffer_destroy(m->buffer);
+    free(m);
+  }
+  grpc_slice_unref(call->status_details);
+  free(call);
+  /* The last context gone may be what a stopping server waits for. */
+  if (atomic_fetch_sub(&server->alive, 1) == 1 && atomic_load(&server->stopping))
+    uv_async_send(&server->async);
+}
+
+/* Keeps one more request outstanding for `method` (NULL: unregistered paths). */
+static void request_call(fsdp_rpc_endpoint_t *endpoint, method_t *method) {
+  fsdp_rpc_server_t *server = endpoint->server;
+  fsdp_rpc_call_t *call = calloc(1, sizeof *call);
+  if (!call) {
+    log_error("out of memory arming a request on %s", method ? method->path : "*");
+    return;
+  }
+  call->server = server;
+  call->endpoint = endpoint;
+  call->method = method;
+  atomic_init(&call->refs, 1);
+  call->request_tag = (tag_t){TAG_REQUEST, call};
+  call->close_tag = (tag_t){TAG_RECV_CLOSE, call};
+  call->send_tag = (tag_t){TAG_SEND, call};
+  call->status_details = grpc_empty_slice();
+  grpc_metadata_array_init(&call->request_metadata);
+  grpc_call_details_init(&call->details);
+  atomic_fetch_add(&server->alive, 1);
+
+  grpc_call_error e;
+  if (method)
+    e = grpc_server_request_registered_call(endpoint->grpc, method->registration, &call->call,
+                                            &call->deadline, &call->request_metadata,
+                                            &call->request_payload, server->cq, server->cq,
+                                            &call->request_tag);
+  else
+    e = grpc_server_request_call(endpoint->grpc, &call->call, &call->details,
+                                 &call->request_metadata, server->cq, server->cq,
+                                 &call->request_tag);
+  if (e != GRPC_CALL_OK) {
+    log_error("cannot request calls for %s: gRPC error %d", method ? method->path : "*", e);
+    call_unref(call);
+  }
+}
+
+/* CQ thread: a requested call arrived (or, with !success, the server is shutting down). */
+static void on_request(fsdp_rpc_call_t *call, bool success) {
+  if (!success) {
+    call_unref(call);
+    return;
+  }
+  if (!atomic_load(&call->server->stopping))
+    request_call(call->endpoint, call->method);
+  /* Learn early when the client goes away or its deadline passes: gRPC never interrupts a
+   * handler, and a parked call would otherwise live until it is answered. */
+  grpc_op op = {.op = GRPC_OP_RECV_CLOSE_ON_SERVER};
+  op.data.recv_close_on_server.cancelled = &call->cancelled;
+  call_ref(call);
+  if (grpc_call_start_batch(call->call, &op, 1, &call->close_tag, NULL) != GRPC_CALL_OK)
+    call_unref(call);
+  post(call->server, EV_ARRIVED, call, NULL, true); /* takes over the request's reference */
+}
+
+static void *cq_thread_main(void *arg) {
+  fsdp_rpc_server_t *server = arg;
+  for (;;) {
+    grpc_event ev =
+        grpc_completion_queue_next(server->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN)
+      break;
+    if (ev.type != GRPC_OP_COMPLETE)
+      continue;
+    tag_t *tag = ev.tag;
+    fsdp_rpc_call_t *call = tag->owner;
+    switch (tag->kind) {
+    case TAG_REQUEST:
+      on_request(call, ev.success);
+      break;
+    case TAG_RECV_CLOSE:
+      if (call->cancelled)
+        post(server, EV_CANCELLED, call, NULL, true);
+      else
+        call_unref(call);
+      break;
+    case TAG_SEND:
+      post(server, EV_SENT, call, NULL, ev.success);
+      break;
+    case TAG_SHUTDOWN:
+      post(server, EV_SHUTDOWN, NULL, tag->owner, true);
+      break;
+    }
+  }
+  post(server, EV_THREAD_EXIT, NULL, NULL, true);
+  return NULL;
+}
+
+/* Loop: starts the next send batch of a call if one is due and none is in flight. */
+static void pump(fsdp_rpc_call_t *call) {
+  if (call->batch_in_flight || call->status_sent)
+    return;
+  grpc_op ops[3];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  pending_message_t *m = call->queue_head;
+  bool final = call->status_queued && (!m || !m->next);
+  if (!m && !final)
+    return;
+  if (!call->initial_metadata_sent) {
+    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    call->initial_metadata_sent = true;
+  }
+  if (m) {
+    call->queue_head = m->next;
+    if (!call->queue_head)
+      call->queue_tail = NULL;
+    call->sending = m->buffer;
+    free(m);
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n++].data.send_message.send_message = call->sending;
+  }
+  if (final) {
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status = call->status;
+    ops[n++].data.send_status_from_server.status_details = &call->status_details;
+    call->status_sent = true;
+  }
+  call->batch_in_flight = true;
+  call_ref(call);
+  grpc_call_error e = grpc_call_start_batch(call->call, ops, n, &call->send_tag, NULL);
+  if (e != GRPC_CALL_OK) {
+    /* Only misuse of the API fails here; treat it as a failed send so the call still ends. */
+    log_error("%s: cannot start a send batch: gRPC error %d", call->path, e);
+    post(call->server, EV_SENT, call, NULL, false);
+  }
+}
+
+static void finish(fsdp_rpc_call_t *call, grpc_status_code status, const char *details) {
+  if (call->status_queued) {
+    log_error("%s: answered twice; the second answer (%s) is dropped", call->path, details);
+    return;
+  }
+  call->status_queued = true;
+  call->status = status;
+  call->status_details = grpc_slice_from_copied_string(details);
+  if (status != GRPC_STATUS_OK) {
+    call->server->calls_failed++;
+    log_debug("%s: %s", call->path, details);
+  }
+  pump(call);
+}
+
+static int enqueue(fsdp_rpc_call_t *call, const ProtobufCMessage *message) {
+  if (call->status_queued)
+    return -EALREADY;
+  if (call->cancel_seen)
+    return -ECANCELED;
+  pending_message_t *m = calloc(1, sizeof *m);
+  if (!m)
+    return -ENOMEM;
+  int r = fsdp_wire_encode(message, &m->buffer);
+  if (r < 0) {
+    free(m);
+    return r;
+  }
+  if (call->queue_tail)
+    call->queue_tail->next = m;
+  else
+    call->queue_head = m;
+  call->queue_tail = m;
+  pump(call);
+  return 0;
+}
+
+void fsdp_rpc_call_reply(fsdp_rpc_call_t *call, const ProtobufCMessage *reply) {
+  int r = enqueue(call, reply);
+  if (r == -EALREADY) {
+    log_error("%s: reply after the call ended; dropped", call->path);
+    return;
+  }
+  if (r < 0 && r != -ECANCELED) {
+    finish(call, fsdp_wire_status_from_error(r), "cannot encode the reply");
+    return;
+  }
+  finish(call, GRPC_STATUS_OK, "");
+}
+
+int fsdp_rpc_call_send(fsdp_rpc_call_t *call, const ProtobufCMessage *message) {
+  return enqueue(call, message);
+}
+
+void fsdp_rpc_call_fail_status(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
+  finish(call, fsdp_wire_status_from_error(st->code), st->message);
+}
+
+void fsdp_rpc_call_fail(fsdp_rpc_call_t *call, int err, const char *fmt, ...) {
+  fsdp_status_t st;
+  va_list ap;
+  va_start(ap, fmt);
+  fsdp_status_setv(&st, err, fmt, ap);
+  va_end(ap);
+  fsdp_rpc_call_fail_status(call, &st);
+}
+
+void fsdp_rpc_call_on_cancel(fsdp_rpc_call_t *call, fsdp_rpc_cancel_fn cancel, void *data) {
+  call->on_cancel = cancel;
+  call->cancel_data = data;
+}
+
+const char *fsdp_rpc_call_method(const fsdp_rpc_call_t *call) {
+  return call->path;
+}
+
+int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call) {
+  if (gpr_time_cmp(call->deadline, gpr_inf_future(call->deadline.clock_type)) == 0)
+    return INT64_MAX;
+  gpr_timespec left = gpr_time_sub(gpr_convert_clock_type(call->deadline, GPR_CLOCK_MONOTONIC),
+                                   gpr_now(GPR_CLOCK_MONOTONIC));
+  return gpr_time_to_millis(left);
+}
+
+static void active_link(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
+  call->next = server->active;
+  if (server->active)
+    server->active->prev = call;
+  server->active = call;
+  server->inflight++;
+}
+
+static void active_unlink(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
+  if (call->prev)
+    call->prev->next = call->next;
+  else
+    server->active = call->next;
+  if (call->next)
+    call->next->prev = call->prev;
+  call->prev = call->next = NULL;
+  server->inflight--;
+}
+
+/* Ends a call whose client is gone or whose server is stopping: its owner hears first. */
+static void cancel_call(fsdp_rpc_call_t *call, grpc_status_code status, const char *why) {
+  if (call->status_queued)
+    return;
+  if (call->on_cancel)
+    call->on_cancel(call, call->cancel_data);
+  if (!call->status_queued)
+    finish(call, status, why);
+}
+
+static void dispatch(fsdp_rpc_call_t *call) {
+  fsdp_rpc_server_t *server = call->server;
+  method_t *method = call->method;
+  server->calls_total++;
+  active_link(server, call);
+
+  if (!method) {
+    char *path = grpc_slice_to_c_string(call->details.method);
+    snprintf(call->path, sizeof call->path, "%s", path);
+    call->deadline = call->details.deadline;
+    fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED, "unknown method '%s' on the %s endpoint",
+                       path, call->endpoint->name);
+    gpr_free(path);
+    return;
+  }
+  memcpy(call->path, method->path, sizeof call->path);
+  if (server->inflight > server->options.max_inflight_calls) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
+                       "%s: the daemon already holds %u calls (rpc.max_inflight_calls = %u)",
+                       call->path, server->inflight - 1, server->options.max_inflight_calls);
+    return;
+  }
+  if (fsdp_rpc_call_deadline_ms(call) <= 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_DEADLINE_EXCEEDED, "%s: deadline passed before dispatch",
+                       call->path);
+    return;
+  }
+  const ProtobufCMethodDescriptor *md = &method->service->descriptor->methods[method->index];
+  if (!method->handler) {
+    fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED, "%s is not implemented in fsdpd %s",
+                       call->path, FSDP_VERSION_STRING);
+    return;
+  }
+  fsdp_status_t st;
+  ProtobufCMessage *request;
+  if (fsdp_wire_decode(md->input, call->request_payload, &request, &st) < 0) {
+    fsdp_rpc_call_fail(call, st.code, "%s: %s", call->path, st.message);
+    return;
+  }
+  method->handler(call, request, method->service->data);
+  protobuf_c_message_free_unpacked(request, NULL);
+}
+
+static void on_sent(fsdp_rpc_call_t *call, bool success) {
+  call->batch_in_flight = false;
+  if (call->sending) {
+    grpc_byte_buffer_destroy(call->sending);
+    call->sending = NULL;
+  }
+  if (!success && !call->status_sent) {
+    /* The stream broke under us (client gone); end it instead of sending into the void. */
+    call->cancel_seen = true;
+    cancel_call(call, GRPC_STATUS_CANCELLED, "stream broken");
+  }
+  if (call->status_sent && !call->batch_in_flight) {
+    active_unlink(call->server, call);
+    call_unref(call); /* the loop's reference, held since arrival */
+    return;
+  }
+  pump(call);
+}
+
+static void maybe_close(fsdp_rpc_server_t *server);
+
+static void on_async(uv_async_t *handle) {
+  fsdp_rpc_server_t *server = handle->data;
+  pthread_mutex_lock(&server->lock);
+  event_t *ev = server->head;
+  server->head = server->tail = NULL;
+  pthread_mutex_unlock(&server->lock);
+
+  while (ev) {
+    event_t *next = ev->next;
+    switch (ev->kind) {
+    case EV_ARRIVED:
+      dispatch(ev->call);
+      break; /* the event's reference becomes the loop's */
+    case EV_CANCELLED:
+      ev->call->cancel_seen = true;
+      cancel_call(ev->call, GRPC_STATUS_CANCELLED, "cancelled: the client went away or its deadline passed");
+      call_unref(ev->call);
+      break;
+    case EV_SENT:
+      on_sent(ev->call, ev->success);
+      call_unref(ev->call);
+      break;
+    case EV_SHUTDOWN:
+      ev->endpoint->shutdown_done = true;
+      break;
+    case EV_THREAD_EXIT:
+      pthread_join(server->thread, NULL);
+      server->thread_started = false;
+      break;
+    }
+    free(ev);
+    ev = next;
+  }
+  maybe_close(server);
+}
+
+static void on_handle_closed(uv_handle_t *handle) {
+  fsdp_rpc_server_t *server = handle->data;
+  if (--server->open_handles > 0)
+    return;
+  if (server->done)
+    server->done(server->done_data);
+  else
+    free(server); /* fsdp_rpc_server_free() of a server that never ran */
+}
+
+static void destroy_grpc(fsdp_rpc_server_t *server) {
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next) {
+    if (ep->grpc)
+      grpc_server_destroy(ep->grpc);
+    ep->grpc = NULL;
+  }
+}
+
+/* Advances a stop: destroy the servers once drained, close handles once the thread is gone. */
+static void maybe_close(fsdp_rpc_server_t *server) {
+  if (server->state == SERVER_DRAINING) {
+    for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
+      if (!ep->shutdown_done)
+        return;
+    if (atomic_load(&server->alive) > 0)
+      return;
+    uv_timer_stop(&server->drain_timer);
+    destroy_grpc(server);
+    grpc_completion_queue_shutdown(server->cq);
+    server->state = SERVER_CLOSING;
+  }
+  if (server->state == SERVER_CLOSING && !server->thread_started && server->cq) {
+    grpc_completion_queue_destroy(server->cq);
+    server->cq = NULL;
+    uv_close((uv_handle_t *)&server->async, on_handle_closed);
+    uv_close((uv_handle_t *)&server->drain_timer, on_handle_closed);
+  }
+}
+
+static void cancel_everything(fsdp_rpc_server_t *server) {
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
+    grpc_server_cancel_all_calls(ep->grpc);
+  for (fsdp_rpc_call_t *call = server->active; call; call = call->next)
+    cancel_call(call, GRPC_STATUS_UNAVAILABLE, "fsdpd is shutting down");
+}
+
+static void on_drain_timeout(uv_timer_t *timer) {
+  fsdp_rpc_server_t *server = timer->data;
+  if (server->inflight)
+    log_warning("drain time is up; cancelling %u calls still in flight", server->inflight);
+  cancel_everything(server);
+}
+
+int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *options,
+                        fsdp_rpc_server_t **ret_server) {
+  fsdp_rpc_server_t *server = calloc(1, sizeof *server);
+  if (!server)
+    return -ENOMEM;
+  server->loop = loop;
+  server->options = *options;
+  pthread_mutex_init(&server->lock, NULL);
+  atomic_init(&server->stopping, false);
+  atomic_init(&server->alive, 0);
+  uv_async_init(loop, &server->async, on_async);
+  uv_timer_init(loop, &server->drain_timer);
+  server->async.data = server->drain_timer.data = server;
+  server->open_handles = 2;
+  grpc_init();
+  server->cq = grpc_completion_queue_create_for_next(NULL);
+  server->credentials = grpc_insecure_server_credentials_create();
+  *ret_server = server;
+  return 0;
+}
+
+void fsdp_rpc_server_free(fsdp_rpc_server_t *server) {
+  if (!server)
+    return;
+  destroy_grpc(server);
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints, *next; ep; ep = next) {
+    next = ep->next;
+    free(ep->methods);
+    free(ep);
+  }
+  server->endpoints = NULL;
+  if (server->cq) {
+    grpc_completion_queue_shutdown(server->cq);
+    grpc_completion_queue_destroy(server->cq);
+    server->cq = NULL;
+  }
+  grpc_server_credentials_release(server->credentials);
+  pthread_mutex_destroy(&server->lock);
+  grpc_shutdown();
+  if (server->open_handles > 0) {
+    /* Never started: close the handles here; the last close callback frees the server. */
+    server->done = NULL;
+    uv_close((uv_handle_t *)&server->async, on_handle_closed);
+    uv_close((uv_handle_t *)&server->drain_timer, on_handle_closed);
+  } else {
+    free(server);
+  }
+}
+
+int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
+                                 const fsdp_rpc_service_t *services, size_t n_services,
+                                 fsdp_rpc_endpoint_t **ret_endpoint) {
+  fsdp_rpc_endpoint_t *ep = calloc(1, sizeof *ep);
+  if (!ep)
+    return -ENOMEM;
+  ep->server = server;
+  snprintf(ep->name, sizeof ep->name, "%s", name);
+  ep->shutdown_tag = (tag_t){TAG_SHUTDOWN, ep};
+  for (size_t s = 0; s < n_services; s++)
+    ep->n_methods += services[s].descriptor->n_methods;
+  ep->methods = calloc(ep->n_methods, sizeof *ep->methods);
+  if (!ep->methods) {
+    free(ep);
+    return -ENOMEM;
+  }
+  grpc_arg args[] = {
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+       {.integer = (int)server->options.max_message_size}},
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, {.integer = -1}},
+      /* gRPC allows SO_REUSEPORT by default: two daemons would then share one port. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}},
+  };
+  grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
+  ep->grpc = grpc_server_create(&channel_args, NULL);
+  grpc_server_register_completion_queue(ep->grpc, server->cq, NULL);
+
+  size_t k = 0;
+  for (size_t s = 0; s < n_services; s++) {
+    const ProtobufCServiceDescriptor *sd = services[s].descriptor;
+    size_t first = k;
+    for (size_t h = 0; h < services[s].n_handlers; h++) {
+      const ProtobufCMethodDescriptor *md =
+          protobuf_c_service_descriptor_get_method_by_name(sd, services[s].handlers[h].method);
+      if (!md) {
+        log_error("%s has no method '%s' to handle", sd->name, services[s].handlers[h].method);
+        goto fail;
+      }
+      ep->methods[first + (size_t)(md - sd->methods)].handler = services[s].handlers[h].fn;
+    }
+    for (unsigned i = 0; i < sd->n_methods; i++, k++) {
+      method_t *m = &ep->methods[k];
+      m->endpoint = ep;
+      m->service = &services[s];
+      m->index = i;
+      m->streaming = fsdp_wire_method_is_server_streaming(sd, i);
+      fsdp_wire_method_path(sd, i, m->path, sizeof m->path);
+      m->registration = grpc_server_register_method(
+          ep->grpc, m->path, NULL, GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+      if (!m->registration) {
+        log_error("cannot register %s on the %s endpoint", m->path, name);
+        goto fail;
+      }
+    }
+  }
+  ep->next = server->endpoints;
+  server->endpoints = ep;
+  *ret_endpoint = ep;
+  return 0;
+
+fail:
+  grpc_server_destroy(ep->grpc);
+  free(ep->methods);
+  free(ep);
+  return -EINVAL;
+}
+
+int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
+                             fsdp_status_t *st) {
+  int port = grpc_server_add_http2_port(endpoint->grpc, address, endpoint->server->credentials);
+  if (port <= 0)
+    return fsdp_status_set(st, -EADDRINUSE,
+                           "cannot listen on %s for the %s endpoint: address in use or invalid",
+                           address, endpoint->name);
+  *ret_port = port;
+  return 0;
+}
+
+void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd) {
+  if (endpoint->server->state != SERVER_RUNNING) {
+    close(fd);
+    return;
+  }
+  grpc_server_add_channel_from_fd(endpoint->grpc, fd, endpoint->server->credentials);
+}
+
+int fsdp_rpc_server_start(fsdp_rpc_server_t *server) {
+  /* The thread first: if it cannot start, no gRPC server has started either, and the
+   * server can still simply be freed. */
+  int r = pthread_create(&server->thread, NULL, cq_thread_main, server);
+  if (r != 0)
+    return -r;
+  server->thread_started = true;
+  server->state = SERVER_RUNNING;
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next) {
+    grpc_server_start(ep->grpc);
+    for (size_t i = 0; i < ep->n_methods; i++)
+      for (int k = 0; k < REQUESTS_PER_METHOD; k++)
+        request_call(ep, &ep->methods[i]);
+    request_call(ep, NULL);
+  }
+  return 0;
+}
+
+void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
+                          void (*done)(void *data), void *data) {
+  if (server->state != SERVER_RUNNING)
+    return;
+  server->done = done;
+  server->done_data = data;
+  server->state = SERVER_DRAINING;
+  atomic_store(&server->stopping, true);
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
+    grpc_server_shutdown_and_notify(ep->grpc, server->cq, &ep->shutdown_tag);
+  if (drain_ms == 0)
+    cancel_everything(server);
+  else
+    uv_timer_start(&server->drain_timer, on_drain_timeout, drain_ms, 0);
+  maybe_close(server);
+}
+
+void fsdp_rpc_server_set_max_inflight(fsdp_rpc_server_t *server, unsigned max_inflight_calls) {
+  server->options.max_inflight_calls = max_inflight_calls;
+}
+
+void fsdp_rpc_server_get_stats(const fsdp_rpc_server_t *server, fsdp_rpc_stats_t *ret_stats) {
+  *ret_stats = (fsdp_rpc_stats_t){.calls_total = server->calls_total,
+                                  .calls_failed = server->calls_failed,
+                                  .calls_inflight = server->inflight};
+}

@@ -1,0 +1,108 @@
+/* The daemon's RPC server: one generic adapter between protobuf-c service descriptors and
+ * the gRPC C core.
+ *
+ * A service is registered as its protobuf-c descriptor plus a table of handlers, one per
+ * method. For every method the adapter does the plumbing: it registers the path, keeps
+ * requests outstanding, decodes and validates the request (INVALID_ARGUMENT naming the
+ * method and the field on failure), enforces the in-flight limit, calls the handler, packs
+ * the reply and maps fsdp error codes to gRPC status codes (proto/wire.h). Unknown methods
+ * get UNIMPLEMENTED naming the path; methods without a handler get UNIMPLEMENTED saying so.
+ *
+ * Threads: a dedicated thread drains the completion queue and hands every event to the
+ * libuv loop through a queue and uv_async_send. Handlers, replies, cancellation callbacks
+ * and the stop callback all run on the loop thread, which owns every object here.
+ *
+ * Endpoints: each endpoint is its own gRPC server with its own set of services, so the
+ * health port on TCP serves Health and nothing else, while the unix socket serves all.
+ *
+ * Calls: a handler must end its call with fsdp_rpc_call_reply() or fsdp_rpc_call_fail(),
+ * at once or later. A handler that parks a call registers a cancel callback; it fires when
+ * the client goes away, the deadline passes or the server stops, after which the call is
+ * ended by the adapter and must not be touched again. */
+#ifndef FSDP_RPC_SERVER_H
+#define FSDP_RPC_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <protobuf-c/protobuf-c.h>
+#include <uv.h>
+
+#include "status.h"
+
+typedef struct fsdp_rpc_server fsdp_rpc_server_t;
+typedef struct fsdp_rpc_endpoint fsdp_rpc_endpoint_t;
+typedef struct fsdp_rpc_call fsdp_rpc_call_t;
+
+/* The request is valid only during the handler; copy what must outlive it. */
+typedef void (*fsdp_rpc_handler_fn)(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                    void *data);
+typedef void (*fsdp_rpc_cancel_fn)(fsdp_rpc_call_t *call, void *data);
+
+typedef struct fsdp_rpc_handler {
+  const char *method; /* the method's name in the .proto, e.g. "Status" */
+  fsdp_rpc_handler_fn fn;
+} fsdp_rpc_handler_t;
+
+/* Methods of the descriptor that have no handler answer UNIMPLEMENTED; a handler naming a
+ * method the descriptor lacks fails fsdp_rpc_server_add_endpoint(). */
+typedef struct fsdp_rpc_service {
+  const ProtobufCServiceDescriptor *descriptor;
+  const fsdp_rpc_handler_t *handlers;
+  size_t n_handlers;
+  void *data; /* passed to every handler */
+} fsdp_rpc_service_t;
+
+typedef struct fsdp_rpc_server_options {
+  size_t max_message_size;      /* larger requests get RESOURCE_EXHAUSTED from gRPC */
+  unsigned max_inflight_calls;  /* calls held at once; beyond it RESOURCE_EXHAUSTED */
+} fsdp_rpc_server_options_t;
+
+typedef struct fsdp_rpc_stats {
+  uint64_t calls_total;  /* calls that reached the adapter */
+  uint64_t calls_failed; /* calls that ended with a status other than OK */
+  unsigned calls_inflight;
+} fsdp_rpc_stats_t;
+
+int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *options,
+                        fsdp_rpc_server_t **ret_server);
+/* Frees a server that was never started or whose stop callback has run. NULL-safe. */
+void fsdp_rpc_server_free(fsdp_rpc_server_t *server);
+
+/* Adds an endpoint serving `services` (borrowed; they must outlive the server). Before start. */
+int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
+                                 const fsdp_rpc_service_t *services, size_t n_services,
+                                 fsdp_rpc_endpoint_t **ret_endpoint);
+/* Listens on a TCP address "host:port" (port 0 picks one, returned). Before start. */
+int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
+                             fsdp_status_t *st);
+/* Hands a connected, non-blocking socket to the endpoint; takes ownership of fd. After start. */
+void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd);
+
+/* Starts serving: the completion-queue thread and outstanding requests for every method. */
+int fsdp_rpc_server_start(fsdp_rpc_server_t *server);
+
+/* Begins a graceful stop: no new calls; calls in flight may finish for drain_ms, then are
+ * cancelled. `done` runs on the loop once every call and gRPC object is gone. */
+void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
+                          void (*done)(void *data), void *data);
+
+void fsdp_rpc_server_set_max_inflight(fsdp_rpc_server_t *server, unsigned max_inflight_calls);
+void fsdp_rpc_server_get_stats(const fsdp_rpc_server_t *server, fsdp_rpc_stats_t *ret_stats);
+
+/* Replies to a unary call, or sends one message of a server stream. The message is encoded
+ * at once; the caller keeps ownership of it. */
+void fsdp_rpc_call_reply(fsdp_rpc_call_t *call, const ProtobufCMessage *reply);
+int fsdp_rpc_call_send(fsdp_rpc_call_t *call, const ProtobufCMessage *message);
+/* Ends a call with an error (err < 0) or, for a stream, with OK (err == 0). */
+__attribute__((format(printf, 3, 4))) void fsdp_rpc_call_fail(fsdp_rpc_call_t *call, int err,
+                                                              const char *fmt, ...);
+void fsdp_rpc_call_fail_status(fsdp_rpc_call_t *call, const fsdp_status_t *st);
+
+void fsdp_rpc_call_on_cancel(fsdp_rpc_call_t *call, fsdp_rpc_cancel_fn cancel, void *data);
+/* "/package.Service/Method" */
+const char *fsdp_rpc_call_method(const fsdp_rpc_call_t *call);
+/* Milliseconds until the client's deadline (<= 0 if passed); INT64_MAX without one. */
+int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call);
+
+#endif

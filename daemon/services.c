@@ -1,0 +1,201 @@
+/* fsdp.v1 handlers of this release: Operator.Status, Operator.ReloadConfig, and the
+ * protocol-version gate of Trainer.Attach and Peer.Join. */
+#include "services.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fsdp/v1/operator.pb-c.h"
+#include "fsdp/v1/peer.pb-c.h"
+#include "fsdp/v1/trainer.pb-c.h"
+#include "grpc/health/v1/health.pb-c.h"
+
+#include <fsdp/fsdp_version.h>
+
+#include "log.h"
+
+/* Refuses a peer speaking another protocol version; returns false after failing the call. */
+static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who) {
+  if (version == FSDP_PROTOCOL_VERSION)
+    return true;
+  fsdp_rpc_call_fail(call, FSDP_E_PROTOCOL_VERSION,
+                     "%s: protocol_version %u from the %s, but this fsdpd %s speaks protocol %u",
+                     fsdp_rpc_call_method(call), version, who, FSDP_VERSION_STRING,
+                     FSDP_PROTOCOL_VERSION);
+  return false;
+}
+
+static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)data;
+  const Fsdp__V1__AttachRequest *rq = (const void *)request;
+  if (!protocol_ok(call, rq->protocol_version, "trainer"))
+    return;
+  fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED,
+                     "%s: trainer sessions are not implemented in fsdpd %s",
+                     fsdp_rpc_call_method(call), FSDP_VERSION_STRING);
+}
+
+static void peer_join(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)data;
+  const Fsdp__V1__JoinRequest *rq = (const void *)request;
+  if (!protocol_ok(call, rq->protocol_version, "peer daemon"))
+    return;
+  fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED,
+                     "%s: peering between daemons is not implemented in fsdpd %s",
+                     fsdp_rpc_call_method(call), FSDP_VERSION_STRING);
+}
+
+static Fsdp__V1__ConfigSource source_to_proto(fsdp_config_source_t source) {
+  switch (source) {
+  case FSDP_SOURCE_DEFAULT:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_DEFAULT;
+  case FSDP_SOURCE_FILE:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_FILE;
+  case FSDP_SOURCE_ENV:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_ENV;
+  case FSDP_SOURCE_FLAG:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_FLAG;
+  }
+  return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_UNSPECIFIED;
+}
+
+/* Storage for one Status reply: protobuf-c messages point into it, so it lives on the stack
+ * of the handler and nothing is allocated per field. */
+typedef struct status_storage {
+  Fsdp__V1__ConfigEntry entries[FSDP_OPTION_COUNT];
+  Fsdp__V1__ConfigEntry *entry_ptrs[FSDP_OPTION_COUNT];
+  char values[FSDP_OPTION_COUNT][256];
+  char defaults[FSDP_OPTION_COUNT][256];
+  Fsdp__V1__Listener listeners[2];
+  Fsdp__V1__Listener *listener_ptrs[2];
+  char addresses[2][sizeof(((fsdp_listener_t *)0)->socket_path) + 8];
+  char *local_services[FSDP_SERVICE_COUNT];
+  char *health_services[1];
+  Fsdp__V1__Topology topology;
+  Fsdp__V1__Memory memory;
+} status_storage_t;
+
+static void fill_config(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply, status_storage_t *s) {
+  fsdp_config_t defaults;
+  fsdp_config_init(&defaults);
+  for (int id = 0; id < FSDP_OPTION_COUNT; id++) {
+    const fsdp_option_t *opt = fsdp_option_get((fsdp_option_id_t)id);
+    const fsdp_config_value_t *v = &daemon->config.values[id];
+    Fsdp__V1__ConfigEntry *e = &s->entries[id];
+    fsdp__v1__config_entry__init(e);
+    fsdp_config_format(&daemon->config, (fsdp_option_id_t)id, s->values[id], sizeof s->values[id]);
+    fsdp_config_format(&defaults, (fsdp_option_id_t)id, s->defaults[id], sizeof s->defaults[id]);
+    e->key = (char *)opt->key;
+    e->value = s->values[id];
+    e->default_value = s->defaults[id];
+    e->source = source_to_proto(v->source);
+    e->origin = (char *)v->origin;
+    e->reloadable = opt->reloadable;
+    e->unit = (char *)(opt->unit ? opt->unit : "");
+    e->help = (char *)opt->help;
+    s->entry_ptrs[id] = e;
+  }
+  fsdp_config_cleanup(&defaults);
+  reply->n_config = FSDP_OPTION_COUNT;
+  reply->config = s->entry_ptrs;
+}
+
+static void fill_listeners(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+                           status_storage_t *s) {
+  size_t n = 0;
+  for (int i = 0; i < FSDP_SERVICE_COUNT; i++)
+    s->local_services[i] = (char *)daemon->services[i].descriptor->name;
+  s->health_services[0] = (char *)daemon->services[FSDP_SERVICE_HEALTH].descriptor->name;
+
+  fsdp__v1__listener__init(&s->listeners[n]);
+  snprintf(s->addresses[n], sizeof s->addresses[n], "unix:%s", daemon->listener.socket_path);
+  s->listeners[n].address = s->addresses[n];
+  s->listeners[n].n_services = FSDP_SERVICE_COUNT;
+  s->listeners[n].services = s->local_services;
+  n++;
+  if (daemon->health_endpoint) {
+    fsdp__v1__listener__init(&s->listeners[n]);
+    s->listeners[n].address = daemon->health_address;
+    s->listeners[n].n_services = 1;
+    s->listeners[n].services = s->health_services;
+    n++;
+  }
+  for (size_t i = 0; i < n; i++)
+    s->listener_ptrs[i] = &s->listeners[i];
+  reply->n_listeners = n;
+  reply->listeners = s->listener_ptrs;
+}
+
+static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  fsdp_daemon_t *daemon = data;
+  status_storage_t *s = calloc(1, sizeof *s);
+  if (!s) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
+    return;
+  }
+  Fsdp__V1__StatusReply reply = FSDP__V1__STATUS_REPLY__INIT;
+  reply.version = FSDP_VERSION_STRING;
+  reply.protocol_version = FSDP_PROTOCOL_VERSION;
+  reply.uptime_ms = fsdp_daemon_uptime_ms(daemon);
+  reply.pid = (int32_t)getpid();
+  reply.config_file = daemon->config.file ? daemon->config.file : "";
+  fill_config(daemon, &reply, s);
+  fill_listeners(daemon, &reply, s);
+  reply.backend = "host";
+  fsdp__v1__topology__init(&s->topology);
+  s->topology.host_rank = 0;
+  s->topology.hosts = 1;
+  reply.topology = &s->topology;
+  /* Sessions and the memory they hold arrive with the parameter store. */
+  fsdp__v1__memory__init(&s->memory);
+  s->memory.in_use_bytes = 0;
+  s->memory.limit_bytes = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
+  reply.memory = &s->memory;
+  reply.state = daemon->state == FSDP_DAEMON_SERVING ? FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING
+                                                     : FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING;
+  fsdp_rpc_stats_t stats;
+  fsdp_rpc_server_get_stats(daemon->rpc, &stats);
+  reply.rpc_calls_total = stats.calls_total;
+  reply.rpc_calls_failed = stats.calls_failed;
+  reply.rpc_calls_inflight = stats.calls_inflight;
+  fsdp_rpc_call_reply(call, &reply.base);
+  free(s);
+}
+
+static void operator_reload(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  fsdp_daemon_t *daemon = data;
+  fsdp_option_id_t changed[FSDP_OPTION_COUNT];
+  size_t n = 0;
+  fsdp_status_t st;
+  if (fsdp_daemon_reload(daemon, changed, &n, &st) < 0) {
+    log_error("reload requested over RPC failed, keeping the running config: %s", st.message);
+    fsdp_rpc_call_fail(call, st.code, "%s; the running config is unchanged", st.message);
+    return;
+  }
+  log_info("config reloaded over RPC: %zu value%s changed", n, n == 1 ? "" : "s");
+  char *keys[FSDP_OPTION_COUNT];
+  for (size_t i = 0; i < n; i++)
+    keys[i] = (char *)fsdp_option_get(changed[i])->key;
+  Fsdp__V1__ReloadConfigReply reply = FSDP__V1__RELOAD_CONFIG_REPLY__INIT;
+  reply.n_changed = n;
+  reply.changed = keys;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static const fsdp_rpc_handler_t trainer_handlers[] = {{"Attach", trainer_attach}};
+static const fsdp_rpc_handler_t operator_handlers[] = {{"Status", operator_status},
+                                                       {"ReloadConfig", operator_reload}};
+static const fsdp_rpc_handler_t peer_handlers[] = {{"Join", peer_join}};
+
+void fsdp_services_init(fsdp_daemon_t *daemon) {
+#define SERVICE(descriptor_, handlers_) \
+  ((fsdp_rpc_service_t){&(descriptor_), handlers_, sizeof handlers_ / sizeof handlers_[0], daemon})
+  daemon->services[FSDP_SERVICE_TRAINER] = SERVICE(fsdp__v1__trainer__descriptor, trainer_handlers);
+  daemon->services[FSDP_SERVICE_OPERATOR] = SERVICE(fsdp__v1__operator__descriptor, operator_handlers);
+  daemon->services[FSDP_SERVICE_PEER] = SERVICE(fsdp__v1__peer__descriptor, peer_handlers);
+  daemon->services[FSDP_SERVICE_HEALTH] = daemon->health.service;
+#undef SERVICE
+}

@@ -1,0 +1,15 @@
+/* Handler tables of the fsdp.v1 services (Trainer, Operator, Peer) in this release.
+ *
+ * Operator.Status and Operator.ReloadConfig are served here. Trainer.Attach and Peer.Join
+ * check the protocol version first (a mismatch gets FAILED_PRECONDITION naming both
+ * versions); methods without a handler answer UNIMPLEMENTED through the RPC adapter.
+ * Loop thread only. */
+#ifndef FSDP_SERVICES_H
+#define FSDP_SERVICES_H
+
+#include "daemon.h"
+
+/* Fills daemon->services, each bound to daemon. */
+void fsdp_services_init(fsdp_daemon_t *daemon);
+
+#endif
