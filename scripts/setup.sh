@@ -4,17 +4,13 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake pkg-config
-  libgrpc-dev protobuf-compiler protobuf-compiler-grpc
-  libprotobuf-c-dev protobuf-c-compiler
-  libucx-dev libuv1-dev libcmocka-dev libsystemd-dev libinih-dev
-  python3-grpcio python3-protobuf
-  systemd libjson-c-dev python3-pytest
+  build-essential cmake pkg-config                    # toolchain
+  libgrpc-dev protobuf-compiler                       # gRPC C core; protoc for the tests' Python modules
+  libprotobuf-c-dev protobuf-c-compiler               # protobuf-c runtime and protoc-c
+  libuv1-dev libsystemd-dev libinih-dev libjson-c-dev # loop, sd_notify, config, fsdpctl --json
+  libcmocka-dev python3-grpcio python3-protobuf python3-pytest  # tests
+  systemd                                             # systemd-analyze verify of the unit
 )
-# Tests that train PyTorch models need torch; it is large, so only 'make test' asks for it.
-if [[ "${FSDP_SETUP_TEST:-0}" == 1 ]]; then
-  packages+=(python3-torch)
-fi
 
 missing=()
 for p in "${packages[@]}"; do

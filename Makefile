@@ -1,0 +1,41 @@
+# The two commands of README.md, and the pieces they are made of.
+#   make run    set up, build, run fsdpd in the foreground on its embedded defaults
+#   make test   set up, build, pass every test
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc)
+# Warnings are errors in CI (CI=true) and wherever FSDP_WERROR=ON is asked for.
+FSDP_WERROR ?= $(if $(CI),ON,OFF)
+CMAKE_ARGS ?=
+
+CTEST = ctest --output-on-failure --no-tests=error -j$(JOBS)
+
+.PHONY: all setup build run test test-asan bench clean
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+build: setup
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_WERROR=$(FSDP_WERROR) $(CMAKE_ARGS) >/dev/null
+	@cmake --build $(BUILD) -j$(JOBS)
+
+run: build
+	$(BUILD)/bin/fsdpd
+
+test: build
+	cd $(BUILD) && $(CTEST)
+
+# The same suite built with AddressSanitizer and UndefinedBehaviorSanitizer.
+test-asan: setup
+	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=ON -DFSDP_WERROR=$(FSDP_WERROR) $(CMAKE_ARGS) >/dev/null
+	@cmake --build $(ASAN_BUILD) -j$(JOBS)
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST)
+
+bench: build
+	$(BUILD)/bin/fsdp-rpc-bench
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)
