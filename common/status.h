@@ -24,7 +24,8 @@ typedef struct fsdp_status {
  * failing path can end in `return fsdp_status_set(st, FSDP_E_..., "...")`. st may be NULL. */
 __attribute__((format(printf, 3, 4))) int fsdp_status_set(fsdp_status_t *st, int code,
                                                           const char *fmt, ...);
-int fsdp_status_setv(fsdp_status_t *st, int code, const char *fmt, va_list ap);
+__attribute__((format(printf, 3, 0))) int fsdp_status_setv(fsdp_status_t *st, int code,
+                                                         const char *fmt, va_list ap);
 
 /* Resets st to success with an empty message. */
 void fsdp_status_clear(fsdp_status_t *st);
