@@ -10,11 +10,14 @@ done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-# The unit: systemd-analyze checks that ExecStart's binary exists, so point it at the build.
+# The unit, as generated for the install prefix: systemd-analyze checks that ExecStart's
+# binary exists, so point it at the build.
 # It exits 0 on unknown keys and bad values, so any line it prints is a problem; offline it
 # cannot resolve the fsdpd user, which sysusers.d creates at install.
-sed "s|^ExecStart=/usr/bin/fsdpd|ExecStart=$build/bin/fsdpd|" "$src/systemd/fsdpd.service" \
-  > "$tmp/fsdpd.service"
+unit="$build/systemd/fsdpd.service"
+sed "s|^ExecStart=[^ ]*/fsdpd |ExecStart=$build/bin/fsdpd |" "$unit" > "$tmp/fsdpd.service"
+grep -q "^ExecStart=$build/bin/fsdpd --config " "$tmp/fsdpd.service" ||
+  { echo "unexpected ExecStart in $unit"; exit 1; }
 problems=$(systemd-analyze verify --man=no "$tmp/fsdpd.service" 2>&1 |
   grep -v -e '^$' -e "Failed to resolve user 'fsdpd'" -e 'System has not been booted with systemd' \
     -e 'Failed to connect to bus' || true)
@@ -24,7 +27,7 @@ if [[ -n "$problems" ]]; then
 fi
 for key in Type=notify WatchdogSec= RuntimeDirectory=fsdpd NoNewPrivileges=yes \
            ProtectSystem=strict PrivateTmp=yes RestrictAddressFamilies=; do
-  grep -q "^$key" "$src/systemd/fsdpd.service" || { echo "fsdpd.service lacks $key"; exit 1; }
+  grep -q "^$key" "$unit" || { echo "fsdpd.service lacks $key"; exit 1; }
 done
 
 # sysusers.d and tmpfiles.d, applied to a scratch root: the user must come out of the first
