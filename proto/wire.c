@@ -141,6 +141,12 @@ static size_t value_size(const ProtobufCFieldDescriptor *f) {
 
 static int validate_message(const ProtobufCMessage *msg, const char *prefix, fsdp_status_t *st) {
   const ProtobufCMessageDescriptor *desc = msg->descriptor;
+  /* protobuf-c lets field number 0 through when its tag is encoded in more bytes than
+   * needed; the format forbids it, and the message would not decode again once re-encoded. */
+  for (unsigned i = 0; i < msg->n_unknown_fields; i++)
+    if (msg->unknown_fields[i].tag == 0)
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s%s%s: field number 0 is not valid",
+                             desc->name, *prefix ? " at " : "", prefix);
   for (unsigned i = 0; i < desc->n_fields; i++) {
     const ProtobufCFieldDescriptor *f = &desc->fields[i];
     size_t size = value_size(f);

@@ -40,7 +40,7 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
                            size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st);
 
 /* Checks what protobuf-c accepts but a proto3 peer must not send: enum values outside the
- * enum and strings that are not UTF-8. st names the field path and the value. */
+ * enum, strings that are not UTF-8, and field number 0. st names the field path and value. */
 int fsdp_wire_validate(const ProtobufCMessage *msg, fsdp_status_t *st);
 
 /* The status table. Unknown or positive errors map to INTERNAL / OK. */

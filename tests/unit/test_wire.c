@@ -198,6 +198,18 @@ static void test_invalid_utf8_is_rejected(void **state) {
   protobuf_c_message_free_unpacked(msg, NULL);
 }
 
+static void test_field_number_zero_is_rejected(void **state) {
+  (void)state;
+  /* session_id = 8, then field 0 (tag spelled in two bytes, 80 00) with value 0. */
+  const uint8_t bytes[] = {0x08, 0x08, 0x80, 0x00, 0x00};
+  ProtobufCMessage *msg = NULL;
+  fsdp_status_t st;
+  assert_int_equal(fsdp_wire_decode_bytes(&fsdp__v1__detach_request__descriptor, bytes,
+                                          sizeof bytes, &msg, &st),
+                   FSDP_E_INVALID_ARGUMENT);
+  assert_string_equal(st.message, "fsdp.v1.DetachRequest: field number 0 is not valid");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_domain_code_has_a_status_and_text),
@@ -209,6 +221,7 @@ int main(void) {
       cmocka_unit_test(test_truncated_message_is_rejected),
       cmocka_unit_test(test_enum_outside_its_type_is_rejected),
       cmocka_unit_test(test_invalid_utf8_is_rejected),
+      cmocka_unit_test(test_field_number_zero_is_rejected),
   };
   return cmocka_run_group_tests_name("wire", tests, NULL, NULL);
 }
