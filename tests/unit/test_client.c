@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -312,6 +314,34 @@ static void test_unreachable_wait_for_ready_hits_deadline(void **state) {
   fsdp_client_close(client);
 }
 
+/* A daemon that accepted the connection but is slow to answer (stopped, swapped out, busy
+ * on a loaded host) must look slow, not unreachable: the call waits out its own deadline. */
+static void test_slow_handshake_is_not_unavailable(void **state) {
+  (void)state;
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "/tmp/test_client_mute_%d.sock", (int)getpid());
+  unlink(addr.sun_path);
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  assert_int_equal(bind(fd, (struct sockaddr *)&addr, sizeof addr), 0);
+  assert_int_equal(listen(fd, 8), 0); /* the kernel completes connects; nobody speaks */
+
+  char target[128];
+  snprintf(target, sizeof target, "unix:%s", addr.sun_path);
+  fsdp_client_t *client = NULL;
+  assert_int_equal(fsdp_client_connect(target, NULL, &client), 0);
+  fsdp_health_status_t hs;
+  double t0 = now_ms();
+  int r = fsdp_client_health_check(client, "", 700, &hs);
+  double elapsed = now_ms() - t0;
+  assert_int_equal(r, FSDP_E_DEADLINE_EXCEEDED);
+  assert_true(elapsed >= 650 && elapsed < 3000);
+  assert_non_null(strstr(fsdp_client_last_error(client), "700 ms"));
+  fsdp_client_close(client);
+  close(fd);
+  unlink(addr.sun_path);
+}
+
 static void test_many_clients(void **state) {
   (void)state;
   /* grpc_init/grpc_shutdown are reference counted per client: overlapping lifetimes in any
@@ -457,6 +487,7 @@ int main(void) {
       cmocka_unit_test(test_health_status_names),
       cmocka_unit_test(test_unreachable_fails_fast),
       cmocka_unit_test(test_unreachable_wait_for_ready_hits_deadline),
+      cmocka_unit_test(test_slow_handshake_is_not_unavailable),
       cmocka_unit_test(test_many_clients),
   };
   const struct CMUnitTest with_server[] = {
