@@ -8,8 +8,9 @@
  *
  * Stop. gRPC's rule is that only the thread that shuts a server down and cancels its calls
  * may destroy it, and only after the shutdown tag has come back. The loop thread does all
- * three: shutdown_and_notify, cancel_all_calls when the drain time is up, and destroy once
- * every endpoint's tag is back and no call context is left. Then the completion queue is
+ * three: shutdown_and_notify, cancel_all_calls once the drain time and a short grace for
+ * final replies are up, and destroy once every endpoint's tag is back and no call context
+ * is left. Then the completion queue is
  * shut down, the thread sees GRPC_QUEUE_SHUTDOWN and exits, and the loop joins it. */
 #include "rpc_server.h"
 
@@ -36,6 +37,8 @@
 
 /* Requests kept outstanding per method, so that bursts do not wait for a re-arm. */
 #define REQUESTS_PER_METHOD 4
+/* After the drain, how long final replies may take to leave before gRPC cancels them. */
+#define FINAL_SEND_GRACE_MS 1000
 
 typedef enum tag_kind { TAG_REQUEST, TAG_RECV_CLOSE, TAG_SEND, TAG_SHUTDOWN } tag_kind_t;
 
@@ -135,6 +138,7 @@ struct fsdp_rpc_server {
 
   /* Loop thread only. */
   server_state_t state;
+  bool calls_ended; /* the drain time is up and every held call was ended */
   fsdp_rpc_call_t *active;
   unsigned inflight;
   uint64_t calls_total, calls_failed;
@@ -568,18 +572,22 @@ static void maybe_close(fsdp_rpc_server_t *server) {
   }
 }
 
-static void cancel_everything(fsdp_rpc_server_t *server) {
-  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
-    grpc_server_cancel_all_calls(ep->grpc);
-  for (fsdp_rpc_call_t *call = server->active; call; call = call->next)
-    cancel_call(call, GRPC_STATUS_UNAVAILABLE, "fsdpd is shutting down");
-}
-
+/* Drain time is up. First the calls we hold end with UNAVAILABLE, which tells a client to
+ * retry elsewhere or later; their final batches get a moment to leave, and only then does
+ * gRPC cancel whatever is still stuck (a client that stopped reading its replies). */
 static void on_drain_timeout(uv_timer_t *timer) {
   fsdp_rpc_server_t *server = timer->data;
-  if (server->inflight)
-    log_warning("drain time is up; cancelling %u calls still in flight", server->inflight);
-  cancel_everything(server);
+  if (!server->calls_ended) {
+    if (server->inflight)
+      log_warning("drain time is up; ending %u calls still in flight", server->inflight);
+    for (fsdp_rpc_call_t *call = server->active; call; call = call->next)
+      cancel_call(call, GRPC_STATUS_UNAVAILABLE, "fsdpd is shutting down");
+    server->calls_ended = true;
+    uv_timer_start(&server->drain_timer, on_drain_timeout, FINAL_SEND_GRACE_MS, 0);
+    return;
+  }
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
+    grpc_server_cancel_all_calls(ep->grpc);
 }
 
 int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *options,
@@ -746,7 +754,7 @@ void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
   for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
     grpc_server_shutdown_and_notify(ep->grpc, server->cq, &ep->shutdown_tag);
   if (drain_ms == 0)
-    cancel_everything(server);
+    on_drain_timeout(&server->drain_timer);
   else
     uv_timer_start(&server->drain_timer, on_drain_timeout, drain_ms, 0);
   maybe_close(server);
