@@ -1,0 +1,319 @@
+"""Bad input from clients: each gets the right gRPC status and a message that names the
+problem, and the daemon still answers a health Check SERVING afterwards."""
+
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from fsdpd_harness import (SERVING, fsdpd, operator_pb2, peer_pb2, poll,  # noqa: F401
+                           trainer_pb2)
+
+
+# --- hand encoding, for bytes a well-behaved protobuf library refuses to produce ---------
+
+def varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def field_varint(number, value):
+    return varint(number << 3 | 0) + varint(value)
+
+
+def field_bytes(number, data):
+    return varint(number << 3 | 2) + varint(len(data)) + data
+
+
+def expect_error(d, path, payload, code, *fragments, tcp=False):
+    """Sends payload to path; asserts the status code and that the details contain every
+    fragment; then asserts the daemon still serves on that transport and on the unix socket.
+    Returns the details."""
+    with pytest.raises(grpc.RpcError) as e:
+        d.raw_call(path, payload, tcp=tcp)
+    details = e.value.details()
+    assert e.value.code() == code, details
+    for f in fragments:
+        assert f in details, f"{f!r} not in {details!r}"
+    d.assert_serving(tcp=tcp)
+    d.assert_serving()
+    return details
+
+
+ATTACH = "/fsdp.v1.Trainer/Attach"
+JOIN = "/fsdp.v1.Peer/Join"
+CHECK = "/grpc.health.v1.Health/Check"
+STATUS = "/fsdp.v1.Operator/Status"
+
+
+# --- malformed messages ------------------------------------------------------------------
+
+def test_truncated_protobuf(fsdpd):
+    d = fsdpd()
+    whole = trainer_pb2.AttachRequest(protocol_version=1, job="job-0", local_rank=3)
+    data = whole.SerializeToString()[:-3]  # the job string's length now runs past the end
+    expect_error(d, ATTACH, data, grpc.StatusCode.INVALID_ARGUMENT,
+                 ATTACH, "malformed fsdp.v1.AttachRequest", f"{len(data)} bytes")
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_truncated_health_check(fsdpd, tcp):
+    d = fsdpd()
+    data = field_bytes(1, b"fsdp.v1.Trainer")[:-4]
+    expect_error(d, CHECK, data, grpc.StatusCode.INVALID_ARGUMENT,
+                 CHECK, "malformed grpc.health.v1.HealthCheckRequest", tcp=tcp)
+
+
+def test_garbage_bytes_as_message(fsdpd):
+    d = fsdpd()
+    expect_error(d, STATUS, b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT,
+                 STATUS, "malformed fsdp.v1.StatusRequest", "4 bytes")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fsdpd bug/gap: a method without a handler answers UNIMPLEMENTED before its request is "
+    "decoded, and no implemented method has an enum field yet, so an out-of-range enum is "
+    "never reported as INVALID_ARGUMENT"))
+def test_invalid_enum_value(fsdpd):
+    d = fsdpd()
+    # RegisterUnitRequest{session_id: 1, unit: "layer0", strategy: 99}
+    data = field_varint(1, 1) + field_bytes(2, b"layer0") + field_varint(4, 99)
+    expect_error(d, "/fsdp.v1.Trainer/RegisterUnit", data, grpc.StatusCode.INVALID_ARGUMENT,
+                 "strategy", "99")
+
+
+@pytest.mark.parametrize("bad", [b"\xc3\x28", b"\xff\xfe", b"\xed\xa0\x80", b"\xc0\xaf"],
+                         ids=["bad-continuation", "ff-fe", "surrogate", "overlong"])
+def test_invalid_utf8_in_string_field(fsdpd, bad):
+    d = fsdpd()
+    data = field_varint(1, 1) + field_bytes(2, b"job-" + bad)
+    expect_error(d, ATTACH, data, grpc.StatusCode.INVALID_ARGUMENT,
+                 ATTACH, "'job'", "UTF-8")
+
+
+def test_invalid_utf8_in_health_check_over_tcp(fsdpd):
+    d = fsdpd()
+    expect_error(d, CHECK, field_bytes(1, b"fsdp.v1.\xffTrainer"),
+                 grpc.StatusCode.INVALID_ARGUMENT, "'service'", "UTF-8", tcp=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fsdpd bug: a NUL byte inside a string field is not refused; protobuf-c keeps the bytes "
+    "but the daemon reads the string only up to the NUL, so Check(service='\\0x') answers "
+    "for service '' (SERVING) instead of INVALID_ARGUMENT"))
+def test_nul_byte_in_string_field(fsdpd):
+    d = fsdpd()
+    expect_error(d, CHECK, field_bytes(1, b"\x00fsdp.v1.Nope"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "'service'")
+
+
+# --- size limits -------------------------------------------------------------------------
+
+def oversized_attach(total):
+    """An AttachRequest of exactly `total` bytes on the wire (valid in every other way)."""
+    head = field_varint(1, 1)
+    for k in range(1, 11):  # k: the size of the string's length prefix
+        n = total - len(head) - 1 - k
+        if len(varint(n)) == k:
+            return head + field_bytes(2, b"a" * n)
+    raise AssertionError(total)
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_message_over_default_size_limit(fsdpd, tcp):
+    d = fsdpd()
+    size = (16 << 20) + 1
+    if tcp:
+        data = field_bytes(1, b"a" * (size - 5))
+        path = CHECK
+    else:
+        data = oversized_attach(size)
+        path = ATTACH
+    details = expect_error(d, path, data, grpc.StatusCode.RESOURCE_EXHAUSTED, tcp=tcp)
+    assert "max" in details, details
+    assert str(len(data)) in details or "16MiB" in details, details
+
+
+def test_message_over_lowered_size_limit(fsdpd):
+    d = fsdpd("--set", "rpc.max_message_size=64KiB")
+    entry = d.config_entry("rpc.max_message_size")
+    assert (entry.value, entry.origin) == ("64KiB", "--set rpc.max_message_size")
+    data = oversized_attach(64 * 1024 + 1)
+    assert len(data) == 64 * 1024 + 1
+    details = expect_error(d, ATTACH, data, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert "max" in details, details
+    # Exactly at the limit passes the size check and reaches the handler.
+    expect_error(d, ATTACH, oversized_attach(64 * 1024), grpc.StatusCode.UNIMPLEMENTED,
+                 "not implemented")
+
+
+# --- wrong addresses ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/Nope", "/grpc.health.v1.Health/Nope",
+                                  "/fsdp.v1.Nope/Status", "/nonsense"])
+def test_unknown_method_or_service(fsdpd, path, tcp):
+    d = fsdpd()
+    expect_error(d, path, b"", grpc.StatusCode.UNIMPLEMENTED, f"unknown method '{path}'",
+                 tcp=tcp)
+
+
+@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/RegisterUnit", "/fsdp.v1.Trainer/Detach",
+                                  "/fsdp.v1.Peer/Heartbeat", "/fsdp.v1.Operator/ListUnits",
+                                  "/fsdp.v1.Operator/SaveCheckpoint"])
+def test_later_methods_say_not_implemented(fsdpd, path):
+    d = fsdpd()
+    expect_error(d, path, b"", grpc.StatusCode.UNIMPLEMENTED, path, "not implemented in fsdpd")
+
+
+# --- protocol versions -------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,request_,who", [
+    (ATTACH, trainer_pb2.AttachRequest(protocol_version=2, job="j"), "trainer"),
+    (ATTACH, trainer_pb2.AttachRequest(job="j"), "trainer"),
+    (JOIN, peer_pb2.JoinRequest(protocol_version=2, host_rank=1), "peer"),
+    (JOIN, peer_pb2.JoinRequest(protocol_version=4000000000), "peer"),
+], ids=["attach-2", "attach-0", "join-2", "join-huge"])
+def test_wrong_protocol_version(fsdpd, path, request_, who):
+    d = fsdpd()
+    details = expect_error(d, path, request_.SerializeToString(),
+                           grpc.StatusCode.FAILED_PRECONDITION,
+                           f"protocol_version {request_.protocol_version}", "protocol 1", who)
+    assert path in details
+
+
+@pytest.mark.parametrize("path,request_", [
+    (ATTACH, trainer_pb2.AttachRequest(protocol_version=1, job="j")),
+    (JOIN, peer_pb2.JoinRequest(protocol_version=1, host_rank=1)),
+], ids=["attach", "join"])
+def test_right_protocol_version_gets_past_the_gate(fsdpd, path, request_):
+    d = fsdpd()
+    expect_error(d, path, request_.SerializeToString(), grpc.StatusCode.UNIMPLEMENTED,
+                 "not implemented")
+
+
+# --- misbehaving connections -------------------------------------------------------------
+
+def read_until_closed(sock, timeout):
+    """Reads until EOF; True if the peer closed the connection within timeout seconds."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+    return False
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_garbage_byte_stream_on_the_socket(fsdpd, tcp):
+    d = fsdpd()
+    rng = random.Random(1234)
+    for garbage in (bytes(rng.getrandbits(8) for _ in range(8192)),
+                    b"GET / HTTP/1.1\r\nHost: fsdpd\r\n\r\n",
+                    b"\x00" * 64):
+        if tcp:
+            s = socket.create_connection(("127.0.0.1", d.health_port), timeout=5)
+        else:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(d.socket_path))
+        with s:
+            try:
+                s.sendall(garbage)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            assert read_until_closed(s, 5), "the daemon kept a non-HTTP/2 connection open"
+        d.assert_serving(tcp=tcp)
+        d.assert_serving()
+
+
+def test_connect_and_disconnect_without_a_request(fsdpd):
+    d = fsdpd()
+    for _ in range(50):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(d.socket_path))
+        s.close()
+        socket.create_connection(("127.0.0.1", d.health_port), timeout=5).close()
+    d.assert_serving()
+    d.assert_serving(tcp=True)
+
+
+def test_idle_connections_do_not_block_others(fsdpd):
+    d = fsdpd()
+    idle = []
+    try:
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(d.socket_path))
+            idle.append(s)
+            idle.append(socket.create_connection(("127.0.0.1", d.health_port), timeout=5))
+        d.assert_serving()
+        d.assert_serving(tcp=True)
+        assert d.status().state == operator_pb2.SERVING_STATE_SERVING
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_many_concurrent_calls_all_answered(fsdpd):
+    d = fsdpd()
+    n_threads, n_channels = 200, 20
+    channels = [d.new_channel() for _ in range(n_channels)]
+    barrier = threading.Barrier(n_threads)
+
+    def one(i):
+        barrier.wait(10)
+        return d.call(STATUS, operator_pb2.StatusRequest(), operator_pb2.StatusReply,
+                      channel=channels[i % n_channels], timeout=20)
+
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(n_threads) as pool:
+            replies = list(pool.map(one, range(n_threads)))
+    finally:
+        for ch in channels:
+            ch.close()
+    elapsed = time.monotonic() - t0
+    assert len(replies) == n_threads
+    assert all(r.pid == d.pid and r.version for r in replies)
+    assert d.status().rpc_calls_total >= n_threads
+    print(f"{n_threads} concurrent Status calls in {elapsed * 1000:.0f} ms")
+    d.assert_serving()
+
+
+def test_calls_beyond_max_inflight_are_refused(fsdpd):
+    d = fsdpd("--set", "rpc.max_inflight_calls=2")
+    watches = [d.watch(""), d.watch("fsdp.v1.Peer")]
+    try:
+        for w in watches:
+            assert next(w).status == SERVING
+        # Two parked Watch streams fill the daemon; a third call is refused, not queued.
+        with pytest.raises(grpc.RpcError) as e:
+            d.check("")
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "rpc.max_inflight_calls = 2" in e.value.details()
+    finally:
+        for w in watches:
+            w.cancel()
+
+    def serving_again():
+        try:
+            return d.check("") == SERVING
+        except grpc.RpcError:
+            return False
+    poll(serving_again, 5, what="a health Check after the watches were cancelled")
