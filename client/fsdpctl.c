@@ -118,6 +118,8 @@ static const char *state_name(Fsdp__V1__ServingState state) {
     return "SERVING";
   case FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING:
     return "DRAINING";
+  case FSDP__V1__SERVING_STATE__SERVING_STATE_STOPPING:
+    return "STOPPING";
   default:
     return "UNSPECIFIED";
   }
@@ -268,6 +270,7 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
   json_object_object_add(o, "rpc_calls_total", json_object_new_uint64(s->rpc_calls_total));
   json_object_object_add(o, "rpc_calls_failed", json_object_new_uint64(s->rpc_calls_failed));
   json_object_object_add(o, "rpc_calls_inflight", json_object_new_int64(s->rpc_calls_inflight));
+  json_object_object_add(o, "rpc_work_inflight", json_object_new_int64(s->rpc_work_inflight));
   json_object_object_add(o, "config", config_json(s));
   return o;
 }
@@ -302,8 +305,10 @@ static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
   } else {
     printf(LABEL "-\n", "memory");
   }
-  printf(LABEL "%" PRIu64 " total, %" PRIu64 " failed, %" PRIu32 " in flight\n", "rpc calls",
-         s->rpc_calls_total, s->rpc_calls_failed, s->rpc_calls_inflight);
+  printf(LABEL "%" PRIu64 " total, %" PRIu64 " failed, %" PRIu32 " in flight (%" PRIu32
+         " work)\n",
+         "rpc calls", s->rpc_calls_total, s->rpc_calls_failed, s->rpc_calls_inflight,
+         s->rpc_work_inflight);
 
   int aw = 0;
   for (size_t i = 0; i < s->n_listeners; i++)
@@ -347,7 +352,7 @@ static int cmd_status(ctl_t *ctl, int argc, char **argv) {
     print_json(status_json(ctl, s));
   else
     print_status(ctl, s);
-  int rc = s->state == FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING ? EXIT_NOT_SERVING : EXIT_OK;
+  int rc = s->state == FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING ? EXIT_OK : EXIT_NOT_SERVING;
   protobuf_c_message_free_unpacked(&s->base, NULL);
   return rc;
 }
@@ -457,6 +462,41 @@ static int cmd_config_reload(ctl_t *ctl, int argc, char **argv) {
   return EXIT_OK;
 }
 
+static int cmd_drain(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__DrainRequest request = FSDP__V1__DRAIN_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "Drain", &request.base, &fsdp__v1__drain_reply__descriptor, &reply);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Drain", r);
+  const Fsdp__V1__DrainReply *dr = (const Fsdp__V1__DrainReply *)reply;
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "work_inflight", json_object_new_int64(dr->work_inflight));
+    print_json(o);
+  } else {
+    printf("draining: new work is refused, %" PRIu32 " call%s still in flight\n",
+           dr->work_inflight, dr->work_inflight == 1 ? "" : "s");
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return EXIT_OK;
+}
+
+static int cmd_resume(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__ResumeRequest request = FSDP__V1__RESUME_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "Resume", &request.base, &fsdp__v1__resume_reply__descriptor, &reply);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Resume", r);
+  if (ctl->json)
+    print_json(json_object_new_object());
+  else
+    printf("serving\n");
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return EXIT_OK;
+}
+
 static int cmd_version(ctl_t *ctl, int argc, char **argv) {
   (void)argc, (void)argv;
   Fsdp__V1__StatusReply *s = NULL;
@@ -505,6 +545,8 @@ static const command_t commands[] = {
      cmd_config_show},
     {"config", "reload", 0, "", "re-read the config file (like SIGHUP), list changed keys",
      cmd_config_reload},
+    {"drain", NULL, 0, "", "refuse new work, keep serving health and status", cmd_drain},
+    {"resume", NULL, 0, "", "serve new work again after a drain", cmd_resume},
     {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version},
     {"help", NULL, 0, "", "this text", cmd_help},
 };
@@ -533,7 +575,7 @@ static void usage(FILE *out) {
         "  0  success\n"
         "  1  error: the daemon could not be reached or a call failed\n"
         "  2  usage: bad option or command\n"
-        "  3  not serving: health is not SERVING, or status shows the daemon DRAINING\n",
+        "  3  not serving: health is not SERVING, or status shows DRAINING or STOPPING\n",
         out);
 }
 

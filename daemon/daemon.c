@@ -108,18 +108,31 @@ static void on_rpc_stopped(void *data) {
   log_info("stopped");
 }
 
-void fsdp_daemon_drain(fsdp_daemon_t *daemon, const char *why) {
-  if (daemon->state != FSDP_DAEMON_SERVING)
+void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why) {
+  if (daemon->state != FSDP_DAEMON_SERVING && daemon->state != FSDP_DAEMON_DRAINING)
     return;
-  daemon->state = FSDP_DAEMON_DRAINING;
+  daemon->state = FSDP_DAEMON_STOPPING;
   uint64_t drain_ms = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_DRAIN_TIMEOUT);
-  log_info("%s: draining (at most %llu ms)", why, (unsigned long long)drain_ms);
+  log_info("%s: draining, then stopping (at most %llu ms)", why, (unsigned long long)drain_ms);
   sd_notify(0, "STOPPING=1\nSTATUS=draining");
-  /* Watchers hear NOT_SERVING before their streams end and before the listeners close. */
+  /* Watchers hear NOT_SERVING before their streams end. The listener keeps accepting while
+   * the drain lasts, so probes and operators can still see the daemon drain. */
   fsdp_health_set_serving(&daemon->health, false);
   fsdp_health_cleanup(&daemon->health);
-  fsdp_listener_stop(&daemon->listener);
   fsdp_rpc_server_stop(daemon->rpc, drain_ms, on_rpc_stopped, daemon);
+}
+
+int fsdp_daemon_set_draining(fsdp_daemon_t *daemon, bool draining, fsdp_status_t *st) {
+  if (daemon->state != FSDP_DAEMON_SERVING && daemon->state != FSDP_DAEMON_DRAINING)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION, "fsdpd is stopping");
+  if (draining == (daemon->state == FSDP_DAEMON_DRAINING))
+    return 0;
+  daemon->state = draining ? FSDP_DAEMON_DRAINING : FSDP_DAEMON_SERVING;
+  fsdp_rpc_server_set_draining(daemon->rpc, draining);
+  fsdp_health_set_serving(&daemon->health, !draining);
+  sd_notify(0, draining ? "STATUS=draining on request" : "STATUS=serving");
+  log_info("%s", draining ? "draining on request: new work is refused" : "resumed serving");
+  return 0;
 }
 
 static void on_signal(uv_signal_t *handle, int signum) {
@@ -127,7 +140,7 @@ static void on_signal(uv_signal_t *handle, int signum) {
   if (signum == SIGHUP)
     reload_from_signal(daemon);
   else
-    fsdp_daemon_drain(daemon, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+    fsdp_daemon_stop(daemon, signum == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
 /* "127.0.0.1:0" listened on port 41234 -> "127.0.0.1:41234". */

@@ -8,6 +8,7 @@
 #ifndef FSDP_DAEMON_H
 #define FSDP_DAEMON_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <uv.h>
@@ -21,7 +22,8 @@
 typedef enum fsdp_daemon_state {
   FSDP_DAEMON_STARTING,
   FSDP_DAEMON_SERVING,
-  FSDP_DAEMON_DRAINING,
+  FSDP_DAEMON_DRAINING, /* Operator.Drain: no new work until Resume */
+  FSDP_DAEMON_STOPPING, /* SIGTERM/SIGINT: draining, then exit */
   FSDP_DAEMON_STOPPED,
 } fsdp_daemon_state_t;
 
@@ -65,9 +67,13 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
  * status. */
 int fsdp_daemon_run(fsdp_daemon_t *daemon);
 
-/* Health NOT_SERVING at once, no new calls, in-flight calls drained within
- * daemon.drain_timeout, then exit. Idempotent. */
-void fsdp_daemon_drain(fsdp_daemon_t *daemon, const char *why);
+/* Health NOT_SERVING at once, new work refused, in-flight work drained within
+ * daemon.drain_timeout, then everything is released and the loop ends. Idempotent. */
+void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why);
+
+/* Operator.Drain and Resume: with draining, health turns NOT_SERVING and new work is refused
+ * while the daemon keeps running; without, it serves again. Fails while stopping. */
+int fsdp_daemon_set_draining(fsdp_daemon_t *daemon, bool draining, fsdp_status_t *st);
 
 /* Re-reads the config with the original precedence. All or nothing: on any error, or if a
  * value that cannot change at run time differs, the running config stays and st says why.

@@ -97,7 +97,8 @@ static void watch(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *
   watch_send(w);
 }
 
-static const fsdp_rpc_handler_t handlers[] = {{"Check", check}, {"Watch", watch}};
+/* Probes must see the daemon drain, so health is served while draining. */
+static const fsdp_rpc_handler_t handlers[] = {{"Check", check, true}, {"Watch", watch, true}};
 
 void fsdp_health_init(fsdp_health_t *health) {
   memset(health, 0, sizeof *health);

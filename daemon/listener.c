@@ -200,7 +200,7 @@ int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_end
   return uv_poll_start(&listener->poll, UV_READABLE, on_readable);
 }
 
-void fsdp_listener_stop(fsdp_listener_t *listener) {
+static void stop_polling(fsdp_listener_t *listener) {
   if (listener->polling) {
     uv_poll_stop(&listener->poll);
     uv_close((uv_handle_t *)&listener->poll, NULL);
@@ -209,7 +209,7 @@ void fsdp_listener_stop(fsdp_listener_t *listener) {
 }
 
 void fsdp_listener_close(fsdp_listener_t *listener) {
-  fsdp_listener_stop(listener);
+  stop_polling(listener);
   if (listener->socket_fd >= 0) {
     unlink(listener->socket_path);
     close(listener->socket_fd);

@@ -44,11 +44,8 @@ int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_stat
 /* Accepts connections on the loop and hands them to endpoint (borrowed). */
 int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *endpoint);
 
-/* Stops accepting. The socket file stays until close, so clients see a refusal, not ENOENT. */
-void fsdp_listener_stop(fsdp_listener_t *listener);
-
-/* Removes the socket, releases the lock and closes everything. The uv_poll handle must have
- * been stopped; close is synchronous apart from the handle's own close, which this starts. */
+/* Stops accepting, removes the socket, releases the lock and closes everything; synchronous
+ * apart from the poll handle's own close, which this starts. */
 void fsdp_listener_close(fsdp_listener_t *listener);
 
 /* Whether a peer with these credentials may use the daemon: root, the daemon's user, or a

@@ -6,11 +6,12 @@
  * held by the loop from arrival until the final status has been sent. Whichever thread drops
  * the last reference frees it; gRPC's call functions are safe from any thread.
  *
- * Stop. gRPC's rule is that only the thread that shuts a server down and cancels its calls
- * may destroy it, and only after the shutdown tag has come back. The loop thread does all
- * three: shutdown_and_notify, cancel_all_calls once the drain time and a short grace for
- * final replies are up, and destroy once every endpoint's tag is back and no call context
- * is left. Then the completion queue is
+ * Stop. First the server drains (new work refused, health and status still served) until
+ * it holds no work or the drain time is up. Then gRPC's rule applies: only the thread that
+ * shuts a server down and cancels its calls may destroy it, and only after the shutdown tag
+ * has come back. The loop thread does all three: shutdown_and_notify, cancel_all_calls after
+ * a short grace for final replies, and destroy once every endpoint's tag is back and no call
+ * context is left. Then the completion queue is
  * shut down, the thread sees GRPC_QUEUE_SHUTDOWN and exits, and the loop joins it. */
 #include "rpc_server.h"
 
@@ -37,8 +38,9 @@
 
 /* Requests kept outstanding per method, so that bursts do not wait for a re-arm. */
 #define REQUESTS_PER_METHOD 4
-/* After the drain, how long final replies may take to leave before gRPC cancels them. */
-#define FINAL_SEND_GRACE_MS 1000
+/* After the drain, how long final replies may take to leave before gRPC cancels them; at
+ * most a quarter of the drain time, out of which it is taken. */
+#define FINAL_SEND_GRACE_MS 250
 
 typedef enum tag_kind { TAG_REQUEST, TAG_RECV_CLOSE, TAG_SEND, TAG_SHUTDOWN } tag_kind_t;
 
@@ -52,6 +54,7 @@ typedef struct method {
   const fsdp_rpc_service_t *service;
   unsigned index;
   fsdp_rpc_handler_fn handler; /* NULL: not implemented */
+  bool while_draining;
   bool streaming;
   void *registration;
   char path[FSDP_WIRE_PATH_MAX];
@@ -91,6 +94,7 @@ struct fsdp_rpc_call {
   /* Loop thread only. */
   fsdp_rpc_call_t *prev, *next; /* the server's list of active calls */
   char path[FSDP_WIRE_PATH_MAX];
+  bool is_work; /* a call of a method not served while draining: a stop waits for it */
   bool cancel_seen;
   bool initial_metadata_sent;
   bool batch_in_flight;
@@ -114,7 +118,13 @@ typedef struct event {
   struct event *next;
 } event_t;
 
-typedef enum server_state { SERVER_NEW, SERVER_RUNNING, SERVER_DRAINING, SERVER_CLOSING } server_state_t;
+typedef enum server_state {
+  SERVER_NEW,
+  SERVER_RUNNING,
+  SERVER_STOP_DRAINING, /* stop called: waiting for held work to end */
+  SERVER_SHUTTING_DOWN, /* gRPC shut down: waiting for tags and call contexts */
+  SERVER_CLOSING,       /* gRPC destroyed: waiting for the thread, then the handles */
+} server_state_t;
 
 struct fsdp_rpc_server {
   uv_loop_t *loop;
@@ -138,9 +148,11 @@ struct fsdp_rpc_server {
 
   /* Loop thread only. */
   server_state_t state;
-  bool calls_ended; /* the drain time is up and every held call was ended */
+  bool draining;
+  uint64_t final_grace_ms;
   fsdp_rpc_call_t *active;
   unsigned inflight;
+  unsigned work; /* active calls with is_work */
   uint64_t calls_total, calls_failed;
   void (*done)(void *data);
   void *done_data;
@@ -412,6 +424,11 @@ static void active_link(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
   server->inflight++;
 }
 
+static void count_work(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
+  call->is_work = true;
+  server->work++;
+}
+
 static void active_unlink(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
   if (call->prev)
     call->prev->next = call->next;
@@ -421,6 +438,8 @@ static void active_unlink(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
     call->next->prev = call->prev;
   call->prev = call->next = NULL;
   server->inflight--;
+  if (call->is_work)
+    server->work--;
 }
 
 /* Ends a call whose client is gone or whose server is stopping: its owner hears first. */
@@ -460,19 +479,25 @@ static void dispatch(fsdp_rpc_call_t *call) {
                        call->path);
     return;
   }
+  /* A bad request is reported as such even by a method this release does not implement. */
   const ProtobufCMethodDescriptor *md = &method->service->descriptor->methods[method->index];
-  if (!method->handler) {
-    fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED, "%s is not implemented in fsdpd %s",
-                       call->path, FSDP_VERSION_STRING);
-    return;
-  }
   fsdp_status_t st;
   ProtobufCMessage *request;
   if (fsdp_wire_decode(md->input, call->request_payload, &request, &st) < 0) {
     fsdp_rpc_call_fail(call, st.code, "%s: %s", call->path, st.message);
     return;
   }
-  method->handler(call, request, method->service->data);
+  if (!method->handler) {
+    fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED, "%s is not implemented in fsdpd %s",
+                       call->path, FSDP_VERSION_STRING);
+  } else if (server->draining && !method->while_draining) {
+    fsdp_rpc_call_fail(call, FSDP_E_UNAVAILABLE, "%s: fsdpd is draining and takes no new work",
+                       call->path);
+  } else {
+    if (!method->while_draining)
+      count_work(server, call);
+    method->handler(call, request, method->service->data);
+  }
   protobuf_c_message_free_unpacked(request, NULL);
 }
 
@@ -551,9 +576,41 @@ static void destroy_grpc(fsdp_rpc_server_t *server) {
   }
 }
 
-/* Advances a stop: destroy the servers once drained, close handles once the thread is gone. */
+static void on_final_grace(uv_timer_t *timer) {
+  fsdp_rpc_server_t *server = timer->data;
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
+    grpc_server_cancel_all_calls(ep->grpc);
+}
+
+/* No more calls: gRPC is told to shut down, and after the grace whatever is still stuck (a
+ * client that stopped reading its replies, a request whose message never came) is cancelled. */
+static void shut_down_grpc(fsdp_rpc_server_t *server) {
+  server->state = SERVER_SHUTTING_DOWN;
+  atomic_store(&server->stopping, true);
+  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
+    grpc_server_shutdown_and_notify(ep->grpc, server->cq, &ep->shutdown_tag);
+  uv_timer_start(&server->drain_timer, on_final_grace, server->final_grace_ms, 0);
+}
+
+/* The drain time is up: held work ends with UNAVAILABLE, which tells a client to retry
+ * elsewhere or later, and the shutdown proper begins. */
+static void on_drain_deadline(uv_timer_t *timer) {
+  fsdp_rpc_server_t *server = timer->data;
+  if (server->work)
+    log_warning("drain time is up; ending %u calls still in flight", server->work);
+  for (fsdp_rpc_call_t *call = server->active; call; call = call->next)
+    if (call->is_work)
+      cancel_call(call, GRPC_STATUS_UNAVAILABLE, "fsdpd is shutting down");
+  shut_down_grpc(server);
+}
+
+/* Advances a stop, one stage at a time, whenever something it waits for may have happened. */
 static void maybe_close(fsdp_rpc_server_t *server) {
-  if (server->state == SERVER_DRAINING) {
+  if (server->state == SERVER_STOP_DRAINING && server->work == 0) {
+    uv_timer_stop(&server->drain_timer);
+    shut_down_grpc(server);
+  }
+  if (server->state == SERVER_SHUTTING_DOWN) {
     for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
       if (!ep->shutdown_done)
         return;
@@ -570,24 +627,6 @@ static void maybe_close(fsdp_rpc_server_t *server) {
     uv_close((uv_handle_t *)&server->async, on_handle_closed);
     uv_close((uv_handle_t *)&server->drain_timer, on_handle_closed);
   }
-}
-
-/* Drain time is up. First the calls we hold end with UNAVAILABLE, which tells a client to
- * retry elsewhere or later; their final batches get a moment to leave, and only then does
- * gRPC cancel whatever is still stuck (a client that stopped reading its replies). */
-static void on_drain_timeout(uv_timer_t *timer) {
-  fsdp_rpc_server_t *server = timer->data;
-  if (!server->calls_ended) {
-    if (server->inflight)
-      log_warning("drain time is up; ending %u calls still in flight", server->inflight);
-    for (fsdp_rpc_call_t *call = server->active; call; call = call->next)
-      cancel_call(call, GRPC_STATUS_UNAVAILABLE, "fsdpd is shutting down");
-    server->calls_ended = true;
-    uv_timer_start(&server->drain_timer, on_drain_timeout, FINAL_SEND_GRACE_MS, 0);
-    return;
-  }
-  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
-    grpc_server_cancel_all_calls(ep->grpc);
 }
 
 int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *options,
@@ -677,7 +716,9 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
         log_error("%s has no method '%s' to handle", sd->name, services[s].handlers[h].method);
         goto fail;
       }
-      ep->methods[first + (size_t)(md - sd->methods)].handler = services[s].handlers[h].fn;
+      method_t *m = &ep->methods[first + (size_t)(md - sd->methods)];
+      m->handler = services[s].handlers[h].fn;
+      m->while_draining = services[s].handlers[h].while_draining;
     }
     for (unsigned i = 0; i < sd->n_methods; i++, k++) {
       method_t *m = &ep->methods[k];
@@ -718,7 +759,8 @@ int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
 }
 
 void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd) {
-  if (endpoint->server->state != SERVER_RUNNING) {
+  server_state_t state = endpoint->server->state;
+  if (state != SERVER_RUNNING && state != SERVER_STOP_DRAINING) {
     close(fd);
     return;
   }
@@ -743,20 +785,20 @@ int fsdp_rpc_server_start(fsdp_rpc_server_t *server) {
   return 0;
 }
 
+void fsdp_rpc_server_set_draining(fsdp_rpc_server_t *server, bool draining) {
+  server->draining = draining;
+}
+
 void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
                           void (*done)(void *data), void *data) {
   if (server->state != SERVER_RUNNING)
     return;
   server->done = done;
   server->done_data = data;
-  server->state = SERVER_DRAINING;
-  atomic_store(&server->stopping, true);
-  for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
-    grpc_server_shutdown_and_notify(ep->grpc, server->cq, &ep->shutdown_tag);
-  if (drain_ms == 0)
-    on_drain_timeout(&server->drain_timer);
-  else
-    uv_timer_start(&server->drain_timer, on_drain_timeout, drain_ms, 0);
+  server->state = SERVER_STOP_DRAINING;
+  server->draining = true;
+  server->final_grace_ms = drain_ms / 4 < FINAL_SEND_GRACE_MS ? drain_ms / 4 : FINAL_SEND_GRACE_MS;
+  uv_timer_start(&server->drain_timer, on_drain_deadline, drain_ms - server->final_grace_ms, 0);
   maybe_close(server);
 }
 
@@ -767,5 +809,6 @@ void fsdp_rpc_server_set_max_inflight(fsdp_rpc_server_t *server, unsigned max_in
 void fsdp_rpc_server_get_stats(const fsdp_rpc_server_t *server, fsdp_rpc_stats_t *ret_stats) {
   *ret_stats = (fsdp_rpc_stats_t){.calls_total = server->calls_total,
                                   .calls_failed = server->calls_failed,
-                                  .calls_inflight = server->inflight};
+                                  .calls_inflight = server->inflight,
+                                  .work_inflight = server->work};
 }

@@ -15,6 +15,10 @@
  * Endpoints: each endpoint is its own gRPC server with its own set of services, so the
  * health port on TCP serves Health and nothing else, while the unix socket serves all.
  *
+ * Draining: while the server drains, calls to methods not marked while_draining get
+ * UNAVAILABLE at once; the calls of those methods already held are the work a stop waits
+ * for.
+ *
  * Calls: a handler must end its call with fsdp_rpc_call_reply() or fsdp_rpc_call_fail(),
  * at once or later. A handler that parks a call registers a cancel callback; it fires when
  * the client goes away, the deadline passes or the server stops, after which the call is
@@ -22,6 +26,7 @@
 #ifndef FSDP_RPC_SERVER_H
 #define FSDP_RPC_SERVER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -42,6 +47,7 @@ typedef void (*fsdp_rpc_cancel_fn)(fsdp_rpc_call_t *call, void *data);
 typedef struct fsdp_rpc_handler {
   const char *method; /* the method's name in the .proto, e.g. "Status" */
   fsdp_rpc_handler_fn fn;
+  bool while_draining; /* still served while draining (health, status); not work to drain */
 } fsdp_rpc_handler_t;
 
 /* Methods of the descriptor that have no handler answer UNIMPLEMENTED; a handler naming a
@@ -62,6 +68,7 @@ typedef struct fsdp_rpc_stats {
   uint64_t calls_total;  /* calls that reached the adapter */
   uint64_t calls_failed; /* calls that ended with a status other than OK */
   unsigned calls_inflight;
+  unsigned work_inflight; /* of those, calls a drain waits for */
 } fsdp_rpc_stats_t;
 
 int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *options,
@@ -82,8 +89,13 @@ void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd);
 /* Starts serving: the completion-queue thread and outstanding requests for every method. */
 int fsdp_rpc_server_start(fsdp_rpc_server_t *server);
 
-/* Begins a graceful stop: no new calls; calls in flight may finish for drain_ms, then are
- * cancelled. `done` runs on the loop once every call and gRPC object is gone. */
+/* Starts or ends draining: new work is refused with UNAVAILABLE, the rest is served. */
+void fsdp_rpc_server_set_draining(fsdp_rpc_server_t *server, bool draining);
+
+/* Begins a graceful stop: the server drains until it holds no work or drain_ms has passed
+ * (held work then ends with UNAVAILABLE), then gRPC takes no more calls, and `done` runs on
+ * the loop once every call and gRPC object is gone. Final replies get a short grace taken
+ * out of drain_ms, so the stop as a whole fits in drain_ms. */
 void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
                           void (*done)(void *data), void *data);
 

@@ -1,4 +1,4 @@
-/* fsdp.v1 handlers of this release: Operator.Status, Operator.ReloadConfig, and the
+/* fsdp.v1 handlers of this release: Operator.Status, ReloadConfig, Drain and Resume, and the
  * protocol-version gate of Trainer.Attach and Peer.Join. */
 #include "services.h"
 
@@ -127,6 +127,20 @@ static void fill_listeners(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
   reply->listeners = s->listener_ptrs;
 }
 
+static Fsdp__V1__ServingState serving_state(fsdp_daemon_state_t state) {
+  switch (state) {
+  case FSDP_DAEMON_SERVING:
+    return FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING;
+  case FSDP_DAEMON_DRAINING:
+    return FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING;
+  case FSDP_DAEMON_STARTING:
+  case FSDP_DAEMON_STOPPING:
+  case FSDP_DAEMON_STOPPED:
+    break;
+  }
+  return FSDP__V1__SERVING_STATE__SERVING_STATE_STOPPING;
+}
+
 static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
   fsdp_daemon_t *daemon = data;
@@ -153,13 +167,13 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   s->memory.in_use_bytes = 0;
   s->memory.limit_bytes = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
   reply.memory = &s->memory;
-  reply.state = daemon->state == FSDP_DAEMON_SERVING ? FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING
-                                                     : FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING;
+  reply.state = serving_state(daemon->state);
   fsdp_rpc_stats_t stats;
   fsdp_rpc_server_get_stats(daemon->rpc, &stats);
   reply.rpc_calls_total = stats.calls_total;
   reply.rpc_calls_failed = stats.calls_failed;
   reply.rpc_calls_inflight = stats.calls_inflight;
+  reply.rpc_work_inflight = stats.work_inflight;
   fsdp_rpc_call_reply(call, &reply.base);
   free(s);
 }
@@ -185,10 +199,43 @@ static void operator_reload(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
-static const fsdp_rpc_handler_t trainer_handlers[] = {{"Attach", trainer_attach}};
-static const fsdp_rpc_handler_t operator_handlers[] = {{"Status", operator_status},
-                                                       {"ReloadConfig", operator_reload}};
-static const fsdp_rpc_handler_t peer_handlers[] = {{"Join", peer_join}};
+static void operator_drain(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  fsdp_daemon_t *daemon = data;
+  fsdp_status_t st;
+  if (fsdp_daemon_set_draining(daemon, true, &st) < 0) {
+    fsdp_rpc_call_fail_status(call, &st);
+    return;
+  }
+  fsdp_rpc_stats_t stats;
+  fsdp_rpc_server_get_stats(daemon->rpc, &stats);
+  Fsdp__V1__DrainReply reply = FSDP__V1__DRAIN_REPLY__INIT;
+  reply.work_inflight = stats.work_inflight;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  fsdp_daemon_t *daemon = data;
+  fsdp_status_t st;
+  if (fsdp_daemon_set_draining(daemon, false, &st) < 0) {
+    fsdp_rpc_call_fail_status(call, &st);
+    return;
+  }
+  Fsdp__V1__ResumeReply reply = FSDP__V1__RESUME_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* Trainer and Peer calls are the work a drain refuses and waits for; the operator's calls
+ * are served while draining, so a drain can be watched and undone. */
+static const fsdp_rpc_handler_t trainer_handlers[] = {{"Attach", trainer_attach, false}};
+static const fsdp_rpc_handler_t operator_handlers[] = {
+    {"Status", operator_status, true},
+    {"ReloadConfig", operator_reload, true},
+    {"Drain", operator_drain, true},
+    {"Resume", operator_resume, true},
+};
+static const fsdp_rpc_handler_t peer_handlers[] = {{"Join", peer_join, false}};
 
 void fsdp_services_init(fsdp_daemon_t *daemon) {
 #define SERVICE(descriptor_, handlers_) \

@@ -127,14 +127,24 @@ static void deferring_handler(fsdp_rpc_call_t *c, const ProtobufCMessage *reques
   fixture_t *f = data;
   f->deferred = c;
   uv_timer_start(&f->timer, on_deferred_timer, 30, 0);
+  if (f->stop_when_parked)
+    stop_server(f);
+}
+
+static void draining_handler(fsdp_rpc_call_t *c, const ProtobufCMessage *request, void *data) {
+  fixture_t *f = data;
+  fsdp_rpc_server_set_draining(f->server, true);
+  status_handler(c, request, data);
 }
 
 /* ListUnits has no handler on purpose: the adapter must answer UNIMPLEMENTED. */
 static const fsdp_rpc_handler_t handlers[] = {
-    {"Status", status_handler},
-    {"ReloadConfig", failing_handler},
-    {"Drain", parking_handler},
-    {"Resume", deferring_handler},
+    {"Status", status_handler, false},
+    {"ReloadConfig", failing_handler, false},
+    {"Drain", parking_handler, false},
+    {"Resume", deferring_handler, false},
+    {"SaveCheckpoint", draining_handler, true},
+    {"LoadCheckpoint", status_handler, true},
 };
 
 /* Harness. */
@@ -326,11 +336,55 @@ static void parked_through_stop(fixture_t *f) {
 
 static void test_stop_cancels_parked_calls_after_drain(void **state) {
   (void)state;
-  fixture_t *f = run(parked_through_stop, 16, 150, true);
+  fixture_t *f = run(parked_through_stop, 16, 400, true);
   assert_int_equal(f->results[0].code, FSDP_E_UNAVAILABLE);
+  assert_string_equal(f->results[0].message, "fsdpd is shutting down");
   assert_int_equal(atomic_load(&f->cancels), 1);
-  /* Not before the drain time (150 ms), and far before the client's 10 s deadline. */
-  assert_in_range(f->results[1].code, 150, 5000);
+  /* The stop began 10 ms after parking; held work ends once the drain time less the grace
+   * for final replies (a quarter, at most 250 ms) is up: near 310 ms, far before 10 s. */
+  assert_in_range(f->results[1].code, 300, 2000);
+  free(f);
+}
+
+static void work_done_during_stop(fixture_t *f) {
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  call(f, "/fsdp.v1.Operator/Resume", 10000, &f->results[0]);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  f->results[1].code = (int)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000);
+}
+
+static void test_stop_ends_as_soon_as_work_is_done(void **state) {
+  (void)state;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  /* A 5 s drain; the deferred reply comes after 30 ms and the stop follows it at once. */
+  fixture_t *f = run(work_done_during_stop, 16, 5000, true);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  long elapsed_ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+  assert_int_equal(f->results[0].code, 0);
+  assert_string_equal(f->results[0].version, "deferred");
+  assert_in_range(elapsed_ms, 0, 2000);
+  free(f);
+}
+
+static void draining_calls(fixture_t *f) {
+  call(f, "/fsdp.v1.Operator/Status", 2000, &f->results[0]);
+  call(f, "/fsdp.v1.Operator/SaveCheckpoint", 2000, &f->results[1]); /* starts draining */
+  call(f, "/fsdp.v1.Operator/Status", 2000, &f->results[2]);
+  call(f, "/fsdp.v1.Operator/LoadCheckpoint", 2000, &f->results[3]);
+}
+
+static void test_draining_refuses_work_and_serves_the_rest(void **state) {
+  (void)state;
+  fixture_t *f = run(draining_calls, 16, 100, false);
+  assert_int_equal(f->results[0].code, 0);
+  assert_int_equal(f->results[1].code, 0);
+  assert_int_equal(f->results[2].code, FSDP_E_UNAVAILABLE);
+  assert_string_equal(f->results[2].message,
+                      "/fsdp.v1.Operator/Status: fsdpd is draining and takes no new work");
+  assert_int_equal(f->results[3].code, 0); /* served while draining */
+  assert_string_equal(f->results[3].version, "test-1");
   free(f);
 }
 
@@ -341,7 +395,7 @@ static void test_handler_for_unknown_method_is_refused(void **state) {
   fsdp_rpc_server_t *server;
   fsdp_rpc_server_options_t options = {.max_message_size = 4096, .max_inflight_calls = 4};
   assert_int_equal(fsdp_rpc_server_new(&loop, &options, &server), 0);
-  static const fsdp_rpc_handler_t typo[] = {{"Stauts", status_handler}};
+  static const fsdp_rpc_handler_t typo[] = {{"Stauts", status_handler, false}};
   fsdp_rpc_service_t service = {&fsdp__v1__operator__descriptor, typo, 1, NULL};
   fsdp_rpc_endpoint_t *endpoint;
   assert_int_equal(fsdp_rpc_server_add_endpoint(server, "typo", &service, 1, &endpoint), -EINVAL);
@@ -357,6 +411,8 @@ int main(void) {
       cmocka_unit_test(test_deferred_reply),
       cmocka_unit_test(test_deadline_cancels_parked_call_and_limit_holds),
       cmocka_unit_test(test_stop_cancels_parked_calls_after_drain),
+      cmocka_unit_test(test_stop_ends_as_soon_as_work_is_done),
+      cmocka_unit_test(test_draining_refuses_work_and_serves_the_rest),
       cmocka_unit_test(test_handler_for_unknown_method_is_refused),
   };
   return cmocka_run_group_tests_name("rpc_server", tests, NULL, NULL);
