@@ -58,7 +58,7 @@ int fsdp_args_parse(int argc, char **argv, fsdp_args_t *ret_args, fsdp_status_t 
       if (!eq)
         return fsdp_status_set(st, -EINVAL, "--set %s: expected KEY=VALUE", kv);
       if (!fsdp_option_find(key, &id))
-        return fsdp_status_set(st, -EINVAL, "--set %s: unknown key '%s'", kv, key);
+        return fsdp_status_set(st, FSDP_E_CONFIG, "--set %s: unknown key '%s'", kv, key);
       char origin[80];
       snprintf(origin, sizeof origin, "--set %s", key);
       int r = add_setting(&args, id, eq + 1, origin, st);

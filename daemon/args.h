@@ -34,7 +34,8 @@ typedef struct fsdp_args {
   unsigned n_settings;
 } fsdp_args_t;
 
-/* Parses argv. Usage errors return -EINVAL with st naming the flag. */
+/* Parses argv. Usage errors return -EINVAL with st naming the flag; an unknown key in
+ * --set returns FSDP_E_CONFIG, like an unknown key anywhere else. */
 int fsdp_args_parse(int argc, char **argv, fsdp_args_t *ret_args, fsdp_status_t *st);
 
 /* Builds a config from defaults, the file, envp and the flags, in that order. cfg is

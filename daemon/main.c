@@ -22,8 +22,11 @@ int main(int argc, char **argv) {
 
   fsdp_args_t args;
   fsdp_status_t st;
-  if (fsdp_args_parse(argc, argv, &args, &st) < 0) {
+  int r = fsdp_args_parse(argc, argv, &args, &st);
+  if (r < 0) {
     fprintf(stderr, "fsdpd: %s\n", st.message);
+    if (r == FSDP_E_CONFIG)
+      return FSDP_EXIT_CONFIG;
     fsdp_args_usage(stderr);
     return 2;
   }
@@ -55,7 +58,7 @@ int main(int argc, char **argv) {
   }
 
   fsdp_daemon_t daemon;
-  int r = fsdp_daemon_start(&daemon, &args, environ, &config, &st);
+  r = fsdp_daemon_start(&daemon, &args, environ, &config, &st);
   if (r < 0) {
     log_error("%s", st.message);
     return r == FSDP_E_CONFIG ? FSDP_EXIT_CONFIG : 1;

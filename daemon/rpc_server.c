@@ -700,6 +700,11 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
       {GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, {.integer = -1}},
       /* gRPC allows SO_REUSEPORT by default: two daemons would then share one port. */
       {GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}},
+      /* Requests whose message has not arrived yet are held by gRPC, not counted by us;
+       * this bounds them per connection. At the in-flight limit itself, HTTP/2 clients
+       * would queue quietly instead of hearing RESOURCE_EXHAUSTED from us: hence twice. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS,
+       {.integer = (int)(2 * server->options.max_inflight_calls)}},
   };
   grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
   ep->grpc = grpc_server_create(&channel_args, NULL);

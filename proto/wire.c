@@ -37,6 +37,82 @@ int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer)
   return 0;
 }
 
+/* Reads a varint at data[0..len); returns its size, or 0 if it does not end in time. */
+static size_t read_varint(const uint8_t *data, size_t len, uint64_t *ret_value) {
+  uint64_t value = 0;
+  for (size_t i = 0; i < len && i < 10; i++) {
+    value |= (uint64_t)(data[i] & 0x7f) << (7 * i);
+    if (!(data[i] & 0x80)) {
+      *ret_value = value;
+      return i + 1;
+    }
+  }
+  return 0;
+}
+
+/* protobuf-c hands strings out as C strings, so a NUL inside one would silently cut it
+ * short ("a\0b" would read as "a"). Only the wire bytes show it: this walks them, down
+ * into sub-messages, for string fields holding a NUL. The bytes have already been unpacked
+ * successfully, so anything odd here simply ends the walk. */
+static int check_nul_in_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                                size_t len, const char *prefix, fsdp_status_t *st) {
+  unsigned seen[64] = {0}; /* occurrences per field, for the index of repeated fields */
+  size_t pos = 0;
+  while (pos < len) {
+    uint64_t key, size;
+    size_t n = read_varint(data + pos, len - pos, &key);
+    if (n == 0)
+      return 0;
+    pos += n;
+    switch (key & 7) {
+    case 0:
+      n = read_varint(data + pos, len - pos, &size);
+      if (n == 0)
+        return 0;
+      pos += n;
+      continue;
+    case 1:
+      pos += 8;
+      continue;
+    case 5:
+      pos += 4;
+      continue;
+    case 2:
+      break;
+    default:
+      return 0;
+    }
+    n = read_varint(data + pos, len - pos, &size);
+    if (n == 0 || size > len - pos - n)
+      return 0;
+    pos += n;
+    const uint8_t *value = data + pos;
+    pos += size;
+    const ProtobufCFieldDescriptor *f =
+        protobuf_c_message_descriptor_get_field(desc, (unsigned)(key >> 3));
+    if (!f || (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE))
+      continue;
+    size_t index = (size_t)(f - desc->fields);
+    char path[256];
+    if (f->label == PROTOBUF_C_LABEL_REPEATED && index < 64)
+      snprintf(path, sizeof path, "%s%s%s[%u]", prefix, *prefix ? "." : "", f->name, seen[index]++);
+    else
+      snprintf(path, sizeof path, "%s%s%s", prefix, *prefix ? "." : "", f->name);
+    if (f->type == PROTOBUF_C_TYPE_STRING) {
+      const uint8_t *nul = memchr(value, 0, size);
+      if (nul)
+        return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                               "field '%s' holds a NUL byte at offset %zu", path,
+                               (size_t)(nul - value));
+    } else {
+      int r = check_nul_in_strings(f->descriptor, value, size, path, st);
+      if (r < 0)
+        return r;
+    }
+  }
+  return 0;
+}
+
 int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
                            size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
   ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, len, data);
@@ -45,6 +121,8 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
                            "malformed %s: %zu bytes do not decode as this message", desc->name,
                            len);
   int r = fsdp_wire_validate(msg, st);
+  if (r == 0)
+    r = check_nul_in_strings(desc, data, len, "", st);
   if (r < 0) {
     protobuf_c_message_free_unpacked(msg, NULL);
     return r;

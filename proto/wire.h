@@ -32,8 +32,9 @@ bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *serv
 /* Packs msg into a new byte buffer that the caller destroys (after the batch using it). */
 int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer);
 
-/* Unpacks and validates a message of type desc. On failure st names the type and why. A
- * NULL buffer is an empty message (gRPC sends no bytes for one). */
+/* Unpacks and validates a message of type desc (fsdp_wire_validate, and no string holding a
+ * NUL byte, which a C string would cut short). On failure st names the type or the field
+ * and why. A NULL buffer is an empty message (gRPC sends no bytes for one). */
 int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                      ProtobufCMessage **ret_msg, fsdp_status_t *st);
 int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,

@@ -8,7 +8,10 @@ import time
 
 import pytest
 
-from fsdpd_harness import NOT_SERVING, SERVING, fsdpd, run_fsdpctl  # noqa: F401
+import grpc
+
+from fsdpd_harness import (NOT_SERVING, SERVING, fsdpd, run_fsdpctl,  # noqa: F401
+                           status_code_and_details, trainer_pb2)
 
 OK, ERROR, USAGE, NOT_SERVING_EXIT = 0, 1, 2, 3
 
@@ -213,42 +216,58 @@ def test_bad_usage_exits_2(args, message):
 
 # --- draining -----------------------------------------------------------------------------
 
-def start_draining(fsdpd, drain="3s"):
-    """A daemon held in its drain by a parked call; returns once health went NOT_SERVING."""
-    d = fsdpd("--set", f"daemon.drain_timeout={drain}")
-    watch = d.watch("")
+def test_drain_and_resume(fsdpd):
+    """fsdpctl drain: health NOT_SERVING (exit 3) on both listeners, status DRAINING (exit 3),
+    new trainer work refused with UNAVAILABLE, status and health still answered; resume
+    undoes all of it."""
+    d = fsdpd()
+    watch = d.watch("fsdp.v1.Trainer")
     assert next(watch).status == SERVING
-    d.park_call()
-    d.send_signal(signal.SIGTERM)
+
+    r = d.fsdpctl("drain")
+    assert r.returncode == OK, r.stdout + r.stderr
+    assert "new work is refused" in r.stdout
     assert next(watch).status == NOT_SERVING
-    return d
+    for tcp in (False, True):
+        r = d.fsdpctl("health", tcp=tcp)
+        assert r.returncode == NOT_SERVING_EXIT, r.stdout + r.stderr
+        assert r.stdout.strip() == "NOT_SERVING"
+    r = d.fsdpctl("--json", "status")
+    assert r.returncode == NOT_SERVING_EXIT, r.stdout + r.stderr
+    assert json.loads(r.stdout)["state"] == "DRAINING"
+    with pytest.raises(grpc.RpcError) as excinfo:
+        d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(protocol_version=1),
+               trainer_pb2.AttachReply)
+    code, details = status_code_and_details(excinfo)
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert details == "/fsdp.v1.Trainer/Attach: fsdpd is draining and takes no new work"
+    assert d.fsdpctl("drain").returncode == OK  # idempotent
+
+    r = d.fsdpctl("resume")
+    assert r.returncode == OK, r.stdout + r.stderr
+    assert next(watch).status == SERVING
+    assert d.fsdpctl("health").returncode == OK
+    r = d.fsdpctl("--json", "status")
+    assert r.returncode == OK and json.loads(r.stdout)["state"] == "SERVING"
+    assert d.stop() == 0
+
+
+def test_sigterm_while_drained_stops(fsdpd):
+    d = fsdpd()
+    assert d.fsdpctl("drain").returncode == OK
+    assert d.stop(signal.SIGTERM) == 0
 
 
 @pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
-def test_health_while_draining_is_not_ok(fsdpd, tcp):
-    """What holds today and must keep holding: a probe during the drain does not say SERVING,
-    does not exit 0, and does not hang past its --timeout."""
-    d = start_draining(fsdpd)
+def test_health_during_stop_is_not_ok_and_does_not_hang(fsdpd, tcp):
+    """A probe racing a SIGTERM either sees NOT_SERVING (3) or finds the daemon gone (1),
+    never SERVING, and never waits past its --timeout."""
+    d = fsdpd()
+    d.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     r = d.fsdpctl("--timeout", "500ms", "health", tcp=tcp)
     elapsed = time.monotonic() - t0
     assert r.returncode in (ERROR, NOT_SERVING_EXIT), r.stdout + r.stderr
     assert "SERVING" not in r.stdout.replace("NOT_SERVING", "")
-    assert elapsed < 3, f"fsdpctl health during the drain took {elapsed:.1f}s"
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "fsdpd bug: during the drain the health endpoints stop taking calls (TCP refuses the "
-    "connection; the unix listener stops accepting, so a probe waits out its --timeout), so "
-    "`fsdpctl health` exits 1 ('down') instead of 3 ('draining') as docs/fsdpctl.md promises; "
-    "NOT_SERVING is visible only to Watch streams opened before SIGTERM"))
-@pytest.mark.parametrize("tcp", [True, False], ids=["tcp", "unix"])
-def test_health_while_draining_exits_3(fsdpd, tcp):
-    d = start_draining(fsdpd)
-    r = d.fsdpctl("--timeout", "500ms", "health", tcp=tcp)
-    assert r.returncode == NOT_SERVING_EXIT, r.stdout + r.stderr
-    assert r.stdout.strip() == "NOT_SERVING"
-    if not tcp:
-        r = d.fsdpctl("--timeout", "500ms", "--json", "status")
-        assert r.returncode == NOT_SERVING_EXIT, r.stdout + r.stderr
-        assert json.loads(r.stdout)["state"] == "DRAINING"
+    assert elapsed < 3, f"fsdpctl health during the stop took {elapsed:.1f}s"
+    assert d.wait() == 0

@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "fsdp/v1/operator.pb-c.h"
+#include "fsdp/v1/peer.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 
@@ -198,6 +199,33 @@ static void test_invalid_utf8_is_rejected(void **state) {
   protobuf_c_message_free_unpacked(msg, NULL);
 }
 
+static void test_nul_inside_a_string_is_rejected(void **state) {
+  (void)state;
+  ProtobufCMessage *msg = NULL;
+  fsdp_status_t st;
+  /* HealthCheckRequest{service: "\0fsdp.v1.Nope"}: read as a C string it would be "". */
+  const uint8_t check[] = {0x0a, 0x0d, 0x00, 'f', 's', 'd', 'p', '.', 'v', '1', '.', 'N', 'o', 'p', 'e'};
+  assert_int_equal(fsdp_wire_decode_bytes(&grpc__health__v1__health_check_request__descriptor,
+                                          check, sizeof check, &msg, &st),
+                   FSDP_E_INVALID_ARGUMENT);
+  assert_string_equal(st.message, "field 'service' holds a NUL byte at offset 0");
+
+  /* Nested and repeated: RegisterUnitRequest{unit: "u", params: [{name: "w"}, {name: "b\0x"}]} */
+  const uint8_t nested[] = {0x12, 0x01, 'u', 0x1a, 0x03, 0x0a, 0x01, 'w',
+                            0x1a, 0x05, 0x0a, 0x03, 'b', 0x00, 'x'};
+  assert_int_equal(fsdp_wire_decode_bytes(&fsdp__v1__register_unit_request__descriptor, nested,
+                                          sizeof nested, &msg, &st),
+                   FSDP_E_INVALID_ARGUMENT);
+  assert_string_equal(st.message, "field 'params[1].name' holds a NUL byte at offset 1");
+
+  /* A NUL in a bytes field is just data. */
+  const uint8_t join[] = {0x08, 0x01, 0x22, 0x03, 'a', 0x00, 'b'};
+  assert_int_equal(fsdp_wire_decode_bytes(&fsdp__v1__join_request__descriptor, join, sizeof join,
+                                          &msg, &st),
+                   0);
+  protobuf_c_message_free_unpacked(msg, NULL);
+}
+
 static void test_field_number_zero_is_rejected(void **state) {
   (void)state;
   /* session_id = 8, then field 0 (tag spelled in two bytes, 80 00) with value 0. */
@@ -222,6 +250,7 @@ int main(void) {
       cmocka_unit_test(test_enum_outside_its_type_is_rejected),
       cmocka_unit_test(test_invalid_utf8_is_rejected),
       cmocka_unit_test(test_field_number_zero_is_rejected),
+      cmocka_unit_test(test_nul_inside_a_string_is_rejected),
   };
   return cmocka_run_group_tests_name("wire", tests, NULL, NULL);
 }
