@@ -211,9 +211,10 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   int r;
   if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0) {
     r = fsdp_status_set(st, FSDP_E_CONFIG,
-                        "key 'daemon.backend': value 'cuda' is not served by fsdpd %s yet; "
-                        "use 'host'",
-                        FSDP_VERSION_STRING);
+                        "key 'daemon.backend': value 'cuda' is not served by fsdpd %s%s; use "
+                        "'host'",
+                        FSDP_VERSION_STRING,
+                        FSDP_HAVE_CUDA ? "" : " (and this build has no CUDA toolkit)");
     goto fail_config;
   }
   if ((r = uv_loop_init(&daemon->loop)) < 0) {

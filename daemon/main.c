@@ -35,7 +35,8 @@ int main(int argc, char **argv) {
     fsdp_args_usage(stdout);
     return 0;
   case FSDP_ARGS_VERSION:
-    printf("fsdpd %s (protocol %u)\n", FSDP_VERSION_STRING, FSDP_PROTOCOL_VERSION);
+    printf("fsdpd %s (protocol %u, CUDA toolkit %s)\n", FSDP_VERSION_STRING,
+           FSDP_PROTOCOL_VERSION, FSDP_HAVE_CUDA ? "found at build time" : "not built in");
     return 0;
   case FSDP_ARGS_PRINT_EXAMPLE_CONFIG:
     fsdp_config_write_example(stdout);
