@@ -1,0 +1,223 @@
+/* FlatParameter layout and spec checks: padding and equal shards for numels that do and do
+ * not divide, every refusal with its message, and the first-difference report. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "unit_layout.h"
+
+/* A spec with up to 4 parameters, all fp32, FULL_SHARD. */
+typedef struct spec_storage {
+  Fsdp__V1__RegisterUnitRequest spec;
+  Fsdp__V1__ParamSpec params[4];
+  Fsdp__V1__ParamSpec *ptrs[4];
+  uint64_t shapes[4][4];
+} spec_storage_t;
+
+static void make_spec(spec_storage_t *s, const char *unit, size_t n, const char *const *names,
+                      const uint64_t (*shapes)[4], const size_t *ndims) {
+  memset(s, 0, sizeof *s);
+  fsdp__v1__register_unit_request__init(&s->spec);
+  s->spec.unit = (char *)unit;
+  s->spec.strategy = FSDP__V1__SHARDING_STRATEGY__FULL_SHARD;
+  for (size_t i = 0; i < n; i++) {
+    fsdp__v1__param_spec__init(&s->params[i]);
+    s->params[i].name = (char *)names[i];
+    s->params[i].dtype = FSDP__V1__DTYPE__DTYPE_FP32;
+    s->params[i].requires_grad = true;
+    memcpy(s->shapes[i], shapes[i], sizeof s->shapes[i]);
+    s->params[i].shape = s->shapes[i];
+    s->params[i].n_shape = ndims[i];
+    s->ptrs[i] = &s->params[i];
+  }
+  s->spec.params = s->ptrs;
+  s->spec.n_params = n;
+}
+
+static const char *const wb[] = {"weight", "bias", "scale", "extra"};
+static const uint64_t shapes_4096x1023[4][4] = {{4096, 1023}, {1023}, {0}, {0}};
+static const size_t ndims_2_1[] = {2, 1, 0, 0};
+
+static void test_layout_pads_to_a_multiple_of_the_shards(void **state) {
+  (void)state;
+  spec_storage_t s;
+  make_spec(&s, "layer0", 2, wb, shapes_4096x1023, ndims_2_1);
+  fsdp_status_t st;
+  assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), 0);
+  for (unsigned shards = 1; shards <= 8; shards++) {
+    fsdp_unit_layout_t l;
+    assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, shards, &st), 0);
+    uint64_t numel = 4096ull * 1023 + 1023;
+    assert_int_equal(l.numel, numel);
+    assert_int_equal(l.padded_numel % shards, 0);
+    assert_true(l.padded_numel >= numel && l.padded_numel - numel < shards);
+    assert_int_equal(l.shard_numel * shards, l.padded_numel);
+    assert_int_equal(l.offsets[0], 0);
+    assert_int_equal(l.offsets[1], 4096ull * 1023);
+    assert_int_equal(l.numels[1], 1023);
+    uint64_t begin, end;
+    fsdp_unit_layout_shard_range(&l, shards - 1, &begin, &end);
+    assert_int_equal(end, l.padded_numel);
+    assert_int_equal(end - begin, l.shard_numel);
+    fsdp_unit_layout_cleanup(&l);
+  }
+  /* 4096 * 1023 + 1023 = 4191231 = 3 * 1397077: divisible by 3, not by 2 or 4. */
+  fsdp_unit_layout_t l;
+  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 3, &st), 0);
+  assert_int_equal(l.padded_numel, l.numel);
+  fsdp_unit_layout_cleanup(&l);
+  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, &st), 0);
+  assert_int_equal(l.padded_numel - l.numel, 1);
+  fsdp_unit_layout_cleanup(&l);
+}
+
+static void test_scalars_and_zero_size_parameters(void **state) {
+  (void)state;
+  static const uint64_t shapes[4][4] = {{0}, {3, 0}, {5}, {0}};
+  static const size_t ndims[] = {0, 2, 1, 0};
+  spec_storage_t s;
+  make_spec(&s, "mixed", 3, wb, shapes, ndims);
+  fsdp_status_t st;
+  assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), 0);
+  fsdp_unit_layout_t l;
+  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, &st), 0);
+  assert_int_equal(l.numels[0], 1); /* a scalar */
+  assert_int_equal(l.numels[1], 0); /* zero-size: kept, takes no room */
+  assert_int_equal(l.offsets[1], 1);
+  assert_int_equal(l.offsets[2], 1);
+  assert_int_equal(l.numel, 6);
+  assert_int_equal(l.padded_numel, 8);
+  assert_int_equal(l.shard_numel, 2);
+  fsdp_unit_layout_cleanup(&l);
+}
+
+static void expect_refusal(const Fsdp__V1__RegisterUnitRequest *spec, const char *message) {
+  fsdp_status_t st;
+  assert_int_equal(fsdp_unit_spec_check(spec, &st), FSDP_E_INVALID_ARGUMENT);
+  assert_string_equal(st.message, message);
+}
+
+static void test_refusals_name_the_field_and_value(void **state) {
+  (void)state;
+  spec_storage_t s;
+  make_spec(&s, "", 2, wb, shapes_4096x1023, ndims_2_1);
+  expect_refusal(&s.spec, "field 'unit' is empty");
+
+  make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
+  s.spec.strategy = FSDP__V1__SHARDING_STRATEGY__STRATEGY_UNSPECIFIED;
+  expect_refusal(&s.spec, "unit 'layer1': field 'strategy' is unspecified; expected FULL_SHARD, "
+                          "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD");
+
+  make_spec(&s, "layer1", 0, wb, shapes_4096x1023, ndims_2_1);
+  expect_refusal(&s.spec, "unit 'layer1' has no parameters");
+
+  static const char *const dup[] = {"w", "b", "w"};
+  static const uint64_t three[4][4] = {{2}, {2}, {2}, {0}};
+  static const size_t ones[] = {1, 1, 1, 0};
+  make_spec(&s, "layer1", 3, dup, three, ones);
+  expect_refusal(&s.spec, "unit 'layer1': parameter name 'w' appears more than once");
+
+  static const char *const unnamed[] = {"w", ""};
+  make_spec(&s, "layer1", 2, unnamed, three, ones);
+  expect_refusal(&s.spec, "unit 'layer1': params[1].name is empty");
+
+  make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
+  s.params[1].dtype = FSDP__V1__DTYPE__DTYPE_BF16;
+  expect_refusal(&s.spec, "unit 'layer1': params[1] 'bias' is DTYPE_BF16 but params[0] 'weight' "
+                          "is DTYPE_FP32; a unit holds one element type");
+  s.params[1].dtype = FSDP__V1__DTYPE__DTYPE_UNSPECIFIED;
+  expect_refusal(&s.spec, "unit 'layer1': params[1].dtype of 'bias' is unspecified");
+
+  static const uint64_t zeros[4][4] = {{0}, {4, 0}, {0}, {0}};
+  static const size_t zero_dims[] = {1, 2, 0, 0};
+  make_spec(&s, "empty", 2, wb, zeros, zero_dims);
+  expect_refusal(&s.spec, "unit 'empty' has no elements: every parameter has size 0");
+
+  make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
+  s.spec.gradient_predivide_factor = -2;
+  expect_refusal(&s.spec, "unit 'layer1': gradient_predivide_factor = -2, expected a finite value "
+                          "> 0 (or 0 for the default)");
+  s.spec.gradient_predivide_factor = 0;
+  s.spec.gradient_postdivide_factor = NAN;
+  expect_refusal(&s.spec, "unit 'layer1': gradient_postdivide_factor = nan, expected a finite "
+                          "value > 0 (or 0 for the default)");
+}
+
+static void test_element_counts_that_overflow_are_refused(void **state) {
+  (void)state;
+  /* 2^32 * 2^32 wraps to 0 in 64 bits: must be caught, not accepted as empty. */
+  static const uint64_t wraps[4][4] = {{1ull << 32, 1ull << 32}, {0}, {0}, {0}};
+  static const size_t two[] = {2, 0, 0, 0};
+  spec_storage_t s;
+  make_spec(&s, "huge", 1, wb, wraps, two);
+  expect_refusal(&s.spec, "unit 'huge': params[0] 'weight' shape [4294967296,4294967296] brings "
+                          "the unit past 1099511627776 elements");
+  /* Each parameter fits, the sum does not. */
+  static const uint64_t halves[4][4] = {{1ull << 39}, {1ull << 39}, {1}, {0}};
+  static const size_t ones[] = {1, 1, 1, 0};
+  make_spec(&s, "huge", 3, wb, halves, ones);
+  expect_refusal(&s.spec, "unit 'huge': params[2] 'scale' shape [1] brings the unit past "
+                          "1099511627776 elements");
+}
+
+static void test_diff_names_the_first_differing_field(void **state) {
+  (void)state;
+  spec_storage_t a, b;
+  make_spec(&a, "layer3", 2, wb, shapes_4096x1023, ndims_2_1);
+  make_spec(&b, "layer3", 2, wb, shapes_4096x1023, ndims_2_1);
+  b.spec.session_id = 99; /* not part of the spec */
+  fsdp_spec_difference_t d;
+  assert_false(fsdp_unit_spec_diff(&a.spec, &b.spec, &d));
+
+  b.shapes[0][1] = 1024;
+  assert_true(fsdp_unit_spec_diff(&a.spec, &b.spec, &d));
+  assert_string_equal(d.field, "params[0].shape");
+  assert_string_equal(d.a, "[4096,1023]");
+  assert_string_equal(d.b, "[4096,1024]");
+
+  b.spec.param_dtype = FSDP__V1__DTYPE__DTYPE_BF16; /* earlier in the order than the shapes */
+  assert_true(fsdp_unit_spec_diff(&a.spec, &b.spec, &d));
+  assert_string_equal(d.field, "param_dtype");
+  assert_string_equal(d.a, "DTYPE_UNSPECIFIED");
+  assert_string_equal(d.b, "DTYPE_BF16");
+
+  make_spec(&b, "layer3", 1, wb, shapes_4096x1023, ndims_2_1);
+  assert_true(fsdp_unit_spec_diff(&a.spec, &b.spec, &d));
+  assert_string_equal(d.field, "params (count)");
+  assert_string_equal(d.a, "2");
+  assert_string_equal(d.b, "1");
+
+  make_spec(&b, "layer3", 2, wb, shapes_4096x1023, ndims_2_1);
+  b.params[1].requires_grad = false;
+  assert_true(fsdp_unit_spec_diff(&a.spec, &b.spec, &d));
+  assert_string_equal(d.field, "params[1].requires_grad");
+}
+
+static void test_dtype_defaults(void **state) {
+  (void)state;
+  spec_storage_t s;
+  make_spec(&s, "layer0", 2, wb, shapes_4096x1023, ndims_2_1);
+  assert_int_equal(fsdp_unit_spec_param_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_FP32);
+  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_FP32);
+  s.spec.param_dtype = FSDP__V1__DTYPE__DTYPE_BF16;
+  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_BF16);
+  s.spec.reduce_dtype = FSDP__V1__DTYPE__DTYPE_FP32;
+  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_FP32);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_layout_pads_to_a_multiple_of_the_shards),
+      cmocka_unit_test(test_scalars_and_zero_size_parameters),
+      cmocka_unit_test(test_refusals_name_the_field_and_value),
+      cmocka_unit_test(test_element_counts_that_overflow_are_refused),
+      cmocka_unit_test(test_diff_names_the_first_differing_field),
+      cmocka_unit_test(test_dtype_defaults),
+  };
+  return cmocka_run_group_tests_name("unit_layout", tests, NULL, NULL);
+}
