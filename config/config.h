@@ -57,7 +57,14 @@ typedef enum fsdp_option_type {
     false, "--health-listen",                                                                    \
     "TCP address of the gRPC health service for schedulers; empty disables it.")                \
   X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "8GiB", 67108864, 1099511627776, NULL, "B",    \
-    true, NULL, "Memory the daemon may hold for all jobs together.")
+    true, NULL, "Memory the daemon may hold for all jobs together.")                             \
+  X(SESSION_LEASE, "session.lease", FSDP_OPT_DURATION, "30s", 100, 3600000, NULL, "ms", true,   \
+    NULL,                                                                                        \
+    "A trainer session that makes no call (KeepAlive included) for this long ends; its "        \
+    "references are released.")                                                                  \
+  X(MAX_SESSIONS, "session.max_sessions", FSDP_OPT_INT, "256", 1, 4096, NULL, NULL, true, NULL, \
+    "Trainer sessions the daemon holds at once, all jobs together; beyond it, "                 \
+    "RESOURCE_EXHAUSTED.")
 
 typedef enum fsdp_option_id {
 #define FSDP_OPTION_ID(id, ...) FSDP_OPTION_##id,

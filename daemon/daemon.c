@@ -14,9 +14,13 @@
 #include "log.h"
 #include "services.h"
 
-uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon) {
+uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon) {
   uv_update_time(&daemon->loop);
-  return uv_now(&daemon->loop) - daemon->started_ms;
+  return uv_now(&daemon->loop);
+}
+
+uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon) {
+  return fsdp_daemon_now_ms(daemon) - daemon->started_ms;
 }
 
 /* Values that take effect without a restart; called at start and after a reload. */
@@ -35,10 +39,21 @@ static void apply_config(fsdp_daemon_t *daemon) {
     uv_timer_again(&daemon->housekeeping);
 }
 
+static void log_expired(const fsdp_session_t *s, void *data) {
+  fsdp_daemon_t *daemon = data;
+  log_warning("session %016llx (job '%s' local rank %u, pid %d) ended: no call for %llu ms "
+              "(session.lease)",
+              (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid,
+              (unsigned long long)(uv_now(&daemon->loop) - s->last_call_ms));
+}
+
 static void on_housekeeping(uv_timer_t *timer) {
   fsdp_daemon_t *daemon = timer->data;
   if (daemon->watchdog_usec)
     sd_notify(0, "WATCHDOG=1");
+  fsdp_sessions_expire(&daemon->sessions, uv_now(&daemon->loop),
+                       (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE),
+                       log_expired, daemon);
 }
 
 int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,
@@ -102,6 +117,7 @@ static void on_rpc_stopped(void *data) {
   fsdp_daemon_t *daemon = data;
   fsdp_rpc_server_free(daemon->rpc);
   daemon->rpc = NULL;
+  fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_listener_close(&daemon->listener);
   close_handles(daemon);
   daemon->state = FSDP_DAEMON_STOPPED;
@@ -223,6 +239,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   }
   daemon->started_ms = uv_now(&daemon->loop);
   fsdp_health_init(&daemon->health);
+  fsdp_sessions_init(&daemon->sessions);
   fsdp_services_init(daemon);
 
   if ((r = fsdp_listener_open(&daemon->listener,

@@ -18,6 +18,7 @@
 #include "health.h"
 #include "listener.h"
 #include "rpc_server.h"
+#include "sessions.h"
 
 typedef enum fsdp_daemon_state {
   FSDP_DAEMON_STARTING,
@@ -46,6 +47,7 @@ typedef struct fsdp_daemon {
 
   fsdp_listener_t listener;
   fsdp_health_t health;
+  fsdp_sessions_t sessions;
   fsdp_rpc_service_t services[FSDP_SERVICE_COUNT]; /* borrowed by the RPC server */
   fsdp_rpc_server_t *rpc;
   fsdp_rpc_endpoint_t *local_endpoint;
@@ -82,5 +84,8 @@ int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, siz
                        fsdp_status_t *st);
 
 uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon);
+
+/* The loop's clock in milliseconds (monotonic), as sessions and deadlines use it. */
+uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon);
 
 #endif

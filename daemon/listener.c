@@ -185,6 +185,19 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       close(fd);
       continue;
     }
+    if ((size_t)fd >= listener->n_peers) {
+      size_t n = (size_t)fd * 2 + 16;
+      fsdp_peer_t *grown = realloc(listener->peers, n * sizeof *grown);
+      if (!grown) {
+        log_warning("out of memory recording a connection; closing it");
+        close(fd);
+        continue;
+      }
+      memset(grown + listener->n_peers, 0, (n - listener->n_peers) * sizeof *grown);
+      listener->peers = grown;
+      listener->n_peers = n;
+    }
+    listener->peers[fd] = (fsdp_peer_t){cred.pid, cred.uid, cred.gid};
     listener->accepted++;
     fsdp_rpc_endpoint_adopt(listener->endpoint, fd);
   }
@@ -208,8 +221,18 @@ static void stop_polling(fsdp_listener_t *listener) {
   }
 }
 
+int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer) {
+  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0)
+    return -ENOENT;
+  *ret_peer = listener->peers[fd];
+  return 0;
+}
+
 void fsdp_listener_close(fsdp_listener_t *listener) {
   stop_polling(listener);
+  free(listener->peers);
+  listener->peers = NULL;
+  listener->n_peers = 0;
   if (listener->socket_fd >= 0) {
     unlink(listener->socket_path);
     close(listener->socket_fd);

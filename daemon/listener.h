@@ -26,6 +26,13 @@
 #define FSDP_SOCKET_NAME "fsdpd.sock"
 #define FSDP_LOCK_NAME "fsdpd.lock"
 
+/* Credentials of a connection, from SO_PEERCRED at accept. */
+typedef struct fsdp_peer {
+  pid_t pid;
+  uid_t uid;
+  gid_t gid;
+} fsdp_peer_t;
+
 typedef struct fsdp_listener {
   uv_poll_t poll;
   bool polling;
@@ -35,6 +42,10 @@ typedef struct fsdp_listener {
   char socket_path[108]; /* sun_path's size */
   fsdp_rpc_endpoint_t *endpoint;
   unsigned long accepted, refused;
+  /* Credentials by file descriptor of the accepted connection. A closed connection's entry
+   * stays until its number is reused by the next accept: no call can come from it. */
+  fsdp_peer_t *peers;
+  size_t n_peers;
 } fsdp_listener_t;
 
 /* Prepares the run dir, takes its lock and binds the socket (mode 0660). Does not accept
@@ -47,6 +58,10 @@ int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_end
 /* Stops accepting, removes the socket, releases the lock and closes everything; synchronous
  * apart from the poll handle's own close, which this starts. */
 void fsdp_listener_close(fsdp_listener_t *listener);
+
+/* The credentials of the connection on file descriptor fd; -ENOENT if none was accepted
+ * there. */
+int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer);
 
 /* Whether a peer with these credentials may use the daemon: root, the daemon's user, or a
  * member of the daemon's group (primary or supplementary). */

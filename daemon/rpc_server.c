@@ -408,6 +408,20 @@ const char *fsdp_rpc_call_method(const fsdp_rpc_call_t *call) {
   return call->path;
 }
 
+int fsdp_rpc_call_peer_fd(const fsdp_rpc_call_t *call) {
+  /* gRPC names a connection made from a file descriptor "fd:N". */
+  char *peer = grpc_call_get_peer(call->call);
+  int fd = -1;
+  if (peer && strncmp(peer, "fd:", 3) == 0) {
+    char *end;
+    long n = strtol(peer + 3, &end, 10);
+    if (end != peer + 3 && *end == '\0' && n >= 0 && n <= INT32_MAX)
+      fd = (int)n;
+  }
+  gpr_free(peer);
+  return fd;
+}
+
 int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call) {
   if (gpr_time_cmp(call->deadline, gpr_inf_future(call->deadline.clock_type)) == 0)
     return INT64_MAX;

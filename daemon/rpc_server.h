@@ -114,6 +114,9 @@ void fsdp_rpc_call_fail_status(fsdp_rpc_call_t *call, const fsdp_status_t *st);
 void fsdp_rpc_call_on_cancel(fsdp_rpc_call_t *call, fsdp_rpc_cancel_fn cancel, void *data);
 /* "/package.Service/Method" */
 const char *fsdp_rpc_call_method(const fsdp_rpc_call_t *call);
+/* The file descriptor of the connection the call came on, for connections handed over with
+ * fsdp_rpc_endpoint_adopt(); -1 for those gRPC accepted itself (TCP). */
+int fsdp_rpc_call_peer_fd(const fsdp_rpc_call_t *call);
 /* Milliseconds until the client's deadline (<= 0 if passed); INT64_MAX without one. */
 int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call);
 

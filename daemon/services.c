@@ -2,6 +2,7 @@
  * protocol-version gate of Trainer.Attach and Peer.Join. */
 #include "services.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -26,14 +27,67 @@ static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who
   return false;
 }
 
+static uint64_t lease_ms(fsdp_daemon_t *daemon) {
+  return (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE);
+}
+
 static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  (void)data;
+  fsdp_daemon_t *daemon = data;
   const Fsdp__V1__AttachRequest *rq = (const void *)request;
   if (!protocol_ok(call, rq->protocol_version, "trainer"))
     return;
-  fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED,
-                     "%s: trainer sessions are not implemented in fsdpd %s",
-                     fsdp_rpc_call_method(call), FSDP_VERSION_STRING);
+  fsdp_peer_t peer;
+  bool peer_known = fsdp_listener_peer(&daemon->listener, fsdp_rpc_call_peer_fd(call), &peer) == 0;
+  fsdp_session_t *s;
+  fsdp_status_t st;
+  if (fsdp_sessions_attach(&daemon->sessions, rq, peer_known ? &peer : NULL,
+                           fsdp_daemon_now_ms(daemon),
+                           (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_MAX_SESSIONS),
+                           &s, &st) < 0) {
+    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    return;
+  }
+  log_info("session %016llx attached: job '%s' local rank %u of %u, pid %d",
+           (unsigned long long)s->id, s->job, s->local_rank, s->local_world_size, (int)s->pid);
+  Fsdp__V1__AttachReply reply = FSDP__V1__ATTACH_REPLY__INIT;
+  reply.session_id = s->id;
+  reply.protocol_version = FSDP_PROTOCOL_VERSION;
+  reply.lease_ms = lease_ms(daemon);
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* The session a request names, its lease renewed; fails the call if there is none. */
+static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, uint64_t id) {
+  fsdp_session_t *s;
+  fsdp_status_t st;
+  if (fsdp_sessions_use(&daemon->sessions, id, fsdp_daemon_now_ms(daemon), &s, &st) < 0) {
+    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    return NULL;
+  }
+  return s;
+}
+
+static void trainer_detach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__DetachRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  if (!s)
+    return;
+  log_info("session %016llx detached: job '%s' local rank %u", (unsigned long long)s->id, s->job,
+           s->local_rank);
+  fsdp_sessions_end(&daemon->sessions, s);
+  Fsdp__V1__DetachReply reply = FSDP__V1__DETACH_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__KeepAliveRequest *rq = (const void *)request;
+  if (!use_session(call, daemon, rq->session_id))
+    return;
+  Fsdp__V1__KeepAliveReply reply = FSDP__V1__KEEP_ALIVE_REPLY__INIT;
+  reply.lease_ms = lease_ms(daemon);
+  fsdp_rpc_call_reply(call, &reply.base);
 }
 
 static void peer_join(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
@@ -74,7 +128,35 @@ typedef struct status_storage {
   char *health_services[1];
   Fsdp__V1__Topology topology;
   Fsdp__V1__Memory memory;
+  Fsdp__V1__Session *sessions; /* session.max_sessions may be large: sized per reply */
+  Fsdp__V1__Session **session_ptrs;
 } status_storage_t;
+
+static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+                         status_storage_t *s) {
+  unsigned n = daemon->sessions.count;
+  s->sessions = calloc(n ? n : 1, sizeof *s->sessions);
+  s->session_ptrs = calloc(n ? n : 1, sizeof *s->session_ptrs);
+  if (!s->sessions || !s->session_ptrs)
+    return -ENOMEM;
+  uint64_t now = fsdp_daemon_now_ms(daemon);
+  size_t i = 0;
+  for (const fsdp_session_t *ses = daemon->sessions.head; ses; ses = ses->next, i++) {
+    Fsdp__V1__Session *out = &s->sessions[i];
+    fsdp__v1__session__init(out);
+    out->session_id = ses->id;
+    out->job = (char *)ses->job;
+    out->local_rank = ses->local_rank;
+    out->local_world_size = ses->local_world_size;
+    out->pid = ses->pid;
+    out->attached_ms = now - ses->attached_ms;
+    out->idle_ms = now - ses->last_call_ms;
+    s->session_ptrs[i] = out;
+  }
+  reply->n_sessions = n;
+  reply->sessions = s->session_ptrs;
+  return 0;
+}
 
 static void fill_config(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply, status_storage_t *s) {
   fsdp_config_t defaults;
@@ -162,7 +244,11 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   s->topology.host_rank = 0;
   s->topology.hosts = 1;
   reply.topology = &s->topology;
-  /* Sessions and the memory they hold arrive with the parameter store. */
+  if (fill_sessions(daemon, &reply, s) < 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
+    goto out;
+  }
+  /* The memory sessions hold arrives with the parameter store. */
   fsdp__v1__memory__init(&s->memory);
   s->memory.in_use_bytes = 0;
   s->memory.limit_bytes = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
@@ -175,6 +261,9 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   reply.rpc_calls_inflight = stats.calls_inflight;
   reply.rpc_work_inflight = stats.work_inflight;
   fsdp_rpc_call_reply(call, &reply.base);
+out:
+  free(s->sessions);
+  free(s->session_ptrs);
   free(s);
 }
 
@@ -228,7 +317,11 @@ static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
 
 /* Trainer and Peer calls are the work a drain refuses and waits for; the operator's calls
  * are served while draining, so a drain can be watched and undone. */
-static const fsdp_rpc_handler_t trainer_handlers[] = {{"Attach", trainer_attach, false}};
+static const fsdp_rpc_handler_t trainer_handlers[] = {
+    {"Attach", trainer_attach, false},
+    {"Detach", trainer_detach, false},
+    {"KeepAlive", trainer_keepalive, false},
+};
 static const fsdp_rpc_handler_t operator_handlers[] = {
     {"Status", operator_status, true},
     {"ReloadConfig", operator_reload, true},

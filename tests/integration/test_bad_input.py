@@ -148,9 +148,10 @@ def test_message_over_lowered_size_limit(fsdpd):
     assert len(data) == 64 * 1024 + 1
     details = expect_error(d, ATTACH, data, grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert "max" in details, details
-    # Exactly at the limit passes the size check and reaches the handler.
-    expect_error(d, ATTACH, oversized_attach(64 * 1024), grpc.StatusCode.UNIMPLEMENTED,
-                 "not implemented")
+    # Exactly at the limit passes the size check and reaches the handler, which refuses the
+    # 64 KiB job name on its own grounds.
+    expect_error(d, ATTACH, oversized_attach(64 * 1024), grpc.StatusCode.INVALID_ARGUMENT,
+                 "field 'job'", "must be 1 to 64")
 
 
 # --- wrong addresses ---------------------------------------------------------------------
@@ -164,7 +165,7 @@ def test_unknown_method_or_service(fsdpd, path, tcp):
                  tcp=tcp)
 
 
-@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/RegisterUnit", "/fsdp.v1.Trainer/Detach",
+@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/RegisterUnit", "/fsdp.v1.Trainer/Unshard",
                                   "/fsdp.v1.Peer/Heartbeat", "/fsdp.v1.Operator/ListUnits",
                                   "/fsdp.v1.Operator/SaveCheckpoint"])
 def test_later_methods_say_not_implemented(fsdpd, path):
@@ -188,14 +189,15 @@ def test_wrong_protocol_version(fsdpd, path, request_, who):
     assert path in details
 
 
-@pytest.mark.parametrize("path,request_", [
-    (ATTACH, trainer_pb2.AttachRequest(protocol_version=1, job="j")),
-    (JOIN, peer_pb2.JoinRequest(protocol_version=1, host_rank=1)),
+@pytest.mark.parametrize("path,request_,code,text", [
+    (ATTACH, trainer_pb2.AttachRequest(protocol_version=1, job="j"),
+     grpc.StatusCode.INVALID_ARGUMENT, "field 'local_world_size' = 0 is outside [1, 256]"),
+    (JOIN, peer_pb2.JoinRequest(protocol_version=1, host_rank=1),
+     grpc.StatusCode.UNIMPLEMENTED, "not implemented"),
 ], ids=["attach", "join"])
-def test_right_protocol_version_gets_past_the_gate(fsdpd, path, request_):
+def test_right_protocol_version_gets_past_the_gate(fsdpd, path, request_, code, text):
     d = fsdpd()
-    expect_error(d, path, request_.SerializeToString(), grpc.StatusCode.UNIMPLEMENTED,
-                 "not implemented")
+    expect_error(d, path, request_.SerializeToString(), code, text)
 
 
 # --- misbehaving connections -------------------------------------------------------------

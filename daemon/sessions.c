@@ -1,0 +1,161 @@
+/* Trainer sessions: attach, use, expire. */
+#include "sessions.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+static bool job_name_valid(const char *job) {
+  size_t len = strlen(job);
+  if (len == 0 || len > FSDP_JOB_NAME_MAX)
+    return false;
+  for (const char *c = job; *c; c++)
+    if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+          *c == '.' || *c == '_' || *c == '-'))
+      return false;
+  return true;
+}
+
+static fsdp_session_t *find_id(const fsdp_sessions_t *sessions, uint64_t id) {
+  for (fsdp_session_t *s = sessions->head; s; s = s->next)
+    if (s->id == id)
+      return s;
+  return NULL;
+}
+
+/* Session ids are random so that one trainer cannot guess another's by counting. */
+static int new_id(const fsdp_sessions_t *sessions, uint64_t *ret_id) {
+  for (;;) {
+    uint64_t id;
+    if (getrandom(&id, sizeof id, 0) != sizeof id)
+      return -errno;
+    if (id != 0 && !find_id(sessions, id)) {
+      *ret_id = id;
+      return 0;
+    }
+  }
+}
+
+void fsdp_sessions_init(fsdp_sessions_t *sessions) {
+  memset(sessions, 0, sizeof *sessions);
+}
+
+void fsdp_sessions_cleanup(fsdp_sessions_t *sessions) {
+  while (sessions->head)
+    fsdp_sessions_end(sessions, sessions->head);
+}
+
+static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_peer_t *peer,
+                         fsdp_status_t *st) {
+  if (!job_name_valid(rq->job))
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'job' = '%.80s' must be 1 to %d of [A-Za-z0-9._-]", rq->job,
+                           FSDP_JOB_NAME_MAX);
+  if (rq->local_world_size == 0 || rq->local_world_size > FSDP_LOCAL_WORLD_MAX)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'local_world_size' = %u is outside [1, %d]",
+                           rq->local_world_size, FSDP_LOCAL_WORLD_MAX);
+  if (rq->local_rank >= rq->local_world_size)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'local_rank' = %u is outside [0, %u) (local_world_size)",
+                           rq->local_rank, rq->local_world_size);
+  if (rq->pid <= 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'pid' = %d must be the caller's process id", rq->pid);
+  if (!peer)
+    return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
+                           "cannot identify the calling process: attach over the unix socket");
+  if (rq->pid != peer->pid)
+    return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
+                           "field 'pid' = %d, but the connection belongs to pid %d", rq->pid,
+                           (int)peer->pid);
+  return 0;
+}
+
+int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachRequest *rq,
+                         const fsdp_peer_t *peer, uint64_t now_ms, unsigned max_sessions,
+                         fsdp_session_t **ret_session, fsdp_status_t *st) {
+  int r = check_request(rq, peer, st);
+  if (r < 0)
+    return r;
+  for (fsdp_session_t *s = sessions->head; s; s = s->next) {
+    if (strcmp(s->job, rq->job) != 0)
+      continue;
+    if (s->local_world_size != rq->local_world_size)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "job '%s' has local_world_size %u (local rank %u attached with it), "
+                             "not %u",
+                             rq->job, s->local_world_size, s->local_rank, rq->local_world_size);
+    if (s->local_rank == rq->local_rank)
+      return fsdp_status_set(st, FSDP_E_ALREADY_EXISTS,
+                             "job '%s' local rank %u is already attached (session %016llx, pid %d)",
+                             rq->job, rq->local_rank, (unsigned long long)s->id, (int)s->pid);
+  }
+  if (sessions->count >= max_sessions)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "the daemon holds %u sessions (session.max_sessions = %u)",
+                           sessions->count, max_sessions);
+  fsdp_session_t *s = calloc(1, sizeof *s);
+  if (!s)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a session");
+  if ((r = new_id(sessions, &s->id)) < 0) {
+    free(s);
+    return fsdp_status_set(st, r, "cannot draw a session id: %s", fsdp_strerror(r));
+  }
+  memcpy(s->job, rq->job, strlen(rq->job) + 1);
+  s->local_rank = rq->local_rank;
+  s->local_world_size = rq->local_world_size;
+  s->pid = rq->pid;
+  s->attached_ms = s->last_call_ms = now_ms;
+  s->next = sessions->head;
+  sessions->head = s;
+  sessions->count++;
+  *ret_session = s;
+  return 0;
+}
+
+int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, uint64_t now_ms,
+                      fsdp_session_t **ret_session, fsdp_status_t *st) {
+  fsdp_session_t *s = find_id(sessions, id);
+  if (!s)
+    return fsdp_status_set(st, FSDP_E_NOT_FOUND,
+                           "session %016llx is not attached (it detached, its lease ran out, or "
+                           "it never was)",
+                           (unsigned long long)id);
+  s->last_call_ms = now_ms;
+  *ret_session = s;
+  return 0;
+}
+
+void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session) {
+  for (fsdp_session_t **p = &sessions->head; *p; p = &(*p)->next) {
+    if (*p == session) {
+      *p = session->next;
+      sessions->count--;
+      free(session);
+      return;
+    }
+  }
+}
+
+unsigned fsdp_sessions_expire(fsdp_sessions_t *sessions, uint64_t now_ms, uint64_t lease_ms,
+                              void (*expired)(const fsdp_session_t *session, void *data),
+                              void *data) {
+  unsigned n = 0;
+  fsdp_session_t **p = &sessions->head;
+  while (*p) {
+    fsdp_session_t *s = *p;
+    if (now_ms - s->last_call_ms < lease_ms) {
+      p = &s->next;
+      continue;
+    }
+    if (expired)
+      expired(s, data);
+    *p = s->next;
+    sessions->count--;
+    free(s);
+    n++;
+  }
+  return n;
+}

@@ -1,0 +1,64 @@
+/* Trainer sessions: one per (job, local rank) on this host.
+ *
+ * A trainer attaches with its job, local rank, local world size L and pid; the daemon checks
+ * the pid against the connection's SO_PEERCRED credentials, so a session always belongs to
+ * the process that opened it. A second session for the same (job, rank) is refused while the
+ * first lives; every rank of a job must give the same L. A session ends on Detach or when its
+ * lease runs out without a call (KeepAlive renews it).
+ *
+ * Owned by the daemon, loop thread only. Sessions are few (session.max_sessions), so a list
+ * is enough. */
+#ifndef FSDP_SESSIONS_H
+#define FSDP_SESSIONS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "fsdp/v1/trainer.pb-c.h"
+
+#include "listener.h"
+#include "status.h"
+
+#define FSDP_JOB_NAME_MAX 64
+#define FSDP_LOCAL_WORLD_MAX 256
+
+typedef struct fsdp_session {
+  uint64_t id; /* random, never 0 */
+  char job[FSDP_JOB_NAME_MAX + 1];
+  uint32_t local_rank;
+  uint32_t local_world_size;
+  pid_t pid;
+  uint64_t attached_ms;  /* loop time of the Attach */
+  uint64_t last_call_ms; /* loop time of the latest call naming the session */
+  struct fsdp_session *next;
+} fsdp_session_t;
+
+typedef struct fsdp_sessions {
+  fsdp_session_t *head;
+  unsigned count;
+} fsdp_sessions_t;
+
+void fsdp_sessions_init(fsdp_sessions_t *sessions);
+/* Ends every session. */
+void fsdp_sessions_cleanup(fsdp_sessions_t *sessions);
+
+/* Opens a session for rq from the process `peer` (NULL: unknown, which is refused). */
+int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachRequest *rq,
+                         const fsdp_peer_t *peer, uint64_t now_ms, unsigned max_sessions,
+                         fsdp_session_t **ret_session, fsdp_status_t *st);
+
+/* The session with this id, its lease renewed; NOT_FOUND naming the id otherwise. */
+int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, uint64_t now_ms,
+                      fsdp_session_t **ret_session, fsdp_status_t *st);
+
+/* Ends one session (Detach). */
+void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session);
+
+/* Ends every session idle for lease_ms or more; calls expired(session, data) for each just
+ * before it goes, so the daemon can say so. Returns how many ended. */
+unsigned fsdp_sessions_expire(fsdp_sessions_t *sessions, uint64_t now_ms, uint64_t lease_ms,
+                              void (*expired)(const fsdp_session_t *session, void *data),
+                              void *data);
+
+#endif
