@@ -1,0 +1,162 @@
+/* fsdp_arena_t: the host backend's per-job memory, one memfd sub-allocated by offset.
+ *
+ * Why: trainers on the host share the daemon's buffers (unsharded parameters, gradients,
+ * shards) without copies and without names in /dev/shm. A job's memory is one anonymous
+ * memfd (memfd_create), sized once to the job's limit, sealed so that nobody holding the
+ * descriptor can shrink or grow it (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), mapped
+ * once by the daemon and pre-faulted once, so that no hot path ever faults a fresh page.
+ * Trainers receive the descriptor over the unix socket (common/fdpass.h) and map it once;
+ * what travels in messages are offsets into the arena.
+ *
+ * Pages: hugetlb 2 MiB pages when the operator reserved them (vm.nr_hugepages), else
+ * 4 KiB shmem pages; fsdp_arena_get_stats() says which and, under AUTO, why not hugetlb.
+ * The capacity is rounded up to a whole number of pages.
+ *
+ * Read-only sharing. Trainers map the unsharded buffers read-only. A PROT_READ mapping of
+ * a read-write descriptor can be made writable with mprotect(), so read-only needs a
+ * descriptor that cannot be upgraded. Two ways, both offered:
+ *  - fsdp_arena_open_readonly(): a new O_RDONLY descriptor for the same memory (reopened
+ *    through /proc/self/fd). mmap(PROT_WRITE, MAP_SHARED) and mprotect(PROT_WRITE) on it
+ *    fail with EACCES. A receiver could reopen its own /proc/self/fd/N read-write; the
+ *    arena's inode has mode 0400 owned by the daemon's user, which stops a trainer of
+ *    another user (the intended deployment: trainers in the daemon's group), but not a
+ *    trainer running as the daemon's own user (it can fchmod) or as root.
+ *  - options.peers_read_only: the arena is sealed F_SEAL_FUTURE_WRITE right after the
+ *    daemon's own writable mapping is made and pre-faulted. The kernel then refuses every
+ *    new writable shared mapping and every write() through any descriptor (EPERM), root
+ *    and reopened descriptors included, while the daemon keeps writing through its
+ *    mapping. This is the airtight choice: put a job's read-only buffers (unsharded
+ *    parameters) in one such arena and its trainer-writable buffers in another.
+ *
+ * Sub-allocation: best-fit over an offset-sorted block list with coalescing on release;
+ * O(blocks) per call. Every block starts at a multiple of 64 bytes (a cache line: no false
+ * sharing between buffers two ranks write) and its size is a multiple of 64. A block of at
+ * least one page (by default) starts on a page boundary and is a whole number of pages, so
+ * that a trainer can mmap exactly that block (mmap offsets are page-aligned; 2 MiB under
+ * hugetlb) and no page is shared with a neighbour that has other access rights.
+ * A released block is reused as it is: its pages stay populated (never MADV_DONTNEED) and
+ * its contents are stale; the caller initializes what it allocates.
+ *
+ * Threads: fsdp_arena_new() is blocking (it pre-faults the whole capacity: a few hundred
+ * milliseconds per GiB here), so the daemon calls it off the loop thread and hands the
+ * arena over. From then on one thread (the loop thread) owns the arena: alloc, release and
+ * stats are not synchronised. The memory itself may be read and written by any thread or
+ * process; who writes which block when is the caller's protocol.
+ *
+ * Lifetime: the creator frees the arena with fsdp_arena_free(); that unmaps the daemon's
+ * view and closes its descriptor. The memory lives on while a trainer still holds a
+ * mapping or a descriptor, so a trainer can never fault on freed memory; it is gone when
+ * the last one goes. No logging: return codes and status messages; the daemon logs.
+ *
+ * Names: fsdp_arena_new/fsdp_arena_free make and destroy the arena (the heap-object verbs
+ * of STYLE.md); fsdp_arena_alloc/fsdp_arena_release take and give back a block, so that
+ * "free" never means a block. */
+#ifndef FSDP_ARENA_H
+#define FSDP_ARENA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+/* Every block's start and size are multiples of this. */
+#define FSDP_ARENA_MIN_ALIGN 64
+/* Bytes of the name given to memfd_create ("fsdp-arena:<name>", shown in /proc/PID/maps). */
+#define FSDP_ARENA_NAME_MAX 200
+
+typedef struct fsdp_arena fsdp_arena_t;
+
+typedef enum fsdp_arena_hugetlb {
+  FSDP_ARENA_HUGETLB_AUTO = 0, /* hugetlb 2 MiB pages when the capacity is at least one huge
+                                * page and enough are reserved; else 4 KiB, silently */
+  FSDP_ARENA_HUGETLB_NEVER,    /* 4 KiB pages */
+  FSDP_ARENA_HUGETLB_REQUIRE,  /* hugetlb or fail with RESOURCE_EXHAUSTED */
+} fsdp_arena_hugetlb_t;
+
+/* How the arena's pages are faulted in at creation. AUTO is the fastest measured here:
+ * MADV_POPULATE_WRITE, or TOUCH on kernels before 5.14. The others exist to measure. */
+typedef enum fsdp_arena_prefault {
+  FSDP_ARENA_PREFAULT_AUTO = 0,
+  FSDP_ARENA_PREFAULT_POPULATE_WRITE, /* madvise(MADV_POPULATE_WRITE) (Linux 5.14) */
+  FSDP_ARENA_PREFAULT_MAP_POPULATE,   /* mmap(MAP_POPULATE): read faults, clean PTEs */
+  FSDP_ARENA_PREFAULT_TOUCH,          /* write one byte per page */
+  FSDP_ARENA_PREFAULT_NONE,           /* no pre-faulting (tests and measurements only) */
+} fsdp_arena_prefault_t;
+
+typedef struct fsdp_arena_options {
+  fsdp_arena_hugetlb_t hugetlb;
+  fsdp_arena_prefault_t prefault;
+  bool peers_read_only; /* seal F_SEAL_FUTURE_WRITE after the daemon's mapping is made */
+} fsdp_arena_options_t;
+
+#define FSDP_ARENA_OPTIONS_INIT {FSDP_ARENA_HUGETLB_AUTO, FSDP_ARENA_PREFAULT_AUTO, false}
+
+typedef struct fsdp_arena_stats {
+  size_t capacity;     /* bytes, a whole number of pages */
+  size_t used;         /* bytes in allocated blocks (sizes as rounded by alloc) */
+  size_t free;         /* capacity - used */
+  size_t largest_free; /* the largest block an allocation could get, before alignment */
+  size_t n_allocated;  /* blocks allocated */
+  size_t n_free;       /* free blocks (fragments) */
+  size_t page_size;    /* 4096, or 2 MiB under hugetlb */
+  bool hugetlb;
+  int hugetlb_error;   /* AUTO without hugetlb: why (-ENOMEM: none reserved; -EINVAL...);
+                        * 0 when hugetlb is used, was not asked for or the arena is too small */
+  fsdp_arena_prefault_t prefault; /* the method used (never AUTO) */
+  uint64_t prefault_ns;           /* time the pre-fault took at creation */
+  bool peers_read_only;
+} fsdp_arena_stats_t;
+
+/* Creates an arena of at least capacity bytes for the job called name (used in messages
+ * and in the memfd's name; truncated to FSDP_ARENA_NAME_MAX bytes). options may be NULL
+ * (defaults). Blocking: pre-faults every page. On success *ret owns the arena.
+ * Returns 0, or: FSDP_E_INVALID_ARGUMENT (capacity 0 or above 64 TiB),
+ * FSDP_E_RESOURCE_EXHAUSTED (hugetlb required and not reserved), -ENOMEM (the pre-fault hit
+ * a memory limit: MADV_POPULATE_WRITE reports it instead of a SIGBUS), or another -errno
+ * from the step that failed; st names the job, the size and the step. */
+int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t *options,
+                   fsdp_arena_t **ret, fsdp_status_t *st);
+
+/* Unmaps the daemon's view and closes the arena's descriptor; offsets handed out become
+ * meaningless. Accepts NULL. Trainers' own mappings and descriptors stay valid. */
+void fsdp_arena_free(fsdp_arena_t *arena);
+
+/* Takes a block of at least size bytes and returns its offset from the arena's start.
+ * align: 0 for the default (the page size when size >= the page size, else 64), or a
+ * power of two (raised to 64 when smaller); the block's offset is a multiple of it.
+ * size is rounded up to a multiple of 64, and to a whole number of pages when the block is
+ * page-aligned and at least a page, so that it can be mapped on its own.
+ * *ret_offset is written only on success.
+ * Returns 0, or: FSDP_E_RESOURCE_EXHAUSTED when no free block fits, with a message such as
+ * "job 'llama': need 64.0 MiB, 12.0 MiB free (largest block 8.0 MiB) of the 1.0 GiB limit";
+ * FSDP_E_INVALID_ARGUMENT for size 0 or an align that is not a power of two; -ENOMEM when
+ * the block list cannot grow. */
+int fsdp_arena_alloc(fsdp_arena_t *arena, size_t size, size_t align, uint64_t *ret_offset,
+                     fsdp_status_t *st);
+
+/* Gives back the block that starts at offset; it coalesces with free neighbours and its
+ * pages stay populated. Returns 0, or -EINVAL when no allocated block starts at offset
+ * (released twice, or never allocated). */
+int fsdp_arena_release(fsdp_arena_t *arena, uint64_t offset);
+
+/* The size of the allocated block at offset (as rounded by alloc), or 0 when there is none. */
+size_t fsdp_arena_block_size(const fsdp_arena_t *arena, uint64_t offset);
+
+/* The arena's memfd (read-write, O_CLOEXEC); borrowed: valid until fsdp_arena_free(). Send
+ * it with fsdp_fd_send(); the receiver's copy is its own. */
+int fsdp_arena_fd(const fsdp_arena_t *arena);
+
+/* A new read-only descriptor (O_RDONLY | O_CLOEXEC) for the arena's memory; the caller owns
+ * it (close it after sending). Returns 0 or -errno. */
+int fsdp_arena_open_readonly(const fsdp_arena_t *arena, int *ret_fd);
+
+/* The daemon's read-write mapping of the whole arena; offset o is at base + o. Borrowed. */
+void *fsdp_arena_base(const fsdp_arena_t *arena);
+
+void fsdp_arena_get_stats(const fsdp_arena_t *arena, fsdp_arena_stats_t *ret_stats);
+
+/* "MADV_POPULATE_WRITE", "MAP_POPULATE", "touch", "none" (or "auto"). */
+const char *fsdp_arena_prefault_name(fsdp_arena_prefault_t method);
+
+#endif
