@@ -302,8 +302,14 @@ static void deadline_and_limit(fixture_t *f) {
   /* With max_inflight_calls = 1 the parked call fills the daemon. */
   call(f, "/fsdp.v1.Operator/Status", 2000, &f->results[1]);
   pthread_join(parked, NULL);
-  /* The deadline freed the slot. */
-  call(f, "/fsdp.v1.Operator/Status", 2000, &f->results[2]);
+  /* The deadline frees the slot once the server has heard of the cancellation, which races
+   * with the client's own deadline: retry for a while. */
+  for (int i = 0; i < 200; i++) {
+    call(f, "/fsdp.v1.Operator/Status", 2000, &f->results[2]);
+    if (f->results[2].code != FSDP_E_RESOURCE_EXHAUSTED)
+      break;
+    usleep(10000);
+  }
 }
 
 static void test_deadline_cancels_parked_call_and_limit_holds(void **state) {
@@ -338,7 +344,8 @@ static void test_stop_cancels_parked_calls_after_drain(void **state) {
   (void)state;
   fixture_t *f = run(parked_through_stop, 16, 400, true);
   assert_int_equal(f->results[0].code, FSDP_E_UNAVAILABLE);
-  assert_string_equal(f->results[0].message, "fsdpd is shutting down");
+  /* The client may add that the daemon is gone by the time it reads the status. */
+  assert_non_null(strstr(f->results[0].message, "fsdpd is shutting down"));
   assert_int_equal(atomic_load(&f->cancels), 1);
   /* The stop began 10 ms after parking; held work ends once the drain time less the grace
    * for final replies (a quarter, at most 250 ms) is up: near 310 ms, far before 10 s. */
