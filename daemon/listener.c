@@ -12,6 +12,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "fdpass.h"
 #include "log.h"
 
 /* Creates or checks the run dir; resolves it to an absolute path in listener->run_dir. */
@@ -175,9 +176,8 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
         log_warning("cannot accept on %s: %s", listener->socket_path, strerror(errno));
       return; /* EAGAIN: drained */
     }
-    struct ucred cred;
-    socklen_t len = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 ||
+    fsdp_peer_t cred = {0};
+    if (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
         !fsdp_peer_allowed(cred.pid, cred.uid, cred.gid)) {
       log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
                   (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
@@ -197,7 +197,7 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       listener->peers = grown;
       listener->n_peers = n;
     }
-    listener->peers[fd] = (fsdp_peer_t){cred.pid, cred.uid, cred.gid};
+    listener->peers[fd] = cred;
     listener->accepted++;
     fsdp_rpc_endpoint_adopt(listener->endpoint, fd);
   }
