@@ -118,6 +118,7 @@ static void on_rpc_stopped(void *data) {
   fsdp_rpc_server_free(daemon->rpc);
   daemon->rpc = NULL;
   fsdp_sessions_cleanup(&daemon->sessions);
+  fsdp_store_cleanup(&daemon->store);
   fsdp_listener_close(&daemon->listener);
   close_handles(daemon);
   daemon->state = FSDP_DAEMON_STOPPED;
@@ -240,6 +241,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   daemon->started_ms = uv_now(&daemon->loop);
   fsdp_health_init(&daemon->health);
   fsdp_sessions_init(&daemon->sessions);
+  fsdp_store_init(&daemon->store);
   fsdp_services_init(daemon);
 
   if ((r = fsdp_listener_open(&daemon->listener,

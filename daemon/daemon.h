@@ -19,6 +19,7 @@
 #include "listener.h"
 #include "rpc_server.h"
 #include "sessions.h"
+#include "store.h"
 
 typedef enum fsdp_daemon_state {
   FSDP_DAEMON_STARTING,
@@ -48,6 +49,7 @@ typedef struct fsdp_daemon {
   fsdp_listener_t listener;
   fsdp_health_t health;
   fsdp_sessions_t sessions;
+  fsdp_store_t store;
   fsdp_rpc_service_t services[FSDP_SERVICE_COUNT]; /* borrowed by the RPC server */
   fsdp_rpc_server_t *rpc;
   fsdp_rpc_endpoint_t *local_endpoint;

@@ -36,6 +36,15 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   const Fsdp__V1__AttachRequest *rq = (const void *)request;
   if (!protocol_ok(call, rq->protocol_version, "trainer"))
     return;
+  /* A job's units outlive its sessions, and their layout depends on the local world size. */
+  const fsdp_job_t *job = fsdp_store_find_job(&daemon->store, rq->job);
+  if (job && job->local_world_size != rq->local_world_size) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: job '%s' holds units laid out for local_world_size %u, not %u",
+                       fsdp_rpc_call_method(call), job->name, job->local_world_size,
+                       rq->local_world_size);
+    return;
+  }
   fsdp_peer_t peer;
   bool peer_known = fsdp_listener_peer(&daemon->listener, fsdp_rpc_call_peer_fd(call), &peer) == 0;
   fsdp_session_t *s;
@@ -77,6 +86,28 @@ static void trainer_detach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
            s->local_rank);
   fsdp_sessions_end(&daemon->sessions, s);
   Fsdp__V1__DetachReply reply = FSDP__V1__DETACH_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                  void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__RegisterUnitRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  if (!s)
+    return;
+  fsdp_unit_t *u;
+  fsdp_status_t st;
+  if (fsdp_store_register_unit(&daemon->store, s, rq, &u, &st) < 0) {
+    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    return;
+  }
+  Fsdp__V1__RegisterUnitReply reply = FSDP__V1__REGISTER_UNIT_REPLY__INIT;
+  reply.numel = u->layout.numel;
+  reply.padded_numel = u->layout.padded_numel;
+  reply.shard_numel = u->layout.shard_numel;
+  reply.n_param_offsets = u->layout.n_params;
+  reply.param_offsets = u->layout.offsets;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
@@ -320,6 +351,7 @@ static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
 static const fsdp_rpc_handler_t trainer_handlers[] = {
     {"Attach", trainer_attach, false},
     {"Detach", trainer_detach, false},
+    {"RegisterUnit", trainer_register_unit, false},
     {"KeepAlive", trainer_keepalive, false},
 };
 static const fsdp_rpc_handler_t operator_handlers[] = {

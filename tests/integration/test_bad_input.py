@@ -82,7 +82,7 @@ def test_garbage_bytes_as_message(fsdpd):
 
 
 def test_invalid_enum_value(fsdpd):
-    # RegisterUnit is not implemented in this release; its request is still validated.
+    # Decoding refuses the enum before any handler or session lookup runs.
     d = fsdpd()
     # RegisterUnitRequest{session_id: 1, unit: "layer0", strategy: 99}
     data = field_varint(1, 1) + field_bytes(2, b"layer0") + field_varint(4, 99)
@@ -165,7 +165,7 @@ def test_unknown_method_or_service(fsdpd, path, tcp):
                  tcp=tcp)
 
 
-@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/RegisterUnit", "/fsdp.v1.Trainer/Unshard",
+@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/Reshard", "/fsdp.v1.Trainer/Unshard",
                                   "/fsdp.v1.Peer/Heartbeat", "/fsdp.v1.Operator/ListUnits",
                                   "/fsdp.v1.Operator/SaveCheckpoint"])
 def test_later_methods_say_not_implemented(fsdpd, path):

@@ -1,0 +1,148 @@
+/* Jobs and units of the parameter store. */
+#include "store.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name) {
+  for (fsdp_job_t *j = store->jobs; j; j = j->next)
+    if (strcmp(j->name, name) == 0)
+      return j;
+  return NULL;
+}
+
+static fsdp_unit_t *find_unit(const fsdp_job_t *job, const char *name) {
+  for (fsdp_unit_t *u = job->units; u; u = u->next)
+    if (strcmp(u->spec->unit, name) == 0)
+      return u;
+  return NULL;
+}
+
+unsigned fsdp_store_shard_count(Fsdp__V1__ShardingStrategy strategy, uint32_t local_world_size) {
+  /* On one host every sharding strategy shards over the host's ranks (HYBRID_SHARD's shard
+   * group is one host by default); NO_SHARD keeps one whole copy. */
+  return strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD ? 1 : local_world_size;
+}
+
+/* A deep copy through the wire format, which protobuf-c gives for free. */
+static Fsdp__V1__RegisterUnitRequest *copy_spec(const Fsdp__V1__RegisterUnitRequest *rq) {
+  Fsdp__V1__RegisterUnitRequest tmp = *rq;
+  tmp.session_id = 0;
+  size_t len = protobuf_c_message_get_packed_size(&tmp.base);
+  uint8_t *bytes = malloc(len ? len : 1);
+  if (!bytes)
+    return NULL;
+  protobuf_c_message_pack(&tmp.base, bytes);
+  Fsdp__V1__RegisterUnitRequest *copy = fsdp__v1__register_unit_request__unpack(NULL, len, bytes);
+  free(bytes);
+  return copy;
+}
+
+static void unit_free(fsdp_unit_t *u) {
+  if (!u)
+    return;
+  fsdp_unit_layout_cleanup(&u->layout);
+  if (u->spec)
+    fsdp__v1__register_unit_request__free_unpacked(u->spec, NULL);
+  free(u);
+}
+
+/* Sessions hold ranks below FSDP_LOCAL_WORLD_MAX. */
+static void mark_registered(fsdp_unit_t *u, uint32_t rank) {
+  uint64_t bit = 1ull << (rank % 64);
+  if (!(u->registered[rank / 64] & bit)) {
+    u->registered[rank / 64] |= bit;
+    u->n_registered++;
+  }
+}
+
+static int new_unit(fsdp_job_t *job, const fsdp_session_t *session,
+                    const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
+                    fsdp_status_t *st) {
+  fsdp_unit_t *u = calloc(1, sizeof *u);
+  if (!u || !(u->spec = copy_spec(rq))) {
+    unit_free(u);
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
+                           rq->unit);
+  }
+  int r = fsdp_unit_layout_init(&u->layout, u->spec,
+                                fsdp_store_shard_count(rq->strategy, job->local_world_size), st);
+  if (r < 0) {
+    unit_free(u);
+    return r;
+  }
+  u->first_rank = session->local_rank;
+  mark_registered(u, session->local_rank);
+  *job->units_tail = u;
+  job->units_tail = &u->next;
+  job->n_units++;
+  *ret_unit = u;
+  return 0;
+}
+
+static int find_or_create_job(fsdp_store_t *store, const fsdp_session_t *session,
+                              fsdp_job_t **ret_job, fsdp_status_t *st) {
+  fsdp_job_t *job = fsdp_store_find_job(store, session->job);
+  if (job) {
+    if (job->local_world_size != session->local_world_size)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "job '%s' holds units for local_world_size %u, but this session has "
+                             "%u",
+                             job->name, job->local_world_size, session->local_world_size);
+    *ret_job = job;
+    return 0;
+  }
+  job = calloc(1, sizeof *job);
+  if (!job)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s'",
+                           session->job);
+  memcpy(job->name, session->job, sizeof job->name);
+  job->local_world_size = session->local_world_size;
+  job->units_tail = &job->units;
+  job->next = store->jobs;
+  store->jobs = job;
+  store->n_jobs++;
+  *ret_job = job;
+  return 0;
+}
+
+int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
+                             const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
+                             fsdp_status_t *st) {
+  int r = fsdp_unit_spec_check(rq, st);
+  if (r < 0)
+    return r;
+  fsdp_job_t *job = NULL;
+  if ((r = find_or_create_job(store, session, &job, st)) < 0)
+    return r;
+  fsdp_unit_t *u = find_unit(job, rq->unit);
+  if (!u)
+    return new_unit(job, session, rq, ret_unit, st);
+
+  fsdp_spec_difference_t d;
+  if (fsdp_unit_spec_diff(rq, u->spec, &d))
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "unit '%s' %s %s on rank %u, expected %s as on rank %u", rq->unit,
+                           d.field, d.a, session->local_rank, d.b, u->first_rank);
+  mark_registered(u, session->local_rank);
+  *ret_unit = u;
+  return 0;
+}
+
+void fsdp_store_init(fsdp_store_t *store) {
+  memset(store, 0, sizeof *store);
+}
+
+void fsdp_store_cleanup(fsdp_store_t *store) {
+  while (store->jobs) {
+    fsdp_job_t *job = store->jobs;
+    store->jobs = job->next;
+    for (fsdp_unit_t *u = job->units, *next; u; u = next) {
+      next = u->next;
+      unit_free(u);
+    }
+    free(job);
+  }
+  store->n_jobs = 0;
+}

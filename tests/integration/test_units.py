@@ -1,0 +1,125 @@
+"""RegisterUnit through a real fsdpd: the FlatParameter layout in the reply (padding below
+the shard count, equal shards, parameter offsets), the same spec from every local rank,
+idempotent re-registration, a mismatch named by field, values and ranks, bad specs, and jobs
+that outlive their sessions."""
+
+import os
+
+import grpc
+import pytest
+
+from fsdpd_harness import common_pb2, fsdpd, status_code_and_details, trainer_pb2  # noqa: F401
+
+ATTACH = "/fsdp.v1.Trainer/Attach"
+DETACH = "/fsdp.v1.Trainer/Detach"
+REGISTER = "/fsdp.v1.Trainer/RegisterUnit"
+FP32, BF16 = common_pb2.DTYPE_FP32, common_pb2.DTYPE_BF16
+FULL_SHARD, NO_SHARD = common_pb2.FULL_SHARD, common_pb2.NO_SHARD
+
+
+def attach(d, rank, world, job="j"):
+    return d.call(ATTACH, trainer_pb2.AttachRequest(
+        protocol_version=1, job=job, local_rank=rank, local_world_size=world, pid=os.getpid()),
+        trainer_pb2.AttachReply).session_id
+
+
+def spec(session, unit="layer3", shapes=((4096, 1023), (1023,)), names=("weight", "bias"),
+         dtype=FP32, strategy=FULL_SHARD, **extra):
+    return trainer_pb2.RegisterUnitRequest(
+        session_id=session, unit=unit, strategy=strategy,
+        params=[trainer_pb2.ParamSpec(name=n, shape=list(s), dtype=dtype, requires_grad=True)
+                for n, s in zip(names, shapes)], **extra)
+
+
+def register(d, request):
+    return d.call(REGISTER, request, trainer_pb2.RegisterUnitReply)
+
+
+def refused(d, request):
+    with pytest.raises(grpc.RpcError) as excinfo:
+        register(d, request)
+    return status_code_and_details(excinfo)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_layout_for_every_local_world_size(fsdpd, world):
+    d = fsdpd()
+    sessions = [attach(d, r, world) for r in range(world)]
+    numel = 4096 * 1023 + 1023
+    replies = [register(d, spec(s)) for s in sessions]
+    for r in replies:
+        assert r.numel == numel
+        assert r.padded_numel % world == 0 and 0 <= r.padded_numel - numel < world
+        assert r.shard_numel * world == r.padded_numel
+        assert list(r.param_offsets) == [0, 4096 * 1023]
+    # Registering again is idempotent.
+    assert register(d, spec(sessions[0])) == replies[0]
+
+
+def test_no_shard_keeps_one_whole_copy(fsdpd):
+    d = fsdpd()
+    s = [attach(d, r, 3) for r in range(3)]
+    r = register(d, spec(s[1], unit="emb", shapes=((7, 5),), names=("w",), strategy=NO_SHARD))
+    assert (r.numel, r.padded_numel, r.shard_numel) == (35, 35, 35)
+
+
+@pytest.mark.parametrize("change,field,mine,theirs", [
+    (dict(shapes=((4096, 1024), (1023,))), "params[0].shape", "[4096,1024]", "[4096,1023]"),
+    (dict(names=("weight", "b")), "params[1].name", "b", "bias"),
+    (dict(dtype=BF16), "params[0].dtype", "DTYPE_BF16", "DTYPE_FP32"),
+    (dict(param_dtype=BF16), "param_dtype", "DTYPE_BF16", "DTYPE_UNSPECIFIED"),
+    (dict(strategy=NO_SHARD), "strategy", "NO_SHARD", "FULL_SHARD"),
+    (dict(shapes=((4096, 1023),), names=("weight",)), "params (count)", "1", "2"),
+], ids=["shape", "name", "dtype", "param_dtype", "strategy", "count"])
+def test_mismatched_spec_names_field_values_and_ranks(fsdpd, change, field, mine, theirs):
+    d = fsdpd()
+    s0, s1 = attach(d, 0, 2), attach(d, 1, 2)
+    register(d, spec(s0))
+    code, details = refused(d, spec(s1, **change))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details == (f"{REGISTER}: unit 'layer3' {field} {mine} on rank 1, "
+                       f"expected {theirs} as on rank 0")
+    # The unit is unchanged and rank 1 can still register the real spec.
+    register(d, spec(s1))
+
+
+@pytest.mark.parametrize("request_kwargs,text", [
+    (dict(unit=""), "field 'unit' is empty"),
+    (dict(strategy=0), "field 'strategy' is unspecified"),
+    (dict(shapes=((1 << 32, 1 << 32),), names=("w",)),
+     "params[0] 'w' shape [4294967296,4294967296] brings the unit past"),
+    (dict(shapes=((0,), (3, 0)), names=("a", "b")), "has no elements: every parameter has size 0"),
+    (dict(names=("w", "w")), "parameter name 'w' appears more than once"),
+    (dict(dtype=0), "params[0].dtype of 'weight' is unspecified"),
+    (dict(gradient_predivide_factor=-1.0), "gradient_predivide_factor = -1"),
+], ids=["unit-empty", "strategy", "overflow", "zero-size", "duplicate", "dtype", "factor"])
+def test_bad_specs(fsdpd, request_kwargs, text):
+    d = fsdpd()
+    s = attach(d, 0, 2)
+    code, details = refused(d, spec(s, **request_kwargs))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert text in details
+    d.assert_serving()
+
+
+def test_unknown_session(fsdpd):
+    d = fsdpd()
+    code, details = refused(d, spec(12345))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert "session 0000000000003039 is not attached" in details
+
+
+def test_units_outlive_sessions(fsdpd):
+    d = fsdpd()
+    s0 = attach(d, 0, 2)
+    first = register(d, spec(s0))
+    d.call(DETACH, trainer_pb2.DetachRequest(session_id=s0), trainer_pb2.DetachReply)
+    # The job keeps its units: a different local world size cannot attach to it ...
+    with pytest.raises(grpc.RpcError) as excinfo:
+        attach(d, 0, 4)
+    code, details = status_code_and_details(excinfo)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "job 'j' holds units laid out for local_world_size 2, not 4" in details
+    # ... while the same rank comes back to the same layout.
+    s0 = attach(d, 0, 2)
+    assert register(d, spec(s0)) == first
