@@ -39,6 +39,7 @@ typedef struct ctl {
   const char *address;
   bool json;
   bool verbose;
+  const char *job; /* --job: units and unit look in this job only */
   int timeout_ms;
   char *target;
   fsdp_client_t *client;
@@ -503,6 +504,196 @@ static int cmd_resume(ctl_t *ctl, int argc, char **argv) {
   return EXIT_OK;
 }
 
+static const char *enum_text(const ProtobufCEnumDescriptor *desc, int value) {
+  const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(desc, value);
+  return v ? v->name : "?";
+}
+
+/* "fp32" from DTYPE_FP32. */
+static const char *dtype_text(Fsdp__V1__DType dtype) {
+  switch (dtype) {
+  case FSDP__V1__DTYPE__DTYPE_FP32:
+    return "fp32";
+  case FSDP__V1__DTYPE__DTYPE_BF16:
+    return "bf16";
+  case FSDP__V1__DTYPE__DTYPE_FP16:
+    return "fp16";
+  default:
+    return "?";
+  }
+}
+
+static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
+  json_object *o = json_object_new_object();
+  json_object_object_add(o, "job", json_string(u->job));
+  json_object_object_add(o, "unit", json_string(u->unit));
+  json_object_object_add(o, "strategy",
+                         json_string(enum_text(&fsdp__v1__sharding_strategy__descriptor, u->strategy)));
+  json_object_object_add(o, "dtype", json_string(dtype_text(u->dtype)));
+  json_object_object_add(o, "param_dtype", json_string(dtype_text(u->param_dtype)));
+  json_object_object_add(o, "reduce_dtype", json_string(dtype_text(u->reduce_dtype)));
+  json_object_object_add(o, "numel", json_object_new_uint64(u->numel));
+  json_object_object_add(o, "padded_numel", json_object_new_uint64(u->padded_numel));
+  json_object_object_add(o, "shard_numel", json_object_new_uint64(u->shard_numel));
+  json_object_object_add(o, "shards", json_object_new_int64(u->shards));
+  json_object_object_add(o, "params", json_object_new_int64(u->params));
+  json_object_object_add(o, "local_world_size", json_object_new_int64(u->local_world_size));
+  json_object_object_add(o, "registered_ranks", json_object_new_int64(u->registered_ranks));
+  return o;
+}
+
+static int cmd_units(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__ListUnitsRequest request = FSDP__V1__LIST_UNITS_REQUEST__INIT;
+  request.job = (char *)(ctl->job ? ctl->job : "");
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "ListUnits", &request.base, &fsdp__v1__list_units_reply__descriptor,
+                        &reply);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.ListUnits", r);
+  const Fsdp__V1__ListUnitsReply *lr = (const Fsdp__V1__ListUnitsReply *)reply;
+  if (ctl->json) {
+    json_object *units = json_object_new_array();
+    for (size_t i = 0; i < lr->n_units; i++)
+      json_object_array_add(units, unit_info_json(lr->units[i]));
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "units", units);
+    print_json(o);
+  } else if (lr->n_units == 0) {
+    printf("no units%s%s\n", ctl->job ? " in job " : "", ctl->job ? ctl->job : "");
+  } else {
+    int jw = 3, uw = 4;
+    for (size_t i = 0; i < lr->n_units; i++) {
+      jw = max_int(jw, text_width(lr->units[i]->job, 32));
+      uw = max_int(uw, text_width(lr->units[i]->unit, 40));
+    }
+    printf("%-*s  %-*s  %-13s %6s %14s %7s  %-14s %s\n", jw, "JOB", uw, "UNIT", "STRATEGY",
+           "PARAMS", "ELEMENTS", "SHARDS", "DTYPES", "RANKS");
+    for (size_t i = 0; i < lr->n_units; i++) {
+      const Fsdp__V1__UnitInfo *u = lr->units[i];
+      char dtypes[32], ranks[24];
+      snprintf(dtypes, sizeof dtypes, "%s/%s/%s", dtype_text(u->dtype), dtype_text(u->param_dtype),
+               dtype_text(u->reduce_dtype));
+      snprintf(ranks, sizeof ranks, "%" PRIu32 "/%" PRIu32, u->registered_ranks, u->local_world_size);
+      printf("%-*s  %-*s  %-13s %6" PRIu32 " %14" PRIu64 " %7" PRIu32 "  %-14s %s\n", jw, u->job,
+             uw, u->unit, enum_text(&fsdp__v1__sharding_strategy__descriptor, u->strategy),
+             u->params, u->numel, u->shards, dtypes, ranks);
+    }
+    printf("(DTYPES: parameters/unsharded/reduce; RANKS: registered/local world size)\n");
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return EXIT_OK;
+}
+
+#define SHARD_MAP_WIDTH 48
+
+/* One row of the shard map: across the whole flat buffer, the letter of the parameter at
+ * each position inside this shard, '-' for padding, '.' for the rest of the buffer. */
+static void draw_shard(const Fsdp__V1__DescribeUnitReply *d, const Fsdp__V1__ShardInfo *s,
+                       char *row) {
+  uint64_t padded = d->unit->padded_numel;
+  for (int c = 0; c < SHARD_MAP_WIDTH; c++) {
+    uint64_t e = (uint64_t)((2 * (unsigned __int128)c + 1) * padded / (2 * SHARD_MAP_WIDTH));
+    char ch = '.';
+    if (e >= s->begin && e < s->end) {
+      ch = '-';
+      for (size_t p = 0; p < d->n_params; p++)
+        if (e >= d->params[p]->offset && e < d->params[p]->offset + d->params[p]->numel)
+          ch = (char)('a' + p % 26);
+    }
+    row[c] = ch;
+  }
+  row[SHARD_MAP_WIDTH] = '\0';
+}
+
+static void print_shape(const Fsdp__V1__ParamInfo *p, char *buf, size_t size) {
+  size_t used = (size_t)snprintf(buf, size, "[");
+  for (size_t d = 0; d < p->n_shape && used < size; d++)
+    used += (size_t)snprintf(buf + used, size - used, "%s%" PRIu64, d ? "," : "", p->shape[d]);
+  if (used < size)
+    snprintf(buf + used, size - used, "]");
+}
+
+static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
+  if (argc < 1)
+    return usage_error("%s", "unit needs a NAME");
+  Fsdp__V1__DescribeUnitRequest request = FSDP__V1__DESCRIBE_UNIT_REQUEST__INIT;
+  request.job = (char *)(ctl->job ? ctl->job : "");
+  request.unit = argv[0];
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "DescribeUnit", &request.base,
+                        &fsdp__v1__describe_unit_reply__descriptor, &reply);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.DescribeUnit", r);
+  const Fsdp__V1__DescribeUnitReply *d = (const Fsdp__V1__DescribeUnitReply *)reply;
+  const Fsdp__V1__UnitInfo *u = d->unit;
+  if (ctl->json) {
+    json_object *o = unit_info_json(u);
+    json_object *params = json_object_new_array(), *shards = json_object_new_array();
+    for (size_t i = 0; i < d->n_params; i++) {
+      json_object *p = json_object_new_object(), *shape = json_object_new_array();
+      for (size_t k = 0; k < d->params[i]->n_shape; k++)
+        json_object_array_add(shape, json_object_new_uint64(d->params[i]->shape[k]));
+      json_object_object_add(p, "name", json_string(d->params[i]->name));
+      json_object_object_add(p, "shape", shape);
+      json_object_object_add(p, "offset", json_object_new_uint64(d->params[i]->offset));
+      json_object_object_add(p, "numel", json_object_new_uint64(d->params[i]->numel));
+      json_object_object_add(p, "requires_grad", json_object_new_boolean(d->params[i]->requires_grad));
+      json_object_array_add(params, p);
+    }
+    for (size_t i = 0; i < d->n_shards; i++) {
+      json_object *s = json_object_new_object();
+      json_object_object_add(s, "shard", json_object_new_int64(d->shards[i]->shard));
+      json_object_object_add(s, "local_rank", json_object_new_int64(d->shards[i]->local_rank));
+      json_object_object_add(s, "begin", json_object_new_uint64(d->shards[i]->begin));
+      json_object_object_add(s, "end", json_object_new_uint64(d->shards[i]->end));
+      json_object_object_add(s, "padding", json_object_new_uint64(d->shards[i]->padding));
+      json_object_array_add(shards, s);
+    }
+    json_object_object_add(o, "param_list", params);
+    json_object_object_add(o, "shard_map", shards);
+    print_json(o);
+    protobuf_c_message_free_unpacked(reply, NULL);
+    return EXIT_OK;
+  }
+  printf("unit %s (job %s): %s, %" PRIu32 " parameter%s, %" PRIu64 " elements + %" PRIu64
+         " padding = %" PRIu32 " shard%s of %" PRIu64 "\n",
+         u->unit, u->job, enum_text(&fsdp__v1__sharding_strategy__descriptor, u->strategy),
+         u->params, u->params == 1 ? "" : "s", u->numel, u->padded_numel - u->numel, u->shards,
+         u->shards == 1 ? "" : "s", u->shard_numel);
+  printf("%s parameters, unsharded %s, reduced in %s; %" PRIu32 " of %" PRIu32
+         " local ranks registered\n\n",
+         dtype_text(u->dtype), dtype_text(u->param_dtype), dtype_text(u->reduce_dtype),
+         u->registered_ranks, u->local_world_size);
+  int nw = 4;
+  for (size_t i = 0; i < d->n_params; i++)
+    nw = max_int(nw, text_width(d->params[i]->name, 40));
+  printf("    %-*s  %-18s %14s %14s\n", nw, "PARAM", "SHAPE", "OFFSET", "ELEMENTS");
+  for (size_t i = 0; i < d->n_params; i++) {
+    char shape[64];
+    print_shape(d->params[i], shape, sizeof shape);
+    printf("%c   %-*s  %-18s %14" PRIu64 " %14" PRIu64 "\n", (int)('a' + i % 26), nw,
+           d->params[i]->name, shape, d->params[i]->offset, d->params[i]->numel);
+  }
+  bool replicated = u->strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD;
+  printf("\n%-5s  %-5s  %-25s %8s  %s\n", "SHARD", "RANK", "ELEMENTS", "PADDING",
+         "FLAT BUFFER (letter: parameter, -: padding)");
+  for (size_t i = 0; i < d->n_shards; i++) {
+    const Fsdp__V1__ShardInfo *s = d->shards[i];
+    char range[48], rank[8], row[SHARD_MAP_WIDTH + 1];
+    snprintf(range, sizeof range, "[%" PRIu64 ", %" PRIu64 ")", s->begin, s->end);
+    if (replicated)
+      snprintf(rank, sizeof rank, "all");
+    else
+      snprintf(rank, sizeof rank, "%" PRIu32, s->local_rank);
+    draw_shard(d, s, row);
+    printf("%-5" PRIu32 "  %-5s  %-25s %8" PRIu64 "  |%s|\n", s->shard, rank, range, s->padding,
+           row);
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return EXIT_OK;
+}
+
 static int cmd_version(ctl_t *ctl, int argc, char **argv) {
   (void)argc, (void)argv;
   Fsdp__V1__StatusReply *s = NULL;
@@ -551,6 +742,8 @@ static const command_t commands[] = {
      cmd_config_show},
     {"config", "reload", 0, "", "re-read the config file (like SIGHUP), list changed keys",
      cmd_config_reload},
+    {"units", NULL, 0, "", "the units of every job (or of --job J)", cmd_units},
+    {"unit", NULL, 1, "NAME", "one unit: its parameters and shard map", cmd_unit},
     {"drain", NULL, 0, "", "refuse new work, keep serving health and status", cmd_drain},
     {"resume", NULL, 0, "", "serve new work again after a drain", cmd_resume},
     {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version},
@@ -575,6 +768,7 @@ static void usage(FILE *out) {
         "  -a, --address HOST:PORT  use TCP instead; fsdpd serves only health there\n"
         "  -j, --json               print one JSON object (field names as in operator.proto)\n"
         "  -v, --verbose            config show: one block per key with default, unit, help\n"
+        "  -J, --job JOB            units, unit: only this job's units\n"
         "  -t, --timeout DURATION   deadline of each call: 500ms, 5s, 1m (default 5s)\n"
         "  -h, --help               this text\n"
         "\nexit status:\n"
@@ -643,12 +837,13 @@ int main(int argc, char **argv) {
       {"socket", required_argument, NULL, 's'}, {"address", required_argument, NULL, 'a'},
       {"json", no_argument, NULL, 'j'},         {"verbose", no_argument, NULL, 'v'},
       {"timeout", required_argument, NULL, 't'}, {"help", no_argument, NULL, 'h'},
+      {"job", required_argument, NULL, 'J'},
       {NULL, 0, NULL, 0},
   };
   ctl_t ctl = {.timeout_ms = DEFAULT_TIMEOUT_MS};
   int opt;
   opterr = 0; /* our own messages, with the usage line */
-  while ((opt = getopt_long(argc, argv, ":s:a:jvt:h", options, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, ":s:a:jvt:hJ:", options, NULL)) != -1) {
     switch (opt) {
     case 's':
       ctl.socket = optarg;
@@ -661,6 +856,9 @@ int main(int argc, char **argv) {
       break;
     case 'v':
       ctl.verbose = true;
+      break;
+    case 'J':
+      ctl.job = optarg;
       break;
     case 't':
       if (parse_duration(optarg, &ctl.timeout_ms) < 0)

@@ -1,5 +1,6 @@
-/* fsdp.v1 handlers of this release: Operator.Status, ReloadConfig, Drain and Resume, and the
- * protocol-version gate of Trainer.Attach and Peer.Join. */
+/* fsdp.v1 handlers of this release: Trainer sessions and RegisterUnit; Operator.Status,
+ * ReloadConfig, Drain, Resume, ListUnits and DescribeUnit; the protocol-version gate of
+ * Peer.Join. */
 #include "services.h"
 
 #include <errno.h>
@@ -346,6 +347,145 @@ static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, const fsdp_unit_t *u) {
+  fsdp__v1__unit_info__init(info);
+  info->job = (char *)job->name;
+  info->unit = u->spec->unit;
+  info->strategy = u->spec->strategy;
+  info->dtype = u->spec->params[0]->dtype;
+  info->param_dtype = fsdp_unit_spec_param_dtype(u->spec);
+  info->reduce_dtype = fsdp_unit_spec_reduce_dtype(u->spec);
+  info->numel = u->layout.numel;
+  info->padded_numel = u->layout.padded_numel;
+  info->shard_numel = u->layout.shard_numel;
+  info->shards = u->layout.shards;
+  info->params = (uint32_t)u->layout.n_params;
+  info->local_world_size = job->local_world_size;
+  info->registered_ranks = u->n_registered;
+}
+
+static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                void *data) {
+  const Fsdp__V1__ListUnitsRequest *rq = (const void *)request;
+  fsdp_daemon_t *daemon = data;
+  if (rq->job[0] && !fsdp_store_find_job(&daemon->store, rq->job)) {
+    fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "%s: no job '%s' holds units",
+                       fsdp_rpc_call_method(call), rq->job);
+    return;
+  }
+  size_t n = 0;
+  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next)
+    n += j->n_units;
+  Fsdp__V1__UnitInfo *infos = calloc(n ? n : 1, sizeof *infos);
+  Fsdp__V1__UnitInfo **ptrs = calloc(n ? n : 1, sizeof *ptrs);
+  if (!infos || !ptrs) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory listing units");
+    goto out;
+  }
+  size_t k = 0;
+  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next) {
+    if (rq->job[0] && strcmp(rq->job, j->name) != 0)
+      continue;
+    for (const fsdp_unit_t *u = j->units; u; u = u->next, k++) {
+      fill_unit_info(&infos[k], j, u);
+      ptrs[k] = &infos[k];
+    }
+  }
+  Fsdp__V1__ListUnitsReply reply = FSDP__V1__LIST_UNITS_REPLY__INIT;
+  reply.n_units = k;
+  reply.units = ptrs;
+  fsdp_rpc_call_reply(call, &reply.base);
+out:
+  free(infos);
+  free(ptrs);
+}
+
+/* The unit a DescribeUnit names; with no job, the only job that has it. */
+static const fsdp_unit_t *find_described_unit(const fsdp_store_t *store,
+                                              const Fsdp__V1__DescribeUnitRequest *rq,
+                                              const fsdp_job_t **ret_job, fsdp_status_t *st) {
+  const fsdp_unit_t *found = NULL;
+  unsigned matches = 0;
+  for (const fsdp_job_t *j = store->jobs; j; j = j->next) {
+    if (rq->job[0] && strcmp(rq->job, j->name) != 0)
+      continue;
+    for (const fsdp_unit_t *u = j->units; u; u = u->next) {
+      if (strcmp(u->spec->unit, rq->unit) == 0) {
+        found = u;
+        *ret_job = j;
+        matches++;
+      }
+    }
+  }
+  if (matches == 1)
+    return found;
+  if (matches > 1)
+    fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                    "unit '%s' exists in %u jobs; name the job (field 'job')", rq->unit, matches);
+  else if (rq->job[0])
+    fsdp_status_set(st, FSDP_E_NOT_FOUND, "job '%s' has no unit '%s'", rq->job, rq->unit);
+  else
+    fsdp_status_set(st, FSDP_E_NOT_FOUND, "no job has a unit '%s'", rq->unit);
+  return NULL;
+}
+
+static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                   void *data) {
+  const Fsdp__V1__DescribeUnitRequest *rq = (const void *)request;
+  fsdp_daemon_t *daemon = data;
+  const fsdp_job_t *job = NULL;
+  fsdp_status_t st;
+  const fsdp_unit_t *u = find_described_unit(&daemon->store, rq, &job, &st);
+  if (!u) {
+    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    return;
+  }
+  const fsdp_unit_layout_t *l = &u->layout;
+  Fsdp__V1__ShardInfo *shards = calloc(l->shards, sizeof *shards);
+  Fsdp__V1__ShardInfo **shard_ptrs = calloc(l->shards, sizeof *shard_ptrs);
+  Fsdp__V1__ParamInfo *params = calloc(l->n_params, sizeof *params);
+  Fsdp__V1__ParamInfo **param_ptrs = calloc(l->n_params, sizeof *param_ptrs);
+  if (!shards || !shard_ptrs || !params || !param_ptrs) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory describing a unit");
+    goto out;
+  }
+  for (unsigned s = 0; s < l->shards; s++) {
+    fsdp__v1__shard_info__init(&shards[s]);
+    shards[s].shard = s;
+    shards[s].local_rank = s; /* on one host, shard s is local rank s's */
+    fsdp_unit_layout_shard_range(l, s, &shards[s].begin, &shards[s].end);
+    shards[s].padding = shards[s].end > l->numel
+                            ? shards[s].end - (shards[s].begin > l->numel ? shards[s].begin : l->numel)
+                            : 0;
+    shard_ptrs[s] = &shards[s];
+  }
+  for (size_t i = 0; i < l->n_params; i++) {
+    const Fsdp__V1__ParamSpec *p = u->spec->params[i];
+    fsdp__v1__param_info__init(&params[i]);
+    params[i].name = p->name;
+    params[i].n_shape = p->n_shape;
+    params[i].shape = p->shape;
+    params[i].offset = l->offsets[i];
+    params[i].numel = l->numels[i];
+    params[i].requires_grad = p->requires_grad;
+    param_ptrs[i] = &params[i];
+  }
+  Fsdp__V1__UnitInfo info;
+  fill_unit_info(&info, job, u);
+  Fsdp__V1__DescribeUnitReply reply = FSDP__V1__DESCRIBE_UNIT_REPLY__INIT;
+  reply.unit = &info;
+  reply.n_shards = l->shards;
+  reply.shards = shard_ptrs;
+  reply.n_params = l->n_params;
+  reply.params = param_ptrs;
+  fsdp_rpc_call_reply(call, &reply.base);
+out:
+  free(shards);
+  free(shard_ptrs);
+  free(params);
+  free(param_ptrs);
+}
+
 /* Trainer and Peer calls are the work a drain refuses and waits for; the operator's calls
  * are served while draining, so a drain can be watched and undone. */
 static const fsdp_rpc_handler_t trainer_handlers[] = {
@@ -359,6 +499,8 @@ static const fsdp_rpc_handler_t operator_handlers[] = {
     {"ReloadConfig", operator_reload, true},
     {"Drain", operator_drain, true},
     {"Resume", operator_resume, true},
+    {"ListUnits", operator_list_units, true},
+    {"DescribeUnit", operator_describe_unit, true},
 };
 static const fsdp_rpc_handler_t peer_handlers[] = {{"Join", peer_join, false}};
 

@@ -3,6 +3,7 @@ the shard count, equal shards, parameter offsets), the same spec from every loca
 idempotent re-registration, a mismatch named by field, values and ranks, bad specs, and jobs
 that outlive their sessions."""
 
+import json
 import os
 
 import grpc
@@ -123,3 +124,47 @@ def test_units_outlive_sessions(fsdpd):
     # ... while the same rank comes back to the same layout.
     s0 = attach(d, 0, 2)
     assert register(d, spec(s0)) == first
+
+
+def test_fsdpctl_units_and_shard_map(fsdpd):
+    d = fsdpd()
+    s = [attach(d, r, 3, job="llama") for r in range(3)]
+    shapes, names = ((96, 32), (96,), (64, 32)), ("qkv.weight", "qkv.bias", "mlp.weight")
+    for session in s:
+        register(d, spec(session, unit="layers.0", shapes=shapes, names=names, param_dtype=BF16))
+    register(d, spec(s[0], unit="embed", shapes=((500, 32),), names=("weight",),
+                     strategy=NO_SHARD))
+    other = attach(d, 0, 1, job="other")
+    register(d, spec(other, unit="embed", shapes=((8,),), names=("w",)))
+
+    r = d.fsdpctl("--json", "--job", "llama", "units")
+    assert r.returncode == 0, r.stderr
+    units = {u["unit"]: u for u in json.loads(r.stdout)["units"]}
+    assert set(units) == {"layers.0", "embed"}
+    assert (units["layers.0"]["numel"], units["layers.0"]["padded_numel"],
+            units["layers.0"]["shards"], units["layers.0"]["registered_ranks"]) == (5216, 5217, 3, 3)
+    assert (units["layers.0"]["param_dtype"], units["layers.0"]["reduce_dtype"]) == ("bf16", "bf16")
+    assert (units["embed"]["strategy"], units["embed"]["registered_ranks"]) == ("NO_SHARD", 1)
+
+    r = d.fsdpctl("--json", "--job", "llama", "unit", "layers.0")
+    assert r.returncode == 0, r.stderr
+    u = json.loads(r.stdout)
+    assert [(p["name"], p["offset"], p["numel"]) for p in u["param_list"]] == [
+        ("qkv.weight", 0, 3072), ("qkv.bias", 3072, 96), ("mlp.weight", 3168, 2048)]
+    assert [(m["local_rank"], m["begin"], m["end"], m["padding"]) for m in u["shard_map"]] == [
+        (0, 0, 1739, 0), (1, 1739, 3478, 0), (2, 3478, 5217, 1)]
+
+    r = d.fsdpctl("unit", "layers.0")  # one job has it: no --job needed
+    assert r.returncode == 0, r.stderr
+    assert "5216 elements + 1 padding = 3 shards of 1739" in r.stdout
+    assert "|................................cccccccccccccccc|" in r.stdout
+
+    r = d.fsdpctl("unit", "embed")  # two jobs have one
+    assert r.returncode == 1
+    assert "unit 'embed' exists in 2 jobs; name the job (field 'job')" in r.stderr
+    r = d.fsdpctl("--job", "other", "unit", "embed")
+    assert r.returncode == 0 and "[8]" in r.stdout, r.stdout + r.stderr
+    r = d.fsdpctl("unit", "nope")
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "no job has a unit 'nope'" in r.stderr
+    r = d.fsdpctl("--job", "ghost", "units")
+    assert r.returncode == 1 and "no job 'ghost' holds units" in r.stderr
