@@ -11,8 +11,9 @@ declare -A allowed=(
   [common]="common"
   [proto]="common proto"
   [config]="common proto config"
+  [collectives]="common collectives"
   [client]="common proto client"
-  [daemon]="common proto config daemon"
+  [daemon]="common proto config collectives daemon"
 )
 
 declare -A owner
