@@ -14,6 +14,9 @@
 #include "log.h"
 #include "services.h"
 
+/* Calls the TCP health endpoint holds at once. */
+#define HEALTH_MAX_INFLIGHT 64
+
 uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon) {
   uv_update_time(&daemon->loop);
   return uv_now(&daemon->loop);
@@ -27,9 +30,9 @@ uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon) {
 static void apply_config(fsdp_daemon_t *daemon) {
   const fsdp_config_t *cfg = &daemon->config;
   fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(cfg, FSDP_OPTION_LOG_LEVEL));
-  if (daemon->rpc)
-    fsdp_rpc_server_set_max_inflight(
-        daemon->rpc, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
+  if (daemon->local_endpoint)
+    fsdp_rpc_endpoint_set_max_inflight(
+        daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
   uint64_t period = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_HOUSEKEEPING_INTERVAL);
   /* systemd wants a ping at least every WatchdogSec; twice as often leaves slack. */
   if (daemon->watchdog_usec && daemon->watchdog_usec / 2000 < period)
@@ -171,20 +174,30 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   const fsdp_config_t *cfg = &daemon->config;
   fsdp_rpc_server_options_t options = {
       .max_message_size = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MAX_MESSAGE_SIZE),
+  };
+  fsdp_rpc_endpoint_options_t local_options = {
       .max_inflight_calls = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS),
+      .limit_name = "rpc.max_inflight_calls",
+  };
+  /* The TCP port answers anyone on the host: probes are short Checks and a few Watches. */
+  fsdp_rpc_endpoint_options_t health_options = {
+      .max_inflight_calls = HEALTH_MAX_INFLIGHT,
+      .limit_name = "the health port's fixed limit",
   };
   int r = fsdp_rpc_server_new(&daemon->loop, &options, &daemon->rpc);
   if (r < 0)
     return fsdp_status_set(st, r, "cannot create the RPC server: %s", fsdp_strerror(r));
 
   r = fsdp_rpc_server_add_endpoint(daemon->rpc, "local", daemon->services, FSDP_SERVICE_COUNT,
-                                   &daemon->local_endpoint);
+                                   &local_options, &daemon->local_endpoint);
   if (r < 0)
     return fsdp_status_set(st, r, "cannot set up the local endpoint: %s", fsdp_strerror(r));
 
   const char *health_listen = fsdp_config_text(cfg, FSDP_OPTION_HEALTH_LISTEN);
   if (health_listen[0]) {
-    r = fsdp_rpc_server_add_endpoint(daemon->rpc, "health", &daemon->services[FSDP_SERVICE_HEALTH], 1,
+    r = fsdp_rpc_server_add_endpoint(daemon->rpc, "health",
+                                     &daemon->services[FSDP_SERVICE_HEALTH], 1,
+                                     &health_options,
                                      &daemon->health_endpoint);
     if (r < 0)
       return fsdp_status_set(st, r, "cannot set up the health endpoint: %s", fsdp_strerror(r));

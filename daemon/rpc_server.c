@@ -63,6 +63,8 @@ typedef struct method {
 struct fsdp_rpc_endpoint {
   fsdp_rpc_server_t *server;
   char name[32];
+  fsdp_rpc_endpoint_options_t options;
+  unsigned inflight; /* loop thread */
   grpc_server *grpc;
   method_t *methods;
   size_t n_methods;
@@ -347,7 +349,9 @@ static void finish(fsdp_rpc_call_t *call, grpc_status_code status, const char *d
   pump(call);
 }
 
-static int enqueue(fsdp_rpc_call_t *call, const ProtobufCMessage *message) {
+/* Queues one message; with start, sends it now. A unary reply queues its message and then
+ * its status, so that both leave in one batch instead of two trips through the CQ thread. */
+static int enqueue(fsdp_rpc_call_t *call, const ProtobufCMessage *message, bool start) {
   if (call->status_queued)
     return -EALREADY;
   if (call->cancel_seen)
@@ -365,12 +369,13 @@ static int enqueue(fsdp_rpc_call_t *call, const ProtobufCMessage *message) {
   else
     call->queue_head = m;
   call->queue_tail = m;
-  pump(call);
+  if (start)
+    pump(call);
   return 0;
 }
 
 void fsdp_rpc_call_reply(fsdp_rpc_call_t *call, const ProtobufCMessage *reply) {
-  int r = enqueue(call, reply);
+  int r = enqueue(call, reply, false);
   if (r == -EALREADY) {
     log_error("%s: reply after the call ended; dropped", call->path);
     return;
@@ -383,7 +388,11 @@ void fsdp_rpc_call_reply(fsdp_rpc_call_t *call, const ProtobufCMessage *reply) {
 }
 
 int fsdp_rpc_call_send(fsdp_rpc_call_t *call, const ProtobufCMessage *message) {
-  return enqueue(call, message);
+  if (!call->method || !call->method->streaming) {
+    log_error("%s: a unary method cannot stream; message dropped", call->path);
+    return -EINVAL;
+  }
+  return enqueue(call, message, true);
 }
 
 void fsdp_rpc_call_fail_status(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
@@ -436,6 +445,7 @@ static void active_link(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
     server->active->prev = call;
   server->active = call;
   server->inflight++;
+  call->endpoint->inflight++;
 }
 
 static void count_work(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
@@ -452,6 +462,7 @@ static void active_unlink(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
     call->next->prev = call->prev;
   call->prev = call->next = NULL;
   server->inflight--;
+  call->endpoint->inflight--;
   if (call->is_work)
     server->work--;
 }
@@ -482,10 +493,12 @@ static void dispatch(fsdp_rpc_call_t *call) {
     return;
   }
   memcpy(call->path, method->path, sizeof call->path);
-  if (server->inflight > server->options.max_inflight_calls) {
+  fsdp_rpc_endpoint_t *ep = call->endpoint;
+  if (ep->inflight > ep->options.max_inflight_calls) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
-                       "%s: the daemon already holds %u calls (rpc.max_inflight_calls = %u)",
-                       call->path, server->inflight - 1, server->options.max_inflight_calls);
+                       "%s: the %s endpoint already holds %u calls (%s = %u)", call->path,
+                       ep->name, ep->inflight - 1, ep->options.limit_name,
+                       ep->options.max_inflight_calls);
     return;
   }
   if (fsdp_rpc_call_deadline_ms(call) <= 0) {
@@ -694,11 +707,13 @@ void fsdp_rpc_server_free(fsdp_rpc_server_t *server) {
 
 int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
                                  const fsdp_rpc_service_t *services, size_t n_services,
+                                 const fsdp_rpc_endpoint_options_t *options,
                                  fsdp_rpc_endpoint_t **ret_endpoint) {
   fsdp_rpc_endpoint_t *ep = calloc(1, sizeof *ep);
   if (!ep)
     return -ENOMEM;
   ep->server = server;
+  ep->options = *options;
   snprintf(ep->name, sizeof ep->name, "%s", name);
   ep->shutdown_tag = (tag_t){TAG_SHUTDOWN, ep};
   for (size_t s = 0; s < n_services; s++)
@@ -718,7 +733,7 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
        * this bounds them per connection. At the in-flight limit itself, HTTP/2 clients
        * would queue quietly instead of hearing RESOURCE_EXHAUSTED from us: hence twice. */
       {GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS,
-       {.integer = (int)(2 * server->options.max_inflight_calls)}},
+       {.integer = (int)(2 * options->max_inflight_calls)}},
   };
   grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
   ep->grpc = grpc_server_create(&channel_args, NULL);
@@ -821,8 +836,9 @@ void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
   maybe_close(server);
 }
 
-void fsdp_rpc_server_set_max_inflight(fsdp_rpc_server_t *server, unsigned max_inflight_calls) {
-  server->options.max_inflight_calls = max_inflight_calls;
+void fsdp_rpc_endpoint_set_max_inflight(fsdp_rpc_endpoint_t *endpoint,
+                                        unsigned max_inflight_calls) {
+  endpoint->options.max_inflight_calls = max_inflight_calls;
 }
 
 void fsdp_rpc_server_get_stats(const fsdp_rpc_server_t *server, fsdp_rpc_stats_t *ret_stats) {

@@ -60,9 +60,15 @@ typedef struct fsdp_rpc_service {
 } fsdp_rpc_service_t;
 
 typedef struct fsdp_rpc_server_options {
-  size_t max_message_size;      /* larger requests get RESOURCE_EXHAUSTED from gRPC */
-  unsigned max_inflight_calls;  /* calls held at once; beyond it RESOURCE_EXHAUSTED */
+  size_t max_message_size; /* larger requests get RESOURCE_EXHAUSTED from gRPC */
 } fsdp_rpc_server_options_t;
+
+/* Each endpoint has its own budget, so that clients of one (anyone on the host can reach
+ * the TCP health port) cannot use up another's. */
+typedef struct fsdp_rpc_endpoint_options {
+  unsigned max_inflight_calls; /* calls held at once; beyond it RESOURCE_EXHAUSTED */
+  const char *limit_name;      /* how refusals name the limit, e.g. the config key */
+} fsdp_rpc_endpoint_options_t;
 
 typedef struct fsdp_rpc_stats {
   uint64_t calls_total;  /* calls that reached the adapter */
@@ -76,10 +82,16 @@ int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *option
 /* Frees a server that was never started or whose stop callback has run. NULL-safe. */
 void fsdp_rpc_server_free(fsdp_rpc_server_t *server);
 
-/* Adds an endpoint serving `services` (borrowed; they must outlive the server). Before start. */
+/* Adds an endpoint serving `services` (borrowed; they must outlive the server). Before start.
+ * HTTP/2 streams per connection are capped at twice the endpoint's in-flight limit as it is
+ * here: requests whose message has not arrived are held by gRPC, not counted by us. */
 int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
                                  const fsdp_rpc_service_t *services, size_t n_services,
+                                 const fsdp_rpc_endpoint_options_t *options,
                                  fsdp_rpc_endpoint_t **ret_endpoint);
+/* A new in-flight limit (reload); the per-connection stream cap keeps its start value. */
+void fsdp_rpc_endpoint_set_max_inflight(fsdp_rpc_endpoint_t *endpoint,
+                                        unsigned max_inflight_calls);
 /* Listens on a TCP address "host:port" (port 0 picks one, returned). Before start. */
 int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
                              fsdp_status_t *st);
@@ -99,11 +111,11 @@ void fsdp_rpc_server_set_draining(fsdp_rpc_server_t *server, bool draining);
 void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
                           void (*done)(void *data), void *data);
 
-void fsdp_rpc_server_set_max_inflight(fsdp_rpc_server_t *server, unsigned max_inflight_calls);
 void fsdp_rpc_server_get_stats(const fsdp_rpc_server_t *server, fsdp_rpc_stats_t *ret_stats);
 
-/* Replies to a unary call, or sends one message of a server stream. The message is encoded
- * at once; the caller keeps ownership of it. */
+/* Replies and ends the call (a stream too: its last message, then OK), or sends one message
+ * of a server-streaming method (-EINVAL on a unary one). The message is encoded at once;
+ * the caller keeps ownership of it. */
 void fsdp_rpc_call_reply(fsdp_rpc_call_t *call, const ProtobufCMessage *reply);
 int fsdp_rpc_call_send(fsdp_rpc_call_t *call, const ProtobufCMessage *message);
 /* Ends a call with an error (err < 0) or, for a stream, with OK (err == 0). */

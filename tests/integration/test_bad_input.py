@@ -166,7 +166,7 @@ def test_unknown_method_or_service(fsdpd, path, tcp):
 
 
 @pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/Reshard", "/fsdp.v1.Trainer/Unshard",
-                                  "/fsdp.v1.Peer/Heartbeat", "/fsdp.v1.Operator/ListUnits",
+                                  "/fsdp.v1.Peer/Heartbeat", "/fsdp.v1.Trainer/AllReduce",
                                   "/fsdp.v1.Operator/SaveCheckpoint"])
 def test_later_methods_say_not_implemented(fsdpd, path):
     d = fsdpd()
@@ -314,3 +314,23 @@ def test_calls_beyond_max_inflight_are_refused(fsdpd):
         except grpc.RpcError:
             return False
     poll(serving_again, 5, what="a health Check after the watches were cancelled")
+
+
+def test_health_port_cannot_use_up_the_unix_sockets_budget(fsdpd):
+    """Anyone on the host reaches the TCP health port; Watch streams held open there fill only
+    that endpoint's own budget, while trainers and operators on the unix socket are served."""
+    d = fsdpd("--set", "rpc.max_inflight_calls=4")
+    watches = [d.watch("", tcp=True) for _ in range(64)]
+    try:
+        for w in watches:
+            assert next(w).status == SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            d.check("", tcp=True)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the health endpoint already holds 64 calls (the health port's fixed limit = 64)" \
+            in e.value.details()
+        assert d.status().version
+        d.assert_serving()
+    finally:
+        for w in watches:
+            w.cancel()

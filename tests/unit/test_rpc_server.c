@@ -191,13 +191,16 @@ static fixture_t *run(client_fn client, unsigned max_inflight, uint64_t drain_ms
   uv_timer_init(&f->loop, &f->timer);
   f->client_done.data = f->timer.data = f;
 
-  fsdp_rpc_server_options_t options = {.max_message_size = 1 << 20,
-                                       .max_inflight_calls = max_inflight};
+  fsdp_rpc_server_options_t options = {.max_message_size = 1 << 20};
+  fsdp_rpc_endpoint_options_t endpoint_options = {.max_inflight_calls = max_inflight,
+                                                  .limit_name = "test.limit"};
   assert_int_equal(fsdp_rpc_server_new(&f->loop, &options, &f->server), 0);
   f->service = (fsdp_rpc_service_t){&fsdp__v1__operator__descriptor, handlers,
                                     sizeof handlers / sizeof handlers[0], f};
   fsdp_rpc_endpoint_t *endpoint;
-  assert_int_equal(fsdp_rpc_server_add_endpoint(f->server, "test", &f->service, 1, &endpoint), 0);
+  assert_int_equal(
+      fsdp_rpc_server_add_endpoint(f->server, "test", &f->service, 1, &endpoint_options, &endpoint),
+      0);
   int port = 0;
   fsdp_status_t st;
   assert_int_equal(fsdp_rpc_endpoint_listen(endpoint, "127.0.0.1:0", &port, &st), 0);
@@ -317,7 +320,9 @@ static void test_deadline_cancels_parked_call_and_limit_holds(void **state) {
   fixture_t *f = run(deadline_and_limit, 1, 100, false);
   assert_int_equal(f->results[0].code, FSDP_E_DEADLINE_EXCEEDED);
   assert_int_equal(f->results[1].code, FSDP_E_RESOURCE_EXHAUSTED);
-  assert_non_null(strstr(f->results[1].message, "rpc.max_inflight_calls = 1"));
+  assert_string_equal(f->results[1].message,
+                      "/fsdp.v1.Operator/Status: the test endpoint already holds 1 calls "
+                      "(test.limit = 1)");
   assert_int_equal(f->results[2].code, 0);
   assert_int_equal(atomic_load(&f->cancels), 1);
   assert_int_equal(atomic_load(&f->parked), 0);
@@ -400,12 +405,15 @@ static void test_handler_for_unknown_method_is_refused(void **state) {
   uv_loop_t loop;
   uv_loop_init(&loop);
   fsdp_rpc_server_t *server;
-  fsdp_rpc_server_options_t options = {.max_message_size = 4096, .max_inflight_calls = 4};
+  fsdp_rpc_server_options_t options = {.max_message_size = 4096};
+  fsdp_rpc_endpoint_options_t endpoint_options = {.max_inflight_calls = 4, .limit_name = "x"};
   assert_int_equal(fsdp_rpc_server_new(&loop, &options, &server), 0);
   static const fsdp_rpc_handler_t typo[] = {{"Stauts", status_handler, false}};
   fsdp_rpc_service_t service = {&fsdp__v1__operator__descriptor, typo, 1, NULL};
   fsdp_rpc_endpoint_t *endpoint;
-  assert_int_equal(fsdp_rpc_server_add_endpoint(server, "typo", &service, 1, &endpoint), -EINVAL);
+  assert_int_equal(
+      fsdp_rpc_server_add_endpoint(server, "typo", &service, 1, &endpoint_options, &endpoint),
+      -EINVAL);
   fsdp_rpc_server_free(server);
   uv_run(&loop, UV_RUN_DEFAULT);
   assert_int_equal(uv_loop_close(&loop), 0);
