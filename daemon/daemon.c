@@ -90,6 +90,10 @@ int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, siz
 }
 
 static void reload_from_signal(fsdp_daemon_t *daemon) {
+  if (daemon->state == FSDP_DAEMON_STOPPING) {
+    log_warning("SIGHUP while stopping: not reloading");
+    return;
+  }
   sd_notify(0, "RELOADING=1\nSTATUS=reloading the config");
   fsdp_option_id_t changed[FSDP_OPTION_COUNT];
   size_t n = 0;
@@ -101,7 +105,8 @@ static void reload_from_signal(fsdp_daemon_t *daemon) {
     for (size_t i = 0; i < n; i++)
       log_info("  %s", fsdp_option_get(changed[i])->key);
   }
-  sd_notify(0, "READY=1\nSTATUS=serving");
+  sd_notify(0, daemon->state == FSDP_DAEMON_DRAINING ? "READY=1\nSTATUS=draining on request"
+                                                     : "READY=1\nSTATUS=serving");
 }
 
 static void on_handle_closed(uv_handle_t *handle) {

@@ -82,6 +82,13 @@ static void watch_send(fsdp_health_watch_t *w) {
 static void watch(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   const Grpc__Health__V1__HealthCheckRequest *rq = (const void *)request;
   fsdp_health_t *health = data;
+  if (health->closed) {
+    Grpc__Health__V1__HealthCheckResponse reply = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    reply.status = status_of(health, find_service(rq->service));
+    fsdp_rpc_call_send(call, &reply.base);
+    fsdp_rpc_call_fail(call, FSDP_E_UNAVAILABLE, "fsdpd is shutting down");
+    return;
+  }
   fsdp_health_watch_t *w = calloc(1, sizeof *w);
   if (!w) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a health watch");
@@ -121,6 +128,7 @@ bool fsdp_health_is_serving(const fsdp_health_t *health) {
 }
 
 void fsdp_health_cleanup(fsdp_health_t *health) {
+  health->closed = true;
   while (health->watches) {
     fsdp_health_watch_t *w = health->watches;
     fsdp_rpc_call_t *call = w->call;

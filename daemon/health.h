@@ -20,6 +20,7 @@ typedef struct fsdp_health_watch fsdp_health_watch_t;
 
 typedef struct fsdp_health {
   bool serving[FSDP_HEALTH_SERVICES];
+  bool closed; /* cleaned up for a stop: a new Watch gets one status and ends */
   fsdp_health_watch_t *watches;
   unsigned n_watches;
   fsdp_rpc_service_t service; /* for registration on an endpoint */

@@ -137,29 +137,40 @@ int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_stat
   return 0;
 }
 
-/* Supplementary groups of a process, from /proc/PID/status ("Groups: 4 24 27"). */
-static bool process_in_group(pid_t pid, gid_t gid) {
-  char path[64], line[4096];
-  snprintf(path, sizeof path, "/proc/%ld/status", (long)pid);
-  FILE *f = fopen(path, "re");
-  if (!f)
-    return false;
+/* Whether the peer of a connected socket had gid among its supplementary groups when it
+ * connected (SO_PEERGROUPS: the kernel's record, immune to pid reuse). */
+static bool peer_in_group(int fd, gid_t gid) {
+  gid_t small[64], *groups = small;
+  socklen_t len = sizeof small;
   bool found = false;
-  while (!found && fgets(line, sizeof line, f)) {
-    if (strncmp(line, "Groups:", 7) != 0)
-      continue;
-    char *p = line + 7, *end;
-    for (unsigned long g; (g = strtoul(p, &end, 10)), end != p; p = end)
-      if (g == gid)
-        found = true;
-    break;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0) {
+    if (errno != ERANGE || !(groups = malloc(len)))
+      return false;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0)
+      goto out;
   }
-  fclose(f);
+  for (size_t i = 0; i < len / sizeof *groups; i++)
+    if (groups[i] == gid)
+      found = true;
+out:
+  if (groups != small)
+    free(groups);
   return found;
 }
 
-bool fsdp_peer_allowed(pid_t pid, uid_t uid, gid_t gid) {
-  return uid == 0 || uid == geteuid() || gid == getegid() || process_in_group(pid, getegid());
+bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer) {
+  return peer->uid == 0 || peer->uid == geteuid() || peer->gid == getegid() ||
+         peer_in_group(fd, getegid());
+}
+
+/* Out of descriptors: accepting again at once would spin on the pending connection. */
+#define ACCEPT_RETRY_MS 100
+
+static void on_readable(uv_poll_t *poll, int status, int events);
+
+static void on_accept_retry(uv_timer_t *timer) {
+  fsdp_listener_t *listener = timer->data;
+  uv_poll_start(&listener->poll, UV_READABLE, on_readable);
 }
 
 static void on_readable(uv_poll_t *poll, int status, int events) {
@@ -172,13 +183,23 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
   for (;;) {
     int fd = accept4(listener->socket_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE)
-        log_warning("cannot accept on %s: %s", listener->socket_path, strerror(errno));
+      if (errno == EMFILE || errno == ENFILE) {
+        if (!listener->starved)
+          log_warning("cannot accept on %s: %s; retrying every %d ms", listener->socket_path,
+                      strerror(errno), ACCEPT_RETRY_MS);
+        listener->starved = true;
+        uv_poll_stop(&listener->poll);
+        uv_timer_start(&listener->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
+      }
       return; /* EAGAIN: drained */
+    }
+    if (listener->starved) {
+      log_info("accepting on %s again", listener->socket_path);
+      listener->starved = false;
     }
     fsdp_peer_t cred = {0};
     if (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
-        !fsdp_peer_allowed(cred.pid, cred.uid, cred.gid)) {
+        !fsdp_peer_allowed(fd, &cred)) {
       log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
                   (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
       listener->refused++;
@@ -208,7 +229,8 @@ int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_end
   int r = uv_poll_init(loop, &listener->poll, listener->socket_fd);
   if (r < 0)
     return r;
-  listener->poll.data = listener;
+  uv_timer_init(loop, &listener->retry);
+  listener->poll.data = listener->retry.data = listener;
   listener->polling = true;
   return uv_poll_start(&listener->poll, UV_READABLE, on_readable);
 }
@@ -217,6 +239,7 @@ static void stop_polling(fsdp_listener_t *listener) {
   if (listener->polling) {
     uv_poll_stop(&listener->poll);
     uv_close((uv_handle_t *)&listener->poll, NULL);
+    uv_close((uv_handle_t *)&listener->retry, NULL);
     listener->polling = false;
   }
 }

@@ -35,7 +35,9 @@ typedef struct fsdp_peer {
 
 typedef struct fsdp_listener {
   uv_poll_t poll;
+  uv_timer_t retry; /* restarts accepting after running out of descriptors */
   bool polling;
+  bool starved; /* out of descriptors: said once, until an accept works again */
   int lock_fd;
   int socket_fd;
   char run_dir[4096];
@@ -43,7 +45,8 @@ typedef struct fsdp_listener {
   fsdp_rpc_endpoint_t *endpoint;
   unsigned long accepted, refused;
   /* Credentials by file descriptor of the accepted connection. A closed connection's entry
-   * stays until its number is reused by the next accept: no call can come from it. */
+   * stays until its number is reused by the next accept: no call can come from it, because
+   * gRPC keeps a connection's descriptor open while any of its calls is held. */
   fsdp_peer_t *peers;
   size_t n_peers;
 } fsdp_listener_t;
@@ -63,8 +66,9 @@ void fsdp_listener_close(fsdp_listener_t *listener);
  * there. */
 int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer);
 
-/* Whether a peer with these credentials may use the daemon: root, the daemon's user, or a
- * member of the daemon's group (primary or supplementary). */
-bool fsdp_peer_allowed(pid_t pid, uid_t uid, gid_t gid);
+/* Whether the peer on connected socket fd, with these credentials, may use the daemon: root,
+ * the daemon's user, or a member of the daemon's group (primary, or supplementary as
+ * SO_PEERGROUPS recorded it at connect time). */
+bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer);
 
 #endif

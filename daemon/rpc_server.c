@@ -212,8 +212,9 @@ static void request_call(fsdp_rpc_endpoint_t *endpoint, method_t *method) {
   fsdp_rpc_server_t *server = endpoint->server;
   fsdp_rpc_call_t *call = calloc(1, sizeof *call);
   if (!call) {
+    /* A request not re-armed is lost for good: the method would fall silent. */
     log_error("out of memory arming a request on %s", method ? method->path : "*");
-    return;
+    abort();
   }
   call->server = server;
   call->endpoint = endpoint;

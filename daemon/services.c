@@ -28,6 +28,14 @@ static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who
   return false;
 }
 
+/* The credentials of the calling process, or NULL when it did not come through our listener. */
+static const fsdp_peer_t *caller(fsdp_daemon_t *daemon, fsdp_rpc_call_t *call,
+                                 fsdp_peer_t *ret_peer) {
+  return fsdp_listener_peer(&daemon->listener, fsdp_rpc_call_peer_fd(call), ret_peer) == 0
+             ? ret_peer
+             : NULL;
+}
+
 static uint64_t lease_ms(fsdp_daemon_t *daemon) {
   return (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE);
 }
@@ -47,10 +55,9 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
     return;
   }
   fsdp_peer_t peer;
-  bool peer_known = fsdp_listener_peer(&daemon->listener, fsdp_rpc_call_peer_fd(call), &peer) == 0;
   fsdp_session_t *s;
   fsdp_status_t st;
-  if (fsdp_sessions_attach(&daemon->sessions, rq, peer_known ? &peer : NULL,
+  if (fsdp_sessions_attach(&daemon->sessions, rq, caller(daemon, call, &peer),
                            fsdp_daemon_now_ms(daemon),
                            (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_MAX_SESSIONS),
                            &s, &st) < 0) {
@@ -70,7 +77,9 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
 static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, uint64_t id) {
   fsdp_session_t *s;
   fsdp_status_t st;
-  if (fsdp_sessions_use(&daemon->sessions, id, fsdp_daemon_now_ms(daemon), &s, &st) < 0) {
+  fsdp_peer_t peer;
+  if (fsdp_sessions_use(&daemon->sessions, id, caller(daemon, call, &peer),
+                        fsdp_daemon_now_ms(daemon), &s, &st) < 0) {
     fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
     return NULL;
   }

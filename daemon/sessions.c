@@ -2,6 +2,7 @@
 #include "sessions.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -46,6 +47,30 @@ void fsdp_sessions_cleanup(fsdp_sessions_t *sessions) {
     fsdp_sessions_end(sessions, sessions->head);
 }
 
+/* Whether `pid` names process peer_pid in one of its pid namespaces: a trainer in a
+ * container knows itself by its namespace's pid, SO_PEERCRED gives ours ("NSpid: 4711 12"). */
+static bool is_pid_of(pid_t peer_pid, pid_t pid) {
+  if (pid == peer_pid)
+    return true;
+  char path[64], line[512];
+  snprintf(path, sizeof path, "/proc/%ld/status", (long)peer_pid);
+  FILE *f = fopen(path, "re");
+  if (!f)
+    return false;
+  bool found = false;
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "NSpid:", 6) != 0)
+      continue;
+    char *p = line + 6, *end;
+    for (long v; (v = strtol(p, &end, 10)), end != p; p = end)
+      if (v == pid)
+        found = true;
+    break;
+  }
+  fclose(f);
+  return found;
+}
+
 static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_peer_t *peer,
                          fsdp_status_t *st) {
   if (!job_name_valid(rq->job))
@@ -66,7 +91,7 @@ static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_peer_t *p
   if (!peer)
     return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
                            "cannot identify the calling process: attach over the unix socket");
-  if (rq->pid != peer->pid)
+  if (!is_pid_of(peer->pid, rq->pid))
     return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
                            "field 'pid' = %d, but the connection belongs to pid %d", rq->pid,
                            (int)peer->pid);
@@ -87,6 +112,12 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
                              "job '%s' has local_world_size %u (local rank %u attached with it), "
                              "not %u",
                              rq->job, s->local_world_size, s->local_rank, rq->local_world_size);
+    if (s->local_rank == rq->local_rank && s->pid == peer->pid) {
+      /* The same process again: its earlier reply was lost, or it retries. */
+      s->last_call_ms = now_ms;
+      *ret_session = s;
+      return 0;
+    }
     if (s->local_rank == rq->local_rank)
       return fsdp_status_set(st, FSDP_E_ALREADY_EXISTS,
                              "job '%s' local rank %u is already attached (session %016llx, pid %d)",
@@ -106,7 +137,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   memcpy(s->job, rq->job, strlen(rq->job) + 1);
   s->local_rank = rq->local_rank;
   s->local_world_size = rq->local_world_size;
-  s->pid = rq->pid;
+  s->pid = peer->pid; /* the daemon's view, which later calls are checked against */
   s->attached_ms = s->last_call_ms = now_ms;
   s->next = sessions->head;
   sessions->head = s;
@@ -115,14 +146,19 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   return 0;
 }
 
-int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, uint64_t now_ms,
-                      fsdp_session_t **ret_session, fsdp_status_t *st) {
+int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t *caller,
+                      uint64_t now_ms, fsdp_session_t **ret_session, fsdp_status_t *st) {
   fsdp_session_t *s = find_id(sessions, id);
   if (!s)
     return fsdp_status_set(st, FSDP_E_NOT_FOUND,
                            "session %016llx is not attached (it detached, its lease ran out, or "
                            "it never was)",
                            (unsigned long long)id);
+  /* Session ids are shown to operators; holding one is no licence to act for its process. */
+  if (!caller || caller->pid != s->pid)
+    return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
+                           "session %016llx belongs to pid %d, not to the calling pid %d",
+                           (unsigned long long)id, (int)s->pid, caller ? (int)caller->pid : -1);
   s->last_call_ms = now_ms;
   *ret_session = s;
   return 0;

@@ -1,10 +1,12 @@
 /* Trainer sessions: one per (job, local rank) on this host.
  *
  * A trainer attaches with its job, local rank, local world size L and pid; the daemon checks
- * the pid against the connection's SO_PEERCRED credentials, so a session always belongs to
- * the process that opened it. A second session for the same (job, rank) is refused while the
- * first lives; every rank of a job must give the same L. A session ends on Detach or when its
- * lease runs out without a call (KeepAlive renews it).
+ * the pid against the connection's SO_PEERCRED credentials (in any of the process's pid
+ * namespaces), so a session always belongs to the process that opened it, and only that
+ * process may use it. A second session for the same (job, rank) from another process is
+ * refused while the first lives; the same process attaching again gets its session back.
+ * Every rank of a job must give the same L. A session ends on Detach or when its lease runs
+ * out without a call (KeepAlive renews it).
  *
  * Owned by the daemon, loop thread only. Sessions are few (session.max_sessions), so a list
  * is enough. */
@@ -28,7 +30,7 @@ typedef struct fsdp_session {
   char job[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_rank;
   uint32_t local_world_size;
-  pid_t pid;
+  pid_t pid; /* as the daemon sees it (SO_PEERCRED) */
   uint64_t attached_ms;  /* loop time of the Attach */
   uint64_t last_call_ms; /* loop time of the latest call naming the session */
   struct fsdp_session *next;
@@ -48,9 +50,10 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
                          const fsdp_peer_t *peer, uint64_t now_ms, unsigned max_sessions,
                          fsdp_session_t **ret_session, fsdp_status_t *st);
 
-/* The session with this id, its lease renewed; NOT_FOUND naming the id otherwise. */
-int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, uint64_t now_ms,
-                      fsdp_session_t **ret_session, fsdp_status_t *st);
+/* The session with this id, its lease renewed, if `caller` (NULL: unknown) is its process;
+ * NOT_FOUND or PERMISSION_DENIED naming the id otherwise. */
+int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t *caller,
+                      uint64_t now_ms, fsdp_session_t **ret_session, fsdp_status_t *st);
 
 /* Ends one session (Detach). */
 void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session);

@@ -4,12 +4,15 @@ name) each answered with its status and a message naming the field and the value
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
 import pytest
 
-from fsdpd_harness import fsdpd, poll, status_code_and_details, trainer_pb2  # noqa: F401
+from fsdpd_harness import (PYTHON_GEN, fsdpd, poll, status_code_and_details,  # noqa: F401
+                           trainer_pb2)
 
 ATTACH = "/fsdp.v1.Trainer/Attach"
 DETACH = "/fsdp.v1.Trainer/Detach"
@@ -90,19 +93,69 @@ def test_bad_attach(fsdpd, kwargs, code, text):
     d.assert_serving()
 
 
+# Another process, talking to the daemon on its own connection: prints "CODE details".
+_OTHER_PROCESS = r"""
+import os, sys
+sys.path.append(sys.argv[2]); sys.path.append(sys.argv[2] + "/grpc/health/v1")
+import grpc
+from fsdp.v1 import trainer_pb2 as t
+ch = grpc.insecure_channel("unix:" + sys.argv[1])
+what = sys.argv[3]
+try:
+    if what == "attach":
+        call = ch.unary_unary("/fsdp.v1.Trainer/Attach",
+                              request_serializer=t.AttachRequest.SerializeToString,
+                              response_deserializer=t.AttachReply.FromString)
+        r = call(t.AttachRequest(protocol_version=1, job=sys.argv[4], local_rank=int(sys.argv[5]),
+                                 local_world_size=int(sys.argv[6]), pid=os.getpid()), timeout=5)
+        print("OK", r.session_id)
+    else:
+        call = ch.unary_unary("/fsdp.v1.Trainer/" + what,
+                              request_serializer=t.DetachRequest.SerializeToString,
+                              response_deserializer=t.DetachReply.FromString)
+        call(t.DetachRequest(session_id=int(sys.argv[4])), timeout=5)
+        print("OK")
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
+"""
+
+
+def other_process(d, *args):
+    r = subprocess.run([sys.executable, "-c", _OTHER_PROCESS, str(d.socket_path),
+                        str(PYTHON_GEN), *map(str, args)], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 def test_duplicate_rank_and_world_size_mismatch(fsdpd):
     d = fsdpd()
     a = attach(d, job="j", rank=1, world=4)
-    code, details = refused(attach, d, job="j", rank=1, world=4)
-    assert code == grpc.StatusCode.ALREADY_EXISTS
-    assert details.endswith(f"job 'j' local rank 1 is already attached "
-                            f"(session {a.session_id:016x}, pid {os.getpid()})")
+    # The same process attaching again (a lost reply, a retry) gets its session back.
+    assert attach(d, job="j", rank=1, world=4).session_id == a.session_id
+    out = other_process(d, "attach", "j", 1, 4)
+    assert out.startswith("ALREADY_EXISTS "), out
+    assert out.endswith(f"job 'j' local rank 1 is already attached "
+                        f"(session {a.session_id:016x}, pid {os.getpid()})")
     code, details = refused(attach, d, job="j", rank=0, world=2)
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "job 'j' has local_world_size 4 (local rank 1 attached with it), not 2" in details
     # Another job is independent.
     attach(d, job="k", rank=1, world=2)
     assert len(sessions(d)) == 2
+
+
+@pytest.mark.parametrize("method", ["Detach", "KeepAlive"])
+def test_only_the_owning_process_uses_a_session(fsdpd, method):
+    """Session ids are visible to operators; another process cannot act with one."""
+    d = fsdpd()
+    a = attach(d, rank=0)
+    out = other_process(d, method, a.session_id)
+    assert out == (f"PERMISSION_DENIED /fsdp.v1.Trainer/{method}: session {a.session_id:016x} "
+                   f"belongs to pid {os.getpid()}, not to the calling pid "
+                   f"{out.rsplit(' ', 1)[-1]}"), out
+    assert out.rsplit(" ", 1)[-1] != str(os.getpid())
+    assert set(sessions(d)) == {("job-1", 0)}
 
 
 def test_lease_ends_idle_sessions_and_keepalive_renews(fsdpd):
