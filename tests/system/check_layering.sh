@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks the include graph against the layering of docs/DESIGN.md:
 #   common <- proto <- config <- daemon        common <- proto <- client (fsdpctl)
+#   common <- collectives <- daemon
 # A file may include headers of its own folder and of the folders below it, and nothing
 # includes daemon/. Generated protocol headers belong to proto/.
 set -euo pipefail
