@@ -58,6 +58,10 @@ typedef enum fsdp_option_type {
     "TCP address of the gRPC health service for schedulers; empty disables it.")                \
   X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "8GiB", 67108864, 1099511627776, NULL, "B",    \
     true, NULL, "Memory the daemon may hold for all jobs together.")                             \
+  X(JOB_MEMORY, "memory.job_limit", FSDP_OPT_SIZE, "1GiB", 67108864, 1099511627776, NULL, "B",  \
+    false, NULL,                                                                                 \
+    "Size of each job's memory arena (one memfd every local rank maps); its buffers come out "  \
+    "of it, and RESOURCE_EXHAUSTED beyond it.")                                                  \
   X(SESSION_LEASE, "session.lease", FSDP_OPT_DURATION, "30s", 100, 3600000, NULL, "ms", true,   \
     NULL,                                                                                        \
     "A trainer session that makes no call (KeepAlive included) for this long ends; its "        \

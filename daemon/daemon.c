@@ -42,12 +42,26 @@ static void apply_config(fsdp_daemon_t *daemon) {
     uv_timer_again(&daemon->housekeeping);
 }
 
-static void log_expired(const fsdp_session_t *s, void *data) {
+static void log_session_end(const fsdp_session_t *s, const char *why) {
+  log_info("session %016llx (job '%s' local rank %u, pid %d) ended: %s",
+           (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid, why);
+}
+
+void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {
+  log_session_end(session, why);
+  if (session->channel)
+    fsdp_channel_conn_close(session->channel);
+  fsdp_sessions_end(&daemon->sessions, session);
+}
+
+static void on_session_expired(const fsdp_session_t *s, void *data) {
   fsdp_daemon_t *daemon = data;
-  log_warning("session %016llx (job '%s' local rank %u, pid %d) ended: no call for %llu ms "
-              "(session.lease)",
-              (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid,
-              (unsigned long long)(uv_now(&daemon->loop) - s->last_call_ms));
+  char why[96];
+  snprintf(why, sizeof why, "no call for %llu ms (session.lease)",
+           (unsigned long long)(uv_now(&daemon->loop) - s->last_call_ms));
+  log_session_end(s, why);
+  if (s->channel)
+    fsdp_channel_conn_close(s->channel);
 }
 
 static void on_housekeeping(uv_timer_t *timer) {
@@ -56,7 +70,8 @@ static void on_housekeeping(uv_timer_t *timer) {
     sd_notify(0, "WATCHDOG=1");
   fsdp_sessions_expire(&daemon->sessions, uv_now(&daemon->loop),
                        (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE),
-                       log_expired, daemon);
+                       on_session_expired, daemon);
+  fsdp_channel_expire(&daemon->channel, uv_now(&daemon->loop));
 }
 
 int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,
@@ -125,6 +140,7 @@ static void on_rpc_stopped(void *data) {
   fsdp_daemon_t *daemon = data;
   fsdp_rpc_server_free(daemon->rpc);
   daemon->rpc = NULL;
+  fsdp_channel_stop(&daemon->channel);
   fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_store_cleanup(&daemon->store);
   fsdp_listener_close(&daemon->listener);
@@ -270,6 +286,14 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   /* Nothing is accepted before the loop runs, so the listener may start before the server. */
   if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint)) < 0) {
     fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.socket_path,
+                    uv_strerror(r));
+    goto fail_rpc;
+  }
+  fsdp_channel_callbacks_t callbacks;
+  fsdp_services_channel_callbacks(daemon, &callbacks);
+  if ((r = fsdp_channel_start(&daemon->channel, &daemon->loop, daemon->listener.channel_fd,
+                              &callbacks)) < 0) {
+    fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.channel_path,
                     uv_strerror(r));
     goto fail_rpc;
   }

@@ -14,6 +14,7 @@
 #include <uv.h>
 
 #include "args.h"
+#include "channel.h"
 #include "config.h"
 #include "health.h"
 #include "listener.h"
@@ -50,6 +51,7 @@ typedef struct fsdp_daemon {
   fsdp_health_t health;
   fsdp_sessions_t sessions;
   fsdp_store_t store;
+  fsdp_channel_t channel;
   fsdp_rpc_service_t services[FSDP_SERVICE_COUNT]; /* borrowed by the RPC server */
   fsdp_rpc_server_t *rpc;
   fsdp_rpc_endpoint_t *local_endpoint;
@@ -89,5 +91,8 @@ uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon);
 
 /* The loop's clock in milliseconds (monotonic), as sessions and deadlines use it. */
 uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon);
+
+/* Ends a session for `why` (logged): closes its memory channel and releases it. */
+void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why);
 
 #endif

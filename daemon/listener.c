@@ -91,19 +91,21 @@ static int remove_stale_socket(const char *path, fsdp_status_t *st) {
   return 0;
 }
 
-static int bind_socket(fsdp_listener_t *listener, fsdp_status_t *st) {
+/* Binds run_dir/name as a listening unix socket of `type`, mode 0660; its path goes to
+ * ret_path (sun_path's size). */
+static int bind_socket(const fsdp_listener_t *listener, const char *name, int type,
+                       char *ret_path, int *ret_fd, fsdp_status_t *st) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  int n = snprintf(addr.sun_path, sizeof addr.sun_path, "%s/%s", listener->run_dir,
-                   FSDP_SOCKET_NAME);
+  int n = snprintf(addr.sun_path, sizeof addr.sun_path, "%s/%s", listener->run_dir, name);
   if (n < 0 || (size_t)n >= sizeof addr.sun_path)
     return fsdp_status_set(st, -ENAMETOOLONG,
                            "socket path '%s/%s' is longer than the %zu bytes a unix socket allows",
-                           listener->run_dir, FSDP_SOCKET_NAME, sizeof addr.sun_path - 1);
-  memcpy(listener->socket_path, addr.sun_path, sizeof listener->socket_path);
+                           listener->run_dir, name, sizeof addr.sun_path - 1);
+  memcpy(ret_path, addr.sun_path, sizeof addr.sun_path);
   int r = remove_stale_socket(addr.sun_path, st);
   if (r < 0)
     return r;
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  int fd = socket(AF_UNIX, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0)
     return fsdp_status_set(st, -errno, "socket: %s", strerror(errno));
   /* The umask makes the file 0660 at birth; chmod states it regardless of the umask. */
@@ -115,26 +117,27 @@ static int bind_socket(fsdp_listener_t *listener, fsdp_status_t *st) {
     close(fd);
     return fsdp_status_set(st, -err, "cannot listen on '%s': %s", addr.sun_path, strerror(err));
   }
-  listener->socket_fd = fd;
+  *ret_fd = fd;
   return 0;
 }
 
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
   memset(listener, 0, sizeof *listener);
-  listener->lock_fd = listener->socket_fd = -1;
+  listener->lock_fd = listener->socket_fd = listener->channel_fd = -1;
   int r = prepare_run_dir(listener, run_dir, st);
   if (r < 0)
     return r;
   r = take_lock(listener, st);
   if (r < 0)
     return r;
-  r = bind_socket(listener, st);
-  if (r < 0) {
-    close(listener->lock_fd);
-    listener->lock_fd = -1;
-    return r;
-  }
-  return 0;
+  r = bind_socket(listener, FSDP_SOCKET_NAME, SOCK_STREAM, listener->socket_path,
+                  &listener->socket_fd, st);
+  if (r == 0)
+    r = bind_socket(listener, FSDP_CHANNEL_SOCKET_NAME, SOCK_SEQPACKET, listener->channel_path,
+                    &listener->channel_fd, st);
+  if (r < 0)
+    fsdp_listener_close(listener);
+  return r;
 }
 
 /* Whether the peer of a connected socket had gid among its supplementary groups when it
@@ -260,6 +263,11 @@ void fsdp_listener_close(fsdp_listener_t *listener) {
     unlink(listener->socket_path);
     close(listener->socket_fd);
     listener->socket_fd = -1;
+  }
+  if (listener->channel_fd >= 0) {
+    unlink(listener->channel_path);
+    close(listener->channel_fd);
+    listener->channel_fd = -1;
   }
   if (listener->lock_fd >= 0) {
     close(listener->lock_fd); /* releases the flock */

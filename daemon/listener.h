@@ -24,6 +24,7 @@
 #include "status.h"
 
 #define FSDP_SOCKET_NAME "fsdpd.sock"
+#define FSDP_CHANNEL_SOCKET_NAME "fsdpd.mem.sock"
 #define FSDP_LOCK_NAME "fsdpd.lock"
 
 /* Credentials of a connection, from SO_PEERCRED at accept. */
@@ -42,6 +43,8 @@ typedef struct fsdp_listener {
   int socket_fd;
   char run_dir[4096];
   char socket_path[108]; /* sun_path's size */
+  int channel_fd;         /* the memory channel's listening socket (daemon/channel.h) */
+  char channel_path[108];
   fsdp_rpc_endpoint_t *endpoint;
   unsigned long accepted, refused;
   /* Credentials by file descriptor of the accepted connection. A closed connection's entry
@@ -51,7 +54,8 @@ typedef struct fsdp_listener {
   size_t n_peers;
 } fsdp_listener_t;
 
-/* Prepares the run dir, takes its lock and binds the socket (mode 0660). Does not accept
+/* Prepares the run dir, takes its lock and binds the sockets (mode 0660): the gRPC one, and
+ * the memory channel's (SOCK_SEQPACKET), which daemon/channel.h accepts on. Does not accept
  * yet. On failure st says which path and why; nothing is left behind. */
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st);
 

@@ -70,6 +70,7 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   reply.session_id = s->id;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
   reply.lease_ms = lease_ms(daemon);
+  reply.memory_socket = daemon->listener.channel_path;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
@@ -92,9 +93,7 @@ static void trainer_detach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   fsdp_session_t *s = use_session(call, daemon, rq->session_id);
   if (!s)
     return;
-  log_info("session %016llx detached: job '%s' local rank %u", (unsigned long long)s->id, s->job,
-           s->local_rank);
-  fsdp_sessions_end(&daemon->sessions, s);
+  fsdp_daemon_end_session(daemon, s, "detached");
   Fsdp__V1__DetachReply reply = FSDP__V1__DETACH_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);
 }
@@ -508,6 +507,62 @@ static const fsdp_rpc_handler_t operator_handlers[] = {
     {"DescribeUnit", operator_describe_unit, true},
 };
 static const fsdp_rpc_handler_t peer_handlers[] = {{"Join", peer_join, false}};
+
+/* A trainer's hello on the memory channel: the session must be the caller's own and have no
+ * channel yet; the answer carries its job's arena, made on the job's first need. */
+static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
+                            const Fsdp__V1__ChannelHello *hello, const fsdp_peer_t *peer,
+                            fsdp_channel_welcome_t *w) {
+  fsdp_daemon_t *daemon = data;
+  fsdp_session_t *s;
+  if (fsdp_sessions_use(&daemon->sessions, hello->session_id, peer, fsdp_daemon_now_ms(daemon),
+                        &s, &w->status) < 0)
+    return;
+  if (s->channel) {
+    fsdp_status_set(&w->status, FSDP_E_ALREADY_EXISTS,
+                    "session %016llx already has its memory channel", (unsigned long long)s->id);
+    return;
+  }
+  fsdp_job_t *job;
+  if (fsdp_store_job_for(&daemon->store, s, &job, &w->status) < 0)
+    return;
+  if (!job->arena) {
+    /* No pre-fault here: that is blocking work for a worker, at buffer allocation. */
+    fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
+    options.prefault = FSDP_ARENA_PREFAULT_NONE;
+    char name[96];
+    snprintf(name, sizeof name, "fsdpd job %s", job->name);
+    size_t capacity = (size_t)fsdp_config_number(&daemon->config, FSDP_OPTION_JOB_MEMORY);
+    if (fsdp_arena_new(name, capacity, &options, &job->arena, &w->status) < 0)
+      return;
+  }
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(job->arena, &stats);
+  fsdp__v1__channel_memory__init(&w->memory[0]);
+  snprintf(w->names[0], sizeof w->names[0], "job '%s' arena", job->name);
+  w->memory[0].name = w->names[0];
+  w->memory[0].bytes = stats.capacity;
+  w->memory[0].writable = true;
+  w->memories[0] = &w->memory[0];
+  w->fds[0] = fsdp_arena_fd(job->arena);
+  w->n = 1;
+  s->channel = conn;
+  fsdp_channel_conn_set_owner(conn, s);
+  log_info("session %016llx: memory channel open, job '%s' arena of %zu bytes",
+           (unsigned long long)s->id, job->name, stats.capacity);
+}
+
+static void channel_closed(void *data, void *owner, const char *why) {
+  fsdp_daemon_t *daemon = data;
+  fsdp_session_t *s = owner;
+  s->channel = NULL; /* already closing */
+  fsdp_daemon_end_session(daemon, s, why);
+}
+
+void fsdp_services_channel_callbacks(fsdp_daemon_t *daemon, fsdp_channel_callbacks_t *ret) {
+  *ret = (fsdp_channel_callbacks_t){.welcome = channel_welcome, .closed = channel_closed,
+                                    .data = daemon};
+}
 
 void fsdp_services_init(fsdp_daemon_t *daemon) {
 #define SERVICE(descriptor_, handlers_) \

@@ -12,4 +12,7 @@
 /* Fills daemon->services, each bound to daemon. */
 void fsdp_services_init(fsdp_daemon_t *daemon);
 
+/* The memory channel's callbacks (daemon/channel.h), bound to daemon. */
+void fsdp_services_channel_callbacks(fsdp_daemon_t *daemon, fsdp_channel_callbacks_t *ret);
+
 #endif

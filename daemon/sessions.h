@@ -33,6 +33,7 @@ typedef struct fsdp_session {
   pid_t pid; /* as the daemon sees it (SO_PEERCRED) */
   uint64_t attached_ms;  /* loop time of the Attach */
   uint64_t last_call_ms; /* loop time of the latest call naming the session */
+  void *channel;         /* its memory channel connection (daemon/channel.h), or NULL */
   struct fsdp_session *next;
 } fsdp_session_t;
 

@@ -81,8 +81,8 @@ static int new_unit(fsdp_job_t *job, const fsdp_session_t *session,
   return 0;
 }
 
-static int find_or_create_job(fsdp_store_t *store, const fsdp_session_t *session,
-                              fsdp_job_t **ret_job, fsdp_status_t *st) {
+int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
+                       fsdp_status_t *st) {
   fsdp_job_t *job = fsdp_store_find_job(store, session->job);
   if (job) {
     if (job->local_world_size != session->local_world_size)
@@ -114,7 +114,7 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
   if (r < 0)
     return r;
   fsdp_job_t *job = NULL;
-  if ((r = find_or_create_job(store, session, &job, st)) < 0)
+  if ((r = fsdp_store_job_for(store, session, &job, st)) < 0)
     return r;
   fsdp_unit_t *u = find_unit(job, rq->unit);
   if (!u)
@@ -142,6 +142,7 @@ void fsdp_store_cleanup(fsdp_store_t *store) {
       next = u->next;
       unit_free(u);
     }
+    fsdp_arena_free(job->arena);
     free(job);
   }
   store->n_jobs = 0;

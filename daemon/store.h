@@ -1,11 +1,11 @@
 /* The parameter store's registry: jobs and their units.
  *
- * A job is created by the first RegisterUnit of any of its ranks and outlives its trainers'
- * sessions: parameters stay in the daemon when a trainer dies, so that it can attach again
- * and go on. A unit is registered by every local rank of its job with the same spec; the
- * first registration fixes the spec and the layout, a later one either matches it (and only
- * records that the rank registered) or is refused naming the first differing field, both
- * values and both ranks.
+ * A job is created by the first RegisterUnit or memory channel of any of its ranks and
+ * outlives its trainers' sessions, with its arena: parameters stay in the daemon when a
+ * trainer dies, so that it can attach again and go on. A unit is registered by every local
+ * rank of its job with the same spec; the first registration fixes the spec and the layout,
+ * a later one either matches it (and only records that the rank registered) or is refused
+ * naming the first differing field, both values and both ranks.
  *
  * Owned by the daemon, loop thread only. */
 #ifndef FSDP_STORE_H
@@ -16,6 +16,7 @@
 
 #include "fsdp/v1/trainer.pb-c.h"
 
+#include "arena.h"
 #include "sessions.h"
 #include "status.h"
 #include "unit_layout.h"
@@ -32,6 +33,7 @@ typedef struct fsdp_unit {
 typedef struct fsdp_job {
   char name[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_world_size;
+  fsdp_arena_t *arena; /* the memory every local rank maps; made on first need; owned */
   fsdp_unit_t *units; /* in registration order */
   fsdp_unit_t **units_tail;
   unsigned n_units;
@@ -53,6 +55,11 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
                              fsdp_status_t *st);
 
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);
+
+/* The session's job, created on first use; FAILED_PRECONDITION if it exists with another
+ * local world size. */
+int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
+                       fsdp_status_t *st);
 
 /* Shards of a unit on this host: the local world size, or 1 for NO_SHARD. */
 unsigned fsdp_store_shard_count(Fsdp__V1__ShardingStrategy strategy, uint32_t local_world_size);

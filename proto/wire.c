@@ -147,6 +147,32 @@ int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *b
   return r;
 }
 
+int fsdp_wire_frame_encode(const ProtobufCMessage *msg, uint8_t *frame) {
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  if (len > FSDP_CHANNEL_FRAME_BYTES - 4)
+    return -EMSGSIZE;
+  memset(frame, 0, FSDP_CHANNEL_FRAME_BYTES);
+  for (int i = 0; i < 4; i++)
+    frame[i] = (uint8_t)(len >> (8 * i));
+  protobuf_c_message_pack(msg, frame + 4);
+  return 0;
+}
+
+int fsdp_wire_frame_decode(const ProtobufCMessageDescriptor *desc, const uint8_t *frame,
+                           size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+  if (len != FSDP_CHANNEL_FRAME_BYTES)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "%s frame of %zu bytes, expected %d", desc->name, len,
+                           FSDP_CHANNEL_FRAME_BYTES);
+  uint32_t n = (uint32_t)frame[0] | (uint32_t)frame[1] << 8 | (uint32_t)frame[2] << 16 |
+               (uint32_t)frame[3] << 24;
+  if (n > FSDP_CHANNEL_FRAME_BYTES - 4)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "%s frame says %u bytes, more than the %d a frame holds", desc->name,
+                           n, FSDP_CHANNEL_FRAME_BYTES - 4);
+  return fsdp_wire_decode_bytes(desc, frame + 4, n, ret_msg, st);
+}
+
 /* Strict UTF-8 (RFC 3629): no overlong forms, no surrogates, nothing above U+10FFFF. */
 static bool utf8_valid(const unsigned char *s) {
   while (*s) {

@@ -44,6 +44,16 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
  * enum, strings that are not UTF-8, and field number 0. st names the field path and value. */
 int fsdp_wire_validate(const ProtobufCMessage *msg, fsdp_status_t *st);
 
+/* Memory-channel frames (fsdp/v1/channel.proto): exactly this many bytes, a little-endian
+ * uint32 length, the message, zeros. */
+#define FSDP_CHANNEL_FRAME_BYTES 4096
+
+/* Packs msg into frame (FSDP_CHANNEL_FRAME_BYTES); -EMSGSIZE if it does not fit. */
+int fsdp_wire_frame_encode(const ProtobufCMessage *msg, uint8_t *frame);
+/* Unpacks and validates a frame of `len` bytes as a message of type desc. */
+int fsdp_wire_frame_decode(const ProtobufCMessageDescriptor *desc, const uint8_t *frame,
+                           size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st);
+
 /* The status table. Unknown or positive errors map to INTERNAL / OK. */
 grpc_status_code fsdp_wire_status_from_error(int err);
 int fsdp_wire_error_from_status(grpc_status_code code);

@@ -1,0 +1,189 @@
+"""The memory channel through a real fsdpd: after Attach a trainer gets its job's arena as a
+file descriptor (SCM_RIGHTS) and maps it; every rank of a job maps the same memory; the
+connection is the session's lifeline, so a trainer killed with SIGKILL loses its session at
+once; and every bad hello is answered with a status naming the problem."""
+
+import mmap
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import grpc
+
+from fsdpd_harness import PYTHON_GEN, fsdpd, poll, trainer_pb2  # noqa: F401
+from fsdp.v1 import channel_pb2
+
+FRAME = 4096
+OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION = \
+    0, 3, 5, 6, 7, 9
+
+
+def attach(d, rank=0, world=2, job="j"):
+    return d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
+        protocol_version=1, job=job, local_rank=rank, local_world_size=world, pid=os.getpid()),
+        trainer_pb2.AttachReply)
+
+
+def frame(message_bytes):
+    return struct.pack("<I", len(message_bytes)) + message_bytes + \
+        b"\0" * (FRAME - 4 - len(message_bytes))
+
+
+def hello(path, session_id, version=1, raw=None):
+    """Connects, says hello, returns (socket, ChannelWelcome, fds)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(5)
+    s.connect(path)
+    s.send(raw if raw is not None else frame(
+        channel_pb2.ChannelHello(protocol_version=version, session_id=session_id)
+        .SerializeToString()))
+    msg, fds, _, _ = socket.recv_fds(s, FRAME, 4)
+    n = struct.unpack("<I", msg[:4])[0]
+    return s, channel_pb2.ChannelWelcome.FromString(msg[4:4 + n]), fds
+
+
+def closed_by_daemon(s, seconds=5):
+    s.settimeout(seconds)
+    return s.recv(FRAME) == b""
+
+
+def sessions(d):
+    return {(x.job, x.local_rank) for x in d.status().sessions}
+
+
+def test_ranks_of_a_job_share_its_arena(fsdpd):
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    a, b = attach(d, 0), attach(d, 1)
+    assert a.memory_socket == str(d.run_dir / "fsdpd.mem.sock")
+    sa, wa, fa = hello(a.memory_socket, a.session_id)
+    sb, wb, fb = hello(b.memory_socket, b.session_id)
+    assert (wa.status, len(fa)) == (OK, 1)
+    assert [(m.name, m.bytes, m.writable) for m in wa.memories] == [("job 'j' arena", 64 << 20, True)]
+    ma = mmap.mmap(fa[0], 64 << 20)
+    mb = mmap.mmap(fb[0], 64 << 20)
+    ma[12345:12350] = b"shard"
+    assert mb[12345:12350] == b"shard"  # one memory, two mappings
+    # Another job gets memory of its own.
+    c = attach(d, 0, job="other")
+    _, wc, fc = hello(c.memory_socket, c.session_id)
+    assert mmap.mmap(fc[0], wc.memories[0].bytes)[12345:12350] == b"\0" * 5
+    # Nothing has a name in /dev/shm.
+    assert not [n for n in os.listdir("/dev/shm") if "fsdp" in n]
+    # Detach closes the channel from the daemon's side.
+    d.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=a.session_id),
+           trainer_pb2.DetachReply)
+    assert closed_by_daemon(sa)
+    for f in fa + fb + fc:
+        os.close(f)
+
+
+_TRAINER = r"""
+import os, socket, struct, sys, time
+sys.path.append(sys.argv[2])
+import grpc
+from fsdp.v1 import trainer_pb2 as t, channel_pb2 as c
+ch = grpc.insecure_channel("unix:" + sys.argv[1])
+r = ch.unary_unary("/fsdp.v1.Trainer/Attach", request_serializer=t.AttachRequest.SerializeToString,
+                   response_deserializer=t.AttachReply.FromString)(
+    t.AttachRequest(protocol_version=1, job="victim", local_rank=0, local_world_size=1,
+                    pid=os.getpid()), timeout=5)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(r.memory_socket)
+h = c.ChannelHello(protocol_version=1, session_id=r.session_id).SerializeToString()
+s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
+socket.recv_fds(s, 4096, 4)
+print(r.session_id, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_trainer_loses_its_session_at_once(fsdpd):
+    d = fsdpd()  # the lease is 30 s: only the channel can end the session this soon
+    p = subprocess.Popen([sys.executable, "-c", _TRAINER, str(d.socket_path), str(PYTHON_GEN)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        session_id = int(p.stdout.readline())
+        assert sessions(d) == {("victim", 0)}
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGKILL)
+        poll(lambda: not sessions(d), 2, what="the killed trainer's session to end")
+        elapsed = time.monotonic() - t0
+        assert f"session {session_id:016x}" in d.stderr()
+        assert "closed the memory channel (it exited or died)" in d.stderr()
+        print(f"session ended {elapsed * 1000:.0f} ms after SIGKILL")
+        # The rank can attach again, and the job kept its memory.
+        attach(d, 0, world=1, job="victim")
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_bad_hellos(fsdpd):
+    d = fsdpd()
+    a = attach(d, 0)
+    s, w, fds = hello(a.memory_socket, 0xDEAD)
+    assert (w.status, fds) == (NOT_FOUND, [])
+    assert "session 000000000000dead is not attached" in w.message
+    assert closed_by_daemon(s)
+
+    s, w, _ = hello(a.memory_socket, a.session_id, version=3)
+    assert w.status == FAILED_PRECONDITION and "protocol_version 3" in w.message
+
+    s, w, _ = hello(a.memory_socket, a.session_id, raw=b"short")
+    assert w.status == INVALID_ARGUMENT and "frame of 5 bytes, expected 4096" in w.message
+
+    s, w, _ = hello(a.memory_socket, a.session_id, raw=struct.pack("<I", 9999) + b"\0" * 4092)
+    assert w.status == INVALID_ARGUMENT and "says 9999 bytes" in w.message
+
+    first, w, fds = hello(a.memory_socket, a.session_id)
+    assert w.status == OK
+    s, w, _ = hello(a.memory_socket, a.session_id)
+    assert w.status == ALREADY_EXISTS and "already has its memory channel" in w.message
+    assert sessions(d) == {("j", 0)}  # a refused second channel changes nothing
+    os.close(fds[0])
+    d.assert_serving()
+
+
+def test_only_the_sessions_process_gets_its_memory(fsdpd):
+    d = fsdpd()
+    a = attach(d, 0)
+    code = r"""
+import socket, struct, sys
+sys.path.append(sys.argv[3])
+from fsdp.v1 import channel_pb2 as c
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect(sys.argv[1])
+h = c.ChannelHello(protocol_version=1, session_id=int(sys.argv[2])).SerializeToString()
+s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
+msg, fds, _, _ = socket.recv_fds(s, 4096, 4)
+w = c.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
+print(w.status, len(fds), w.message)
+"""
+    r = subprocess.run([sys.executable, "-c", code, a.memory_socket, str(a.session_id),
+                        str(PYTHON_GEN)], capture_output=True, text=True, timeout=30)
+    status, n_fds, message = r.stdout.strip().split(" ", 2)
+    assert (int(status), int(n_fds)) == (PERMISSION_DENIED, 0), r.stdout + r.stderr
+    assert f"belongs to pid {os.getpid()}" in message
+
+
+def test_silence_after_connecting_is_cut_off(fsdpd):
+    d = fsdpd()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(str(d.run_dir / "fsdpd.mem.sock"))
+    t0 = time.monotonic()
+    assert closed_by_daemon(s, 8)
+    assert 4.5 < time.monotonic() - t0 < 8
+    assert "no hello within 5000 ms" in d.stderr()
+
+
+def test_lease_end_closes_the_channel(fsdpd):
+    d = fsdpd("--set", "session.lease=300ms", "--set", "daemon.housekeeping_interval=20ms")
+    a = attach(d, 0)
+    s, w, fds = hello(a.memory_socket, a.session_id)
+    assert w.status == OK
+    assert closed_by_daemon(s)
+    assert not sessions(d)
+    os.close(fds[0])
