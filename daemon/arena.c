@@ -451,6 +451,20 @@ int fsdp_arena_open_readonly(const fsdp_arena_t *arena, int *ret_fd) {
   return 0;
 }
 
+int fsdp_arena_prefault_range(const fsdp_arena_t *arena, uint64_t offset, size_t len) {
+  if (offset > arena->capacity || len > arena->capacity - offset)
+    return -EINVAL;
+  uint64_t begin = offset / arena->page_size * arena->page_size;
+  size_t span = (size_t)(offset + len - begin);
+  char *start = (char *)arena->base + begin;
+  if (madvise(start, span, MADV_POPULATE_WRITE) == 0)
+    return 0;
+  if (errno != EINVAL)
+    return -errno;
+  touch_pages(start, span, arena->page_size); /* a kernel before 5.14 */
+  return 0;
+}
+
 void fsdp_arena_get_stats(const fsdp_arena_t *arena, fsdp_arena_stats_t *ret_stats) {
   size_t n_free = 0;
   for (size_t i = 0; i < arena->n_blocks; i++)

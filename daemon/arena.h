@@ -151,6 +151,13 @@ int fsdp_arena_fd(const fsdp_arena_t *arena);
  * it (close it after sending). Returns 0 or -errno. */
 int fsdp_arena_open_readonly(const fsdp_arena_t *arena, int *ret_fd);
 
+/* Faults in the pages of [offset, offset + len), as creation does for the whole arena when
+ * asked to: for an arena made without pre-fault, at buffer allocation, so that no hot path
+ * faults a fresh page. Blocking, and it touches only memory, not the block list: call it
+ * from a worker thread while the loop thread goes on. Returns 0 or -errno (-ENOMEM: a memory
+ * limit was hit). */
+int fsdp_arena_prefault_range(const fsdp_arena_t *arena, uint64_t offset, size_t len);
+
 /* The daemon's read-write mapping of the whole arena; offset o is at base + o. Borrowed. */
 void *fsdp_arena_base(const fsdp_arena_t *arena);
 

@@ -47,10 +47,18 @@ static void log_session_end(const fsdp_session_t *s, const char *why) {
            (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid, why);
 }
 
-void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {
-  log_session_end(session, why);
+/* What a session leaves behind when it ends, however it ends. */
+static void release_session(fsdp_daemon_t *daemon, const fsdp_session_t *session) {
   if (session->channel)
     fsdp_channel_conn_close(session->channel);
+  fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
+  if (job)
+    fsdp_dataplane_release_rank(job, session->local_rank);
+}
+
+void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {
+  log_session_end(session, why);
+  release_session(daemon, session);
   fsdp_sessions_end(&daemon->sessions, session);
 }
 
@@ -60,8 +68,7 @@ static void on_session_expired(const fsdp_session_t *s, void *data) {
   snprintf(why, sizeof why, "no call for %llu ms (session.lease)",
            (unsigned long long)(uv_now(&daemon->loop) - s->last_call_ms));
   log_session_end(s, why);
-  if (s->channel)
-    fsdp_channel_conn_close(s->channel);
+  release_session(daemon, s);
 }
 
 static void on_housekeeping(uv_timer_t *timer) {
@@ -142,7 +149,6 @@ static void on_rpc_stopped(void *data) {
   daemon->rpc = NULL;
   fsdp_channel_stop(&daemon->channel);
   fsdp_sessions_cleanup(&daemon->sessions);
-  fsdp_store_cleanup(&daemon->store);
   fsdp_listener_close(&daemon->listener);
   close_handles(daemon);
   daemon->state = FSDP_DAEMON_STOPPED;
@@ -276,6 +282,10 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   fsdp_health_init(&daemon->health);
   fsdp_sessions_init(&daemon->sessions);
   fsdp_store_init(&daemon->store);
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  if ((r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
+                               cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
+    goto fail_loop;
   fsdp_services_init(daemon);
 
   if ((r = fsdp_listener_open(&daemon->listener,
@@ -317,6 +327,7 @@ fail_rpc:
   daemon->rpc = NULL;
   fsdp_listener_close(&daemon->listener);
 fail_loop:
+  fsdp_dataplane_cleanup(&daemon->dataplane);
   uv_run(&daemon->loop, UV_RUN_DEFAULT); /* lets closed handles finish */
   uv_loop_close(&daemon->loop);
 fail_config:
@@ -326,6 +337,9 @@ fail_config:
 
 int fsdp_daemon_run(fsdp_daemon_t *daemon) {
   uv_run(&daemon->loop, UV_RUN_DEFAULT);
+  /* Only now is no work in flight on the units and their arenas. */
+  fsdp_dataplane_cleanup(&daemon->dataplane);
+  fsdp_store_cleanup(&daemon->store);
   int r = uv_loop_close(&daemon->loop);
   if (r < 0)
     log_warning("event loop closed with handles still open: %s", uv_strerror(r));

@@ -16,6 +16,7 @@
 #include "args.h"
 #include "channel.h"
 #include "config.h"
+#include "dataplane.h"
 #include "health.h"
 #include "listener.h"
 #include "rpc_server.h"
@@ -52,6 +53,7 @@ typedef struct fsdp_daemon {
   fsdp_sessions_t sessions;
   fsdp_store_t store;
   fsdp_channel_t channel;
+  fsdp_dataplane_t dataplane;
   fsdp_rpc_service_t services[FSDP_SERVICE_COUNT]; /* borrowed by the RPC server */
   fsdp_rpc_server_t *rpc;
   fsdp_rpc_endpoint_t *local_endpoint;

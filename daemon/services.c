@@ -36,6 +36,10 @@ static const fsdp_peer_t *caller(fsdp_daemon_t *daemon, fsdp_rpc_call_t *call,
              : NULL;
 }
 
+static size_t job_memory(fsdp_daemon_t *daemon) {
+  return (size_t)fsdp_config_number(&daemon->config, FSDP_OPTION_JOB_MEMORY);
+}
+
 static uint64_t lease_ms(fsdp_daemon_t *daemon) {
   return (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE);
 }
@@ -111,13 +115,43 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
     fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
     return;
   }
-  Fsdp__V1__RegisterUnitReply reply = FSDP__V1__REGISTER_UNIT_REPLY__INIT;
-  reply.numel = u->layout.numel;
-  reply.padded_numel = u->layout.padded_numel;
-  reply.shard_numel = u->layout.shard_numel;
-  reply.n_param_offsets = u->layout.n_params;
-  reply.param_offsets = u->layout.offsets;
-  fsdp_rpc_call_reply(call, &reply.base);
+  fsdp_dataplane_register(&daemon->dataplane, call, fsdp_store_find_job(&daemon->store, s->job),
+                          u, s, job_memory(daemon));
+}
+
+/* The unit a UnitOp names, registered by the session's rank; fails the call otherwise. */
+static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
+                            const fsdp_session_t *s, const char *name, fsdp_job_t **ret_job) {
+  fsdp_job_t *job = fsdp_store_find_job(&daemon->store, s->job);
+  fsdp_unit_t *u = job ? fsdp_store_find_unit(job, name) : NULL;
+  if (!u || !fsdp_store_unit_registered_by(u, s->local_rank)) {
+    fsdp_rpc_call_fail(call, u ? FSDP_E_FAILED_PRECONDITION : FSDP_E_NOT_FOUND,
+                       "%s: unit '%s' is not registered by job '%s' local rank %u",
+                       fsdp_rpc_call_method(call), name, s->job, s->local_rank);
+    return NULL;
+  }
+  *ret_job = job;
+  return u;
+}
+
+static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_job_t *job;
+  fsdp_unit_t *u = s ? op_unit(call, daemon, s, rq->unit, &job) : NULL;
+  if (u)
+    fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s);
+}
+
+static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_job_t *job;
+  fsdp_unit_t *u = s ? op_unit(call, daemon, s, rq->unit, &job) : NULL;
+  if (u)
+    fsdp_dataplane_reshard(call, u, s);
 }
 
 static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
@@ -496,6 +530,8 @@ static const fsdp_rpc_handler_t trainer_handlers[] = {
     {"Attach", trainer_attach, false},
     {"Detach", trainer_detach, false},
     {"RegisterUnit", trainer_register_unit, false},
+    {"Unshard", trainer_unshard, false},
+    {"Reshard", trainer_reshard, false},
     {"KeepAlive", trainer_keepalive, false},
 };
 static const fsdp_rpc_handler_t operator_handlers[] = {
@@ -526,16 +562,8 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
   fsdp_job_t *job;
   if (fsdp_store_job_for(&daemon->store, s, &job, &w->status) < 0)
     return;
-  if (!job->arena) {
-    /* No pre-fault here: that is blocking work for a worker, at buffer allocation. */
-    fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
-    options.prefault = FSDP_ARENA_PREFAULT_NONE;
-    char name[96];
-    snprintf(name, sizeof name, "fsdpd job %s", job->name);
-    size_t capacity = (size_t)fsdp_config_number(&daemon->config, FSDP_OPTION_JOB_MEMORY);
-    if (fsdp_arena_new(name, capacity, &options, &job->arena, &w->status) < 0)
-      return;
-  }
+  if (fsdp_store_job_arena(job, job_memory(daemon), &w->status) < 0)
+    return;
   fsdp_arena_stats_t stats;
   fsdp_arena_get_stats(job->arena, &stats);
   fsdp__v1__channel_memory__init(&w->memory[0]);

@@ -12,7 +12,11 @@ fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name) {
   return NULL;
 }
 
-static fsdp_unit_t *find_unit(const fsdp_job_t *job, const char *name) {
+bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank) {
+  return rank < FSDP_LOCAL_WORLD_MAX && (unit->registered[rank / 64] >> (rank % 64) & 1);
+}
+
+fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name) {
   for (fsdp_unit_t *u = job->units; u; u = u->next)
     if (strcmp(u->spec->unit, name) == 0)
       return u;
@@ -116,7 +120,7 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
   fsdp_job_t *job = NULL;
   if ((r = fsdp_store_job_for(store, session, &job, st)) < 0)
     return r;
-  fsdp_unit_t *u = find_unit(job, rq->unit);
+  fsdp_unit_t *u = fsdp_store_find_unit(job, rq->unit);
   if (!u)
     return new_unit(job, session, rq, ret_unit, st);
 
@@ -128,6 +132,14 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
   mark_registered(u, session->local_rank);
   *ret_unit = u;
   return 0;
+}
+
+int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st) {
+  if (job->arena)
+    return 0;
+  fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
+  options.prefault = FSDP_ARENA_PREFAULT_NONE;
+  return fsdp_arena_new(job->name, capacity, &options, &job->arena, st);
 }
 
 void fsdp_store_init(fsdp_store_t *store) {

@@ -21,9 +21,31 @@
 #include "status.h"
 #include "unit_layout.h"
 
+typedef struct fsdp_waiter fsdp_waiter_t; /* a parked call; daemon/dataplane.h */
+
+/* Where a unit's buffers are (daemon/dataplane.h moves it along). */
+typedef enum fsdp_unit_state {
+  FSDP_UNIT_NEW,        /* registered, no buffers yet */
+  FSDP_UNIT_ALLOCATING, /* buffers taken from the arena, being pre-faulted */
+  FSDP_UNIT_SHARDED,    /* ready; the unsharded buffer holds nothing valid */
+  FSDP_UNIT_GATHERING,  /* Unshard under way */
+  FSDP_UNIT_UNSHARDED,  /* the unsharded buffer holds the parameters */
+  FSDP_UNIT_FAILED,     /* buffers could not be made ready; see `error` */
+} fsdp_unit_state_t;
+
 typedef struct fsdp_unit {
   Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
   fsdp_unit_layout_t layout;
+  fsdp_unit_state_t state;
+  fsdp_status_t error;        /* why FAILED */
+  uint64_t buffers_offset;    /* the arena block holding all buffers, when allocated */
+  uint64_t unsharded_offset;  /* byte offsets in the job's arena */
+  uint64_t master_offset;
+  uint64_t grad_offset;
+  uint64_t full_grad_offset;  /* local rank r's at + r * full_grad_stride */
+  uint64_t full_grad_stride;
+  uint64_t holders[FSDP_LOCAL_WORLD_MAX / 64]; /* ranks between their Unshard and Reshard */
+  fsdp_waiter_t *waiters;     /* calls parked until the state moves */
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
   uint64_t registered[FSDP_LOCAL_WORLD_MAX / 64]; /* bit r: local rank r registered */
   unsigned n_registered;
@@ -55,11 +77,17 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
                              fsdp_status_t *st);
 
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);
+fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
+bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
 
 /* The session's job, created on first use; FAILED_PRECONDITION if it exists with another
  * local world size. */
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
                        fsdp_status_t *st);
+
+/* The job's arena, made with `capacity` bytes (and no pre-fault: buffers are pre-faulted as
+ * they are allocated) when the job has none yet. */
+int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st);
 
 /* Shards of a unit on this host: the local world size, or 1 for NO_SHARD. */
 unsigned fsdp_store_shard_count(Fsdp__V1__ShardingStrategy strategy, uint32_t local_world_size);

@@ -165,7 +165,7 @@ def test_unknown_method_or_service(fsdpd, path, tcp):
                  tcp=tcp)
 
 
-@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/Reshard", "/fsdp.v1.Trainer/Unshard",
+@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/ReduceScatter", "/fsdp.v1.Trainer/SetSchedule",
                                   "/fsdp.v1.Peer/Heartbeat", "/fsdp.v1.Trainer/AllReduce",
                                   "/fsdp.v1.Operator/SaveCheckpoint"])
 def test_later_methods_say_not_implemented(fsdpd, path):

@@ -1,0 +1,326 @@
+/* Unit buffers and the unshard path of the host backend. */
+#include "dataplane.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD } waiter_kind_t;
+
+struct fsdp_waiter {
+  fsdp_rpc_call_t *call;
+  fsdp_unit_t *unit;
+  uint32_t rank;
+  waiter_kind_t kind;
+  fsdp_waiter_t *prev, *next;
+};
+
+typedef enum work_kind { WORK_PREFAULT, WORK_GATHER } work_kind_t;
+
+struct fsdp_dataplane_work {
+  work_kind_t kind;
+  fsdp_job_t *job;
+  fsdp_unit_t *unit;
+  int result;
+  fsdp_dataplane_work_t *next;
+};
+
+/* The proto's element types, as the kernels name them. */
+static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
+  switch (dtype) {
+  case FSDP__V1__DTYPE__DTYPE_BF16:
+    return FSDP_DTYPE_BF16;
+  case FSDP__V1__DTYPE__DTYPE_FP16:
+    return FSDP_DTYPE_FP16;
+  default:
+    return FSDP_DTYPE_FP32;
+  }
+}
+
+static bool rank_in(const uint64_t *set, uint32_t rank) {
+  return set[rank / 64] >> (rank % 64) & 1;
+}
+
+static void rank_set(uint64_t *set, uint32_t rank, bool on) {
+  if (on)
+    set[rank / 64] |= 1ull << (rank % 64);
+  else
+    set[rank / 64] &= ~(1ull << (rank % 64));
+}
+
+static bool set_empty(const uint64_t *set) {
+  for (size_t i = 0; i < FSDP_LOCAL_WORLD_MAX / 64; i++)
+    if (set[i])
+      return false;
+  return true;
+}
+
+/* Waiters. */
+
+static void waiter_unlink(fsdp_waiter_t *w) {
+  if (w->prev)
+    w->prev->next = w->next;
+  else
+    w->unit->waiters = w->next;
+  if (w->next)
+    w->next->prev = w->prev;
+}
+
+static void on_waiter_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  fsdp_waiter_t *w = data;
+  waiter_unlink(w);
+  free(w);
+}
+
+static void park(fsdp_rpc_call_t *call, fsdp_unit_t *unit, uint32_t rank, waiter_kind_t kind) {
+  fsdp_waiter_t *w = calloc(1, sizeof *w);
+  if (!w) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory parking a call");
+    return;
+  }
+  *w = (fsdp_waiter_t){.call = call, .unit = unit, .rank = rank, .kind = kind};
+  w->next = unit->waiters;
+  if (unit->waiters)
+    unit->waiters->prev = w;
+  unit->waiters = w;
+  fsdp_rpc_call_on_cancel(call, on_waiter_cancel, w);
+}
+
+static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32_t rank) {
+  Fsdp__V1__RegisterUnitReply reply = FSDP__V1__REGISTER_UNIT_REPLY__INIT;
+  reply.numel = u->layout.numel;
+  reply.padded_numel = u->layout.padded_numel;
+  reply.shard_numel = u->layout.shard_numel;
+  reply.n_param_offsets = u->layout.n_params;
+  reply.param_offsets = u->layout.offsets;
+  reply.unsharded_offset = u->unsharded_offset;
+  reply.master_offset = u->master_offset;
+  reply.grad_offset = u->grad_offset;
+  reply.full_grad_offset = u->full_grad_offset + rank * u->full_grad_stride;
+  reply.shard = u->layout.shards == 1 ? 0 : rank;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void reply_unsharded(fsdp_rpc_call_t *call) {
+  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* Answers every waiter of `kind`: with the result for the state reached, or with the unit's
+ * error once it failed. */
+static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
+  for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+    next = w->next;
+    if (w->kind != kind)
+      continue;
+    waiter_unlink(w);
+    fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
+    if (u->state == FSDP_UNIT_FAILED)
+      fsdp_rpc_call_fail(w->call, u->error.code, "%s: %s", fsdp_rpc_call_method(w->call),
+                         u->error.message);
+    else if (kind == WAIT_REGISTER)
+      reply_registered(w->call, u, w->rank);
+    else
+      reply_unsharded(w->call);
+    free(w);
+  }
+}
+
+/* The work queue: one item at a time on libuv's thread pool. */
+
+static void start_next(fsdp_dataplane_t *dp);
+
+static void run_work(uv_work_t *req) {
+  fsdp_dataplane_t *dp = req->data;
+  fsdp_dataplane_work_t *w = dp->head;
+  fsdp_unit_t *u = w->unit;
+  char *base = fsdp_arena_base(w->job->arena);
+  switch (w->kind) {
+  case WORK_PREFAULT:
+    w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset,
+                                          fsdp_arena_block_size(w->job->arena, u->buffers_offset));
+    break;
+  case WORK_GATHER:
+    /* One host: every shard is local, so the all-gather is the cast of the whole flat
+     * buffer from the fp32 masters into param_dtype. */
+    w->result = fsdp_cast_parallel(dp->workers, base + u->unsharded_offset,
+                                   kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)),
+                                   base + u->master_offset, FSDP_DTYPE_FP32,
+                                   u->layout.padded_numel);
+    break;
+  }
+}
+
+static void work_done(uv_work_t *req, int status) {
+  fsdp_dataplane_t *dp = req->data;
+  fsdp_dataplane_work_t *w = dp->head;
+  dp->head = w->next;
+  if (!dp->head)
+    dp->tail = NULL;
+  fsdp_unit_t *u = w->unit;
+  int r = status < 0 ? status : w->result;
+  if (r < 0) {
+    fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,
+                    w->kind == WORK_PREFAULT ? "preparing its buffers" : "the gather",
+                    fsdp_strerror(r));
+    log_error("%s", u->error.message);
+    u->state = FSDP_UNIT_FAILED;
+  } else if (w->kind == WORK_PREFAULT) {
+    u->state = FSDP_UNIT_SHARDED;
+  } else {
+    /* Everyone may have let go while it ran; the next Unshard gathers again then. */
+    u->state = set_empty(u->holders) ? FSDP_UNIT_SHARDED : FSDP_UNIT_UNSHARDED;
+  }
+  wake(u, w->kind == WORK_PREFAULT ? WAIT_REGISTER : WAIT_UNSHARD);
+  free(w);
+  dp->busy = false;
+  start_next(dp);
+}
+
+static void start_next(fsdp_dataplane_t *dp) {
+  if (dp->busy || !dp->head)
+    return;
+  dp->busy = true;
+  dp->req.data = dp;
+  int r = uv_queue_work(dp->loop, &dp->req, run_work, work_done);
+  if (r < 0)
+    work_done(&dp->req, r); /* fails the item and moves on */
+}
+
+static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit) {
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  if (!w)
+    return -ENOMEM;
+  *w = (fsdp_dataplane_work_t){.kind = kind, .job = job, .unit = unit};
+  if (dp->tail)
+    dp->tail->next = w;
+  else
+    dp->head = w;
+  dp->tail = w;
+  start_next(dp);
+  return 0;
+}
+
+/* Operations. */
+
+static size_t round64(size_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+/* Takes the unit's buffers from the arena, all in one block: unsharded, master, grad, then
+ * one full-gradient buffer per local rank. */
+static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
+  size_t padded = (size_t)u->layout.padded_numel;
+  size_t param_size = fsdp_dtype_size(kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)));
+  size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
+  size_t total = unsharded + 2 * fp32 + (size_t)job->local_world_size * unsharded;
+  uint64_t base;
+  int r = fsdp_arena_alloc(job->arena, total, 0, &base, st);
+  if (r < 0)
+    return r;
+  u->buffers_offset = u->unsharded_offset = base;
+  u->master_offset = base + unsharded;
+  u->grad_offset = u->master_offset + fp32;
+  u->full_grad_offset = u->grad_offset + fp32;
+  u->full_grad_stride = unsharded;
+  return 0;
+}
+
+void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                             fsdp_unit_t *unit, const fsdp_session_t *session,
+                             size_t arena_capacity) {
+  fsdp_status_t st;
+  switch (unit->state) {
+  case FSDP_UNIT_NEW:
+    if (fsdp_store_job_arena(job, arena_capacity, &st) < 0 || allocate(job, unit, &st) < 0) {
+      fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+      return;
+    }
+    int r = queue(dp, WORK_PREFAULT, job, unit);
+    if (r < 0) {
+      fsdp_arena_release(job->arena, unit->buffers_offset);
+      fsdp_rpc_call_fail(call, r, "%s: cannot queue the buffers' preparation",
+                         fsdp_rpc_call_method(call));
+      return;
+    }
+    unit->state = FSDP_UNIT_ALLOCATING;
+    park(call, unit, session->local_rank, WAIT_REGISTER);
+    return;
+  case FSDP_UNIT_ALLOCATING:
+    park(call, unit, session->local_rank, WAIT_REGISTER);
+    return;
+  case FSDP_UNIT_FAILED:
+    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
+                       unit->error.message);
+    return;
+  default:
+    reply_registered(call, unit, session->local_rank);
+  }
+}
+
+void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                            fsdp_unit_t *unit, const fsdp_session_t *session) {
+  uint32_t rank = session->local_rank;
+  if (unit->state == FSDP_UNIT_FAILED) {
+    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
+                       unit->error.message);
+    return;
+  }
+  rank_set(unit->holders, rank, true);
+  switch (unit->state) {
+  case FSDP_UNIT_UNSHARDED:
+    reply_unsharded(call); /* the fast path: nothing to do */
+    return;
+  case FSDP_UNIT_SHARDED: {
+    int r = queue(dp, WORK_GATHER, job, unit);
+    if (r < 0) {
+      rank_set(unit->holders, rank, false);
+      fsdp_rpc_call_fail(call, r, "%s: cannot queue the gather", fsdp_rpc_call_method(call));
+      return;
+    }
+    unit->state = FSDP_UNIT_GATHERING;
+    park(call, unit, rank, WAIT_UNSHARD);
+    return;
+  }
+  default: /* GATHERING: share the gather under way */
+    park(call, unit, rank, WAIT_UNSHARD);
+  }
+}
+
+static void let_go(fsdp_unit_t *unit, uint32_t rank) {
+  rank_set(unit->holders, rank, false);
+  if (unit->state == FSDP_UNIT_UNSHARDED && set_empty(unit->holders))
+    unit->state = FSDP_UNIT_SHARDED;
+}
+
+void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, fsdp_unit_t *unit,
+                            const fsdp_session_t *session) {
+  let_go(unit, session->local_rank);
+  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank) {
+  for (fsdp_unit_t *u = job->units; u; u = u->next)
+    if (rank_in(u->holders, rank))
+      let_go(u, rank);
+}
+
+int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
+                        fsdp_status_t *st) {
+  memset(dp, 0, sizeof *dp);
+  dp->loop = loop;
+  int r = fsdp_workers_new(threads, &dp->workers);
+  if (r < 0)
+    return fsdp_status_set(st, r, "cannot start %u worker threads: %s", threads,
+                           fsdp_strerror(r));
+  return 0;
+}
+
+void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
+  fsdp_workers_free(dp->workers);
+  dp->workers = NULL;
+}

@@ -1,0 +1,163 @@
+"""Unit buffers and Unshard/Reshard through a real fsdpd: L = 1..4 ranks (one process may hold
+several ranks' sessions) map their job's arena, each writes its own fp32 master shard, and
+Unshard yields the whole unit in param_dtype, equal to a reference computed here (fp32
+exact, bf16 and fp16 rounded to nearest even); concurrent Unshards share one gather; after a
+Reshard the next Unshard sees new master values; bad requests get their status."""
+
+import array
+import mmap
+import os
+import socket
+import struct
+import threading
+
+import grpc
+import pytest
+
+from fsdpd_harness import common_pb2, fsdpd, status_code_and_details, trainer_pb2  # noqa: F401
+from fsdp.v1 import channel_pb2
+
+FP32, BF16, FP16 = common_pb2.DTYPE_FP32, common_pb2.DTYPE_BF16, common_pb2.DTYPE_FP16
+SIZE = {FP32: 4, BF16: 2, FP16: 2}
+
+
+class Rank:
+    """One local rank: a session, its memory channel and its mapping of the job's arena."""
+
+    def __init__(self, d, rank, world, job="j"):
+        self.d = d
+        a = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
+            protocol_version=1, job=job, local_rank=rank, local_world_size=world,
+            pid=os.getpid()), trainer_pb2.AttachReply)
+        self.session = a.session_id
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(a.memory_socket)
+        hello = channel_pb2.ChannelHello(protocol_version=1, session_id=a.session_id)
+        h = hello.SerializeToString()
+        self.sock.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
+        msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 4)
+        w = channel_pb2.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
+        assert w.status == 0, w.message
+        self.memory = mmap.mmap(fds[0], w.memories[0].bytes)
+        os.close(fds[0])
+
+    def register(self, unit="u", shapes=((37, 11),), param_dtype=FP32):
+        return self.d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
+            session_id=self.session, unit=unit, strategy=common_pb2.FULL_SHARD,
+            param_dtype=param_dtype,
+            params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32)
+                    for i, s in enumerate(shapes)]), trainer_pb2.RegisterUnitReply)
+
+    def op(self, name, unit="u"):
+        return self.d.call(f"/fsdp.v1.Trainer/{name}",
+                           trainer_pb2.UnitOpRequest(session_id=self.session, unit=unit),
+                           trainer_pb2.UnitOpReply)
+
+    def write_master_shard(self, layout, values):
+        lo = layout.shard * layout.shard_numel
+        shard = array.array("f", values[lo:lo + layout.shard_numel])
+        start = layout.master_offset + lo * 4
+        self.memory[start:start + len(shard) * 4] = shard.tobytes()
+
+    def unsharded(self, layout, dtype):
+        start = layout.unsharded_offset
+        return bytes(self.memory[start:start + layout.padded_numel * SIZE[dtype]])
+
+
+def bf16_bits(x):
+    (u,) = struct.unpack("<I", struct.pack("<f", x))
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even (finite inputs)
+
+
+def encode(values, dtype):
+    if dtype == FP32:
+        return array.array("f", values).tobytes()
+    if dtype == FP16:
+        return b"".join(struct.pack("<e", v) for v in values)
+    return b"".join(struct.pack("<H", bf16_bits(v)) for v in values)
+
+
+def values_for(n, seed):
+    # Values whose rounding matters: fractions, ties, large and tiny magnitudes.
+    return [((i * 7919 + seed) % 2003 - 1001) * 0.0371 + (1e-3 if i % 5 == 0 else 0.0)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [FP32, BF16, FP16], ids=["fp32", "bf16", "fp16"])
+def test_unshard_gathers_every_rank_shard(fsdpd, world, dtype):
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    ranks = [Rank(d, r, world) for r in range(world)]
+    shapes = ((37, 11), (5,), (3, 7))  # 433 elements: no world size above 1 divides it
+    layouts = [r.register(shapes=shapes, param_dtype=dtype) for r in ranks]
+    layout = layouts[0]
+    assert [lay.shard for lay in layouts] == list(range(world))
+    assert len({lay.full_grad_offset for lay in layouts}) == world  # one per rank
+    values = values_for(layout.padded_numel, world)
+    for r, lay in zip(ranks, layouts):
+        r.write_master_shard(lay, values)
+    for r in ranks:
+        r.op("Unshard")
+    expected = encode(values, dtype)
+    for r in ranks:  # every rank sees the same, whole unit
+        assert r.unsharded(layout, dtype) == expected
+    for r in ranks:
+        r.op("Reshard")
+    # The masters change (an optimizer step); the next Unshard gathers again.
+    values = [v * -2.5 for v in values]
+    for r, lay in zip(ranks, layouts):
+        r.write_master_shard(lay, values)
+    ranks[-1].op("Unshard")
+    assert ranks[0].unsharded(layout, dtype) == encode(values, dtype)
+
+
+def test_concurrent_unshards_share_one_gather_and_big_units_work(fsdpd):
+    d = fsdpd("--set", "memory.job_limit=512MiB")
+    ranks = [Rank(d, r, 4) for r in range(4)]
+    layouts = [r.register(unit="big", shapes=((4096, 4097),)) for r in ranks]
+    values = array.array("f", range(layouts[0].padded_numel))
+    for r, lay in zip(ranks, layouts):
+        lo = lay.shard * lay.shard_numel
+        start = lay.master_offset + lo * 4
+        r.memory[start:start + lay.shard_numel * 4] = values[lo:lo + lay.shard_numel].tobytes()
+    errors = []
+
+    def unshard(r):
+        try:
+            r.op("Unshard", unit="big")
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=unshard, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    lay = layouts[0]
+    got = array.array("f")
+    got.frombytes(ranks[2].memory[lay.unsharded_offset:lay.unsharded_offset + lay.padded_numel * 4])
+    assert got == values
+
+
+def refused(call):
+    with pytest.raises(grpc.RpcError) as excinfo:
+        call()
+    return status_code_and_details(excinfo)
+
+
+def test_bad_unit_ops(fsdpd):
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    r0, r1 = Rank(d, 0, 2), Rank(d, 1, 2)
+    r0.register()
+    code, details = refused(lambda: r0.op("Unshard", unit="nope"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert "unit 'nope' is not registered by job 'j' local rank 0" in details
+    code, details = refused(lambda: r1.op("Unshard"))  # registered by rank 0 only
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unit 'u' is not registered by job 'j' local rank 1" in details
+    # More than the job's arena holds: the message says what was needed and what is free.
+    code, details = refused(lambda: r0.register(unit="huge", shapes=((4096, 4096),)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "job 'j': need" in details and "free" in details and "of the 64.0 MiB limit" in details
+    d.assert_serving()
