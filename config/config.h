@@ -62,6 +62,10 @@ typedef enum fsdp_option_type {
     false, NULL,                                                                                 \
     "Size of each job's memory arena (one memfd every local rank maps); its buffers come out "  \
     "of it, and RESOURCE_EXHAUSTED beyond it.")                                                  \
+  X(COLLECTIVE_TIMEOUT, "store.collective_timeout", FSDP_OPT_DURATION, "30s", 100, 3600000,     \
+    NULL, "ms", true, NULL,                                                                      \
+    "How long a ReduceScatter waits for every local rank to submit; then every waiter gets "    \
+    "ABORTED naming the ranks that did not.")                                                    \
   X(SESSION_LEASE, "session.lease", FSDP_OPT_DURATION, "30s", 100, 3600000, NULL, "ms", true,   \
     NULL,                                                                                        \
     "A trainer session that makes no call (KeepAlive included) for this long ends; its "        \

@@ -48,17 +48,18 @@ static void log_session_end(const fsdp_session_t *s, const char *why) {
 }
 
 /* What a session leaves behind when it ends, however it ends. */
-static void release_session(fsdp_daemon_t *daemon, const fsdp_session_t *session) {
+static void release_session(fsdp_daemon_t *daemon, const fsdp_session_t *session,
+                            const char *why) {
   if (session->channel)
     fsdp_channel_conn_close(session->channel);
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
   if (job)
-    fsdp_dataplane_release_rank(job, session->local_rank);
+    fsdp_dataplane_release_rank(job, session->local_rank, why);
 }
 
 void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {
   log_session_end(session, why);
-  release_session(daemon, session);
+  release_session(daemon, session, why);
   fsdp_sessions_end(&daemon->sessions, session);
 }
 
@@ -68,7 +69,7 @@ static void on_session_expired(const fsdp_session_t *s, void *data) {
   snprintf(why, sizeof why, "no call for %llu ms (session.lease)",
            (unsigned long long)(uv_now(&daemon->loop) - s->last_call_ms));
   log_session_end(s, why);
-  release_session(daemon, s);
+  release_session(daemon, s, why);
 }
 
 static void on_housekeeping(uv_timer_t *timer) {
@@ -79,6 +80,7 @@ static void on_housekeeping(uv_timer_t *timer) {
                        (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE),
                        on_session_expired, daemon);
   fsdp_channel_expire(&daemon->channel, uv_now(&daemon->loop));
+  fsdp_dataplane_expire(&daemon->store, uv_now(&daemon->loop));
 }
 
 int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,

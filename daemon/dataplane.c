@@ -7,7 +7,7 @@
 
 #include "log.h"
 
-typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD } waiter_kind_t;
+typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
 
 struct fsdp_waiter {
   fsdp_rpc_call_t *call;
@@ -17,7 +17,7 @@ struct fsdp_waiter {
   fsdp_waiter_t *prev, *next;
 };
 
-typedef enum work_kind { WORK_PREFAULT, WORK_GATHER } work_kind_t;
+typedef enum work_kind { WORK_PREFAULT, WORK_GATHER, WORK_REDUCE } work_kind_t;
 
 struct fsdp_dataplane_work {
   work_kind_t kind;
@@ -26,6 +26,9 @@ struct fsdp_dataplane_work {
   int result;
   fsdp_dataplane_work_t *next;
 };
+
+static const char *const work_names[] = {"preparing its buffers", "the gather",
+                                         "the reduce-scatter"};
 
 /* The proto's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
@@ -104,7 +107,7 @@ static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
-static void reply_unsharded(fsdp_rpc_call_t *call) {
+static void reply_unit_op(fsdp_rpc_call_t *call) {
   Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);
 }
@@ -124,9 +127,36 @@ static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
     else if (kind == WAIT_REGISTER)
       reply_registered(w->call, u, w->rank);
     else
-      reply_unsharded(w->call);
+      reply_unit_op(w->call);
     free(w);
   }
+}
+
+/* Ends the reduce-scatter being collected: every waiter gets err and the message. */
+static void abort_reduce(fsdp_unit_t *u, int err, const char *message) {
+  for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+    next = w->next;
+    if (w->kind != WAIT_REDUCE)
+      continue;
+    waiter_unlink(w);
+    fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
+    fsdp_rpc_call_fail(w->call, err, "%s: %s", fsdp_rpc_call_method(w->call), message);
+    free(w);
+  }
+  memset(u->rs_submitted, 0, sizeof u->rs_submitted);
+  u->rs_count = 0;
+}
+
+/* The gradient factors of PyTorch FSDP: divide by `pre` before the sum and by `post` after,
+ * pre * post being the data-parallel size (here the local world size) by default. */
+static void reduce_scales(const fsdp_unit_t *u, unsigned world, float *ret_pre, float *ret_post) {
+  double pre = u->spec->gradient_predivide_factor, post = u->spec->gradient_postdivide_factor;
+  if (pre == 0)
+    pre = post == 0 ? 1 : world / post;
+  if (post == 0)
+    post = world / pre;
+  *ret_pre = (float)(1 / pre);
+  *ret_post = (float)(1 / post);
 }
 
 /* The work queue: one item at a time on libuv's thread pool. */
@@ -151,6 +181,22 @@ static void run_work(uv_work_t *req) {
                                    base + u->master_offset, FSDP_DTYPE_FP32,
                                    u->layout.padded_numel);
     break;
+  case WORK_REDUCE: {
+    /* One host: the gradient shards lie side by side, so one reduce over the whole flat
+     * buffer writes every rank's shard (the host-level pre-reduction is the whole job). */
+    unsigned world = w->job->local_world_size;
+    const void *srcs[FSDP_LOCAL_WORLD_MAX];
+    for (unsigned r = 0; r < world; r++)
+      srcs[r] = base + u->full_grad_offset + r * u->full_grad_stride;
+    float pre, post;
+    reduce_scales(u, world, &pre, &post);
+    w->result = fsdp_reduce_parallel(dp->workers, (float *)(base + u->grad_offset),
+                                     u->rs_accumulate, srcs, world,
+                                     kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)),
+                                     kernel_dtype(fsdp_unit_spec_reduce_dtype(u->spec)), pre, post,
+                                     u->layout.padded_numel);
+    break;
+  }
   }
 }
 
@@ -162,10 +208,22 @@ static void work_done(uv_work_t *req, int status) {
     dp->tail = NULL;
   fsdp_unit_t *u = w->unit;
   int r = status < 0 ? status : w->result;
-  if (r < 0) {
+  if (w->kind == WORK_REDUCE) {
+    u->rs_running = false;
+    if (r < 0) {
+      char message[FSDP_STATUS_MESSAGE_MAX];
+      snprintf(message, sizeof message, "unit '%s' step %llu: the reduce-scatter failed: %s",
+               u->spec->unit, (unsigned long long)u->rs_step, fsdp_strerror(r));
+      log_error("%s", message);
+      abort_reduce(u, FSDP_E_INTERNAL, message);
+    } else {
+      wake(u, WAIT_REDUCE);
+      memset(u->rs_submitted, 0, sizeof u->rs_submitted);
+      u->rs_count = 0;
+    }
+  } else if (r < 0) {
     fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,
-                    w->kind == WORK_PREFAULT ? "preparing its buffers" : "the gather",
-                    fsdp_strerror(r));
+                    work_names[w->kind], fsdp_strerror(r));
     log_error("%s", u->error.message);
     u->state = FSDP_UNIT_FAILED;
   } else if (w->kind == WORK_PREFAULT) {
@@ -174,7 +232,8 @@ static void work_done(uv_work_t *req, int status) {
     /* Everyone may have let go while it ran; the next Unshard gathers again then. */
     u->state = set_empty(u->holders) ? FSDP_UNIT_SHARDED : FSDP_UNIT_UNSHARDED;
   }
-  wake(u, w->kind == WORK_PREFAULT ? WAIT_REGISTER : WAIT_UNSHARD);
+  if (w->kind != WORK_REDUCE)
+    wake(u, w->kind == WORK_PREFAULT ? WAIT_REGISTER : WAIT_UNSHARD);
   free(w);
   dp->busy = false;
   start_next(dp);
@@ -272,7 +331,7 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
   rank_set(unit->holders, rank, true);
   switch (unit->state) {
   case FSDP_UNIT_UNSHARDED:
-    reply_unsharded(call); /* the fast path: nothing to do */
+    reply_unit_op(call); /* the fast path: nothing to do */
     return;
   case FSDP_UNIT_SHARDED: {
     int r = queue(dp, WORK_GATHER, job, unit);
@@ -303,10 +362,87 @@ void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, fsdp_unit_t *unit,
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
-void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank) {
-  for (fsdp_unit_t *u = job->units; u; u = u->next)
+void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                           fsdp_unit_t *unit, const fsdp_session_t *session,
+                           const Fsdp__V1__UnitOpRequest *rq, uint64_t now_ms,
+                           uint64_t timeout_ms) {
+  uint32_t rank = session->local_rank;
+  const char *method = fsdp_rpc_call_method(call);
+  if (unit->state == FSDP_UNIT_FAILED) {
+    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", method, unit->error.message);
+    return;
+  }
+  if (unit->rs_running || rank_in(unit->rs_submitted, rank)) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s' step %llu: local rank %u already submitted its gradient",
+                       method, unit->spec->unit, (unsigned long long)unit->rs_step, rank);
+    return;
+  }
+  if (unit->rs_count == 0) {
+    unit->rs_step = rq->step;
+    unit->rs_accumulate = rq->accumulate;
+    unit->rs_deadline_ms = now_ms + timeout_ms;
+  } else if (rq->step != unit->rs_step || rq->accumulate != unit->rs_accumulate) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s': local rank %u submitted step %llu (accumulate %s) while "
+                       "the other ranks submitted step %llu (accumulate %s)",
+                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
+                       rq->accumulate ? "true" : "false", (unsigned long long)unit->rs_step,
+                       unit->rs_accumulate ? "true" : "false");
+    return;
+  }
+  rank_set(unit->rs_submitted, rank, true);
+  unit->rs_count++;
+  park(call, unit, rank, WAIT_REDUCE);
+  if (unit->rs_count < job->local_world_size)
+    return;
+  int r = queue(dp, WORK_REDUCE, job, unit);
+  if (r < 0) {
+    abort_reduce(unit, r, "cannot queue the reduce-scatter");
+    return;
+  }
+  unit->rs_running = true;
+}
+
+/* "1, 3" into buf: the ranks of a job that have not submitted. */
+static void missing_ranks(const fsdp_unit_t *u, unsigned world, char *buf, size_t size) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (unsigned r = 0; r < world && used < size; r++)
+    if (!rank_in(u->rs_submitted, r))
+      used += (size_t)snprintf(buf + used, size - used, "%s%u", used ? ", " : "", r);
+}
+
+void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
+  for (fsdp_job_t *job = store->jobs; job; job = job->next) {
+    for (fsdp_unit_t *u = job->units; u; u = u->next) {
+      if (u->rs_count == 0 || u->rs_running || now_ms < u->rs_deadline_ms)
+        continue;
+      char missing[128], message[FSDP_STATUS_MESSAGE_MAX];
+      missing_ranks(u, job->local_world_size, missing, sizeof missing);
+      snprintf(message, sizeof message,
+               "unit '%s' step %llu: local rank(s) %s of job '%s' did not submit in time "
+               "(store.collective_timeout)",
+               u->spec->unit, (unsigned long long)u->rs_step, missing, job->name);
+      log_warning("%s", message);
+      abort_reduce(u, FSDP_E_ABORTED, message);
+    }
+  }
+}
+
+void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why) {
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (rank_in(u->holders, rank))
       let_go(u, rank);
+    /* The others would wait for a rank that is gone: tell them now, naming it. */
+    if (u->rs_count > 0 && !u->rs_running) {
+      char message[FSDP_STATUS_MESSAGE_MAX];
+      snprintf(message, sizeof message,
+               "unit '%s' step %llu: local rank %u of job '%s' is gone (%s)", u->spec->unit,
+               (unsigned long long)u->rs_step, rank, job->name, why);
+      abort_reduce(u, FSDP_E_ABORTED, message);
+    }
+  }
 }
 
 int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,

@@ -12,6 +12,10 @@
  * unsharded while any local rank holds it, and the next Unshard after the last Reshard
  * gathers again (the masters may have changed). A session that ends lets go of its holds.
  *
+ * ReduceScatter: each rank submits once its full-gradient buffer is written; the last
+ * submission queues one reduce of the L buffers (in reduce_dtype, scaled by the gradient
+ * factors) into the fp32 gradient shards, and every waiter is answered when it is done.
+ *
  * Loop thread only, except inside work items. */
 #ifndef FSDP_DATAPLANE_H
 #define FSDP_DATAPLANE_H
@@ -55,7 +59,20 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
 void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, fsdp_unit_t *unit,
                             const fsdp_session_t *session);
 
-/* A session of `job` ended: its rank lets go of every unit it held unsharded. */
-void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank);
+/* ReduceScatter (and AllReduce of a NO_SHARD unit) for the session's rank: parks the call
+ * until every local rank has submitted for rq->step, then reduces on the worker pool. Ranks
+ * that do not submit within timeout_ms of the first are named in the ABORTED every waiter
+ * gets (fsdp_dataplane_expire). */
+void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                           fsdp_unit_t *unit, const fsdp_session_t *session,
+                           const Fsdp__V1__UnitOpRequest *rq, uint64_t now_ms,
+                           uint64_t timeout_ms);
+
+/* Ends reduce-scatters whose deadline passed; from the housekeeping timer. */
+void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
+
+/* A session of `job` ended (why: for the messages): its rank lets go of every unit it held
+ * unsharded, and reduce-scatters waiting for it end with ABORTED naming it. */
+void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why);
 
 #endif

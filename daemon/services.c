@@ -144,6 +144,36 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
     fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s);
 }
 
+/* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
+static void reduce(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
+                   const Fsdp__V1__UnitOpRequest *rq, bool all_reduce) {
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_job_t *job;
+  fsdp_unit_t *u = s ? op_unit(call, daemon, s, rq->unit, &job) : NULL;
+  if (!u)
+    return;
+  bool no_shard = u->spec->strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD;
+  if (no_shard != all_reduce) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s' is %s: use %s", fsdp_rpc_call_method(call), rq->unit,
+                       no_shard ? "NO_SHARD" : "sharded", no_shard ? "AllReduce" : "ReduceScatter");
+    return;
+  }
+  fsdp_dataplane_reduce(&daemon->dataplane, call, job, u, s, rq, fsdp_daemon_now_ms(daemon),
+                        (uint64_t)fsdp_config_number(&daemon->config,
+                                                     FSDP_OPTION_COLLECTIVE_TIMEOUT));
+}
+
+static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                   void *data) {
+  reduce(call, data, (const void *)request, false);
+}
+
+static void trainer_all_reduce(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                               void *data) {
+  reduce(call, data, (const void *)request, true);
+}
+
 static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_daemon_t *daemon = data;
   const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
@@ -532,6 +562,8 @@ static const fsdp_rpc_handler_t trainer_handlers[] = {
     {"RegisterUnit", trainer_register_unit, false},
     {"Unshard", trainer_unshard, false},
     {"Reshard", trainer_reshard, false},
+    {"ReduceScatter", trainer_reduce_scatter, false},
+    {"AllReduce", trainer_all_reduce, false},
     {"KeepAlive", trainer_keepalive, false},
 };
 static const fsdp_rpc_handler_t operator_handlers[] = {

@@ -46,6 +46,13 @@ typedef struct fsdp_unit {
   uint64_t full_grad_stride;
   uint64_t holders[FSDP_LOCAL_WORLD_MAX / 64]; /* ranks between their Unshard and Reshard */
   fsdp_waiter_t *waiters;     /* calls parked until the state moves */
+  /* The reduce-scatter being collected: who submitted for which step. */
+  uint64_t rs_submitted[FSDP_LOCAL_WORLD_MAX / 64];
+  unsigned rs_count;
+  uint64_t rs_step;
+  bool rs_accumulate;
+  bool rs_running;         /* every rank submitted; the reduce is on the worker pool */
+  uint64_t rs_deadline_ms; /* loop time by which every rank must have submitted */
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
   uint64_t registered[FSDP_LOCAL_WORLD_MAX / 64]; /* bit r: local rank r registered */
   unsigned n_registered;

@@ -26,6 +26,7 @@ class Rank:
 
     def __init__(self, d, rank, world, job="j"):
         self.d = d
+        self.rank = rank
         a = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
             protocol_version=1, job=job, local_rank=rank, local_world_size=world,
             pid=os.getpid()), trainer_pb2.AttachReply)
