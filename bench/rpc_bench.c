@@ -5,23 +5,16 @@
  * again. Every reply is checked (Check must say SERVING, Status must carry our version), so
  * a daemon that answers with errors aborts the run instead of producing fast numbers.
  * Results and how to reproduce them are kept in docs/PERFORMANCE.md. */
-#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
-#include <limits.h>
 #include <pthread.h>
-#include <signal.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -31,59 +24,20 @@
 #include <fsdp/fsdp_error.h>
 #include <fsdp/fsdp_version.h>
 
+#include "bench_daemon.h"
 #include "client_rpc.h"
 #include "fsdp/v1/operator.pb-c.h"
 #include "wire.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 
-/* The daemon's socket inside its run dir. This is FSDP_SOCKET_NAME of daemon/listener.h,
- * repeated because that header drags in libuv and the daemon's internals; the spawn path
- * fails loudly (no socket appears) if the two ever drift. */
-#define DAEMON_SOCKET_NAME "fsdpd.sock"
 
-/* How long a spawned fsdpd may take to answer, and to exit after SIGTERM. Both are far above
- * what a healthy daemon needs (tens of milliseconds); they only bound a broken one. */
-#define SPAWN_READY_MS 10000
-#define STOP_WAIT_MS 10000
 
 #define MAX_CALLS 10000000UL
 #define MAX_CLIENTS 256UL
 #define ERROR_MAX 512
 
-/* Set by SIGINT/SIGTERM: the workers stop and the daemon is still cleaned up. */
-static volatile sig_atomic_t interrupted;
 
-static void on_signal(int sig) {
-  (void)sig;
-  interrupted = 1;
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static void sleep_ms(long ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
-__attribute__((format(printf, 3, 4))) static int set_error(char *buf, size_t size,
-                                                           const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, size, fmt, ap);
-  va_end(ap);
-  return -1;
-}
 
 /* The operations measured. Each makes one call and checks its reply; on failure it writes a
  * message that names the call, the code and the daemon's words, and returns < 0. */
@@ -156,7 +110,7 @@ typedef struct run {
   const op_t *op;
   const char *status_path;
   unsigned long warmup;
-  atomic_bool stop; /* a worker failed or we were interrupted */
+  atomic_bool stop; /* a worker failed or we were bench_interrupted */
   /* The starting gate: every client is warm before any starts the clock, so that the
    * aggregate rate is not diluted by one client's warm-up. */
   pthread_mutex_t lock;
@@ -171,7 +125,7 @@ static void worker_fail(worker_t *w) {
 }
 
 static bool should_stop(const run_t *run) {
-  return interrupted || atomic_load(&run->stop);
+  return bench_interrupted || atomic_load(&run->stop);
 }
 
 static void *worker_main(void *arg) {
@@ -277,8 +231,8 @@ static int measure(const op_t *op, const char *status_path, fsdp_client_t **clie
       goto free_buffers;
     }
   }
-  if (interrupted) {
-    set_error(err, err_size, "interrupted");
+  if (bench_interrupted) {
+    set_error(err, err_size, "bench_interrupted");
     goto free_buffers;
   }
 
@@ -308,189 +262,6 @@ static int measure(const op_t *op, const char *status_path, fsdp_client_t **clie
 free_buffers:
   free(workers);
   free(samples);
-  return rc;
-}
-
-/* The spawned daemon: its run dir and process. */
-typedef struct daemon_proc {
-  char run_dir[64];
-  char socket_path[128];
-  pid_t pid;
-  bool reaped;
-  int exit_status;       /* waitpid status once reaped */
-  double ready_deadline; /* monotonic seconds: SPAWN_READY_MS after the start */
-} daemon_proc_t;
-
-/* fsdpd next to this binary, as the build and an install both lay them out. */
-static int find_fsdpd(char *buf, size_t size, char *err, size_t err_size) {
-  char self[PATH_MAX];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n < 0)
-    return set_error(err, err_size, "cannot read /proc/self/exe: %s", strerror(errno));
-  self[n] = '\0';
-  char *slash = strrchr(self, '/');
-  if (slash)
-    *slash = '\0';
-  if ((size_t)snprintf(buf, size, "%s/fsdpd", self) >= size)
-    return set_error(err, err_size, "path of fsdpd next to '%s' is too long", self);
-  if (access(buf, X_OK) < 0)
-    return set_error(err, err_size, "cannot run '%s' (fsdpd is looked for next to the bench): %s",
-                     buf, strerror(errno));
-  return 0;
-}
-
-static void describe_exit(int status, char *buf, size_t size) {
-  if (WIFEXITED(status))
-    snprintf(buf, size, "exited with status %d", WEXITSTATUS(status));
-  else if (WIFSIGNALED(status))
-    snprintf(buf, size, "was killed by signal %d (%s)", WTERMSIG(status),
-             strsignal(WTERMSIG(status)));
-  else
-    snprintf(buf, size, "stopped with wait status 0x%x", (unsigned)status);
-}
-
-/* Reaps the daemon if it has exited; true if it has. */
-static bool daemon_exited(daemon_proc_t *d) {
-  if (d->reaped)
-    return true;
-  if (waitpid(d->pid, &d->exit_status, WNOHANG) == d->pid)
-    d->reaped = true;
-  return d->reaped;
-}
-
-/* Starts fsdpd in a fresh run dir and waits until its socket exists. Must run before any
- * gRPC client exists: gRPC forbids forking once it has threads. */
-static int daemon_spawn(daemon_proc_t *d, char *err, size_t err_size) {
-  char fsdpd[PATH_MAX];
-  if (find_fsdpd(fsdpd, sizeof fsdpd, err, err_size) < 0)
-    return -1;
-  snprintf(d->run_dir, sizeof d->run_dir, "/tmp/fsdp-rpc-bench.XXXXXX");
-  if (!mkdtemp(d->run_dir)) {
-    d->run_dir[0] = '\0';
-    return set_error(err, err_size, "cannot make a run dir under /tmp: %s", strerror(errno));
-  }
-  /* mkdtemp makes 0700; fsdpd wants its run dir 0750 and would warn and fix it. */
-  if (chmod(d->run_dir, 0750) < 0)
-    return set_error(err, err_size, "cannot set mode 0750 on '%s': %s", d->run_dir,
-                     strerror(errno));
-  snprintf(d->socket_path, sizeof d->socket_path, "%s/%s", d->run_dir, DAEMON_SOCKET_NAME);
-
-  char *argv[] = {fsdpd,           "--run-dir",   d->run_dir, "--health-listen",
-                  "127.0.0.1:0",   "--log-level", "warning",  NULL};
-  pid_t parent = getpid();
-  pid_t pid = fork();
-  if (pid < 0)
-    return set_error(err, err_size, "cannot fork for fsdpd: %s", strerror(errno));
-  if (pid == 0) {
-    /* Its own process group keeps a terminal's ^C away from it, so that the bench decides
-     * when it stops; PDEATHSIG stops it if the bench dies without cleaning up. */
-    setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (getppid() != parent)
-      _exit(127);
-    execv(fsdpd, argv);
-    static const char msg[] = "fsdp-rpc-bench: cannot exec fsdpd\n";
-    ssize_t unused = write(STDERR_FILENO, msg, sizeof msg - 1);
-    (void)unused;
-    _exit(127);
-  }
-  d->pid = pid;
-
-  d->ready_deadline = now_s() + SPAWN_READY_MS / 1e3;
-  for (;;) {
-    struct stat sb;
-    if (stat(d->socket_path, &sb) == 0 && S_ISSOCK(sb.st_mode))
-      return 0;
-    if (daemon_exited(d)) {
-      char how[96];
-      describe_exit(d->exit_status, how, sizeof how);
-      return set_error(err, err_size, "fsdpd %s before its socket %s appeared", how,
-                       d->socket_path);
-    }
-    if (interrupted)
-      return set_error(err, err_size, "interrupted while waiting for fsdpd");
-    if (now_s() > d->ready_deadline)
-      return set_error(err, err_size, "fsdpd made no socket %s within %d ms", d->socket_path,
-                       SPAWN_READY_MS);
-    sleep_ms(5);
-  }
-}
-
-/* Waits until the daemon answers health.Check with SERVING, within what is left of the
- * spawn deadline. The bench's own first client asks: a separate probe client would be the
- * process's last gRPC user when closed, and a full gRPC shutdown and re-init, with the
- * channels sharing one subchannel to the same socket, is a race we do not want to measure.
- * The client fails fast while it cannot connect, so it retries. */
-static int daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double deadline,
-                               char *err, size_t err_size) {
-  for (;;) {
-    fsdp_health_status_t hs = FSDP_HEALTH_UNKNOWN;
-    int r = fsdp_client_health_check(client, "", 1000, &hs);
-    if (r >= 0 && hs == FSDP_HEALTH_SERVING)
-      return 0;
-    if (daemon_exited(d)) {
-      char how[96];
-      describe_exit(d->exit_status, how, sizeof how);
-      return set_error(err, err_size, "fsdpd %s before it answered health.Check", how);
-    }
-    if (interrupted)
-      return set_error(err, err_size, "interrupted while waiting for fsdpd");
-    if (now_s() > deadline) {
-      if (r < 0)
-        return set_error(err, err_size, "fsdpd did not answer within %d ms: health.Check(\"\"): "
-                         "%s: %s", SPAWN_READY_MS, fsdp_strerror(r),
-                         fsdp_client_last_error(client));
-      return set_error(err, err_size, "fsdpd did not become SERVING within %d ms (health: %s)",
-                       SPAWN_READY_MS, fsdp_health_status_name(hs));
-    }
-    sleep_ms(20);
-  }
-}
-
-/* Removes the run dir and what the daemon left in it (its lock file; the socket too if it
- * did not stop cleanly). The dir is flat: fsdpd makes no subdirectories. */
-static void remove_run_dir(const char *dir) {
-  DIR *dp = opendir(dir);
-  if (dp) {
-    struct dirent *e;
-    while ((e = readdir(dp))) {
-      if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-        continue;
-      char path[PATH_MAX];
-      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-      if (unlink(path) < 0)
-        fprintf(stderr, "fsdp-rpc-bench: cannot remove '%s': %s\n", path, strerror(errno));
-    }
-    closedir(dp);
-  }
-  if (rmdir(dir) < 0)
-    fprintf(stderr, "fsdp-rpc-bench: cannot remove run dir '%s': %s\n", dir, strerror(errno));
-}
-
-/* SIGTERM, reap, remove the run dir. Returns -1 with a message if the daemon did not stop
- * cleanly (exit 0) in time: a bench run must not hide a daemon that crashes on drain. */
-static int daemon_stop(daemon_proc_t *d, char *err, size_t err_size) {
-  int rc = 0;
-  if (d->pid > 0 && !d->reaped) {
-    kill(d->pid, SIGTERM);
-    double deadline = now_s() + STOP_WAIT_MS / 1e3;
-    while (!daemon_exited(d) && now_s() < deadline)
-      sleep_ms(5);
-    if (!d->reaped) {
-      kill(d->pid, SIGKILL);
-      waitpid(d->pid, &d->exit_status, 0);
-      d->reaped = true;
-      rc = set_error(err, err_size, "fsdpd (pid %ld) did not stop within %d ms of SIGTERM",
-                     (long)d->pid, STOP_WAIT_MS);
-    } else if (!WIFEXITED(d->exit_status) || WEXITSTATUS(d->exit_status) != 0) {
-      char how[96];
-      describe_exit(d->exit_status, how, sizeof how);
-      rc = set_error(err, err_size, "fsdpd (pid %ld) %s on SIGTERM, expected a clean stop",
-                     (long)d->pid, how);
-    }
-  }
-  if (d->run_dir[0])
-    remove_run_dir(d->run_dir);
   return rc;
 }
 
@@ -655,10 +426,7 @@ int main(int argc, char **argv) {
   if (o.calls < o.clients)
     return usage_error("--calls %lu is fewer than --clients %u", o.calls, o.clients);
 
-  struct sigaction sa = {.sa_handler = on_signal};
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
+  bench_catch_signals();
 
   int rc = EXIT_FAILED;
   char err[ERROR_MAX] = "";
@@ -669,7 +437,7 @@ int main(int argc, char **argv) {
   size_t nresults = 0;
 
   if (!o.socket) {
-    if (daemon_spawn(&d, err, sizeof err) < 0)
+    if (bench_daemon_spawn(&d, "fsdp-rpc-bench", NULL, err, sizeof err) < 0)
       goto stop_daemon;
     snprintf(target, sizeof target, "unix:%s", d.socket_path);
   } else if (strncmp(o.socket, "unix:", 5) == 0) {
@@ -699,7 +467,7 @@ int main(int argc, char **argv) {
       goto close_clients;
     }
   }
-  if (!o.socket && daemon_wait_serving(&d, clients[0], d.ready_deadline, err, sizeof err) < 0)
+  if (!o.socket && bench_daemon_wait_serving(&d, clients[0], d.ready_deadline, err, sizeof err) < 0)
     goto close_clients;
 
   /* Sequential first, with the one client, then the concurrent clients for each op. */
@@ -726,7 +494,7 @@ close_clients:
 stop_daemon:
   if (!o.socket) {
     char stop_err[ERROR_MAX];
-    if (daemon_stop(&d, stop_err, sizeof stop_err) < 0) {
+    if (bench_daemon_stop(&d, stop_err, sizeof stop_err) < 0) {
       /* The first failure is the one to report; a stop failure after it is reported too. */
       if (rc == EXIT_OK)
         snprintf(err, sizeof err, "%s", stop_err);

@@ -1,0 +1,53 @@
+/* Benchmarks' handling of a throw-away fsdpd: start the one built next to the bench in a
+ * fresh run dir, wait until it serves, stop it with SIGTERM and insist on a clean exit,
+ * remove the run dir. Also the small clock and error helpers the benches share.
+ *
+ * gRPC forbids fork() once it has threads: bench_daemon_spawn() must run before the process
+ * makes any gRPC client, and so must any fork of the bench's own workers. */
+#ifndef FSDP_BENCH_DAEMON_H
+#define FSDP_BENCH_DAEMON_H
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <fsdp/fsdp_client.h>
+
+/* How long a spawned fsdpd may take to answer, and to exit after SIGTERM. Both are far above
+ * what a healthy daemon needs (tens of milliseconds); they only bound a broken one. */
+#define SPAWN_READY_MS 10000
+#define STOP_WAIT_MS 10000
+
+/* Set by SIGINT/SIGTERM once bench_catch_signals() ran: work stops, cleanup still happens. */
+extern volatile sig_atomic_t bench_interrupted;
+void bench_catch_signals(void);
+
+double now_s(void);
+uint64_t now_ns(void);
+void sleep_ms(long ms);
+/* Formats into buf and returns -1, for `return set_error(...)`. */
+__attribute__((format(printf, 3, 4))) int set_error(char *buf, size_t size, const char *fmt, ...);
+
+/* The spawned daemon: its run dir and process. */
+typedef struct daemon_proc {
+  char run_dir[64];
+  char socket_path[128];
+  pid_t pid;
+  bool reaped;
+  int exit_status;       /* waitpid status once reaped */
+  double ready_deadline; /* monotonic seconds: SPAWN_READY_MS after the start */
+} daemon_proc_t;
+
+/* Starts fsdpd (with extra_args, a NULL-terminated list, after the bench's own) in a fresh
+ * run dir named after `name`, and waits until its socket exists. */
+int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *extra_args,
+                       char *err, size_t err_size);
+/* Waits until the daemon answers health.Check with SERVING, by `deadline` (now_s() time). */
+int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double deadline,
+                              char *err, size_t err_size);
+/* SIGTERM, reap, remove the run dir; -1 with a message unless the daemon stopped cleanly. */
+int bench_daemon_stop(daemon_proc_t *d, char *err, size_t err_size);
+
+#endif
