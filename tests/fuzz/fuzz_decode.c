@@ -1,11 +1,13 @@
 /* Fuzz harness for request decoding: the first byte picks the request type of one of the
  * daemon's methods, the rest is decoded and validated exactly as the RPC adapter does. A
  * message that decodes must survive a re-encode and decode unchanged in size, and its
- * validation must be deterministic. */
+ * validation must be deterministic. A first byte of 0xff takes the memory channel's path
+ * instead: the rest is a frame (cut or zero-padded to its fixed size) holding a hello. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "fsdp/v1/channel.pb-c.h"
 #include "fsdp/v1/operator.pb-c.h"
 #include "fsdp/v1/peer.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
@@ -34,9 +36,31 @@ static const ProtobufCMessageDescriptor *pick(uint8_t selector) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+static void decode_frame(const uint8_t *data, size_t size) {
+  static uint8_t frame[FSDP_CHANNEL_FRAME_BYTES];
+  memset(frame, 0, sizeof frame);
+  memcpy(frame, data, size < sizeof frame ? size : sizeof frame);
+  ProtobufCMessage *msg;
+  fsdp_status_t st;
+  if (fsdp_wire_frame_decode(&fsdp__v1__channel_hello__descriptor, frame, sizeof frame, &msg,
+                             &st) < 0) {
+    if (st.message[0] == '\0')
+      abort();
+    return;
+  }
+  uint8_t again[FSDP_CHANNEL_FRAME_BYTES];
+  if (fsdp_wire_frame_encode(msg, again) < 0)
+    abort(); /* a hello that fitted in a frame fits again */
+  protobuf_c_message_free_unpacked(msg, NULL);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size == 0)
     return 0;
+  if (data[0] == 0xff) {
+    decode_frame(data + 1, size - 1);
+    return 0;
+  }
   const ProtobufCMessageDescriptor *desc = pick(data[0]);
   ProtobufCMessage *msg;
   fsdp_status_t st;
