@@ -1,6 +1,8 @@
 /* The fsdpd client: one gRPC channel and one pluck completion queue per client, blocking
- * unary calls with deadlines, and the translation of gRPC statuses into fsdp error codes
- * and last-error messages. gRPC types stay inside this file; callers see fsdp codes. */
+ * unary calls with deadlines, unary calls started now and finished later (each batch tagged
+ * with its own state, so several may wait on the queue), and the translation of gRPC statuses
+ * into fsdp error codes and last-error messages. gRPC types stay inside this file; callers see
+ * fsdp codes. */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -44,12 +46,18 @@ struct fsdp_client {
   char last_error[LAST_ERROR_MAX];
 };
 
+__attribute__((format(printf, 3, 0))) static int set_error_v(fsdp_client_t *client, int code,
+                                                             const char *fmt, va_list ap) {
+  client->peer_message = false;
+  vsnprintf(client->last_error, sizeof client->last_error, fmt, ap);
+  return code;
+}
+
 __attribute__((format(printf, 3, 4))) static int set_error(fsdp_client_t *client, int code,
                                                            const char *fmt, ...) {
-  client->peer_message = false;
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(client->last_error, sizeof client->last_error, fmt, ap);
+  set_error_v(client, code, fmt, ap);
   va_end(ap);
   return code;
 }
@@ -133,8 +141,9 @@ void fsdp_client_close(fsdp_client_t *client) {
   if (client->channel)
     grpc_channel_destroy(client->channel);
   if (client->cq) {
-    /* Every call has completed before its function returned, so the queue is empty and the
-     * pluck returns GRPC_QUEUE_SHUTDOWN at once; the deadline only bounds the impossible. */
+    /* Every blocking call has completed before its function returned, and every started
+     * call was finished or cancelled (the contract), so the queue is empty and the pluck
+     * returns GRPC_QUEUE_SHUTDOWN at once; the deadline only bounds the impossible. */
     grpc_completion_queue_shutdown(client->cq);
     gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                          gpr_time_from_millis(PLUCK_GRACE_MS, GPR_TIMESPAN));
@@ -188,34 +197,63 @@ static int record_status(fsdp_client_t *client, grpc_status_code status, grpc_sl
   return code;
 }
 
-/* One unary call: send is borrowed and may be NULL (no message). On success *ret_recv is the
- * reply buffer (NULL when the server sent none), which the caller destroys. */
-static int unary(fsdp_client_t *client, const char *method, grpc_byte_buffer *send,
-                 int timeout_ms, grpc_byte_buffer **ret_recv) {
-  if (timeout_ms <= 0)
-    timeout_ms = client->timeout_ms;
-  gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                       gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+/* One call in flight and everything its batch borrows. It lives on the stack for a blocking
+ * call (unary) and on the heap for a started one; its address is the batch's tag, unique
+ * while the call is on the queue. */
+typedef struct call_state {
+  grpc_call *call;
+  gpr_timespec deadline;
+  int timeout_ms;
+  grpc_metadata_array initial_md, trailing_md;
+  grpc_byte_buffer *recv;
+  grpc_status_code status;
+  grpc_slice details;
+  const char *error_string;
+  grpc_op ops[6];
+} call_state_t;
+
+struct fsdp_client_started {
+  call_state_t cs;
+  grpc_byte_buffer *send; /* the batch borrows it until the call completes */
+  char method[FSDP_WIRE_PATH_MAX];
+};
+
+static void call_state_cleanup(call_state_t *cs) {
+  grpc_metadata_array_destroy(&cs->initial_md);
+  grpc_metadata_array_destroy(&cs->trailing_md);
+  grpc_slice_unref(cs->details);
+  gpr_free((void *)cs->error_string);
+  if (cs->recv)
+    grpc_byte_buffer_destroy(cs->recv);
+  if (cs->call)
+    grpc_call_unref(cs->call);
+}
+
+/* Creates a call with its deadline and starts its one batch, tagged cs. send is borrowed
+ * until the call completes and may be NULL (no message). On failure cs is cleaned up. */
+static int call_begin(fsdp_client_t *client, const char *method, grpc_byte_buffer *send,
+                      int timeout_ms, call_state_t *cs) {
+  memset(cs, 0, sizeof *cs);
+  grpc_metadata_array_init(&cs->initial_md);
+  grpc_metadata_array_init(&cs->trailing_md);
+  cs->status = GRPC_STATUS_UNKNOWN;
+  cs->details = grpc_empty_slice();
+  cs->timeout_ms = timeout_ms > 0 ? timeout_ms : client->timeout_ms;
+  cs->deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                              gpr_time_from_millis(cs->timeout_ms, GPR_TIMESPAN));
 
   /* create_call takes its own reference on the method slice. */
   grpc_slice method_slice = grpc_slice_from_copied_string(method);
-  grpc_call *call = grpc_channel_create_call(client->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
-                                             client->cq, method_slice, NULL, deadline, NULL);
+  cs->call = grpc_channel_create_call(client->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
+                                      client->cq, method_slice, NULL, cs->deadline, NULL);
   grpc_slice_unref(method_slice);
-  if (!call)
+  if (!cs->call) {
+    call_state_cleanup(cs);
     return set_error(client, -ENOMEM, "%s: could not create a call on %s", method,
                      client->target);
+  }
 
-  grpc_metadata_array initial_md, trailing_md;
-  grpc_metadata_array_init(&initial_md);
-  grpc_metadata_array_init(&trailing_md);
-  grpc_byte_buffer *recv = NULL;
-  grpc_status_code status = GRPC_STATUS_UNKNOWN;
-  grpc_slice details = grpc_empty_slice();
-  const char *error_string = NULL;
-
-  grpc_op ops[6];
-  memset(ops, 0, sizeof ops);
+  grpc_op *ops = cs->ops;
   size_t n = 0;
   ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
   if (client->wait_for_ready)
@@ -229,33 +267,41 @@ static int unary(fsdp_client_t *client, const char *method, grpc_byte_buffer *se
   }
   ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
   ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[n++].data.recv_initial_metadata.recv_initial_metadata = &initial_md;
+  ops[n++].data.recv_initial_metadata.recv_initial_metadata = &cs->initial_md;
   ops[n].op = GRPC_OP_RECV_MESSAGE;
-  ops[n++].data.recv_message.recv_message = &recv;
+  ops[n++].data.recv_message.recv_message = &cs->recv;
   ops[n].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-  ops[n].data.recv_status_on_client.trailing_metadata = &trailing_md;
-  ops[n].data.recv_status_on_client.status = &status;
-  ops[n].data.recv_status_on_client.status_details = &details;
-  ops[n].data.recv_status_on_client.error_string = &error_string;
+  ops[n].data.recv_status_on_client.trailing_metadata = &cs->trailing_md;
+  ops[n].data.recv_status_on_client.status = &cs->status;
+  ops[n].data.recv_status_on_client.status_details = &cs->details;
+  ops[n].data.recv_status_on_client.error_string = &cs->error_string;
   n++;
 
-  int r;
-  void *tag = ops; /* unique while this call is the only one on the queue */
-  grpc_call_error ce = grpc_call_start_batch(call, ops, n, tag, NULL);
+  grpc_call_error ce = grpc_call_start_batch(cs->call, ops, n, cs, NULL);
   if (ce != GRPC_CALL_OK) {
-    r = set_error(client, FSDP_E_INTERNAL, "%s: grpc_call_start_batch failed (%d)", method,
-                  (int)ce);
-    goto out;
+    call_state_cleanup(cs);
+    return set_error(client, FSDP_E_INTERNAL, "%s: grpc_call_start_batch failed (%d)", method,
+                     (int)ce);
   }
-  gpr_timespec wait_until =
-      gpr_time_add(deadline, gpr_time_from_millis(PLUCK_GRACE_MS, GPR_TIMESPAN));
-  grpc_event ev = grpc_completion_queue_pluck(client->cq, tag, wait_until, NULL);
+  return 0;
+}
+
+/* Waits for a begun call until wait_until and ends it (cs is cleaned up in every case). A
+ * wait that runs out cancels the call and reports DEADLINE_EXCEEDED after waited_ms. On
+ * success *ret_recv is the reply buffer (NULL when the server sent none), the caller's. */
+static int call_end(fsdp_client_t *client, const char *method, call_state_t *cs,
+                    gpr_timespec wait_until, int waited_ms, grpc_byte_buffer **ret_recv) {
+  int r;
+  grpc_event ev = grpc_completion_queue_pluck(client->cq, cs, wait_until, NULL);
   if (ev.type == GRPC_QUEUE_TIMEOUT) {
     /* The batch still owns our buffers, so it must finish before we free them; a cancelled
-     * call completes promptly, which bounds this second wait. */
-    grpc_call_cancel(call, NULL);
-    ev = grpc_completion_queue_pluck(client->cq, tag, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-    status = GRPC_STATUS_DEADLINE_EXCEEDED;
+     * call completes promptly, which bounds this second wait. Its "Cancelled" details would
+     * hide why: the time ran out. */
+    grpc_call_cancel(cs->call, NULL);
+    ev = grpc_completion_queue_pluck(client->cq, cs, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    cs->status = GRPC_STATUS_DEADLINE_EXCEEDED;
+    grpc_slice_unref(cs->details);
+    cs->details = grpc_empty_slice();
   }
   if (ev.type != GRPC_OP_COMPLETE) {
     r = set_error(client, FSDP_E_INTERNAL, "%s: completion queue of %s shut down", method,
@@ -264,24 +310,47 @@ static int unary(fsdp_client_t *client, const char *method, grpc_byte_buffer *se
   }
   /* With RECV_STATUS_ON_CLIENT in the batch, the batch succeeds even when the RPC fails: the
    * outcome is in status. */
-  if (status != GRPC_STATUS_OK) {
-    r = record_status(client, status, details, timeout_ms);
+  if (cs->status != GRPC_STATUS_OK) {
+    r = record_status(client, cs->status, cs->details, waited_ms);
     goto out;
   }
-  *ret_recv = recv;
-  recv = NULL;
+  *ret_recv = cs->recv;
+  cs->recv = NULL;
   clear_error(client);
   r = 0;
 
 out:
-  grpc_metadata_array_destroy(&initial_md);
-  grpc_metadata_array_destroy(&trailing_md);
-  grpc_slice_unref(details);
-  gpr_free((void *)error_string);
-  if (recv)
-    grpc_byte_buffer_destroy(recv);
-  grpc_call_unref(call);
+  call_state_cleanup(cs);
   return r;
+}
+
+/* One blocking unary call: send is borrowed and may be NULL (no message). On success
+ * *ret_recv is the reply buffer (NULL when the server sent none), which the caller destroys. */
+static int unary(fsdp_client_t *client, const char *method, grpc_byte_buffer *send,
+                 int timeout_ms, grpc_byte_buffer **ret_recv) {
+  call_state_t cs;
+  int r = call_begin(client, method, send, timeout_ms, &cs);
+  if (r < 0)
+    return r;
+  /* gRPC enforces the deadline; the grace only guards against a stuck core. */
+  gpr_timespec wait_until =
+      gpr_time_add(cs.deadline, gpr_time_from_millis(PLUCK_GRACE_MS, GPR_TIMESPAN));
+  return call_end(client, method, &cs, wait_until, cs.timeout_ms, ret_recv);
+}
+
+/* Decodes a reply buffer (borrowed) as reply_desc. */
+static int decode_reply(fsdp_client_t *client, const char *method_path, grpc_byte_buffer *recv,
+                        const ProtobufCMessageDescriptor *reply_desc,
+                        ProtobufCMessage **ret_reply) {
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  ProtobufCMessage *reply = NULL;
+  if (fsdp_wire_decode(reply_desc, recv, &reply, &st) < 0)
+    /* The daemon sent bytes this client cannot read: a version skew or a bug on one side,
+     * not a bad argument of our caller. */
+    return set_error(client, FSDP_E_INTERNAL, "%s: reply from %s: %s", method_path,
+                     client->target, st.message);
+  *ret_reply = reply;
+  return 0;
 }
 
 int fsdp_client_call(fsdp_client_t *client, const char *method_path,
@@ -302,19 +371,97 @@ int fsdp_client_call(fsdp_client_t *client, const char *method_path,
   grpc_byte_buffer_destroy(send);
   if (r < 0)
     return r;
-
-  fsdp_status_t st = FSDP_STATUS_INIT;
-  ProtobufCMessage *reply = NULL;
-  r = fsdp_wire_decode(reply_desc, recv, &reply, &st);
+  r = decode_reply(client, method_path, recv, reply_desc, ret_reply);
   if (recv)
     grpc_byte_buffer_destroy(recv);
-  if (r < 0)
-    /* The daemon sent bytes this client cannot read: a version skew or a bug on one side,
-     * not a bad argument of our caller. */
-    return set_error(client, FSDP_E_INTERNAL, "%s: reply from %s: %s", method_path,
-                     client->target, st.message);
-  *ret_reply = reply;
+  return r;
+}
+
+int fsdp_client_call_start(fsdp_client_t *client, const char *method_path,
+                           const ProtobufCMessage *request, int timeout_ms,
+                           fsdp_client_started_t **ret_started) {
+  if (!client)
+    return -EINVAL;
+  if (!method_path || method_path[0] != '/' || strlen(method_path) >= FSDP_WIRE_PATH_MAX ||
+      !request || !ret_started)
+    return set_error(client, -EINVAL, "fsdp_client_call_start: method path (shorter than %d "
+                                      "bytes), request and started pointer are required",
+                     FSDP_WIRE_PATH_MAX);
+  fsdp_client_started_t *started = calloc(1, sizeof *started);
+  if (!started)
+    return set_error(client, -ENOMEM, "%s: out of memory for a started call", method_path);
+  snprintf(started->method, sizeof started->method, "%s", method_path);
+  int r = fsdp_wire_encode(request, &started->send);
+  if (r < 0) {
+    free(started);
+    return set_error(client, r, "%s: could not encode %s", method_path,
+                     request->descriptor->name);
+  }
+  r = call_begin(client, method_path, started->send, timeout_ms, &started->cs);
+  if (r < 0) {
+    grpc_byte_buffer_destroy(started->send);
+    free(started);
+    return r;
+  }
+  clear_error(client);
+  *ret_started = started;
   return 0;
+}
+
+int fsdp_client_call_finish(fsdp_client_t *client, fsdp_client_started_t *started,
+                            const ProtobufCMessageDescriptor *reply_desc, int wait_ms,
+                            ProtobufCMessage **ret_reply) {
+  if (!client || !started)
+    return -EINVAL;
+  if (!reply_desc || !ret_reply) {
+    fsdp_client_call_cancel(client, started);
+    return set_error(client, -EINVAL, "fsdp_client_call_finish: reply type and reply pointer "
+                                      "are required");
+  }
+  /* The call's own deadline, plus the grace of a blocking call, or the caller's shorter wait. */
+  gpr_timespec wait_until = gpr_time_add(started->cs.deadline,
+                                         gpr_time_from_millis(PLUCK_GRACE_MS, GPR_TIMESPAN));
+  int waited_ms = started->cs.timeout_ms;
+  if (wait_ms > 0) {
+    gpr_timespec mine = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                     gpr_time_from_millis(wait_ms, GPR_TIMESPAN));
+    if (gpr_time_cmp(mine, wait_until) < 0) {
+      wait_until = mine;
+      waited_ms = wait_ms;
+    }
+  }
+  grpc_byte_buffer *recv = NULL;
+  int r = call_end(client, started->method, &started->cs, wait_until, waited_ms, &recv);
+  if (r == 0) {
+    r = decode_reply(client, started->method, recv, reply_desc, ret_reply);
+    if (recv)
+      grpc_byte_buffer_destroy(recv);
+  }
+  grpc_byte_buffer_destroy(started->send);
+  free(started);
+  return r;
+}
+
+void fsdp_client_call_cancel(fsdp_client_t *client, fsdp_client_started_t *started) {
+  if (!client || !started)
+    return;
+  grpc_call_cancel(started->cs.call, NULL);
+  /* The batch owns our buffers until it completes, which a cancelled call does promptly. */
+  grpc_completion_queue_pluck(client->cq, &started->cs, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                              NULL);
+  call_state_cleanup(&started->cs);
+  grpc_byte_buffer_destroy(started->send);
+  free(started);
+}
+
+int fsdp_client_set_last_error(fsdp_client_t *client, int code, const char *fmt, ...) {
+  if (!client)
+    return code;
+  va_list ap;
+  va_start(ap, fmt);
+  set_error_v(client, code, fmt, ap);
+  va_end(ap);
+  return code;
 }
 
 int fsdp_client_call_raw(fsdp_client_t *client, const char *method_path, const void *request,

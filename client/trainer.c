@@ -1,0 +1,622 @@
+/* The trainer API (include/fsdp/fsdp_trainer.h) on the client's calls: a session, the memory
+ * channel that hands over the job's arena, and unit handles whose views point into the
+ * mapping. Protocol-level only: gRPC stays inside client.c, the wire inside proto/. */
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <fsdp/fsdp_trainer.h>
+#include <fsdp/fsdp_version.h>
+
+#include "client_rpc.h"
+#include "fdpass.h"
+#include "fsdp/v1/channel.pb-c.h"
+#include "fsdp/v1/trainer.pb-c.h"
+#include "wire.h"
+
+#define TRAINER_PATH(method) "/fsdp.v1.Trainer/" method
+
+/* The daemon's limits on a unit (daemon/unit_layout.h), checked here too so that a descriptor
+ * that cannot be right fails with -EINVAL before anything is encoded. The daemon checks the
+ * whole spec again and is the authority. */
+#define UNIT_MAX_PARAMS 65536
+#define UNIT_MAX_DIMS 64
+
+struct fsdp_unit_handle {
+  fsdp_trainer_t *trainer; /* the owner: a handle of another trainer is a bad argument */
+  char *name;
+  fsdp_strategy_t strategy;
+  uint64_t *param_offsets;
+  fsdp_unit_view_t view;
+  fsdp_client_started_t *started; /* the Unshard of fsdp_trainer_unshard_start, until waited */
+  uint64_t started_step;
+};
+
+struct fsdp_trainer {
+  fsdp_client_t *client; /* borrowed */
+  uint64_t session_id;
+  unsigned local_rank;
+  int channel_fd; /* the session's lifeline: open until detach */
+  void *memory;   /* the job's arena, or NULL */
+  size_t memory_size;
+  fsdp_unit_handle_t **units;
+  size_t n_units, units_cap;
+};
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Milliseconds left until deadline; 0 once it has passed (the fd calls then try once). */
+static int left_ms(int64_t deadline) {
+  int64_t left = deadline - now_ms();
+  return left > 0 ? (int)left : 0;
+}
+
+static size_t scalar_bytes(fsdp_scalar_t type) {
+  return type == FSDP_SCALAR_BF16 || type == FSDP_SCALAR_FP16 ? 2 : 4;
+}
+
+static void unit_free(fsdp_unit_handle_t *unit) {
+  if (!unit)
+    return;
+  fsdp_client_call_cancel(unit->trainer->client, unit->started);
+  free(unit->param_offsets);
+  free(unit->name);
+  free(unit);
+}
+
+static void trainer_free(fsdp_trainer_t *t) {
+  for (size_t i = 0; i < t->n_units; i++)
+    unit_free(t->units[i]);
+  free(t->units);
+  if (t->channel_fd >= 0)
+    close(t->channel_fd);
+  if (t->memory)
+    munmap(t->memory, t->memory_size);
+  free(t);
+}
+
+/* Ends the session after a failed attach, keeping the failure's code and message. */
+static int detach_after_failure(fsdp_trainer_t *t, int code) {
+  char why[1024];
+  snprintf(why, sizeof why, "%s", fsdp_client_last_error(t->client));
+  Fsdp__V1__DetachRequest rq = FSDP__V1__DETACH_REQUEST__INIT;
+  rq.session_id = t->session_id;
+  ProtobufCMessage *reply = NULL;
+  if (fsdp_client_call(t->client, TRAINER_PATH("Detach"), &rq.base,
+                       &fsdp__v1__detach_reply__descriptor, 0, &reply) == 0)
+    protobuf_c_message_free_unpacked(reply, NULL);
+  return fsdp_client_set_last_error(t->client, code, "%s", why);
+}
+
+/* Connects to the memory channel. A unix connect does not wait for the daemon to accept,
+ * but a full backlog makes it fail with EAGAIN; it is retried until the deadline. */
+static int channel_connect(fsdp_trainer_t *t, const char *path, int64_t deadline) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  size_t len = strlen(path);
+  if (len == 0 || len >= sizeof addr.sun_path)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "Attach: memory_socket '%.200s' is not a unix socket path "
+                                      "of 1 to %zu bytes",
+                                      path, sizeof addr.sun_path - 1);
+  memcpy(addr.sun_path, path, len + 1);
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0)
+    return fsdp_client_set_last_error(t->client, -errno, "memory channel: socket: %s",
+                                      strerror(errno));
+  for (;;) {
+    if (connect(fd, (const struct sockaddr *)&addr, sizeof addr) == 0)
+      break;
+    int e = errno;
+    if (e == EINTR)
+      continue;
+    if (e == EAGAIN && left_ms(deadline) > 0) {
+      poll(NULL, 0, 1);
+      continue;
+    }
+    if (e == EINPROGRESS) {
+      struct pollfd p = {.fd = fd, .events = POLLOUT};
+      int n = poll(&p, 1, left_ms(deadline));
+      socklen_t elen = sizeof e;
+      if (n == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &elen) == 0 && e == 0)
+        break;
+      if (n == 0)
+        e = ETIMEDOUT;
+    }
+    close(fd);
+    if (e == EAGAIN || e == ETIMEDOUT)
+      return fsdp_client_set_last_error(t->client, FSDP_E_DEADLINE_EXCEEDED,
+                                        "memory channel %s: the daemon's backlog stayed full "
+                                        "until the deadline",
+                                        path);
+    return fsdp_client_set_last_error(t->client, -e, "memory channel %s: connect: %s", path,
+                                      strerror(e));
+  }
+  t->channel_fd = fd;
+  return 0;
+}
+
+static int channel_io_error(fsdp_trainer_t *t, const char *path, const char *what, int r,
+                            int timeout_ms) {
+  if (r == -ETIMEDOUT)
+    return fsdp_client_set_last_error(t->client, FSDP_E_DEADLINE_EXCEEDED,
+                                      "memory channel %s: %s did not complete within %d ms",
+                                      path, what, timeout_ms);
+  return fsdp_client_set_last_error(t->client, r, "memory channel %s: %s: %s", path, what,
+                                    strerror(-r));
+}
+
+/* Maps the welcome's first memory (the job's arena) and closes every descriptor. */
+static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__ChannelWelcome *w,
+                     const int *fds, size_t n_fds) {
+  if (w->n_memories == 0 || w->n_memories != n_fds)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "memory channel %s: welcome lists %zu memories with %zu "
+                                      "descriptors, expected at least one of each and as many",
+                                      path, w->n_memories, n_fds);
+  const Fsdp__V1__ChannelMemory *m = w->memories[0];
+  if (!m->writable || m->bytes == 0 || m->bytes > SIZE_MAX / 2)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "memory channel %s: memory '%s' of %llu bytes%s, expected "
+                                      "the job's writable arena",
+                                      path, m->name, (unsigned long long)m->bytes,
+                                      m->writable ? "" : ", read-only");
+  void *p = mmap(NULL, (size_t)m->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+  if (p == MAP_FAILED)
+    return fsdp_client_set_last_error(t->client, -errno,
+                                      "memory channel: mapping %s (%llu bytes): %s", m->name,
+                                      (unsigned long long)m->bytes, strerror(errno));
+  t->memory = p;
+  t->memory_size = (size_t)m->bytes;
+  return 0;
+}
+
+/* The memory channel (proto/fsdp/v1/channel.proto): hello, welcome with the arena's
+ * descriptor, mapping. Sets *ret_detach to false when the session must not be detached on
+ * failure: ALREADY_EXISTS means another trainer of this process holds it with its channel. */
+static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
+  int timeout_ms = fsdp_client_default_timeout_ms(t->client);
+  int64_t deadline = now_ms() + timeout_ms;
+  *ret_detach = true;
+  int r = channel_connect(t, path, deadline);
+  if (r < 0)
+    return r;
+
+  uint8_t frame[FSDP_CHANNEL_FRAME_BYTES];
+  Fsdp__V1__ChannelHello hello = FSDP__V1__CHANNEL_HELLO__INIT;
+  hello.protocol_version = FSDP_PROTOCOL_VERSION;
+  hello.session_id = t->session_id;
+  if ((r = fsdp_wire_frame_encode(&hello.base, frame)) < 0)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "memory channel: could not encode the hello (%d)", r);
+  if ((r = fsdp_fd_send(t->channel_fd, NULL, 0, frame, sizeof frame, left_ms(deadline))) < 0)
+    return channel_io_error(t, path, "sending the hello", r, timeout_ms);
+
+  int fds[FSDP_FD_MAX];
+  size_t n_fds = 0;
+  r = fsdp_fd_recv(t->channel_fd, fds, FSDP_FD_MAX, &n_fds, frame, sizeof frame,
+                   left_ms(deadline));
+  if (r < 0)
+    return channel_io_error(t, path, "waiting for the welcome", r, timeout_ms);
+
+  Fsdp__V1__ChannelWelcome *w = NULL;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  if (fsdp_wire_frame_decode(&fsdp__v1__channel_welcome__descriptor, frame, sizeof frame,
+                             (ProtobufCMessage **)&w, &st) < 0) {
+    r = fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL, "memory channel %s: %s", path,
+                                   st.message);
+  } else if (w->status != 0) {
+    /* The channel carries a gRPC status code, converted here like an RPC's. */
+    r = fsdp_wire_error_from_status((grpc_status_code)w->status);
+    *ret_detach = r != FSDP_E_ALREADY_EXISTS;
+    fsdp_client_set_last_error(t->client, r, "%s", *w->message ? w->message : fsdp_strerror(r));
+  } else {
+    r = map_arena(t, path, w, fds, n_fds);
+  }
+  /* The mapping holds the memory; the descriptors are not needed any more. */
+  for (size_t i = 0; i < n_fds; i++)
+    close(fds[i]);
+  if (w)
+    protobuf_c_message_free_unpacked(&w->base, NULL);
+  return r;
+}
+
+int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opts,
+                        fsdp_trainer_t **ret_trainer) {
+  if (!client)
+    return -EINVAL;
+  if (!opts || !ret_trainer)
+    return fsdp_client_set_last_error(client, -EINVAL,
+                                      "fsdp_trainer_attach: options and ret_trainer are required");
+  if (!opts->job || !*opts->job)
+    return fsdp_client_set_last_error(client, -EINVAL, "fsdp_trainer_attach: the job is empty");
+  if (opts->local_rank >= opts->local_world_size)
+    return fsdp_client_set_last_error(client, -EINVAL,
+                                      "fsdp_trainer_attach: local_rank %u is outside [0, %u) "
+                                      "(local_world_size)",
+                                      opts->local_rank, opts->local_world_size);
+
+  fsdp_trainer_t *t = calloc(1, sizeof *t);
+  if (!t)
+    return fsdp_client_set_last_error(client, -ENOMEM, "fsdp_trainer_attach: out of memory");
+  t->client = client;
+  t->local_rank = opts->local_rank;
+  t->channel_fd = -1;
+  bool detach = true;
+
+  /* The daemon checks the job name, so that its message (and its one rule) is what users see. */
+  Fsdp__V1__AttachRequest rq = FSDP__V1__ATTACH_REQUEST__INIT;
+  rq.protocol_version = FSDP_PROTOCOL_VERSION;
+  rq.job = (char *)opts->job;
+  rq.local_rank = opts->local_rank;
+  rq.local_world_size = opts->local_world_size;
+  rq.pid = (int32_t)getpid();
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(client, TRAINER_PATH("Attach"), &rq.base,
+                           &fsdp__v1__attach_reply__descriptor, 0, &reply);
+  if (r < 0)
+    goto err_trainer;
+  const Fsdp__V1__AttachReply *a = (const void *)reply;
+  t->session_id = a->session_id;
+  if (a->protocol_version != FSDP_PROTOCOL_VERSION)
+    r = fsdp_client_set_last_error(client, FSDP_E_PROTOCOL_VERSION,
+                                   "Attach: the daemon answered with protocol %u, this library "
+                                   "speaks %u",
+                                   a->protocol_version, FSDP_PROTOCOL_VERSION);
+  else
+    r = channel_open(t, a->memory_socket, &detach);
+  protobuf_c_message_free_unpacked(reply, NULL);
+  if (r < 0)
+    goto err_session;
+  *ret_trainer = t;
+  return 0;
+
+err_session:
+  /* Before the channel closes: its end would end the session too, and Detach then fail. */
+  if (detach)
+    detach_after_failure(t, r);
+err_trainer:
+  trainer_free(t);
+  return r;
+}
+
+int fsdp_trainer_detach(fsdp_trainer_t *trainer) {
+  if (!trainer)
+    return 0;
+  /* Started calls first: the Detach below ends the session they name. */
+  for (size_t i = 0; i < trainer->n_units; i++) {
+    fsdp_client_call_cancel(trainer->client, trainer->units[i]->started);
+    trainer->units[i]->started = NULL;
+  }
+  Fsdp__V1__DetachRequest rq = FSDP__V1__DETACH_REQUEST__INIT;
+  rq.session_id = trainer->session_id;
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(trainer->client, TRAINER_PATH("Detach"), &rq.base,
+                           &fsdp__v1__detach_reply__descriptor, 0, &reply);
+  if (r == 0)
+    protobuf_c_message_free_unpacked(reply, NULL);
+  trainer_free(trainer);
+  return r;
+}
+
+uint64_t fsdp_trainer_session_id(const fsdp_trainer_t *trainer) {
+  return trainer ? trainer->session_id : 0;
+}
+
+void *fsdp_trainer_memory(const fsdp_trainer_t *trainer, size_t *ret_size) {
+  if (!trainer)
+    return NULL;
+  if (ret_size)
+    *ret_size = trainer->memory_size;
+  return trainer->memory;
+}
+
+int fsdp_trainer_keepalive(fsdp_trainer_t *trainer) {
+  if (!trainer)
+    return -EINVAL;
+  Fsdp__V1__KeepAliveRequest rq = FSDP__V1__KEEP_ALIVE_REQUEST__INIT;
+  rq.session_id = trainer->session_id;
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(trainer->client, TRAINER_PATH("KeepAlive"), &rq.base,
+                           &fsdp__v1__keep_alive_reply__descriptor, 0, &reply);
+  if (r == 0)
+    protobuf_c_message_free_unpacked(reply, NULL);
+  return r;
+}
+
+static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
+  if (!d->name || !*d->name)
+    return fsdp_client_set_last_error(client, -EINVAL, "fsdp_trainer_register_unit: the unit "
+                                                       "name is empty");
+  if (d->n_params == 0 || d->n_params > UNIT_MAX_PARAMS || !d->params)
+    return fsdp_client_set_last_error(client, -EINVAL,
+                                      "fsdp_trainer_register_unit: unit '%.256s' has %zu "
+                                      "parameters, expected 1 to %d",
+                                      d->name, d->params ? d->n_params : 0, UNIT_MAX_PARAMS);
+  if (d->strategy < FSDP_FULL_SHARD || d->strategy > FSDP_NO_SHARD ||
+      d->param_type < FSDP_SCALAR_DEFAULT || d->param_type > FSDP_SCALAR_FP16 ||
+      d->reduce_type < FSDP_SCALAR_DEFAULT || d->reduce_type > FSDP_SCALAR_FP16)
+    return fsdp_client_set_last_error(client, -EINVAL,
+                                      "fsdp_trainer_register_unit: unit '%.256s': strategy %d, "
+                                      "param_type %d or reduce_type %d is not one of the enum's",
+                                      d->name, (int)d->strategy, (int)d->param_type,
+                                      (int)d->reduce_type);
+  for (size_t i = 0; i < d->n_params; i++) {
+    const fsdp_param_desc_t *p = &d->params[i];
+    if (!p->name || (p->ndim && !p->shape) || p->ndim > UNIT_MAX_DIMS)
+      return fsdp_client_set_last_error(client, -EINVAL,
+                                        "fsdp_trainer_register_unit: unit '%.256s' params[%zu]: "
+                                        "a name, and a shape of 0 to %d sizes, are required",
+                                        d->name, i, UNIT_MAX_DIMS);
+  }
+  return 0;
+}
+
+/* A buffer of the reply must lie inside the mapping, aligned for its elements: the views
+ * hand out typed pointers into it. */
+static int check_buffer(fsdp_trainer_t *t, const char *unit, const char *what, uint64_t offset,
+                        uint64_t numel, size_t elem) {
+  uint64_t bytes;
+  if (offset % elem == 0 && !__builtin_mul_overflow(numel, (uint64_t)elem, &bytes) &&
+      offset <= t->memory_size && bytes <= t->memory_size - offset)
+    return 0;
+  return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                    "RegisterUnit of unit '%.256s': the %s buffer at offset %llu, "
+                                    "%llu elements of %zu bytes, does not fit the %zu-byte "
+                                    "mapping",
+                                    unit, what, (unsigned long long)offset,
+                                    (unsigned long long)numel, elem, t->memory_size);
+}
+
+static int check_layout(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
+                        const Fsdp__V1__RegisterUnitReply *l) {
+  if (l->n_param_offsets != d->n_params || l->numel == 0 || l->padded_numel < l->numel ||
+      l->shard_numel == 0 || l->padded_numel % l->shard_numel != 0 ||
+      l->shard >= l->padded_numel / l->shard_numel)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "RegisterUnit of unit '%.256s': inconsistent layout "
+                                      "(%zu offsets for %zu params, numel %llu, padded %llu, "
+                                      "shard %u of %llu elements)",
+                                      d->name, l->n_param_offsets, d->n_params,
+                                      (unsigned long long)l->numel,
+                                      (unsigned long long)l->padded_numel, l->shard,
+                                      (unsigned long long)l->shard_numel);
+  for (size_t i = 0; i < l->n_param_offsets; i++)
+    if (l->param_offsets[i] > l->numel)
+      return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                        "RegisterUnit of unit '%.256s': params[%zu] at element "
+                                        "%llu, past the unit's %llu",
+                                        d->name, i, (unsigned long long)l->param_offsets[i],
+                                        (unsigned long long)l->numel);
+  size_t elem = scalar_bytes(d->param_type);
+  int r;
+  if ((r = check_buffer(t, d->name, "unsharded", l->unsharded_offset, l->padded_numel, elem)) <
+          0 ||
+      (r = check_buffer(t, d->name, "master", l->master_offset, l->padded_numel, 4)) < 0 ||
+      (r = check_buffer(t, d->name, "grad", l->grad_offset, l->padded_numel, 4)) < 0 ||
+      (r = check_buffer(t, d->name, "full_grad", l->full_grad_offset, l->padded_numel, elem)) < 0)
+    return r;
+  return 0;
+}
+
+static fsdp_unit_handle_t *find_unit(const fsdp_trainer_t *t, const char *name) {
+  for (size_t i = 0; i < t->n_units; i++)
+    if (strcmp(t->units[i]->name, name) == 0)
+      return t->units[i];
+  return NULL;
+}
+
+/* A new handle for a confirmed layout, filed in the trainer. */
+static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
+                    const Fsdp__V1__RegisterUnitReply *l, fsdp_unit_handle_t **ret_unit) {
+  if (t->n_units == t->units_cap) {
+    size_t cap = t->units_cap ? 2 * t->units_cap : 8;
+    fsdp_unit_handle_t **units = realloc(t->units, cap * sizeof *units);
+    if (!units)
+      goto err_nomem;
+    t->units = units;
+    t->units_cap = cap;
+  }
+  fsdp_unit_handle_t *u = calloc(1, sizeof *u);
+  if (!u)
+    goto err_nomem;
+  u->trainer = t;
+  u->strategy = d->strategy;
+  u->name = strdup(d->name);
+  u->param_offsets = malloc(l->n_param_offsets * sizeof *u->param_offsets);
+  if (!u->name || !u->param_offsets) {
+    unit_free(u);
+    goto err_nomem;
+  }
+  memcpy(u->param_offsets, l->param_offsets, l->n_param_offsets * sizeof *u->param_offsets);
+  uint8_t *base = t->memory;
+  u->view = (fsdp_unit_view_t){
+      .numel = l->numel,
+      .padded_numel = l->padded_numel,
+      .shard_numel = l->shard_numel,
+      .shard = l->shard,
+      .param_offsets = u->param_offsets,
+      .n_params = l->n_param_offsets,
+      .unsharded = base + l->unsharded_offset,
+      .master = (float *)(void *)(base + l->master_offset),
+      .grad = (float *)(void *)(base + l->grad_offset),
+      .full_grad = base + l->full_grad_offset,
+  };
+  t->units[t->n_units++] = u;
+  *ret_unit = u;
+  return 0;
+
+err_nomem:
+  return fsdp_client_set_last_error(t->client, -ENOMEM,
+                                    "fsdp_trainer_register_unit: out of memory for unit '%.256s'",
+                                    d->name);
+}
+
+int fsdp_trainer_register_unit(fsdp_trainer_t *trainer, const fsdp_unit_desc_t *desc,
+                               fsdp_unit_handle_t **ret_unit) {
+  if (!trainer)
+    return -EINVAL;
+  if (!desc || !ret_unit)
+    return fsdp_client_set_last_error(trainer->client, -EINVAL,
+                                      "fsdp_trainer_register_unit: desc and ret_unit are "
+                                      "required");
+  int r = check_unit_desc(trainer->client, desc);
+  if (r < 0)
+    return r;
+
+  Fsdp__V1__ParamSpec *specs = calloc(desc->n_params, sizeof *specs);
+  Fsdp__V1__ParamSpec **spec_ptrs = calloc(desc->n_params, sizeof *spec_ptrs);
+  if (!specs || !spec_ptrs) {
+    r = fsdp_client_set_last_error(trainer->client, -ENOMEM,
+                                   "fsdp_trainer_register_unit: out of memory for %zu "
+                                   "parameters",
+                                   desc->n_params);
+    goto out;
+  }
+  /* The request borrows the caller's names and shapes; the encoder only reads them. */
+  for (size_t i = 0; i < desc->n_params; i++) {
+    fsdp__v1__param_spec__init(&specs[i]);
+    specs[i].name = (char *)desc->params[i].name;
+    specs[i].n_shape = desc->params[i].ndim;
+    specs[i].shape = (uint64_t *)desc->params[i].shape;
+    specs[i].dtype = FSDP__V1__DTYPE__DTYPE_FP32; /* the trainer's parameters are fp32 */
+    specs[i].requires_grad = desc->params[i].requires_grad;
+    spec_ptrs[i] = &specs[i];
+  }
+  Fsdp__V1__RegisterUnitRequest rq = FSDP__V1__REGISTER_UNIT_REQUEST__INIT;
+  rq.session_id = trainer->session_id;
+  rq.unit = (char *)desc->name;
+  rq.n_params = desc->n_params;
+  rq.params = spec_ptrs;
+  rq.strategy = (Fsdp__V1__ShardingStrategy)desc->strategy;
+  rq.param_dtype = (Fsdp__V1__DType)desc->param_type;
+  rq.reduce_dtype = (Fsdp__V1__DType)desc->reduce_type;
+  rq.gradient_predivide_factor = desc->gradient_predivide_factor;
+  rq.gradient_postdivide_factor = desc->gradient_postdivide_factor;
+
+  ProtobufCMessage *reply = NULL;
+  r = fsdp_client_call(trainer->client, TRAINER_PATH("RegisterUnit"), &rq.base,
+                       &fsdp__v1__register_unit_reply__descriptor, 0, &reply);
+  if (r < 0)
+    goto out;
+  /* The daemon accepts a name again only with the spec it first had, so the handle filed
+   * under the name describes this layout. */
+  fsdp_unit_handle_t *u = find_unit(trainer, desc->name);
+  if (u) {
+    *ret_unit = u;
+  } else {
+    const Fsdp__V1__RegisterUnitReply *l = (const void *)reply;
+    if ((r = check_layout(trainer, desc, l)) == 0)
+      r = add_unit(trainer, desc, l, ret_unit);
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+
+out:
+  free(spec_ptrs);
+  free(specs);
+  return r;
+}
+
+const fsdp_unit_view_t *fsdp_unit_view(const fsdp_unit_handle_t *unit) {
+  return unit ? &unit->view : NULL;
+}
+
+/* A unit operation's arguments: the unit must be this trainer's and have no started
+ * operation in flight (its outcome would race with this one). */
+static int check_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op) {
+  if (!t)
+    return -EINVAL;
+  if (!u || u->trainer != t)
+    return fsdp_client_set_last_error(t->client, -EINVAL,
+                                      "fsdp_trainer_%s: %s", op,
+                                      u ? "the unit belongs to another trainer"
+                                        : "the unit is required");
+  if (u->started)
+    return fsdp_client_set_last_error(t->client, -EBUSY,
+                                      "fsdp_trainer_%s: unit '%.256s' has an Unshard of step "
+                                      "%llu started; wait for it first",
+                                      op, u->name, (unsigned long long)u->started_step);
+  return 0;
+}
+
+static int unit_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *path, uint64_t step,
+                   bool accumulate) {
+  Fsdp__V1__UnitOpRequest rq = FSDP__V1__UNIT_OP_REQUEST__INIT;
+  rq.session_id = t->session_id;
+  rq.unit = u->name;
+  rq.step = step;
+  rq.accumulate = accumulate;
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(t->client, path, &rq.base, &fsdp__v1__unit_op_reply__descriptor, 0,
+                           &reply);
+  if (r == 0)
+    protobuf_c_message_free_unpacked(reply, NULL);
+  return r;
+}
+
+int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step) {
+  int r = check_op(trainer, unit, "unshard");
+  return r < 0 ? r : unit_op(trainer, unit, TRAINER_PATH("Unshard"), step, false);
+}
+
+int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
+                               uint64_t step) {
+  int r = check_op(trainer, unit, "unshard_start");
+  if (r < 0)
+    return r;
+  Fsdp__V1__UnitOpRequest rq = FSDP__V1__UNIT_OP_REQUEST__INIT;
+  rq.session_id = trainer->session_id;
+  rq.unit = unit->name;
+  rq.step = step;
+  r = fsdp_client_call_start(trainer->client, TRAINER_PATH("Unshard"), &rq.base, 0,
+                             &unit->started);
+  if (r == 0)
+    unit->started_step = step;
+  return r;
+}
+
+int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms) {
+  if (!trainer)
+    return -EINVAL;
+  if (!unit || unit->trainer != trainer || !unit->started)
+    return fsdp_client_set_last_error(trainer->client, -EINVAL,
+                                      "fsdp_trainer_wait: %s",
+                                      !unit ? "the unit is required"
+                                      : unit->trainer != trainer
+                                          ? "the unit belongs to another trainer"
+                                          : "the unit has no started operation");
+  fsdp_client_started_t *started = unit->started;
+  unit->started = NULL; /* finish ends it, whatever the outcome */
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call_finish(trainer->client, started, &fsdp__v1__unit_op_reply__descriptor,
+                                  timeout_ms, &reply);
+  if (r == 0)
+    protobuf_c_message_free_unpacked(reply, NULL);
+  return r;
+}
+
+int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step) {
+  int r = check_op(trainer, unit, "reshard");
+  return r < 0 ? r : unit_op(trainer, unit, TRAINER_PATH("Reshard"), step, false);
+}
+
+int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
+                                uint64_t step, bool accumulate) {
+  int r = check_op(trainer, unit, "reduce_scatter");
+  if (r < 0)
+    return r;
+  /* A NO_SHARD unit keeps one whole copy: its gradient step is an all-reduce. */
+  const char *path = unit->strategy == FSDP_NO_SHARD ? TRAINER_PATH("AllReduce")
+                                                     : TRAINER_PATH("ReduceScatter");
+  return unit_op(trainer, unit, path, step, accumulate);
+}

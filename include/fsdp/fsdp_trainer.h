@@ -1,0 +1,139 @@
+/* The trainer's side of fsdpd: a session for one (job, local rank), the job's shared memory
+ * mapped into the process, and the operations on registered units.
+ *
+ * A trainer process attaches once per local rank it drives (usually one), through a client
+ * of <fsdp/fsdp_client.h> connected to the daemon's unix socket. Attaching opens the session
+ * (Trainer.Attach), then the memory channel (proto/fsdp/v1/channel.proto): the daemon checks
+ * the process's credentials, hands over the job's memory as a file descriptor, and the
+ * library maps it once. The channel stays open for the session's life: if the process dies,
+ * the daemon ends the session at once.
+ *
+ * Units are registered with their parameters; every local rank must register the same spec.
+ * The returned view points into the mapping: the unsharded buffer (read it between Unshard
+ * and Reshard), the fp32 master shards (write your own shard: initial values, optimizer
+ * steps), the fp32 gradient shards (ReduceScatter writes them) and this rank's full-gradient
+ * buffer (write it before ReduceScatter).
+ *
+ * Threads: a trainer is used by one thread at a time, like its client; the client must
+ * outlive the trainer. Every call has a deadline (the client's default unless given).
+ * Errors: negative fsdp_error codes or -errno; fsdp_client_last_error() has the daemon's
+ * message. */
+#ifndef FSDP_TRAINER_H
+#define FSDP_TRAINER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <fsdp/fsdp_client.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fsdp_trainer fsdp_trainer_t;
+typedef struct fsdp_unit_handle fsdp_unit_handle_t;
+
+/* Element types (the protocol's DType). */
+typedef enum fsdp_scalar {
+  FSDP_SCALAR_DEFAULT = 0, /* param_type: the parameters' own; reduce_type: param_type */
+  FSDP_SCALAR_FP32 = 1,
+  FSDP_SCALAR_BF16 = 2,
+  FSDP_SCALAR_FP16 = 3,
+} fsdp_scalar_t;
+
+/* Sharding strategies (the protocol's ShardingStrategy). */
+typedef enum fsdp_strategy {
+  FSDP_FULL_SHARD = 1,
+  FSDP_SHARD_GRAD_OP = 2,
+  FSDP_HYBRID_SHARD = 3,
+  FSDP_NO_SHARD = 4,
+} fsdp_strategy_t;
+
+typedef struct fsdp_trainer_options {
+  const char *job;           /* 1 to 64 of [A-Za-z0-9._-] */
+  unsigned local_rank;       /* in [0, local_world_size) */
+  unsigned local_world_size; /* the same for every rank of the job */
+} fsdp_trainer_options_t;
+
+typedef struct fsdp_param_desc {
+  const char *name;
+  const uint64_t *shape; /* ndim sizes; ndim 0 is a scalar */
+  size_t ndim;
+  bool requires_grad;
+} fsdp_param_desc_t;
+
+typedef struct fsdp_unit_desc {
+  const char *name;
+  const fsdp_param_desc_t *params; /* fp32 parameters, in flattening order */
+  size_t n_params;
+  fsdp_strategy_t strategy;
+  fsdp_scalar_t param_type;  /* the unsharded copy's type */
+  fsdp_scalar_t reduce_type; /* the gradient reduction's type */
+  double gradient_predivide_factor;  /* 0: default */
+  double gradient_postdivide_factor; /* 0: default */
+} fsdp_unit_desc_t;
+
+/* Where a registered unit lives in this process. Element counts; pointers into the mapping. */
+typedef struct fsdp_unit_view {
+  uint64_t numel;        /* the parameters' elements */
+  uint64_t padded_numel; /* numel padded to a multiple of the shard count */
+  uint64_t shard_numel;
+  unsigned shard;        /* the shard this rank holds */
+  const uint64_t *param_offsets; /* element offset of each parameter in the flat buffer */
+  size_t n_params;
+  const void *unsharded; /* padded_numel of param_type: valid between Unshard and Reshard */
+  float *master;         /* padded_numel fp32: shard s at master + s * shard_numel */
+  float *grad;           /* padded_numel fp32 gradient shards, same layout */
+  void *full_grad;       /* this rank's padded_numel of param_type */
+} fsdp_unit_view_t;
+
+/* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.
+ * client is borrowed and must outlive the trainer. */
+int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opts,
+                        fsdp_trainer_t **ret_trainer);
+
+/* Detaches (the daemon keeps the job's units and memory for a later attach), unmaps and
+ * frees the trainer; its unit handles go with it. NULL-safe. Returns the Detach's result;
+ * the trainer is freed either way. */
+int fsdp_trainer_detach(fsdp_trainer_t *trainer);
+
+uint64_t fsdp_trainer_session_id(const fsdp_trainer_t *trainer);
+
+/* The job's memory as mapped here, and its size. */
+void *fsdp_trainer_memory(const fsdp_trainer_t *trainer, size_t *ret_size);
+
+/* Renews the session's lease; trainers idle longer than the lease call it. */
+int fsdp_trainer_keepalive(fsdp_trainer_t *trainer);
+
+/* Registers a unit (waiting while the daemon prepares its buffers) and returns a handle owned
+ * by the trainer; registering the same spec again returns the same handle. */
+int fsdp_trainer_register_unit(fsdp_trainer_t *trainer, const fsdp_unit_desc_t *desc,
+                               fsdp_unit_handle_t **ret_unit);
+
+/* The view of a registered unit; valid while the trainer lives. */
+const fsdp_unit_view_t *fsdp_unit_view(const fsdp_unit_handle_t *unit);
+
+/* Gathers the unit into its unsharded buffer; returns once it is there. */
+int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step);
+
+/* The same, started now and waited for later (prefetch): at most one started operation per
+ * unit; fsdp_trainer_wait() returns its result (timeout_ms <= 0: the client's default).
+ * Until then other operations on the unit fail with -EBUSY; a wait that runs out cancels
+ * the operation (FSDP_E_DEADLINE_EXCEEDED), and detach cancels one still started. */
+int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
+                               uint64_t step);
+int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms);
+
+/* Lets go of the unsharded buffer. */
+int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step);
+
+/* Submits this rank's full gradient and returns once every local rank's is reduced into the
+ * gradient shards (AllReduce for NO_SHARD units). accumulate adds instead of writing. */
+int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
+                                uint64_t step, bool accumulate);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
