@@ -240,6 +240,18 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
                          json_object_new_uint64(s->memory ? s->memory->in_use_bytes : 0));
   json_object_object_add(mem, "limit_bytes",
                          json_object_new_uint64(s->memory ? s->memory->limit_bytes : 0));
+  json_object *jobs = json_object_new_array();
+  for (size_t i = 0; i < s->n_jobs; i++) {
+    json_object *jo = json_object_new_object();
+    json_object_object_add(jo, "job", json_string(s->jobs[i]->job));
+    json_object_object_add(jo, "arena_bytes", json_object_new_uint64(s->jobs[i]->arena_bytes));
+    json_object_object_add(jo, "used_bytes", json_object_new_uint64(s->jobs[i]->used_bytes));
+    json_object_object_add(jo, "units", json_object_new_int64(s->jobs[i]->units));
+    json_object_object_add(jo, "local_world_size",
+                           json_object_new_int64(s->jobs[i]->local_world_size));
+    json_object_array_add(jobs, jo);
+  }
+  json_object_object_add(mem, "jobs", jobs);
   json_object_object_add(o, "memory", mem);
 
   json_object *listeners = json_object_new_array();
@@ -307,6 +319,13 @@ static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
     }
   } else {
     printf(LABEL "-\n", "memory");
+  }
+  for (size_t i = 0; i < s->n_jobs; i++) {
+    const Fsdp__V1__JobMemory *j = s->jobs[i];
+    format_bytes(j->used_bytes, a, sizeof a);
+    format_bytes(j->arena_bytes, b, sizeof b);
+    printf(LABEL "job %s: %s of its %s arena, %" PRIu32 " unit%s, %" PRIu32 " local ranks\n", "",
+           j->job, a, b, j->units, j->units == 1 ? "" : "s", j->local_world_size);
   }
   printf(LABEL "%" PRIu64 " total, %" PRIu64 " failed, %" PRIu32 " in flight (%" PRIu32
          " work)\n",

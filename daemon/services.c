@@ -233,7 +233,39 @@ typedef struct status_storage {
   Fsdp__V1__Memory memory;
   Fsdp__V1__Session *sessions; /* session.max_sessions may be large: sized per reply */
   Fsdp__V1__Session **session_ptrs;
+  Fsdp__V1__JobMemory *jobs;
+  Fsdp__V1__JobMemory **job_ptrs;
 } status_storage_t;
+
+/* Per-job memory; returns the bytes in use over all jobs, or -ENOMEM. */
+static int64_t fill_jobs(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+                         status_storage_t *s) {
+  unsigned n = daemon->store.n_jobs;
+  s->jobs = calloc(n ? n : 1, sizeof *s->jobs);
+  s->job_ptrs = calloc(n ? n : 1, sizeof *s->job_ptrs);
+  if (!s->jobs || !s->job_ptrs)
+    return -ENOMEM;
+  int64_t in_use = 0;
+  size_t i = 0;
+  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next, i++) {
+    Fsdp__V1__JobMemory *m = &s->jobs[i];
+    fsdp__v1__job_memory__init(m);
+    m->job = (char *)j->name;
+    m->units = j->n_units;
+    m->local_world_size = j->local_world_size;
+    if (j->arena) {
+      fsdp_arena_stats_t stats;
+      fsdp_arena_get_stats(j->arena, &stats);
+      m->arena_bytes = stats.capacity;
+      m->used_bytes = stats.used;
+      in_use += (int64_t)stats.used;
+    }
+    s->job_ptrs[i] = m;
+  }
+  reply->n_jobs = n;
+  reply->jobs = s->job_ptrs;
+  return in_use;
+}
 
 static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
                          status_storage_t *s) {
@@ -348,9 +380,13 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
     goto out;
   }
-  /* The memory sessions hold arrives with the parameter store. */
+  int64_t in_use = fill_jobs(daemon, &reply, s);
+  if (in_use < 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
+    goto out;
+  }
   fsdp__v1__memory__init(&s->memory);
-  s->memory.in_use_bytes = 0;
+  s->memory.in_use_bytes = (uint64_t)in_use;
   s->memory.limit_bytes = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
   reply.memory = &s->memory;
   reply.state = serving_state(daemon->state);
@@ -364,6 +400,8 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
 out:
   free(s->sessions);
   free(s->session_ptrs);
+  free(s->jobs);
+  free(s->job_ptrs);
   free(s);
 }
 

@@ -42,9 +42,10 @@ class Rank:
         self.memory = mmap.mmap(fds[0], w.memories[0].bytes)
         os.close(fds[0])
 
-    def register(self, unit="u", shapes=((37, 11),), param_dtype=FP32):
+    def register(self, unit="u", shapes=((37, 11),), param_dtype=FP32,
+                 strategy=common_pb2.FULL_SHARD):
         return self.d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
-            session_id=self.session, unit=unit, strategy=common_pb2.FULL_SHARD,
+            session_id=self.session, unit=unit, strategy=strategy,
             param_dtype=param_dtype,
             params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32)
                     for i, s in enumerate(shapes)]), trainer_pb2.RegisterUnitReply)
@@ -162,3 +163,35 @@ def test_bad_unit_ops(fsdpd):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "job 'j': need" in details and "free" in details and "of the 64.0 MiB limit" in details
     d.assert_serving()
+
+
+@pytest.mark.parametrize("strategy", [common_pb2.SHARD_GRAD_OP, common_pb2.HYBRID_SHARD],
+                         ids=["SHARD_GRAD_OP", "HYBRID_SHARD"])
+def test_other_strategies_shard_over_the_host(fsdpd, strategy):
+    """On one host SHARD_GRAD_OP and HYBRID_SHARD (one host per shard group) shard over the
+    local ranks like FULL_SHARD; SHARD_GRAD_OP's longer hold is the trainer's to keep."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    ranks = [Rank(d, r, 3) for r in range(3)]
+    layouts = [r.register(strategy=strategy) for r in ranks]
+    assert [lay.shard for lay in layouts] == [0, 1, 2]
+    assert layouts[0].shard_numel * 3 == layouts[0].padded_numel
+    values = values_for(layouts[0].padded_numel, 5)
+    for r, lay in zip(ranks, layouts):
+        r.write_master_shard(lay, values)
+    ranks[1].op("Unshard")
+    assert ranks[2].unsharded(layouts[0], FP32) == encode(values, FP32)
+
+
+def test_status_shows_each_jobs_memory(fsdpd):
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    r = Rank(d, 0, 1, job="llama")
+    lay = r.register(shapes=((1024, 1024),))
+    st = d.status()
+    jobs = {j.job: j for j in st.jobs}
+    assert jobs["llama"].arena_bytes == 64 << 20
+    assert jobs["llama"].units == 1 and jobs["llama"].local_world_size == 1
+    # unsharded + master + grad + one full gradient, fp32: 16 bytes an element at least
+    assert jobs["llama"].used_bytes >= 16 * lay.padded_numel
+    assert st.memory.in_use_bytes == jobs["llama"].used_bytes
+    out = d.fsdpctl("status").stdout
+    assert "job llama:" in out and "of its 64.0 MiB arena, 1 unit, 1 local ranks" in out
