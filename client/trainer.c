@@ -44,8 +44,10 @@ struct fsdp_trainer {
   uint64_t session_id;
   unsigned local_rank;
   int channel_fd; /* the session's lifeline: open until detach */
-  void *memory;   /* the job's arena, or NULL */
+  void *memory;   /* the job's arena (memory 0, read-write), or NULL */
   size_t memory_size;
+  const void *shared;  /* its unsharded buffers (memory 1, read-only), or NULL */
+  size_t shared_size;
   fsdp_unit_handle_t **units;
   size_t n_units, units_cap;
 };
@@ -83,6 +85,8 @@ static void trainer_free(fsdp_trainer_t *t) {
     close(t->channel_fd);
   if (t->memory)
     munmap(t->memory, t->memory_size);
+  if (t->shared)
+    munmap((void *)t->shared, t->shared_size);
   free(t);
 }
 
@@ -156,29 +160,43 @@ static int channel_io_error(fsdp_trainer_t *t, const char *path, const char *wha
                                     strerror(-r));
 }
 
-/* Maps the welcome's first memory (the job's arena) and closes every descriptor. */
-static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__ChannelWelcome *w,
-                     const int *fds, size_t n_fds) {
-  if (w->n_memories == 0 || w->n_memories != n_fds)
+/* Maps memory i of the welcome, writable or not as it says it must be. */
+static int map_memory(fsdp_trainer_t *t, const char *path, const Fsdp__V1__ChannelWelcome *w,
+                      const int *fds, size_t i, bool writable, void **ret_base,
+                      size_t *ret_size) {
+  const Fsdp__V1__ChannelMemory *m = w->memories[i];
+  if (m->writable != writable || m->bytes == 0 || m->bytes > SIZE_MAX / 2)
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
-                                      "memory channel %s: welcome lists %zu memories with %zu "
-                                      "descriptors, expected at least one of each and as many",
-                                      path, w->n_memories, n_fds);
-  const Fsdp__V1__ChannelMemory *m = w->memories[0];
-  if (!m->writable || m->bytes == 0 || m->bytes > SIZE_MAX / 2)
-    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
-                                      "memory channel %s: memory '%s' of %llu bytes%s, expected "
-                                      "the job's writable arena",
-                                      path, m->name, (unsigned long long)m->bytes,
-                                      m->writable ? "" : ", read-only");
-  void *p = mmap(NULL, (size_t)m->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+                                      "memory channel %s: memory %zu '%s' of %llu bytes is %s, "
+                                      "expected the job's %s",
+                                      path, i, m->name, (unsigned long long)m->bytes,
+                                      m->writable ? "writable" : "read-only",
+                                      writable ? "writable arena" : "read-only unsharded buffers");
+  void *p = mmap(NULL, (size_t)m->bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                 MAP_SHARED, fds[i], 0);
   if (p == MAP_FAILED)
     return fsdp_client_set_last_error(t->client, -errno,
                                       "memory channel: mapping %s (%llu bytes): %s", m->name,
                                       (unsigned long long)m->bytes, strerror(errno));
-  t->memory = p;
-  t->memory_size = (size_t)m->bytes;
+  *ret_base = p;
+  *ret_size = (size_t)m->bytes;
   return 0;
+}
+
+/* Maps the welcome's memories: 0, the job's arena (read-write); 1, its unsharded buffers,
+ * which the daemon sealed so that they can only be mapped read-only. */
+static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__ChannelWelcome *w,
+                     const int *fds, size_t n_fds) {
+  if (w->n_memories != 2 || n_fds != 2)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "memory channel %s: welcome lists %zu memories with %zu "
+                                      "descriptors, expected 2 of each",
+                                      path, w->n_memories, n_fds);
+  void *shared;
+  int r = map_memory(t, path, w, fds, 0, true, &t->memory, &t->memory_size);
+  if (r == 0 && (r = map_memory(t, path, w, fds, 1, false, &shared, &t->shared_size)) == 0)
+    t->shared = shared;
+  return r;
 }
 
 /* The memory channel (proto/fsdp/v1/channel.proto): hello, welcome with the arena's
@@ -362,20 +380,20 @@ static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
   return 0;
 }
 
-/* A buffer of the reply must lie inside the mapping, aligned for its elements: the views
- * hand out typed pointers into it. */
+/* A buffer of the reply must lie inside its mapping (of `size` bytes), aligned for its
+ * elements: the views hand out typed pointers into it. */
 static int check_buffer(fsdp_trainer_t *t, const char *unit, const char *what, uint64_t offset,
-                        uint64_t numel, size_t elem) {
+                        uint64_t numel, size_t elem, size_t size) {
   uint64_t bytes;
   if (offset % elem == 0 && !__builtin_mul_overflow(numel, (uint64_t)elem, &bytes) &&
-      offset <= t->memory_size && bytes <= t->memory_size - offset)
+      offset <= size && bytes <= size - offset)
     return 0;
   return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
                                     "RegisterUnit of unit '%.256s': the %s buffer at offset %llu, "
                                     "%llu elements of %zu bytes, does not fit the %zu-byte "
                                     "mapping",
                                     unit, what, (unsigned long long)offset,
-                                    (unsigned long long)numel, elem, t->memory_size);
+                                    (unsigned long long)numel, elem, size);
 }
 
 static int check_layout(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
@@ -400,11 +418,13 @@ static int check_layout(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
                                         (unsigned long long)l->numel);
   size_t elem = scalar_bytes(d->param_type);
   int r;
-  if ((r = check_buffer(t, d->name, "unsharded", l->unsharded_offset, l->padded_numel, elem)) <
-          0 ||
-      (r = check_buffer(t, d->name, "master", l->master_offset, l->padded_numel, 4)) < 0 ||
-      (r = check_buffer(t, d->name, "grad", l->grad_offset, l->padded_numel, 4)) < 0 ||
-      (r = check_buffer(t, d->name, "full_grad", l->full_grad_offset, l->padded_numel, elem)) < 0)
+  size_t rw = t->memory_size;
+  if ((r = check_buffer(t, d->name, "unsharded", l->unsharded_offset, l->padded_numel, elem,
+                        t->shared_size)) < 0 ||
+      (r = check_buffer(t, d->name, "master", l->master_offset, l->padded_numel, 4, rw)) < 0 ||
+      (r = check_buffer(t, d->name, "grad", l->grad_offset, l->padded_numel, 4, rw)) < 0 ||
+      (r = check_buffer(t, d->name, "full_grad", l->full_grad_offset, l->padded_numel, elem,
+                        rw)) < 0)
     return r;
   return 0;
 }
@@ -447,7 +467,7 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
       .shard = l->shard,
       .param_offsets = u->param_offsets,
       .n_params = l->n_param_offsets,
-      .unsharded = base + l->unsharded_offset,
+      .unsharded = (const uint8_t *)t->shared + l->unsharded_offset,
       .master = (float *)(void *)(base + l->master_offset),
       .grad = (float *)(void *)(base + l->grad_offset),
       .full_grad = base + l->full_grad_offset,

@@ -60,8 +60,9 @@ typedef enum fsdp_option_type {
     true, NULL, "Memory the daemon may hold for all jobs together.")                             \
   X(JOB_MEMORY, "memory.job_limit", FSDP_OPT_SIZE, "1GiB", 67108864, 1099511627776, NULL, "B",  \
     false, NULL,                                                                                 \
-    "Size of each job's memory arena (one memfd every local rank maps); its buffers come out "  \
-    "of it, and RESOURCE_EXHAUSTED beyond it.")                                                  \
+    "Size of each of a job's two memory arenas (memfds every local rank maps: the unsharded "   \
+    "buffers, read-only, and the rest); its buffers come out of them, RESOURCE_EXHAUSTED "      \
+    "beyond.")                                                                                   \
   X(COLLECTIVE_TIMEOUT, "store.collective_timeout", FSDP_OPT_DURATION, "30s", 100, 3600000,     \
     NULL, "ms", true, NULL,                                                                      \
     "How long a ReduceScatter waits for every local rank to submit; then every waiter gets "    \

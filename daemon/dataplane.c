@@ -172,11 +172,17 @@ static void run_work(uv_work_t *req) {
   case WORK_PREFAULT:
     w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset,
                                           fsdp_arena_block_size(w->job->arena, u->buffers_offset));
+    if (w->result == 0)
+      w->result = fsdp_arena_prefault_range(
+          w->job->shared_arena, u->unsharded_offset,
+          fsdp_arena_block_size(w->job->shared_arena, u->unsharded_offset));
     break;
   case WORK_GATHER:
     /* One host: every shard is local, so the all-gather is the cast of the whole flat
      * buffer from the fp32 masters into param_dtype. */
-    w->result = fsdp_cast_parallel(dp->workers, base + u->unsharded_offset,
+    w->result = fsdp_cast_parallel(dp->workers,
+                                   (char *)fsdp_arena_base(w->job->shared_arena) +
+                                       u->unsharded_offset,
                                    kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)),
                                    base + u->master_offset, FSDP_DTYPE_FP32,
                                    u->layout.padded_numel);
@@ -269,19 +275,24 @@ static size_t round64(size_t n) {
   return (n + 63) / 64 * 64;
 }
 
-/* Takes the unit's buffers from the arena, all in one block: unsharded, master, grad, then
- * one full-gradient buffer per local rank. */
+/* Takes the unit's buffers: the unsharded one from the shared (read-only to trainers)
+ * arena, and from the arena one block with the master shards, the gradient shards and one
+ * full-gradient buffer per local rank. */
 static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   size_t padded = (size_t)u->layout.padded_numel;
   size_t param_size = fsdp_dtype_size(kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)));
   size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
-  size_t total = unsharded + 2 * fp32 + (size_t)job->local_world_size * unsharded;
-  uint64_t base;
+  size_t total = 2 * fp32 + (size_t)job->local_world_size * unsharded;
+  uint64_t base, shared;
   int r = fsdp_arena_alloc(job->arena, total, 0, &base, st);
   if (r < 0)
     return r;
-  u->buffers_offset = u->unsharded_offset = base;
-  u->master_offset = base + unsharded;
+  if ((r = fsdp_arena_alloc(job->shared_arena, unsharded, 0, &shared, st)) < 0) {
+    fsdp_arena_release(job->arena, base);
+    return r;
+  }
+  u->unsharded_offset = shared;
+  u->buffers_offset = u->master_offset = base;
   u->grad_offset = u->master_offset + fp32;
   u->full_grad_offset = u->grad_offset + fp32;
   u->full_grad_stride = unsharded;
@@ -301,6 +312,7 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_j
     int r = queue(dp, WORK_PREFAULT, job, unit);
     if (r < 0) {
       fsdp_arena_release(job->arena, unit->buffers_offset);
+      fsdp_arena_release(job->shared_arena, unit->unsharded_offset);
       fsdp_rpc_call_fail(call, r, "%s: cannot queue the buffers' preparation",
                          fsdp_rpc_call_method(call));
       return;

@@ -38,9 +38,11 @@
 
 /* Requests kept outstanding per method, so that bursts do not wait for a re-arm. */
 #define REQUESTS_PER_METHOD 4
-/* After the drain, how long final replies may take to leave before gRPC cancels them; at
- * most a quarter of the drain time, out of which it is taken. */
-#define FINAL_SEND_GRACE_MS 250
+/* After the drain, how long final replies may take to leave before gRPC cancels them: a
+ * quarter of the drain time, out of which it is taken, within these bounds. Even a drain of
+ * 0 gives final replies (a Watch stream's NOT_SERVING) a moment, or the cancel beats them. */
+#define FINAL_SEND_GRACE_MIN_MS 50
+#define FINAL_SEND_GRACE_MAX_MS 250
 
 typedef enum tag_kind { TAG_REQUEST, TAG_RECV_CLOSE, TAG_SEND, TAG_SHUTDOWN } tag_kind_t;
 
@@ -832,8 +834,14 @@ void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
   server->done_data = data;
   server->state = SERVER_STOP_DRAINING;
   server->draining = true;
-  server->final_grace_ms = drain_ms / 4 < FINAL_SEND_GRACE_MS ? drain_ms / 4 : FINAL_SEND_GRACE_MS;
-  uv_timer_start(&server->drain_timer, on_drain_deadline, drain_ms - server->final_grace_ms, 0);
+  uint64_t grace = drain_ms / 4;
+  if (grace < FINAL_SEND_GRACE_MIN_MS)
+    grace = FINAL_SEND_GRACE_MIN_MS;
+  if (grace > FINAL_SEND_GRACE_MAX_MS)
+    grace = FINAL_SEND_GRACE_MAX_MS;
+  server->final_grace_ms = grace;
+  uv_timer_start(&server->drain_timer, on_drain_deadline, drain_ms > grace ? drain_ms - grace : 0,
+                 0);
   maybe_close(server);
 }
 

@@ -106,8 +106,9 @@ void fsdp_rpc_server_set_draining(fsdp_rpc_server_t *server, bool draining);
 
 /* Begins a graceful stop: the server drains until it holds no work or drain_ms has passed
  * (held work then ends with UNAVAILABLE), then gRPC takes no more calls, and `done` runs on
- * the loop once every call and gRPC object is gone. Final replies get a short grace taken
- * out of drain_ms, so the stop as a whole fits in drain_ms. */
+ * the loop once every call and gRPC object is gone. Final replies get a short grace (50 to
+ * 250 ms) taken out of drain_ms, so the stop as a whole fits in drain_ms when it is 200 ms
+ * or more. */
 void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
                           void (*done)(void *data), void *data);
 

@@ -253,11 +253,12 @@ static int64_t fill_jobs(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
     m->job = (char *)j->name;
     m->units = j->n_units;
     m->local_world_size = j->local_world_size;
-    if (j->arena) {
+    const fsdp_arena_t *arenas[2] = {j->arena, j->shared_arena};
+    for (size_t k = 0; k < 2 && arenas[k]; k++) {
       fsdp_arena_stats_t stats;
-      fsdp_arena_get_stats(j->arena, &stats);
-      m->arena_bytes = stats.capacity;
-      m->used_bytes = stats.used;
+      fsdp_arena_get_stats(arenas[k], &stats);
+      m->arena_bytes += stats.capacity;
+      m->used_bytes += stats.used;
       in_use += (int64_t)stats.used;
     }
     s->job_ptrs[i] = m;
@@ -634,20 +635,25 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
     return;
   if (fsdp_store_job_arena(job, job_memory(daemon), &w->status) < 0)
     return;
-  fsdp_arena_stats_t stats;
-  fsdp_arena_get_stats(job->arena, &stats);
-  fsdp__v1__channel_memory__init(&w->memory[0]);
-  snprintf(w->names[0], sizeof w->names[0], "job '%s' arena", job->name);
-  w->memory[0].name = w->names[0];
-  w->memory[0].bytes = stats.capacity;
-  w->memory[0].writable = true;
-  w->memories[0] = &w->memory[0];
-  w->fds[0] = fsdp_arena_fd(job->arena);
-  w->n = 1;
+  /* Memory 0: the buffers trainers write; memory 1: the unsharded buffers, read-only. */
+  const fsdp_arena_t *arenas[2] = {job->arena, job->shared_arena};
+  static const char *const what[2] = {"arena", "unsharded buffers"};
+  for (size_t i = 0; i < 2; i++) {
+    fsdp_arena_stats_t stats;
+    fsdp_arena_get_stats(arenas[i], &stats);
+    fsdp__v1__channel_memory__init(&w->memory[i]);
+    snprintf(w->names[i], sizeof w->names[i], "job '%s' %s", job->name, what[i]);
+    w->memory[i].name = w->names[i];
+    w->memory[i].bytes = stats.capacity;
+    w->memory[i].writable = i == 0;
+    w->memories[i] = &w->memory[i];
+    w->fds[i] = fsdp_arena_fd(arenas[i]);
+  }
+  w->n = 2;
   s->channel = conn;
   fsdp_channel_conn_set_owner(conn, s);
-  log_info("session %016llx: memory channel open, job '%s' arena of %zu bytes",
-           (unsigned long long)s->id, job->name, stats.capacity);
+  log_info("session %016llx: memory channel open, job '%s' arenas of %llu bytes",
+           (unsigned long long)s->id, job->name, (unsigned long long)w->memory[0].bytes);
 }
 
 static void channel_closed(void *data, void *owner, const char *why) {

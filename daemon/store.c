@@ -139,7 +139,19 @@ int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st) {
     return 0;
   fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
   options.prefault = FSDP_ARENA_PREFAULT_NONE;
-  return fsdp_arena_new(job->name, capacity, &options, &job->arena, st);
+  fsdp_arena_t *arena, *shared;
+  int r = fsdp_arena_new(job->name, capacity, &options, &arena, st);
+  if (r < 0)
+    return r;
+  /* F_SEAL_FUTURE_WRITE after our own mapping: nobody, root included, maps it writable. */
+  options.peers_read_only = true;
+  if ((r = fsdp_arena_new(job->name, capacity, &options, &shared, st)) < 0) {
+    fsdp_arena_free(arena);
+    return r;
+  }
+  job->arena = arena;
+  job->shared_arena = shared;
+  return 0;
 }
 
 void fsdp_store_init(fsdp_store_t *store) {
@@ -155,6 +167,7 @@ void fsdp_store_cleanup(fsdp_store_t *store) {
       unit_free(u);
     }
     fsdp_arena_free(job->arena);
+    fsdp_arena_free(job->shared_arena);
     free(job);
   }
   store->n_jobs = 0;

@@ -38,9 +38,9 @@ typedef struct fsdp_unit {
   fsdp_unit_layout_t layout;
   fsdp_unit_state_t state;
   fsdp_status_t error;        /* why FAILED */
-  uint64_t buffers_offset;    /* the arena block holding all buffers, when allocated */
-  uint64_t unsharded_offset;  /* byte offsets in the job's arena */
-  uint64_t master_offset;
+  uint64_t buffers_offset;    /* the arena block holding the read-write buffers */
+  uint64_t unsharded_offset;  /* in the job's shared arena (its own block) */
+  uint64_t master_offset;     /* these in the job's arena */
   uint64_t grad_offset;
   uint64_t full_grad_offset;  /* local rank r's at + r * full_grad_stride */
   uint64_t full_grad_stride;
@@ -62,7 +62,11 @@ typedef struct fsdp_unit {
 typedef struct fsdp_job {
   char name[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_world_size;
-  fsdp_arena_t *arena; /* the memory every local rank maps; made on first need; owned */
+  /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
+   * `shared_arena`, sealed so that trainers can only map it read-only, and every other
+   * buffer in `arena`, which trainers map read-write. */
+  fsdp_arena_t *arena;
+  fsdp_arena_t *shared_arena;
   fsdp_unit_t *units; /* in registration order */
   fsdp_unit_t **units_tail;
   unsigned n_units;
@@ -92,8 +96,8 @@ bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
                        fsdp_status_t *st);
 
-/* The job's arena, made with `capacity` bytes (and no pre-fault: buffers are pre-faulted as
- * they are allocated) when the job has none yet. */
+/* The job's two arenas, made with `capacity` bytes each (and no pre-fault: buffers are
+ * pre-faulted as they are allocated) when the job has none yet. */
 int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st);
 
 /* Shards of a unit on this host: the local world size, or 1 for NO_SHARD. */

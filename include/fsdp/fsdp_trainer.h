@@ -4,9 +4,10 @@
  * A trainer process attaches once per local rank it drives (usually one), through a client
  * of <fsdp/fsdp_client.h> connected to the daemon's unix socket. Attaching opens the session
  * (Trainer.Attach), then the memory channel (proto/fsdp/v1/channel.proto): the daemon checks
- * the process's credentials, hands over the job's memory as a file descriptor, and the
- * library maps it once. The channel stays open for the session's life: if the process dies,
- * the daemon ends the session at once.
+ * the process's credentials, hands over the job's memory as file descriptors, and the
+ * library maps it once: the buffers the trainer writes, and the unsharded buffers in a second
+ * mapping, which the daemon sealed so that it can only be read. The channel stays open for
+ * the session's life: if the process dies, the daemon ends the session at once.
  *
  * Units are registered with their parameters; every local rank must register the same spec.
  * The returned view points into the mapping: the unsharded buffer (read it between Unshard
@@ -100,7 +101,8 @@ int fsdp_trainer_detach(fsdp_trainer_t *trainer);
 
 uint64_t fsdp_trainer_session_id(const fsdp_trainer_t *trainer);
 
-/* The job's memory as mapped here, and its size. */
+/* The job's read-write memory as mapped here (masters, gradients), and its size. The
+ * unsharded buffers are in a second, read-only mapping, reached through the unit views. */
 void *fsdp_trainer_memory(const fsdp_trainer_t *trainer, size_t *ret_size);
 
 /* Renews the session's lease; trainers idle longer than the lease call it. */

@@ -13,6 +13,7 @@ import sys
 import time
 
 import grpc
+import pytest
 
 from fsdpd_harness import PYTHON_GEN, fsdpd, poll, trainer_pb2  # noqa: F401
 from fsdp.v1 import channel_pb2
@@ -61,12 +62,18 @@ def test_ranks_of_a_job_share_its_arena(fsdpd):
     assert a.memory_socket == str(d.run_dir / "fsdpd.mem.sock")
     sa, wa, fa = hello(a.memory_socket, a.session_id)
     sb, wb, fb = hello(b.memory_socket, b.session_id)
-    assert (wa.status, len(fa)) == (OK, 1)
-    assert [(m.name, m.bytes, m.writable) for m in wa.memories] == [("job 'j' arena", 64 << 20, True)]
+    assert (wa.status, len(fa)) == (OK, 2)
+    assert [(m.name, m.bytes, m.writable) for m in wa.memories] == [
+        ("job 'j' arena", 64 << 20, True), ("job 'j' unsharded buffers", 64 << 20, False)]
     ma = mmap.mmap(fa[0], 64 << 20)
     mb = mmap.mmap(fb[0], 64 << 20)
     ma[12345:12350] = b"shard"
     assert mb[12345:12350] == b"shard"  # one memory, two mappings
+    # The unsharded buffers map read-only, and the kernel refuses a writable mapping, even
+    # through the read-write descriptor we were handed and even as root.
+    mmap.mmap(fa[1], 64 << 20, prot=mmap.PROT_READ)
+    with pytest.raises(PermissionError):
+        mmap.mmap(fa[1], 64 << 20)
     # Another job gets memory of its own.
     c = attach(d, 0, job="other")
     _, wc, fc = hello(c.memory_socket, c.session_id)

@@ -39,8 +39,11 @@ class Rank:
         msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 4)
         w = channel_pb2.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
         assert w.status == 0, w.message
+        # Memory 0: what trainers write; memory 1: the unsharded buffers, read-only.
         self.memory = mmap.mmap(fds[0], w.memories[0].bytes)
-        os.close(fds[0])
+        self.shared = mmap.mmap(fds[1], w.memories[1].bytes, prot=mmap.PROT_READ)
+        for fd in fds:
+            os.close(fd)
 
     def register(self, unit="u", shapes=((37, 11),), param_dtype=FP32,
                  strategy=common_pb2.FULL_SHARD):
@@ -63,7 +66,7 @@ class Rank:
 
     def unsharded(self, layout, dtype):
         start = layout.unsharded_offset
-        return bytes(self.memory[start:start + layout.padded_numel * SIZE[dtype]])
+        return bytes(self.shared[start:start + layout.padded_numel * SIZE[dtype]])
 
 
 def bf16_bits(x):
@@ -138,7 +141,7 @@ def test_concurrent_unshards_share_one_gather_and_big_units_work(fsdpd):
     assert not errors
     lay = layouts[0]
     got = array.array("f")
-    got.frombytes(ranks[2].memory[lay.unsharded_offset:lay.unsharded_offset + lay.padded_numel * 4])
+    got.frombytes(ranks[2].shared[lay.unsharded_offset:lay.unsharded_offset + lay.padded_numel * 4])
     assert got == values
 
 
@@ -188,10 +191,10 @@ def test_status_shows_each_jobs_memory(fsdpd):
     lay = r.register(shapes=((1024, 1024),))
     st = d.status()
     jobs = {j.job: j for j in st.jobs}
-    assert jobs["llama"].arena_bytes == 64 << 20
+    assert jobs["llama"].arena_bytes == 2 * (64 << 20)  # two arenas of memory.job_limit
     assert jobs["llama"].units == 1 and jobs["llama"].local_world_size == 1
     # unsharded + master + grad + one full gradient, fp32: 16 bytes an element at least
     assert jobs["llama"].used_bytes >= 16 * lay.padded_numel
     assert st.memory.in_use_bytes == jobs["llama"].used_bytes
     out = d.fsdpctl("status").stdout
-    assert "job llama:" in out and "of its 64.0 MiB arena, 1 unit, 1 local ranks" in out
+    assert "job llama:" in out and "of its 128.0 MiB arena, 1 unit, 1 local ranks" in out
