@@ -67,6 +67,10 @@ typedef enum fsdp_option_type {
     NULL, "ms", true, NULL,                                                                      \
     "How long a ReduceScatter waits for every local rank to submit; then every waiter gets "    \
     "ABORTED naming the ranks that did not.")                                                    \
+  X(JOB_RETENTION, "store.job_retention", FSDP_OPT_DURATION, "10m", 100, 604800000, NULL, "ms",  \
+    true, NULL,                                                                                  \
+    "How long a job's units and memory outlive its last session, so that trainers can attach "  \
+    "again and go on; then they are freed.")                                                     \
   X(SESSION_LEASE, "session.lease", FSDP_OPT_DURATION, "30s", 100, 3600000, NULL, "ms", true,   \
     NULL,                                                                                        \
     "A trainer session that makes no call (KeepAlive included) for this long ends; its "        \

@@ -72,6 +72,37 @@ static void on_session_expired(const fsdp_session_t *s, void *data) {
   release_session(daemon, s, why);
 }
 
+static bool job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job) {
+  for (const fsdp_session_t *s = daemon->sessions.head; s; s = s->next)
+    if (strcmp(s->job, job->name) == 0)
+      return true;
+  return false;
+}
+
+/* A job's units and memory wait store.job_retention after its last session for a trainer to
+ * come back; then the memory goes back to the host. */
+static void retire_idle_jobs(fsdp_daemon_t *daemon, uint64_t now_ms) {
+  uint64_t retention = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_JOB_RETENTION);
+  for (fsdp_job_t *job = daemon->store.jobs, *next; job; job = next) {
+    next = job->next;
+    if (job_has_session(daemon, job) || fsdp_dataplane_uses_job(&daemon->dataplane, job)) {
+      job->idle_since_ms = 0;
+      continue;
+    }
+    if (job->idle_since_ms == 0) {
+      job->idle_since_ms = now_ms;
+      continue;
+    }
+    if (now_ms - job->idle_since_ms < retention)
+      continue;
+    log_info("job '%s': no session for %llu ms (store.job_retention); freeing its %u unit%s "
+             "and memory",
+             job->name, (unsigned long long)(now_ms - job->idle_since_ms), job->n_units,
+             job->n_units == 1 ? "" : "s");
+    fsdp_store_remove_job(&daemon->store, job);
+  }
+}
+
 static void on_housekeeping(uv_timer_t *timer) {
   fsdp_daemon_t *daemon = timer->data;
   if (daemon->watchdog_usec)
@@ -81,6 +112,7 @@ static void on_housekeeping(uv_timer_t *timer) {
                        on_session_expired, daemon);
   fsdp_channel_expire(&daemon->channel, uv_now(&daemon->loop));
   fsdp_dataplane_expire(&daemon->store, uv_now(&daemon->loop));
+  retire_idle_jobs(daemon, uv_now(&daemon->loop));
 }
 
 int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,

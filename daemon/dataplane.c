@@ -457,6 +457,16 @@ void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why
   }
 }
 
+bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
+  for (const fsdp_dataplane_work_t *w = dp->head; w; w = w->next)
+    if (w->job == job)
+      return true;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->waiters)
+      return true;
+  return false;
+}
+
 int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
                         fsdp_status_t *st) {
   memset(dp, 0, sizeof *dp);

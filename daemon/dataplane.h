@@ -71,6 +71,9 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
 /* Ends reduce-scatters whose deadline passed; from the housekeeping timer. */
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
 
+/* Whether any queued or running work, or any parked call, refers to the job. */
+bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
+
 /* A session of `job` ended (why: for the messages): its rank lets go of every unit it held
  * unsharded, and reduce-scatters waiting for it end with ABORTED naming it. */
 void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why);

@@ -158,17 +158,32 @@ void fsdp_store_init(fsdp_store_t *store) {
   memset(store, 0, sizeof *store);
 }
 
+static void job_free(fsdp_job_t *job) {
+  for (fsdp_unit_t *u = job->units, *next; u; u = next) {
+    next = u->next;
+    unit_free(u);
+  }
+  fsdp_arena_free(job->arena);
+  fsdp_arena_free(job->shared_arena);
+  free(job);
+}
+
+void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job) {
+  for (fsdp_job_t **p = &store->jobs; *p; p = &(*p)->next) {
+    if (*p == job) {
+      *p = job->next;
+      store->n_jobs--;
+      job_free(job);
+      return;
+    }
+  }
+}
+
 void fsdp_store_cleanup(fsdp_store_t *store) {
   while (store->jobs) {
     fsdp_job_t *job = store->jobs;
     store->jobs = job->next;
-    for (fsdp_unit_t *u = job->units, *next; u; u = next) {
-      next = u->next;
-      unit_free(u);
-    }
-    fsdp_arena_free(job->arena);
-    fsdp_arena_free(job->shared_arena);
-    free(job);
+    job_free(job);
   }
   store->n_jobs = 0;
 }

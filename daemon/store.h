@@ -70,6 +70,7 @@ typedef struct fsdp_job {
   fsdp_unit_t *units; /* in registration order */
   fsdp_unit_t **units_tail;
   unsigned n_units;
+  uint64_t idle_since_ms; /* loop time since which it has had no session; 0 while it has */
   struct fsdp_job *next;
 } fsdp_job_t;
 
@@ -99,6 +100,10 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
 /* The job's two arenas, made with `capacity` bytes each (and no pre-fault: buffers are
  * pre-faulted as they are allocated) when the job has none yet. */
 int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st);
+
+/* Frees a job, its units and arenas. Only when nothing refers to them: no session, no parked
+ * call, no work queued (daemon/dataplane.h says when). */
+void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job);
 
 /* Shards of a unit on this host: the local world size, or 1 for NO_SHARD. */
 unsigned fsdp_store_shard_count(Fsdp__V1__ShardingStrategy strategy, uint32_t local_world_size);

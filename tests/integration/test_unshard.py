@@ -14,7 +14,8 @@ import threading
 import grpc
 import pytest
 
-from fsdpd_harness import common_pb2, fsdpd, status_code_and_details, trainer_pb2  # noqa: F401
+from fsdpd_harness import (common_pb2, fsdpd, poll, status_code_and_details,  # noqa: F401
+                           trainer_pb2)
 from fsdp.v1 import channel_pb2
 
 FP32, BF16, FP16 = common_pb2.DTYPE_FP32, common_pb2.DTYPE_BF16, common_pb2.DTYPE_FP16
@@ -198,3 +199,29 @@ def test_status_shows_each_jobs_memory(fsdpd):
     assert st.memory.in_use_bytes == jobs["llama"].used_bytes
     out = d.fsdpctl("status").stdout
     assert "job llama:" in out and "of its 128.0 MiB arena, 1 unit, 1 local ranks" in out
+
+
+def test_memory_comes_back_after_job_retention(fsdpd):
+    """A job outlives its sessions for store.job_retention (trainers may come back); then its
+    units and memory are freed, and the job name is free for any local world size."""
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "store.job_retention=300ms",
+              "--set", "daemon.housekeeping_interval=20ms")
+    r = Rank(d, 0, 2, job="gone")
+    r.register(shapes=((512, 512),))
+    assert [j.job for j in d.status().jobs] == ["gone"]
+    assert d.status().memory.in_use_bytes > 0
+    r.sock.close()  # the trainer's process dies
+    poll(lambda: not d.status().jobs, 5, what="the idle job to be freed")
+    assert d.status().memory.in_use_bytes == 0
+    assert "job 'gone': no session for" in d.stderr() and "freeing its 1 unit" in d.stderr()
+    # Within the retention a trainer comes back to the same job ...
+    r = Rank(d, 0, 1, job="kept")
+    first = r.register(shapes=((64,),))
+    r.sock.close()
+    poll(lambda: not d.status().sessions, 5, what="the session to end")
+    r = Rank(d, 0, 1, job="kept")
+    assert r.register(shapes=((64,),)) == first
+    # ... and after it, the name starts afresh, here with another local world size.
+    r.sock.close()
+    poll(lambda: not d.status().jobs, 5, what="the second job to be freed")
+    Rank(d, 1, 4, job="kept").register(shapes=((64,),))
