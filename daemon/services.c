@@ -427,14 +427,21 @@ static void operator_reload(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+/* Drain and Resume; false after failing the call (the daemon is stopping). */
+static bool set_draining(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, bool draining) {
+  fsdp_status_t st;
+  if (fsdp_daemon_set_draining(daemon, draining, &st) < 0) {
+    fsdp_rpc_call_fail_status(call, &st);
+    return false;
+  }
+  return true;
+}
+
 static void operator_drain(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
   fsdp_daemon_t *daemon = data;
-  fsdp_status_t st;
-  if (fsdp_daemon_set_draining(daemon, true, &st) < 0) {
-    fsdp_rpc_call_fail_status(call, &st);
+  if (!set_draining(call, daemon, true))
     return;
-  }
   fsdp_rpc_stats_t stats;
   fsdp_rpc_server_get_stats(daemon->rpc, &stats);
   Fsdp__V1__DrainReply reply = FSDP__V1__DRAIN_REPLY__INIT;
@@ -444,12 +451,8 @@ static void operator_drain(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
 
 static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
-  fsdp_daemon_t *daemon = data;
-  fsdp_status_t st;
-  if (fsdp_daemon_set_draining(daemon, false, &st) < 0) {
-    fsdp_rpc_call_fail_status(call, &st);
+  if (!set_draining(call, data, false))
     return;
-  }
   Fsdp__V1__ResumeReply reply = FSDP__V1__RESUME_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);
 }
