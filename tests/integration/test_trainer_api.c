@@ -18,39 +18,30 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <fsdp/fsdp_client.h>
 #include <fsdp/fsdp_trainer.h>
 
 #include "client_rpc.h"
+#include "daemon_fixture.h"
 #include "fsdp/v1/trainer.pb-c.h"
 
 extern char **environ;
 
 #define WORLD 2
 #define JOB_LIMIT_BYTES (64u << 20)
-#define START_TIMEOUT_MS 10000
 #define RANKS_TIMEOUT_MS 20000
 /* The children's ends of the barrier pipes, well above anything else they inherit. */
 #define CHILD_UP_FD 100
 #define CHILD_DOWN_FD 101
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* ---- references ------------------------------------------------------------------------- */
 
@@ -270,141 +261,17 @@ out:
 
 /* ---- the daemon ------------------------------------------------------------------------- */
 
-static struct {
-  char run_dir[64];
-  char target[128];
-  char log[128];
-  pid_t pid;
-} g_daemon;
-
-static void dump_log(void) {
-  FILE *f = fopen(g_daemon.log, "r");
-  if (!f)
-    return;
-  char line[1024];
-  fprintf(stderr, "--- %s ---\n", g_daemon.log);
-  while (fgets(line, sizeof line, f))
-    fputs(line, stderr);
-  fclose(f);
-}
-
-/* fsdpd must see neither our fsdpd settings nor a proxy nor systemd's variables. */
-static bool scrubbed(const char *var) {
-  static const char *const prefixes[] = {"FSDPD_", "NOTIFY_SOCKET=", "WATCHDOG_", "LISTEN_",
-                                         "http_proxy=", "https_proxy=", "all_proxy=",
-                                         "grpc_proxy=", "no_proxy=", "HTTP_PROXY=",
-                                         "HTTPS_PROXY=", "ALL_PROXY=", "NO_PROXY="};
-  for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++)
-    if (strncmp(var, prefixes[i], strlen(prefixes[i])) == 0)
-      return true;
-  return false;
-}
-
-static bool daemon_serving(void) {
-  fsdp_client_options_t opts = FSDP_CLIENT_OPTIONS_INIT;
-  opts.timeout_ms = 1000;
-  fsdp_client_t *client = NULL;
-  fsdp_health_status_t status = FSDP_HEALTH_UNKNOWN;
-  bool ok = fsdp_client_connect(g_daemon.target, &opts, &client) == 0 &&
-            fsdp_client_health_check(client, "", 0, &status) == 0 &&
-            status == FSDP_HEALTH_SERVING;
-  fsdp_client_close(client);
-  return ok;
-}
+static daemon_fixture_t g_daemon;
 
 static int start_daemon(void **state) {
   (void)state;
-  const char *build = getenv("FSDP_BUILD_DIR");
-  if (!build) {
-    fprintf(stderr, "FSDP_BUILD_DIR is not set (ctest sets it)\n");
-    return -1;
-  }
-  char fsdpd[4096];
-  snprintf(fsdpd, sizeof fsdpd, "%s/bin/fsdpd", build);
-  /* /tmp, not $TMPDIR: the sockets' paths must fit sun_path. */
-  snprintf(g_daemon.run_dir, sizeof g_daemon.run_dir, "/tmp/fsdp-trainer-XXXXXX");
-  if (!mkdtemp(g_daemon.run_dir))
-    return -1;
-  snprintf(g_daemon.target, sizeof g_daemon.target, "unix:%s/fsdpd.sock", g_daemon.run_dir);
-  snprintf(g_daemon.log, sizeof g_daemon.log, "%s/fsdpd.log", g_daemon.run_dir);
-
-  size_t n = 0;
-  while (environ[n])
-    n++;
-  char **env = calloc(n + 1, sizeof *env);
-  if (!env)
-    return -1;
-  for (size_t i = 0, j = 0; i < n; i++)
-    if (!scrubbed(environ[i]))
-      env[j++] = environ[i];
-  char *argv[] = {fsdpd, "--run-dir", g_daemon.run_dir, "--health-listen", "127.0.0.1:0",
-                  "--set", "memory.job_limit=64MiB", NULL};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 1, g_daemon.log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  int r = posix_spawn(&g_daemon.pid, fsdpd, &fa, NULL, argv, env);
-  posix_spawn_file_actions_destroy(&fa);
-  free(env);
-  if (r != 0) {
-    fprintf(stderr, "posix_spawn %s: %s\n", fsdpd, strerror(r));
-    return -1;
-  }
-
-  char sock[128];
-  snprintf(sock, sizeof sock, "%s/fsdpd.sock", g_daemon.run_dir);
-  for (int64_t deadline = now_ms() + START_TIMEOUT_MS;;) {
-    struct stat sb;
-    if (stat(sock, &sb) == 0 && daemon_serving())
-      return 0;
-    int wstatus;
-    if (waitpid(g_daemon.pid, &wstatus, WNOHANG) == g_daemon.pid) {
-      g_daemon.pid = 0;
-      fprintf(stderr, "fsdpd exited before serving\n");
-      dump_log();
-      return -1;
-    }
-    if (now_ms() > deadline) {
-      fprintf(stderr, "fsdpd did not serve within %d ms\n", START_TIMEOUT_MS);
-      dump_log();
-      return -1;
-    }
-    poll(NULL, 0, 10);
-  }
-}
-
-/* Kills and reaps pid within timeout_ms of sig, then with SIGKILL; returns its wait status. */
-static int stop_process(pid_t pid, int sig, int timeout_ms) {
-  int wstatus = 0;
-  kill(pid, sig);
-  for (int64_t deadline = now_ms() + timeout_ms; now_ms() < deadline; poll(NULL, 0, 10))
-    if (waitpid(pid, &wstatus, WNOHANG) == pid)
-      return wstatus;
-  kill(pid, SIGKILL);
-  waitpid(pid, &wstatus, 0);
-  return wstatus;
-}
-
-static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-  (void)sb, (void)flag, (void)ftw;
-  return remove(path);
+  static const char *const args[] = {"--set", "memory.job_limit=64MiB", NULL};
+  return daemon_fixture_start(&g_daemon, "fsdp-trainer", args);
 }
 
 static int stop_daemon(void **state) {
   (void)state;
-  int rc = 0;
-  if (g_daemon.pid > 0) {
-    int wstatus = stop_process(g_daemon.pid, SIGTERM, 10000);
-    if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) {
-      fprintf(stderr, "fsdpd ended with wait status %#x\n", wstatus);
-      dump_log();
-      rc = -1;
-    }
-  }
-  if (g_daemon.run_dir[0])
-    nftw(g_daemon.run_dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
-  return rc;
+  return daemon_fixture_stop(&g_daemon);
 }
 
 /* ---- the parent's side of the two-rank runs --------------------------------------------- */

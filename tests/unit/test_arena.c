@@ -24,6 +24,7 @@
 #include <cmocka.h>
 
 #include "arena.h"
+#include "fd_count.h"
 #include "fdpass.h"
 
 #define KiB ((size_t)1 << 10)
@@ -50,17 +51,6 @@
       _exit(1);                                                                        \
     }                                                                                  \
   } while (0)
-
-static int count_fds(void) {
-  DIR *d = opendir("/proc/self/fd");
-  assert_non_null(d);
-  int n = 0;
-  for (struct dirent *e; (e = readdir(d));)
-    if (e->d_name[0] != '.')
-      n++;
-  closedir(d);
-  return n;
-}
 
 static long hugepages_free(void) {
   FILE *f = fopen("/proc/meminfo", "re");

@@ -2,7 +2,6 @@
  * fork(); deadlines, EINTR, peer loss, truncated or surplus descriptors (no leaks: the
  * process's descriptor count is compared before and after), split payloads, credentials. */
 #include <errno.h>
-#include <dirent.h>
 #include <fcntl.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -23,6 +22,7 @@
 
 #include <cmocka.h>
 
+#include "fd_count.h"
 #include "fdpass.h"
 
 typedef struct header {
@@ -43,17 +43,6 @@ typedef struct header {
       _exit(1);                                                                        \
     }                                                                                  \
   } while (0)
-
-static int count_fds(void) {
-  DIR *d = opendir("/proc/self/fd");
-  assert_non_null(d);
-  int n = 0;
-  for (struct dirent *e; (e = readdir(d));)
-    if (e->d_name[0] != '.')
-      n++;
-  closedir(d);
-  return n;
-}
 
 static int64_t now_ms(void) {
   struct timespec ts;
