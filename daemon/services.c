@@ -28,6 +28,11 @@ static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who
   return false;
 }
 
+/* Fails a call with st, its message prefixed by the method, as every refusal here reads. */
+static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
+  fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);
+}
+
 /* The credentials of the calling process, or NULL when it did not come through our listener. */
 static const fsdp_peer_t *caller(fsdp_daemon_t *daemon, fsdp_rpc_call_t *call,
                                  fsdp_peer_t *ret_peer) {
@@ -65,7 +70,7 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
                            fsdp_daemon_now_ms(daemon),
                            (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_MAX_SESSIONS),
                            &s, &st) < 0) {
-    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    fail_call(call, &st);
     return;
   }
   log_info("session %016llx attached: job '%s' local rank %u of %u, pid %d",
@@ -85,7 +90,7 @@ static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
   fsdp_peer_t peer;
   if (fsdp_sessions_use(&daemon->sessions, id, caller(daemon, call, &peer),
                         fsdp_daemon_now_ms(daemon), &s, &st) < 0) {
-    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    fail_call(call, &st);
     return NULL;
   }
   return s;
@@ -112,7 +117,7 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
   fsdp_unit_t *u;
   fsdp_status_t st;
   if (fsdp_store_register_unit(&daemon->store, s, rq, &u, &st) < 0) {
-    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    fail_call(call, &st);
     return;
   }
   fsdp_dataplane_register(&daemon->dataplane, call, fsdp_store_find_job(&daemon->store, s->job),
@@ -547,7 +552,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   fsdp_status_t st;
   const fsdp_unit_t *u = find_described_unit(&daemon->store, rq, &job, &st);
   if (!u) {
-    fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+    fail_call(call, &st);
     return;
   }
   const fsdp_unit_layout_t *l = &u->layout;
