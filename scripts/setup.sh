@@ -9,6 +9,7 @@ packages=(
   libprotobuf-c-dev protobuf-c-compiler               # protobuf-c runtime and protoc-c
   libuv1-dev libsystemd-dev libinih-dev libjson-c-dev # loop, sd_notify, config, fsdpctl --json
   libcmocka-dev python3-grpcio python3-protobuf python3-pytest  # tests
+  python3-torch                                       # the Python package's PyTorch tests
   systemd                                             # systemd-analyze verify of the unit
 )
 

@@ -1,0 +1,345 @@
+"""fsdpd: keep a PyTorch trainer's sharded parameters in the fsdpd daemon.
+
+A thin layer over libfsdp.so (ctypes, no compiled extension): a Client is one trainer
+session (a job's local rank) with the job's shared memory mapped into this process; a Unit is
+a registered group of parameters whose buffers (fp32 masters, fp32 gradient shards, this
+rank's full gradient, the unsharded copy) are exposed without a copy, as torch tensors when
+torch can be imported and as memoryviews otherwise. See python/README.md.
+
+Lifetime: every buffer view points into memory the library unmaps at close(); touching a view
+after close() crashes the process. The unsharded buffer is mapped read-only (every rank reads
+it): writing it, even through a torch tensor that looks writable, is a segfault.
+Threads: a Client is used by one thread at a time. Do not fork after creating one (gRPC).
+"""
+
+import ctypes
+import errno
+import os
+import warnings
+
+from . import _lib
+
+__all__ = ["Error", "Client", "Unit", "DEFAULT_SOCKET"]
+
+DEFAULT_SOCKET = "./run/fsdpd.sock"
+
+try:  # Optional: without torch the buffers are memoryviews.
+    import torch as _torch
+except ImportError:  # pragma: no cover - depends on the machine
+    _torch = None
+
+# Codes whose gRPC status is not their own name (proto/wire.c's status table).
+_STATUS_OF_CODE = {"FSDP_E_PROTOCOL_VERSION": "FAILED_PRECONDITION",
+                   "FSDP_E_CONFIG": "INVALID_ARGUMENT"}
+_STATUS_OF_ERRNO = {
+    errno.EINVAL: "INVALID_ARGUMENT", errno.ERANGE: "OUT_OF_RANGE",
+    errno.EOVERFLOW: "OUT_OF_RANGE", errno.ENOENT: "NOT_FOUND", errno.EEXIST: "ALREADY_EXISTS",
+    errno.EPERM: "PERMISSION_DENIED", errno.EACCES: "PERMISSION_DENIED",
+    errno.ENOMEM: "RESOURCE_EXHAUSTED", errno.ENOSPC: "RESOURCE_EXHAUSTED",
+    errno.EMFILE: "RESOURCE_EXHAUSTED", errno.ETIMEDOUT: "DEADLINE_EXCEEDED",
+    errno.ECANCELED: "CANCELLED", errno.ENOSYS: "UNIMPLEMENTED", errno.EAGAIN: "UNAVAILABLE",
+    errno.ECONNREFUSED: "UNAVAILABLE", errno.ECONNRESET: "UNAVAILABLE",
+}
+
+
+class Error(Exception):
+    """A failed fsdpd call.
+
+    rc: the library's negative return value. code: its name, "FSDP_E_NOT_FOUND" for a
+    domain code, the errno name ("EINVAL", "EBUSY") for -errno. status: the gRPC status name
+    the code travels as ("NOT_FOUND"; "INTERNAL" for an errno the RPC table does not map).
+    message: the daemon's message (or the library's, for a failure on this side)."""
+
+    def __init__(self, rc, message="", what=None):
+        self.rc = rc
+        name = _lib.lib().fsdp_error_name(rc)
+        if name is not None:
+            self.code = name.decode()
+            self.status = _STATUS_OF_CODE.get(self.code, self.code[len("FSDP_E_"):])
+        else:
+            self.code = errno.errorcode.get(-rc, f"E{-rc}")
+            self.status = _STATUS_OF_ERRNO.get(-rc, "INTERNAL")
+        self.message = message
+        self.description = _lib.lib().fsdp_strerror(rc).decode()
+        text = f"{self.code} ({self.description})"
+        if what:
+            text = f"{what}: {text}"
+        super().__init__(f"{text}: {message}" if message else text)
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} is not an integer") from None
+
+
+def _target(socket):
+    """A gRPC target for socket: "unix:..." as given, a filesystem path made absolute."""
+    if socket.startswith("unix:"):
+        return socket
+    return "unix:" + os.path.abspath(socket)
+
+
+# Element types: (the C enum, memoryview format, torch dtype name, bytes per element).
+_SCALARS = {
+    _lib.SCALAR_FP32: ("f", "float32", 4),
+    _lib.SCALAR_BF16: ("H", "bfloat16", 2),  # raw bits in a memoryview
+    _lib.SCALAR_FP16: ("e", "float16", 2),
+}
+_SCALAR_NAMES = {"fp32": _lib.SCALAR_FP32, "float32": _lib.SCALAR_FP32,
+                 "float": _lib.SCALAR_FP32, "bf16": _lib.SCALAR_BF16,
+                 "bfloat16": _lib.SCALAR_BF16, "fp16": _lib.SCALAR_FP16,
+                 "float16": _lib.SCALAR_FP16, "half": _lib.SCALAR_FP16}
+
+
+def _scalar(dtype, what):
+    """The C enum for a dtype given as None, a name ("bf16", "bfloat16") or a torch dtype."""
+    if dtype is None:
+        return _lib.SCALAR_DEFAULT
+    name = str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    try:
+        return _SCALAR_NAMES[name.lower()]
+    except KeyError:
+        raise ValueError(f"{what} {dtype!r}: expected float32, bfloat16 or float16") from None
+
+
+def _view(address, offset_elems, count, scalar, writable):
+    """A zero-copy view of count elements of scalar at address + offset_elems."""
+    fmt, torch_name, size = _SCALARS[scalar]
+    if count == 0 or not address:
+        mv = memoryview(bytearray(0)).cast(fmt)
+        return _torch.empty(0, dtype=getattr(_torch, torch_name)) if _torch else mv
+    mv = _lib.memory(address + offset_elems * size, count * size, writable)
+    if _torch is None:
+        return mv.cast(fmt)
+    with warnings.catch_warnings():
+        # torch warns that a read-only buffer gives a tensor that can be written; the class
+        # documentation says writing the unsharded buffer is a crash.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return _torch.frombuffer(mv, dtype=getattr(_torch, torch_name), count=count)
+
+
+class Unit:
+    """A registered unit: its layout and zero-copy views of its buffers.
+
+    numel, padded_numel, shard_numel, shard (the shard this rank holds), param_offsets (each
+    parameter's element offset in the flat buffers), param_shapes, param_names.
+    Buffers (torch tensors, or memoryviews without torch; bf16 memoryviews hold raw bits):
+      master, master_shard   fp32, whole buffer / this rank's slice: write your shard
+      grad, grad_shard       fp32, written by reduce_scatter()
+      full_grad              param dtype, this rank's gradient: write it before reduce_scatter
+      unsharded              param dtype, READ-ONLY memory: valid between unshard and reshard
+    """
+
+    def __init__(self, client, handle, name, params, param_type):
+        self._client = client
+        self._handle = handle
+        self.name = name
+        self.param_names = [p[0] for p in params]
+        self.param_shapes = [tuple(int(s) for s in p[1]) for p in params]
+        self.param_type = param_type
+        v = _lib.lib().fsdp_unit_view(handle).contents
+        self.numel, self.padded_numel = int(v.numel), int(v.padded_numel)
+        self.shard_numel, self.shard = int(v.shard_numel), int(v.shard)
+        self.param_offsets = [int(v.param_offsets[i]) for i in range(v.n_params)]
+        start = self.shard * self.shard_numel
+        n = self.padded_numel
+        self.master = _view(v.master, 0, n, _lib.SCALAR_FP32, True)
+        self.master_shard = _view(v.master, start, self.shard_numel, _lib.SCALAR_FP32, True)
+        self.grad = _view(v.grad, 0, n, _lib.SCALAR_FP32, True)
+        self.grad_shard = _view(v.grad, start, self.shard_numel, _lib.SCALAR_FP32, True)
+        self.full_grad = _view(v.full_grad, 0, n, param_type, True)
+        self.unsharded = _view(v.unsharded, 0, n, param_type, False)
+
+    def __repr__(self):
+        return (f"<fsdpd.Unit {self.name!r} numel={self.numel} padded={self.padded_numel} "
+                f"shard {self.shard} of {self.shard_numel}>")
+
+    def _call(self, fn, what, *args):
+        c = self._client
+        c._check_open()
+        rc = fn(c._trainer, self._handle, *args)
+        if rc < 0:
+            raise c._error(rc, f"{what} of unit '{self.name}'")
+        return rc
+
+    def unshard(self, step=0):
+        """Gathers the unit into `unsharded`; returns once it is there."""
+        self._call(_lib.lib().fsdp_trainer_unshard, "unshard", step)
+
+    def unshard_async(self, step=0):
+        """Starts the Unshard (prefetch); wait() returns its result. Until then other
+        operations on this unit fail with EBUSY."""
+        self._call(_lib.lib().fsdp_trainer_unshard_start, "unshard_async", step)
+
+    def wait(self, timeout=None):
+        """Waits for the started Unshard, at most timeout seconds (None: the client's
+        deadline); running out cancels it (FSDP_E_DEADLINE_EXCEEDED)."""
+        ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        self._call(_lib.lib().fsdp_trainer_wait, "wait", ms)
+
+    def reshard(self, step=0):
+        """Lets go of the unsharded buffer."""
+        self._call(_lib.lib().fsdp_trainer_reshard, "reshard", step)
+
+    def reduce_scatter(self, step=0, accumulate=False):
+        """Submits full_grad; returns once every local rank's is reduced into the gradient
+        shards (the mean by default; accumulate adds to them instead)."""
+        self._call(_lib.lib().fsdp_trainer_reduce_scatter, "reduce_scatter", step,
+                   bool(accumulate))
+
+
+class Client:
+    """One trainer session: connects to the daemon and attaches as (job, rank).
+
+    socket: the daemon's unix socket path, or "unix:PATH" ($FSDPD_SOCKET, else
+    ./run/fsdpd.sock). job: the job name ($FSDPD_JOB; required). rank: the local rank
+    ($LOCAL_RANK, else 0). local_world_size: ($LOCAL_WORLD_SIZE, else 1). timeout: each call's
+    deadline in seconds (None: the library's 5 s). wait_for_ready: calls wait for a daemon
+    that is not up yet, until their deadline, instead of failing at once.
+    """
+
+    def __init__(self, socket=None, job=None, rank=None, local_world_size=None, timeout=None,
+                 wait_for_ready=False):
+        self._client = None
+        self._trainer = None
+        self._units = {}
+        if socket is None:
+            socket = os.environ.get("FSDPD_SOCKET") or DEFAULT_SOCKET
+        if job is None:
+            job = os.environ.get("FSDPD_JOB")
+            if not job:
+                raise ValueError("fsdpd.Client: no job: pass job= or set FSDPD_JOB")
+        if rank is None:
+            rank = _env_int("LOCAL_RANK", 0)
+        if local_world_size is None:
+            local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+        if rank < 0 or local_world_size < 1:
+            raise ValueError(f"fsdpd.Client: rank {rank} of local_world_size "
+                             f"{local_world_size}: expected 0 <= rank < local_world_size")
+        self.socket, self.job = socket, job
+        self.rank, self.local_world_size = int(rank), int(local_world_size)
+        lib = _lib.lib()
+
+        opts = _lib.ClientOptions(0, 0, bool(wait_for_ready))
+        if timeout is not None:
+            opts.timeout_ms = max(1, int(timeout * 1000))
+        client = ctypes.c_void_p()
+        rc = lib.fsdp_client_connect(_target(socket).encode(), ctypes.byref(opts),
+                                     ctypes.byref(client))
+        if rc < 0:
+            raise Error(rc, "", f"connect to {socket}")
+        self._client = client
+        topts = _lib.TrainerOptions(job.encode(), self.rank, self.local_world_size)
+        trainer = ctypes.c_void_p()
+        rc = lib.fsdp_trainer_attach(client, ctypes.byref(topts), ctypes.byref(trainer))
+        if rc < 0:
+            err = self._error(rc, f"attach job '{job}' rank {self.rank}")
+            lib.fsdp_client_close(client)
+            self._client = None
+            raise err
+        self._trainer = trainer
+        self.session_id = int(lib.fsdp_trainer_session_id(trainer))
+
+    def _error(self, rc, what):
+        msg = _lib.lib().fsdp_client_last_error(self._client) if self._client else b""
+        return Error(rc, (msg or b"").decode(errors="replace"), what)
+
+    def _check_open(self):
+        if self._trainer is None:
+            raise ValueError("fsdpd.Client is closed")
+
+    @property
+    def closed(self):
+        return self._trainer is None
+
+    def keepalive(self):
+        """Renews the session's lease (for trainers idle longer than session.lease)."""
+        self._check_open()
+        rc = _lib.lib().fsdp_trainer_keepalive(self._trainer)
+        if rc < 0:
+            raise self._error(rc, "keepalive")
+
+    def register_unit(self, name, params, strategy="FULL_SHARD", param_dtype=None,
+                      reduce_dtype=None, gradient_predivide_factor=0.0,
+                      gradient_postdivide_factor=0.0):
+        """Registers a unit of fp32 parameters and returns its Unit.
+
+        params: a list of (name, shape, requires_grad) (requires_grad may be left out:
+        True), in flattening order. strategy: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or
+        NO_SHARD. param_dtype: the unsharded copy's and full_grad's type, reduce_dtype: the
+        reduction's (None: float32 / param_dtype; names or torch dtypes). Every local rank
+        registers the same spec; registering it again returns the same Unit."""
+        self._check_open()
+        try:
+            strategy_value = _lib.STRATEGIES[str(strategy).upper()]
+        except KeyError:
+            raise ValueError(f"strategy {strategy!r}: expected one of "
+                             f"{', '.join(_lib.STRATEGIES)}") from None
+        param_type = _scalar(param_dtype, "param_dtype")
+        reduce_type = _scalar(reduce_dtype, "reduce_dtype")
+        params = [tuple(p) if len(p) == 3 else (p[0], p[1], True) for p in params]
+        shapes = [(ctypes.c_uint64 * len(p[1]))(*[int(s) for s in p[1]]) for p in params]
+        descs = (_lib.ParamDesc * max(1, len(params)))()
+        for i, (pname, _shape, requires_grad) in enumerate(params):
+            descs[i] = _lib.ParamDesc(str(pname).encode(), shapes[i], len(shapes[i]),
+                                      bool(requires_grad))
+        desc = _lib.UnitDesc(str(name).encode(), descs, len(params), strategy_value,
+                             param_type, reduce_type, float(gradient_predivide_factor),
+                             float(gradient_postdivide_factor))
+        handle = ctypes.c_void_p()
+        rc = _lib.lib().fsdp_trainer_register_unit(self._trainer, ctypes.byref(desc),
+                                                   ctypes.byref(handle))
+        if rc < 0:
+            raise self._error(rc, f"register unit '{name}'")
+        unit = self._units.get(handle.value)
+        if unit is None:
+            resolved = param_type if param_type != _lib.SCALAR_DEFAULT else _lib.SCALAR_FP32
+            unit = Unit(self, handle, str(name), params, resolved)
+            self._units[handle.value] = unit
+        return unit
+
+    def close(self):
+        """Detaches (the daemon keeps the job's units and memory) and closes the connection.
+        Every buffer view of this client's units dangles afterwards. Idempotent; raises
+        Error if the Detach failed (the session is closed here either way)."""
+        lib = _lib.lib()
+        rc = 0
+        err = None
+        if self._trainer is not None:
+            rc = lib.fsdp_trainer_detach(self._trainer)
+            self._trainer = None
+            if rc < 0:
+                err = self._error(rc, "detach")
+        self._units.clear()
+        if self._client is not None:
+            lib.fsdp_client_close(self._client)
+            self._client = None
+        if err is not None:
+            raise err
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # A process that exits without close() is detached by the daemon anyway (the memory
+        # channel closes); this only spares a long-lived process the leaked session.
+        try:
+            if getattr(self, "_trainer", None) is not None or getattr(self, "_client", None):
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"session {self.session_id}"
+        return (f"<fsdpd.Client job={self.job!r} rank {self.rank} of "
+                f"{self.local_world_size}, {state}>")

@@ -1,0 +1,120 @@
+"""ctypes bindings of libfsdp.so: the C API of include/fsdp/, nothing more.
+
+The structures mirror fsdp_trainer.h field for field; a change there must be made here too.
+The library is found once, on first use: $FSDPD_LIB if set (a path to libfsdp.so), else the
+build tree next to this package (<repo>/build/lib/libfsdp.so, <repo>/build/libfsdp.so), else
+the installed libfsdp.so.0 through the dynamic loader's search path.
+"""
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+SCALAR_DEFAULT, SCALAR_FP32, SCALAR_BF16, SCALAR_FP16 = 0, 1, 2, 3
+STRATEGIES = {"FULL_SHARD": 1, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "NO_SHARD": 4}
+
+
+class ClientOptions(ctypes.Structure):
+    _fields_ = [("timeout_ms", ctypes.c_int), ("max_message_bytes", ctypes.c_int),
+                ("wait_for_ready", ctypes.c_bool)]
+
+
+class TrainerOptions(ctypes.Structure):
+    _fields_ = [("job", ctypes.c_char_p), ("local_rank", ctypes.c_uint),
+                ("local_world_size", ctypes.c_uint)]
+
+
+class ParamDesc(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("shape", ctypes.POINTER(ctypes.c_uint64)),
+                ("ndim", ctypes.c_size_t), ("requires_grad", ctypes.c_bool)]
+
+
+class UnitDesc(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("params", ctypes.POINTER(ParamDesc)),
+                ("n_params", ctypes.c_size_t), ("strategy", ctypes.c_int),
+                ("param_type", ctypes.c_int), ("reduce_type", ctypes.c_int),
+                ("gradient_predivide_factor", ctypes.c_double),
+                ("gradient_postdivide_factor", ctypes.c_double)]
+
+
+class UnitView(ctypes.Structure):
+    _fields_ = [("numel", ctypes.c_uint64), ("padded_numel", ctypes.c_uint64),
+                ("shard_numel", ctypes.c_uint64), ("shard", ctypes.c_uint),
+                ("param_offsets", ctypes.POINTER(ctypes.c_uint64)),
+                ("n_params", ctypes.c_size_t), ("unsharded", ctypes.c_void_p),
+                ("master", ctypes.c_void_p), ("grad", ctypes.c_void_p),
+                ("full_grad", ctypes.c_void_p)]
+
+
+_p = ctypes.c_void_p
+_SIGNATURES = {
+    # name: (restype, argtypes)
+    "fsdp_strerror": (ctypes.c_char_p, [ctypes.c_int]),
+    "fsdp_error_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "fsdp_client_connect": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ClientOptions),
+                                           ctypes.POINTER(_p)]),
+    "fsdp_client_close": (None, [_p]),
+    "fsdp_client_last_error": (ctypes.c_char_p, [_p]),
+    "fsdp_trainer_attach": (ctypes.c_int, [_p, ctypes.POINTER(TrainerOptions),
+                                           ctypes.POINTER(_p)]),
+    "fsdp_trainer_detach": (ctypes.c_int, [_p]),
+    "fsdp_trainer_session_id": (ctypes.c_uint64, [_p]),
+    "fsdp_trainer_keepalive": (ctypes.c_int, [_p]),
+    "fsdp_trainer_register_unit": (ctypes.c_int, [_p, ctypes.POINTER(UnitDesc),
+                                                  ctypes.POINTER(_p)]),
+    "fsdp_unit_view": (ctypes.POINTER(UnitView), [_p]),
+    "fsdp_trainer_unshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
+    "fsdp_trainer_unshard_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
+    "fsdp_trainer_wait": (ctypes.c_int, [_p, _p, ctypes.c_int]),
+    "fsdp_trainer_reshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
+    "fsdp_trainer_reduce_scatter": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_bool]),
+}
+
+_lock = threading.Lock()
+_lib = None
+
+
+def library_candidates():
+    """Where libfsdp.so is looked for, in order."""
+    env = os.environ.get("FSDPD_LIB")
+    if env:
+        return [env]
+    repo = Path(__file__).resolve().parents[2]
+    return [str(repo / "build" / "lib" / "libfsdp.so"), str(repo / "build" / "libfsdp.so"),
+            "libfsdp.so.0"]
+
+
+def lib():
+    """The loaded library with its signatures set; raises OSError naming where it looked."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        candidates = library_candidates()
+        errors = []
+        for path in candidates:
+            if "/" in path and not os.path.exists(path):
+                errors.append(f"{path}: no such file")
+                continue
+            try:
+                handle = ctypes.CDLL(path)
+            except OSError as e:
+                errors.append(str(e))
+                continue
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(handle, name)
+                fn.restype, fn.argtypes = restype, argtypes
+            _lib = handle
+            return _lib
+        raise OSError("fsdpd: cannot load libfsdp.so (set FSDPD_LIB to its path, or build "
+                      "the repository's build/ tree): " + "; ".join(errors))
+
+
+def memory(address, nbytes, writable):
+    """A memoryview of nbytes at address, format 'B', read-only unless writable. It does not
+    own the memory: it is valid while the trainer that mapped it lives."""
+    fn = ctypes.pythonapi.PyMemoryView_FromMemory
+    fn.restype, fn.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+    PyBUF_READ, PyBUF_WRITE = 0x100, 0x200
+    return fn(address, nbytes, PyBUF_WRITE if writable else PyBUF_READ)

@@ -1,0 +1,291 @@
+"""The Python package (python/fsdpd, ctypes over libfsdp.so) against a real fsdpd, as a
+trainer uses it: L = 2 ranks in 2 processes register a unit, write their master shards
+through the tensor views, unshard (fp32 exact, bf16 as torch rounds), reshard, write their
+full gradients and reduce-scatter to the mean; fsdpd.Error carries code, status and the
+daemon's message; Client() takes its arguments from the environment as torchrun sets it; the
+context manager detaches.
+
+Every use of the package runs in a child process: a session belongs to its process, and the
+pytest process already holds grpcio's own gRPC core. The package is found through the source
+tree's python/ and the library through the build tree (FSDPD_LIB), as CTest sets
+FSDP_SOURCE_DIR and FSDP_BUILD_DIR.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd  # noqa: F401
+
+PYTHON = "/usr/bin/python3"
+LIB = BUILD_DIR / "lib" / "libfsdp.so"
+DAEMON_ARGS = ("--set", "memory.job_limit=64MiB")
+CHILD_TIMEOUT = 60
+
+
+def _sanitized_build():
+    """An ASan build's libfsdp.so cannot be loaded into an uninstrumented python without
+    LD_PRELOAD of the sanitizer runtimes, which then also judge the interpreter's own leaks."""
+    try:
+        cache = (BUILD_DIR / "CMakeCache.txt").read_text()
+    except FileNotFoundError:
+        return False
+    return "FSDP_SANITIZE:BOOL=ON" in cache
+
+
+pytestmark = pytest.mark.skipif(
+    _sanitized_build(),
+    reason="ASan/UBSan build: libfsdp.so would need libasan preloaded into /usr/bin/python3; "
+           "the package is tested against the regular build")
+
+
+def _have_torch():
+    return subprocess.run([PYTHON, "-c", "import torch"], capture_output=True).returncode == 0
+
+
+HAVE_TORCH = _have_torch()
+needs_torch = pytest.mark.skipif(not HAVE_TORCH,
+                                 reason="torch is not importable with /usr/bin/python3 "
+                                        "(apt-get install python3-torch)")
+
+# The rank process. argv: mode, then mode-specific arguments; prints one JSON line.
+WORKER = textwrap.dedent(r'''
+    import json, os, sys, time
+    mode = sys.argv[1]
+    if mode == "memoryview":
+        sys.modules["torch"] = None  # as if torch were not installed
+    import fsdpd
+
+    def barrier(name, world):
+        d = os.environ["BARRIER_DIR"]
+        open(os.path.join(d, f"{name}.{os.environ['LOCAL_RANK']}"), "w").close()
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(os.path.join(d, f"{name}.{r}")) for r in range(world)):
+            if time.monotonic() > deadline:
+                sys.exit(f"barrier {name} timed out")
+            time.sleep(0.005)
+
+    def err(e):
+        return {"code": e.code, "status": e.status, "message": e.message, "rc": e.rc}
+
+    PARAMS = [("weight", (7, 5), True), ("bias", (7,), True), ("frozen", (3,), False)]
+
+    if mode == "ranks":
+        import torch
+        dtype = sys.argv[2]
+        client = fsdpd.Client()  # everything from FSDPD_SOCKET/FSDPD_JOB/LOCAL_*
+        L, rank = client.local_world_size, client.rank
+        unit = client.register_unit("layer-" + dtype, PARAMS, param_dtype=dtype)
+
+        def masters(r):  # what rank r writes into its master shard
+            g = torch.Generator().manual_seed(1000 + r)
+            return torch.randn(unit.shard_numel, generator=g, dtype=torch.float32)
+
+        def grads(r):
+            g = torch.Generator().manual_seed(2000 + r)
+            return torch.randn(unit.padded_numel, generator=g, dtype=torch.float32)
+
+        assert unit.master_shard.dtype == torch.float32
+        unit.master_shard.copy_(masters(rank))
+        barrier("masters-" + dtype, L)
+        unit.unshard(step=1)
+        whole = torch.cat([masters(r) for r in range(L)])
+        if dtype == "float32":
+            unsharded_ok = torch.equal(unit.unsharded, whole)
+        else:
+            unsharded_ok = torch.equal(unit.unsharded, whole.to(torch.bfloat16))
+        assert torch.equal(unit.master, whole)  # every rank sees every shard
+        unit.reshard(step=1)
+
+        unit.full_grad.copy_(grads(rank).to(unit.full_grad.dtype))
+        unit.reduce_scatter(step=1)
+        lo, hi = unit.shard * unit.shard_numel, (unit.shard + 1) * unit.shard_numel
+        if dtype == "float32":
+            mean = (grads(0) + grads(1)) / 2
+            grad_ok = torch.equal(unit.grad_shard, mean[lo:hi])
+        else:
+            g = [grads(r).to(torch.bfloat16).float() for r in range(L)]
+            mean = (g[0] + g[1]) / 2
+            grad_ok = torch.allclose(unit.grad_shard, mean[lo:hi], rtol=1e-2, atol=1e-2)
+        out = {"rank": rank, "shard": unit.shard, "numel": unit.numel,
+               "padded_numel": unit.padded_numel, "shard_numel": unit.shard_numel,
+               "param_offsets": unit.param_offsets, "unsharded_dtype": str(unit.unsharded.dtype),
+               "full_grad_dtype": str(unit.full_grad.dtype), "unsharded_ok": unsharded_ok,
+               "grad_ok": grad_ok, "session_id": client.session_id, "job": client.job,
+               "grad_max_err": float((unit.grad_shard - mean[lo:hi]).abs().max())}
+        client.close()
+        print(json.dumps(out))
+
+    elif mode == "memoryview":
+        import struct
+        with fsdpd.Client(job="mv", rank=0, local_world_size=1) as c:
+            u = c.register_unit("u", [("w", (4, 3))])
+            vals = [float(i) * 0.25 for i in range(u.shard_numel)]
+            u.master_shard[:] = memoryview(struct.pack(f"{len(vals)}f", *vals)).cast("f")
+            u.unshard()
+            out = {"type": type(u.unsharded).__name__, "readonly": u.unsharded.readonly,
+                   "unsharded": u.unsharded.tolist(), "expected": vals}
+            u.reshard()
+        print(json.dumps(out))
+
+    elif mode == "errors":
+        out = {}
+        try:
+            fsdpd.Client(job="no spaces allowed", rank=0, local_world_size=1)
+        except fsdpd.Error as e:
+            out["bad_job"] = err(e)
+        with fsdpd.Client(job="errs", rank=0, local_world_size=1) as c:
+            c.register_unit("u", PARAMS)
+            try:
+                c.register_unit("u", PARAMS[:1])
+            except fsdpd.Error as e:
+                out["mismatch"] = err(e)
+        print(json.dumps(out))
+
+    elif mode == "restart":
+        # Holds a unit while the test restarts the daemon under it: the new daemon knows
+        # neither the session nor the unit.
+        c = fsdpd.Client(job="restart", rank=0, local_world_size=1, wait_for_ready=True)
+        u = c.register_unit("u", PARAMS)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        out = {}
+        deadline = time.monotonic() + 10
+        while "unshard" not in out:
+            try:
+                u.unshard()
+                out["unshard"] = None
+            except fsdpd.Error as e:
+                # The first call may find the old connection broken; the next reconnects.
+                if e.code != "FSDP_E_UNAVAILABLE" or time.monotonic() > deadline:
+                    out["unshard"] = err(e)
+                time.sleep(0.05)
+        print(json.dumps(out))
+
+    elif mode == "context":
+        # Prints the session id while attached, waits, then leaves the with block.
+        with fsdpd.Client() as c:
+            print(json.dumps({"session_id": c.session_id, "job": c.job, "rank": c.rank,
+                              "local_world_size": c.local_world_size}), flush=True)
+            sys.stdin.readline()
+        print(json.dumps({"closed": c.closed}), flush=True)
+        sys.stdin.readline()
+''')
+
+
+@pytest.fixture
+def worker(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    barriers = tmp_path / "barriers"
+    barriers.mkdir()
+
+    def env_for(d, **extra):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("FSDPD_") and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+        env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
+                   FSDPD_SOCKET=str(d.socket_path), BARRIER_DIR=str(barriers))
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def start(d, *args, **extra):
+        return subprocess.Popen([PYTHON, str(path), *args], env=env_for(d, **extra),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+    procs = []
+
+    def spawn(d, *args, **extra):
+        p = start(d, *args, **extra)
+        procs.append(p)
+        return p
+
+    yield spawn
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def result(p, stdin=None):
+    out, err = p.communicate(stdin, timeout=CHILD_TIMEOUT)
+    assert p.returncode == 0, f"worker exited {p.returncode}:\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def sessions(d):
+    return {s.session_id: s for s in d.status().sessions}
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_ranks_unshard_reduce_scatter(fsdpd, worker, dtype):
+    d = fsdpd(*DAEMON_ARGS)
+    procs = [worker(d, "ranks", dtype, FSDPD_JOB="pyjob", LOCAL_RANK=r, LOCAL_WORLD_SIZE=2)
+             for r in range(2)]
+    outs = [result(p) for p in procs]
+    torch_dtype = f"torch.{dtype}"
+    for r, o in enumerate(outs):
+        assert o["rank"] == r and o["shard"] == r and o["job"] == "pyjob"
+        assert (o["numel"], o["padded_numel"], o["shard_numel"]) == (45, 46, 23)
+        assert o["param_offsets"] == [0, 35, 42]
+        assert o["unsharded_dtype"] == torch_dtype and o["full_grad_dtype"] == torch_dtype
+        assert o["unsharded_ok"], f"rank {r}: unsharded != concatenated masters ({dtype})"
+        assert o["grad_ok"], f"rank {r}: grad_shard != mean of grads, max err {o['grad_max_err']}"
+    assert outs[0]["session_id"] != outs[1]["session_id"]
+    # Both closed: their sessions are gone, the job's unit stays.
+    assert not sessions(d)
+    assert d.fsdpctl("units").returncode == 0
+
+
+def test_memoryviews_without_torch(fsdpd, worker):
+    d = fsdpd(*DAEMON_ARGS)
+    o = result(worker(d, "memoryview"))
+    assert o["type"] == "memoryview" and o["readonly"]
+    assert o["unsharded"] == o["expected"]
+
+
+def test_errors_carry_code_status_and_message(fsdpd, worker):
+    d = fsdpd(*DAEMON_ARGS)
+    o = result(worker(d, "errors"))
+    bad = o["bad_job"]
+    assert (bad["code"], bad["status"]) == ("FSDP_E_INVALID_ARGUMENT", "INVALID_ARGUMENT")
+    assert "no spaces allowed" in bad["message"] and "job" in bad["message"]
+    mismatch = o["mismatch"]
+    assert (mismatch["code"], mismatch["status"]) == ("FSDP_E_FAILED_PRECONDITION",
+                                                       "FAILED_PRECONDITION")
+    assert "unit 'u'" in mismatch["message"]
+
+
+def test_unknown_session_and_unit_after_restart(fsdpd, worker):
+    d = fsdpd(*DAEMON_ARGS)
+    p = worker(d, "restart")
+    assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    d.kill()
+    fsdpd(*DAEMON_ARGS, run_dir=d.run_dir, name="fsdpd-restarted")
+    o = result(p, "go\n")
+    e = o["unshard"]
+    assert (e["code"], e["status"]) == ("FSDP_E_NOT_FOUND", "NOT_FOUND"), e
+    assert "not attached" in e["message"]
+
+
+def test_environment_defaults_and_context_manager_detaches(fsdpd, worker):
+    d = fsdpd(*DAEMON_ARGS)
+    p = worker(d, "context", FSDPD_JOB="envjob", LOCAL_RANK=1, LOCAL_WORLD_SIZE=3)
+    attached = json.loads(p.stdout.readline())
+    assert attached == {"session_id": attached["session_id"], "job": "envjob", "rank": 1,
+                        "local_world_size": 3}
+    s = sessions(d)[attached["session_id"]]
+    assert (s.job, s.local_rank, s.local_world_size, s.pid) == ("envjob", 1, 3, p.pid)
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert json.loads(p.stdout.readline()) == {"closed": True}
+    # The process still lives: the session is gone because the with block detached it.
+    assert p.poll() is None
+    assert attached["session_id"] not in sessions(d)
+    p.communicate("\n", timeout=CHILD_TIMEOUT)
+    assert p.returncode == 0
