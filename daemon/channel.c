@@ -35,9 +35,11 @@ static void on_conn_closed(uv_handle_t *handle) {
 void fsdp_channel_conn_close(fsdp_channel_conn_t *conn) {
   if (conn->state == CONN_CLOSING)
     return;
+  fsdp_channel_t *channel = conn->channel;
+  if (conn->state == CONN_HELLO)
+    channel->pending--;
   conn->state = CONN_CLOSING;
   conn->owner = NULL;
-  fsdp_channel_t *channel = conn->channel;
   if (conn->prev)
     conn->prev->next = conn->next;
   else
@@ -99,14 +101,14 @@ static void read_hello(fsdp_channel_conn_t *conn) {
       channel->callbacks.welcome(channel->callbacks.data, conn, hello, &conn->peer, &w);
     protobuf_c_message_free_unpacked(msg, NULL);
   }
+  channel->pending--;
+  conn->state = CONN_BOUND;
   if (!answer(conn, &w)) {
     void *owner = conn->owner;
     fsdp_channel_conn_close(conn);
     if (owner)
       channel->callbacks.closed(channel->callbacks.data, owner, "its welcome could not be sent");
-    return;
   }
-  conn->state = CONN_BOUND;
 }
 
 static void on_conn_event(uv_poll_t *poll, int status, int events) {
@@ -133,6 +135,16 @@ static void on_conn_event(uv_poll_t *poll, int status, int events) {
     channel->callbacks.closed(channel->callbacks.data, owner, why);
 }
 
+/* Out of descriptors: accepting again at once would spin on the pending connection. */
+#define ACCEPT_RETRY_MS 100
+
+static void on_accept(uv_poll_t *poll, int status, int events);
+
+static void on_accept_retry(uv_timer_t *timer) {
+  fsdp_channel_t *channel = timer->data;
+  uv_poll_start(&channel->poll, UV_READABLE, on_accept);
+}
+
 static void on_accept(uv_poll_t *poll, int status, int events) {
   (void)events;
   fsdp_channel_t *channel = poll->data;
@@ -140,8 +152,19 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
     return;
   for (;;) {
     int fd = accept4(channel->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0)
-      return; /* drained; out of descriptors is retried on the next readiness */
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) {
+        uv_poll_stop(&channel->poll);
+        uv_timer_start(&channel->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
+      }
+      return; /* EAGAIN: drained */
+    }
+    if (channel->pending >= FSDP_CHANNEL_MAX_PENDING) {
+      log_warning("memory channel: %u connections have not said hello; closing another",
+                  channel->pending);
+      close(fd);
+      continue;
+    }
     fsdp_peer_t peer = {0};
     if (fsdp_peer_credentials(fd, &peer.pid, &peer.uid, &peer.gid) < 0 ||
         !fsdp_peer_allowed(fd, &peer)) {
@@ -157,8 +180,13 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
     }
     *conn = (fsdp_channel_conn_t){.channel = channel, .fd = fd, .peer = peer,
                                   .accepted_ms = uv_now(channel->loop)};
-    uv_poll_init(channel->loop, &conn->poll, fd);
+    if (uv_poll_init(channel->loop, &conn->poll, fd) < 0) {
+      close(fd);
+      free(conn);
+      continue;
+    }
     conn->poll.data = conn;
+    channel->pending++;
     conn->next = channel->conns;
     if (channel->conns)
       channel->conns->prev = conn;
@@ -176,7 +204,8 @@ int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
   int r = uv_poll_init(loop, &channel->poll, listen_fd);
   if (r < 0)
     return r;
-  channel->poll.data = channel;
+  uv_timer_init(loop, &channel->retry);
+  channel->poll.data = channel->retry.data = channel;
   channel->polling = true;
   return uv_poll_start(&channel->poll, UV_READABLE, on_accept);
 }
@@ -187,6 +216,7 @@ void fsdp_channel_stop(fsdp_channel_t *channel) {
   if (channel->polling) {
     uv_poll_stop(&channel->poll);
     uv_close((uv_handle_t *)&channel->poll, NULL);
+    uv_close((uv_handle_t *)&channel->retry, NULL);
     channel->polling = false;
   }
 }

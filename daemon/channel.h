@@ -23,6 +23,8 @@
 
 #define FSDP_CHANNEL_HELLO_TIMEOUT_MS 5000
 #define FSDP_CHANNEL_MAX_FDS 8
+/* Connections that have not said hello yet, all together: beyond, new ones are closed. */
+#define FSDP_CHANNEL_MAX_PENDING 64
 
 typedef struct fsdp_channel_conn fsdp_channel_conn_t;
 
@@ -51,7 +53,9 @@ typedef struct fsdp_channel_callbacks {
 typedef struct fsdp_channel {
   uv_loop_t *loop;
   uv_poll_t poll;
+  uv_timer_t retry; /* restarts accepting after running out of descriptors */
   bool polling;
+  unsigned pending; /* connections in the hello state */
   int listen_fd; /* borrowed from the listener */
   fsdp_channel_callbacks_t callbacks;
   fsdp_channel_conn_t *conns;

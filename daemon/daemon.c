@@ -30,6 +30,7 @@ uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon) {
 static void apply_config(fsdp_daemon_t *daemon) {
   const fsdp_config_t *cfg = &daemon->config;
   fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(cfg, FSDP_OPTION_LOG_LEVEL));
+  daemon->store.max_jobs = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_SESSIONS);
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));

@@ -23,6 +23,8 @@ struct fsdp_dataplane_work {
   work_kind_t kind;
   fsdp_job_t *job;
   fsdp_unit_t *unit;
+  /* WORK_PREFAULT: the blocks' lengths, read on the loop: the block lists are the loop's. */
+  size_t rw_bytes, shared_bytes;
   int result;
   fsdp_dataplane_work_t *next;
 };
@@ -71,10 +73,29 @@ static void waiter_unlink(fsdp_waiter_t *w) {
     w->next->prev = w->prev;
 }
 
+static void let_go(fsdp_unit_t *unit, uint32_t rank);
+
+static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) {
+  for (const fsdp_waiter_t *w = u->waiters; w; w = w->next)
+    if (w->rank == rank && w->kind == kind)
+      return true;
+  return false;
+}
+
+/* A parked call's client gave up (its deadline, or it went away): what the call took is
+ * given back, so that the rank is not left holding a unit it never got (the others would
+ * read stale parameters) or counted in a reduce-scatter it no longer waits for. */
 static void on_waiter_cancel(fsdp_rpc_call_t *call, void *data) {
   (void)call;
   fsdp_waiter_t *w = data;
+  fsdp_unit_t *u = w->unit;
   waiter_unlink(w);
+  if (w->kind == WAIT_UNSHARD && !rank_waits(u, w->rank, WAIT_UNSHARD))
+    let_go(u, w->rank);
+  if (w->kind == WAIT_REDUCE && !u->rs_running && rank_in(u->rs_submitted, w->rank)) {
+    rank_set(u->rs_submitted, w->rank, false);
+    u->rs_count--;
+  }
   free(w);
 }
 
@@ -170,12 +191,10 @@ static void run_work(uv_work_t *req) {
   char *base = fsdp_arena_base(w->job->arena);
   switch (w->kind) {
   case WORK_PREFAULT:
-    w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset,
-                                          fsdp_arena_block_size(w->job->arena, u->buffers_offset));
+    w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->rw_bytes);
     if (w->result == 0)
-      w->result = fsdp_arena_prefault_range(
-          w->job->shared_arena, u->unsharded_offset,
-          fsdp_arena_block_size(w->job->shared_arena, u->unsharded_offset));
+      w->result =
+          fsdp_arena_prefault_range(w->job->shared_arena, u->unsharded_offset, w->shared_bytes);
     break;
   case WORK_GATHER:
     /* One host: every shard is local, so the all-gather is the cast of the whole flat
@@ -260,6 +279,10 @@ static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_u
   if (!w)
     return -ENOMEM;
   *w = (fsdp_dataplane_work_t){.kind = kind, .job = job, .unit = unit};
+  if (kind == WORK_PREFAULT) {
+    w->rw_bytes = fsdp_arena_block_size(job->arena, unit->buffers_offset);
+    w->shared_bytes = fsdp_arena_block_size(job->shared_arena, unit->unsharded_offset);
+  }
   if (dp->tail)
     dp->tail->next = w;
   else
@@ -278,11 +301,16 @@ static size_t round64(size_t n) {
 /* Takes the unit's buffers: the unsharded one from the shared (read-only to trainers)
  * arena, and from the arena one block with the master shards, the gradient shards and one
  * full-gradient buffer per local rank. */
-static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
+static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_status_t *st) {
   size_t padded = (size_t)u->layout.padded_numel;
   size_t param_size = fsdp_dtype_size(kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)));
   size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
   size_t total = 2 * fp32 + (size_t)job->local_world_size * unsharded;
+  if (total + unsharded > memory_free)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "job '%s' unit '%s': need %zu bytes, %zu free under memory.limit "
+                           "(all jobs together)",
+                           job->name, u->spec->unit, total + unsharded, memory_free);
   uint64_t base, shared;
   int r = fsdp_arena_alloc(job->arena, total, 0, &base, st);
   if (r < 0)
@@ -301,11 +329,12 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
 
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
                              fsdp_unit_t *unit, const fsdp_session_t *session,
-                             size_t arena_capacity) {
+                             size_t arena_capacity, size_t memory_free) {
   fsdp_status_t st;
   switch (unit->state) {
   case FSDP_UNIT_NEW:
-    if (fsdp_store_job_arena(job, arena_capacity, &st) < 0 || allocate(job, unit, &st) < 0) {
+    if (fsdp_store_job_arena(job, arena_capacity, &st) < 0 ||
+        allocate(job, unit, memory_free, &st) < 0) {
       fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
       return;
     }
@@ -332,14 +361,29 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_j
   }
 }
 
+/* Whether the unit's buffers are there to work on; fails the call otherwise. */
+static bool ready(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
+  switch (unit->state) {
+  case FSDP_UNIT_FAILED:
+    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
+                       unit->error.message);
+    return false;
+  case FSDP_UNIT_NEW:
+  case FSDP_UNIT_ALLOCATING:
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s' has no buffers yet: its RegisterUnit has not succeeded",
+                       fsdp_rpc_call_method(call), unit->spec->unit);
+    return false;
+  default:
+    return true;
+  }
+}
+
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
                             fsdp_unit_t *unit, const fsdp_session_t *session) {
   uint32_t rank = session->local_rank;
-  if (unit->state == FSDP_UNIT_FAILED) {
-    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
-                       unit->error.message);
+  if (!ready(call, unit))
     return;
-  }
   rank_set(unit->holders, rank, true);
   switch (unit->state) {
   case FSDP_UNIT_UNSHARDED:
@@ -380,10 +424,8 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
                            uint64_t timeout_ms) {
   uint32_t rank = session->local_rank;
   const char *method = fsdp_rpc_call_method(call);
-  if (unit->state == FSDP_UNIT_FAILED) {
-    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", method, unit->error.message);
+  if (!ready(call, unit))
     return;
-  }
   if (unit->rs_running || rank_in(unit->rs_submitted, rank)) {
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
                        "%s: unit '%s' step %llu: local rank %u already submitted its gradient",
@@ -395,12 +437,16 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
     unit->rs_accumulate = rq->accumulate;
     unit->rs_deadline_ms = now_ms + timeout_ms;
   } else if (rq->step != unit->rs_step || rq->accumulate != unit->rs_accumulate) {
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "%s: unit '%s': local rank %u submitted step %llu (accumulate %s) while "
-                       "the other ranks submitted step %llu (accumulate %s)",
-                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
-                       rq->accumulate ? "true" : "false", (unsigned long long)unit->rs_step,
-                       unit->rs_accumulate ? "true" : "false");
+    /* The ranks disagree: nobody can complete this collection, so everyone hears now. */
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s': local rank %u submitted step %llu (accumulate %s) while the other "
+             "ranks submitted step %llu (accumulate %s)",
+             unit->spec->unit, rank, (unsigned long long)rq->step,
+             rq->accumulate ? "true" : "false", (unsigned long long)unit->rs_step,
+             unit->rs_accumulate ? "true" : "false");
+    abort_reduce(unit, FSDP_E_FAILED_PRECONDITION, message);
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", method, message);
     return;
   }
   rank_set(unit->rs_submitted, rank, true);

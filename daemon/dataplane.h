@@ -48,10 +48,11 @@ void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
 
 /* Answers a RegisterUnit the store accepted for `session`'s rank: with the layout and the
  * buffers' offsets once the unit's buffers are ready. The first registration takes them from
- * the job's arena (arena_capacity: its size if the job has none yet) and pre-faults them. */
+ * the job's arenas (arena_capacity: their size if the job has none yet; memory_free: what
+ * memory.limit leaves over all jobs) and pre-faults them. */
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
                              fsdp_unit_t *unit, const fsdp_session_t *session,
-                             size_t arena_capacity);
+                             size_t arena_capacity, size_t memory_free);
 
 /* Unshard and Reshard of `unit` for the session's rank. */
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,

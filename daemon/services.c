@@ -120,8 +120,10 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
     fail_call(call, &st);
     return;
   }
+  size_t limit = (size_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
+  size_t used = fsdp_store_memory_used(&daemon->store);
   fsdp_dataplane_register(&daemon->dataplane, call, fsdp_store_find_job(&daemon->store, s->job),
-                          u, s, job_memory(daemon));
+                          u, s, job_memory(daemon), used < limit ? limit - used : 0);
 }
 
 /* The unit a UnitOp names, registered by the session's rank; fails the call otherwise. */

@@ -97,6 +97,11 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
     *ret_job = job;
     return 0;
   }
+  if (store->n_jobs >= store->max_jobs)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "job '%s': the daemon holds %u jobs already (session.max_sessions); "
+                           "an idle job goes after store.job_retention",
+                           session->job, store->n_jobs);
   job = calloc(1, sizeof *job);
   if (!job)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s'",
@@ -156,6 +161,19 @@ int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st) {
 
 void fsdp_store_init(fsdp_store_t *store) {
   memset(store, 0, sizeof *store);
+}
+
+size_t fsdp_store_memory_used(const fsdp_store_t *store) {
+  size_t used = 0;
+  for (const fsdp_job_t *j = store->jobs; j; j = j->next) {
+    const fsdp_arena_t *arenas[2] = {j->arena, j->shared_arena};
+    for (size_t k = 0; k < 2 && arenas[k]; k++) {
+      fsdp_arena_stats_t stats;
+      fsdp_arena_get_stats(arenas[k], &stats);
+      used += stats.used;
+    }
+  }
+  return used;
 }
 
 static void job_free(fsdp_job_t *job) {

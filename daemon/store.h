@@ -77,6 +77,7 @@ typedef struct fsdp_job {
 typedef struct fsdp_store {
   fsdp_job_t *jobs;
   unsigned n_jobs;
+  unsigned max_jobs; /* set by the daemon (session.max_sessions): jobs cost descriptors */
 } fsdp_store_t;
 
 void fsdp_store_init(fsdp_store_t *store);
@@ -100,6 +101,9 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
 /* The job's two arenas, made with `capacity` bytes each (and no pre-fault: buffers are
  * pre-faulted as they are allocated) when the job has none yet. */
 int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st);
+
+/* Bytes of buffers allocated over every job's arenas. */
+size_t fsdp_store_memory_used(const fsdp_store_t *store);
 
 /* Frees a job, its units and arenas. Only when nothing refers to them: no session, no parked
  * call, no work queued (daemon/dataplane.h says when). */

@@ -225,3 +225,49 @@ def test_memory_comes_back_after_job_retention(fsdpd):
     r.sock.close()
     poll(lambda: not d.status().jobs, 5, what="the second job to be freed")
     Rank(d, 1, 4, job="kept").register(shapes=((64,),))
+
+
+def test_ops_on_a_unit_without_buffers_are_refused(fsdpd):
+    """A unit whose RegisterUnit failed (too big) has no buffers: Unshard and ReduceScatter
+    are refused, not run over memory that is not there (review finding)."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    r = Rank(d, 0, 1)
+    with pytest.raises(grpc.RpcError) as excinfo:
+        r.register(unit="huge", shapes=((4096, 4096),))
+    assert excinfo.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for op in ("Unshard", "ReduceScatter"):
+        with pytest.raises(grpc.RpcError) as excinfo:
+            r.op(op, unit="huge")
+        code, details = status_code_and_details(excinfo)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "unit 'huge' has no buffers yet" in details
+    d.assert_serving()
+
+
+def test_memory_limit_holds_over_all_jobs(fsdpd):
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "memory.limit=64MiB")
+    Rank(d, 0, 1, job="a").register(unit="u", shapes=((2048, 1024),))  # 8 MiB x 4 buffers
+    with pytest.raises(grpc.RpcError) as excinfo:
+        Rank(d, 0, 1, job="b").register(unit="u", shapes=((4096, 1024),))  # 64 MiB more
+    code, details = status_code_and_details(excinfo)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "free under memory.limit (all jobs together)" in details
+
+
+def test_a_cancelled_unshard_does_not_leave_the_unit_held(fsdpd):
+    """An Unshard whose client gives up before the gather ends must not leave its rank
+    holding the unit: the next Unshard has to gather the new masters, not serve old ones."""
+    d = fsdpd("--set", "memory.job_limit=512MiB")
+    r = Rank(d, 0, 1)
+    lay = r.register(unit="big", shapes=((4096, 4096),))
+    r.write_master_shard(lay, [1.0] * lay.padded_numel)
+    with pytest.raises(grpc.RpcError) as excinfo:
+        d.call("/fsdp.v1.Trainer/Unshard", trainer_pb2.UnitOpRequest(
+            session_id=r.session, unit="big"), trainer_pb2.UnitOpReply, timeout=0.001)
+    assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    poll(lambda: d.status().rpc_work_inflight == 0, 5, what="the cancelled call to end")
+    r.write_master_shard(lay, [7.0] * lay.padded_numel)
+    r.op("Unshard", unit="big")
+    got = array.array("f")
+    got.frombytes(r.shared[lay.unsharded_offset:lay.unsharded_offset + 4096])
+    assert set(got) == {7.0}
