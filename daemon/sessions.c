@@ -112,8 +112,9 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
                              "job '%s' has local_world_size %u (local rank %u attached with it), "
                              "not %u",
                              rq->job, s->local_world_size, s->local_rank, rq->local_world_size);
-    if (s->local_rank == rq->local_rank && s->pid == peer->pid) {
-      /* The same process again: its earlier reply was lost, or it retries. */
+    if (s->local_rank == rq->local_rank && s->pid == peer->pid && !s->channel) {
+      /* The same process again before it opened the memory channel: its earlier reply was
+       * lost, or it retries. With the channel open, it is a second trainer for the rank. */
       s->last_call_ms = now_ms;
       *ret_session = s;
       return 0;

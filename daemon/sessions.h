@@ -3,8 +3,9 @@
  * A trainer attaches with its job, local rank, local world size L and pid; the daemon checks
  * the pid against the connection's SO_PEERCRED credentials (in any of the process's pid
  * namespaces), so a session always belongs to the process that opened it, and only that
- * process may use it. A second session for the same (job, rank) from another process is
- * refused while the first lives; the same process attaching again gets its session back.
+ * process may use it. A second session for the same (job, rank) is refused while the first
+ * lives, except that the same process attaching again before it opened the session's memory
+ * channel (its reply was lost) gets its session back.
  * Every rank of a job must give the same L. A session ends on Detach or when its lease runs
  * out without a call (KeepAlive renews it).
  *
