@@ -10,12 +10,16 @@ CMAKE_ARGS ?=
 
 CTEST = ctest --output-on-failure --no-tests=error -j$(JOBS)
 
-.PHONY: all setup build run test test-asan bench clean
+.PHONY: all setup setup-test build run test test-asan bench clean
 
 all: build
 
 setup:
 	@scripts/setup.sh
+
+# What the tests need beyond the build (Python, grpcio, PyTorch, systemd's tools).
+setup-test:
+	@scripts/setup.sh --test
 
 build: setup
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_WERROR=$(FSDP_WERROR) $(CMAKE_ARGS) >/dev/null
@@ -24,11 +28,11 @@ build: setup
 run: build
 	$(BUILD)/bin/fsdpd
 
-test: build
+test: setup-test build
 	cd $(BUILD) && $(CTEST)
 
 # The same suite built with AddressSanitizer and UndefinedBehaviorSanitizer.
-test-asan: setup
+test-asan: setup-test
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=ON -DFSDP_WERROR=$(FSDP_WERROR) $(CMAKE_ARGS) >/dev/null
 	@cmake --build $(ASAN_BUILD) -j$(JOBS)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages fsdpd needs to build, run and test. Idempotent: when every
-# package is already there it prints nothing and touches nothing. Uses sudo when not root.
+# Installs the Debian packages fsdpd needs to build and run it, and with --test also what the
+# tests need. Idempotent: when every package is already there it prints nothing and touches
+# nothing. Uses sudo when not root.
 set -euo pipefail
 
 packages=(
@@ -8,10 +9,15 @@ packages=(
   libgrpc-dev protobuf-compiler                       # gRPC C core; protoc for the tests' Python modules
   libprotobuf-c-dev protobuf-c-compiler               # protobuf-c runtime and protoc-c
   libuv1-dev libsystemd-dev libinih-dev libjson-c-dev # loop, sd_notify, config, fsdpctl --json
-  libcmocka-dev python3-grpcio python3-protobuf python3-pytest  # tests
-  python3-torch                                       # the Python package's PyTorch tests
-  systemd                                             # systemd-analyze verify of the unit
+  libcmocka-dev                                       # the build defines the C tests too
 )
+if [[ "${1:-}" == --test ]]; then
+  packages+=(
+    python3-grpcio python3-protobuf python3-pytest    # integration tests, as a scheduler's probe
+    python3-torch                                     # the Python package's PyTorch tests
+    systemd                                           # systemd-analyze verify of the unit
+  )
+fi
 
 missing=()
 for p in "${packages[@]}"; do
