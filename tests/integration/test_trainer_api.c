@@ -409,10 +409,11 @@ static void test_same_rank_twice_in_one_process(void **state) {
   fsdp_trainer_t *t = attach(client, "twice", 0, 1);
   fsdp_trainer_options_t opts = {.job = "twice", .local_rank = 0, .local_world_size = 1};
   fsdp_trainer_t *t2 = NULL;
-  /* Attach gives this process its session back, but its channel is taken: the second
-   * trainer fails, and must not end the first one's session on its way out. */
+  /* The first trainer has its memory channel open, so the second is refused at Attach, and
+   * must not end the first one's session on its way out. */
   assert_int_equal(fsdp_trainer_attach(client, &opts, &t2), FSDP_E_ALREADY_EXISTS);
-  assert_non_null(strstr(fsdp_client_last_error(client), "already has its memory channel"));
+  assert_non_null(
+      strstr(fsdp_client_last_error(client), "job 'twice' local rank 0 is already attached"));
   assert_null(t2);
   assert_int_equal(fsdp_trainer_keepalive(t), 0);
   assert_int_equal(fsdp_trainer_detach(t), 0);
