@@ -126,17 +126,23 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
                           u, s, job_memory(daemon), used < limit ? limit - used : 0);
 }
 
-/* The unit a UnitOp names, registered by the session's rank; fails the call otherwise. */
+/* The session and unit a UnitOp names, the unit registered by the session's rank; fails
+ * the call and returns NULL otherwise. */
 static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
-                            const fsdp_session_t *s, const char *name, fsdp_job_t **ret_job) {
+                            const Fsdp__V1__UnitOpRequest *rq, fsdp_session_t **ret_session,
+                            fsdp_job_t **ret_job) {
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  if (!s)
+    return NULL;
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, s->job);
-  fsdp_unit_t *u = job ? fsdp_store_find_unit(job, name) : NULL;
+  fsdp_unit_t *u = job ? fsdp_store_find_unit(job, rq->unit) : NULL;
   if (!u || !fsdp_store_unit_registered_by(u, s->local_rank)) {
     fsdp_rpc_call_fail(call, u ? FSDP_E_FAILED_PRECONDITION : FSDP_E_NOT_FOUND,
                        "%s: unit '%s' is not registered by job '%s' local rank %u",
-                       fsdp_rpc_call_method(call), name, s->job, s->local_rank);
+                       fsdp_rpc_call_method(call), rq->unit, s->job, s->local_rank);
     return NULL;
   }
+  *ret_session = s;
   *ret_job = job;
   return u;
 }
@@ -144,9 +150,9 @@ static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
 static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_daemon_t *daemon = data;
   const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_session_t *s;
   fsdp_job_t *job;
-  fsdp_unit_t *u = s ? op_unit(call, daemon, s, rq->unit, &job) : NULL;
+  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
   if (u)
     fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s);
 }
@@ -154,9 +160,9 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
 /* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
 static void reduce(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
                    const Fsdp__V1__UnitOpRequest *rq, bool all_reduce) {
-  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_session_t *s;
   fsdp_job_t *job;
-  fsdp_unit_t *u = s ? op_unit(call, daemon, s, rq->unit, &job) : NULL;
+  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
   if (!u)
     return;
   bool no_shard = u->spec->strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD;
@@ -184,9 +190,9 @@ static void trainer_all_reduce(fsdp_rpc_call_t *call, const ProtobufCMessage *re
 static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_daemon_t *daemon = data;
   const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_session_t *s;
   fsdp_job_t *job;
-  fsdp_unit_t *u = s ? op_unit(call, daemon, s, rq->unit, &job) : NULL;
+  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
   if (u)
     fsdp_dataplane_reshard(call, u, s);
 }
