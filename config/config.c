@@ -71,7 +71,8 @@ const char *fsdp_config_source_name(fsdp_config_source_t source) {
 }
 
 static bool is_text_type(fsdp_option_type_t type) {
-  return type == FSDP_OPT_STRING || type == FSDP_OPT_PATH || type == FSDP_OPT_ADDRESS;
+  return type == FSDP_OPT_STRING || type == FSDP_OPT_PATH || type == FSDP_OPT_ADDRESS ||
+         type == FSDP_OPT_ADDRESS_LIST;
 }
 
 /* Length of the section part of a key ("daemon" in "daemon.run_dir"). */
@@ -440,6 +441,95 @@ size_t fsdp_config_diff(const fsdp_config_t *old_cfg, const fsdp_config_t *new_c
   return n;
 }
 
+unsigned fsdp_config_host_count(const fsdp_config_t *cfg) {
+  const char *hosts = fsdp_config_text(cfg, FSDP_OPTION_CLUSTER_HOSTS);
+  return hosts ? fsdp_config_value_list_count(hosts) : 0;
+}
+
+int fsdp_config_host(const fsdp_config_t *cfg, unsigned i, char *buf, size_t size) {
+  const char *hosts = fsdp_config_text(cfg, FSDP_OPTION_CLUSTER_HOSTS);
+  if (!hosts || i >= fsdp_config_value_list_count(hosts))
+    return -ENOENT;
+  return fsdp_config_value_list_item(hosts, i, buf, size);
+}
+
+int fsdp_address_port(const char *address) {
+  const char *colon = address ? strrchr(address, ':') : NULL;
+  if (!colon || !colon[1])
+    return -1;
+  int port = 0;
+  for (const char *c = colon + 1; *c; c++) {
+    if (*c < '0' || *c > '9' || port > 65535)
+      return -1;
+    port = port * 10 + (*c - '0');
+  }
+  return port <= 65535 ? port : -1;
+}
+
+/* Where a value came from, for messages: " (from --hosts)", " (from fsdpd.conf:3)". */
+static const char *from(const fsdp_config_t *cfg, fsdp_option_id_t id, char *buf, size_t size) {
+  const fsdp_config_value_t *v = &cfg->values[id];
+  if (v->source == FSDP_SOURCE_DEFAULT)
+    snprintf(buf, size, " (the default)");
+  else
+    snprintf(buf, size, " (from %s)", v->origin);
+  return buf;
+}
+
+int fsdp_config_check(const fsdp_config_t *cfg, fsdp_status_t *st) {
+  char a[128], b[128], addr[FSDP_CONFIG_ADDRESS_MAX];
+  unsigned n = fsdp_config_host_count(cfg);
+  int64_t rank = fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_HOST_RANK);
+  int64_t lws = fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE);
+  int64_t g = fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS);
+  unsigned hosts = n ? n : 1;
+  if (rank >= (int64_t)hosts)
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "key 'cluster.host_rank': value %lld%s is not below the number of "
+                           "hosts, %u in cluster.hosts%s",
+                           (long long)rank, from(cfg, FSDP_OPTION_CLUSTER_HOST_RANK, a, sizeof a),
+                           n, n ? "" : " (empty: one host, rank 0)");
+  if (g > (int64_t)hosts || hosts % (unsigned)g != 0)
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "key 'cluster.shard_group_hosts': value %lld%s does not divide the "
+                           "number of hosts, %u: a shard group is whole hosts, S divides N",
+                           (long long)g, from(cfg, FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS, a, sizeof a),
+                           hosts);
+  if (n > 1 && lws == 0)
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "key 'cluster.local_world_size' is required with %u hosts in "
+                           "cluster.hosts: set it to the number of trainers per host",
+                           n);
+  const char *listen = fsdp_config_text(cfg, FSDP_OPTION_PEER_LISTEN);
+  if (n > 0 && listen[0]) {
+    fsdp_config_host(cfg, (unsigned)rank, addr, sizeof addr);
+    if (fsdp_address_port(listen) != fsdp_address_port(addr))
+      return fsdp_status_set(st, FSDP_E_CONFIG,
+                             "key 'peer.listen': value '%s'%s has another port than this host's "
+                             "entry cluster.hosts[%lld] = '%s'; the ports must be equal",
+                             listen, from(cfg, FSDP_OPTION_PEER_LISTEN, a, sizeof a),
+                             (long long)rank, addr);
+  }
+  static const fsdp_option_id_t tls[3] = {FSDP_OPTION_PEER_TLS_CERT, FSDP_OPTION_PEER_TLS_KEY,
+                                          FSDP_OPTION_PEER_TLS_CA};
+  int set = 0;
+  for (int i = 0; i < 3; i++)
+    set += fsdp_config_text(cfg, tls[i])[0] != '\0';
+  if (set != 0 && set != 3) {
+    a[0] = b[0] = '\0';
+    for (int i = 0; i < 3; i++) {
+      bool on = fsdp_config_text(cfg, tls[i])[0] != '\0';
+      char *buf = on ? a : b;
+      size_t len = strlen(buf);
+      snprintf(buf + len, sizeof a - len, "%s%s", len ? ", " : "", options[tls[i]].key);
+    }
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "peer TLS is all or none: %s %s set but %s %s empty", a,
+                           set == 1 ? "is" : "are", b, set == 2 ? "is" : "are");
+  }
+  return 0;
+}
+
 /* Writes text as "# " comment lines of at most `width` columns, breaking at spaces. */
 static void write_wrapped(FILE *out, const char *text, size_t width) {
   while (*text) {
@@ -487,6 +577,9 @@ static void write_type(FILE *out, const fsdp_option_t *opt) {
     break;
   case FSDP_OPT_ADDRESS:
     fprintf(out, "address, HOST:PORT or [IPv6]:PORT; empty disables");
+    break;
+  case FSDP_OPT_ADDRESS_LIST:
+    fprintf(out, "comma-separated addresses, HOST:PORT or [IPv6]:PORT, distinct");
     break;
   }
 }

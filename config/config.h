@@ -32,6 +32,7 @@ typedef enum fsdp_option_type {
   FSDP_OPT_PATH,     /* a filesystem path; not empty */
   FSDP_OPT_ENUM,     /* one of `choices`; the value is the index */
   FSDP_OPT_ADDRESS,  /* HOST:PORT or [V6]:PORT, port 0..65535; empty disables */
+  FSDP_OPT_ADDRESS_LIST, /* ADDRESS,ADDRESS,...: distinct, each with a port 1..65535; may be empty */
 } fsdp_option_type_t;
 
 /* X(id, key, type, default, min, max, choices, unit, reloadable, flag, help)
@@ -77,7 +78,43 @@ typedef enum fsdp_option_type {
     "references are released.")                                                                  \
   X(MAX_SESSIONS, "session.max_sessions", FSDP_OPT_INT, "256", 1, 4096, NULL, NULL, true, NULL, \
     "Trainer sessions the daemon holds at once, all jobs together; beyond it, "                 \
-    "RESOURCE_EXHAUSTED.")
+    "RESOURCE_EXHAUSTED.")                                                                       \
+  X(CLUSTER_HOSTS, "cluster.hosts", FSDP_OPT_ADDRESS_LIST, "", 0, 0, NULL, NULL, false,         \
+    "--hosts",                                                                                   \
+    "The Peer address (HOST:PORT) of every host's fsdpd, in host-rank order, comma-separated; " \
+    "identical on every host. Empty: this daemon is the only host.")                            \
+  X(CLUSTER_HOST_RANK, "cluster.host_rank", FSDP_OPT_INT, "0", 0, 4095, NULL, NULL, false,      \
+    "--host-rank", "This host's rank: its position in cluster.hosts, from 0.")                  \
+  X(CLUSTER_LOCAL_WORLD_SIZE, "cluster.local_world_size", FSDP_OPT_INT, "0", 0, 256, NULL,      \
+    NULL, false, "--local-world-size",                                                          \
+    "Trainers (local ranks) per host, the same on every host; required with several hosts. "    \
+    "0: one host, any number of local ranks per job.")                                           \
+  X(CLUSTER_SHARD_GROUP_HOSTS, "cluster.shard_group_hosts", FSDP_OPT_INT, "1", 1, 4096, NULL,   \
+    NULL, false, NULL,                                                                           \
+    "Hosts per HYBRID_SHARD shard group (g): a shard group is whole hosts, so g must divide "    \
+    "the number of hosts.")                                                                      \
+  X(PEER_LISTEN, "peer.listen", FSDP_OPT_ADDRESS, "", 0, 0, NULL, NULL, false, "--peer-listen", \
+    "TCP address of this daemon's Peer service. Empty: cluster.hosts[host_rank] itself. Its "   \
+    "port must equal that entry's port (the host part may differ, e.g. 0.0.0.0).")             \
+  X(PEER_HEARTBEAT_INTERVAL, "peer.heartbeat_interval", FSDP_OPT_DURATION, "1s", 10, 60000,     \
+    NULL, "ms", true, NULL, "How often this daemon sends each joined peer a Heartbeat.")        \
+  X(PEER_TIMEOUT, "peer.timeout", FSDP_OPT_DURATION, "5s", 50, 600000, NULL, "ms", true, NULL,  \
+    "A peer that answers nothing for this long is LOST; whoever waits on it gets an error "     \
+    "naming the host.")                                                                          \
+  X(PEER_JOIN_TIMEOUT, "peer.join_timeout", FSDP_OPT_DURATION, "2m", 100, 86400000, NULL, "ms", \
+    false, NULL,                                                                                 \
+    "How long after start every peer has to join both ways; then whoever waits for the "        \
+    "cluster gets UNAVAILABLE naming the hosts missing. Joining goes on after it.")             \
+  X(PEER_TOKEN_FILE, "peer.token_file", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, false, NULL,     \
+    "File holding the shared secret every daemon of the cluster sends and requires on the "     \
+    "Peer service ('authorization: Bearer <token>'); empty: no token. Only its path is shown.") \
+  X(PEER_TLS_CERT, "peer.tls_cert", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, false, NULL,         \
+    "PEM certificate this daemon presents on the Peer service and to peers; with "              \
+    "peer.tls_key and peer.tls_ca (all or none), peers use mutual TLS.")                        \
+  X(PEER_TLS_KEY, "peer.tls_key", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, false, NULL,           \
+    "PEM private key of peer.tls_cert.")                                                         \
+  X(PEER_TLS_CA, "peer.tls_ca", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, false, NULL,             \
+    "PEM CA certificates a peer's certificate must chain to, both ways.")
 
 typedef enum fsdp_option_id {
 #define FSDP_OPTION_ID(id, ...) FSDP_OPTION_##id,
@@ -152,6 +189,19 @@ int fsdp_config_format(const fsdp_config_t *cfg, fsdp_option_id_t id, char *buf,
  * return value is their number. */
 size_t fsdp_config_diff(const fsdp_config_t *old_cfg, const fsdp_config_t *new_cfg,
                         fsdp_option_id_t *ret_ids);
+
+/* Checks what no single value can: the options that must agree with each other (the
+ * cluster topology, the Peer endpoint, TLS files all or none). Errors name the keys and
+ * values. Run after every source is applied (fsdp_args_build_config does). */
+int fsdp_config_check(const fsdp_config_t *cfg, fsdp_status_t *st);
+
+/* The hosts of cluster.hosts: the count (0 when empty), and the i-th address copied into
+ * buf (-ENOENT past the end, -ENOSPC if it does not fit). */
+unsigned fsdp_config_host_count(const fsdp_config_t *cfg);
+int fsdp_config_host(const fsdp_config_t *cfg, unsigned i, char *buf, size_t size);
+
+/* The port of a valid "HOST:PORT" or "[V6]:PORT" address, or -1. */
+int fsdp_address_port(const char *address);
 
 /* Writes the annotated example file (config/fsdpd.conf) derived from the table. */
 void fsdp_config_write_example(FILE *out);

@@ -285,6 +285,79 @@ static int parse_address(const char *text, char *why, size_t why_size) {
   return 0;
 }
 
+int fsdp_config_value_list_item(const char *text, unsigned index, char *buf, size_t size) {
+  const char *s = text;
+  for (unsigned i = 0;; i++) {
+    size_t len = strcspn(s, ",");
+    const char *begin = s, *end = s + len;
+    while (begin < end && (*begin == ' ' || *begin == '\t'))
+      begin++;
+    while (end > begin && (end[-1] == ' ' || end[-1] == '\t'))
+      end--;
+    if (i == index) {
+      if ((size_t)(end - begin) >= size)
+        return -ENOSPC;
+      memcpy(buf, begin, (size_t)(end - begin));
+      buf[end - begin] = '\0';
+      return (int)(end - begin);
+    }
+    if (s[len] == '\0')
+      return -ENOENT;
+    s += len + 1;
+  }
+}
+
+unsigned fsdp_config_value_list_count(const char *text) {
+  unsigned n = 0;
+  char item[8];
+  /* An empty list has no items; "a" has one; every comma adds one. */
+  if (fsdp_config_value_list_item(text, 0, item, sizeof item) == 0 && !strchr(text, ','))
+    return 0;
+  for (const char *c = text; *c; c++)
+    n += *c == ',';
+  return n + 1;
+}
+
+/* A comma-separated list of distinct addresses with real ports (peers connect to them). */
+static int parse_address_list(const char *text, char *why, size_t why_size) {
+  unsigned n = fsdp_config_value_list_count(text);
+  if (n > FSDP_CONFIG_LIST_MAX) {
+    snprintf(why, why_size, "%u addresses, at most %d", n, FSDP_CONFIG_LIST_MAX);
+    return FSDP_E_CONFIG;
+  }
+  char item[FSDP_CONFIG_ADDRESS_MAX], other[FSDP_CONFIG_ADDRESS_MAX], inner[256];
+  for (unsigned i = 0; i < n; i++) {
+    if (fsdp_config_value_list_item(text, i, item, sizeof item) < 0) {
+      snprintf(why, why_size, "address %u is longer than %d characters", i,
+               FSDP_CONFIG_ADDRESS_MAX - 1);
+      return FSDP_E_CONFIG;
+    }
+    if (item[0] == '\0') {
+      snprintf(why, why_size, "address %u is empty (value " ECHO_FMT ")", i, ECHO_ARG(text));
+      return FSDP_E_CONFIG;
+    }
+    if (parse_address(item, inner, sizeof inner) < 0) {
+      snprintf(why, why_size, "address %u: %s", i, inner);
+      return FSDP_E_CONFIG;
+    }
+    const char *port = strrchr(item, ':') + 1;
+    if (strcmp(port, "0") == 0 || (port[0] == '0' && port[1])) {
+      snprintf(why, why_size, "address %u " ECHO_FMT ": port %s, expected 1..65535", i,
+               ECHO_ARG(item), port);
+      return FSDP_E_CONFIG;
+    }
+    for (unsigned j = 0; j < i; j++) {
+      fsdp_config_value_list_item(text, j, other, sizeof other);
+      if (strcmp(item, other) == 0) {
+        snprintf(why, why_size, "address %u " ECHO_FMT " repeats address %u: hosts are distinct",
+                 i, ECHO_ARG(item), j);
+        return FSDP_E_CONFIG;
+      }
+    }
+  }
+  return 0;
+}
+
 int fsdp_config_value_parse(const fsdp_option_t *opt, const char *text, int64_t *ret_number,
                             char *why, size_t why_size) {
   int64_t number = 0;
@@ -311,6 +384,9 @@ int fsdp_config_value_parse(const fsdp_option_t *opt, const char *text, int64_t 
     break;
   case FSDP_OPT_ADDRESS:
     r = parse_address(text, why, why_size);
+    break;
+  case FSDP_OPT_ADDRESS_LIST:
+    r = parse_address_list(text, why, why_size);
     break;
   case FSDP_OPT_STRING:
     break;

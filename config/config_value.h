@@ -23,4 +23,12 @@ int fsdp_config_value_parse(const fsdp_option_t *opt, const char *text, int64_t 
  * outside an ENUM's choices. */
 int fsdp_config_value_format(const fsdp_option_t *opt, int64_t number, char *buf, size_t size);
 
+/* Lists (FSDP_OPT_ADDRESS_LIST): items are separated by ',' and trimmed of blanks. */
+#define FSDP_CONFIG_LIST_MAX 4096
+#define FSDP_CONFIG_ADDRESS_MAX 300
+/* The number of items; 0 for an empty (or blank) text. */
+unsigned fsdp_config_value_list_count(const char *text);
+/* Copies item `index` into buf; its length, -ENOENT past the end, -ENOSPC if too long. */
+int fsdp_config_value_list_item(const char *text, unsigned index, char *buf, size_t size);
+
 #endif

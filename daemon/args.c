@@ -94,13 +94,15 @@ int fsdp_args_build_config(const fsdp_args_t *args, char *const *envp, fsdp_conf
     if (r < 0)
       return r;
   }
-  return 0;
+  return fsdp_config_check(cfg, st);
 }
 
 void fsdp_args_usage(FILE *out) {
   fprintf(out,
           "usage: fsdpd [--config FILE] [--run-dir DIR] [--health-listen HOST:PORT]\n"
           "             [--log-level LEVEL] [--backend host|cuda] [--set KEY=VALUE]...\n"
+          "             [--hosts H0:P0,H1:P1,... --host-rank I --local-world-size L]\n"
+          "             [--peer-listen HOST:PORT]\n"
           "       fsdpd --check-config [options]   validate the config and exit\n"
           "       fsdpd --print-example-config     print the annotated config file\n"
           "       fsdpd --version | --help\n"

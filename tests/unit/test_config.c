@@ -370,16 +370,16 @@ static void test_unknown_keys_and_sections(void **state) {
                          "log_level, backend, housekeeping_interval, drain_timeout");
   expect_load_error("[daemon]\nlog_level = info\n[colours]\nred = 1\n",
                     NAME ":4: key 'colours.red': unknown section [colours]; known sections: "
-                         "[daemon], [rpc], [health], [memory], [store], [session]");
+                         "[daemon], [rpc], [health], [memory], [store], [session], [cluster], [peer]");
   expect_load_error("log_level = info\n",
                     NAME ":1: key 'log_level' is outside any section; it belongs under [daemon]");
   expect_load_error("\ncolour = red\n",
                     NAME ":2: key 'colour' is outside any section; known sections: [daemon], "
-                         "[rpc], [health], [memory], [store], [session]");
+                         "[rpc], [health], [memory], [store], [session], [cluster], [peer]");
   /* Names are case-sensitive. */
   expect_load_error("[DAEMON]\nlog_level = info\n",
                     NAME ":2: key 'DAEMON.log_level': unknown section [DAEMON]; known sections: "
-                         "[daemon], [rpc], [health], [memory], [store], [session]");
+                         "[daemon], [rpc], [health], [memory], [store], [session], [cluster], [peer]");
 }
 
 static void test_duplicate_key(void **state) {
@@ -718,6 +718,95 @@ static void test_example_loads_to_defaults(void **state) {
   free(text);
 }
 
+
+/* Loads text and runs the cross-option check; returns its code, the message in st. */
+static int check_text(const char *text, fsdp_status_t *st) {
+  fsdp_config_t cfg;
+  init(&cfg);
+  load_ok(&cfg, text);
+  int r = fsdp_config_check(&cfg, st);
+  fsdp_config_cleanup(&cfg);
+  return r;
+}
+
+static void expect_check_error(const char *text, const char *message) {
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  assert_int_equal(check_text(text, &st), FSDP_E_CONFIG);
+  assert_string_equal(st.message, message);
+}
+
+static void expect_check_ok(const char *text) {
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  if (check_text(text, &st) != 0)
+    fail_msg("check of %s failed: %s", text, st.message);
+}
+
+static void test_host_list_values(void **state) {
+  (void)state;
+  fsdp_config_t cfg;
+  char buf[64];
+  init(&cfg);
+  assert_int_equal(fsdp_config_host_count(&cfg), 0);
+  assert_int_equal(fsdp_config_host(&cfg, 0, buf, sizeof buf), -ENOENT);
+  load_ok(&cfg, "[cluster]\nhosts = 10.0.0.1:7000, host-b:7000,[::1]:7001\n");
+  assert_int_equal(fsdp_config_host_count(&cfg), 3);
+  assert_int_equal(fsdp_config_host(&cfg, 1, buf, sizeof buf), 11);
+  assert_string_equal(buf, "host-b:7000");
+  assert_int_equal(fsdp_config_host(&cfg, 2, buf, sizeof buf), 10);
+  assert_string_equal(buf, "[::1]:7001");
+  assert_int_equal(fsdp_config_host(&cfg, 3, buf, sizeof buf), -ENOENT);
+  assert_int_equal(fsdp_config_host(&cfg, 0, buf, 4), -ENOSPC);
+  assert_int_equal(fsdp_address_port("[::1]:7001"), 7001);
+  assert_int_equal(fsdp_address_port("a:"), -1);
+  assert_int_equal(fsdp_address_port("a:99999"), -1);
+  fsdp_config_cleanup(&cfg);
+
+  expect_load_error("[cluster]\nhosts = a:1,,b:2\n",
+                    NAME ":2: key 'cluster.hosts': address 1 is empty (value 'a:1,,b:2')");
+  expect_load_error("[cluster]\nhosts = a:1,b\n",
+                    NAME ":2: key 'cluster.hosts': address 1: value 'b' is not HOST:PORT or "
+                         "[IPv6]:PORT: no ':PORT'");
+  expect_load_error("[cluster]\nhosts = a:1,b:0\n",
+                    NAME ":2: key 'cluster.hosts': address 1 'b:0': port 0, expected 1..65535");
+  expect_load_error("[cluster]\nhosts = a:1,b:2, a:1\n",
+                    NAME ":2: key 'cluster.hosts': address 2 'a:1' repeats address 0: hosts "
+                         "are distinct");
+}
+
+static void test_cluster_check(void **state) {
+  (void)state;
+  /* One host, as before any cluster option existed. */
+  expect_check_ok("");
+  expect_check_ok("[cluster]\nhosts = 127.0.0.1:7100\n");
+  expect_check_ok("[cluster]\nhosts = a:7100,b:7100\nhost_rank = 1\nlocal_world_size = 2\n"
+                  "shard_group_hosts = 2\n[peer]\nlisten = 0.0.0.0:7100\n");
+  expect_check_error("[cluster]\nhost_rank = 1\n",
+                     "key 'cluster.host_rank': value 1 (from " NAME ":2) is not below the "
+                     "number of hosts, 0 in cluster.hosts (empty: one host, rank 0)");
+  expect_check_error("[cluster]\nhosts = a:1,b:1\nhost_rank = 2\nlocal_world_size = 1\n",
+                     "key 'cluster.host_rank': value 2 (from " NAME ":3) is not below the "
+                     "number of hosts, 2 in cluster.hosts");
+  expect_check_error("[cluster]\nhosts = a:1,b:1,c:1\nshard_group_hosts = 2\n"
+                     "local_world_size = 1\n",
+                     "key 'cluster.shard_group_hosts': value 2 (from " NAME ":3) does not "
+                     "divide the number of hosts, 3: a shard group is whole hosts, S divides N");
+  expect_check_error("[cluster]\nhosts = a:1,b:1\n",
+                     "key 'cluster.local_world_size' is required with 2 hosts in "
+                     "cluster.hosts: set it to the number of trainers per host");
+  expect_check_error("[cluster]\nhosts = a:7100,b:7200\nhost_rank = 1\nlocal_world_size = 2\n"
+                     "[peer]\nlisten = 0.0.0.0:7100\n",
+                     "key 'peer.listen': value '0.0.0.0:7100' (from " NAME ":6) has another "
+                     "port than this host's entry cluster.hosts[1] = 'b:7200'; the ports must "
+                     "be equal");
+  expect_check_error("[peer]\ntls_cert = c.pem\n",
+                     "peer TLS is all or none: peer.tls_cert is set but peer.tls_key, "
+                     "peer.tls_ca are empty");
+  expect_check_error("[peer]\ntls_cert = c.pem\ntls_ca = ca.pem\n",
+                     "peer TLS is all or none: peer.tls_cert, peer.tls_ca are set but "
+                     "peer.tls_key is empty");
+  expect_check_ok("[peer]\ntls_cert = c.pem\ntls_key = k.pem\ntls_ca = ca.pem\n");
+}
+
 int main(int argc, char **argv) {
   if (argc == 2 && strcmp(argv[1], "--write-example") == 0) {
     fsdp_config_write_example(stdout);
@@ -748,6 +837,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_diff),
       cmocka_unit_test(test_shipped_example_matches_table),
       cmocka_unit_test(test_example_loads_to_defaults),
+      cmocka_unit_test(test_host_list_values),
+      cmocka_unit_test(test_cluster_check),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
