@@ -55,14 +55,15 @@ static void rank_set(uint64_t *set, uint32_t rank, bool on) {
     set[rank / 64] &= ~(1ull << (rank % 64));
 }
 
-static bool set_empty(const uint64_t *set) {
-  for (size_t i = 0; i < FSDP_LOCAL_WORLD_MAX / 64; i++)
-    if (set[i])
-      return false;
-  return true;
+/* Collections and their waiters. */
+
+static fsdp_collection_t *collection_of(fsdp_unit_t *u, waiter_kind_t kind) {
+  return kind == WAIT_UNSHARD ? &u->gather : &u->reduce;
 }
 
-/* Waiters. */
+static void collection_reset(fsdp_collection_t *c) {
+  *c = (fsdp_collection_t){0};
+}
 
 static void waiter_unlink(fsdp_waiter_t *w) {
   if (w->prev)
@@ -73,8 +74,6 @@ static void waiter_unlink(fsdp_waiter_t *w) {
     w->next->prev = w->prev;
 }
 
-static void let_go(fsdp_unit_t *unit, uint32_t rank);
-
 static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) {
   for (const fsdp_waiter_t *w = u->waiters; w; w = w->next)
     if (w->rank == rank && w->kind == kind)
@@ -82,19 +81,20 @@ static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) 
   return false;
 }
 
-/* A parked call's client gave up (its deadline, or it went away): what the call took is
- * given back, so that the rank is not left holding a unit it never got (the others would
- * read stale parameters) or counted in a reduce-scatter it no longer waits for. */
+/* A parked call's client gave up (its deadline, or it went away): unless the collection
+ * already runs, the rank no longer counts in it, so that it is not gathered or reduced for
+ * a rank that no longer waits (and asks again). */
 static void on_waiter_cancel(fsdp_rpc_call_t *call, void *data) {
   (void)call;
   fsdp_waiter_t *w = data;
   fsdp_unit_t *u = w->unit;
   waiter_unlink(w);
-  if (w->kind == WAIT_UNSHARD && !rank_waits(u, w->rank, WAIT_UNSHARD))
-    let_go(u, w->rank);
-  if (w->kind == WAIT_REDUCE && !u->rs_running && rank_in(u->rs_submitted, w->rank)) {
-    rank_set(u->rs_submitted, w->rank, false);
-    u->rs_count--;
+  if (w->kind != WAIT_REGISTER) {
+    fsdp_collection_t *c = collection_of(u, w->kind);
+    if (!c->running && rank_in(c->submitted, w->rank) && !rank_waits(u, w->rank, w->kind)) {
+      rank_set(c->submitted, w->rank, false);
+      c->count--;
+    }
   }
   free(w);
 }
@@ -133,8 +133,8 @@ static void reply_unit_op(fsdp_rpc_call_t *call) {
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
-/* Answers every waiter of `kind`: with the result for the state reached, or with the unit's
- * error once it failed. */
+/* Answers every waiter of `kind`: with the result, or with the unit's error once it
+ * failed. */
 static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
   for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
     next = w->next;
@@ -153,19 +153,51 @@ static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
   }
 }
 
-/* Ends the reduce-scatter being collected: every waiter gets err and the message. */
-static void abort_reduce(fsdp_unit_t *u, int err, const char *message) {
+/* Ends the collection of `kind` being gathered: every waiter gets err and the message. */
+static void abort_collection(fsdp_unit_t *u, waiter_kind_t kind, int err, const char *message) {
   for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
     next = w->next;
-    if (w->kind != WAIT_REDUCE)
+    if (w->kind != kind)
       continue;
     waiter_unlink(w);
     fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
     fsdp_rpc_call_fail(w->call, err, "%s: %s", fsdp_rpc_call_method(w->call), message);
     free(w);
   }
-  memset(u->rs_submitted, 0, sizeof u->rs_submitted);
-  u->rs_count = 0;
+  collection_reset(collection_of(u, kind));
+}
+
+/* What a collection's ranks are asked for, in messages. */
+static const char *collection_verb(waiter_kind_t kind) {
+  return kind == WAIT_UNSHARD ? "unshard" : "reduce-scatter";
+}
+
+/* Parks the call as rank's part of the unit's collection of `kind` for `step` and returns
+ * whether it completed the collection (every local rank has asked). A rank asking for
+ * another step than the one being collected aborts the collection for everyone: nobody
+ * could complete it. */
+static bool collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_rpc_call_t *call,
+                    const fsdp_job_t *job, uint32_t rank, uint64_t step, uint64_t deadline_ms) {
+  fsdp_collection_t *c = collection_of(u, kind);
+  if (c->count == 0) {
+    c->step = step;
+    c->deadline_ms = deadline_ms;
+  } else if (step != c->step) {
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s': local rank %u asked to %s step %llu while the other ranks asked for "
+             "step %llu",
+             u->spec->unit, rank, collection_verb(kind), (unsigned long long)step,
+             (unsigned long long)c->step);
+    abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", fsdp_rpc_call_method(call),
+                       message);
+    return false;
+  }
+  rank_set(c->submitted, rank, true);
+  c->count++;
+  park(call, u, rank, kind);
+  return c->count == job->local_world_size;
 }
 
 /* The gradient factors of PyTorch FSDP: divide by `pre` before the sum and by `post` after,
@@ -216,7 +248,7 @@ static void run_work(uv_work_t *req) {
     float pre, post;
     reduce_scales(u, world, &pre, &post);
     w->result = fsdp_reduce_parallel(dp->workers, (float *)(base + u->grad_offset),
-                                     u->rs_accumulate, srcs, world,
+                                     u->reduce_accumulate, srcs, world,
                                      kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)),
                                      kernel_dtype(fsdp_unit_spec_reduce_dtype(u->spec)), pre, post,
                                      u->layout.padded_numel);
@@ -233,32 +265,34 @@ static void work_done(uv_work_t *req, int status) {
     dp->tail = NULL;
   fsdp_unit_t *u = w->unit;
   int r = status < 0 ? status : w->result;
-  if (w->kind == WORK_REDUCE) {
-    u->rs_running = false;
+  if (w->kind == WORK_PREFAULT) {
+    if (r < 0) {
+      fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,
+                      work_names[w->kind], fsdp_strerror(r));
+      log_error("%s", u->error.message);
+      u->state = FSDP_UNIT_FAILED;
+    } else {
+      u->state = FSDP_UNIT_READY;
+    }
+    wake(u, WAIT_REGISTER);
+  } else {
+    waiter_kind_t kind = w->kind == WORK_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
+    fsdp_collection_t *c = collection_of(u, kind);
     if (r < 0) {
       char message[FSDP_STATUS_MESSAGE_MAX];
-      snprintf(message, sizeof message, "unit '%s' step %llu: the reduce-scatter failed: %s",
-               u->spec->unit, (unsigned long long)u->rs_step, fsdp_strerror(r));
+      snprintf(message, sizeof message, "unit '%s' step %llu: %s failed: %s", u->spec->unit,
+               (unsigned long long)c->step, work_names[w->kind], fsdp_strerror(r));
       log_error("%s", message);
-      abort_reduce(u, FSDP_E_INTERNAL, message);
+      abort_collection(u, kind, FSDP_E_INTERNAL, message);
     } else {
-      wake(u, WAIT_REDUCE);
-      memset(u->rs_submitted, 0, sizeof u->rs_submitted);
-      u->rs_count = 0;
+      if (kind == WAIT_UNSHARD) {
+        u->gathered = true;
+        u->gathered_step = c->step;
+      }
+      wake(u, kind);
+      collection_reset(c);
     }
-  } else if (r < 0) {
-    fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,
-                    work_names[w->kind], fsdp_strerror(r));
-    log_error("%s", u->error.message);
-    u->state = FSDP_UNIT_FAILED;
-  } else if (w->kind == WORK_PREFAULT) {
-    u->state = FSDP_UNIT_SHARDED;
-  } else {
-    /* Everyone may have let go while it ran; the next Unshard gathers again then. */
-    u->state = set_empty(u->holders) ? FSDP_UNIT_SHARDED : FSDP_UNIT_UNSHARDED;
   }
-  if (w->kind != WORK_REDUCE)
-    wake(u, w->kind == WORK_PREFAULT ? WAIT_REGISTER : WAIT_UNSHARD);
   free(w);
   dp->busy = false;
   start_next(dp);
@@ -380,125 +414,142 @@ static bool ready(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
 }
 
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                            fsdp_unit_t *unit, const fsdp_session_t *session) {
-  uint32_t rank = session->local_rank;
-  if (!ready(call, unit))
-    return;
-  rank_set(unit->holders, rank, true);
-  switch (unit->state) {
-  case FSDP_UNIT_UNSHARDED:
-    reply_unit_op(call); /* the fast path: nothing to do */
-    return;
-  case FSDP_UNIT_SHARDED: {
-    int r = queue(dp, WORK_GATHER, job, unit);
-    if (r < 0) {
-      rank_set(unit->holders, rank, false);
-      fsdp_rpc_call_fail(call, r, "%s: cannot queue the gather", fsdp_rpc_call_method(call));
-      return;
-    }
-    unit->state = FSDP_UNIT_GATHERING;
-    park(call, unit, rank, WAIT_UNSHARD);
-    return;
-  }
-  default: /* GATHERING: share the gather under way */
-    park(call, unit, rank, WAIT_UNSHARD);
-  }
-}
-
-static void let_go(fsdp_unit_t *unit, uint32_t rank) {
-  rank_set(unit->holders, rank, false);
-  if (unit->state == FSDP_UNIT_UNSHARDED && set_empty(unit->holders))
-    unit->state = FSDP_UNIT_SHARDED;
-}
-
-void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, fsdp_unit_t *unit,
-                            const fsdp_session_t *session) {
-  let_go(unit, session->local_rank);
-  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
-  fsdp_rpc_call_reply(call, &reply.base);
-}
-
-void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                           fsdp_unit_t *unit, const fsdp_session_t *session,
-                           const Fsdp__V1__UnitOpRequest *rq, uint64_t now_ms,
-                           uint64_t timeout_ms) {
+                            fsdp_unit_t *unit, const fsdp_session_t *session,
+                            const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
   uint32_t rank = session->local_rank;
   const char *method = fsdp_rpc_call_method(call);
   if (!ready(call, unit))
     return;
-  if (unit->rs_running || rank_in(unit->rs_submitted, rank)) {
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "%s: unit '%s' step %llu: local rank %u already submitted its gradient",
-                       method, unit->spec->unit, (unsigned long long)unit->rs_step, rank);
+  if (unit->gathered && rq->step == unit->gathered_step) {
+    reply_unit_op(call); /* the fast path: this step's copy is there */
     return;
   }
-  if (unit->rs_count == 0) {
-    unit->rs_step = rq->step;
-    unit->rs_accumulate = rq->accumulate;
-    unit->rs_deadline_ms = now_ms + timeout_ms;
-  } else if (rq->step != unit->rs_step || rq->accumulate != unit->rs_accumulate) {
-    /* The ranks disagree: nobody can complete this collection, so everyone hears now. */
+  if (unit->gathered && rq->step < unit->gathered_step) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s': local rank %u asked for step %llu, but the unsharded "
+                       "copy already holds step %llu",
+                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
+                       (unsigned long long)unit->gathered_step);
+    return;
+  }
+  fsdp_collection_t *c = &unit->gather;
+  if (rank_in(c->submitted, rank) && rq->step == c->step) {
+    park(call, unit, rank, WAIT_UNSHARD); /* a second call of the rank shares its request */
+    return;
+  }
+  if (c->running) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s': local rank %u asked for step %llu while step %llu is "
+                       "being gathered",
+                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
+                       (unsigned long long)c->step);
+    return;
+  }
+  if (!collect(unit, WAIT_UNSHARD, call, job, rank, rq->step, deadline_ms))
+    return;
+  int r = queue(dp, WORK_GATHER, job, unit);
+  if (r < 0) {
+    abort_collection(unit, WAIT_UNSHARD, r, "cannot queue the gather");
+    return;
+  }
+  unit->gathered = false; /* the buffer is overwritten from now on */
+  c->running = true;
+}
+
+void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
+  if (!ready(call, unit))
+    return;
+  reply_unit_op(call);
+}
+
+void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                           fsdp_unit_t *unit, const fsdp_session_t *session,
+                           const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
+  uint32_t rank = session->local_rank;
+  const char *method = fsdp_rpc_call_method(call);
+  if (!ready(call, unit))
+    return;
+  fsdp_collection_t *c = &unit->reduce;
+  if (c->running || rank_in(c->submitted, rank)) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s' step %llu: local rank %u already submitted its gradient",
+                       method, unit->spec->unit, (unsigned long long)c->step, rank);
+    return;
+  }
+  if (c->count == 0) {
+    unit->reduce_accumulate = rq->accumulate;
+  } else if (rq->step == c->step && rq->accumulate != unit->reduce_accumulate) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
-             "unit '%s': local rank %u submitted step %llu (accumulate %s) while the other "
-             "ranks submitted step %llu (accumulate %s)",
-             unit->spec->unit, rank, (unsigned long long)rq->step,
-             rq->accumulate ? "true" : "false", (unsigned long long)unit->rs_step,
-             unit->rs_accumulate ? "true" : "false");
-    abort_reduce(unit, FSDP_E_FAILED_PRECONDITION, message);
+             "unit '%s' step %llu: local rank %u submitted with accumulate %s while the other "
+             "ranks submitted with accumulate %s",
+             unit->spec->unit, (unsigned long long)rq->step, rank,
+             rq->accumulate ? "true" : "false", unit->reduce_accumulate ? "true" : "false");
+    abort_collection(unit, WAIT_REDUCE, FSDP_E_FAILED_PRECONDITION, message);
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", method, message);
     return;
   }
-  rank_set(unit->rs_submitted, rank, true);
-  unit->rs_count++;
-  park(call, unit, rank, WAIT_REDUCE);
-  if (unit->rs_count < job->local_world_size)
+  if (!collect(unit, WAIT_REDUCE, call, job, rank, rq->step, deadline_ms))
     return;
   int r = queue(dp, WORK_REDUCE, job, unit);
   if (r < 0) {
-    abort_reduce(unit, r, "cannot queue the reduce-scatter");
+    abort_collection(unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
     return;
   }
-  unit->rs_running = true;
+  c->running = true;
 }
 
-/* "1, 3" into buf: the ranks of a job that have not submitted. */
-static void missing_ranks(const fsdp_unit_t *u, unsigned world, char *buf, size_t size) {
+/* "1, 3" into buf: the ranks of a job that have not asked. */
+static void missing_ranks(const fsdp_collection_t *c, unsigned world, char *buf, size_t size) {
   size_t used = 0;
   buf[0] = '\0';
   for (unsigned r = 0; r < world && used < size; r++)
-    if (!rank_in(u->rs_submitted, r))
+    if (!rank_in(c->submitted, r))
       used += (size_t)snprintf(buf + used, size - used, "%s%u", used ? ", " : "", r);
 }
+
+static bool collecting(const fsdp_collection_t *c) {
+  return c->count > 0 && !c->running;
+}
+
+static const waiter_kind_t collective_kinds[] = {WAIT_UNSHARD, WAIT_REDUCE};
 
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
   for (fsdp_job_t *job = store->jobs; job; job = job->next) {
     for (fsdp_unit_t *u = job->units; u; u = u->next) {
-      if (u->rs_count == 0 || u->rs_running || now_ms < u->rs_deadline_ms)
-        continue;
-      char missing[128], message[FSDP_STATUS_MESSAGE_MAX];
-      missing_ranks(u, job->local_world_size, missing, sizeof missing);
-      snprintf(message, sizeof message,
-               "unit '%s' step %llu: local rank(s) %s of job '%s' did not submit in time "
-               "(store.collective_timeout)",
-               u->spec->unit, (unsigned long long)u->rs_step, missing, job->name);
-      log_warning("%s", message);
-      abort_reduce(u, FSDP_E_ABORTED, message);
+      for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
+        waiter_kind_t kind = collective_kinds[k];
+        const fsdp_collection_t *c = collection_of(u, kind);
+        if (!collecting(c) || now_ms < c->deadline_ms)
+          continue;
+        char missing[128], message[FSDP_STATUS_MESSAGE_MAX];
+        missing_ranks(c, job->local_world_size, missing, sizeof missing);
+        snprintf(message, sizeof message,
+                 "unit '%s' step %llu: local rank(s) %s of job '%s' did not ask to %s in time "
+                 "(store.collective_timeout)",
+                 u->spec->unit, (unsigned long long)c->step, missing, job->name,
+                 collection_verb(kind));
+        log_warning("%s", message);
+        abort_collection(u, kind, FSDP_E_ABORTED, message);
+      }
     }
   }
 }
 
 void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why) {
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (rank_in(u->holders, rank))
-      let_go(u, rank);
     /* The others would wait for a rank that is gone: tell them now, naming it. */
-    if (u->rs_count > 0 && !u->rs_running) {
+    for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
+      waiter_kind_t kind = collective_kinds[k];
+      const fsdp_collection_t *c = collection_of(u, kind);
+      if (!collecting(c))
+        continue;
       char message[FSDP_STATUS_MESSAGE_MAX];
       snprintf(message, sizeof message,
-               "unit '%s' step %llu: local rank %u of job '%s' is gone (%s)", u->spec->unit,
-               (unsigned long long)u->rs_step, rank, job->name, why);
-      abort_reduce(u, FSDP_E_ABORTED, message);
+               "unit '%s' step %llu: local rank %u of job '%s' is gone (%s) before its %s",
+               u->spec->unit, (unsigned long long)c->step, rank, job->name, why,
+               collection_verb(kind));
+      abort_collection(u, kind, FSDP_E_ABORTED, message);
     }
   }
 }

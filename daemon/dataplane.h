@@ -7,14 +7,22 @@
  * never runs on the loop thread, and a unit's memory is never freed while the daemon runs,
  * so a work item's pointers stay valid until its completion runs on the loop.
  *
- * Unshard: the first rank to ask starts one gather (the fp32 master shards cast into the
- * unsharded buffer in param_dtype); ranks that ask meanwhile share it; the unit then stays
- * unsharded while any local rank holds it, and the next Unshard after the last Reshard
- * gathers again (the masters may have changed). A session that ends lets go of its holds.
+ * Unshard is a collective of the job's local ranks, like FSDP's all-gather: a rank asking
+ * for step s says its master shards are final for s. Once every local rank has asked for s,
+ * one gather (the fp32 master shards cast into the unsharded buffer in param_dtype) runs and
+ * answers them all. The buffer then holds step s until the gather of a newer step, so an
+ * Unshard of s after a Reshard (FULL_SHARD's backward) is answered at once; an older step
+ * is refused. Reshard only checks the unit: the host backend keeps the buffer.
  *
- * ReduceScatter: each rank submits once its full-gradient buffer is written; the last
- * submission queues one reduce of the L buffers (in reduce_dtype, scaled by the gradient
- * factors) into the fp32 gradient shards, and every waiter is answered when it is done.
+ * ReduceScatter is the same kind of collective: each rank submits once its full-gradient
+ * buffer is written; the last submission queues one reduce of the L buffers (in
+ * reduce_dtype, scaled by the gradient factors) into the fp32 gradient shards, and every
+ * waiter is answered when it is done.
+ *
+ * A collective names one step; a rank asking for another step than the others aborts it
+ * for all. Ranks that do not ask within the deadline of the first (store.collective_timeout)
+ * are named in the ABORTED every waiter gets (fsdp_dataplane_expire), and so is a rank whose
+ * session ends (fsdp_dataplane_release_rank).
  *
  * Loop thread only, except inside work items. */
 #ifndef FSDP_DATAPLANE_H
@@ -54,29 +62,29 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_j
                              fsdp_unit_t *unit, const fsdp_session_t *session,
                              size_t arena_capacity, size_t memory_free);
 
-/* Unshard and Reshard of `unit` for the session's rank. */
+/* Unshard of `unit` for the session's rank at rq->step; deadline_ms: loop time by which
+ * every local rank must have asked, if this call starts the collective. */
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                            fsdp_unit_t *unit, const fsdp_session_t *session);
-void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, fsdp_unit_t *unit,
-                            const fsdp_session_t *session);
+                            fsdp_unit_t *unit, const fsdp_session_t *session,
+                            const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms);
 
-/* ReduceScatter (and AllReduce of a NO_SHARD unit) for the session's rank: parks the call
- * until every local rank has submitted for rq->step, then reduces on the worker pool. Ranks
- * that do not submit within timeout_ms of the first are named in the ABORTED every waiter
- * gets (fsdp_dataplane_expire). */
+/* Reshard: answered at once once the unit has buffers. */
+void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit);
+
+/* ReduceScatter (and AllReduce of a NO_SHARD unit) for the session's rank at rq->step, with
+ * rq->accumulate; deadline_ms as for Unshard. */
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
                            fsdp_unit_t *unit, const fsdp_session_t *session,
-                           const Fsdp__V1__UnitOpRequest *rq, uint64_t now_ms,
-                           uint64_t timeout_ms);
+                           const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms);
 
-/* Ends reduce-scatters whose deadline passed; from the housekeeping timer. */
+/* Ends collectives whose deadline passed; from the housekeeping timer. */
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
 
 /* Whether any queued or running work, or any parked call, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
 
-/* A session of `job` ended (why: for the messages): its rank lets go of every unit it held
- * unsharded, and reduce-scatters waiting for it end with ABORTED naming it. */
+/* A session of `job` ended (why: for the messages): collectives waiting for its rank end
+ * with ABORTED naming it. */
 void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why);
 
 #endif

@@ -147,6 +147,12 @@ static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
   return u;
 }
 
+/* When every local rank must have joined a collective that a call starts now. */
+static uint64_t collective_deadline(fsdp_daemon_t *daemon) {
+  return fsdp_daemon_now_ms(daemon) +
+         (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_COLLECTIVE_TIMEOUT);
+}
+
 static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_daemon_t *daemon = data;
   const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
@@ -154,7 +160,7 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_job_t *job;
   fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
   if (u)
-    fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s);
+    fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
 }
 
 /* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
@@ -172,9 +178,7 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
                        no_shard ? "NO_SHARD" : "sharded", no_shard ? "AllReduce" : "ReduceScatter");
     return;
   }
-  fsdp_dataplane_reduce(&daemon->dataplane, call, job, u, s, rq, fsdp_daemon_now_ms(daemon),
-                        (uint64_t)fsdp_config_number(&daemon->config,
-                                                     FSDP_OPTION_COLLECTIVE_TIMEOUT));
+  fsdp_dataplane_reduce(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
 }
 
 static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -194,7 +198,7 @@ static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_job_t *job;
   fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
   if (u)
-    fsdp_dataplane_reshard(call, u, s);
+    fsdp_dataplane_reshard(call, u);
 }
 
 static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {

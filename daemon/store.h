@@ -27,11 +27,19 @@ typedef struct fsdp_waiter fsdp_waiter_t; /* a parked call; daemon/dataplane.h *
 typedef enum fsdp_unit_state {
   FSDP_UNIT_NEW,        /* registered, no buffers yet */
   FSDP_UNIT_ALLOCATING, /* buffers taken from the arena, being pre-faulted */
-  FSDP_UNIT_SHARDED,    /* ready; the unsharded buffer holds nothing valid */
-  FSDP_UNIT_GATHERING,  /* Unshard under way */
-  FSDP_UNIT_UNSHARDED,  /* the unsharded buffer holds the parameters */
+  FSDP_UNIT_READY,      /* buffers ready for unshards and reductions */
   FSDP_UNIT_FAILED,     /* buffers could not be made ready; see `error` */
 } fsdp_unit_state_t;
+
+/* One collective of the job's local ranks on a unit (the gather of a step, or the
+ * reduce-scatter of a step): who asked for which step, and by when all must have. */
+typedef struct fsdp_collection {
+  uint64_t submitted[FSDP_LOCAL_WORLD_MAX / 64]; /* bit r: local rank r asked */
+  unsigned count;
+  uint64_t step;
+  uint64_t deadline_ms; /* loop time by which every rank must have asked */
+  bool running;         /* every rank asked; the work is on the worker pool */
+} fsdp_collection_t;
 
 typedef struct fsdp_unit {
   Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
@@ -44,15 +52,14 @@ typedef struct fsdp_unit {
   uint64_t grad_offset;
   uint64_t full_grad_offset;  /* local rank r's at + r * full_grad_stride */
   uint64_t full_grad_stride;
-  uint64_t holders[FSDP_LOCAL_WORLD_MAX / 64]; /* ranks between their Unshard and Reshard */
-  fsdp_waiter_t *waiters;     /* calls parked until the state moves */
-  /* The reduce-scatter being collected: who submitted for which step. */
-  uint64_t rs_submitted[FSDP_LOCAL_WORLD_MAX / 64];
-  unsigned rs_count;
-  uint64_t rs_step;
-  bool rs_accumulate;
-  bool rs_running;         /* every rank submitted; the reduce is on the worker pool */
-  uint64_t rs_deadline_ms; /* loop time by which every rank must have submitted */
+  /* The unsharded buffer holds the parameters of `gathered_step` once `gathered`: it stays
+   * valid across Reshard (the host backend keeps the buffer) until a newer step's gather. */
+  bool gathered;
+  uint64_t gathered_step;
+  fsdp_collection_t gather;
+  fsdp_collection_t reduce;
+  bool reduce_accumulate;
+  fsdp_waiter_t *waiters; /* calls parked until a collection or the buffers' preparation ends */
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
   uint64_t registered[FSDP_LOCAL_WORLD_MAX / 64]; /* bit r: local rank r registered */
   unsigned n_registered;

@@ -151,8 +151,8 @@ def test_a_missing_rank_aborts_every_waiter_naming_it(fsdpd):
     for e in results:
         code, details = e.code(), e.details()
         assert code == grpc.StatusCode.ABORTED
-        assert details.endswith("unit 'u' step 41: local rank(s) 2 of job 'j' did not submit in "
-                                "time (store.collective_timeout)")
+        assert details.endswith("unit 'u' step 41: local rank(s) 2 of job 'j' did not ask to "
+                                "reduce-scatter in time (store.collective_timeout)")
     assert 0.25 < elapsed < 2, elapsed
     # The unit is usable again: all three submit the next step.
     assert submit_all(ranks, "u", step=42) == ["OK"] * 3
@@ -197,12 +197,25 @@ def test_mismatched_steps_abort_the_collection_at_once(fsdpd):
             session_id=ranks[1].session, unit="u", step=4), trainer_pb2.UnitOpReply)
     code, details = status_code_and_details(excinfo)
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    message = ("local rank 1 submitted step 4 (accumulate false) while the other ranks "
-               "submitted step 3 (accumulate false)")
+    message = "local rank 1 asked to reduce-scatter step 4 while the other ranks asked for step 3"
     assert message in details
     t.join(5)  # rank 0 hears at once, not after store.collective_timeout
     e = box["r"][0]
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and message in e.details()
+    # The same step, but one rank accumulates (no_sync) and the other does not.
+    t = threading.Thread(target=lambda: box.update(r=submit_all(ranks[:1], "u", step=4)))
+    t.start()
+    poll(lambda: d.status().rpc_work_inflight >= 1, 5, what="rank 0 to be waiting")
+    with pytest.raises(grpc.RpcError) as excinfo:
+        d.call("/fsdp.v1.Trainer/ReduceScatter", trainer_pb2.UnitOpRequest(
+            session_id=ranks[1].session, unit="u", step=4, accumulate=True),
+            trainer_pb2.UnitOpReply)
+    code, details = status_code_and_details(excinfo)
+    t.join(5)
+    message = ("unit 'u' step 4: local rank 1 submitted with accumulate true while the other "
+               "ranks submitted with accumulate false")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and message in details
+    assert message in box["r"][0].details()
     assert submit_all(ranks, "u", step=5) == ["OK", "OK"]
 
 

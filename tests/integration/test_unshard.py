@@ -1,8 +1,10 @@
 """Unit buffers and Unshard/Reshard through a real fsdpd: L = 1..4 ranks (one process may hold
 several ranks' sessions) map their job's arena, each writes its own fp32 master shard, and
 Unshard yields the whole unit in param_dtype, equal to a reference computed here (fp32
-exact, bf16 and fp16 rounded to nearest even); concurrent Unshards share one gather; after a
-Reshard the next Unshard sees new master values; bad requests get their status."""
+exact, bf16 and fp16 rounded to nearest even). Unshard is a collective of the local ranks:
+the gather of a step runs once every rank asked for it, the copy then serves that step (also
+after a Reshard) until a newer step gathers the masters again; ranks that disagree on the
+step, or do not come, are told so; bad requests get their status."""
 
 import array
 import mmap
@@ -54,10 +56,11 @@ class Rank:
             params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32)
                     for i, s in enumerate(shapes)]), trainer_pb2.RegisterUnitReply)
 
-    def op(self, name, unit="u"):
+    def op(self, name, unit="u", step=0, timeout=10):
         return self.d.call(f"/fsdp.v1.Trainer/{name}",
-                           trainer_pb2.UnitOpRequest(session_id=self.session, unit=unit),
-                           trainer_pb2.UnitOpReply)
+                           trainer_pb2.UnitOpRequest(session_id=self.session, unit=unit,
+                                                     step=step),
+                           trainer_pb2.UnitOpReply, timeout=timeout)
 
     def write_master_shard(self, layout, values):
         lo = layout.shard * layout.shard_numel
@@ -68,6 +71,24 @@ class Rank:
     def unsharded(self, layout, dtype):
         start = layout.unsharded_offset
         return bytes(self.shared[start:start + layout.padded_numel * SIZE[dtype]])
+
+
+def on_all(ranks, name, unit="u", step=0):
+    """name on every rank at once (one thread each), as the ranks' processes would; returns
+    the errors, in rank order (None for success)."""
+    errors = [None] * len(ranks)
+
+    def run(i):
+        try:
+            ranks[i].op(name, unit=unit, step=step)
+        except grpc.RpcError as e:
+            errors[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def bf16_bits(x):
@@ -102,19 +123,73 @@ def test_unshard_gathers_every_rank_shard(fsdpd, world, dtype):
     values = values_for(layout.padded_numel, world)
     for r, lay in zip(ranks, layouts):
         r.write_master_shard(lay, values)
-    for r in ranks:
-        r.op("Unshard")
+    assert on_all(ranks, "Unshard", step=1) == [None] * world
     expected = encode(values, dtype)
     for r in ranks:  # every rank sees the same, whole unit
         assert r.unsharded(layout, dtype) == expected
     for r in ranks:
-        r.op("Reshard")
-    # The masters change (an optimizer step); the next Unshard gathers again.
+        r.op("Reshard", step=1)
+    # Within the step the copy stays (FULL_SHARD's backward): any rank gets it at once.
+    ranks[-1].op("Unshard", step=1)
+    # The masters change (an optimizer step); the next step's Unshard gathers again.
     values = [v * -2.5 for v in values]
     for r, lay in zip(ranks, layouts):
         r.write_master_shard(lay, values)
-    ranks[-1].op("Unshard")
+    assert on_all(ranks, "Unshard", step=2) == [None] * world
     assert ranks[0].unsharded(layout, dtype) == encode(values, dtype)
+
+
+def test_a_gather_waits_for_every_rank_of_the_step(fsdpd):
+    """A rank that asks for step 2 first does not get the copy until the last rank asked:
+    until then that rank may still be writing its master shard (its optimizer step)."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    layouts = [r.register() for r in ranks]
+    values = values_for(layouts[0].padded_numel, 3)
+    for r, lay in zip(ranks, layouts):
+        r.write_master_shard(lay, values)
+    assert on_all(ranks, "Unshard", step=1) == [None, None]
+    early = []
+    t = threading.Thread(target=lambda: early.append(ranks[0].op("Unshard", step=2)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), "rank 0 got step 2 before rank 1 asked for it"
+    values = [v + 1 for v in values]  # rank 1's optimizer step, while rank 0 waits
+    for r, lay in zip(ranks, layouts):
+        r.write_master_shard(lay, values)
+    ranks[1].op("Unshard", step=2)
+    t.join(10)
+    assert early and ranks[0].unsharded(layouts[0], FP32) == encode(values, FP32)
+
+
+def test_ranks_that_disagree_or_stay_away_are_named(fsdpd):
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "store.collective_timeout=300ms",
+              "--set", "daemon.housekeeping_interval=20ms")
+    ranks = [Rank(d, r, 3) for r in range(3)]
+    for r in ranks:
+        r.register()
+    # Rank 2 never asks: the others hear who is missing once the timeout passes.
+    errors = on_all(ranks[:2], "Unshard", step=1)
+    for e in errors:
+        assert e.code() == grpc.StatusCode.ABORTED
+        assert ("unit 'u' step 1: local rank(s) 2 of job 'j' did not ask to unshard in time"
+                in e.details())
+    # Steps that disagree abort the gather for everyone, naming both steps.
+    t = threading.Thread(target=lambda: errors.append(
+        refused(lambda: ranks[0].op("Unshard", step=5))))
+    t.start()
+    poll(lambda: d.status().rpc_work_inflight >= 1, 5, what="rank 0's Unshard to wait")
+    code, details = refused(lambda: ranks[1].op("Unshard", step=6))
+    t.join(10)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "local rank 1 asked to unshard step 6 while the other ranks asked for step 5" in details
+    assert errors[-1][0] == grpc.StatusCode.FAILED_PRECONDITION
+    # A step older than the copy's is refused.
+    assert on_all(ranks, "Unshard", step=7) == [None] * 3
+    code, details = refused(lambda: ranks[2].op("Unshard", step=6))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "asked for step 6, but the unsharded copy already holds step 7" in details
+    d.assert_serving()
 
 
 def test_concurrent_unshards_share_one_gather_and_big_units_work(fsdpd):
@@ -126,20 +201,7 @@ def test_concurrent_unshards_share_one_gather_and_big_units_work(fsdpd):
         lo = lay.shard * lay.shard_numel
         start = lay.master_offset + lo * 4
         r.memory[start:start + lay.shard_numel * 4] = values[lo:lo + lay.shard_numel].tobytes()
-    errors = []
-
-    def unshard(r):
-        try:
-            r.op("Unshard", unit="big")
-        except grpc.RpcError as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=unshard, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert on_all(ranks, "Unshard", unit="big") == [None] * 4
     lay = layouts[0]
     got = array.array("f")
     got.frombytes(ranks[2].shared[lay.unsharded_offset:lay.unsharded_offset + lay.padded_numel * 4])
@@ -182,7 +244,7 @@ def test_other_strategies_shard_over_the_host(fsdpd, strategy):
     values = values_for(layouts[0].padded_numel, 5)
     for r, lay in zip(ranks, layouts):
         r.write_master_shard(lay, values)
-    ranks[1].op("Unshard")
+    assert on_all(ranks, "Unshard") == [None] * 3
     assert ranks[2].unsharded(layouts[0], FP32) == encode(values, FP32)
 
 
@@ -254,20 +316,25 @@ def test_memory_limit_holds_over_all_jobs(fsdpd):
     assert "free under memory.limit (all jobs together)" in details
 
 
-def test_a_cancelled_unshard_does_not_leave_the_unit_held(fsdpd):
-    """An Unshard whose client gives up before the gather ends must not leave its rank
-    holding the unit: the next Unshard has to gather the new masters, not serve old ones."""
-    d = fsdpd("--set", "memory.job_limit=512MiB")
-    r = Rank(d, 0, 1)
-    lay = r.register(unit="big", shapes=((4096, 4096),))
-    r.write_master_shard(lay, [1.0] * lay.padded_numel)
+def test_a_cancelled_unshard_does_not_count_in_the_gather(fsdpd):
+    """An Unshard whose client gives up before the other ranks came no longer counts: the
+    gather must not run before the rank asks again (its master shard may still change)."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    r0, r1 = Rank(d, 0, 2), Rank(d, 1, 2)
+    lays = [r0.register(), r1.register()]
+    for r, lay in zip((r0, r1), lays):
+        r.write_master_shard(lay, [1.0] * lay.padded_numel)
     with pytest.raises(grpc.RpcError) as excinfo:
-        d.call("/fsdp.v1.Trainer/Unshard", trainer_pb2.UnitOpRequest(
-            session_id=r.session, unit="big"), trainer_pb2.UnitOpReply, timeout=0.001)
+        r0.op("Unshard", step=1, timeout=0.2)
     assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     poll(lambda: d.status().rpc_work_inflight == 0, 5, what="the cancelled call to end")
-    r.write_master_shard(lay, [7.0] * lay.padded_numel)
-    r.op("Unshard", unit="big")
+    t = threading.Thread(target=lambda: r1.op("Unshard", step=1))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), "the gather ran without rank 0"
+    r0.write_master_shard(lays[0], [7.0] * lays[0].padded_numel)
+    r0.op("Unshard", step=1)
+    t.join(10)
     got = array.array("f")
-    got.frombytes(r.shared[lay.unsharded_offset:lay.unsharded_offset + 4096])
-    assert set(got) == {7.0}
+    got.frombytes(r0.unsharded(lays[0], FP32))
+    assert set(got[:lays[0].shard_numel]) == {7.0} and set(got[lays[0].shard_numel:]) == {1.0}
