@@ -399,3 +399,45 @@ int fsdp_reduce(float *dst, bool accumulate, const void *const *srcs, unsigned n
   return fsdp_reduce_range(dst, accumulate, srcs, n_srcs, src_type, reduce_type, pre_scale,
                            post_scale, 0, n);
 }
+
+/* ---- Add ---- */
+
+/* Each sum is one fp32 operation on two values of `type`, so the rounding back is the
+ * correctly rounded sum in that type; the NaN select of the conversions stays in because the
+ * bit patterns are the caller's (a signaling NaN in fp16 must come out quiet). */
+KERNEL static void add_kernel(void *dst, const void *src, fsdp_dtype_t type, size_t n) {
+  switch (type) {
+  case FSDP_DTYPE_FP32: {
+    f32u *d = dst;
+    const f32u *s = src;
+    for (size_t i = 0; i < n; i++)
+      d[i] = d[i] + s[i];
+    break;
+  }
+  case FSDP_DTYPE_BF16: {
+    u16u *d = dst;
+    const u16u *s = src;
+    for (size_t i = 0; i < n; i++)
+      d[i] = fp32_to_bf16(bits_of(float_of((uint32_t)d[i] << 16) + float_of((uint32_t)s[i] << 16)));
+    break;
+  }
+  case FSDP_DTYPE_FP16: {
+    u16u *d = dst;
+    const u16u *s = src;
+    for (size_t i = 0; i < n; i++)
+      d[i] = fp32_to_fp16(bits_of(float_of(fp16_to_fp32(d[i])) + float_of(fp16_to_fp32(s[i]))));
+    break;
+  }
+  }
+}
+
+int fsdp_add(void *dst, const void *src, fsdp_dtype_t type, size_t n) {
+  if (!fsdp_dtype_is_valid(type))
+    return -EINVAL;
+  if (n == 0)
+    return 0;
+  if (!dst || !src)
+    return -EINVAL;
+  add_kernel(dst, src, type, n);
+  return 0;
+}

@@ -92,4 +92,14 @@ int fsdp_reduce_range(float *dst, bool accumulate, const void *const *srcs, unsi
                       fsdp_dtype_t src_type, fsdp_dtype_t reduce_type, float pre_scale,
                       float post_scale, size_t begin, size_t end);
 
+/* In-place elementwise sum in one dtype: dst[i] = R(dst[i] + src[i]) for n elements, where
+ * the addition is done in fp32 and R rounds to `type` (to nearest even). For bf16 and fp16
+ * this is the correctly rounded sum in that type (see fsdp_reduce), so a sum built by
+ * repeated calls is the sum a peer computing in `type` gets, in the same order. This is the
+ * reduce step of a ring reduce-scatter between hosts, where each hop adds one partial sum
+ * to the local contribution. Overflow gives Inf; a NaN operand or Inf - Inf gives a NaN
+ * (which one is unspecified). dst and src must be the same pointer or not overlap; no
+ * alignment is needed. Returns 0, or -EINVAL for a bad dtype or a NULL buffer with n > 0. */
+int fsdp_add(void *dst, const void *src, fsdp_dtype_t type, size_t n);
+
 #endif

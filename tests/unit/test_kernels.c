@@ -525,6 +525,61 @@ static void check_reduce(fsdp_workers_t *pool, unsigned n_srcs, fsdp_dtype_t st,
   free(want);
 }
 
+/* fsdp_add against the reference: the fp32 sum of the two exact values, rounded to the type
+ * once; every dtype, odd lengths, misaligned buffers, random bit patterns (NaNs, Infs and
+ * subnormals among them) and gradient-like values, and dst == src. */
+static void check_add(fsdp_dtype_t t, size_t n, size_t misalign, bool random_bits, bool same) {
+  size_t es = fsdp_dtype_size(t);
+  unsigned char *a = malloc(n * es + 8), *b = malloc(n * es + 8), *want = malloc(n * es + 1);
+  assert_non_null(a);
+  assert_non_null(b);
+  assert_non_null(want);
+  void *d = a + misalign % 4, *s = same ? d : b + (misalign + 1) % 4;
+  if (random_bits) {
+    fill_random_bits(d, t, n);
+    fill_random_bits(s, t, n);
+  } else {
+    fill_values(d, t, n);
+    fill_values(s, t, n);
+  }
+  for (size_t i = 0; i < n; i++)
+    ref_store(want, i, t, fbits(ffrom(ref_load(d, i, t)) + ffrom(ref_load(s, i, t))));
+  assert_int_equal(fsdp_add(d, s, t, n), 0);
+  for (size_t i = 0; i < n; i++) {
+    uint32_t got = ref_load(d, i, t), exp = ref_load(want, i, t);
+    if (!same_value(got, exp))
+      fail_msg("add %s, n %zu, misalign %zu, dst==src %d, element %zu: got 0x%08x (%.9g), want "
+               "0x%08x (%.9g)",
+               fsdp_dtype_name(t), n, misalign, same, i, got, (double)ffrom(got), exp,
+               (double)ffrom(exp));
+  }
+  free(a);
+  free(b);
+  free(want);
+}
+
+static void test_add_every_dtype(void **state) {
+  (void)state;
+  static const size_t ns[] = {1, 7, 31, 1000, 4096 + 37};
+  for (int ti = 0; ti < 3; ti++)
+    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+      for (int mode = 0; mode < 3; mode++)
+        check_add(TYPES[ti], ns[ni], ni + (size_t)mode, mode == 1, mode == 2);
+  /* Known sums: fp16 overflow to Inf, bf16 ties to even, Inf - Inf. */
+  uint16_t h[2] = {0x7bff /* 65504 */, 0x5000 /* 32 */};
+  assert_int_equal(fsdp_add(&h[0], &h[1], FSDP_DTYPE_FP16, 1), 0);
+  assert_int_equal(h[0], 0x7c00);
+  uint16_t g[2] = {0x3f80 /* 1.0 */, 0x3b80 /* 2^-8: half an ulp of 1.0 */};
+  assert_int_equal(fsdp_add(&g[0], &g[1], FSDP_DTYPE_BF16, 1), 0);
+  assert_int_equal(g[0], 0x3f80);
+  float f[2] = {INFINITY, -INFINITY};
+  assert_int_equal(fsdp_add(&f[0], &f[1], FSDP_DTYPE_FP32, 1), 0);
+  assert_true(isnan(f[0]));
+  assert_int_equal(fsdp_add(f, f, (fsdp_dtype_t)7, 1), -EINVAL);
+  assert_int_equal(fsdp_add(NULL, f, FSDP_DTYPE_FP32, 1), -EINVAL);
+  assert_int_equal(fsdp_add(NULL, NULL, FSDP_DTYPE_FP32, 0), 0);
+}
+
 static void test_reduce_every_dtype_pair(void **state) {
   (void)state;
   static const unsigned ls[] = {1, 2, 3, 4, 5, 16};
@@ -795,6 +850,7 @@ int main(void) {
       cmocka_unit_test(test_known_values),
       cmocka_unit_test(test_lengths_and_alignment),
       cmocka_unit_test(test_reduce_every_dtype_pair),
+      cmocka_unit_test(test_add_every_dtype),
       cmocka_unit_test(test_reduce_special_sums),
       cmocka_unit_test(test_reduce_in_place),
       cmocka_unit_test(test_pool_covers_every_index_once),
