@@ -43,3 +43,9 @@ bench: build
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)
+
+# Train a small transformer with 2 trainer processes through a fresh fsdpd (examples/):
+# the loss per step, then fsdpctl status and units.
+.PHONY: demo
+demo: setup-test build
+	/usr/bin/python3 examples/demo.py --build $(BUILD)
