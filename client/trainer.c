@@ -471,6 +471,8 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
       .master = (float *)(void *)(base + l->master_offset),
       .grad = (float *)(void *)(base + l->grad_offset),
       .full_grad = base + l->full_grad_offset,
+      .gathered_step = l->gathered_step,
+      .reduced_step = l->reduced_step,
   };
   t->units[t->n_units++] = u;
   *ret_unit = u;

@@ -125,6 +125,8 @@ static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32
   reply.grad_offset = u->grad_offset;
   reply.full_grad_offset = u->full_grad_offset + rank * u->full_grad_stride;
   reply.shard = u->layout.shards == 1 ? 0 : rank;
+  reply.gathered_step = u->gathered ? u->gathered_step : 0;
+  reply.reduced_step = u->reduced_step;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
@@ -288,6 +290,8 @@ static void work_done(uv_work_t *req, int status) {
       if (kind == WAIT_UNSHARD) {
         u->gathered = true;
         u->gathered_step = c->step;
+      } else {
+        u->reduced_step = c->step;
       }
       wake(u, kind);
       collection_reset(c);

@@ -59,6 +59,7 @@ typedef struct fsdp_unit {
   fsdp_collection_t gather;
   fsdp_collection_t reduce;
   bool reduce_accumulate;
+  uint64_t reduced_step; /* of the last reduce-scatter that completed */
   fsdp_waiter_t *waiters; /* calls parked until a collection or the buffers' preparation ends */
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
   uint64_t registered[FSDP_LOCAL_WORLD_MAX / 64]; /* bit r: local rank r registered */

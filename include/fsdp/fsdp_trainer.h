@@ -87,6 +87,10 @@ typedef struct fsdp_unit_view {
   float *master;         /* padded_numel fp32: shard s at master + s * shard_numel */
   float *grad;           /* padded_numel fp32 gradient shards, same layout */
   void *full_grad;       /* this rank's padded_numel of param_type */
+  /* As of registration: the newest step whose gather / reduce-scatter completed on the
+   * unit, 0 before the first (a trainer that attaches again finds its masters trained). */
+  uint64_t gathered_step;
+  uint64_t reduced_step;
 } fsdp_unit_view_t;
 
 /* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.

@@ -129,7 +129,10 @@ class Unit:
     """A registered unit: its layout and zero-copy views of its buffers.
 
     numel, padded_numel, shard_numel, shard (the shard this rank holds), param_offsets (each
-    parameter's element offset in the flat buffers), param_shapes, param_names.
+    parameter's element offset in the flat buffers), param_shapes, param_names;
+    gathered_step, reduced_step: as of registration, the newest step whose gather /
+    reduce-scatter completed on the unit (0 before the first): non-zero when the job trained
+    before this client attached, so the masters hold trained values.
     Buffers (torch tensors, or memoryviews without torch; bf16 memoryviews hold raw bits):
       master, master_shard   fp32, whole buffer / this rank's slice: write your shard
       grad, grad_shard       fp32, written by reduce_scatter()
@@ -148,6 +151,7 @@ class Unit:
         self.numel, self.padded_numel = int(v.numel), int(v.padded_numel)
         self.shard_numel, self.shard = int(v.shard_numel), int(v.shard)
         self.param_offsets = [int(v.param_offsets[i]) for i in range(v.n_params)]
+        self.gathered_step, self.reduced_step = int(v.gathered_step), int(v.reduced_step)
         start = self.shard * self.shard_numel
         n = self.padded_numel
         self.master = _view(v.master, 0, n, _lib.SCALAR_FP32, True)

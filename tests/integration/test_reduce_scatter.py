@@ -113,6 +113,7 @@ def test_reduce_scatter_matches_the_reference(fsdpd, world, param_dtype, reduce_
     # A no_sync-style step adds to the shards instead.
     assert submit_all(ranks, "u", step=2, accumulate=True) == ["OK"] * world
     assert grad_shards(ranks[-1], layouts[0]) == reference(grads, reduce_dtype, 1, world, expected)
+    assert register(ranks[0], "u", param_dtype, reduce_dtype).reduced_step == 2
 
 
 def test_divide_factors_and_all_reduce(fsdpd):

@@ -137,6 +137,9 @@ def test_unshard_gathers_every_rank_shard(fsdpd, world, dtype):
         r.write_master_shard(lay, values)
     assert on_all(ranks, "Unshard", step=2) == [None] * world
     assert ranks[0].unsharded(layout, dtype) == encode(values, dtype)
+    # A trainer registering again (after a restart) learns where the unit's steps stand.
+    again = ranks[0].register(shapes=shapes, param_dtype=dtype)
+    assert (again.gathered_step, again.reduced_step) == (2, 0)
 
 
 def test_a_gather_waits_for_every_rank_of_the_step(fsdpd):
