@@ -49,3 +49,9 @@ clean:
 .PHONY: demo
 demo: setup-test build
 	/usr/bin/python3 examples/demo.py --build $(BUILD)
+
+# A training step and its host memory, fsdpd against PyTorch DDP over gloo, L = 2 and 4
+# (bench/train_bench.py; results in docs/PERFORMANCE.md). `make bench` covers the daemon alone.
+.PHONY: bench-train
+bench-train: setup-test build
+	/usr/bin/python3 bench/train_bench.py --build $(BUILD)

@@ -121,8 +121,10 @@ def main(argv=None):
             return 1
 
     signal.signal(signal.SIGTERM, _on_sigterm)
-    run_dir = Path(tempfile.mkdtemp(prefix="fsdpd-demo-"))
-    log_path = run_dir / "fsdpd.log"
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    tmp = Path(tempfile.mkdtemp(prefix="fsdpd-demo-"))
+    run_dir = tmp / "run"  # made by fsdpd with its own mode
+    log_path = tmp / "fsdpd.log"
     daemon = None
     status = 1
     try:
@@ -149,7 +151,7 @@ def main(argv=None):
             _terminate(daemon, grace=5)
         if status != 0 and log_path.exists() and log_path.stat().st_size:
             sys.stderr.write("--- fsdpd log ---\n" + log_path.read_text(errors="replace"))
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return status
 
 

@@ -66,8 +66,6 @@ class SelfAttention(nn.Module):
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
-        self.register_buffer("causal", mask, persistent=False)
 
     def forward(self, x):
         b, t, d = x.shape
@@ -76,7 +74,10 @@ class SelfAttention(nn.Module):
         # [B, T, D] -> [B, H, T, D/H]
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // h)
-        scores = scores.masked_fill(~self.causal[:t, :t], float("-inf"))
+        # The causal mask is made here rather than kept as a buffer: a module without
+        # buffers has nothing for DDP to broadcast (gloo cannot send bool tensors).
+        future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
         y = F.softmax(scores, dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 

@@ -1,0 +1,485 @@
+"""Training step and host memory: fsdpd (fsdpd.torch.shard_model) against PyTorch DDP over gloo.
+
+    /usr/bin/python3 bench/train_bench.py [--build build] [--ranks 2 4] [--steps 20]
+                                          [--warmup 3] [--global-batch 8] [--json]
+
+For each L in --ranks, the same L processes' worth of work runs twice, one after the other
+(the order alternates from one L to the next): the small transformer of
+examples/transformer.py (TinyGPT, same seed, same global batch, rank r training on its
+1/L slice of it) with Adam, one thread per process (torch.set_num_threads(1),
+OMP_NUM_THREADS=1),
+
+  fsdpd  the model through fsdpd.torch.shard_model(wrap={Block}) against a fresh fsdpd that
+         the bench starts (temporary run dir, no TCP port); Adam steps the fp32 master shards
+  DDP    torch.nn.parallel.DistributedDataParallel over gloo (a FileStore in a temporary dir)
+
+What is measured, per configuration:
+  step ms      forward + backward + optimizer step of each rank, timed after --warmup untimed
+               steps; a step's time is the slowest rank's (collectives make them wait for each
+               other); the median over the --steps timed steps
+  accounted    bytes of the tensors that hold parameters, gradients and optimizer state, over
+               all processes: for DDP, every rank's parameters, .grad and Adam state, plus
+               DDP's gradient buckets (counted as equal to the gradients: the reducer's
+               flat buckets hold one copy of every gradient when gradient_as_bucket_view is
+               off, DDP's default); for fsdpd, the daemon's buffers for the job
+               (Operator.Status jobs[].used_bytes: `fsdpctl --json status`, memory.jobs[]) plus
+               every trainer's Adam state (the state of its shard)
+  measured     the change in proportional set size (PSS, /proc/PID/smaps_rollup) summed over
+               the trainers and the daemon, between a moment after start-up (torch imported,
+               client attached or process group made, before the model is built) and the end
+               of the timed steps; PSS splits a shared page among the processes that map it,
+               so the sum counts the daemon's shared memory once. Two figures: all of PSS,
+               and anonymous + shared-memory PSS (without file pages: the code of torch's
+               libraries that the first steps page in). Each process calls malloc_trim(0)
+               before both readings, so heap memory that glibc keeps after freeing it
+               (activations) is not counted.
+  loss         the mean over ranks of the last step's loss: both runs train the same model on
+               the same data, so these agree (up to float rounding)
+
+Every child runs under a deadline (--timeout); on failure or Ctrl-C the trainers and the
+daemon are killed and the temporary dirs removed, and the bench exits 1.
+
+Internally the bench runs itself as each trainer (--worker fsdpd|ddp); a worker talks to the
+bench over its stdin/stdout in JSON lines: "init" once set up, "ready" with its figures after
+the timed steps, each time waiting for a line on stdin before it goes on, so that the bench
+reads every process's PSS at the same moment.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parents[1]
+PYTHON = "/usr/bin/python3"  # Debian's, with python3-torch
+JOB = "bench"
+MiB = 1024 * 1024
+
+
+# --- helpers shared by the bench and its workers -----------------------------------------
+
+def read_pss(pid="self"):
+    """{'Pss': bytes, 'Pss_Anon': ..., 'Pss_Shmem': ..., 'Pss_File': ...} of a process."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key.startswith("Pss"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def malloc_trim():
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def tensor_bytes(t):
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(opt):
+    import torch
+    return sum(tensor_bytes(v) for state in opt.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
+# --- worker: one rank ------------------------------------------------------------------------
+
+def _say(**msg):
+    malloc_trim()
+    print(json.dumps(msg), flush=True)
+
+
+def _wait_for_bench():
+    if not sys.stdin.readline():
+        raise SystemExit("train_bench worker: the bench went away")
+
+
+def worker(args):
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(SOURCE_DIR / "examples"))
+    from transformer import Block, Config, TinyGPT, batch, loss_fn, rank_slice
+
+    rank, world = args.rank, args.world
+    cfg = Config(d_model=args.d_model, n_layers=args.layers)
+    client = None
+    if args.worker == "fsdpd":
+        import fsdpd
+        import fsdpd.torch
+        client = fsdpd.Client(rank=rank, local_world_size=world, timeout=60)
+    else:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("gloo", store=dist.FileStore(args.store, world), rank=rank,
+                                world_size=world)
+        dist.barrier()
+    _say(event="init", pid=os.getpid())
+    _wait_for_bench()
+
+    net = TinyGPT(cfg, seed=args.seed)
+    if args.worker == "fsdpd":
+        model = fsdpd.torch.shard_model(net, client, wrap={Block})
+    else:
+        model = DistributedDataParallel(net)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        tokens, targets = rank_slice(
+            batch(step, args.global_batch, cfg.seq_len, cfg.vocab, seed=args.seed), rank, world)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        losses.append(loss.item())
+        if step >= args.warmup:
+            times.append((t1 - t0) * 1e3)
+
+    out = {"event": "ready", "rank": rank, "step_ms": times, "losses": losses,
+           "optimizer_state_bytes": optimizer_state_bytes(opt)}
+    if args.worker == "fsdpd":
+        out["units"] = [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel}
+                        for u in model.units]
+        out["param_bytes"] = out["grad_bytes"] = 0  # views of the daemon's buffers
+    else:
+        params = list(net.parameters())
+        out["param_bytes"] = sum(tensor_bytes(p) for p in params)
+        out["grad_bytes"] = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+    _say(**out)
+    _wait_for_bench()
+    if client is not None:
+        client.close()
+    else:
+        dist.destroy_process_group()
+    return 0
+
+
+# --- the bench ---------------------------------------------------------------------------------
+
+class Failed(Exception):
+    pass
+
+
+def _terminate(proc, grace=5.0):
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class Workers:
+    """L worker processes of one configuration, read line by line under one deadline."""
+
+    def __init__(self, argv_of_rank, env_of_rank, world, tmp, deadline):
+        self.deadline = deadline
+        self.lines = queue.Queue()
+        self.procs, self.logs = [], []
+        for r in range(world):
+            log = open(tmp / f"rank{r}.stderr", "w+")
+            self.logs.append(log)
+            p = subprocess.Popen(argv_of_rank(r), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=log, env=env_of_rank(r), text=True)
+            self.procs.append(p)
+            threading.Thread(target=self._read, args=(r, p), daemon=True).start()
+
+    def _read(self, r, p):
+        for line in p.stdout:
+            self.lines.put((r, line))
+        self.lines.put((r, None))
+
+    def _stderr(self, r):
+        self.logs[r].seek(0)
+        return self.logs[r].read()[-3000:]
+
+    def collect(self, event):
+        """Waits for one `event` message from every rank; returns them by rank."""
+        got = {}
+        while len(got) < len(self.procs):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise Failed(f"timed out waiting for '{event}' from ranks "
+                             f"{sorted(set(range(len(self.procs))) - set(got))}")
+            try:
+                r, line = self.lines.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                code = self.procs[r].wait()
+                raise Failed(f"rank {r} exited with {code} before '{event}':\n{self._stderr(r)}")
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                print(f"[rank {r}] {line.rstrip()}", file=sys.stderr)
+                continue
+            if msg.get("event") == event:
+                got[r] = msg
+        return [got[r] for r in range(len(self.procs))]
+
+    def release(self):
+        for p in self.procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+
+    def finish(self):
+        for p in self.procs:
+            p.stdin.close()
+        for r, p in enumerate(self.procs):
+            try:
+                code = p.wait(max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise Failed(f"rank {r} did not exit") from None
+            if code != 0:
+                raise Failed(f"rank {r} exited with {code}:\n{self._stderr(r)}")
+
+    def kill(self):
+        for p in self.procs:
+            _terminate(p, grace=2.0)
+        for log in self.logs:
+            log.close()
+
+
+def _pss_sum(pids):
+    total = {"all": 0, "data": 0}
+    for pid in pids:
+        pss = read_pss(pid)
+        total["all"] += pss["Pss"]
+        total["data"] += pss.get("Pss_Anon", 0) + pss.get("Pss_Shmem", 0)
+    return total
+
+
+def _fsdpctl_json(build, socket, *args):
+    r = subprocess.run([str(build / "bin" / "fsdpctl"), "--socket", str(socket), "--json", *args],
+                       capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        raise Failed(f"fsdpctl {' '.join(args)} exited with {r.returncode}: {r.stderr}")
+    return json.loads(r.stdout)
+
+
+def _start_daemon(build, run_dir, log):
+    socket = run_dir / "fsdpd.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
+    daemon = subprocess.Popen([str(build / "bin" / "fsdpd"), "--run-dir", str(run_dir),
+                               "--health-listen", "", "--log-level", "warning"],
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+    deadline = time.monotonic() + 15
+    while True:
+        if daemon.poll() is not None:
+            raise Failed(f"fsdpd exited with {daemon.returncode} at start")
+        if socket.exists() and subprocess.run(
+                [str(build / "bin" / "fsdpctl"), "--socket", str(socket), "health"],
+                capture_output=True, timeout=10).returncode == 0:
+            return daemon, socket
+        if time.monotonic() > deadline:
+            _terminate(daemon)
+            raise Failed("fsdpd did not answer a health check within 15 s")
+        time.sleep(0.05)
+
+
+def run_config(system, world, args, build):
+    """One configuration: returns its figures."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"fsdpd-train-bench-{system}-"))
+    daemon = workers = None
+    daemon_log = None
+    try:
+        base_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("FSDPD_") and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+        base_env.update(PYTHONPATH=str(SOURCE_DIR / "python"), OMP_NUM_THREADS="1")
+        common = ["--world", str(world), "--steps", str(args.steps), "--warmup",
+                  str(args.warmup), "--global-batch", str(args.global_batch), "--d-model",
+                  str(args.d_model), "--layers", str(args.layers), "--lr", str(args.lr),
+                  "--seed", str(args.seed)]
+        if system == "fsdpd":
+            daemon_log = open(tmp / "fsdpd.log", "wb")
+            daemon, socket = _start_daemon(build, tmp / "run", daemon_log)
+            base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB,
+                            FSDPD_LIB=str(build / "lib" / "libfsdp.so"))
+            extra = []
+        else:
+            extra = ["--store", str(tmp / "store")]
+
+        def argv(r):
+            return [PYTHON, str(Path(__file__).resolve()), "--worker", system.lower(), "--rank", str(r),
+                    *common, *extra]
+
+        def env(r):
+            return dict(base_env, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world))
+
+        workers = Workers(argv, env, world, tmp, time.monotonic() + args.timeout)
+        init = workers.collect("init")
+        pids = [m["pid"] for m in init] + ([daemon.pid] if daemon else [])
+        before = _pss_sum(pids)
+        workers.release()
+        ready = workers.collect("ready")
+        after = _pss_sum(pids)
+        daemon_bytes = 0
+        if daemon:
+            status = _fsdpctl_json(build, socket, "status")
+            jobs = [j for j in status.get("memory", {}).get("jobs", status.get("jobs", []))
+                    if j.get("job") == JOB]
+            if not jobs:
+                raise Failed(f"fsdpctl status lists no job '{JOB}'")
+            daemon_bytes = int(jobs[0].get("used_bytes", 0))
+        workers.release()
+        workers.finish()
+        if daemon:
+            code = _terminate(daemon, grace=15)
+            if code != 0:
+                raise Failed(f"fsdpd exited with {code} on SIGTERM")
+
+        n_steps = len(ready[0]["step_ms"])
+        per_step = [max(m["step_ms"][i] for m in ready) for i in range(n_steps)]
+        opt_bytes = sum(m["optimizer_state_bytes"] for m in ready)
+        params = sum(m["param_bytes"] for m in ready)
+        grads = sum(m["grad_bytes"] for m in ready)
+        res = {"system": system, "ranks": world, "step_ms": statistics.median(per_step),
+               "step_ms_all": per_step,
+               "loss": statistics.mean(m["losses"][-1] for m in ready),
+               "optimizer_state_bytes": opt_bytes,
+               "measured_pss_bytes": after["all"] - before["all"],
+               "measured_data_pss_bytes": after["data"] - before["data"]}
+        if system == "fsdpd":
+            res["daemon_bytes"] = daemon_bytes
+            res["accounted_bytes"] = daemon_bytes + opt_bytes
+            res["units"] = ready[0]["units"]
+        else:
+            res.update(param_bytes=params, grad_bytes=grads, bucket_bytes=grads,
+                       accounted_bytes=params + 2 * grads + opt_bytes)
+        return res
+    except BaseException:
+        log = tmp / "fsdpd.log"
+        if log.exists() and log.stat().st_size:
+            sys.stderr.write("--- fsdpd log ---\n" + log.read_text(errors="replace")[-3000:])
+        raise
+    finally:
+        if workers:
+            workers.kill()
+        if daemon:
+            _terminate(daemon)
+        if daemon_log:
+            daemon_log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _mib(b):
+    return f"{b / MiB:.1f}"
+
+
+def report(results):
+    print(f"{'L':>2} {'system':<10} {'step ms':>8} {'accounted MiB':>14} {'PSS MiB':>8} "
+          f"{'anon+shmem PSS MiB':>19} {'last loss':>10}")
+    by = {}
+    for r in results:
+        by[(r["ranks"], r["system"])] = r
+        print(f"{r['ranks']:>2} {r['system']:<10} {r['step_ms']:8.1f} "
+              f"{_mib(r['accounted_bytes']):>14} {_mib(r['measured_pss_bytes']):>8} "
+              f"{_mib(r['measured_data_pss_bytes']):>19} {r['loss']:10.5f}")
+        if r["system"] == "DDP" and (r["ranks"], "fsdpd") in by:
+            f, d = by[(r["ranks"], "fsdpd")], by[(r["ranks"], "DDP")]
+            print(f"{r['ranks']:>2} {'fsdpd/DDP':<10} {f['step_ms'] / d['step_ms']:8.2f} "
+                  f"{f['accounted_bytes'] / d['accounted_bytes']:14.2f} "
+                  f"{f['measured_pss_bytes'] / d['measured_pss_bytes']:8.2f} "
+                  f"{f['measured_data_pss_bytes'] / d['measured_data_pss_bytes']:19.2f}")
+    print()
+    for r in results:
+        if r["system"] == "fsdpd":
+            units = r["units"]
+            padded = sum(u["padded_numel"] for u in units)
+            print(f"L={r['ranks']} fsdpd: daemon {_mib(r['daemon_bytes'])} MiB for "
+                  f"{len(units)} model units of {padded:,} fp32 elements: masters and gradient "
+                  f"shards {_mib(2 * 4 * padded)}, {r['ranks']} full gradients "
+                  f"{_mib(r['ranks'] * 4 * padded)}, unsharded {_mib(4 * padded)} (plus "
+                  f"64-byte rounding and the barrier unit); trainers' Adam state "
+                  f"{_mib(r['optimizer_state_bytes'])} MiB")
+        else:
+            print(f"L={r['ranks']} DDP:   parameters {_mib(r['param_bytes'])} MiB, gradients "
+                  f"{_mib(r['grad_bytes'])}, buckets {_mib(r['bucket_bytes'])}, Adam state "
+                  f"{_mib(r['optimizer_state_bytes'])} (all ranks)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", default=os.environ.get("BUILD", "build"))
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
+                   help="local world sizes to run (default: 2 4)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--global-batch", type=int, default=8,
+                   help="sequences per step over all ranks; divisible by every L (default 8)")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one configuration may take (default 600)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    # Worker mode (the bench runs itself once per rank).
+    p.add_argument("--worker", choices=("fsdpd", "ddp"), help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--store", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    build = Path(args.build).resolve()
+    for f in (build / "bin" / "fsdpd", build / "bin" / "fsdpctl", build / "lib" / "libfsdp.so"):
+        if not f.exists():
+            print(f"train_bench: {f} is missing: build first", file=sys.stderr)
+            return 1
+    for world in args.ranks:
+        if world < 1 or args.global_batch % world:
+            print(f"train_bench: --global-batch {args.global_batch} does not split into "
+                  f"{world} equal slices", file=sys.stderr)
+            return 2
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    results = []
+    try:
+        for i, world in enumerate(args.ranks):
+            order = ("fsdpd", "DDP") if i % 2 == 0 else ("DDP", "fsdpd")
+            for system in order:
+                if not args.json:
+                    print(f"L={world} {system} ...", file=sys.stderr, flush=True)
+                results.append(run_config(system, world, args, build))
+    except Failed as e:
+        print(f"train_bench: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("train_bench: interrupted", file=sys.stderr)
+        return 1
+    results.sort(key=lambda r: (r["ranks"], r["system"] != "fsdpd"))
+    if args.json:
+        print(json.dumps({"config": {k: getattr(args, k) for k in
+                                     ("steps", "warmup", "global_batch", "d_model", "layers",
+                                      "lr", "seed")},
+                          "results": results}, indent=1))
+    else:
+        print(f"TinyGPT d_model {args.d_model}, {args.layers} blocks; global batch "
+              f"{args.global_batch}; Adam; median of {args.steps} steps after {args.warmup}; "
+              "1 thread per process")
+        report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
