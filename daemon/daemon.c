@@ -16,6 +16,8 @@
 
 /* Calls the TCP health endpoint holds at once. */
 #define HEALTH_MAX_INFLIGHT 64
+/* The peer port answers the other daemons: a Join, a Heartbeat and a Leave each at most. */
+#define PEER_MAX_INFLIGHT 256
 
 uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon) {
   uv_update_time(&daemon->loop);
@@ -34,6 +36,10 @@ static void apply_config(fsdp_daemon_t *daemon) {
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
+  if (daemon->peers)
+    fsdp_peers_set_timing(daemon->peers,
+                          (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_HEARTBEAT_INTERVAL),
+                          (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_TIMEOUT));
   uint64_t period = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_HOUSEKEEPING_INTERVAL);
   /* systemd wants a ping at least every WatchdogSec; twice as often leaves slack. */
   if (daemon->watchdog_usec && daemon->watchdog_usec / 2000 < period)
@@ -178,10 +184,18 @@ static void close_handles(fsdp_daemon_t *daemon) {
       uv_close(handles[i], on_handle_closed);
 }
 
+static void on_peers_closed(void *data) {
+  fsdp_daemon_t *daemon = data;
+  fsdp_peers_free(daemon->peers);
+  daemon->peers = NULL;
+  fsdp_peer_security_cleanup(&daemon->peer_security);
+}
+
 static void on_rpc_stopped(void *data) {
   fsdp_daemon_t *daemon = data;
   fsdp_rpc_server_free(daemon->rpc);
   daemon->rpc = NULL;
+  fsdp_peers_close(daemon->peers, on_peers_closed, daemon);
   fsdp_channel_stop(&daemon->channel);
   fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_listener_close(&daemon->listener);
@@ -201,6 +215,8 @@ void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why) {
    * the drain lasts, so probes and operators can still see the daemon drain. */
   fsdp_health_set_serving(&daemon->health, false);
   fsdp_health_cleanup(&daemon->health);
+  /* The peers hear it at once and count this host LEFT rather than wait out peer.timeout. */
+  fsdp_peers_leave(daemon->peers, why);
   fsdp_rpc_server_stop(daemon->rpc, drain_ms, on_rpc_stopped, daemon);
 }
 
@@ -232,6 +248,44 @@ static void format_bound_address(char *buf, size_t size, const char *address, in
   snprintf(buf, size, "%.*s:%d", host_len, address, port);
 }
 
+/* The Peer service on its own TCP port, with the token and TLS of the peer.* keys; only
+ * when there are peers. */
+static int create_peer_endpoint(fsdp_daemon_t *daemon, fsdp_status_t *st) {
+  const fsdp_config_t *cfg = &daemon->config;
+  if (fsdp_config_host_count(cfg) < 2)
+    return 0;
+  const fsdp_peer_security_t *sec = &daemon->peer_security;
+  fsdp_rpc_endpoint_options_t options = {
+      .max_inflight_calls = PEER_MAX_INFLIGHT,
+      .limit_name = "the peer port's fixed limit",
+      .auth_token = sec->token,
+      .auth_name = "peer.token_file",
+      .tls_cert_pem = sec->tls_cert,
+      .tls_key_pem = sec->tls_key,
+      .tls_ca_pem = sec->tls_ca,
+  };
+  /* HEALTH and PEER are adjacent: probes can ask for fsdp.v1.Peer where it is served. */
+  int r = fsdp_rpc_server_add_endpoint(daemon->rpc, "peer", &daemon->services[FSDP_SERVICE_HEALTH],
+                                       2, &options, &daemon->peer_endpoint);
+  if (r < 0)
+    return fsdp_status_set(st, r == -EINVAL && sec->tls_cert ? FSDP_E_CONFIG : r,
+                           "cannot set up the peer endpoint: %s%s", fsdp_strerror(r),
+                           sec->tls_cert ? " (check peer.tls_cert, peer.tls_key, peer.tls_ca)"
+                                         : "");
+  char listen[320];
+  const char *configured = fsdp_config_text(cfg, FSDP_OPTION_PEER_LISTEN);
+  if (configured[0])
+    snprintf(listen, sizeof listen, "%s", configured);
+  else
+    fsdp_config_host(cfg, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_HOST_RANK),
+                     listen, sizeof listen);
+  int port;
+  if ((r = fsdp_rpc_endpoint_listen(daemon->peer_endpoint, listen, &port, st)) < 0)
+    return r;
+  format_bound_address(daemon->peer_address, sizeof daemon->peer_address, listen, port);
+  return 0;
+}
+
 static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   const fsdp_config_t *cfg = &daemon->config;
   fsdp_rpc_server_options_t options = {
@@ -250,8 +304,9 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   if (r < 0)
     return fsdp_status_set(st, r, "cannot create the RPC server: %s", fsdp_strerror(r));
 
-  r = fsdp_rpc_server_add_endpoint(daemon->rpc, "local", daemon->services, FSDP_SERVICE_COUNT,
-                                   &local_options, &daemon->local_endpoint);
+  r = fsdp_rpc_server_add_endpoint(daemon->rpc, "local", daemon->services,
+                                   FSDP_SERVICE_LOCAL_COUNT, &local_options,
+                                   &daemon->local_endpoint);
   if (r < 0)
     return fsdp_status_set(st, r, "cannot set up the local endpoint: %s", fsdp_strerror(r));
 
@@ -269,7 +324,7 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
     format_bound_address(daemon->health_address, sizeof daemon->health_address, health_listen,
                          port);
   }
-  return 0;
+  return create_peer_endpoint(daemon, st);
 }
 
 static void start_handles(fsdp_daemon_t *daemon) {
@@ -322,6 +377,11 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
     goto fail_loop;
   fsdp_services_init(daemon);
+  if ((r = fsdp_peer_security_load(&daemon->config, &daemon->peer_security, st)) < 0)
+    goto fail_loop;
+  if ((r = fsdp_peers_new(&daemon->loop, &daemon->config, &daemon->peer_security, NULL,
+                          &daemon->peers, st)) < 0)
+    goto fail_loop;
 
   if ((r = fsdp_listener_open(&daemon->listener,
                               fsdp_config_text(&daemon->config, FSDP_OPTION_RUN_DIR), st)) < 0)
@@ -347,12 +407,18 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
     goto fail_rpc;
   }
   start_handles(daemon);
+  if ((r = fsdp_peers_start(daemon->peers)) < 0)
+    log_error("cannot start joining the peers: %s; they will count this host lost",
+              fsdp_strerror(r));
 
   daemon->state = FSDP_DAEMON_SERVING;
   fsdp_health_set_serving(&daemon->health, true);
-  log_info("fsdpd %s serving on unix:%s%s%s (backend host, protocol %u)", FSDP_VERSION_STRING,
-           daemon->listener.socket_path, daemon->health_endpoint ? ", health on " : "",
-           daemon->health_address, FSDP_PROTOCOL_VERSION);
+  log_info("fsdpd %s serving on unix:%s%s%s%s%s (backend host, protocol %u, host %u of %u)",
+           FSDP_VERSION_STRING, daemon->listener.socket_path,
+           daemon->health_endpoint ? ", health on " : "", daemon->health_address,
+           daemon->peer_endpoint ? ", peers on " : "", daemon->peer_address,
+           FSDP_PROTOCOL_VERSION, fsdp_peers_host_rank(daemon->peers),
+           fsdp_peers_host_count(daemon->peers));
   sd_notifyf(0, "READY=1\nSTATUS=serving on unix:%s\nMAINPID=%ld", daemon->listener.socket_path,
              (long)getpid());
   return 0;
@@ -362,6 +428,9 @@ fail_rpc:
   daemon->rpc = NULL;
   fsdp_listener_close(&daemon->listener);
 fail_loop:
+  fsdp_peers_free(daemon->peers);
+  daemon->peers = NULL;
+  fsdp_peer_security_cleanup(&daemon->peer_security);
   fsdp_dataplane_cleanup(&daemon->dataplane);
   uv_run(&daemon->loop, UV_RUN_DEFAULT); /* lets closed handles finish */
   uv_loop_close(&daemon->loop);

@@ -19,6 +19,7 @@
 #include "dataplane.h"
 #include "health.h"
 #include "listener.h"
+#include "peers.h"
 #include "rpc_server.h"
 #include "sessions.h"
 #include "store.h"
@@ -31,13 +32,15 @@ typedef enum fsdp_daemon_state {
   FSDP_DAEMON_STOPPED,
 } fsdp_daemon_state_t;
 
-/* Service tables served on the unix socket; the health port serves only the last. */
+/* Service tables. The unix socket serves the first FSDP_SERVICE_LOCAL_COUNT, the health
+ * port only HEALTH, the peer port (TCP, token and TLS as configured) HEALTH and PEER. */
 enum {
   FSDP_SERVICE_TRAINER,
   FSDP_SERVICE_OPERATOR,
-  FSDP_SERVICE_PEER,
   FSDP_SERVICE_HEALTH,
-  FSDP_SERVICE_COUNT
+  FSDP_SERVICE_PEER,
+  FSDP_SERVICE_COUNT,
+  FSDP_SERVICE_LOCAL_COUNT = FSDP_SERVICE_PEER,
 };
 
 typedef struct fsdp_daemon {
@@ -59,6 +62,10 @@ typedef struct fsdp_daemon {
   fsdp_rpc_endpoint_t *local_endpoint;
   fsdp_rpc_endpoint_t *health_endpoint; /* NULL when health.listen is empty */
   char health_address[320];             /* with the bound port */
+  fsdp_rpc_endpoint_t *peer_endpoint;   /* NULL on one host */
+  char peer_address[320];
+  fsdp_peer_security_t peer_security;   /* the token and TLS files, read at start */
+  fsdp_peers_t *peers;                  /* always there; one host: no peers, ready */
 
   uv_signal_t sigterm, sigint, sighup;
   uv_timer_t housekeeping;

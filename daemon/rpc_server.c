@@ -65,7 +65,10 @@ typedef struct method {
 struct fsdp_rpc_endpoint {
   fsdp_rpc_server_t *server;
   char name[32];
-  fsdp_rpc_endpoint_options_t options;
+  fsdp_rpc_endpoint_options_t options; /* the pointers in it are not kept: see below */
+  char *auth_expected;                 /* "Bearer <token>", or NULL: no token needed */
+  char auth_name[64];
+  grpc_server_credentials *credentials; /* TLS, or NULL: the server's insecure ones */
   unsigned inflight; /* loop thread */
   grpc_server *grpc;
   method_t *methods;
@@ -411,6 +414,12 @@ void fsdp_rpc_call_fail(fsdp_rpc_call_t *call, int err, const char *fmt, ...) {
   fsdp_rpc_call_fail_status(call, &st);
 }
 
+void fsdp_rpc_call_peer_name(const fsdp_rpc_call_t *call, char *buf, size_t size) {
+  char *peer = grpc_call_get_peer(call->call);
+  snprintf(buf, size, "%s", peer ? peer : "an unknown peer");
+  gpr_free(peer);
+}
+
 void fsdp_rpc_call_on_cancel(fsdp_rpc_call_t *call, fsdp_rpc_cancel_fn cancel, void *data) {
   call->on_cancel = cancel;
   call->cancel_data = data;
@@ -480,11 +489,65 @@ static void cancel_call(fsdp_rpc_call_t *call, grpc_status_code status, const ch
     finish(call, status, why);
 }
 
+/* Compares in time that depends only on the lengths, so that a caller cannot learn the
+ * token a byte at a time from how long refusals take. */
+static bool same_secret(const uint8_t *a, size_t a_len, const char *b) {
+  size_t b_len = strlen(b);
+  unsigned char diff = a_len != b_len;
+  for (size_t i = 0; i < b_len; i++)
+    diff |= (unsigned char)(b[i] ^ (i < a_len ? a[i] : 0));
+  return diff == 0;
+}
+
+/* The endpoint's token check; fails the call and returns false when it does not pass. */
+static bool authenticated(fsdp_rpc_call_t *call, const char *path) {
+  const fsdp_rpc_endpoint_t *ep = call->endpoint;
+  if (!ep->auth_expected)
+    return true;
+  const grpc_metadata *found = NULL;
+  for (size_t i = 0; i < call->request_metadata.count; i++)
+    if (grpc_slice_str_cmp(call->request_metadata.metadata[i].key, "authorization") == 0)
+      found = &call->request_metadata.metadata[i];
+  char peer[128];
+  fsdp_rpc_call_peer_name(call, peer, sizeof peer);
+  if (!found) {
+    log_warning("%s endpoint: %s from %s refused: no 'authorization' metadata", ep->name, path,
+                peer);
+    fsdp_rpc_call_fail(call, FSDP_E_UNAUTHENTICATED,
+                       "%s: the %s endpoint requires 'authorization: Bearer <token>' metadata "
+                       "with the token of %s; the call carried none",
+                       path, ep->name, ep->auth_name);
+    return false;
+  }
+  if (!same_secret(GRPC_SLICE_START_PTR(found->value), GRPC_SLICE_LENGTH(found->value),
+                   ep->auth_expected)) {
+    log_warning("%s endpoint: %s from %s refused: wrong token", ep->name, path, peer);
+    fsdp_rpc_call_fail(call, FSDP_E_UNAUTHENTICATED,
+                       "%s: the 'authorization' metadata does not carry the token of %s that "
+                       "the %s endpoint requires ('Bearer <token>')",
+                       path, ep->auth_name, ep->name);
+    return false;
+  }
+  return true;
+}
+
 static void dispatch(fsdp_rpc_call_t *call) {
   fsdp_rpc_server_t *server = call->server;
   method_t *method = call->method;
   server->calls_total++;
   active_link(server, call);
+
+  {
+    /* Before anything else: an unauthenticated caller learns nothing, not even which
+     * methods exist. */
+    char *path = method ? NULL : grpc_slice_to_c_string(call->details.method);
+    bool ok = authenticated(call, method ? method->path : path);
+    if (!ok)
+      snprintf(call->path, sizeof call->path, "%s", method ? method->path : path);
+    gpr_free(path);
+    if (!ok)
+      return;
+  }
 
   if (!method) {
     char *path = grpc_slice_to_c_string(call->details.method);
@@ -551,6 +614,7 @@ static void on_sent(fsdp_rpc_call_t *call, bool success) {
 }
 
 static void maybe_close(fsdp_rpc_server_t *server);
+static void endpoint_free(fsdp_rpc_endpoint_t *ep);
 
 static void on_async(uv_async_t *handle) {
   fsdp_rpc_server_t *server = handle->data;
@@ -686,8 +750,7 @@ void fsdp_rpc_server_free(fsdp_rpc_server_t *server) {
   destroy_grpc(server);
   for (fsdp_rpc_endpoint_t *ep = server->endpoints, *next; ep; ep = next) {
     next = ep->next;
-    free(ep->methods);
-    free(ep);
+    endpoint_free(ep);
   }
   server->endpoints = NULL;
   if (server->cq) {
@@ -708,6 +771,40 @@ void fsdp_rpc_server_free(fsdp_rpc_server_t *server) {
   }
 }
 
+static void endpoint_free(fsdp_rpc_endpoint_t *ep) {
+  if (ep->credentials)
+    grpc_server_credentials_release(ep->credentials);
+  if (ep->auth_expected) {
+    explicit_bzero(ep->auth_expected, strlen(ep->auth_expected));
+    free(ep->auth_expected);
+  }
+  free(ep->methods);
+  free(ep);
+}
+
+/* The endpoint's own credentials and token, from its options. */
+static int endpoint_security(fsdp_rpc_endpoint_t *ep, const fsdp_rpc_endpoint_options_t *o) {
+  ep->options.auth_token = ep->options.auth_name = NULL;
+  ep->options.tls_cert_pem = ep->options.tls_key_pem = ep->options.tls_ca_pem = NULL;
+  if (o->auth_token) {
+    size_t n = strlen(o->auth_token) + sizeof "Bearer ";
+    if (!(ep->auth_expected = malloc(n)))
+      return -ENOMEM;
+    snprintf(ep->auth_expected, n, "Bearer %s", o->auth_token);
+    snprintf(ep->auth_name, sizeof ep->auth_name, "%s", o->auth_name ? o->auth_name : "the endpoint");
+  }
+  if (o->tls_cert_pem || o->tls_key_pem || o->tls_ca_pem) {
+    if (!o->tls_cert_pem || !o->tls_key_pem || !o->tls_ca_pem)
+      return -EINVAL;
+    grpc_ssl_pem_key_cert_pair pair = {o->tls_key_pem, o->tls_cert_pem};
+    ep->credentials = grpc_ssl_server_credentials_create_ex(
+        o->tls_ca_pem, &pair, 1, GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, NULL);
+    if (!ep->credentials)
+      return -EINVAL;
+  }
+  return 0;
+}
+
 int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
                                  const fsdp_rpc_service_t *services, size_t n_services,
                                  const fsdp_rpc_endpoint_options_t *options,
@@ -722,9 +819,10 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
   for (size_t s = 0; s < n_services; s++)
     ep->n_methods += services[s].descriptor->n_methods;
   ep->methods = calloc(ep->n_methods, sizeof *ep->methods);
-  if (!ep->methods) {
-    free(ep);
-    return -ENOMEM;
+  int r = ep->methods ? endpoint_security(ep, options) : -ENOMEM;
+  if (r < 0) {
+    endpoint_free(ep);
+    return r;
   }
   grpc_arg args[] = {
       {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
@@ -779,14 +877,15 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
 
 fail:
   grpc_server_destroy(ep->grpc);
-  free(ep->methods);
-  free(ep);
+  endpoint_free(ep);
   return -EINVAL;
 }
 
 int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
                              fsdp_status_t *st) {
-  int port = grpc_server_add_http2_port(endpoint->grpc, address, endpoint->server->credentials);
+  int port = grpc_server_add_http2_port(endpoint->grpc, address,
+                                        endpoint->credentials ? endpoint->credentials
+                                                              : endpoint->server->credentials);
   if (port <= 0)
     return fsdp_status_set(st, -EADDRINUSE,
                            "cannot listen on %s for the %s endpoint: address in use or invalid",

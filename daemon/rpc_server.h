@@ -68,6 +68,16 @@ typedef struct fsdp_rpc_server_options {
 typedef struct fsdp_rpc_endpoint_options {
   unsigned max_inflight_calls; /* calls held at once; beyond it RESOURCE_EXHAUSTED */
   const char *limit_name;      /* how refusals name the limit, e.g. the config key */
+  /* Non-NULL: every call on the endpoint, whatever its method, must carry the metadata
+   * "authorization: Bearer <auth_token>", or it gets UNAUTHENTICATED before anything else
+   * (the message never shows the token). Copied. auth_name names where the token comes
+   * from in that message (e.g. "peer.token_file"). */
+  const char *auth_token;
+  const char *auth_name;
+  /* All three non-NULL (PEM text, copied): fsdp_rpc_endpoint_listen() serves TLS with this
+   * certificate and requires and verifies a client certificate chaining to tls_ca_pem
+   * (mutual TLS). All NULL: plaintext. Adopted descriptors are always plaintext. */
+  const char *tls_cert_pem, *tls_key_pem, *tls_ca_pem;
 } fsdp_rpc_endpoint_options_t;
 
 typedef struct fsdp_rpc_stats {
@@ -130,6 +140,8 @@ const char *fsdp_rpc_call_method(const fsdp_rpc_call_t *call);
 /* The file descriptor of the connection the call came on, for connections handed over with
  * fsdp_rpc_endpoint_adopt(); -1 for those gRPC accepted itself (TCP). */
 int fsdp_rpc_call_peer_fd(const fsdp_rpc_call_t *call);
+/* gRPC's name of the caller ("ipv4:127.0.0.1:41234", "fd:12") into buf, for messages. */
+void fsdp_rpc_call_peer_name(const fsdp_rpc_call_t *call, char *buf, size_t size);
 /* Milliseconds until the client's deadline (<= 0 if passed); INT64_MAX without one. */
 int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call);
 

@@ -1,6 +1,6 @@
 /* fsdp.v1 handlers of this release: Trainer sessions and RegisterUnit; Operator.Status,
- * ReloadConfig, Drain, Resume, ListUnits and DescribeUnit; the protocol-version gate of
- * Peer.Join. */
+ * ReloadConfig, Drain, Resume, ListUnits and DescribeUnit. The Peer service is in
+ * peer_service.c. */
 #include "services.h"
 
 #include <errno.h>
@@ -9,13 +9,13 @@
 #include <unistd.h>
 
 #include "fsdp/v1/operator.pb-c.h"
-#include "fsdp/v1/peer.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 
 #include <fsdp/fsdp_version.h>
 
 #include "log.h"
+#include "peer_service.h"
 
 /* Refuses a peer speaking another protocol version; returns false after failing the call. */
 static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who) {
@@ -211,16 +211,6 @@ static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *req
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
-static void peer_join(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  (void)data;
-  const Fsdp__V1__JoinRequest *rq = (const void *)request;
-  if (!protocol_ok(call, rq->protocol_version, "peer daemon"))
-    return;
-  fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED,
-                     "%s: peering between daemons is not implemented in fsdpd %s",
-                     fsdp_rpc_call_method(call), FSDP_VERSION_STRING);
-}
-
 static Fsdp__V1__ConfigSource source_to_proto(fsdp_config_source_t source) {
   switch (source) {
   case FSDP_SOURCE_DEFAULT:
@@ -241,11 +231,13 @@ typedef struct status_storage {
   Fsdp__V1__ConfigEntry entries[FSDP_OPTION_COUNT];
   Fsdp__V1__ConfigEntry *entry_ptrs[FSDP_OPTION_COUNT];
   char values[FSDP_OPTION_COUNT][256];
-  Fsdp__V1__Listener listeners[2];
-  Fsdp__V1__Listener *listener_ptrs[2];
+  Fsdp__V1__Listener listeners[3];
+  Fsdp__V1__Listener *listener_ptrs[3];
   char addresses[2][sizeof(((fsdp_listener_t *)0)->socket_path) + 8];
-  char *local_services[FSDP_SERVICE_COUNT];
+  char *local_services[FSDP_SERVICE_LOCAL_COUNT];
   char *health_services[1];
+  char *peer_services[2];
+  fsdp_peer_status_t *peers;
   Fsdp__V1__Topology topology;
   Fsdp__V1__Memory memory;
   Fsdp__V1__Session *sessions; /* session.max_sessions may be large: sized per reply */
@@ -336,14 +328,14 @@ static void fill_config(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply, sta
 static void fill_listeners(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
                            status_storage_t *s) {
   size_t n = 0;
-  for (int i = 0; i < FSDP_SERVICE_COUNT; i++)
+  for (int i = 0; i < FSDP_SERVICE_LOCAL_COUNT; i++)
     s->local_services[i] = (char *)daemon->services[i].descriptor->name;
   s->health_services[0] = (char *)daemon->services[FSDP_SERVICE_HEALTH].descriptor->name;
 
   fsdp__v1__listener__init(&s->listeners[n]);
   snprintf(s->addresses[n], sizeof s->addresses[n], "unix:%s", daemon->listener.socket_path);
   s->listeners[n].address = s->addresses[n];
-  s->listeners[n].n_services = FSDP_SERVICE_COUNT;
+  s->listeners[n].n_services = FSDP_SERVICE_LOCAL_COUNT;
   s->listeners[n].services = s->local_services;
   n++;
   if (daemon->health_endpoint) {
@@ -351,6 +343,15 @@ static void fill_listeners(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
     s->listeners[n].address = daemon->health_address;
     s->listeners[n].n_services = 1;
     s->listeners[n].services = s->health_services;
+    n++;
+  }
+  if (daemon->peer_endpoint) {
+    s->peer_services[0] = (char *)daemon->services[FSDP_SERVICE_PEER].descriptor->name;
+    s->peer_services[1] = s->health_services[0];
+    fsdp__v1__listener__init(&s->listeners[n]);
+    s->listeners[n].address = daemon->peer_address;
+    s->listeners[n].n_services = 2;
+    s->listeners[n].services = s->peer_services;
     n++;
   }
   for (size_t i = 0; i < n; i++)
@@ -391,10 +392,9 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fill_listeners(daemon, &reply, s);
   reply.backend = "host";
   fsdp__v1__topology__init(&s->topology);
-  s->topology.host_rank = 0;
-  s->topology.hosts = 1;
   reply.topology = &s->topology;
-  if (fill_sessions(daemon, &reply, s) < 0) {
+  if (fsdp_peer_status_fill(daemon, &s->topology, &reply, &s->peers) < 0 ||
+      fill_sessions(daemon, &reply, s) < 0) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
     goto out;
   }
@@ -416,6 +416,7 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   reply.rpc_work_inflight = stats.work_inflight;
   fsdp_rpc_call_reply(call, &reply.base);
 out:
+  fsdp_peer_status_free(s->peers);
   free(s->sessions);
   free(s->session_ptrs);
   free(s->jobs);
@@ -633,7 +634,6 @@ static const fsdp_rpc_handler_t operator_handlers[] = {
     {"ListUnits", operator_list_units, true},
     {"DescribeUnit", operator_describe_unit, true},
 };
-static const fsdp_rpc_handler_t peer_handlers[] = {{"Join", peer_join, false}};
 
 /* A trainer's hello on the memory channel: the session must be the caller's own and have no
  * channel yet; the answer carries its job's arena, made on the job's first need. */
@@ -693,7 +693,7 @@ void fsdp_services_init(fsdp_daemon_t *daemon) {
   ((fsdp_rpc_service_t){&(descriptor_), handlers_, sizeof handlers_ / sizeof handlers_[0], daemon})
   daemon->services[FSDP_SERVICE_TRAINER] = SERVICE(fsdp__v1__trainer__descriptor, trainer_handlers);
   daemon->services[FSDP_SERVICE_OPERATOR] = SERVICE(fsdp__v1__operator__descriptor, operator_handlers);
-  daemon->services[FSDP_SERVICE_PEER] = SERVICE(fsdp__v1__peer__descriptor, peer_handlers);
+  daemon->services[FSDP_SERVICE_PEER] = fsdp_peer_service(daemon);
   daemon->services[FSDP_SERVICE_HEALTH] = daemon->health.service;
 #undef SERVICE
 }

@@ -1,6 +1,7 @@
-/* Handler tables of the fsdp.v1 services (Trainer, Operator, Peer) in this release.
+/* Handler tables of the fsdp.v1 services (Trainer, Operator; Peer comes from
+ * peer_service.h) in this release.
  *
- * Operator.Status and Operator.ReloadConfig are served here. Trainer.Attach and Peer.Join
+ * Operator.Status and Operator.ReloadConfig are served here. Trainer.Attach (and Peer.Join)
  * check the protocol version first (a mismatch gets FAILED_PRECONDITION naming both
  * versions); methods without a handler answer UNIMPLEMENTED through the RPC adapter.
  * Loop thread only. */

@@ -1,0 +1,1148 @@
+/* The peer table and the Peer client: joins, heartbeats and leaves, as a small asynchronous
+ * gRPC client on a completion queue of its own.
+ *
+ * Each peer has two halves of a relationship: `in` (it joined us: we accepted its Join at
+ * its current incarnation) and `out` (we joined it: it accepted ours). JOINED is both. Any
+ * sign that one half is gone (a Heartbeat refused as "not joined", a new incarnation, a
+ * Leave, silence for peer.timeout) drops both, tells the data plane if the peer was JOINED,
+ * and the join starts over; the other side hears the same through its own calls, so the two
+ * converge without more protocol.
+ *
+ * Calls. Each call is one batch of all six client ops, tagged with its own context. The CQ
+ * thread only moves completed contexts onto a list and wakes the loop; the loop decodes the
+ * reply and acts. A peer has at most one Join and one Heartbeat in flight; every call has a
+ * deadline (peer.timeout, shorter for Leave). */
+#include "peers.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include <fsdp/fsdp_version.h>
+
+#include "log.h"
+#include "wire.h"
+
+/* Join retries: from JOIN_BACKOFF_MIN_MS doubling to JOIN_BACKOFF_MAX_MS. */
+#define JOIN_BACKOFF_MIN_MS 50
+#define JOIN_BACKOFF_MAX_MS 1000
+/* A Leave must not hold up a stop. */
+#define LEAVE_DEADLINE_MAX_MS 1000
+/* Largest data-plane address accepted from a peer. */
+#define UCX_ADDRESS_MAX 65536
+/* Secrets and certificates are small; the cap keeps a wrong path from eating memory. */
+#define SECRET_FILE_MAX (256 * 1024)
+#define N_SETTINGS 4
+
+typedef enum call_kind { CALL_JOIN, CALL_HEARTBEAT, CALL_LEAVE } call_kind_t;
+
+typedef struct peer peer_t;
+
+typedef struct pcall {
+  fsdp_peers_t *peers;
+  peer_t *peer;
+  call_kind_t kind;
+  grpc_call *call;
+  grpc_metadata auth;
+  grpc_byte_buffer *send;
+  grpc_byte_buffer *recv;
+  grpc_metadata_array initial_md, trailing_md;
+  grpc_status_code status;
+  grpc_slice details;
+  const char *error_string;
+  bool success;
+  uint64_t sent_ns;
+  struct pcall *next; /* the completed list, then the loop */
+  struct pcall *all_prev, *all_next; /* every call in flight */
+} pcall_t;
+
+struct peer {
+  unsigned rank;
+  char address[320];
+  grpc_channel *channel;
+  fsdp_peer_state_t state;
+  bool in, out;
+  bool announced; /* the data plane was told joined, and not yet lost */
+  bool rejoin;    /* send Join again although out (the local address changed) */
+  uint64_t incarnation;
+  uint64_t last_heard_ms; /* 0: never */
+  uint64_t rtt_us;
+  char last_error[512];
+  uint8_t *ucx;
+  size_t ucx_len;
+  pcall_t *join_call, *heartbeat_call;
+  uint64_t next_join_ms, next_heartbeat_ms;
+  unsigned backoff_ms;
+};
+
+struct fsdp_peers {
+  uv_loop_t *loop;
+  unsigned n, self;
+  peer_t *peers; /* n of them; peers[self] is this daemon */
+  uint64_t incarnation;
+  uint64_t heartbeat_ms, timeout_ms, join_deadline_ms;
+  const fsdp_peer_security_t *sec;
+  fsdp_peers_callbacks_t cb;
+  char *auth_value; /* "Bearer <token>" */
+  Fsdp__V1__Setting settings[N_SETTINGS];
+  char setting_values[N_SETTINGS][4096];
+  uint8_t *local_ucx;
+  size_t local_ucx_len;
+
+  bool started, leaving, closing, ready, deadline_passed;
+  fsdp_peers_waiter_t *waiters;
+
+  grpc_completion_queue *cq;
+  pthread_t thread;
+  bool thread_started, grpc_initialized, channels_gone, handles_closing;
+  pthread_mutex_t lock;
+  pcall_t *completed; /* filled by the CQ thread */
+  bool thread_exited;
+  pcall_t *inflight;
+  uv_async_t async;
+  uv_timer_t timer, deadline_timer;
+  int open_handles;
+  void (*done)(void *data);
+  void *done_data;
+};
+
+const char *fsdp_peer_state_name(fsdp_peer_state_t state) {
+  switch (state) {
+  case FSDP_PEER_SELF:
+    return "SELF";
+  case FSDP_PEER_JOINING:
+    return "JOINING";
+  case FSDP_PEER_JOINED:
+    return "JOINED";
+  case FSDP_PEER_LOST:
+    return "LOST";
+  case FSDP_PEER_LEFT:
+    return "LEFT";
+  case FSDP_PEER_REFUSED:
+    return "REFUSED";
+  }
+  return "UNKNOWN";
+}
+
+static const char *const status_names[] = {
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+static const char *status_name(grpc_status_code code) {
+  return (unsigned)code < sizeof status_names / sizeof status_names[0] ? status_names[code]
+                                                                        : "UNKNOWN";
+}
+
+/* --- secrets -------------------------------------------------------------------------- */
+
+static int read_secret_file(const char *key, const char *path, bool trim, char **ret,
+                            fsdp_status_t *st) {
+  char errbuf[128];
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0)
+    return fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': cannot read '%s': %s", key, path,
+                           strerror_r(errno, errbuf, sizeof errbuf));
+  char *buf = malloc(SECRET_FILE_MAX + 1);
+  size_t len = 0;
+  ssize_t got = 0;
+  while (buf && len <= SECRET_FILE_MAX &&
+         (got = read(fd, buf + len, SECRET_FILE_MAX + 1 - len)) > 0)
+    len += (size_t)got;
+  int err = got < 0 ? errno : 0;
+  close(fd);
+  int r = 0;
+  if (!buf)
+    r = fsdp_status_set(st, -ENOMEM, "key '%s': out of memory reading '%s'", key, path);
+  else if (err)
+    r = fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': cannot read '%s': %s", key, path,
+                        strerror_r(err, errbuf, sizeof errbuf));
+  else if (len > SECRET_FILE_MAX)
+    r = fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': '%s' is larger than %d bytes", key, path,
+                        SECRET_FILE_MAX);
+  if (r == 0) {
+    buf[len] = '\0';
+    if (trim)
+      while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r' || buf[len - 1] == ' ' ||
+                         buf[len - 1] == '\t'))
+        buf[--len] = '\0';
+    if (len == 0 || strlen(buf) != len)
+      r = fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': '%s' is %s", key, path,
+                          len == 0 ? "empty" : "not text (it holds a NUL byte)");
+    else if (trim && strpbrk(buf, "\r\n"))
+      r = fsdp_status_set(st, FSDP_E_CONFIG,
+                          "key '%s': '%s' holds more than one line; the token is one line",
+                          key, path);
+  }
+  if (r < 0) {
+    if (buf)
+      explicit_bzero(buf, SECRET_FILE_MAX + 1);
+    free(buf);
+    return r;
+  }
+  *ret = buf;
+  return 0;
+}
+
+static void free_secret(char **s) {
+  if (*s) {
+    explicit_bzero(*s, strlen(*s));
+    free(*s);
+    *s = NULL;
+  }
+}
+
+void fsdp_peer_security_cleanup(fsdp_peer_security_t *sec) {
+  if (!sec)
+    return;
+  free_secret(&sec->token);
+  free_secret(&sec->tls_cert);
+  free_secret(&sec->tls_key);
+  free_secret(&sec->tls_ca);
+}
+
+int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_peer_security_t *ret,
+                            fsdp_status_t *st) {
+  memset(ret, 0, sizeof *ret);
+  const char *token = fsdp_config_text(cfg, FSDP_OPTION_PEER_TOKEN_FILE);
+  int r = 0;
+  if (token[0] && (r = read_secret_file("peer.token_file", token, true, &ret->token, st)) < 0)
+    goto fail;
+  const char *cert = fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CERT);
+  if (cert[0]) {
+    if ((r = read_secret_file("peer.tls_cert", cert, false, &ret->tls_cert, st)) < 0 ||
+        (r = read_secret_file("peer.tls_key", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_KEY),
+                              false, &ret->tls_key, st)) < 0 ||
+        (r = read_secret_file("peer.tls_ca", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CA),
+                              false, &ret->tls_ca, st)) < 0)
+      goto fail;
+  }
+  return 0;
+fail:
+  fsdp_peer_security_cleanup(ret);
+  return r;
+}
+
+/* --- state changes --------------------------------------------------------------------- */
+
+static uint64_t now_ms(const fsdp_peers_t *peers) {
+  return uv_now(peers->loop);
+}
+
+static void set_error(peer_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_error(peer_t *p, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(p->last_error, sizeof p->last_error, fmt, ap);
+  va_end(ap);
+}
+
+static bool all_joined(const fsdp_peers_t *peers) {
+  for (unsigned i = 0; i < peers->n; i++)
+    if (i != peers->self && peers->peers[i].state != FSDP_PEER_JOINED)
+      return false;
+  return true;
+}
+
+static void run_waiters(fsdp_peers_t *peers, int status, const char *why) {
+  while (peers->waiters) {
+    fsdp_peers_waiter_t *w = peers->waiters;
+    peers->waiters = w->next;
+    w->next = NULL;
+    w->cb(w->data, status, why);
+  }
+}
+
+static void check_ready(fsdp_peers_t *peers) {
+  bool ready = all_joined(peers);
+  if (ready && !peers->ready) {
+    log_info("peers: all %u hosts joined; the cluster is ready", peers->n);
+    peers->ready = true;
+    run_waiters(peers, 0, "");
+  } else if (!ready) {
+    peers->ready = false;
+  }
+}
+
+/* Both halves are gone; tells the data plane if the peer was JOINED. */
+static void drop(fsdp_peers_t *peers, peer_t *p, fsdp_peer_state_t state, const char *why) {
+  bool was_joined = p->state == FSDP_PEER_JOINED;
+  p->in = p->out = false;
+  p->rejoin = false;
+  p->state = state;
+  snprintf(p->last_error, sizeof p->last_error, "%s", why);
+  p->next_join_ms = now_ms(peers);
+  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  if (was_joined)
+    log_warning("peers: host %u (%s) is %s: %s", p->rank, p->address,
+                fsdp_peer_state_name(state), why);
+  if (p->announced) {
+    p->announced = false;
+    char msg[700];
+    snprintf(msg, sizeof msg, "host %u (%s) %s: %s", p->rank, p->address,
+             state == FSDP_PEER_LEFT ? "left" : "lost", why);
+    if (peers->cb.lost)
+      peers->cb.lost(peers->cb.data, p->rank, msg);
+  }
+  check_ready(peers);
+}
+
+static void maybe_joined(fsdp_peers_t *peers, peer_t *p) {
+  if (!p->in || !p->out || p->state == FSDP_PEER_JOINED)
+    return;
+  p->state = FSDP_PEER_JOINED;
+  p->last_error[0] = '\0';
+  p->next_heartbeat_ms = now_ms(peers);
+  log_info("peers: host %u (%s) joined, incarnation %016llx, data-plane address of %zu bytes",
+           p->rank, p->address, (unsigned long long)p->incarnation, p->ucx_len);
+  p->announced = true;
+  if (peers->cb.joined)
+    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
+  check_ready(peers);
+}
+
+/* A peer answered with, or joined as, another incarnation than the one we knew. */
+static void check_incarnation(fsdp_peers_t *peers, peer_t *p, uint64_t incarnation) {
+  if (p->incarnation == incarnation)
+    return;
+  if (p->incarnation && (p->in || p->out)) {
+    char why[128];
+    snprintf(why, sizeof why, "restarted (incarnation %016llx, before %016llx)",
+             (unsigned long long)incarnation, (unsigned long long)p->incarnation);
+    drop(peers, p, FSDP_PEER_JOINING, why);
+  }
+  p->incarnation = incarnation;
+}
+
+static int store_address(peer_t *p, const ProtobufCBinaryData *addr) {
+  if (p->ucx_len == addr->len && (addr->len == 0 || memcmp(p->ucx, addr->data, addr->len) == 0))
+    return 0;
+  uint8_t *copy = NULL;
+  if (addr->len && !(copy = malloc(addr->len)))
+    return -ENOMEM;
+  if (addr->len)
+    memcpy(copy, addr->data, addr->len);
+  free(p->ucx);
+  p->ucx = copy;
+  p->ucx_len = addr->len;
+  return 1;
+}
+
+/* --- the client -------------------------------------------------------------------------- */
+
+static void pcall_free(pcall_t *c) {
+  if (c->call)
+    grpc_call_unref(c->call);
+  if (c->send)
+    grpc_byte_buffer_destroy(c->send);
+  if (c->recv)
+    grpc_byte_buffer_destroy(c->recv);
+  grpc_metadata_array_destroy(&c->initial_md);
+  grpc_metadata_array_destroy(&c->trailing_md);
+  grpc_slice_unref(c->details);
+  gpr_free((void *)c->error_string);
+  free(c);
+}
+
+static void *cq_thread_main(void *arg) {
+  fsdp_peers_t *peers = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(peers->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                                               NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN)
+      break;
+    if (ev.type != GRPC_OP_COMPLETE)
+      continue;
+    pcall_t *c = ev.tag;
+    c->success = ev.success;
+    pthread_mutex_lock(&peers->lock);
+    c->next = peers->completed;
+    peers->completed = c;
+    pthread_mutex_unlock(&peers->lock);
+    uv_async_send(&peers->async);
+  }
+  pthread_mutex_lock(&peers->lock);
+  peers->thread_exited = true;
+  pthread_mutex_unlock(&peers->lock);
+  uv_async_send(&peers->async);
+  return NULL;
+}
+
+static const char *method_path(call_kind_t kind) {
+  switch (kind) {
+  case CALL_JOIN:
+    return "/fsdp.v1.Peer/Join";
+  case CALL_HEARTBEAT:
+    return "/fsdp.v1.Peer/Heartbeat";
+  case CALL_LEAVE:
+    return "/fsdp.v1.Peer/Leave";
+  }
+  return "";
+}
+
+/* Starts one call to p; NULL when it could not start (logged, retried later). */
+static pcall_t *start_call(fsdp_peers_t *peers, peer_t *p, call_kind_t kind,
+                           const ProtobufCMessage *request, uint64_t deadline_ms) {
+  pcall_t *c = calloc(1, sizeof *c);
+  if (!c)
+    return NULL;
+  c->peers = peers;
+  c->peer = p;
+  c->kind = kind;
+  c->details = grpc_empty_slice();
+  grpc_metadata_array_init(&c->initial_md);
+  grpc_metadata_array_init(&c->trailing_md);
+  if (fsdp_wire_encode(request, &c->send) < 0) {
+    pcall_free(c);
+    return NULL;
+  }
+  gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                       gpr_time_from_millis((int64_t)deadline_ms, GPR_TIMESPAN));
+  c->call = grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS, peers->cq,
+                                     grpc_slice_from_static_string(method_path(kind)), NULL,
+                                     deadline, NULL);
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  if (peers->auth_value) {
+    c->auth.key = grpc_slice_from_static_string("authorization");
+    c->auth.value = grpc_slice_from_static_string(peers->auth_value);
+    ops[0].data.send_initial_metadata.count = 1;
+    ops[0].data.send_initial_metadata.metadata = &c->auth;
+  }
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = c->send;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &c->initial_md;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &c->recv;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &c->trailing_md;
+  ops[5].data.recv_status_on_client.status = &c->status;
+  ops[5].data.recv_status_on_client.status_details = &c->details;
+  ops[5].data.recv_status_on_client.error_string = &c->error_string;
+  grpc_call_error e = grpc_call_start_batch(c->call, ops, 6, c, NULL);
+  if (e != GRPC_CALL_OK) {
+    log_error("peers: cannot start %s to host %u: gRPC error %d", method_path(kind), p->rank, e);
+    pcall_free(c);
+    return NULL;
+  }
+  c->all_next = peers->inflight;
+  if (peers->inflight)
+    peers->inflight->all_prev = c;
+  peers->inflight = c;
+  return c;
+}
+
+static void send_join(fsdp_peers_t *peers, peer_t *p) {
+  Fsdp__V1__JoinRequest rq = FSDP__V1__JOIN_REQUEST__INIT;
+  Fsdp__V1__Setting *settings[N_SETTINGS];
+  for (size_t i = 0; i < N_SETTINGS; i++)
+    settings[i] = &peers->settings[i];
+  rq.protocol_version = FSDP_PROTOCOL_VERSION;
+  rq.host_rank = peers->self;
+  rq.n_settings = N_SETTINGS;
+  rq.settings = settings;
+  rq.ucx_worker_address.data = peers->local_ucx;
+  rq.ucx_worker_address.len = peers->local_ucx_len;
+  rq.incarnation = peers->incarnation;
+  p->rejoin = false;
+  p->join_call = start_call(peers, p, CALL_JOIN, &rq.base, peers->timeout_ms);
+  if (!p->join_call)
+    p->next_join_ms = now_ms(peers) + p->backoff_ms;
+}
+
+static void send_heartbeat(fsdp_peers_t *peers, peer_t *p) {
+  Fsdp__V1__HeartbeatRequest rq = FSDP__V1__HEARTBEAT_REQUEST__INIT;
+  rq.host_rank = peers->self;
+  rq.incarnation = peers->incarnation;
+  rq.sent_ns = uv_hrtime();
+  p->next_heartbeat_ms = now_ms(peers) + peers->heartbeat_ms;
+  p->heartbeat_call = start_call(peers, p, CALL_HEARTBEAT, &rq.base, peers->timeout_ms);
+  if (p->heartbeat_call)
+    p->heartbeat_call->sent_ns = rq.sent_ns;
+}
+
+static void join_failed(fsdp_peers_t *peers, peer_t *p, bool refused) {
+  p->next_join_ms = now_ms(peers) + p->backoff_ms;
+  p->backoff_ms = p->backoff_ms * 2 > JOIN_BACKOFF_MAX_MS ? JOIN_BACKOFF_MAX_MS : p->backoff_ms * 2;
+  if (refused) {
+    if (p->state != FSDP_PEER_REFUSED)
+      log_error("peers: host %u (%s) refused: %s", p->rank, p->address, p->last_error);
+    if (p->state == FSDP_PEER_JOINED)
+      drop(peers, p, FSDP_PEER_REFUSED, p->last_error);
+    p->state = FSDP_PEER_REFUSED;
+  }
+}
+
+/* A Join's or Heartbeat's failure in words: "Join: UNAVAILABLE: <details>". */
+static void record_failure(peer_t *p, const pcall_t *c, const char *what) {
+  const char *name = c->kind == CALL_JOIN ? "Join" : c->kind == CALL_HEARTBEAT ? "Heartbeat" : "Leave";
+  int len = (int)GRPC_SLICE_LENGTH(c->details);
+  set_error(p, "%s: %s: %.*s%s", name, status_name(c->status), len,
+            (const char *)GRPC_SLICE_START_PTR(c->details), what);
+}
+
+static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
+  p->join_call = NULL;
+  if (peers->leaving)
+    return;
+  if (c->status != GRPC_STATUS_OK) {
+    record_failure(p, c, "");
+    bool refused = c->status == GRPC_STATUS_FAILED_PRECONDITION ||
+                   c->status == GRPC_STATUS_UNAUTHENTICATED ||
+                   c->status == GRPC_STATUS_PERMISSION_DENIED ||
+                   c->status == GRPC_STATUS_INVALID_ARGUMENT;
+    join_failed(peers, p, refused);
+    return;
+  }
+  ProtobufCMessage *msg;
+  fsdp_status_t st;
+  if (fsdp_wire_decode(&fsdp__v1__join_reply__descriptor, c->recv, &msg, &st) < 0) {
+    set_error(p, "Join: bad reply: %s", st.message);
+    join_failed(peers, p, true);
+    return;
+  }
+  const Fsdp__V1__JoinReply *reply = (const void *)msg;
+  if (reply->host_rank != p->rank || reply->incarnation == 0 ||
+      reply->protocol_version != FSDP_PROTOCOL_VERSION) {
+    set_error(p, "Join: %s answered as host %u, protocol %u, incarnation %016llx; expected host "
+                 "%u, protocol %u, an incarnation",
+              p->address, reply->host_rank, reply->protocol_version,
+              (unsigned long long)reply->incarnation, p->rank, FSDP_PROTOCOL_VERSION);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    join_failed(peers, p, true);
+    return;
+  }
+  check_incarnation(peers, p, reply->incarnation);
+  if (store_address(p, &reply->ucx_worker_address) < 0) {
+    set_error(p, "Join: out of memory for its data-plane address");
+    protobuf_c_message_free_unpacked(msg, NULL);
+    join_failed(peers, p, false);
+    return;
+  }
+  protobuf_c_message_free_unpacked(msg, NULL);
+  p->out = true;
+  p->last_heard_ms = now_ms(peers);
+  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  if (p->state == FSDP_PEER_REFUSED)
+    p->state = FSDP_PEER_JOINING;
+  maybe_joined(peers, p);
+}
+
+static void on_heartbeat_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
+  p->heartbeat_call = NULL;
+  if (peers->leaving || !p->out)
+    return;
+  if (c->status == GRPC_STATUS_FAILED_PRECONDITION) {
+    /* It no longer counts us as joined (it restarted, or lost us): join again. */
+    char why[600];
+    int len = (int)GRPC_SLICE_LENGTH(c->details);
+    snprintf(why, sizeof why, "it no longer counts this host as joined: %.*s", len,
+             (const char *)GRPC_SLICE_START_PTR(c->details));
+    drop(peers, p, FSDP_PEER_JOINING, why);
+    return;
+  }
+  if (c->status != GRPC_STATUS_OK) {
+    record_failure(p, c, "");
+    return;
+  }
+  ProtobufCMessage *msg;
+  fsdp_status_t st;
+  if (fsdp_wire_decode(&fsdp__v1__heartbeat_reply__descriptor, c->recv, &msg, &st) < 0) {
+    set_error(p, "Heartbeat: bad reply: %s", st.message);
+    return;
+  }
+  const Fsdp__V1__HeartbeatReply *reply = (const void *)msg;
+  uint64_t incarnation = reply->incarnation;
+  protobuf_c_message_free_unpacked(msg, NULL);
+  check_incarnation(peers, p, incarnation);
+  if (!p->out)
+    return;
+  p->last_heard_ms = now_ms(peers);
+  p->rtt_us = (uv_hrtime() - c->sent_ns) / 1000;
+}
+
+static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
+  if (c->all_prev)
+    c->all_prev->all_next = c->all_next;
+  else
+    peers->inflight = c->all_next;
+  if (c->all_next)
+    c->all_next->all_prev = c->all_prev;
+  if (!c->success)
+    c->status = GRPC_STATUS_UNKNOWN; /* only API misuse; treat as a failed call */
+  peer_t *p = c->peer;
+  switch (c->kind) {
+  case CALL_JOIN:
+    on_join_done(peers, p, c);
+    break;
+  case CALL_HEARTBEAT:
+    on_heartbeat_done(peers, p, c);
+    break;
+  case CALL_LEAVE:
+    if (c->status != GRPC_STATUS_OK)
+      log_warning("peers: Leave to host %u (%s): %s", p->rank, p->address,
+                  status_name(c->status));
+    break;
+  }
+  pcall_free(c);
+}
+
+static void maybe_finish_close(fsdp_peers_t *peers);
+
+static void on_async(uv_async_t *handle) {
+  fsdp_peers_t *peers = handle->data;
+  pthread_mutex_lock(&peers->lock);
+  pcall_t *list = peers->completed;
+  peers->completed = NULL;
+  bool exited = peers->thread_exited;
+  pthread_mutex_unlock(&peers->lock);
+  /* The list is newest first; order does not matter between different calls. */
+  while (list) {
+    pcall_t *next = list->next;
+    on_call_done(peers, list);
+    list = next;
+  }
+  if (exited && peers->thread_started) {
+    pthread_join(peers->thread, NULL);
+    peers->thread_started = false;
+  }
+  maybe_finish_close(peers);
+}
+
+/* --- the timer --------------------------------------------------------------------------- */
+
+static void on_tick(uv_timer_t *timer) {
+  fsdp_peers_t *peers = timer->data;
+  if (peers->leaving || peers->closing)
+    return;
+  uint64_t now = now_ms(peers);
+  for (unsigned i = 0; i < peers->n; i++) {
+    peer_t *p = &peers->peers[i];
+    if (i == peers->self)
+      continue;
+    if ((p->in || p->out) && p->last_heard_ms && now - p->last_heard_ms >= peers->timeout_ms) {
+      char why[160];
+      snprintf(why, sizeof why, "no answer for %llu ms (peer.timeout %llu ms)",
+               (unsigned long long)(now - p->last_heard_ms),
+               (unsigned long long)peers->timeout_ms);
+      drop(peers, p, FSDP_PEER_LOST, why);
+    }
+    if ((!p->out || p->rejoin) && !p->join_call && now >= p->next_join_ms)
+      send_join(peers, p);
+    if (p->out && !p->heartbeat_call && now >= p->next_heartbeat_ms)
+      send_heartbeat(peers, p);
+  }
+}
+
+static uint64_t tick_ms(const fsdp_peers_t *peers) {
+  uint64_t t = peers->heartbeat_ms / 2;
+  if (peers->timeout_ms / 4 < t)
+    t = peers->timeout_ms / 4;
+  if (t > 100)
+    t = 100;
+  return t < 5 ? 5 : t;
+}
+
+/* The hosts that have not joined, with their last errors. */
+static void describe_missing(const fsdp_peers_t *peers, char *buf, size_t size) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (unsigned i = 0; i < peers->n && used < size; i++) {
+    const peer_t *p = &peers->peers[i];
+    if (i == peers->self || p->state == FSDP_PEER_JOINED)
+      continue;
+    used += (size_t)snprintf(buf + used, size - used, "%shost %u (%s) %s%s%s", used ? "; " : "",
+                             p->rank, p->address, fsdp_peer_state_name(p->state),
+                             p->last_error[0] ? ": " : "", p->last_error);
+  }
+}
+
+static void on_join_deadline(uv_timer_t *timer) {
+  fsdp_peers_t *peers = timer->data;
+  peers->deadline_passed = true;
+  if (peers->ready)
+    return;
+  char missing[2048], why[2300];
+  describe_missing(peers, missing, sizeof missing);
+  snprintf(why, sizeof why, "the cluster is not ready %llu ms after start (peer.join_timeout): %s",
+           (unsigned long long)peers->join_deadline_ms, missing);
+  log_error("peers: %s", why);
+  run_waiters(peers, FSDP_E_UNAVAILABLE, why);
+}
+
+/* --- public ------------------------------------------------------------------------------ */
+
+/* cluster.hosts spelled one way whatever the spaces, so that it compares as a setting. */
+static void canonical_hosts(const fsdp_config_t *cfg, char *buf, size_t size) {
+  size_t used = 0;
+  char one[320];
+  buf[0] = '\0';
+  for (unsigned i = 0; i < fsdp_config_host_count(cfg) && used < size; i++) {
+    fsdp_config_host(cfg, i, one, sizeof one);
+    used += (size_t)snprintf(buf + used, size - used, "%s%s", i ? "," : "", one);
+  }
+}
+
+static void set_timing(fsdp_peers_t *peers, uint64_t heartbeat_ms, uint64_t timeout_ms) {
+  peers->heartbeat_ms = heartbeat_ms;
+  peers->timeout_ms = timeout_ms;
+}
+
+int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
+                   const fsdp_peers_callbacks_t *callbacks, fsdp_peers_t **ret_peers,
+                   fsdp_status_t *st) {
+  fsdp_peers_t *peers = calloc(1, sizeof *peers);
+  if (!peers)
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  peers->loop = loop;
+  peers->sec = sec;
+  if (callbacks)
+    peers->cb = *callbacks;
+  unsigned n = fsdp_config_host_count(cfg);
+  peers->n = n ? n : 1;
+  peers->self = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_HOST_RANK);
+  set_timing(peers, (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_HEARTBEAT_INTERVAL),
+             (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_TIMEOUT));
+  peers->join_deadline_ms = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_JOIN_TIMEOUT);
+  pthread_mutex_init(&peers->lock, NULL);
+  while (peers->incarnation == 0)
+    if (getrandom(&peers->incarnation, sizeof peers->incarnation, 0) != sizeof peers->incarnation)
+      peers->incarnation = uv_hrtime() ^ ((uint64_t)getpid() << 32);
+
+  static const fsdp_option_id_t agree[N_SETTINGS] = {
+      FSDP_OPTION_CLUSTER_HOSTS, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE,
+      FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS, FSDP_OPTION_BACKEND};
+  for (size_t i = 0; i < N_SETTINGS; i++) {
+    fsdp__v1__setting__init(&peers->settings[i]);
+    peers->settings[i].key = (char *)fsdp_option_get(agree[i])->key;
+    if (agree[i] == FSDP_OPTION_CLUSTER_HOSTS)
+      canonical_hosts(cfg, peers->setting_values[i], sizeof peers->setting_values[i]);
+    else
+      fsdp_config_format(cfg, agree[i], peers->setting_values[i], sizeof peers->setting_values[i]);
+    peers->settings[i].value = peers->setting_values[i];
+  }
+
+  peers->peers = calloc(peers->n, sizeof *peers->peers);
+  if (!peers->peers) {
+    fsdp_peers_free(peers);
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  }
+  for (unsigned i = 0; i < peers->n; i++) {
+    peer_t *p = &peers->peers[i];
+    p->rank = i;
+    if (n)
+      fsdp_config_host(cfg, i, p->address, sizeof p->address);
+    p->state = i == peers->self ? FSDP_PEER_SELF : FSDP_PEER_JOINING;
+    p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  }
+  peers->peers[peers->self].incarnation = peers->incarnation;
+  peers->ready = peers->n == 1;
+  if (peers->n == 1) {
+    *ret_peers = peers;
+    return 0;
+  }
+
+  if (sec->token) {
+    size_t len = strlen(sec->token) + sizeof "Bearer ";
+    if (!(peers->auth_value = malloc(len))) {
+      fsdp_peers_free(peers);
+      return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+    }
+    snprintf(peers->auth_value, len, "Bearer %s", sec->token);
+  }
+  grpc_init();
+  peers->grpc_initialized = true;
+  peers->cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_arg args[] = {
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = 4 << 20}},
+      {GRPC_ARG_INTEGER, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, {.integer = 100}},
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, {.integer = 1000}},
+      /* A proxy in the environment must not sit between daemons. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_ENABLE_HTTP_PROXY, {.integer = 0}},
+      /* Each peer's connection backs off on its own, not shared by address. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, {.integer = 1}},
+  };
+  grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
+  for (unsigned i = 0; i < peers->n; i++) {
+    if (i == peers->self)
+      continue;
+    grpc_channel_credentials *creds;
+    if (sec->tls_cert) {
+      grpc_ssl_pem_key_cert_pair pair = {sec->tls_key, sec->tls_cert};
+      creds = grpc_ssl_credentials_create(sec->tls_ca, &pair, NULL, NULL);
+    } else {
+      creds = grpc_insecure_credentials_create();
+    }
+    peers->peers[i].channel = grpc_channel_create(peers->peers[i].address, creds, &channel_args);
+    grpc_channel_credentials_release(creds);
+    if (!peers->peers[i].channel) {
+      fsdp_peers_free(peers);
+      return fsdp_status_set(st, FSDP_E_CONFIG, "key 'cluster.hosts': cannot make a channel to "
+                                                "'%s'", peers->peers[i].address);
+    }
+  }
+  *ret_peers = peers;
+  return 0;
+}
+
+int fsdp_peers_start(fsdp_peers_t *peers) {
+  if (peers->n == 1)
+    return 0;
+  /* The thread first: if it cannot start, there is nothing to close, only to free. Until a
+   * call is started it never touches the async handle. */
+  int r = pthread_create(&peers->thread, NULL, cq_thread_main, peers);
+  if (r != 0)
+    return -r;
+  peers->thread_started = true;
+  uv_async_init(peers->loop, &peers->async, on_async);
+  uv_timer_init(peers->loop, &peers->timer);
+  uv_timer_init(peers->loop, &peers->deadline_timer);
+  peers->async.data = peers->timer.data = peers->deadline_timer.data = peers;
+  peers->open_handles = 3;
+  peers->started = true;
+  log_info("peers: host %u of %u, incarnation %016llx, joining %u peers",
+           peers->self, peers->n, (unsigned long long)peers->incarnation, peers->n - 1);
+  uv_timer_start(&peers->timer, on_tick, 0, tick_ms(peers));
+  uv_timer_start(&peers->deadline_timer, on_join_deadline, peers->join_deadline_ms, 0);
+  return 0;
+}
+
+void fsdp_peers_set_callbacks(fsdp_peers_t *peers, const fsdp_peers_callbacks_t *callbacks) {
+  peers->cb = *callbacks;
+}
+
+void fsdp_peers_set_timing(fsdp_peers_t *peers, uint64_t heartbeat_interval_ms,
+                           uint64_t timeout_ms) {
+  set_timing(peers, heartbeat_interval_ms, timeout_ms);
+  if (peers->started && !peers->closing) {
+    uv_timer_set_repeat(&peers->timer, tick_ms(peers));
+    uv_timer_again(&peers->timer);
+  }
+}
+
+int fsdp_peers_set_local_address(fsdp_peers_t *peers, const void *bytes, size_t len) {
+  if (len > UCX_ADDRESS_MAX)
+    return -E2BIG;
+  uint8_t *copy = NULL;
+  if (len && !(copy = malloc(len)))
+    return -ENOMEM;
+  if (len)
+    memcpy(copy, bytes, len);
+  free(peers->local_ucx);
+  peers->local_ucx = copy;
+  peers->local_ucx_len = len;
+  for (unsigned i = 0; i < peers->n; i++)
+    if (peers->peers[i].out)
+      peers->peers[i].rejoin = true;
+  return 0;
+}
+
+void fsdp_peers_leave(fsdp_peers_t *peers, const char *why) {
+  if (!peers || !peers->started || peers->leaving)
+    return;
+  peers->leaving = true;
+  Fsdp__V1__LeaveRequest rq = FSDP__V1__LEAVE_REQUEST__INIT;
+  rq.host_rank = peers->self;
+  rq.incarnation = peers->incarnation;
+  rq.reason = (char *)why;
+  uint64_t deadline = peers->timeout_ms < LEAVE_DEADLINE_MAX_MS ? peers->timeout_ms
+                                                                : LEAVE_DEADLINE_MAX_MS;
+  unsigned sent = 0;
+  for (unsigned i = 0; i < peers->n; i++) {
+    peer_t *p = &peers->peers[i];
+    if (i == peers->self || !(p->in || p->out))
+      continue;
+    if (start_call(peers, p, CALL_LEAVE, &rq.base, deadline))
+      sent++;
+  }
+  log_info("peers: leaving (%s), told %u peer%s", why, sent, sent == 1 ? "" : "s");
+}
+
+static void on_handle_closed(uv_handle_t *handle) {
+  fsdp_peers_t *peers = handle->data;
+  if (--peers->open_handles > 0)
+    return;
+  if (peers->done)
+    peers->done(peers->done_data);
+}
+
+static void maybe_finish_close(fsdp_peers_t *peers) {
+  if (!peers->closing || peers->inflight)
+    return;
+  if (!peers->channels_gone) {
+    /* Every call is back: nothing more can be queued, so the queue may shut down; the
+     * thread sees it and exits, and wakes us once more. */
+    for (unsigned i = 0; i < peers->n; i++)
+      if (peers->peers[i].channel) {
+        grpc_channel_destroy(peers->peers[i].channel);
+        peers->peers[i].channel = NULL;
+      }
+    peers->channels_gone = true;
+    grpc_completion_queue_shutdown(peers->cq);
+  }
+  if (peers->thread_started || peers->handles_closing)
+    return;
+  peers->handles_closing = true;
+  uv_close((uv_handle_t *)&peers->async, on_handle_closed);
+  uv_close((uv_handle_t *)&peers->timer, on_handle_closed);
+  uv_close((uv_handle_t *)&peers->deadline_timer, on_handle_closed);
+}
+
+void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data) {
+  run_waiters(peers, FSDP_E_CANCELLED, "fsdpd is stopping");
+  if (!peers->started) {
+    done(data);
+    return;
+  }
+  peers->closing = true;
+  peers->leaving = true;
+  peers->done = done;
+  peers->done_data = data;
+  uv_timer_stop(&peers->timer);
+  uv_timer_stop(&peers->deadline_timer);
+  /* Joins and Heartbeats end now; Leaves have their own short deadline. */
+  for (pcall_t *c = peers->inflight; c; c = c->all_next)
+    if (c->kind != CALL_LEAVE)
+      grpc_call_cancel(c->call, NULL);
+  maybe_finish_close(peers);
+}
+
+void fsdp_peers_free(fsdp_peers_t *peers) {
+  if (!peers)
+    return;
+  for (unsigned i = 0; peers->peers && i < peers->n; i++) {
+    if (peers->peers[i].channel)
+      grpc_channel_destroy(peers->peers[i].channel);
+    free(peers->peers[i].ucx);
+  }
+  if (peers->cq) {
+    if (!peers->channels_gone)
+      grpc_completion_queue_shutdown(peers->cq);
+    grpc_completion_queue_destroy(peers->cq);
+  }
+  if (peers->grpc_initialized)
+    grpc_shutdown();
+  free_secret(&peers->auth_value);
+  free(peers->peers);
+  free(peers->local_ucx);
+  pthread_mutex_destroy(&peers->lock);
+  free(peers);
+}
+
+unsigned fsdp_peers_host_rank(const fsdp_peers_t *peers) {
+  return peers->self;
+}
+
+unsigned fsdp_peers_host_count(const fsdp_peers_t *peers) {
+  return peers->n;
+}
+
+uint64_t fsdp_peers_incarnation(const fsdp_peers_t *peers) {
+  return peers->incarnation;
+}
+
+bool fsdp_peers_ready(const fsdp_peers_t *peers) {
+  return peers->ready;
+}
+
+void fsdp_peers_get(const fsdp_peers_t *peers, unsigned host_rank, fsdp_peer_info_t *ret) {
+  const peer_t *p = &peers->peers[host_rank < peers->n ? host_rank : peers->self];
+  uint64_t now = now_ms(peers);
+  *ret = (fsdp_peer_info_t){
+      .host_rank = p->rank,
+      .address = p->address,
+      .state = p->state,
+      .last_heard_ms = p->rank == peers->self ? 0
+                       : p->last_heard_ms  ? (int64_t)(now - p->last_heard_ms)
+                                           : -1,
+      .rtt_us = p->rtt_us,
+      .incarnation = p->incarnation,
+      .last_error = p->last_error,
+      .ucx_address = p->rank == peers->self ? peers->local_ucx : p->ucx,
+      .ucx_address_len = p->rank == peers->self ? peers->local_ucx_len : p->ucx_len,
+  };
+}
+
+void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
+                           fsdp_peers_ready_fn cb, void *data) {
+  waiter->cb = cb;
+  waiter->data = data;
+  waiter->next = NULL;
+  if (peers->ready) {
+    cb(data, 0, "");
+    return;
+  }
+  if (peers->closing || peers->leaving) {
+    cb(data, FSDP_E_CANCELLED, "fsdpd is stopping");
+    return;
+  }
+  if (peers->deadline_passed) {
+    char missing[2048], why[2300];
+    describe_missing(peers, missing, sizeof missing);
+    snprintf(why, sizeof why, "the cluster is not ready (peer.join_timeout %llu ms passed): %s",
+             (unsigned long long)peers->join_deadline_ms, missing);
+    cb(data, FSDP_E_UNAVAILABLE, why);
+    return;
+  }
+  waiter->next = peers->waiters;
+  peers->waiters = waiter;
+}
+
+void fsdp_peers_wait_cancel(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter) {
+  for (fsdp_peers_waiter_t **w = &peers->waiters; *w; w = &(*w)->next)
+    if (*w == waiter) {
+      *w = waiter->next;
+      waiter->next = NULL;
+      return;
+    }
+}
+
+/* --- server side ------------------------------------------------------------------------- */
+
+static peer_t *caller(fsdp_peers_t *peers, unsigned rank, fsdp_status_t *st) {
+  if (peers->n == 1) {
+    fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                    "field 'host_rank' = %u: this fsdpd serves one host (cluster.hosts is "
+                    "empty) and has no peers",
+                    rank);
+    return NULL;
+  }
+  if (rank >= peers->n || rank == peers->self) {
+    fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                    "field 'host_rank' = %u is not a peer: cluster.hosts has %u hosts and %u "
+                    "is this daemon's own rank",
+                    rank, peers->n, peers->self);
+    return NULL;
+  }
+  return &peers->peers[rank];
+}
+
+/* The first setting that does not agree, as a refusal; 0 when all agree. */
+static int compare_settings(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
+                            fsdp_status_t *st) {
+  for (size_t i = 0; i < rq->n_settings; i++) {
+    const Fsdp__V1__Setting *theirs = rq->settings[i];
+    size_t k = 0;
+    while (k < N_SETTINGS && strcmp(peers->settings[k].key, theirs->key) != 0)
+      k++;
+    if (k == N_SETTINGS)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "host %u sends setting '%s' = '%s', which host %u does not know "
+                             "(another fsdpd release?)",
+                             rq->host_rank, theirs->key, theirs->value, peers->self);
+    if (strcmp(peers->settings[k].value, theirs->value) != 0)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "setting '%s' differs: host %u has '%s', host %u has '%s'; every "
+                             "host must use the same value",
+                             theirs->key, rq->host_rank, theirs->value, peers->self,
+                             peers->settings[k].value);
+  }
+  for (size_t k = 0; k < N_SETTINGS; k++) {
+    size_t i = 0;
+    while (i < rq->n_settings && strcmp(peers->settings[k].key, rq->settings[i]->key) != 0)
+      i++;
+    if (i == rq->n_settings)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "field 'settings' lacks '%s' (host %u has '%s'); every host must "
+                             "send it",
+                             peers->settings[k].key, peers->self, peers->settings[k].value);
+  }
+  return 0;
+}
+
+int fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
+                           Fsdp__V1__JoinReply *reply, fsdp_status_t *st) {
+  peer_t *p = caller(peers, rq->host_rank, st);
+  if (!p)
+    return st->code;
+  if (rq->incarnation == 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'incarnation' = 0 from host %u; expected a random nonzero id",
+                           rq->host_rank);
+  if (rq->ucx_worker_address.len > UCX_ADDRESS_MAX)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'ucx_worker_address' holds %zu bytes, at most %d",
+                           rq->ucx_worker_address.len, UCX_ADDRESS_MAX);
+  int r = compare_settings(peers, rq, st);
+  if (r < 0) {
+    if (p->state != FSDP_PEER_REFUSED || strcmp(p->last_error, st->message) != 0)
+      log_error("peers: refused the Join of host %u (%s): %s", p->rank, p->address, st->message);
+    if (p->state == FSDP_PEER_JOINED)
+      drop(peers, p, FSDP_PEER_REFUSED, st->message);
+    p->state = FSDP_PEER_REFUSED;
+    set_error(p, "refused its Join: %s", st->message);
+    return r;
+  }
+  if (peers->leaving)
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "host %u is leaving", peers->self);
+  check_incarnation(peers, p, rq->incarnation);
+  r = store_address(p, &rq->ucx_worker_address);
+  if (r < 0)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "out of memory for the data-plane address of host %u", p->rank);
+  bool changed = r > 0;
+  p->in = true;
+  p->last_heard_ms = now_ms(peers);
+  if (p->state == FSDP_PEER_REFUSED)
+    p->state = FSDP_PEER_JOINING;
+  if (!p->out && !p->join_call) {
+    /* It is up: join it now rather than at the end of a backoff. */
+    p->next_join_ms = now_ms(peers);
+    p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  }
+  if (p->state == FSDP_PEER_JOINED && changed && peers->cb.joined)
+    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
+  maybe_joined(peers, p);
+
+  reply->protocol_version = FSDP_PROTOCOL_VERSION;
+  reply->host_rank = peers->self;
+  reply->incarnation = peers->incarnation;
+  reply->ucx_worker_address.data = peers->local_ucx;
+  reply->ucx_worker_address.len = peers->local_ucx_len;
+  return 0;
+}
+
+int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRequest *rq,
+                                Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st) {
+  peer_t *p = caller(peers, rq->host_rank, st);
+  if (!p)
+    return st->code;
+  if (!p->in || rq->incarnation != p->incarnation)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "host %u (incarnation %016llx) has not joined host %u; Join first",
+                           rq->host_rank, (unsigned long long)rq->incarnation, peers->self);
+  p->last_heard_ms = now_ms(peers);
+  reply->sent_ns = rq->sent_ns;
+  reply->incarnation = peers->incarnation;
+  return 0;
+}
+
+int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *rq,
+                            fsdp_status_t *st) {
+  peer_t *p = caller(peers, rq->host_rank, st);
+  if (!p)
+    return st->code;
+  /* A Leave from an incarnation we no longer know is old news. */
+  if (rq->incarnation != p->incarnation)
+    return 0;
+  char why[300];
+  snprintf(why, sizeof why, "left: %s", rq->reason[0] ? rq->reason : "no reason given");
+  drop(peers, p, FSDP_PEER_LEFT, why);
+  return 0;
+}
