@@ -217,6 +217,78 @@ static json_object *config_json(const Fsdp__V1__StatusReply *s) {
   return a;
 }
 
+static const char *peer_state_name(Fsdp__V1__PeerState state) {
+  switch (state) {
+  case FSDP__V1__PEER_STATE__PEER_STATE_SELF:
+    return "SELF";
+  case FSDP__V1__PEER_STATE__PEER_STATE_JOINING:
+    return "JOINING";
+  case FSDP__V1__PEER_STATE__PEER_STATE_JOINED:
+    return "JOINED";
+  case FSDP__V1__PEER_STATE__PEER_STATE_LOST:
+    return "LOST";
+  case FSDP__V1__PEER_STATE__PEER_STATE_LEFT:
+    return "LEFT";
+  case FSDP__V1__PEER_STATE__PEER_STATE_REFUSED:
+    return "REFUSED";
+  default:
+    return "UNSPECIFIED";
+  }
+}
+
+/* Incarnations are 64-bit random ids; JSON numbers lose bits past 2^53, so they are strings
+ * of 16 hex digits, as the daemon's log writes them. */
+static const char *hex64(uint64_t v) {
+  static char buf[4][20];
+  static unsigned next;
+  char *b = buf[next++ % 4];
+  snprintf(b, sizeof buf[0], "%016" PRIx64, v);
+  return b;
+}
+
+static json_object *peers_json(const Fsdp__V1__StatusReply *s) {
+  json_object *a = json_object_new_array();
+  for (size_t i = 0; i < s->n_peers; i++) {
+    const Fsdp__V1__PeerStatus *p = s->peers[i];
+    json_object *po = json_object_new_object();
+    json_object_object_add(po, "host_rank", json_object_new_int64(p->host_rank));
+    json_object_object_add(po, "address", json_string(p->address));
+    json_object_object_add(po, "state", json_string(peer_state_name(p->state)));
+    json_object_object_add(po, "last_heard_ms", json_object_new_int64(p->last_heard_ms));
+    json_object_object_add(po, "rtt_us", json_object_new_uint64(p->rtt_us));
+    json_object_object_add(po, "incarnation", json_string(p->incarnation ? hex64(p->incarnation) : ""));
+    json_object_object_add(po, "last_error", json_string(p->last_error));
+    json_object_object_add(po, "ucx_address_bytes", json_object_new_int64(p->ucx_address_bytes));
+    json_object_array_add(a, po);
+  }
+  return a;
+}
+
+/* "2 of 3 peers joined, ready" for status. */
+static void peers_summary(const Fsdp__V1__StatusReply *s, char *buf, size_t size) {
+  unsigned joined = 0, others = 0;
+  for (size_t i = 0; i < s->n_peers; i++) {
+    if (s->peers[i]->state == FSDP__V1__PEER_STATE__PEER_STATE_SELF)
+      continue;
+    others++;
+    joined += s->peers[i]->state == FSDP__V1__PEER_STATE__PEER_STATE_JOINED;
+  }
+  if (others == 0) {
+    snprintf(buf, size, "none (one host)");
+    return;
+  }
+  int used = snprintf(buf, size, "%u of %u joined, %s", joined, others,
+                      s->topology && s->topology->peers_ready ? "ready" : "not ready");
+  for (size_t i = 0; i < s->n_peers && used > 0 && (size_t)used < size; i++) {
+    const Fsdp__V1__PeerStatus *p = s->peers[i];
+    if (p->state == FSDP__V1__PEER_STATE__PEER_STATE_SELF ||
+        p->state == FSDP__V1__PEER_STATE__PEER_STATE_JOINED)
+      continue;
+    used += snprintf(buf + used, size - (size_t)used, "; host %" PRIu32 " %s", p->host_rank,
+                     peer_state_name(p->state));
+  }
+}
+
 /* Field names are those of operator.proto; enums are spelled without their prefix. */
 static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
   json_object *o = json_object_new_object();
@@ -233,7 +305,16 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
   json_object_object_add(topo, "host_rank",
                          json_object_new_int64(s->topology ? s->topology->host_rank : 0));
   json_object_object_add(topo, "hosts", json_object_new_int64(s->topology ? s->topology->hosts : 0));
+  if (s->topology) {
+    json_object_object_add(topo, "local_world_size",
+                           json_object_new_int64(s->topology->local_world_size));
+    json_object_object_add(topo, "shard_group_hosts",
+                           json_object_new_int64(s->topology->shard_group_hosts));
+    json_object_object_add(topo, "peers_ready", json_object_new_boolean(s->topology->peers_ready));
+    json_object_object_add(topo, "incarnation", json_string(hex64(s->topology->incarnation)));
+  }
   json_object_object_add(o, "topology", topo);
+  json_object_object_add(o, "peers", peers_json(s));
 
   json_object *mem = json_object_new_object();
   json_object_object_add(mem, "in_use_bytes",
@@ -293,7 +374,7 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
 #define LABEL "%-13s"
 
 static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
-  char a[64], b[64];
+  char a[64], b[64], a2[512];
   printf(LABEL "%s (protocol %" PRIu32 ")\n", "fsdpd", s->version, s->protocol_version);
   printf(LABEL "%s\n", "target", ctl->target);
   printf(LABEL "%" PRId32 "\n", "pid", s->pid);
@@ -308,6 +389,8 @@ static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
            s->topology->hosts);
   else
     printf(LABEL "-\n", "topology");
+  peers_summary(s, a2, sizeof a2);
+  printf(LABEL "%s\n", "peers", a2);
   if (s->memory) {
     format_bytes(s->memory->in_use_bytes, a, sizeof a);
     if (s->memory->limit_bytes) {
@@ -381,6 +464,66 @@ static int cmd_status(ctl_t *ctl, int argc, char **argv) {
   int rc = s->state == FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING ? EXIT_OK : EXIT_NOT_SERVING;
   protobuf_c_message_free_unpacked(&s->base, NULL);
   return rc;
+}
+
+static void print_peers(const Fsdp__V1__StatusReply *s) {
+  const Fsdp__V1__Topology *t = s->topology;
+  if (s->n_peers == 0) {
+    printf("one host: no peers (cluster.hosts is empty)\n");
+    return;
+  }
+  printf("host %" PRIu32 " of %" PRIu32 ", incarnation %s, local world size %" PRIu32
+         ", cluster %s\n",
+         t ? t->host_rank : 0, t ? t->hosts : 0, hex64(t ? t->incarnation : 0),
+         t ? t->local_world_size : 0, t && t->peers_ready ? "ready" : "not ready");
+  int aw = 7;
+  for (size_t i = 0; i < s->n_peers; i++)
+    aw = max_int(aw, text_width(s->peers[i]->address, 60));
+  printf("%-4s %-*s %-8s %8s %9s %-16s %s\n", "HOST", aw, "ADDRESS", "STATE", "HEARD", "RTT",
+         "INCARNATION", "LAST ERROR");
+  for (size_t i = 0; i < s->n_peers; i++) {
+    const Fsdp__V1__PeerStatus *p = s->peers[i];
+    char heard[32], rtt[32];
+    if (p->state == FSDP__V1__PEER_STATE__PEER_STATE_SELF || p->last_heard_ms < 0)
+      snprintf(heard, sizeof heard, "-");
+    else
+      format_duration((uint64_t)p->last_heard_ms, heard, sizeof heard);
+    if (p->rtt_us == 0)
+      snprintf(rtt, sizeof rtt, "-");
+    else if (p->rtt_us < 10000)
+      snprintf(rtt, sizeof rtt, "%" PRIu64 "us", p->rtt_us);
+    else
+      snprintf(rtt, sizeof rtt, "%" PRIu64 "ms", p->rtt_us / 1000);
+    printf("%-4" PRIu32 " %-*s %-8s %8s %9s %-16s %s\n", p->host_rank, aw, p->address,
+           peer_state_name(p->state), heard, rtt, p->incarnation ? hex64(p->incarnation) : "-",
+           p->last_error[0] ? p->last_error : "-");
+  }
+}
+
+/* Exit 0 when every peer is joined (or there are none), 3 when the cluster is not ready. */
+static int cmd_peers(ctl_t *ctl, int argc, char **argv) {
+  (void)argc, (void)argv;
+  Fsdp__V1__StatusReply *s = NULL;
+  int r = fetch_status(ctl, &s);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Status", r);
+  bool ready = !s->topology || s->topology->peers_ready;
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "target", json_string(ctl->target));
+    json_object_object_add(o, "host_rank",
+                           json_object_new_int64(s->topology ? s->topology->host_rank : 0));
+    json_object_object_add(o, "hosts", json_object_new_int64(s->topology ? s->topology->hosts : 1));
+    json_object_object_add(o, "incarnation",
+                           json_string(hex64(s->topology ? s->topology->incarnation : 0)));
+    json_object_object_add(o, "ready", json_object_new_boolean(ready));
+    json_object_object_add(o, "peers", peers_json(s));
+    print_json(o);
+  } else {
+    print_peers(s);
+  }
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  return ready ? EXIT_OK : EXIT_NOT_SERVING;
 }
 
 static int cmd_health(ctl_t *ctl, int argc, char **argv) {
@@ -761,6 +904,8 @@ static const command_t commands[] = {
      cmd_config_show},
     {"config", "reload", 0, "", "re-read the config file (like SIGHUP), list changed keys",
      cmd_config_reload},
+    {"peers", NULL, 0, "", "the other hosts' daemons: state, heartbeat age, RTT, last error",
+     cmd_peers},
     {"units", NULL, 0, "", "the units of every job (or of --job J)", cmd_units},
     {"unit", NULL, 1, "NAME", "one unit: its parameters and shard map", cmd_unit},
     {"drain", NULL, 0, "", "refuse new work, keep serving health and status", cmd_drain},
@@ -794,7 +939,8 @@ static void usage(FILE *out) {
         "  0  success\n"
         "  1  error: the daemon could not be reached or a call failed\n"
         "  2  usage: bad option or command\n"
-        "  3  not serving: health is not SERVING, or status shows DRAINING or STOPPING\n",
+        "  3  not serving: health is not SERVING, or status shows DRAINING or STOPPING, or\n"
+        "     peers shows a cluster that is not ready\n",
         out);
 }
 

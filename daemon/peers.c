@@ -80,6 +80,8 @@ struct peer {
   uint64_t last_heard_ms; /* 0: never */
   uint64_t rtt_us;
   char last_error[512];
+  /* The refusals last logged each way, so that a retry every second logs nothing new. */
+  char logged_in_refusal[512], logged_out_refusal[512];
   uint8_t *ucx;
   size_t ucx_len;
   pcall_t *join_call, *heartbeat_call;
@@ -304,7 +306,7 @@ static void maybe_joined(fsdp_peers_t *peers, peer_t *p) {
   if (!p->in || !p->out || p->state == FSDP_PEER_JOINED)
     return;
   p->state = FSDP_PEER_JOINED;
-  p->last_error[0] = '\0';
+  p->last_error[0] = p->logged_in_refusal[0] = p->logged_out_refusal[0] = '\0';
   p->next_heartbeat_ms = now_ms(peers);
   log_info("peers: host %u (%s) joined, incarnation %016llx, data-plane address of %zu bytes",
            p->rank, p->address, (unsigned long long)p->incarnation, p->ucx_len);
@@ -481,8 +483,10 @@ static void join_failed(fsdp_peers_t *peers, peer_t *p, bool refused) {
   p->next_join_ms = now_ms(peers) + p->backoff_ms;
   p->backoff_ms = p->backoff_ms * 2 > JOIN_BACKOFF_MAX_MS ? JOIN_BACKOFF_MAX_MS : p->backoff_ms * 2;
   if (refused) {
-    if (p->state != FSDP_PEER_REFUSED)
+    if (strcmp(p->logged_out_refusal, p->last_error) != 0) {
       log_error("peers: host %u (%s) refused: %s", p->rank, p->address, p->last_error);
+      snprintf(p->logged_out_refusal, sizeof p->logged_out_refusal, "%s", p->last_error);
+    }
     if (p->state == FSDP_PEER_JOINED)
       drop(peers, p, FSDP_PEER_REFUSED, p->last_error);
     p->state = FSDP_PEER_REFUSED;
@@ -502,11 +506,14 @@ static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
   if (peers->leaving)
     return;
   if (c->status != GRPC_STATUS_OK) {
-    record_failure(p, c, "");
     bool refused = c->status == GRPC_STATUS_FAILED_PRECONDITION ||
                    c->status == GRPC_STATUS_UNAUTHENTICATED ||
                    c->status == GRPC_STATUS_PERMISSION_DENIED ||
                    c->status == GRPC_STATUS_INVALID_ARGUMENT;
+    /* Why a peer was lost, left or refused says more than that it is still unreachable. */
+    if (refused || (p->state != FSDP_PEER_LOST && p->state != FSDP_PEER_LEFT &&
+                    p->state != FSDP_PEER_REFUSED))
+      record_failure(p, c, "");
     join_failed(peers, p, refused);
     return;
   }
@@ -1081,8 +1088,10 @@ int fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
                            rq->ucx_worker_address.len, UCX_ADDRESS_MAX);
   int r = compare_settings(peers, rq, st);
   if (r < 0) {
-    if (p->state != FSDP_PEER_REFUSED || strcmp(p->last_error, st->message) != 0)
+    if (strcmp(p->logged_in_refusal, st->message) != 0) {
       log_error("peers: refused the Join of host %u (%s): %s", p->rank, p->address, st->message);
+      snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", st->message);
+    }
     if (p->state == FSDP_PEER_JOINED)
       drop(peers, p, FSDP_PEER_REFUSED, st->message);
     p->state = FSDP_PEER_REFUSED;

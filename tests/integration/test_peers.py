@@ -1,0 +1,395 @@
+"""Daemons find each other: 2 and 3 fsdpd on this machine, each with its own run dir,
+health port and peer port, join over the Peer service (plain, with a token, with mutual
+TLS); settings that differ, a wrong token or a certificate from another CA keep them apart
+with a clear reason; a peer SIGKILLed or SIGSTOPped is LOST within peer.timeout, one that
+stops gracefully is LEFT at once, and a restarted one joins again with a new incarnation.
+
+Short timings keep it quick: heartbeats every 100 ms, peer.timeout 1 s."""
+
+import json
+import signal
+import socket
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from fsdpd_harness import (CHANNEL_OPTIONS, fsdpd, peer_pb2, poll,  # noqa: F401
+                           run_fsdpd)
+
+HEARTBEAT = "100ms"
+TIMEOUT_S = 1.0
+SLACK_S = 1.5  # scheduling on a loaded 2-core machine, the tick, the status poll
+JOIN = "/fsdp.v1.Peer/Join"
+
+
+def free_ports(n):
+    """n TCP ports free on 127.0.0.1 right now (held together, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Cluster:
+    count = 0
+
+    def __init__(self, fsdpd, n, lws=2, timeout="1s", extra=None, per_rank=None):
+        Cluster.count += 1
+        self.tag = f"c{Cluster.count}"  # run dirs and logs of its own in the test's tmp_path
+        self.fsdpd = fsdpd
+        self.ports = free_ports(n)
+        self.hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.lws = lws
+        self.timeout = timeout
+        self.extra = list(extra or [])
+        self.per_rank = per_rank or {}
+        self.daemons = [self.start(i) for i in range(n)]
+
+    def args(self, rank):
+        lws = self.per_rank.get(rank, {}).get("lws", self.lws)
+        return ["--hosts", self.hosts, "--host-rank", rank, "--local-world-size", lws,
+                "--set", f"peer.heartbeat_interval={HEARTBEAT}",
+                "--set", f"peer.timeout={self.timeout}",
+                *self.extra, *self.per_rank.get(rank, {}).get("args", [])]
+
+    def start(self, rank, run_dir=None, name=None):
+        return self.fsdpd(*self.args(rank), run_dir=run_dir, name=name or f"{self.tag}-host{rank}")
+
+    def restart(self, rank):
+        old = self.daemons[rank]
+        d = self.start(rank, run_dir=old.run_dir, name=f"{self.tag}-host{rank}-again")
+        self.daemons[rank] = d
+        return d
+
+
+def peers(d):
+    r = d.fsdpctl("peers", "--json")
+    assert r.returncode in (0, 3), r.stderr
+    return json.loads(r.stdout)
+
+
+def states(d):
+    return {p["host_rank"]: p["state"] for p in peers(d)["peers"]}
+
+
+def wait_state(d, rank, state, timeout):
+    """Waits until d shows host `rank` in `state`; returns that peer's row."""
+    def row():
+        for p in peers(d)["peers"]:
+            if p["host_rank"] == rank and p["state"] == state:
+                return p
+        return None
+    return poll(row, timeout, interval=0.05,
+                what=f"host {rank} {state} on host {peers(d)['host_rank']}: {peers(d)}")
+
+
+def wait_all_joined(cluster, timeout=10.0):
+    for i, d in enumerate(cluster.daemons):
+        poll(lambda: peers(d)["ready"], timeout, interval=0.05,
+             what=f"host {i} ready; it shows {peers(d)}\n{d.stderr()}")
+
+
+def test_two_daemons_join_both_ways(fsdpd):
+    c = Cluster(fsdpd, 2)
+    wait_all_joined(c)
+    d0, d1 = c.daemons
+    inc = [peers(d)["incarnation"] for d in c.daemons]
+    assert inc[0] != inc[1] and all(len(i) == 16 for i in inc)
+    # A few heartbeats later the round trip is measured.
+    row = poll(lambda: next((p for p in peers(d0)["peers"] if p["host_rank"] == 1 and
+                             p["rtt_us"] > 0), None), 5.0, what="an RTT for host 1")
+    assert row["address"] == f"127.0.0.1:{c.ports[1]}"
+    assert row["incarnation"] == inc[1]
+    assert 0 <= row["last_heard_ms"] < 1000
+    assert row["last_error"] == ""
+    me = [p for p in peers(d0)["peers"] if p["host_rank"] == 0][0]
+    assert me["state"] == "SELF" and me["incarnation"] == inc[0]
+
+    # The text table and the status summary say the same.
+    r = d1.fsdpctl("peers")
+    assert r.returncode == 0, r.stderr
+    assert "host 1 of 2" in r.stdout and "cluster ready" in r.stdout
+    line = [l for l in r.stdout.splitlines() if l.startswith("0 ")][0]
+    assert f"127.0.0.1:{c.ports[0]}" in line and "JOINED" in line and inc[0] in line
+    r = d0.fsdpctl("status")
+    assert "host 0 of 2" in r.stdout and "1 of 1 joined, ready" in r.stdout
+
+    s = d0.status()
+    assert (s.topology.host_rank, s.topology.hosts, s.topology.local_world_size) == (0, 2, 2)
+    assert s.topology.peers_ready
+    listeners = {l.address: list(l.services) for l in s.listeners}
+    assert listeners[f"127.0.0.1:{c.ports[0]}"] == ["fsdp.v1.Peer", "grpc.health.v1.Health"]
+    assert "fsdp.v1.Peer" not in listeners[d0.unix_target]
+    assert "host 1 (127.0.0.1:" in d0.stderr() and "joined" in d0.stderr()
+
+
+def test_three_daemons_sigkill_then_restart(fsdpd):
+    c = Cluster(fsdpd, 3)
+    wait_all_joined(c)
+    old_inc = peers(c.daemons[2])["incarnation"]
+    c.daemons[2].proc.kill()
+    c.daemons[2].proc.wait(5)
+    t0 = time.monotonic()
+    for d in c.daemons[:2]:
+        row = wait_state(d, 2, "LOST", TIMEOUT_S + SLACK_S)
+        assert "no answer for" in row["last_error"] and "peer.timeout" in row["last_error"]
+    elapsed = time.monotonic() - t0
+    assert elapsed < TIMEOUT_S + SLACK_S
+    assert states(c.daemons[0])[1] == "JOINED"  # the others still have each other
+    assert peers(c.daemons[0])["ready"] is False
+    assert c.daemons[0].fsdpctl("peers").returncode == 3
+    log = c.daemons[0].stderr()
+    assert f"host 2 (127.0.0.1:{c.ports[2]}) is LOST: no answer for" in log
+
+    d2 = c.restart(2)
+    wait_all_joined(c)
+    new_inc = peers(d2)["incarnation"]
+    assert new_inc != old_inc
+    for d in c.daemons[:2]:
+        row = [p for p in peers(d)["peers"] if p["host_rank"] == 2][0]
+        assert row["state"] == "JOINED" and row["incarnation"] == new_inc
+
+
+def test_sigstop_is_lost_then_recovers(fsdpd):
+    c = Cluster(fsdpd, 2)
+    wait_all_joined(c)
+    d0, d1 = c.daemons
+    inc1 = peers(d1)["incarnation"]
+    d1.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        row = wait_state(d0, 1, "LOST", TIMEOUT_S + SLACK_S)
+        assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S
+        assert "no answer for" in row["last_error"]
+    finally:
+        d1.send_signal(signal.SIGCONT)
+    wait_all_joined(c)
+    # The same process: the same incarnation, joined again.
+    assert [p for p in peers(d0)["peers"] if p["host_rank"] == 1][0]["incarnation"] == inc1
+
+
+def test_sigterm_leaves_at_once(fsdpd):
+    # A long timeout, so that only the Leave can make it LEFT this soon.
+    c = Cluster(fsdpd, 2, timeout="30s")
+    wait_all_joined(c)
+    d0, d1 = c.daemons
+    t0 = time.monotonic()
+    assert d1.stop(signal.SIGTERM) == 0
+    row = wait_state(d0, 1, "LEFT", 3.0)
+    assert time.monotonic() - t0 < 3.0
+    assert "left: SIGTERM" in row["last_error"]
+    assert "peers: leaving (SIGTERM), told 1 peer" in d1.stderr()
+
+
+def test_settings_mismatch_is_refused_naming_the_key(fsdpd):
+    c = Cluster(fsdpd, 2, lws=2, per_rank={1: {"lws": 4}})
+    d0, d1 = c.daemons
+    for d, mine, theirs in ((d0, 0, 1), (d1, 1, 0)):
+        row = wait_state(d, theirs, "REFUSED", 10.0)
+        err = row["last_error"]
+        assert "setting 'cluster.local_world_size' differs" in err, err
+        assert "host 1 has '4'" in err and "host 0 has '2'" in err, err
+    # Each logs the refusals it made and the ones it got back as a FAILED_PRECONDITION.
+    for d in (d0, d1):
+        poll(lambda: "peers: refused the Join of host" in d.stderr() and
+             f"refused: Join: FAILED_PRECONDITION: {JOIN}: setting 'cluster.local_world_size' "
+             "differs" in d.stderr(), 5.0, what=f"both refusals in the log:\n{d.stderr()}")
+    time.sleep(0.5)
+    assert states(d0)[1] == "REFUSED" and states(d1)[0] == "REFUSED"
+    assert peers(d0)["ready"] is False
+
+    # The same refusal as a client sees it, with both values.
+    req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=7, settings=[
+        peer_pb2.Setting(key="cluster.hosts", value=c.hosts),
+        peer_pb2.Setting(key="cluster.local_world_size", value="8"),
+        peer_pb2.Setting(key="cluster.shard_group_hosts", value="1"),
+        peer_pb2.Setting(key="daemon.backend", value="host")])
+    with grpc.insecure_channel(f"127.0.0.1:{c.ports[0]}", options=CHANNEL_OPTIONS) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(JOIN, request_serializer=req.SerializeToString,
+                           response_deserializer=peer_pb2.JoinReply.FromString)(req, timeout=5)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "setting 'cluster.local_world_size' differs: host 1 has '8', host 0 has '2'" in \
+        e.value.details()
+
+
+def join_call(port, request, creds=None, metadata=None):
+    target = f"127.0.0.1:{port}"
+    ch = (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
+          else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+    with ch:
+        fn = ch.unary_unary(JOIN, request_serializer=request.SerializeToString,
+                            response_deserializer=peer_pb2.JoinReply.FromString)
+        return fn(request, timeout=5, metadata=metadata)
+
+
+def test_peer_port_refuses_bad_joins(fsdpd):
+    c = Cluster(fsdpd, 2)
+    port = c.ports[0]
+    cases = [
+        (peer_pb2.JoinRequest(protocol_version=2, host_rank=1), grpc.StatusCode.FAILED_PRECONDITION,
+         "protocol_version 2 from the peer daemon"),
+        (peer_pb2.JoinRequest(protocol_version=1, host_rank=5, incarnation=1),
+         grpc.StatusCode.INVALID_ARGUMENT, "field 'host_rank' = 5 is not a peer"),
+        (peer_pb2.JoinRequest(protocol_version=1, host_rank=0, incarnation=1),
+         grpc.StatusCode.INVALID_ARGUMENT, "field 'host_rank' = 0 is not a peer"),
+        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1),
+         grpc.StatusCode.INVALID_ARGUMENT, "field 'incarnation' = 0"),
+        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=3),
+         grpc.StatusCode.FAILED_PRECONDITION, "field 'settings' lacks 'cluster.hosts'"),
+    ]
+    for req, code, text in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            join_call(port, req)
+        assert e.value.code() == code, e.value.details()
+        assert text in e.value.details() and JOIN in e.value.details()
+    # A Heartbeat from a host that never joined is told to join first.
+    hb = peer_pb2.HeartbeatRequest(host_rank=1, incarnation=99, sent_ns=1)
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/fsdp.v1.Peer/Heartbeat", request_serializer=hb.SerializeToString,
+                           response_deserializer=peer_pb2.HeartbeatReply.FromString)(hb, timeout=5)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "has not joined host 0; Join first" in e.value.details()
+    wait_all_joined(c)  # none of that disturbed the real peers
+
+
+def test_token(fsdpd, tmp_path):
+    good = tmp_path / "token"
+    good.write_text("s3cret-peer-token\n")
+    bad = tmp_path / "token.bad"
+    bad.write_text("not-the-token\n")
+    c = Cluster(fsdpd, 2, extra=["--set", f"peer.token_file={good}"])
+    wait_all_joined(c)
+    port = c.ports[0]
+    req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=5)
+    for metadata, text in ((None, "the call carried none"),
+                           ((("authorization", "Bearer wrong"),), "does not carry the token")):
+        with pytest.raises(grpc.RpcError) as e:
+            join_call(port, req, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert text in e.value.details() and "peer.token_file" in e.value.details()
+        assert "s3cret" not in e.value.details()
+    # The right token gets past the check (to the settings check).
+    with pytest.raises(grpc.RpcError) as e:
+        join_call(port, req, metadata=(("authorization", "Bearer s3cret-peer-token"),))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # The token is a secret: only its file's path is shown.
+    assert "s3cret" not in c.daemons[0].fsdpctl("config", "show").stdout
+
+    # A third daemon with the wrong token never joins.
+    c2 = Cluster(fsdpd, 2, per_rank={1: {"args": ["--set", f"peer.token_file={bad}"]}},
+                 extra=["--set", f"peer.token_file={good}"])
+    row = wait_state(c2.daemons[1], 0, "REFUSED", 10.0)
+    assert "UNAUTHENTICATED" in row["last_error"]
+    time.sleep(0.5)
+    assert states(c2.daemons[0])[1] != "JOINED" and states(c2.daemons[1])[0] == "REFUSED"
+    assert "refused: no 'authorization' metadata" not in c2.daemons[0].stderr()
+    assert "wrong token" in c2.daemons[0].stderr()
+
+
+def openssl(*args, cwd):
+    subprocess.run(["openssl", *map(str, args)], cwd=cwd, check=True, capture_output=True,
+                   timeout=60)
+
+
+def make_ca(dirpath, name):
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2",
+            "-subj", f"/CN={name}", cwd=dirpath)
+
+
+def make_cert(dirpath, ca, name):
+    ext = dirpath / f"{name}.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                   "extendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=dirpath)
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", ext.name,
+            cwd=dirpath)
+
+
+def tls_args(dirpath, name, ca):
+    return ["--set", f"peer.tls_cert={dirpath / (name + '.pem')}",
+            "--set", f"peer.tls_key={dirpath / (name + '.key')}",
+            "--set", f"peer.tls_ca={dirpath / (ca + '.pem')}"]
+
+
+def test_mutual_tls(fsdpd, tmp_path):
+    make_ca(tmp_path, "ca")
+    make_ca(tmp_path, "other-ca")
+    for name in ("d0", "d1", "d2"):
+        make_cert(tmp_path, "ca", name)
+    make_cert(tmp_path, "other-ca", "stranger")
+
+    c = Cluster(fsdpd, 2, per_rank={0: {"args": tls_args(tmp_path, "d0", "ca")},
+                                    1: {"args": tls_args(tmp_path, "d1", "ca")}})
+    wait_all_joined(c)
+    port = c.ports[0]
+    read = lambda n: (tmp_path / n).read_bytes()  # noqa: E731
+    req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=5)
+
+    # A client certificate from our CA gets through TLS (to the settings check) ...
+    ours = grpc.ssl_channel_credentials(read("ca.pem"), read("d2.key"), read("d2.pem"))
+    with pytest.raises(grpc.RpcError) as e:
+        join_call(port, req, creds=ours)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # ... one from another CA, or none at all, does not get a connection.
+    strange = grpc.ssl_channel_credentials(read("ca.pem"), read("stranger.key"),
+                                           read("stranger.pem"))
+    for creds in (strange, grpc.ssl_channel_credentials(read("ca.pem"))):
+        with pytest.raises(grpc.RpcError) as e:
+            join_call(port, req, creds=creds)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Plaintext does not either.
+    with pytest.raises(grpc.RpcError) as e:
+        join_call(port, req)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # A daemon whose certificate comes from another CA never joins.
+    c2 = Cluster(fsdpd, 2, per_rank={0: {"args": tls_args(tmp_path, "d0", "ca")},
+                                     1: {"args": tls_args(tmp_path, "stranger", "ca")}})
+    time.sleep(2.0)
+    assert states(c2.daemons[0])[1] != "JOINED"
+    assert states(c2.daemons[1])[0] != "JOINED"
+    assert peers(c2.daemons[1])["peers"][0]["last_error"].startswith("Join: UNAVAILABLE")
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--hosts", "127.0.0.1:1,127.0.0.1:2", "--host-rank", "2", "--local-world-size", "1"],
+     "key 'cluster.host_rank': value 2 (from --host-rank) is not below the number of hosts, 2"),
+    (["--hosts", "127.0.0.1:1,127.0.0.1:1", "--local-world-size", "1"],
+     "--hosts: key 'cluster.hosts': address 1 '127.0.0.1:1' repeats address 0"),
+    (["--hosts", "127.0.0.1:1,nope", "--local-world-size", "1"],
+     "--hosts: key 'cluster.hosts': address 1: value 'nope' is not HOST:PORT"),
+    (["--hosts", "127.0.0.1:1,127.0.0.1:2"],
+     "key 'cluster.local_world_size' is required with 2 hosts"),
+    (["--hosts", "a:1,b:1,c:1", "--local-world-size", "2", "--set", "cluster.shard_group_hosts=2"],
+     "S divides N"),
+    (["--hosts", "a:7100,b:7100", "--local-world-size", "2", "--peer-listen", "0.0.0.0:7200"],
+     "key 'peer.listen': value '0.0.0.0:7200' (from --peer-listen) has another port than this "
+     "host's entry cluster.hosts[0] = 'a:7100'"),
+    (["--set", "peer.tls_key=k.pem"], "peer TLS is all or none: peer.tls_key is set"),
+], ids=["rank", "duplicate", "syntax", "lws", "divides", "listen-port", "tls"])
+def test_config_errors_exit_78(args, text):
+    r = run_fsdpd("--check-config", *args)
+    assert r.returncode == 78, r.stdout + r.stderr
+    assert text in r.stderr, r.stderr
+
+
+def test_missing_token_file_exits_78(fsdpd, tmp_path):
+    ports = free_ports(2)
+    r = run_fsdpd("--run-dir", tmp_path / "run", "--health-listen", "",
+                  "--hosts", f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+                  "--local-world-size", "1", "--set", f"peer.token_file={tmp_path}/none")
+    assert r.returncode == 78, r.stderr
+    assert f"key 'peer.token_file': cannot read '{tmp_path}/none'" in r.stderr
