@@ -79,6 +79,13 @@ def read_pss(pid="self"):
     return out
 
 
+def cpu_seconds(pid):
+    """User + system CPU time a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def malloc_trim():
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -328,9 +335,11 @@ def run_config(system, world, args, build):
         init = workers.collect("init")
         pids = [m["pid"] for m in init] + ([daemon.pid] if daemon else [])
         before = _pss_sum(pids)
+        cpu_before = [cpu_seconds(pid) for pid in pids]
         workers.release()
         ready = workers.collect("ready")
         after = _pss_sum(pids)
+        cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu_before)]
         daemon_bytes = 0
         if daemon:
             status = _fsdpctl_json(build, socket, "status")
@@ -355,6 +364,8 @@ def run_config(system, world, args, build):
                "step_ms_all": per_step,
                "loss": statistics.mean(m["losses"][-1] for m in ready),
                "optimizer_state_bytes": opt_bytes,
+               "trainer_cpu_s": sum(cpu[:world]),
+               "daemon_cpu_s": sum(cpu[world:]),
                "measured_pss_bytes": after["all"] - before["all"],
                "measured_data_pss_bytes": after["data"] - before["data"]}
         if system == "fsdpd":
