@@ -52,7 +52,6 @@ def expect_error(d, path, payload, code, *fragments, tcp=False):
 
 
 ATTACH = "/fsdp.v1.Trainer/Attach"
-JOIN = "/fsdp.v1.Peer/Join"
 CHECK = "/grpc.health.v1.Health/Check"
 STATUS = "/fsdp.v1.Operator/Status"
 
@@ -165,8 +164,8 @@ def test_unknown_method_or_service(fsdpd, path, tcp):
                  tcp=tcp)
 
 
-@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/SetSchedule", "/fsdp.v1.Peer/Heartbeat",
-                                  "/fsdp.v1.Peer/Leave", "/fsdp.v1.Operator/SaveCheckpoint",
+@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/SetSchedule",
+                                  "/fsdp.v1.Operator/SaveCheckpoint",
                                   "/fsdp.v1.Operator/LoadCheckpoint"])
 def test_later_methods_say_not_implemented(fsdpd, path):
     d = fsdpd()
@@ -178,9 +177,7 @@ def test_later_methods_say_not_implemented(fsdpd, path):
 @pytest.mark.parametrize("path,request_,who", [
     (ATTACH, trainer_pb2.AttachRequest(protocol_version=2, job="j"), "trainer"),
     (ATTACH, trainer_pb2.AttachRequest(job="j"), "trainer"),
-    (JOIN, peer_pb2.JoinRequest(protocol_version=2, host_rank=1), "peer"),
-    (JOIN, peer_pb2.JoinRequest(protocol_version=4000000000), "peer"),
-], ids=["attach-2", "attach-0", "join-2", "join-huge"])
+], ids=["attach-2", "attach-0"])
 def test_wrong_protocol_version(fsdpd, path, request_, who):
     d = fsdpd()
     details = expect_error(d, path, request_.SerializeToString(),
@@ -192,12 +189,21 @@ def test_wrong_protocol_version(fsdpd, path, request_, who):
 @pytest.mark.parametrize("path,request_,code,text", [
     (ATTACH, trainer_pb2.AttachRequest(protocol_version=1, job="j"),
      grpc.StatusCode.INVALID_ARGUMENT, "field 'local_world_size' = 0 is outside [1, 256]"),
-    (JOIN, peer_pb2.JoinRequest(protocol_version=1, host_rank=1),
-     grpc.StatusCode.UNIMPLEMENTED, "not implemented"),
-], ids=["attach", "join"])
+], ids=["attach"])
 def test_right_protocol_version_gets_past_the_gate(fsdpd, path, request_, code, text):
     d = fsdpd()
     expect_error(d, path, request_.SerializeToString(), code, text)
+
+
+@pytest.mark.parametrize("path", ["/fsdp.v1.Peer/Join", "/fsdp.v1.Peer/Heartbeat",
+                                  "/fsdp.v1.Peer/Leave"])
+def test_peer_service_is_not_on_the_unix_socket(fsdpd, path):
+    """Daemons talk on their peer port (with its token and TLS); the unix socket does not
+    take a Join from anyone in the socket's group. The peer port's own checks, the protocol
+    version gate included, are in test_peers."""
+    d = fsdpd()
+    expect_error(d, path, peer_pb2.JoinRequest(protocol_version=1).SerializeToString(),
+                 grpc.StatusCode.UNIMPLEMENTED, f"unknown method '{path}' on the local endpoint")
 
 
 # --- misbehaving connections -------------------------------------------------------------

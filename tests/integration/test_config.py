@@ -146,7 +146,10 @@ def test_precedence_default_file_env_flag(fsdpd, tmp_path):
     check("memory.limit", "2GiB", "flag", "--set memory.limit")
     check("daemon.backend", "host", "default", "")
     check("daemon.run_dir", str(d.run_dir), "flag", "--run-dir")
-    assert all(e["default_value"] for e in shown["config"] if e["key"] != "health.listen")
+    # Empty by default: optional addresses, lists and files.
+    empty = {"cluster.hosts", "peer.listen", "peer.token_file", "peer.tls_cert",
+             "peer.tls_key", "peer.tls_ca"}
+    assert all(bool(e["default_value"]) == (e["key"] not in empty) for e in shown["config"])
     # Status agrees, and the values are in force, not only displayed.
     s = d.status()
     assert s.config_file == str(conf)

@@ -117,8 +117,8 @@ def test_status_over_unix(fsdpd):
     assert s.memory.limit_bytes == 8 << 30
     listeners = {l.address: list(l.services) for l in s.listeners}
     assert listeners == {
-        d.unix_target: ["fsdp.v1.Trainer", "fsdp.v1.Operator", "fsdp.v1.Peer",
-                        "grpc.health.v1.Health"],
+        # Peer is served on its own TCP port, and only with several hosts (test_peers).
+        d.unix_target: ["fsdp.v1.Trainer", "fsdp.v1.Operator", "grpc.health.v1.Health"],
         f"127.0.0.1:{d.health_port}": ["grpc.health.v1.Health"],
     }
     assert d.health_port > 0

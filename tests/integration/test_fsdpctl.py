@@ -46,7 +46,11 @@ def test_status_json(fsdpd):
     assert s["version"] == d.status().version
     assert isinstance(s["uptime_ms"], int) and s["uptime_ms"] >= 0
     assert s["backend"] == "host"
-    assert s["topology"] == {"host_rank": 0, "hosts": 1}
+    inc = s["topology"].pop("incarnation")
+    assert len(inc) == 16 and int(inc, 16) != 0
+    assert s["topology"] == {"host_rank": 0, "hosts": 1, "local_world_size": 0,
+                             "shard_group_hosts": 1, "peers_ready": True}
+    assert s["peers"] == []
     assert s["memory"]["limit_bytes"] == 8 << 30
     assert s["sessions"] == []
     assert s["rpc_calls_total"] >= 1
