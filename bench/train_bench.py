@@ -28,11 +28,15 @@ What is measured, per configuration:
                the trainers and the daemon, between a moment after start-up (torch imported,
                client attached or process group made, before the model is built) and the end
                of the timed steps; PSS splits a shared page among the processes that map it,
-               so the sum counts the daemon's shared memory once. Two figures: all of PSS,
-               and anonymous + shared-memory PSS (without file pages: the code of torch's
-               libraries that the first steps page in). Each process calls malloc_trim(0)
-               before both readings, so heap memory that glibc keeps after freeing it
-               (activations) is not counted.
+               so the sum counts the daemon's shared memory once. Two figures: anonymous +
+               shared-memory PSS (the data; the memfd arenas are shared memory), and all of
+               PSS, which adds file pages: the code of torch's libraries that the first steps
+               page in, and a share that moves whenever another process on the host maps the
+               same libraries (so it is only meaningful on an otherwise idle host). Each
+               process calls malloc_trim(0) before both readings, so heap memory that glibc
+               keeps after freeing it (activations) is not counted.
+  CPU s        user + system CPU time of the trainers and the daemon over the same window
+               (warm-up included)
   loss         the mean over ranks of the last step's loss: both runs train the same model on
                the same data, so these agree (up to float rounding)
 
@@ -396,19 +400,19 @@ def _mib(b):
 
 
 def report(results):
-    print(f"{'L':>2} {'system':<10} {'step ms':>8} {'accounted MiB':>14} {'PSS MiB':>8} "
-          f"{'anon+shmem PSS MiB':>19} {'last loss':>10}")
+    print(f"{'L':>2} {'system':<10} {'step ms':>8} {'accounted MiB':>14} "
+          f"{'anon+shmem PSS MiB':>19} {'PSS MiB':>8} {'CPU s':>6} {'last loss':>10}")
     by = {}
     for r in results:
         by[(r["ranks"], r["system"])] = r
         print(f"{r['ranks']:>2} {r['system']:<10} {r['step_ms']:8.1f} "
-              f"{_mib(r['accounted_bytes']):>14} {_mib(r['measured_pss_bytes']):>8} "
-              f"{_mib(r['measured_data_pss_bytes']):>19} {r['loss']:10.5f}")
+              f"{_mib(r['accounted_bytes']):>14} {_mib(r['measured_data_pss_bytes']):>19} "
+              f"{_mib(r['measured_pss_bytes']):>8} "
+              f"{r['trainer_cpu_s'] + r['daemon_cpu_s']:6.1f} {r['loss']:10.5f}")
         if r["system"] == "DDP" and (r["ranks"], "fsdpd") in by:
             f, d = by[(r["ranks"], "fsdpd")], by[(r["ranks"], "DDP")]
             print(f"{r['ranks']:>2} {'fsdpd/DDP':<10} {f['step_ms'] / d['step_ms']:8.2f} "
                   f"{f['accounted_bytes'] / d['accounted_bytes']:14.2f} "
-                  f"{f['measured_pss_bytes'] / d['measured_pss_bytes']:8.2f} "
                   f"{f['measured_data_pss_bytes'] / d['measured_data_pss_bytes']:19.2f}")
     print()
     for r in results:
@@ -420,7 +424,7 @@ def report(results):
                   f"shards {_mib(2 * 4 * padded)}, {r['ranks']} full gradients "
                   f"{_mib(r['ranks'] * 4 * padded)}, unsharded {_mib(4 * padded)} (plus "
                   f"64-byte rounding and the barrier unit); trainers' Adam state "
-                  f"{_mib(r['optimizer_state_bytes'])} MiB")
+                  f"{_mib(r['optimizer_state_bytes'])} MiB; daemon CPU {r['daemon_cpu_s']:.2f} s")
         else:
             print(f"L={r['ranks']} DDP:   parameters {_mib(r['param_bytes'])} MiB, gradients "
                   f"{_mib(r['grad_bytes'])}, buckets {_mib(r['bucket_bytes'])}, Adam state "
