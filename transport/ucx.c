@@ -1,0 +1,635 @@
+/* The ucp worker on a libuv loop, tagged sends and receives with callbacks that always run
+ * from the loop, and peer failure turned into errors for every pending request.
+ *
+ * ucp calls its own callbacks from inside ucp_worker_progress, ucp_request_cancel and
+ * ucp_ep_close_nbx, and sometimes inside the call that starts a request. None of those may
+ * run caller code: the caller could be in the middle of updating its own state, and
+ * ucp_worker_progress must not be re-entered. So a ucp callback only records the outcome and
+ * queues the request; drive() runs the queued callbacks at the top of the loop, between
+ * progress rounds, and only arms the worker (so that the loop may sleep in epoll) when no
+ * callback is queued and progress found nothing to do. */
+#include "ucx.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+/* Address bytes: magic, format version, the host's boot id (36 characters; zeros when it
+ * cannot be read, which never counts as the same host), the UCX address length (big
+ * endian) and the UCX address. */
+#define ADDR_MAGIC "FSDPUCX"
+#define ADDR_MAGIC_LEN 7
+#define ADDR_VERSION 1
+#define BOOT_ID_LEN 36
+#define ADDR_HEADER (ADDR_MAGIC_LEN + 1 + BOOT_ID_LEN + 4)
+
+struct fsdp_ucx_peer {
+  fsdp_ucx_t *ucx;
+  fsdp_ucx_peer_t *next;
+  ucp_ep_h ep;            /* NULL once closed */
+  fsdp_ucx_req_t *pending; /* requests UCX still holds (doubly linked) */
+  unsigned n_pending;      /* requests whose callbacks have not run */
+  bool err_handling;
+  bool failed;
+  bool needs_close; /* failed from inside a ucp callback: close at the top of drive() */
+  bool needs_notify;
+  char label[FSDP_UCX_LABEL_MAX];
+  char error[160];
+};
+
+struct fsdp_ucx {
+  uv_loop_t *loop;
+  fsdp_ucx_options_t opt;
+  ucp_context_h ctx;
+  ucp_worker_h worker;
+  unsigned char *addr;
+  size_t addr_len;
+  char boot_id[BOOT_ID_LEN];
+  uv_poll_t poll;
+  uv_idle_t idle;
+  bool poll_started, idle_started;
+  bool driving, again;
+  fsdp_ucx_peer_t *peers;
+  fsdp_ucx_req_t *done_head, *done_tail;
+  unsigned ep_closes; /* ucp_ep_close_nbx requests not completed yet */
+  bool closing, destroyed;
+  unsigned handles_open;
+  void (*close_cb)(void *arg);
+  void *close_arg;
+};
+
+static void drive(fsdp_ucx_t *u);
+static void on_idle(uv_idle_t *h);
+
+static void schedule(fsdp_ucx_t *u) {
+  if (u->driving) {
+    u->again = true;
+    return;
+  }
+  if (!u->idle_started && !u->destroyed) {
+    uv_idle_start(&u->idle, on_idle);
+    u->idle_started = true;
+  }
+}
+
+/* ---- Requests ---- */
+
+static void pending_unlink(fsdp_ucx_req_t *r) {
+  fsdp_ucx_peer_t *p = r->peer;
+  if (r->prev)
+    r->prev->next = r->next;
+  else if (p->pending == r)
+    p->pending = r->next;
+  if (r->next)
+    r->next->prev = r->prev;
+  r->prev = r->next = NULL;
+}
+
+/* Records the outcome of a request and queues its callback; safe inside ucp callbacks. */
+static void complete(fsdp_ucx_req_t *r, int status) {
+  if (r->done)
+    return;
+  r->done = true;
+  r->ucp_req = NULL;
+  r->status = status;
+  pending_unlink(r);
+  fsdp_ucx_t *u = r->ucx;
+  if (u->done_tail)
+    u->done_tail->next = r;
+  else
+    u->done_head = r;
+  u->done_tail = r;
+  schedule(u);
+}
+
+static void peer_mark_failed(fsdp_ucx_peer_t *p, const char *why) {
+  if (p->failed)
+    return;
+  p->failed = true;
+  p->needs_notify = true;
+  snprintf(p->error, sizeof p->error, "%s", why);
+}
+
+static int status_of(fsdp_ucx_req_t *r, ucs_status_t st) {
+  if (st == UCS_OK)
+    return 0;
+  if (st == UCS_ERR_MESSAGE_TRUNCATED)
+    return FSDP_E_DATA_LOSS;
+  if (st == UCS_ERR_CANCELED)
+    return r->peer->failed && !r->ucx->closing ? FSDP_E_UNAVAILABLE : FSDP_E_CANCELLED;
+  /* Any other error is the connection's: the peer is unusable from now on. Closing the
+   * endpoint from inside a ucp callback is not allowed, so drive() does it. */
+  if (!r->peer->failed) {
+    peer_mark_failed(r->peer, ucs_status_string(st));
+    r->peer->needs_close = true;
+  }
+  return FSDP_E_UNAVAILABLE;
+}
+
+static void send_cb(void *request, ucs_status_t st, void *user_data) {
+  fsdp_ucx_req_t *r = user_data;
+  ucp_request_free(request);
+  complete(r, status_of(r, st));
+}
+
+static void recv_cb(void *request, ucs_status_t st, const ucp_tag_recv_info_t *info,
+                    void *user_data) {
+  fsdp_ucx_req_t *r = user_data;
+  ucp_request_free(request);
+  int status = status_of(r, st);
+  if (status == 0) {
+    r->received = info->length;
+    if (info->length != r->expected)
+      status = FSDP_E_DATA_LOSS;
+  }
+  complete(r, status);
+}
+
+static void req_start(fsdp_ucx_req_t *r, fsdp_ucx_peer_t *p, fsdp_ucx_req_cb cb, size_t len,
+                      bool is_recv) {
+  void *data = r->data;
+  memset(r, 0, sizeof *r);
+  r->data = data;
+  r->ucx = p->ucx;
+  r->peer = p;
+  r->cb = cb;
+  r->expected = len;
+  r->is_recv = is_recv;
+  r->next = p->pending;
+  if (p->pending)
+    p->pending->prev = r;
+  p->pending = r;
+  p->n_pending++;
+}
+
+/* What ucp returned for a request just started: done now, failed now, or in flight (unless
+ * its callback already ran inside the call). */
+static void req_started(fsdp_ucx_req_t *r, ucs_status_ptr_t sp) {
+  if (sp == NULL)
+    complete(r, 0);
+  else if (UCS_PTR_IS_ERR(sp))
+    complete(r, status_of(r, UCS_PTR_STATUS(sp)));
+  else if (!r->done)
+    r->ucp_req = sp;
+  schedule(r->ucx);
+}
+
+int fsdp_ucx_send(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf, size_t len,
+                  uint64_t tag, fsdp_ucx_req_cb cb) {
+  if (peer->failed || !peer->ep)
+    return FSDP_E_UNAVAILABLE;
+  req_start(req, peer, cb, len, false);
+  ucp_request_param_t rp = {
+      .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+      .cb.send = send_cb,
+      .user_data = req,
+  };
+  req_started(req, ucp_tag_send_nbx(peer->ep, buf, len, tag, &rp));
+  return 0;
+}
+
+int fsdp_ucx_recv(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, void *buf, size_t len,
+                  uint64_t tag, uint64_t tag_mask, fsdp_ucx_req_cb cb) {
+  if (peer->failed || !peer->ep)
+    return FSDP_E_UNAVAILABLE;
+  req_start(req, peer, cb, len, true);
+  ucp_request_param_t rp = {
+      .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+      .cb.recv = recv_cb,
+      .user_data = req,
+  };
+  req_started(req, ucp_tag_recv_nbx(peer->ucx->worker, buf, len, tag, tag_mask, &rp));
+  return 0;
+}
+
+void fsdp_ucx_cancel(fsdp_ucx_req_t *req) {
+  if (!req->done && req->ucp_req && req->is_recv)
+    ucp_request_cancel(req->ucx->worker, req->ucp_req);
+}
+
+/* ---- Peers ---- */
+
+static void ep_close_cb(void *request, ucs_status_t st, void *user_data) {
+  (void)st;
+  fsdp_ucx_t *u = user_data;
+  ucp_request_free(request);
+  u->ep_closes--;
+  schedule(u);
+}
+
+/* Closes the endpoint without waiting for the other end, which completes every send on it
+ * (UCS_ERR_CANCELED), and cancels the receives attributed to the peer. Not from inside a
+ * ucp callback. */
+static void peer_close_now(fsdp_ucx_peer_t *p) {
+  fsdp_ucx_t *u = p->ucx;
+  p->needs_close = false;
+  if (p->ep) {
+    ucp_ep_h ep = p->ep;
+    p->ep = NULL;
+    ucp_request_param_t rp = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                        UCP_OP_ATTR_FIELD_USER_DATA,
+        .flags = UCP_EP_CLOSE_FLAG_FORCE,
+        .cb.send = ep_close_cb,
+        .user_data = u,
+    };
+    ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
+    if (UCS_PTR_IS_PTR(sp))
+      u->ep_closes++;
+  }
+  /* Each cancel may complete (and unlink) that request only, so walk from the head again
+   * after each one; requests already asked are skipped through their flag. */
+  for (;;) {
+    fsdp_ucx_req_t *r = p->pending;
+    while (r && (!r->is_recv || !r->ucp_req || r->status == FSDP_E_CANCELLED))
+      r = r->next;
+    if (!r)
+      break;
+    r->status = FSDP_E_CANCELLED; /* asked; the outcome comes through recv_cb */
+    ucp_request_cancel(u->worker, r->ucp_req);
+  }
+  schedule(u);
+}
+
+static void peer_notify(fsdp_ucx_peer_t *p) {
+  fsdp_ucx_t *u = p->ucx;
+  p->needs_notify = false;
+  if (u->opt.on_peer_failed && !u->closing)
+    u->opt.on_peer_failed(p, u->opt.arg);
+}
+
+static void err_handler(void *arg, ucp_ep_h ep, ucs_status_t st) {
+  (void)ep;
+  fsdp_ucx_peer_t *p = arg;
+  if (!p->failed) {
+    peer_mark_failed(p, ucs_status_string(st));
+    p->needs_close = true;
+  }
+  schedule(p->ucx);
+}
+
+void fsdp_ucx_peer_fail(fsdp_ucx_peer_t *peer, const char *reason) {
+  if (peer->failed && !peer->needs_close && !peer->ep)
+    return;
+  peer_mark_failed(peer, reason ? reason : "disconnected");
+  peer_close_now(peer);
+}
+
+const char *fsdp_ucx_peer_label(const fsdp_ucx_peer_t *peer) {
+  return peer->label;
+}
+
+bool fsdp_ucx_peer_has_err_handling(const fsdp_ucx_peer_t *peer) {
+  return peer->err_handling;
+}
+
+const char *fsdp_ucx_peer_error(const fsdp_ucx_peer_t *peer) {
+  return peer->failed ? peer->error : NULL;
+}
+
+unsigned fsdp_ucx_peer_pending(const fsdp_ucx_peer_t *peer) {
+  return peer->n_pending;
+}
+
+static void read_boot_id(char out[BOOT_ID_LEN]) {
+  memset(out, 0, BOOT_ID_LEN);
+  int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return;
+  char buf[BOOT_ID_LEN + 8];
+  ssize_t n = read(fd, buf, sizeof buf);
+  close(fd);
+  if (n >= BOOT_ID_LEN)
+    memcpy(out, buf, BOOT_ID_LEN);
+}
+
+uv_loop_t *fsdp_ucx_loop(const fsdp_ucx_t *ucx) {
+  return ucx->loop;
+}
+
+void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret_len) {
+  *ret_bytes = ucx->addr;
+  *ret_len = ucx->addr_len;
+}
+
+int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char *label,
+                     fsdp_status_t *st, fsdp_ucx_peer_t **ret_peer) {
+  const unsigned char *a = address;
+  if (!label)
+    label = "peer";
+  if (!a || len < ADDR_HEADER || memcmp(a, ADDR_MAGIC, ADDR_MAGIC_LEN) != 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "UCX address of %s: %zu bytes that are not an fsdpd transport address",
+                           label, len);
+  if (a[ADDR_MAGIC_LEN] != ADDR_VERSION)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "UCX address of %s: format version %u, expected %u", label,
+                           a[ADDR_MAGIC_LEN], ADDR_VERSION);
+  const unsigned char *lp = a + ADDR_MAGIC_LEN + 1 + BOOT_ID_LEN;
+  size_t ucp_len = (size_t)lp[0] << 24 | (size_t)lp[1] << 16 | (size_t)lp[2] << 8 | lp[3];
+  if (ucp_len == 0 || ucp_len != len - ADDR_HEADER)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "UCX address of %s: says %zu bytes of UCX address, has %zu", label,
+                           ucp_len, len - ADDR_HEADER);
+  if (u->closing)
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "connecting %s: the transport is closing",
+                           label);
+
+  static const char unknown[BOOT_ID_LEN];
+  const char *their_boot = (const char *)a + ADDR_MAGIC_LEN + 1;
+  bool same_host = memcmp(their_boot, u->boot_id, BOOT_ID_LEN) == 0 &&
+                   memcmp(u->boot_id, unknown, BOOT_ID_LEN) != 0;
+  bool peer_mode = u->opt.err_mode == FSDP_UCX_ERR_PEER ||
+                   (u->opt.err_mode == FSDP_UCX_ERR_AUTO && !same_host);
+
+  fsdp_ucx_peer_t *p = calloc(1, sizeof *p);
+  if (!p)
+    return fsdp_status_set(st, -ENOMEM, "connecting %s: out of memory", label);
+  p->ucx = u;
+  p->err_handling = peer_mode;
+  snprintf(p->label, sizeof p->label, "%s", label);
+  ucp_ep_params_t ep = {
+      .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+      .address = (const ucp_address_t *)(a + ADDR_HEADER),
+      .err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
+  };
+  if (peer_mode) {
+    ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.err_handler.cb = err_handler;
+    ep.err_handler.arg = p;
+  }
+  ucs_status_t s = ucp_ep_create(u->worker, &ep, &p->ep);
+  if (s != UCS_OK) {
+    free(p);
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "connecting %s (%s error handling): %s%s",
+                           label, peer_mode ? "peer" : "no", ucs_status_string(s),
+                           peer_mode && s == UCS_ERR_UNREACHABLE
+                               ? " (shared-memory transports cannot report a peer's failure; "
+                                 "a same-host peer needs no error handling)"
+                               : "");
+  }
+  p->next = u->peers;
+  u->peers = p;
+  schedule(u);
+  *ret_peer = p;
+  return 0;
+}
+
+/* ---- The loop ---- */
+
+static void run_queued(fsdp_ucx_t *u) {
+  for (fsdp_ucx_peer_t *p = u->peers; p; p = p->next)
+    if (p->needs_close)
+      peer_close_now(p);
+  while (u->done_head) {
+    fsdp_ucx_req_t *r = u->done_head;
+    u->done_head = r->next;
+    if (!u->done_head)
+      u->done_tail = NULL;
+    r->next = NULL;
+    r->peer->n_pending--;
+    r->cb(r, r->status);
+  }
+  for (fsdp_ucx_peer_t *p = u->peers; p; p = p->next)
+    if (p->needs_notify)
+      peer_notify(p);
+}
+
+static bool has_queued(const fsdp_ucx_t *u) {
+  if (u->done_head)
+    return true;
+  for (const fsdp_ucx_peer_t *p = u->peers; p; p = p->next)
+    if (p->needs_close || p->needs_notify)
+      return true;
+  return false;
+}
+
+static void finish_close(fsdp_ucx_t *u);
+
+static void drive(fsdp_ucx_t *u) {
+  if (u->driving || u->destroyed)
+    return;
+  u->driving = true;
+  for (;;) {
+    u->again = false;
+    while (ucp_worker_progress(u->worker)) {
+    }
+    if (has_queued(u)) {
+      run_queued(u);
+      continue;
+    }
+    if (u->again)
+      continue;
+    ucs_status_t st = ucp_worker_arm(u->worker);
+    if (st == UCS_OK)
+      break;
+    if (st != UCS_ERR_BUSY) {
+      /* Cannot sleep on the fd: poll from the idle handle instead (slower, still correct). */
+      u->driving = false;
+      schedule(u);
+      return;
+    }
+  }
+  u->driving = false;
+  if (u->closing)
+    finish_close(u);
+}
+
+static void on_poll(uv_poll_t *h, int status, int events) {
+  (void)status;
+  (void)events;
+  drive(h->data);
+}
+
+static void on_idle(uv_idle_t *h) {
+  fsdp_ucx_t *u = h->data;
+  uv_idle_stop(h);
+  u->idle_started = false;
+  drive(u);
+}
+
+/* ---- Creation and close ---- */
+
+static void destroy_ucp(fsdp_ucx_t *u) {
+  if (u->addr)
+    free(u->addr);
+  u->addr = NULL;
+  if (u->worker)
+    ucp_worker_destroy(u->worker);
+  u->worker = NULL;
+  if (u->ctx)
+    ucp_cleanup(u->ctx);
+  u->ctx = NULL;
+}
+
+int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status_t *st,
+                 fsdp_ucx_t **ret_ucx) {
+  fsdp_ucx_t *u = calloc(1, sizeof *u);
+  if (!u)
+    return fsdp_status_set(st, -ENOMEM, "UCX transport: out of memory");
+  u->loop = loop;
+  if (options)
+    u->opt = *options;
+  read_boot_id(u->boot_id);
+
+  ucp_config_t *cfg;
+  ucs_status_t s = ucp_config_read(NULL, NULL, &cfg);
+  if (s != UCS_OK) {
+    free(u);
+    return fsdp_status_set(st, FSDP_E_CONFIG, "UCX configuration (UCX_* variables): %s",
+                           ucs_status_string(s));
+  }
+  ucp_params_t p = {
+      .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
+      .features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP,
+      .name = "fsdpd",
+  };
+  s = ucp_init(&p, cfg, &u->ctx);
+  ucp_config_release(cfg);
+  int code;
+  const char *what;
+  if (s != UCS_OK) {
+    what = "ucp_init";
+    goto fail_ucp;
+  }
+  ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                            .thread_mode = UCS_THREAD_MODE_SINGLE};
+  s = ucp_worker_create(u->ctx, &wp, &u->worker);
+  if (s != UCS_OK) {
+    what = "ucp_worker_create";
+    goto fail_ucp;
+  }
+  ucp_address_t *ua;
+  size_t ua_len;
+  s = ucp_worker_get_address(u->worker, &ua, &ua_len);
+  if (s != UCS_OK) {
+    what = "ucp_worker_get_address";
+    goto fail_ucp;
+  }
+  u->addr_len = ADDR_HEADER + ua_len;
+  u->addr = malloc(u->addr_len);
+  if (!u->addr) {
+    ucp_worker_release_address(u->worker, ua);
+    code = fsdp_status_set(st, -ENOMEM, "UCX transport: out of memory");
+    goto fail;
+  }
+  memcpy(u->addr, ADDR_MAGIC, ADDR_MAGIC_LEN);
+  u->addr[ADDR_MAGIC_LEN] = ADDR_VERSION;
+  memcpy(u->addr + ADDR_MAGIC_LEN + 1, u->boot_id, BOOT_ID_LEN);
+  unsigned char *lp = u->addr + ADDR_MAGIC_LEN + 1 + BOOT_ID_LEN;
+  lp[0] = (unsigned char)(ua_len >> 24);
+  lp[1] = (unsigned char)(ua_len >> 16);
+  lp[2] = (unsigned char)(ua_len >> 8);
+  lp[3] = (unsigned char)ua_len;
+  memcpy(u->addr + ADDR_HEADER, ua, ua_len);
+  ucp_worker_release_address(u->worker, ua);
+
+  int efd;
+  s = ucp_worker_get_efd(u->worker, &efd);
+  if (s != UCS_OK) {
+    what = "ucp_worker_get_efd";
+    goto fail_ucp;
+  }
+  int r = uv_poll_init(loop, &u->poll, efd);
+  if (r < 0) {
+    code = fsdp_status_set(st, r, "UCX transport: watching the worker's event fd %d: %s", efd,
+                           uv_strerror(r));
+    goto fail;
+  }
+  uv_idle_init(loop, &u->idle);
+  u->poll.data = u->idle.data = u;
+  u->handles_open = 2;
+  uv_poll_start(&u->poll, UV_READABLE, on_poll);
+  u->poll_started = true;
+  schedule(u); /* the first arm */
+  *ret_ucx = u;
+  return 0;
+
+fail_ucp:
+  code = fsdp_status_set(st, FSDP_E_UNAVAILABLE, "UCX transport: %s: %s", what,
+                         ucs_status_string(s));
+fail:
+  destroy_ucp(u);
+  free(u);
+  return code;
+}
+
+static void on_handle_closed(uv_handle_t *h) {
+  fsdp_ucx_t *u = h->data;
+  if (--u->handles_open > 0)
+    return;
+  void (*cb)(void *) = u->close_cb;
+  void *arg = u->close_arg;
+  free(u);
+  if (cb)
+    cb(arg);
+}
+
+/* The last step of a close, from drive() when no callback is queued. Requests UCX still
+ * holds after every endpoint was closed and every receive cancelled (a receive that was
+ * being filled when its sender stopped) end with the worker, which is destroyed first so
+ * that nothing touches their buffers after their callbacks. */
+static void finish_close(fsdp_ucx_t *u) {
+  if (u->destroyed)
+    return;
+  u->destroyed = true;
+  ucp_worker_progress(u->worker);
+  if (u->poll_started)
+    uv_poll_stop(&u->poll);
+  if (u->idle_started)
+    uv_idle_stop(&u->idle);
+  for (fsdp_ucx_peer_t *p = u->peers; p; p = p->next)
+    for (fsdp_ucx_req_t *r = p->pending; r; r = r->next)
+      r->ucp_req = NULL; /* freed with the worker */
+  destroy_ucp(u);
+  for (fsdp_ucx_peer_t *p = u->peers; p; p = p->next)
+    while (p->pending) {
+      fsdp_ucx_req_t *r = p->pending;
+      r->status = FSDP_E_CANCELLED;
+      r->done = true;
+      pending_unlink(r);
+      r->next = NULL;
+      if (u->done_tail)
+        u->done_tail->next = r;
+      else
+        u->done_head = r;
+      u->done_tail = r;
+    }
+  while (u->done_head) {
+    fsdp_ucx_req_t *r = u->done_head;
+    u->done_head = r->next;
+    if (!u->done_head)
+      u->done_tail = NULL;
+    r->next = NULL;
+    r->peer->n_pending--;
+    r->cb(r, r->status);
+  }
+  while (u->peers) {
+    fsdp_ucx_peer_t *p = u->peers;
+    u->peers = p->next;
+    free(p);
+  }
+  uv_close((uv_handle_t *)&u->poll, on_handle_closed);
+  uv_close((uv_handle_t *)&u->idle, on_handle_closed);
+}
+
+void fsdp_ucx_close(fsdp_ucx_t *u, void (*cb)(void *arg), void *arg) {
+  if (!u || u->closing)
+    return;
+  u->closing = true;
+  u->close_cb = cb;
+  u->close_arg = arg;
+  for (fsdp_ucx_peer_t *p = u->peers; p; p = p->next) {
+    peer_mark_failed(p, "the transport is closing");
+    p->needs_notify = false;
+    peer_close_now(p);
+  }
+  /* Endpoint closes UCX did not finish at once complete in progress; drive() finishes the
+   * close once the queue is empty. */
+  schedule(u);
+}
