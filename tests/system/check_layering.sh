@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks the include graph against the layering of docs/DESIGN.md:
 #   common <- proto <- config <- daemon        common <- proto <- client (fsdpctl)
-#   common <- collectives <- daemon
+#   common <- collectives <- transport <- daemon
 # A file may include headers of its own folder and of the folders below it, and nothing
 # includes daemon/. Generated protocol headers belong to proto/.
 set -euo pipefail
@@ -13,8 +13,9 @@ declare -A allowed=(
   [proto]="common proto"
   [config]="common proto config"
   [collectives]="common collectives"
+  [transport]="common collectives transport"
   [client]="common proto client"
-  [daemon]="common proto config collectives daemon"
+  [daemon]="common proto config collectives transport daemon"
 )
 
 declare -A owner
