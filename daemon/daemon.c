@@ -61,7 +61,7 @@ static void release_session(fsdp_daemon_t *daemon, const fsdp_session_t *session
     fsdp_channel_conn_close(session->channel);
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
   if (job)
-    fsdp_dataplane_release_rank(job, session->local_rank, why);
+    fsdp_dataplane_release_rank(job, session->local_rank, why, daemon->sessions.attaches);
 }
 
 void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {

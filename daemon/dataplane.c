@@ -44,17 +44,6 @@ static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
   }
 }
 
-static bool rank_in(const uint64_t *set, uint32_t rank) {
-  return set[rank / 64] >> (rank % 64) & 1;
-}
-
-static void rank_set(uint64_t *set, uint32_t rank, bool on) {
-  if (on)
-    set[rank / 64] |= 1ull << (rank % 64);
-  else
-    set[rank / 64] &= ~(1ull << (rank % 64));
-}
-
 /* Collections and their waiters. */
 
 static fsdp_collection_t *collection_of(fsdp_unit_t *u, waiter_kind_t kind) {
@@ -91,8 +80,8 @@ static void on_waiter_cancel(fsdp_rpc_call_t *call, void *data) {
   waiter_unlink(w);
   if (w->kind != WAIT_REGISTER) {
     fsdp_collection_t *c = collection_of(u, w->kind);
-    if (!c->running && rank_in(c->submitted, w->rank) && !rank_waits(u, w->rank, w->kind)) {
-      rank_set(c->submitted, w->rank, false);
+    if (!c->running && fsdp_rank_set_has(&c->submitted, w->rank) && !rank_waits(u, w->rank, w->kind)) {
+      fsdp_rank_set_put(&c->submitted, w->rank, false);
       c->count--;
     }
   }
@@ -179,8 +168,26 @@ static const char *collection_verb(waiter_kind_t kind) {
  * another step than the one being collected aborts the collection for everyone: nobody
  * could complete it. */
 static bool collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_rpc_call_t *call,
-                    const fsdp_job_t *job, uint32_t rank, uint64_t step, uint64_t deadline_ms) {
+                    const fsdp_job_t *job, const fsdp_session_t *session, uint64_t step,
+                    uint64_t deadline_ms) {
+  uint32_t rank = session->local_rank;
   fsdp_collection_t *c = collection_of(u, kind);
+  fsdp_rank_set_t died = {0};
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (session->serial < job->gone_before_serial[r])
+      fsdp_rank_set_put(&died, r, true);
+  char gone[128];
+  fsdp_rank_set_format(&died, true, job->local_world_size, gone, sizeof gone);
+  if (gone[0]) {
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: local rank(s) %s of job '%s' ended their session and have "
+             "not attached again; the %s cannot complete without them",
+             u->spec->unit, (unsigned long long)step, gone, job->name, collection_verb(kind));
+    abort_collection(u, kind, FSDP_E_ABORTED, message);
+    fsdp_rpc_call_fail(call, FSDP_E_ABORTED, "%s: %s", fsdp_rpc_call_method(call), message);
+    return false;
+  }
   if (c->count == 0) {
     c->step = step;
     c->deadline_ms = deadline_ms;
@@ -196,7 +203,7 @@ static bool collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_rpc_call_t *call,
                        message);
     return false;
   }
-  rank_set(c->submitted, rank, true);
+  fsdp_rank_set_put(&c->submitted, rank, true);
   c->count++;
   park(call, u, rank, kind);
   return c->count == job->local_world_size;
@@ -437,7 +444,7 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
     return;
   }
   fsdp_collection_t *c = &unit->gather;
-  if (rank_in(c->submitted, rank) && rq->step == c->step) {
+  if (fsdp_rank_set_has(&c->submitted, rank) && rq->step == c->step) {
     park(call, unit, rank, WAIT_UNSHARD); /* a second call of the rank shares its request */
     return;
   }
@@ -449,7 +456,7 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
                        (unsigned long long)c->step);
     return;
   }
-  if (!collect(unit, WAIT_UNSHARD, call, job, rank, rq->step, deadline_ms))
+  if (!collect(unit, WAIT_UNSHARD, call, job, session, rq->step, deadline_ms))
     return;
   int r = queue(dp, WORK_GATHER, job, unit);
   if (r < 0) {
@@ -474,7 +481,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
   if (!ready(call, unit))
     return;
   fsdp_collection_t *c = &unit->reduce;
-  if (c->running || rank_in(c->submitted, rank)) {
+  if (c->running || fsdp_rank_set_has(&c->submitted, rank)) {
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
                        "%s: unit '%s' step %llu: local rank %u already submitted its gradient",
                        method, unit->spec->unit, (unsigned long long)c->step, rank);
@@ -493,7 +500,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", method, message);
     return;
   }
-  if (!collect(unit, WAIT_REDUCE, call, job, rank, rq->step, deadline_ms))
+  if (!collect(unit, WAIT_REDUCE, call, job, session, rq->step, deadline_ms))
     return;
   int r = queue(dp, WORK_REDUCE, job, unit);
   if (r < 0) {
@@ -501,15 +508,6 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
     return;
   }
   c->running = true;
-}
-
-/* "1, 3" into buf: the ranks of a job that have not asked. */
-static void missing_ranks(const fsdp_collection_t *c, unsigned world, char *buf, size_t size) {
-  size_t used = 0;
-  buf[0] = '\0';
-  for (unsigned r = 0; r < world && used < size; r++)
-    if (!rank_in(c->submitted, r))
-      used += (size_t)snprintf(buf + used, size - used, "%s%u", used ? ", " : "", r);
 }
 
 static bool collecting(const fsdp_collection_t *c) {
@@ -527,7 +525,8 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
         if (!collecting(c) || now_ms < c->deadline_ms)
           continue;
         char missing[128], message[FSDP_STATUS_MESSAGE_MAX];
-        missing_ranks(c, job->local_world_size, missing, sizeof missing);
+        fsdp_rank_set_format(&c->submitted, false, job->local_world_size, missing,
+                             sizeof missing);
         snprintf(message, sizeof message,
                  "unit '%s' step %llu: local rank(s) %s of job '%s' did not ask to %s in time "
                  "(store.collective_timeout)",
@@ -540,7 +539,9 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
   }
 }
 
-void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why) {
+void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why,
+                                 uint64_t next_serial) {
+  job->gone_before_serial[rank] = next_serial;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     /* The others would wait for a rank that is gone: tell them now, naming it. */
     for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {

@@ -83,8 +83,11 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
 /* Whether any queued or running work, or any parked call, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
 
-/* A session of `job` ended (why: for the messages): collectives waiting for its rank end
- * with ABORTED naming it. */
-void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why);
+/* A session of `job` ended (why: for the messages); next_serial: the serial the next
+ * session will get. Collectives waiting for its rank end with ABORTED naming it, and so do
+ * those that sessions older than its end start until the rank attaches again (its session
+ * reaches the store: fsdp_store_job_for). */
+void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why,
+                                 uint64_t next_serial);
 
 #endif

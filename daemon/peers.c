@@ -158,7 +158,8 @@ static int read_secret_file(const char *key, const char *path, bool trim, char *
   if (fd < 0)
     return fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': cannot read '%s': %s", key, path,
                            strerror_r(errno, errbuf, sizeof errbuf));
-  char *buf = malloc(SECRET_FILE_MAX + 1);
+  /* Reads up to one byte past the limit, to tell a file that is too long, plus the NUL. */
+  char *buf = malloc(SECRET_FILE_MAX + 2);
   size_t len = 0;
   ssize_t got = 0;
   while (buf && len <= SECRET_FILE_MAX &&
@@ -191,7 +192,7 @@ static int read_secret_file(const char *key, const char *path, bool trim, char *
   }
   if (r < 0) {
     if (buf)
-      explicit_bzero(buf, SECRET_FILE_MAX + 1);
+      explicit_bzero(buf, SECRET_FILE_MAX + 2);
     free(buf);
     return r;
   }

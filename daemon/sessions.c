@@ -140,6 +140,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   s->local_world_size = rq->local_world_size;
   s->pid = peer->pid; /* the daemon's view, which later calls are checked against */
   s->attached_ms = s->last_call_ms = now_ms;
+  s->serial = sessions->attaches++;
   s->next = sessions->head;
   sessions->head = s;
   sessions->count++;

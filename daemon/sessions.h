@@ -27,7 +27,8 @@
 #define FSDP_LOCAL_WORLD_MAX 256
 
 typedef struct fsdp_session {
-  uint64_t id; /* random, never 0 */
+  uint64_t id;     /* random, never 0 */
+  uint64_t serial; /* the daemon's count of Attaches before this one: orders sessions */
   char job[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_rank;
   uint32_t local_world_size;
@@ -41,6 +42,7 @@ typedef struct fsdp_session {
 typedef struct fsdp_sessions {
   fsdp_session_t *head;
   unsigned count;
+  uint64_t attaches; /* so far: the next session's serial */
 } fsdp_sessions_t;
 
 void fsdp_sessions_init(fsdp_sessions_t *sessions);

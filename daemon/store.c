@@ -13,7 +13,7 @@ fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name) {
 }
 
 bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank) {
-  return rank < FSDP_LOCAL_WORLD_MAX && (unit->registered[rank / 64] >> (rank % 64) & 1);
+  return fsdp_rank_set_has(&unit->registered, rank);
 }
 
 fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name) {
@@ -52,13 +52,9 @@ static void unit_free(fsdp_unit_t *u) {
   free(u);
 }
 
-/* Sessions hold ranks below FSDP_LOCAL_WORLD_MAX. */
 static void mark_registered(fsdp_unit_t *u, uint32_t rank) {
-  uint64_t bit = 1ull << (rank % 64);
-  if (!(u->registered[rank / 64] & bit)) {
-    u->registered[rank / 64] |= bit;
+  if (fsdp_rank_set_put(&u->registered, rank, true))
     u->n_registered++;
-  }
 }
 
 static int new_unit(fsdp_job_t *job, const fsdp_session_t *session,
@@ -94,6 +90,7 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
                              "job '%s' holds units for local_world_size %u, but this session has "
                              "%u",
                              job->name, job->local_world_size, session->local_world_size);
+    job->gone_before_serial[session->local_rank] = 0; /* it is back */
     *ret_job = job;
     return 0;
   }

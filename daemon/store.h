@@ -17,6 +17,7 @@
 #include "fsdp/v1/trainer.pb-c.h"
 
 #include "arena.h"
+#include "rank_set.h"
 #include "sessions.h"
 #include "status.h"
 #include "unit_layout.h"
@@ -34,7 +35,7 @@ typedef enum fsdp_unit_state {
 /* One collective of the job's local ranks on a unit (the gather of a step, or the
  * reduce-scatter of a step): who asked for which step, and by when all must have. */
 typedef struct fsdp_collection {
-  uint64_t submitted[FSDP_LOCAL_WORLD_MAX / 64]; /* bit r: local rank r asked */
+  fsdp_rank_set_t submitted;
   unsigned count;
   uint64_t step;
   uint64_t deadline_ms; /* loop time by which every rank must have asked */
@@ -62,7 +63,7 @@ typedef struct fsdp_unit {
   uint64_t reduced_step; /* of the last reduce-scatter that completed */
   fsdp_waiter_t *waiters; /* calls parked until a collection or the buffers' preparation ends */
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
-  uint64_t registered[FSDP_LOCAL_WORLD_MAX / 64]; /* bit r: local rank r registered */
+  fsdp_rank_set_t registered;
   unsigned n_registered;
   struct fsdp_unit *next;
 } fsdp_unit_t;
@@ -79,6 +80,12 @@ typedef struct fsdp_job {
   fsdp_unit_t **units_tail;
   unsigned n_units;
   uint64_t idle_since_ms; /* loop time since which it has had no session; 0 while it has */
+  /* For each rank whose session ended and that has not attached again: the serial of the
+   * first session attached after, 0 otherwise. A session older than that (it was there when
+   * the rank went) fails a collective that needs the rank at once: the rank died under it.
+   * A newer session (a restarted trainer) waits for the rank like for any rank not there
+   * yet. */
+  uint64_t gone_before_serial[FSDP_LOCAL_WORLD_MAX];
   struct fsdp_job *next;
 } fsdp_job_t;
 
@@ -102,7 +109,7 @@ fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
 bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
 
 /* The session's job, created on first use; FAILED_PRECONDITION if it exists with another
- * local world size. */
+ * local world size. The session's rank no longer counts as gone. */
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
                        fsdp_status_t *st);
 
