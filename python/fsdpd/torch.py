@@ -1,58 +1,107 @@
-"""fsdpd.torch: shard a torch.nn.Module's parameters through the fsdpd daemon.
+"""fsdpd.torch: shard a torch.nn.Module's parameters through the fsdpd daemon, as FSDP does.
 
     import fsdpd, fsdpd.torch
     client = fsdpd.Client()                       # FSDPD_SOCKET, FSDPD_JOB, LOCAL_RANK, ...
-    model = fsdpd.torch.shard_model(net, client, wrap={nn.Linear})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)   # this rank's fp32 master shards
-    loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+    model = fsdpd.torch.shard_model(net, client, wrap={Block}, param_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())   # this rank's fp32 master shards
+    loss = loss_fn(model(x), y); loss.backward(); model.clip_grad_norm_(1.0); opt.step()
 
-First increment (fp32 only): every instance of a class in `wrap` becomes a unit, the root
-unit takes the parameters left over; only parameters with requires_grad are sharded (frozen
-ones and buffers stay local to each rank).
+Units. Every instance of a class in `wrap` (or every module the predicate accepts) becomes a
+unit, the root unit takes the parameters left over. A parameter shared by several modules
+(tied weights) belongs to the deepest wrapped module that contains all of them. Frozen
+parameters (requires_grad=False) go into a unit of their own per wrapped module, which is
+gathered but never reduced; buffers are never sharded.
 
-Schedule (documented limitation): a unit is unsharded by a forward pre-hook and stays
-unsharded until its gradients are reduce-scattered in backward, i.e. the memory behaviour
-of SHARD_GRAD_OP whatever `strategy` says; FULL_SHARD's reshard after forward and re-gather
-in backward come next. A forward without grad (torch.no_grad(), eval) reshards right after
-the unit runs.
+Memory. A unit's fp32 master shards, fp32 gradient shards, full-gradient buffers and its
+unsharded copy (param_dtype) live in the daemon; the module's parameters point at views of
+the unsharded copy while the unit is unsharded, and at empty placeholders otherwise.
+`model.parameters()` yields one Parameter per trainable unit: this rank's master shard, whose
+.grad is its gradient shard, so torch.optim works unchanged and its state is sharded too.
 
-Between ranks: every forward of the root starts with a barrier (a ReduceScatter of a tiny
-private unit) so that no rank unshards before every rank has finished its optimizer step and
-let go of the previous step's unsharded buffers (the daemon's Unshard reads the masters as
-they are and reuses a buffer some rank still holds).
+Schedule (one step = one forward of the root): before a unit runs, it is unsharded for the
+step; the daemon's gather of a new step is a collective of the local ranks (it waits for
+every rank's Unshard of that step, so no rank reads a shard before its owner's optimizer step
+is done). With forward prefetch the next unit in the recorded order is requested while the
+current one computes. FULL_SHARD (and HYBRID_SHARD, whose shard group is this host) reshards
+every unit but the root after its forward and unshards it again when its backward starts (the
+daemon still holds the step's copy, so that is immediate); SHARD_GRAD_OP keeps it until its
+backward. After a unit's backward its gradients are reduce-scattered (averaged over the
+ranks, summed in reduce_dtype) into the gradient shards, written or, when the shard's .grad
+was kept (zero_grad(set_to_none=False)), added.
+
+Restarts. The masters live in the daemon: a trainer process that dies and starts again
+attaches, registers the same model, and finds its units trained (`model.resumed`); it does
+not write initial values and goes on at `model.completed_steps + 1`. The optimizer's state is
+the trainer's own: with a stateless optimizer (SGD without momentum) the run continues
+exactly; otherwise restore the optimizer state yourself.
+
+One host. full_state_dict(), summon_full_params() and clip_grad_norm_() read the masters of
+the other local ranks from the job's shared memory; across hosts they need the daemon's
+gather of the masters.
 """
+
+import contextlib
 
 import torch as _torch
 from torch import nn as _nn
 
 __all__ = ["shard_model", "ShardedModel"]
 
-_BARRIER_UNIT = "__fsdpd_barrier__"
-_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+_SYNC_UNIT = "__fsdpd_sync__"
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+_RESHARD_AFTER_FORWARD = ("FULL_SHARD", "HYBRID_SHARD")
+
+
+def _tensors(value):
+    """The tensors in a module's output (nested tuples, lists and dicts)."""
+    if isinstance(value, _torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _cast_floats(value, dtype):
+    if isinstance(value, _torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floats(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
 
 
 class _FlatUnit:
-    """One fsdpd unit: the module it wraps, its parameters and their hooks."""
+    """One fsdpd unit: the module it wraps, its parameters, and where each step stands."""
 
-    def __init__(self, owner, name, module, params):
+    def __init__(self, owner, name, module, params, trainable):
         self.owner = owner
         self.name = name
         self.module = module
         self.params = [p for _, p in params]
-        self.names = [n for n, _ in params]
-        spec = [(n, tuple(p.shape), True) for n, p in params]
-        self.unit = owner.client.register_unit(name, spec, strategy=owner.strategy)
+        self.trainable = trainable
+        spec = [(n, tuple(p.shape), trainable) for n, p in params]
+        self.unit = owner.client.register_unit(
+            name, spec, strategy=owner.strategy, param_dtype=owner.param_dtype,
+            reduce_dtype=owner.reduce_dtype)
         u = self.unit
         self.offsets = u.param_offsets
         self.sizes = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
+        self.placeholder = _torch.empty(0, dtype=u.unsharded.dtype)
         # This rank's master shard as an optimizer parameter (shares the mapped memory).
-        self.shard_param = _nn.Parameter(u.master_shard, requires_grad=True)
-        assert self.shard_param.data_ptr() == u.master_shard.data_ptr()
-        self.unsharded = False
-        self.pending = 0       # gradients still to come in this backward
-        self.reduced = True    # this step's gradients were reduce-scattered
-        self.hooks = []
+        self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
+        self.unsharded_step = 0  # the step whose copy the parameters point at, 0: none
+        self.prefetched = False  # an unshard_async is under way
+        self.ran_step = 0        # the step in which the unit last ran forward
+        self.pending = 0         # gradients still to come in this backward
+        self.reduced = True      # the gradients of ran_step were reduced (or need not be)
+        self.backward_started = False
 
     def write_initial_shard(self):
         """Writes this rank's slice of the flat initial values into its master shard."""
@@ -63,123 +112,215 @@ class _FlatUnit:
         lo = u.shard * u.shard_numel
         u.master_shard.copy_(flat[lo:lo + u.shard_numel])
 
-    def point_params_at_unsharded(self):
-        flat = self.unit.unsharded
+    def point_params(self, flat):
+        """The parameters as views of a flat buffer (the unsharded copy, or a full copy)."""
         for off, n, shape, p in zip(self.offsets, self.sizes, self.shapes, self.params):
             p.data = flat[off:off + n].view(shape)
 
     def detach_params(self):
-        # The views stay valid memory (the mapping lives until close) but are no longer
-        # guaranteed to hold this unit: drop them so that misuse shows as an empty tensor.
         for p in self.params:
-            p.data = _torch.empty(0, dtype=p.dtype)
+            p.data = self.placeholder
+
+    def prefetch(self, step):
+        if self.unsharded_step != step and not self.prefetched:
+            self.unit.unshard_async(step)
+            self.prefetched = True
 
     def unshard(self, step):
-        if not self.unsharded:
-            self.unit.unshard(step)
-            self.unsharded = True
-        self.point_params_at_unsharded()
+        if self.prefetched:
+            self.prefetched = False
+            self.unit.wait()
+        if self.unsharded_step != step:
+            self.unit.unshard(step)  # at once when prefetched, or when the copy is there
+        self.unsharded_step = step
+        self.point_params(self.unit.unsharded)
 
-    def reshard(self, step):
-        if self.unsharded:
-            # The parameters keep pointing at the unsharded buffer (still mapped; autograd
-            # may still accumulate a gradient into them in this backward); the next forward
-            # points them at the freshly gathered one.
-            self.unit.reshard(step)
-            self.unsharded = False
+    def release(self):
+        """Reshards in the daemon; the parameters keep pointing at the copy (autograd may
+        still accumulate a gradient into them in this backward) until detach_params()."""
+        if self.prefetched:
+            self.prefetched = False
+            self.unit.wait()
+        if self.unsharded_step:
+            self.unit.reshard(self.unsharded_step)
+            self.unsharded_step = 0
+
+    def reshard(self):
+        self.release()
+        self.detach_params()
 
 
 class ShardedModel(_nn.Module):
-    """The model as fsdpd shards it. parameters()/named_parameters() yield the rank's fp32
-    master shards (one Parameter per unit), which is what an optimizer should step; the
-    wrapped module is `self.module`."""
+    """The model as fsdpd shards it; see the module docstring. The wrapped module is
+    `self.module`; parameters()/named_parameters() yield the rank's master shards."""
 
-    def __init__(self, module, client, wrap, strategy):
+    def __init__(self, module, client, wrap, strategy, param_dtype, reduce_dtype,
+                 forward_prefetch, backward_prefetch):
         super().__init__()
         strategy = str(strategy).upper()
+        if strategy == "NO_SHARD":
+            raise NotImplementedError(
+                "fsdpd.torch: strategy NO_SHARD is not supported: on one host every rank's "
+                "replica is the daemon's one master copy, which each rank's optimizer would "
+                "step; use FULL_SHARD or SHARD_GRAD_OP")
         if strategy not in _STRATEGIES:
-            raise NotImplementedError(f"fsdpd.torch: strategy {strategy!r} is not supported "
-                                      f"yet (only {', '.join(_STRATEGIES)})")
+            raise ValueError(f"fsdpd.torch: strategy {strategy!r}: expected one of "
+                             f"{', '.join(_STRATEGIES)}")
         self.module = module
         self.client = client
         self.strategy = strategy
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = backward_prefetch
         self.step = 0
-        self._barrier_count = 0
+        self._sync_grads = True
+        self._sync_count = 0
         self._callback_queued = False
-        self._units = []
+        self._order = []        # units in the order the first forward ran them
+        self._recording = True
+        self._units = self._make_units(wrap)
+        self._root = next((fu for fu in self._units if fu.module is module), None)
+        self._sync = client.register_unit(_SYNC_UNIT, [("x", (1,), True)],
+                                          strategy="NO_SHARD", gradient_predivide_factor=1.0,
+                                          gradient_postdivide_factor=1.0)
 
-        # Owner of each sharded parameter: its deepest wrapped ancestor, else the root.
-        wrapped = {}  # module name -> module, in module order
-        for mname, m in module.named_modules():
-            if mname == "" or (wrap and isinstance(m, tuple(wrap))):
-                wrapped[mname] = m
-        groups = {mname: [] for mname in wrapped}
-        for pname, p in module.named_parameters():  # tied parameters appear once
-            if not p.requires_grad:
-                continue
-            if p.dtype != _torch.float32:
-                raise NotImplementedError(f"fsdpd.torch: parameter {pname!r} is {p.dtype}; "
-                                          "only float32 is supported yet")
-            owner = ""
-            for mname in wrapped:
-                if mname and (pname.startswith(mname + ".")) and len(mname) > len(owner):
-                    owner = mname
-            groups[owner].append((pname, p))
-        for mname, m in wrapped.items():
-            if groups[mname]:
-                self._units.append(_FlatUnit(self, mname or "root", m, groups[mname]))
-
-        self._barrier = client.register_unit(_BARRIER_UNIT, [("x", (1,), True)])
+        trained = [fu.unit for fu in self._units if fu.unit.gathered_step or fu.unit.reduced_step]
+        self.resumed = bool(trained)
+        if self.resumed:
+            # The job trained before this process attached: the masters are the daemon's.
+            # Steps go on after the last backward every rank reduced; a gather of a later
+            # step (an eval forward) moves them past it.
+            reduced = [fu.unit.reduced_step for fu in self._units if fu.trainable]
+            self.completed_steps = min(reduced) if reduced else 0
+            gathered = max(fu.unit.gathered_step for fu in self._units)
+            self.step = max(self.completed_steps, gathered - 1)
+        else:
+            self.completed_steps = 0
+            for fu in self._units:
+                fu.write_initial_shard()
         for fu in self._units:
-            fu.write_initial_shard()
             fu.detach_params()
-        self._sync()  # every rank's masters are written before anyone unshards
 
         for fu in self._units:
-            fu.hooks.append(fu.module.register_forward_pre_hook(self._pre_forward(fu)))
-            fu.hooks.append(fu.module.register_forward_hook(self._post_forward(fu)))
-            for i, p in enumerate(fu.params):
-                fu.hooks.append(p.register_hook(self._grad_hook(fu, i)))
+            fu.module.register_forward_pre_hook(self._pre_forward(fu))
+            fu.module.register_forward_hook(self._post_forward(fu))
+            if fu.trainable:
+                for i, p in enumerate(fu.params):
+                    p.register_hook(self._grad_hook(fu, i))
 
-    # --- synchronization -------------------------------------------------------------
-    def _sync(self):
-        """A barrier of the job's local ranks: a ReduceScatter of the private tiny unit."""
-        self._barrier_count += 1
-        self._barrier.full_grad.zero_()
-        self._barrier.reduce_scatter(self._barrier_count)
+    def _make_units(self, wrap):
+        module = self.module
+        if wrap is None:
+            accept = lambda m: False  # noqa: E731
+        elif callable(wrap) and not isinstance(wrap, (set, frozenset, list, tuple, type)):
+            accept = wrap
+        else:
+            classes = (wrap,) if isinstance(wrap, type) else tuple(wrap)
+            accept = lambda m: isinstance(m, classes)  # noqa: E731
+        wrapped = [name for name, m in module.named_modules() if name == "" or accept(m)]
+        modules = dict(module.named_modules())
+        deepest_first = sorted(wrapped, key=lambda w: -len(w.split("."))) if wrapped else []
 
-    # --- hooks -----------------------------------------------------------------------
+        def contains(w, module_name):
+            return w == "" or module_name == w or module_name.startswith(w + ".")
+
+        # The modules holding each parameter: several for a tied one.
+        holders = {}
+        for mname, m in module.named_modules(remove_duplicate=False):
+            for _, p in m.named_parameters(recurse=False):
+                holders.setdefault(id(p), []).append(mname)
+        groups = {}  # (wrapped module name, trainable) -> [(param name, param)]
+        for pname, p in module.named_parameters():  # a tied parameter once, first name
+            if p.dtype != _torch.float32:
+                raise TypeError(f"fsdpd.torch: parameter {pname!r} is {p.dtype}; the daemon "
+                                "keeps float32 masters: build the model in float32 and ask "
+                                "for param_dtype")
+            owner = next(w for w in deepest_first
+                         if all(contains(w, h) for h in holders[id(p)]))
+            groups.setdefault((owner, p.requires_grad), []).append((pname, p))
+        units = []
+        for mname in wrapped:
+            for trainable in (True, False):
+                params = groups.get((mname, trainable))
+                if params:
+                    name = (mname or "root") + ("" if trainable else "#frozen")
+                    units.append(_FlatUnit(self, name, modules[mname], params, trainable))
+        return units
+
+    # --- forward and backward ----------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.step += 1
-        self._sync()  # every rank stepped its optimizer and let go of the last step's units
         self._callback_queued = False
-        return self.module(*args, **kwargs)
+        if self.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
+        out = self.module(*args, **kwargs)
+        self._recording = False
+        for fu in self._units:  # a prefetch for a unit this forward did not run
+            if fu.prefetched:
+                fu.release()
+        return out
+
+    def _next_in_order(self, fu, delta):
+        if fu not in self._order:
+            return None
+        i = self._order.index(fu) + delta
+        return self._order[i] if 0 <= i < len(self._order) else None
 
     def _pre_forward(self, fu):
         def hook(module, inputs):
+            if self._recording and fu not in self._order:
+                self._order.append(fu)
             fu.unshard(self.step)
-            fu.unit.full_grad.zero_()
-            for p in fu.params:
-                p.grad = None
-            fu.pending = len(fu.params)
-            fu.reduced = False
+            if self.forward_prefetch and not self._recording:
+                nxt = self._next_in_order(fu, 1)
+                if nxt is not None:
+                    nxt.prefetch(self.step)
+            if fu.ran_step != self.step and fu.trainable and _torch.is_grad_enabled():
+                if fu.reduced:  # not carrying gradients from no_sync steps
+                    fu.unit.full_grad.zero_()
+                fu.ran_step = self.step
+                fu.pending = len(fu.params)
+                fu.reduced = False
+                fu.backward_started = False
         return hook
 
     def _post_forward(self, fu):
         def hook(module, inputs, output):
             if not _torch.is_grad_enabled():
-                fu.reduced = True
-                fu.reshard(self.step)
+                fu.reshard()
+                return None
+            if self.strategy in _RESHARD_AFTER_FORWARD and fu is not self._root:
+                fu.reshard()
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward(fu))
             return None
         return hook
 
+    def _pre_backward(self, fu):
+        def hook(grad):
+            self._queue_finish()
+            if not fu.backward_started:
+                fu.backward_started = True
+                fu.unshard(self.step)  # the step's copy is still in the daemon
+                if self.backward_prefetch:
+                    prev = self._next_in_order(fu, -1)
+                    if prev is not None:
+                        prev.prefetch(self.step)
+            return None
+        return hook
+
+    def _queue_finish(self):
+        if not self._callback_queued:
+            self._callback_queued = True
+            _torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
     def _grad_hook(self, fu, i):
         def hook(grad):
+            self._queue_finish()
             off, n = fu.offsets[i], fu.sizes[i]
-            fu.unit.full_grad[off:off + n].copy_(grad.reshape(-1))
-            if not self._callback_queued:
-                self._callback_queued = True
-                _torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            fu.unit.full_grad[off:off + n].add_(grad.reshape(-1))
             fu.pending -= 1
             if fu.pending == 0:
                 self._reduce(fu)
@@ -187,25 +328,105 @@ class ShardedModel(_nn.Module):
         return hook
 
     def _reduce(self, fu):
-        if fu.reduced:
+        if fu.reduced or not self._sync_grads:
             return
-        fu.unit.reduce_scatter(self.step)
+        keep = fu.shard_param.grad is not None
+        fu.unit.reduce_scatter(fu.ran_step, accumulate=keep)
         fu.reduced = True
-        fu.shard_param.grad = fu.unit.grad_shard
-        for p in fu.params:
-            p.grad = None
-        fu.reshard(self.step)
+        if not keep:
+            fu.shard_param.grad = fu.unit.grad_shard
+        fu.release()
 
     def _finish_backward(self):
-        """End of backward: units with parameters that got no gradient are reduced now
-        (their missing gradients count as zero), so no rank waits for one."""
+        """End of backward: units whose parameters did not all get a gradient are reduced
+        now (the missing ones count as zero), so no rank waits for one; every unit lets go
+        of its copy."""
         for fu in self._units:
-            self._reduce(fu)
+            if fu.trainable and fu.ran_step == self.step:
+                self._reduce(fu)
         for fu in self._units:
             for p in fu.params:
                 p.grad = None
+            fu.reshard()
+        if self._sync_grads:
+            reduced = [fu.unit for fu in self._units if fu.trainable]
+            if all(fu.reduced for fu in self._units if fu.trainable) and reduced:
+                self.completed_steps = self.step
 
-    # --- what the optimizer sees ------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate the gradients locally (in this rank's
+        full-gradient buffers) without reducing them; the first backward outside reduces the
+        sum."""
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+
+    # --- collectives of the whole model --------------------------------------------------
+    def _all_reduce_scalar(self, value):
+        """The sum of value over the local ranks; also a barrier."""
+        self._sync_count += 1
+        self._sync.full_grad[0] = value
+        self._sync.reduce_scatter(self._sync_count)
+        return float(self._sync.grad[0])
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """Scales every gradient shard so that the norm of the whole gradient (all ranks'
+        shards together) is at most max_norm; returns that norm before clipping. Every local
+        rank calls it."""
+        norm_type = float(norm_type)
+        if norm_type == float("inf") or norm_type <= 0:
+            raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported "
+                             "(a positive finite p-norm is)")
+        grads = [fu.shard_param.grad for fu in self._units
+                 if fu.trainable and fu.shard_param.grad is not None]
+        local = sum(float(_torch.sum(g.abs().double() ** norm_type)) for g in grads)
+        total = self._all_reduce_scalar(local) ** (1.0 / norm_type)
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return _torch.tensor(total)
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback=True):
+        """Inside, the module's parameters are full fp32 copies (what the masters hold, for
+        every rank's shard); with writeback, what they hold on leaving is written back into
+        this rank's master shards. Every local rank enters it together."""
+        self._all_reduce_scalar(0.0)  # every rank's masters are final
+        flats = []
+        for fu in self._units:
+            flat = fu.unit.master.clone()
+            fu.point_params(flat)
+            flats.append(flat)
+        try:
+            yield
+        finally:
+            for fu, flat in zip(self._units, flats):
+                if writeback:
+                    for off, n, p in zip(fu.offsets, fu.sizes, fu.params):
+                        flat[off:off + n].copy_(p.detach().reshape(-1))
+                    lo = fu.unit.shard * fu.unit.shard_numel
+                    fu.unit.master_shard.copy_(flat[lo:lo + fu.unit.shard_numel])
+                fu.detach_params()
+            self._all_reduce_scalar(0.0)  # nobody reads masters another rank still writes
+
+    def full_state_dict(self):
+        """The wrapped module's state_dict with full fp32 parameters under their original
+        names (a tied parameter under each of its names) and its buffers; the same on every
+        local rank, which all call it."""
+        with self.summon_full_params(writeback=False):
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state_dict, strict=True):
+        """Loads a full state dict (as full_state_dict() returns it) into the masters and
+        buffers; every local rank calls it with the same dict."""
+        with self.summon_full_params(writeback=True):
+            return self.module.load_state_dict(state_dict, strict=strict)
+
+    # --- what the optimizer sees ---------------------------------------------------------
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         for fu in self._units:
             yield (prefix + "." if prefix else "") + fu.name, fu.shard_param
@@ -216,20 +437,20 @@ class ShardedModel(_nn.Module):
 
     @property
     def units(self):
-        """The fsdpd.Unit of each wrapped module, root first (module order)."""
+        """The fsdpd.Unit of each unit, in module order (the root's first)."""
         return [fu.unit for fu in self._units]
 
-    def master_shards(self):
-        """{unit name: this rank's fp32 master shard} (views of the shared memory)."""
-        return {fu.name: fu.unit.master_shard for fu in self._units}
 
-
-def shard_model(model, client, wrap=None, strategy="FULL_SHARD"):
+def shard_model(model, client, wrap=None, strategy="FULL_SHARD", param_dtype=None,
+                reduce_dtype=None, forward_prefetch=True, backward_prefetch=True):
     """Shards model's parameters through client's daemon and returns the model to train.
 
     wrap: a set of module classes whose instances each become a unit (like
-    transformer_auto_wrap_policy), or None for one unit; the root takes the rest. Every local
-    rank calls this with the same model (same definition, same seed): each writes its own
-    slice of the initial values, then all wait for each other. See the module docstring for
-    the schedule (SHARD_GRAD_OP-like for now) and what is not supported yet."""
-    return ShardedModel(model, client, wrap, strategy)
+    transformer_auto_wrap_policy), or a predicate on a module, or None for one unit; the root
+    takes the rest. strategy: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the
+    same as FULL_SHARD). param_dtype: the unsharded parameters' dtype, in which forward and
+    backward compute (floating inputs are cast to it); reduce_dtype: the gradient reduction's
+    (default param_dtype); masters stay float32. Every local rank calls this with the same
+    model (same definition, same seed) and takes its own slice of the initial values."""
+    return ShardedModel(model, client, wrap, strategy, param_dtype, reduce_dtype,
+                        forward_prefetch, backward_prefetch)

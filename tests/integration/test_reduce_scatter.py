@@ -180,7 +180,38 @@ def test_a_dying_rank_aborts_the_others_at_once(fsdpd):
     assert "unit 'u' step 5: local rank 1 of job 'j' is gone (its process closed the memory " \
            "channel" in e.details()
     assert elapsed < 3, elapsed
+    # A rank that is gone fails the next collectives at once too, until it attaches again.
+    e = submit_all(ranks[:1], "u", step=6)[0]
+    assert e.code() == grpc.StatusCode.ABORTED
+    assert ("unit 'u' step 6: local rank(s) 1 of job 'j' ended their session and have not "
+            "attached again; the reduce-scatter cannot complete without them") in e.details()
+    again = Rank(d, 1, 2)
+    register(again, "u", FP32, FP32)
+    assert submit_all([ranks[0], again], "u", step=6) == ["OK", "OK"]
     d.assert_serving()
+
+
+def test_restarted_ranks_wait_for_each_other(fsdpd):
+    """Trainers that attach after a rank died (the job restarting) wait for it to come back
+    instead of failing: the rank is only late."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    first = [Rank(d, r, 2) for r in range(2)]
+    for r in first:
+        register(r, "u", FP32, FP32)
+        r.sock.close()  # both processes die
+    poll(lambda: not d.status().sessions, 5, what="the sessions to end")
+    again = [Rank(d, 0, 2)]
+    register(again[0], "u", FP32, FP32)
+    box = {}
+    waiter = threading.Thread(target=lambda: box.update(r=submit_all(again, "u", step=1)))
+    waiter.start()
+    poll(lambda: d.status().rpc_work_inflight >= 1 or box, 5, what="rank 0 to be waiting")
+    assert not box, box["r"][0].details()
+    again.append(Rank(d, 1, 2))
+    register(again[1], "u", FP32, FP32)
+    assert submit_all(again[1:], "u", step=1) == ["OK"]
+    waiter.join(10)
+    assert box["r"] == ["OK"]
 
 
 def test_mismatched_steps_abort_the_collection_at_once(fsdpd):

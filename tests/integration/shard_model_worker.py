@@ -1,0 +1,132 @@
+"""One process of the fsdpd.torch equivalence tests (test_shard_model.py): a local rank
+training the small transformer of examples/transformer.py through the daemon, or the
+single-process reference training the same model on the whole batch.
+
+    shard_model_worker.py reference|rank --steps N [--world W] [--param-dtype bf16]
+        [--strategy S] [--features] [--kill-at-step K]
+
+Prints one JSON line per step ({"step", "loss"}) as it goes, then one final line
+({"final": true, "state": {name: flat list}, ...}); a rank whose daemon call fails prints
+{"error": ...} and exits 3. --features ties the output head to the token embedding, freezes
+the positions, and trains each step as two micro-batches (the first under no_sync) with the
+gradient clipped to a norm of 0.5; it also round-trips the state dict. --kill-at-step K: the
+rank SIGKILLs itself as the backward of step K starts (unless it resumed).
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.environ["FSDP_SOURCE_DIR"], "examples"))
+from transformer import Block, Config, TinyGPT, batch, loss_fn, rank_slice  # noqa: E402
+
+CFG = Config(vocab=300, d_model=32, n_heads=4, n_layers=2, seq_len=16, mlp_ratio=2)
+GLOBAL_BATCH = 12  # divides by 2 and 3
+LR = 1.0
+MAX_NORM = 0.5
+
+
+def build(features):
+    model = TinyGPT(CFG, seed=7)
+    if features:
+        model.head.weight = model.tok.weight  # tied
+        model.pos.requires_grad_(False)       # frozen
+    return model
+
+
+def micro_batches(step, features):
+    tokens, targets = batch(step, GLOBAL_BATCH, CFG.seq_len, CFG.vocab)
+    if not features:
+        return [(tokens, targets)]
+    half = GLOBAL_BATCH // 2
+    return [(tokens[:half], targets[:half]), (tokens[half:], targets[half:])]
+
+
+def emit(**record):
+    print(json.dumps(record), flush=True)
+
+
+def reference(args):
+    model = build(args.features)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    emit(initial={k: v.reshape(-1).tolist() for k, v in model.state_dict().items()})
+    for step in range(1, args.steps + 1):
+        opt.zero_grad()
+        parts = micro_batches(step, args.features)
+        total = 0.0
+        for tokens, targets in parts:
+            loss = loss_fn(model(tokens), targets) / len(parts)
+            loss.backward()
+            total += loss.item()
+        if args.features:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        emit(step=step, loss=total)
+    emit(final=True, state={k: v.reshape(-1).tolist() for k, v in model.state_dict().items()})
+
+
+def rank(args):
+    import fsdpd
+    import fsdpd.torch
+
+    client = fsdpd.Client(timeout=30)
+    r, world = client.rank, client.local_world_size
+    param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else None
+    model = fsdpd.torch.shard_model(build(args.features), client, wrap={Block},
+                                    strategy=args.strategy, param_dtype=param_dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    start = model.completed_steps + 1
+    emit(resumed=model.resumed, start=start,
+         units=[{"name": u.name, "numel": u.numel, "shard": u.shard} for u in model.units])
+    if args.features and not model.resumed:
+        # A round trip through the full state dict changes nothing.
+        sd = model.full_state_dict()
+        model.load_full_state_dict(sd)
+        assert all(torch.equal(sd[k], v) for k, v in model.full_state_dict().items())
+    try:
+        for step in range(start, args.steps + 1):
+            opt.zero_grad()
+            parts = micro_batches(step, args.features)
+            total = 0.0
+            for i, (tokens, targets) in enumerate(parts):
+                x, y = rank_slice((tokens, targets), r, world)
+                loss = loss_fn(model(x).float(), y) / len(parts)
+                if step == args.kill_at_step and not model.resumed:
+                    loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+                if i + 1 < len(parts):
+                    with model.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+                total += loss.item()
+            norm = model.clip_grad_norm_(MAX_NORM) if args.features else None
+            opt.step()
+            emit(step=step, loss=total, norm=None if norm is None else float(norm))
+    except fsdpd.Error as e:
+        emit(error=str(e), status=e.status)
+        sys.exit(3)
+    state = model.full_state_dict()
+    emit(final=True, state={k: v.reshape(-1).tolist() for k, v in state.items()})
+    client.close()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("reference", "rank"))
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--strategy", default="FULL_SHARD")
+    p.add_argument("--features", action="store_true")
+    p.add_argument("--kill-at-step", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    (reference if args.mode == "reference" else rank)(args)
+
+
+if __name__ == "__main__":
+    main()
