@@ -11,22 +11,18 @@
 #include "ucx.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <ucp/api/ucp.h>
 
-/* Address bytes: magic, format version, the host's boot id (36 characters; zeros when it
- * cannot be read, which never counts as the same host), the UCX address length (big
- * endian) and the UCX address. */
+/* Address bytes: magic, format version, the UCX address length (big endian) and the UCX
+ * address. */
 #define ADDR_MAGIC "FSDPUCX"
 #define ADDR_MAGIC_LEN 7
 #define ADDR_VERSION 1
-#define BOOT_ID_LEN 36
-#define ADDR_HEADER (ADDR_MAGIC_LEN + 1 + BOOT_ID_LEN + 4)
+#define ADDR_HEADER (ADDR_MAGIC_LEN + 1 + 4)
 
 struct fsdp_ucx_peer {
   fsdp_ucx_t *ucx;
@@ -49,7 +45,6 @@ struct fsdp_ucx {
   ucp_worker_h worker;
   unsigned char *addr;
   size_t addr_len;
-  char boot_id[BOOT_ID_LEN];
   uv_poll_t poll;
   uv_idle_t idle;
   bool poll_started, idle_started;
@@ -296,18 +291,6 @@ unsigned fsdp_ucx_peer_pending(const fsdp_ucx_peer_t *peer) {
   return peer->n_pending;
 }
 
-static void read_boot_id(char out[BOOT_ID_LEN]) {
-  memset(out, 0, BOOT_ID_LEN);
-  int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return;
-  char buf[BOOT_ID_LEN + 8];
-  ssize_t n = read(fd, buf, sizeof buf);
-  close(fd);
-  if (n >= BOOT_ID_LEN)
-    memcpy(out, buf, BOOT_ID_LEN);
-}
-
 uv_loop_t *fsdp_ucx_loop(const fsdp_ucx_t *ucx) {
   return ucx->loop;
 }
@@ -330,7 +313,7 @@ int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char 
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "UCX address of %s: format version %u, expected %u", label,
                            a[ADDR_MAGIC_LEN], ADDR_VERSION);
-  const unsigned char *lp = a + ADDR_MAGIC_LEN + 1 + BOOT_ID_LEN;
+  const unsigned char *lp = a + ADDR_MAGIC_LEN + 1;
   size_t ucp_len = (size_t)lp[0] << 24 | (size_t)lp[1] << 16 | (size_t)lp[2] << 8 | lp[3];
   if (ucp_len == 0 || ucp_len != len - ADDR_HEADER)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
@@ -340,37 +323,42 @@ int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char 
     return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "connecting %s: the transport is closing",
                            label);
 
-  static const char unknown[BOOT_ID_LEN];
-  const char *their_boot = (const char *)a + ADDR_MAGIC_LEN + 1;
-  bool same_host = memcmp(their_boot, u->boot_id, BOOT_ID_LEN) == 0 &&
-                   memcmp(u->boot_id, unknown, BOOT_ID_LEN) != 0;
-  bool peer_mode = u->opt.err_mode == FSDP_UCX_ERR_PEER ||
-                   (u->opt.err_mode == FSDP_UCX_ERR_AUTO && !same_host);
-
   fsdp_ucx_peer_t *p = calloc(1, sizeof *p);
   if (!p)
     return fsdp_status_set(st, -ENOMEM, "connecting %s: out of memory", label);
   p->ucx = u;
-  p->err_handling = peer_mode;
   snprintf(p->label, sizeof p->label, "%s", label);
-  ucp_ep_params_t ep = {
-      .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-      .address = (const ucp_address_t *)(a + ADDR_HEADER),
-      .err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
-  };
-  if (peer_mode) {
-    ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.err_handler.cb = err_handler;
-    ep.err_handler.arg = p;
+  /* AUTO tries peer error handling first and goes without it only where UCX cannot offer
+   * it (shared memory alone). Going without it over tcp is avoided: closing such an
+   * endpoint without waiting, the only way to end a transfer to a peer that stopped, is
+   * undefined in UCX then, and crashed the other end here. */
+  bool peer_mode = u->opt.err_mode != FSDP_UCX_ERR_NONE;
+  ucs_status_t s;
+  for (;;) {
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .address = (const ucp_address_t *)(a + ADDR_HEADER),
+        .err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
+    };
+    if (peer_mode) {
+      ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.err_handler.cb = err_handler;
+      ep.err_handler.arg = p;
+    }
+    s = ucp_ep_create(u->worker, &ep, &p->ep);
+    if (s == UCS_ERR_UNREACHABLE && peer_mode && u->opt.err_mode == FSDP_UCX_ERR_AUTO) {
+      peer_mode = false;
+      continue;
+    }
+    break;
   }
-  ucs_status_t s = ucp_ep_create(u->worker, &ep, &p->ep);
+  p->err_handling = peer_mode;
   if (s != UCS_OK) {
     free(p);
     return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "connecting %s (%s error handling): %s%s",
                            label, peer_mode ? "peer" : "no", ucs_status_string(s),
                            peer_mode && s == UCS_ERR_UNREACHABLE
-                               ? " (shared-memory transports cannot report a peer's failure; "
-                                 "a same-host peer needs no error handling)"
+                               ? " (shared-memory transports cannot report a peer's failure)"
                                : "");
   }
   p->next = u->peers;
@@ -475,7 +463,6 @@ int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status
   u->loop = loop;
   if (options)
     u->opt = *options;
-  read_boot_id(u->boot_id);
 
   ucp_config_t *cfg;
   ucs_status_t s = ucp_config_read(NULL, NULL, &cfg);
@@ -520,8 +507,7 @@ int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status
   }
   memcpy(u->addr, ADDR_MAGIC, ADDR_MAGIC_LEN);
   u->addr[ADDR_MAGIC_LEN] = ADDR_VERSION;
-  memcpy(u->addr + ADDR_MAGIC_LEN + 1, u->boot_id, BOOT_ID_LEN);
-  unsigned char *lp = u->addr + ADDR_MAGIC_LEN + 1 + BOOT_ID_LEN;
+  unsigned char *lp = u->addr + ADDR_MAGIC_LEN + 1;
   lp[0] = (unsigned char)(ua_len >> 24);
   lp[1] = (unsigned char)(ua_len >> 16);
   lp[2] = (unsigned char)(ua_len >> 8);

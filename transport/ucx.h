@@ -16,13 +16,13 @@
  * (FSDP_E_UNAVAILABLE, fsdp_ucx_peer_error() says why), when the request was cancelled
  * (FSDP_E_CANCELLED), or when a message of another length arrived (FSDP_E_DATA_LOSS).
  *
- * Peers and failures. Peers on other hosts are connected with UCX's peer error handling:
- * a peer that dies or whose connection breaks fails every pending request with it, and the
- * on_peer_failed callback tells the owner. Peers on the same host (same boot id in their
- * address) are connected without it, because UCX's shared-memory transports refuse peer
- * error handling; their death shows only as operations that do not finish, which the caller
- * bounds with deadlines and ends with fsdp_ucx_peer_fail(). Both ends of a connection must
- * use the same mode: the mode follows from the two addresses unless an option forces it.
+ * Peers and failures. Peers are connected with UCX's peer error handling where UCX offers
+ * it (tcp, RDMA): a peer that dies or whose connection breaks fails every pending request
+ * with it, and the on_peer_failed callback tells the owner. UCX's shared-memory transports
+ * refuse it, so where only those reach a peer (UCX_TLS without tcp, same host) it is
+ * connected without: its death shows only as operations that do not finish, which the
+ * caller bounds with deadlines and ends with fsdp_ucx_peer_fail(). Both ends of a
+ * connection must use the same mode; with the same UCX_TLS on both, AUTO gives that.
  *
  * Lifetime. fsdp_ucx_new() makes the object; fsdp_ucx_close() fails every pending request
  * (their callbacks run with FSDP_E_CANCELLED), closes every endpoint, and frees everything
@@ -49,9 +49,10 @@ typedef struct fsdp_ucx_req fsdp_ucx_req_t;
 #define FSDP_UCX_LABEL_MAX 96
 
 typedef enum fsdp_ucx_err_mode {
-  FSDP_UCX_ERR_AUTO = 0, /* peer error handling unless both ends are on the same host */
+  FSDP_UCX_ERR_AUTO = 0, /* peer error handling, or none where UCX cannot offer it */
   FSDP_UCX_ERR_PEER,     /* always: tcp or RDMA only, shared memory is refused */
-  FSDP_UCX_ERR_NONE,     /* never: failures show only as deadlines */
+  FSDP_UCX_ERR_NONE,     /* never: failures show only as deadlines; shared memory only (over
+                          * tcp, failing a stopped peer's endpoint is undefined in UCX) */
 } fsdp_ucx_err_mode_t;
 
 typedef struct fsdp_ucx_options {
@@ -89,7 +90,7 @@ int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status
 uv_loop_t *fsdp_ucx_loop(const fsdp_ucx_t *ucx);
 
 /* This process's address bytes for a peer's fsdp_ucx_connect: a short header (format
- * version, host boot id) and the worker's UCX address. Owned by the object. */
+ * version) and the worker's UCX address. Owned by the object. */
 void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret_len);
 
 /* Connects to a peer from its address bytes. label names the peer in every message

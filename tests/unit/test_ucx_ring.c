@@ -413,6 +413,11 @@ static int member_cancel(member_t *m) {
 
 static void member_main(unsigned n, unsigned self, int sock, enum scenario sc,
                         unsigned victim) {
+  /* cmocka's handlers would turn a crash here into a return into the parent's test list,
+   * inside the child: a crash must end the member and show in its exit status. */
+  static const int sigs[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
+  for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++)
+    signal(sigs[i], SIG_DFL);
   member_t m = {.n = n, .self = self, .sock = sock};
   int rc = member_setup(&m);
   if (rc == 0) {
