@@ -40,6 +40,10 @@ static void apply_config(fsdp_daemon_t *daemon) {
     fsdp_peers_set_timing(daemon->peers,
                           (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_HEARTBEAT_INTERVAL),
                           (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_TIMEOUT));
+  if (daemon->state != FSDP_DAEMON_STOPPING && daemon->state != FSDP_DAEMON_STOPPED)
+    fsdp_dataplane_set_cluster(
+        &daemon->dataplane, daemon->peers, daemon->fabric,
+        (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_COLLECTIVE_TIMEOUT));
   uint64_t period = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_HOUSEKEEPING_INTERVAL);
   /* systemd wants a ping at least every WatchdogSec; twice as often leaves slack. */
   if (daemon->watchdog_usec && daemon->watchdog_usec / 2000 < period)
@@ -191,11 +195,19 @@ static void on_peers_closed(void *data) {
   fsdp_peer_security_cleanup(&daemon->peer_security);
 }
 
+static void on_fabric_closed(void *data) {
+  fsdp_daemon_t *daemon = data;
+  daemon->fabric = NULL;
+  fsdp_peers_close(daemon->peers, on_peers_closed, daemon);
+}
+
 static void on_rpc_stopped(void *data) {
   fsdp_daemon_t *daemon = data;
   fsdp_rpc_server_free(daemon->rpc);
   daemon->rpc = NULL;
-  fsdp_peers_close(daemon->peers, on_peers_closed, daemon);
+  /* Collectives among hosts still running end CANCELLED; then the peers go. */
+  fsdp_dataplane_set_cluster(&daemon->dataplane, NULL, NULL, 0);
+  fsdp_fabric_close(daemon->fabric, on_fabric_closed, daemon);
   fsdp_channel_stop(&daemon->channel);
   fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_listener_close(&daemon->listener);
@@ -382,6 +394,16 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   if ((r = fsdp_peers_new(&daemon->loop, &daemon->config, &daemon->peer_security, NULL,
                           &daemon->peers, st)) < 0)
     goto fail_loop;
+  daemon->store.topology = (fsdp_topology_t){
+      .hosts = fsdp_peers_host_count(daemon->peers),
+      .host_rank = fsdp_peers_host_rank(daemon->peers),
+      .shard_group_hosts =
+          (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS),
+  };
+  daemon->store.local_world_size =
+      (uint32_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE);
+  if ((r = fsdp_fabric_new(&daemon->loop, daemon->peers, &daemon->fabric, st)) < 0)
+    goto fail_loop;
 
   if ((r = fsdp_listener_open(&daemon->listener,
                               fsdp_config_text(&daemon->config, FSDP_OPTION_RUN_DIR), st)) < 0)
@@ -428,6 +450,9 @@ fail_rpc:
   daemon->rpc = NULL;
   fsdp_listener_close(&daemon->listener);
 fail_loop:
+  if (daemon->fabric)
+    fsdp_fabric_close(daemon->fabric, NULL, NULL);
+  daemon->fabric = NULL;
   fsdp_peers_free(daemon->peers);
   daemon->peers = NULL;
   fsdp_peer_security_cleanup(&daemon->peer_security);

@@ -17,6 +17,7 @@
 #include "channel.h"
 #include "config.h"
 #include "dataplane.h"
+#include "fabric.h"
 #include "health.h"
 #include "listener.h"
 #include "peers.h"
@@ -66,6 +67,7 @@ typedef struct fsdp_daemon {
   char peer_address[320];
   fsdp_peer_security_t peer_security;   /* the token and TLS files, read at start */
   fsdp_peers_t *peers;                  /* always there; one host: no peers, ready */
+  fsdp_fabric_t *fabric;                /* the data plane's connections; one host: NULL */
 
   uv_signal_t sigterm, sigint, sighup;
   uv_timer_t housekeeping;

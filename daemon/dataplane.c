@@ -1,4 +1,4 @@
-/* Unit buffers and the unshard path of the host backend. */
+/* Unit buffers and the operations of the host backend, on one host and across hosts. */
 #include "dataplane.h"
 
 #include <errno.h>
@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "ring.h"
 
 typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
 
@@ -17,7 +18,18 @@ struct fsdp_waiter {
   fsdp_waiter_t *prev, *next;
 };
 
-typedef enum work_kind { WORK_PREFAULT, WORK_GATHER, WORK_REDUCE } work_kind_t;
+/* Work on the thread pool. A gather casts this host's master shards into the unsharded
+ * buffer, then (across hosts) an all-gather fills in the other hosts' regions. A reduce on
+ * one host writes the gradient shards in one pass; across hosts it is a pre-reduction of
+ * the local ranks' gradients into the host sum, rings among the hosts, and a post-reduction
+ * of this host's region into its ranks' gradient shards. */
+typedef enum work_kind {
+  WORK_PREFAULT,
+  WORK_GATHER,
+  WORK_REDUCE,
+  WORK_PRE_REDUCE,
+  WORK_POST_REDUCE,
+} work_kind_t;
 
 struct fsdp_dataplane_work {
   work_kind_t kind;
@@ -30,7 +42,8 @@ struct fsdp_dataplane_work {
 };
 
 static const char *const work_names[] = {"preparing its buffers", "the gather",
-                                         "the reduce-scatter"};
+                                         "the reduce-scatter", "the host's pre-reduction",
+                                         "the host's post-reduction"};
 
 /* The proto's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
@@ -113,7 +126,7 @@ static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32
   reply.master_offset = u->master_offset;
   reply.grad_offset = u->grad_offset;
   reply.full_grad_offset = u->full_grad_offset + rank * u->full_grad_stride;
-  reply.shard = u->layout.shards == 1 ? 0 : rank;
+  reply.shard = u->plan.first_shard + (u->plan.local_shards == 1 ? 0 : rank);
   reply.gathered_step = u->gathered ? u->gathered_step : 0;
   reply.reduced_step = u->reduced_step;
   fsdp_rpc_call_reply(call, &reply.base);
@@ -210,8 +223,9 @@ static bool collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_rpc_call_t *call,
 }
 
 /* The gradient factors of PyTorch FSDP: divide by `pre` before the sum and by `post` after,
- * pre * post being the data-parallel size (here the local world size) by default. */
-static void reduce_scales(const fsdp_unit_t *u, unsigned world, float *ret_pre, float *ret_post) {
+ * pre * post being the data-parallel size (every rank of every host) by default. */
+static void reduce_scales(const fsdp_unit_t *u, float *ret_pre, float *ret_post) {
+  double world = u->plan.data_parallel_size;
   double pre = u->spec->gradient_predivide_factor, post = u->spec->gradient_postdivide_factor;
   if (pre == 0)
     pre = post == 0 ? 1 : world / post;
@@ -219,6 +233,34 @@ static void reduce_scales(const fsdp_unit_t *u, unsigned world, float *ret_pre, 
     post = world / pre;
   *ret_pre = (float)(1 / pre);
   *ret_post = (float)(1 / post);
+}
+
+/* This host's region of the flat buffer, in elements. */
+static uint64_t host_first(const fsdp_unit_t *u) {
+  return (uint64_t)u->plan.first_shard * u->layout.shard_numel;
+}
+
+static uint64_t host_numel(const fsdp_unit_t *u) {
+  return (uint64_t)u->plan.local_shards * u->layout.shard_numel;
+}
+
+static fsdp_dtype_t param_dtype(const fsdp_unit_t *u) {
+  return kernel_dtype(fsdp_unit_spec_param_dtype(u->spec));
+}
+
+static fsdp_dtype_t reduce_dtype(const fsdp_unit_t *u) {
+  return kernel_dtype(fsdp_unit_spec_reduce_dtype(u->spec));
+}
+
+/* Across hosts: the host's sum of its ranks' gradients in reduce_dtype (what the rings
+ * move), and the fp32 buffer the pre-reduction writes first (the same when reduce_dtype is
+ * fp32). */
+static void *host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  return (char *)fsdp_arena_base(job->arena) + u->host_sum_offset;
+}
+
+static float *host_sum_fp32(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->host_sum_fp32_offset);
 }
 
 /* The work queue: one item at a time on libuv's thread pool. */
@@ -230,6 +272,13 @@ static void run_work(uv_work_t *req) {
   fsdp_dataplane_work_t *w = dp->head;
   fsdp_unit_t *u = w->unit;
   char *base = fsdp_arena_base(w->job->arena);
+  unsigned world = w->job->local_world_size;
+  const void *srcs[FSDP_LOCAL_WORLD_MAX];
+  for (unsigned r = 0; r < world; r++)
+    srcs[r] = base + u->full_grad_offset + r * u->full_grad_stride;
+  float pre, post;
+  reduce_scales(u, &pre, &post);
+  uint64_t first = host_first(u), n = host_numel(u);
   switch (w->kind) {
   case WORK_PREFAULT:
     w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->rw_bytes);
@@ -237,32 +286,84 @@ static void run_work(uv_work_t *req) {
       w->result =
           fsdp_arena_prefault_range(w->job->shared_arena, u->unsharded_offset, w->shared_bytes);
     break;
-  case WORK_GATHER:
-    /* One host: every shard is local, so the all-gather is the cast of the whole flat
-     * buffer from the fp32 masters into param_dtype. */
-    w->result = fsdp_cast_parallel(dp->workers,
-                                   (char *)fsdp_arena_base(w->job->shared_arena) +
-                                       u->unsharded_offset,
-                                   kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)),
-                                   base + u->master_offset, FSDP_DTYPE_FP32,
-                                   u->layout.padded_numel);
-    break;
-  case WORK_REDUCE: {
-    /* One host: the gradient shards lie side by side, so one reduce over the whole flat
-     * buffer writes every rank's shard (the host-level pre-reduction is the whole job). */
-    unsigned world = w->job->local_world_size;
-    const void *srcs[FSDP_LOCAL_WORLD_MAX];
-    for (unsigned r = 0; r < world; r++)
-      srcs[r] = base + u->full_grad_offset + r * u->full_grad_stride;
-    float pre, post;
-    reduce_scales(u, world, &pre, &post);
-    w->result = fsdp_reduce_parallel(dp->workers, (float *)(base + u->grad_offset),
-                                     u->reduce_accumulate, srcs, world,
-                                     kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)),
-                                     kernel_dtype(fsdp_unit_spec_reduce_dtype(u->spec)), pre, post,
-                                     u->layout.padded_numel);
+  case WORK_GATHER: {
+    /* This host's shards: its region of the fp32 masters cast into param_dtype. */
+    fsdp_dtype_t pt = param_dtype(u);
+    char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->unsharded_offset;
+    w->result = fsdp_cast_parallel(dp->workers, unsharded + first * fsdp_dtype_size(pt), pt,
+                                   base + u->master_offset + first * 4, FSDP_DTYPE_FP32, n);
     break;
   }
+  case WORK_REDUCE:
+    /* One host: the gradient shards lie side by side, so one reduce over the whole flat
+     * buffer writes every rank's shard. */
+    w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset),
+                                     u->reduce_accumulate, srcs, world, param_dtype(u),
+                                     reduce_dtype(u), pre, post, u->layout.padded_numel);
+    break;
+  case WORK_PRE_REDUCE: {
+    /* The host-level pre-reduction: one contribution per host leaves it. */
+    float *sum32 = host_sum_fp32(w->job, u);
+    w->result = fsdp_reduce_parallel(dp->workers, sum32, false, srcs, world, param_dtype(u),
+                                     reduce_dtype(u), pre, 1.0f, u->layout.padded_numel);
+    if (w->result == 0 && reduce_dtype(u) != FSDP_DTYPE_FP32)
+      w->result = fsdp_cast_parallel(dp->workers, host_sum(w->job, u), reduce_dtype(u), sum32,
+                                     FSDP_DTYPE_FP32, u->layout.padded_numel);
+    break;
+  }
+  case WORK_POST_REDUCE: {
+    const void *sum = (char *)host_sum(w->job, u) + first * fsdp_dtype_size(reduce_dtype(u));
+    w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset) + first,
+                                     u->reduce_accumulate, &sum, 1, reduce_dtype(u),
+                                     reduce_dtype(u), 1.0f, post, n);
+    break;
+  }
+  }
+}
+
+/* A collective of `kind` ended for the local ranks (st: NULL or OK when it succeeded):
+ * every waiter hears the result. */
+static void finish_collective(fsdp_unit_t *u, waiter_kind_t kind, const fsdp_status_t *st) {
+  fsdp_collection_t *c = collection_of(u, kind);
+  if (st && st->code < 0) {
+    log_error("%s", st->message);
+    abort_collection(u, kind, st->code, st->message);
+    return;
+  }
+  if (kind == WAIT_UNSHARD) {
+    u->gathered = true;
+    u->gathered_step = c->step;
+  } else {
+    u->reduced_step = c->step;
+  }
+  wake(u, kind);
+  collection_reset(c);
+}
+
+static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit);
+static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                       fsdp_ring_kind_t kind);
+
+/* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
+ * (done_ring); the other is -1. */
+static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
+                       int done_ring) {
+  const fsdp_unit_plan_t *p = &u->plan;
+  if (done_work == WORK_GATHER && p->shard_ring.members > 1) {
+    start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
+  } else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER) {
+    finish_collective(u, WAIT_UNSHARD, NULL);
+  } else if (done_work == WORK_PRE_REDUCE && p->shard_ring.members > 1) {
+    start_ring(dp, job, u, FSDP_RING_REDUCE_SCATTER);
+  } else if ((done_work == WORK_PRE_REDUCE || done_ring == FSDP_RING_REDUCE_SCATTER) &&
+             p->replica_ring.members > 1) {
+    start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
+  } else if (done_work == WORK_PRE_REDUCE || done_ring >= 0) {
+    int r = queue(dp, WORK_POST_REDUCE, job, u);
+    if (r < 0)
+      abort_collection(u, WAIT_REDUCE, r, "cannot queue the host's post-reduction");
+  } else { /* WORK_REDUCE, WORK_POST_REDUCE */
+    finish_collective(u, WAIT_REDUCE, NULL);
   }
 }
 
@@ -284,29 +385,159 @@ static void work_done(uv_work_t *req, int status) {
       u->state = FSDP_UNIT_READY;
     }
     wake(u, WAIT_REGISTER);
-  } else {
+  } else if (r < 0) {
     waiter_kind_t kind = w->kind == WORK_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
-    fsdp_collection_t *c = collection_of(u, kind);
-    if (r < 0) {
-      char message[FSDP_STATUS_MESSAGE_MAX];
-      snprintf(message, sizeof message, "unit '%s' step %llu: %s failed: %s", u->spec->unit,
-               (unsigned long long)c->step, work_names[w->kind], fsdp_strerror(r));
-      log_error("%s", message);
-      abort_collection(u, kind, FSDP_E_INTERNAL, message);
-    } else {
-      if (kind == WAIT_UNSHARD) {
-        u->gathered = true;
-        u->gathered_step = c->step;
-      } else {
-        u->reduced_step = c->step;
-      }
-      wake(u, kind);
-      collection_reset(c);
-    }
+    fsdp_status_t st;
+    fsdp_status_set(&st, FSDP_E_INTERNAL, "unit '%s' step %llu: %s failed: %s", u->spec->unit,
+                    (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
+                    fsdp_strerror(r));
+    finish_collective(u, kind, &st);
+  } else {
+    next_stage(dp, w->job, u, (int)w->kind, -1);
   }
   free(w);
   dp->busy = false;
   start_next(dp);
+}
+
+/* Rings among hosts. */
+
+typedef struct ring_run {
+  fsdp_dataplane_t *dp;
+  fsdp_job_t *job;
+  fsdp_unit_t *unit;
+  fsdp_ring_kind_t kind;
+  struct ring_run *next; /* while waiting for the cluster */
+} ring_run_t;
+
+/* The same on every host, different for every collective that may run at once: the job,
+ * the unit, the step and the ring (FNV-1a). */
+static uint32_t ring_op_id(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t step,
+                           fsdp_ring_kind_t kind) {
+  uint32_t h = 2166136261u;
+  const char *parts[] = {job->name, "/", u->spec->unit};
+  for (size_t i = 0; i < 3; i++)
+    for (const char *c = parts[i]; *c; c++)
+      h = (h ^ (uint8_t)*c) * 16777619u;
+  for (unsigned i = 0; i < 8; i++)
+    h = (h ^ (uint8_t)(step >> (8 * i))) * 16777619u;
+  return (h ^ (uint32_t)kind) * 16777619u;
+}
+
+static waiter_kind_t ring_waiter_kind(fsdp_ring_kind_t kind) {
+  return kind == FSDP_RING_ALL_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
+}
+
+static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *arg) {
+  (void)ring;
+  ring_run_t *run = arg;
+  fsdp_unit_t *u = run->unit;
+  if (status->code < 0) {
+    fsdp_status_t st;
+    fsdp_status_set(&st, status->code, "unit '%s' step %llu: %s", u->spec->unit,
+                    (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step,
+                    status->message);
+    finish_collective(u, ring_waiter_kind(run->kind), &st);
+  } else {
+    next_stage(run->dp, run->job, u, -1, (int)run->kind);
+  }
+  free(run);
+}
+
+static void on_cluster_ready(void *data, int status, const char *why);
+
+/* Starts a ring of the unit's collective once the hosts it needs are connected; while the
+ * cluster is still joining, it waits for it (at most peer.join_timeout after start). */
+static void start_run(ring_run_t *run) {
+  fsdp_dataplane_t *dp = run->dp;
+  fsdp_unit_t *u = run->unit;
+  waiter_kind_t wkind = ring_waiter_kind(run->kind);
+  uint64_t step = collection_of(u, wkind)->step;
+  const fsdp_host_ring_t *hosts =
+      run->kind == FSDP_RING_ALL_REDUCE ? &u->plan.replica_ring : &u->plan.shard_ring;
+  fsdp_ucx_peer_t *peers[FSDP_RING_MAX] = {0};
+  fsdp_status_t st;
+  for (unsigned i = 0; i < hosts->members; i++) {
+    const char *why = "the data plane is not running";
+    unsigned host = fsdp_host_ring_host(hosts, i);
+    if (i == hosts->self || (dp->fabric && (peers[i] = fsdp_fabric_peer(dp->fabric, host, &why))))
+      continue;
+    if (dp->peers && !fsdp_peers_ready(dp->peers)) {
+      run->next = dp->cluster_waiting;
+      dp->cluster_waiting = run;
+      if (!dp->waiting_for_cluster) {
+        dp->waiting_for_cluster = true;
+        fsdp_peers_when_ready(dp->peers, &dp->cluster_waiter, on_cluster_ready, dp);
+      }
+      return;
+    }
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "unit '%s' step %llu: the %s needs host %u: %s",
+                    u->spec->unit, (unsigned long long)step, fsdp_ring_kind_name(run->kind),
+                    host, why);
+    finish_collective(u, wkind, &st);
+    free(run);
+    return;
+  }
+  bool gather = run->kind == FSDP_RING_ALL_GATHER;
+  fsdp_dtype_t dtype = gather ? param_dtype(u) : reduce_dtype(u);
+  size_t elem = fsdp_dtype_size(dtype);
+  char *buf = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset
+                     : host_sum(run->job, u);
+  size_t region = (size_t)host_numel(u) * elem;
+  if (run->kind == FSDP_RING_ALL_REDUCE) { /* this host's region, among its replicas */
+    buf += host_first(u) * elem;
+    region /= hosts->members;
+  }
+  fsdp_ring_args_t args = {
+      .kind = run->kind,
+      .n = hosts->members,
+      .self = hosts->self,
+      .peers = peers,
+      .buf = buf,
+      .region_bytes = region,
+      .dtype = dtype,
+      .op_id = ring_op_id(run->job, u, step, run->kind),
+      .deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms,
+  };
+  fsdp_ring_t *ring;
+  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &st, &ring) < 0) {
+    finish_collective(u, wkind, &st);
+    free(run);
+  }
+}
+
+static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                       fsdp_ring_kind_t kind) {
+  ring_run_t *run = calloc(1, sizeof *run);
+  if (!run) {
+    abort_collection(u, ring_waiter_kind(kind), FSDP_E_RESOURCE_EXHAUSTED,
+                     "out of memory starting a collective among hosts");
+    return;
+  }
+  *run = (ring_run_t){.dp = dp, .job = job, .unit = u, .kind = kind};
+  start_run(run);
+}
+
+static void on_cluster_ready(void *data, int status, const char *why) {
+  fsdp_dataplane_t *dp = data;
+  ring_run_t *runs = dp->cluster_waiting;
+  dp->cluster_waiting = NULL;
+  dp->waiting_for_cluster = false;
+  while (runs) {
+    ring_run_t *run = runs;
+    runs = run->next;
+    if (status == 0) {
+      start_run(run);
+      continue;
+    }
+    fsdp_unit_t *u = run->unit;
+    waiter_kind_t kind = ring_waiter_kind(run->kind);
+    fsdp_status_t st;
+    fsdp_status_set(&st, status, "unit '%s' step %llu: the hosts did not all join: %s",
+                    u->spec->unit, (unsigned long long)collection_of(u, kind)->step, why);
+    finish_collective(u, kind, &st);
+    free(run);
+  }
 }
 
 static void start_next(fsdp_dataplane_t *dp) {
@@ -350,7 +581,12 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
   size_t padded = (size_t)u->layout.padded_numel;
   size_t param_size = fsdp_dtype_size(kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)));
   size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
-  size_t total = 2 * fp32 + (size_t)job->local_world_size * unsharded;
+  size_t reduce_size = fsdp_dtype_size(reduce_dtype(u));
+  /* Across hosts: the host sum in fp32, and in reduce_dtype when that is narrower. */
+  size_t sums = !fsdp_unit_plan_spans_hosts(&u->plan) ? 0
+                : reduce_size == 4                     ? fp32
+                                                       : fp32 + round64(padded * reduce_size);
+  size_t total = 2 * fp32 + (size_t)job->local_world_size * unsharded + sums;
   if (total + unsharded > memory_free)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
                            "job '%s' unit '%s': need %zu bytes, %zu free under memory.limit "
@@ -369,6 +605,8 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
   u->grad_offset = u->master_offset + fp32;
   u->full_grad_offset = u->grad_offset + fp32;
   u->full_grad_stride = unsharded;
+  u->host_sum_fp32_offset = u->full_grad_offset + (size_t)job->local_world_size * unsharded;
+  u->host_sum_offset = u->host_sum_fp32_offset + (reduce_size == 4 ? 0 : fp32);
   return 0;
 }
 
@@ -502,7 +740,8 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
   }
   if (!collect(unit, WAIT_REDUCE, call, job, session, rq->step, deadline_ms))
     return;
-  int r = queue(dp, WORK_REDUCE, job, unit);
+  int r = queue(dp, fsdp_unit_plan_spans_hosts(&unit->plan) ? WORK_PRE_REDUCE : WORK_REDUCE,
+                job, unit);
   if (r < 0) {
     abort_collection(unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
     return;
@@ -564,7 +803,7 @@ bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) 
     if (w->job == job)
       return true;
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->waiters)
+    if (u->waiters || u->gather.running || u->reduce.running)
       return true;
   return false;
 }
@@ -578,6 +817,17 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
     return fsdp_status_set(st, r, "cannot start %u worker threads: %s", threads,
                            fsdp_strerror(r));
   return 0;
+}
+
+void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
+                                uint64_t collective_timeout_ms) {
+  if (dp->waiting_for_cluster && dp->peers && peers != dp->peers) {
+    fsdp_peers_wait_cancel(dp->peers, &dp->cluster_waiter);
+    on_cluster_ready(dp, FSDP_E_CANCELLED, "the daemon is stopping");
+  }
+  dp->peers = peers;
+  dp->fabric = fabric;
+  dp->collective_timeout_ms = collective_timeout_ms;
 }
 
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {

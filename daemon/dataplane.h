@@ -32,6 +32,8 @@
 
 #include <uv.h>
 
+#include "fabric.h"
+#include "peers.h"
 #include "rpc_server.h"
 #include "sessions.h"
 #include "status.h"
@@ -40,12 +42,22 @@
 
 typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
 
+typedef struct ring_run ring_run_t;
+
 typedef struct fsdp_dataplane {
   uv_loop_t *loop;
   fsdp_workers_t *workers;
   uv_work_t req;
   fsdp_dataplane_work_t *head, *tail; /* head is running while busy */
   bool busy;
+  /* Across hosts (fsdp_dataplane_set_cluster): the peers, the connections to them, and the
+   * rings waiting for the cluster to be joined. */
+  fsdp_peers_t *peers;
+  fsdp_fabric_t *fabric;
+  uint64_t collective_timeout_ms; /* each ring's deadline after it starts */
+  ring_run_t *cluster_waiting;
+  fsdp_peers_waiter_t cluster_waiter;
+  bool waiting_for_cluster;
 } fsdp_dataplane_t;
 
 /* threads: the worker pool's size, the calling pool thread included. */
@@ -53,6 +65,11 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
                         fsdp_status_t *st);
 /* Once the loop has ended: no work is in flight then. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
+
+/* The other hosts: peers (borrowed; one host: no fabric) and the deadline of a collective
+ * among hosts once it starts. Again with NULLs when they close. */
+void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
+                                uint64_t collective_timeout_ms);
 
 /* Answers a RegisterUnit the store accepted for `session`'s rank: with the layout and the
  * buffers' offsets once the unit's buffers are ready. The first registration takes them from

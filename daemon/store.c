@@ -23,12 +23,6 @@ fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name) {
   return NULL;
 }
 
-unsigned fsdp_store_shard_count(Fsdp__V1__ShardingStrategy strategy, uint32_t local_world_size) {
-  /* On one host every sharding strategy shards over the host's ranks (HYBRID_SHARD's shard
-   * group is one host by default); NO_SHARD keeps one whole copy. */
-  return strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD ? 1 : local_world_size;
-}
-
 /* A deep copy through the wire format, which protobuf-c gives for free. */
 static Fsdp__V1__RegisterUnitRequest *copy_spec(const Fsdp__V1__RegisterUnitRequest *rq) {
   Fsdp__V1__RegisterUnitRequest tmp = *rq;
@@ -57,7 +51,7 @@ static void mark_registered(fsdp_unit_t *u, uint32_t rank) {
     u->n_registered++;
 }
 
-static int new_unit(fsdp_job_t *job, const fsdp_session_t *session,
+static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_session_t *session,
                     const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
                     fsdp_status_t *st) {
   fsdp_unit_t *u = calloc(1, sizeof *u);
@@ -66,8 +60,8 @@ static int new_unit(fsdp_job_t *job, const fsdp_session_t *session,
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
                            rq->unit);
   }
-  int r = fsdp_unit_layout_init(&u->layout, u->spec,
-                                fsdp_store_shard_count(rq->strategy, job->local_world_size), st);
+  fsdp_unit_plan(&store->topology, rq->strategy, job->local_world_size, &u->plan);
+  int r = fsdp_unit_layout_init(&u->layout, u->spec, u->plan.shards, u->plan.pad_multiple, st);
   if (r < 0) {
     unit_free(u);
     return r;
@@ -83,6 +77,11 @@ static int new_unit(fsdp_job_t *job, const fsdp_session_t *session,
 
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
                        fsdp_status_t *st) {
+  if (store->local_world_size && session->local_world_size != store->local_world_size)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "job '%s': local_world_size %u, but every host of this cluster runs "
+                           "cluster.local_world_size = %u trainers",
+                           session->job, session->local_world_size, store->local_world_size);
   fsdp_job_t *job = fsdp_store_find_job(store, session->job);
   if (job) {
     if (job->local_world_size != session->local_world_size)
@@ -124,7 +123,7 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
     return r;
   fsdp_unit_t *u = fsdp_store_find_unit(job, rq->unit);
   if (!u)
-    return new_unit(job, session, rq, ret_unit, st);
+    return new_unit(store, job, session, rq, ret_unit, st);
 
   fsdp_spec_difference_t d;
   if (fsdp_unit_spec_diff(rq, u->spec, &d))

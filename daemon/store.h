@@ -18,6 +18,7 @@
 
 #include "arena.h"
 #include "rank_set.h"
+#include "topology.h"
 #include "sessions.h"
 #include "status.h"
 #include "unit_layout.h"
@@ -44,6 +45,7 @@ typedef struct fsdp_collection {
 
 typedef struct fsdp_unit {
   Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
+  fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
   fsdp_unit_state_t state;
   fsdp_status_t error;        /* why FAILED */
@@ -53,6 +55,10 @@ typedef struct fsdp_unit {
   uint64_t grad_offset;
   uint64_t full_grad_offset;  /* local rank r's at + r * full_grad_stride */
   uint64_t full_grad_stride;
+  /* Across hosts only: the host's sum of its ranks' gradients, in reduce_dtype and in fp32
+   * (the same buffer when reduce_dtype is fp32). */
+  uint64_t host_sum_offset;
+  uint64_t host_sum_fp32_offset;
   /* The unsharded buffer holds the parameters of `gathered_step` once `gathered`: it stays
    * valid across Reshard (the host backend keeps the buffer) until a newer step's gather. */
   bool gathered;
@@ -93,6 +99,10 @@ typedef struct fsdp_store {
   fsdp_job_t *jobs;
   unsigned n_jobs;
   unsigned max_jobs; /* set by the daemon (session.max_sessions): jobs cost descriptors */
+  /* Set by the daemon from cluster.*: the hosts, and the local world size every job must
+   * have when there are several (0: any). */
+  fsdp_topology_t topology;
+  uint32_t local_world_size;
 } fsdp_store_t;
 
 void fsdp_store_init(fsdp_store_t *store);
@@ -109,7 +119,7 @@ fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
 bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
 
 /* The session's job, created on first use; FAILED_PRECONDITION if it exists with another
- * local world size. The session's rank no longer counts as gone. */
+ * local world size, or if its local world size is not cluster.local_world_size. The session's rank no longer counts as gone. */
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
                        fsdp_status_t *st);
 
@@ -124,7 +134,5 @@ size_t fsdp_store_memory_used(const fsdp_store_t *store);
  * call, no work queued (daemon/dataplane.h says when). */
 void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job);
 
-/* Shards of a unit on this host: the local world size, or 1 for NO_SHARD. */
-unsigned fsdp_store_shard_count(Fsdp__V1__ShardingStrategy strategy, uint32_t local_world_size);
 
 #endif

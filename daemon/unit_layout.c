@@ -132,10 +132,11 @@ int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_
 }
 
 int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUnitRequest *spec,
-                          unsigned shards, fsdp_status_t *st) {
+                          unsigned shards, unsigned pad_multiple, fsdp_status_t *st) {
   memset(layout, 0, sizeof *layout);
-  if (shards == 0)
-    return fsdp_status_set(st, -EINVAL, "unit '%s': shard count 0", spec->unit);
+  if (shards == 0 || pad_multiple % shards != 0)
+    return fsdp_status_set(st, -EINVAL, "unit '%s': %u shards padded to a multiple of %u",
+                           spec->unit, shards, pad_multiple);
   layout->offsets = calloc(spec->n_params, sizeof *layout->offsets);
   layout->numels = calloc(spec->n_params, sizeof *layout->numels);
   if (!layout->offsets || !layout->numels) {
@@ -151,7 +152,7 @@ int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUn
     layout->offsets[i] = layout->numel;
     layout->numel += layout->numels[i];
   }
-  layout->padded_numel = (layout->numel + shards - 1) / shards * shards;
+  layout->padded_numel = (layout->numel + pad_multiple - 1) / pad_multiple * pad_multiple;
   layout->shard_numel = layout->padded_numel / shards;
   return 0;
 }

@@ -1,7 +1,8 @@
 /* A unit's FlatParameter layout, and the checks its spec must pass.
  *
  * A unit (FlatParameter) is an ordered list of parameters. They are flattened and
- * concatenated in order, right-padded to a multiple of the shard count S (padding < S) and
+ * concatenated in order, right-padded to a multiple of the shard count S (padding < S; across
+ * hosts a multiple of a larger count, see daemon/topology.h) and
  * split into S equal shards: shard s holds elements [s * shard_numel, (s + 1) * shard_numel)
  * of the flat buffer, and the padding sits at the end of the last shards.
  *
@@ -43,9 +44,10 @@ typedef struct fsdp_unit_layout {
  * st names the field and the value. */
 int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st);
 
-/* The layout of a checked spec over `shards` shards (1 for NO_SHARD). */
+/* The layout of a checked spec over `shards` shards (1 for NO_SHARD), padded to a multiple
+ * of pad_multiple (a multiple of shards; daemon/topology.h says why it may be larger). */
 int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUnitRequest *spec,
-                          unsigned shards, fsdp_status_t *st);
+                          unsigned shards, unsigned pad_multiple, fsdp_status_t *st);
 void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout);
 
 /* The element range [*ret_begin, *ret_end) of shard s within the flat buffer, padding

@@ -9,6 +9,7 @@
 
 #include <cmocka.h>
 
+#include "topology.h"
 #include "unit_layout.h"
 
 /* A spec with up to 4 parameters, all fp32, FULL_SHARD. */
@@ -51,7 +52,7 @@ static void test_layout_pads_to_a_multiple_of_the_shards(void **state) {
   assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), 0);
   for (unsigned shards = 1; shards <= 8; shards++) {
     fsdp_unit_layout_t l;
-    assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, shards, &st), 0);
+    assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, shards, shards, &st), 0);
     uint64_t numel = 4096ull * 1023 + 1023;
     assert_int_equal(l.numel, numel);
     assert_int_equal(l.padded_numel % shards, 0);
@@ -68,12 +69,83 @@ static void test_layout_pads_to_a_multiple_of_the_shards(void **state) {
   }
   /* 4096 * 1023 + 1023 = 4191231 = 3 * 1397077: divisible by 3, not by 2 or 4. */
   fsdp_unit_layout_t l;
-  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 3, &st), 0);
+  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 3, 3, &st), 0);
   assert_int_equal(l.padded_numel, l.numel);
   fsdp_unit_layout_cleanup(&l);
-  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, &st), 0);
+  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, 4, &st), 0);
   assert_int_equal(l.padded_numel - l.numel, 1);
   fsdp_unit_layout_cleanup(&l);
+}
+
+/* Every host's plan over a topology: shard ownership covers [0, S) once per shard group,
+ * rings agree between their members, and padding lets a host's region split among its
+ * replicas. */
+static void check_plans(unsigned hosts, unsigned group, unsigned l,
+                        Fsdp__V1__ShardingStrategy strategy) {
+  unsigned owners[64] = {0};
+  for (unsigned h = 0; h < hosts; h++) {
+    fsdp_topology_t t = {.hosts = hosts, .host_rank = h, .shard_group_hosts = group};
+    fsdp_unit_plan_t p;
+    fsdp_unit_plan(&t, strategy, l, &p);
+    assert_int_equal(p.data_parallel_size, hosts * l);
+    assert_int_equal(p.pad_multiple % p.shards, 0);
+    assert_int_equal(p.pad_multiple % (p.shards * p.replica_ring.members), 0);
+    assert_int_equal(p.shard_ring.members * p.replica_ring.members * p.local_shards,
+                     strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD ? hosts : hosts * l);
+    assert_int_equal(fsdp_host_ring_host(&p.shard_ring, p.shard_ring.self), h);
+    assert_int_equal(fsdp_host_ring_host(&p.replica_ring, p.replica_ring.self), h);
+    for (unsigned s = 0; s < p.local_shards; s++)
+      owners[p.first_shard + s]++;
+    /* The members of this host's shard ring hold consecutive regions, in ring order. */
+    for (unsigned i = 0; i < p.shard_ring.members; i++) {
+      fsdp_topology_t ti = t;
+      ti.host_rank = fsdp_host_ring_host(&p.shard_ring, i);
+      fsdp_unit_plan_t pi;
+      fsdp_unit_plan(&ti, strategy, l, &pi);
+      assert_int_equal(pi.first_shard, i * p.local_shards);
+      assert_int_equal(pi.shard_ring.first, p.shard_ring.first);
+      assert_int_equal(pi.shard_ring.self, i);
+    }
+  }
+  unsigned groups = strategy == FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD ? hosts / group
+                    : strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD   ? hosts
+                                                                          : 1;
+  fsdp_topology_t t0 = {.hosts = hosts, .host_rank = 0, .shard_group_hosts = group};
+  fsdp_unit_plan_t p0;
+  fsdp_unit_plan(&t0, strategy, l, &p0);
+  for (unsigned s = 0; s < p0.shards; s++)
+    assert_int_equal(owners[s], groups);
+}
+
+static void test_plans_across_hosts(void **state) {
+  (void)state;
+  static const Fsdp__V1__ShardingStrategy all[] = {
+      FSDP__V1__SHARDING_STRATEGY__FULL_SHARD, FSDP__V1__SHARDING_STRATEGY__SHARD_GRAD_OP,
+      FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD, FSDP__V1__SHARDING_STRATEGY__NO_SHARD};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+    check_plans(1, 1, 4, all[i]);
+    check_plans(2, 1, 2, all[i]);
+    check_plans(3, 1, 2, all[i]);
+    check_plans(4, 2, 3, all[i]);
+    check_plans(6, 3, 2, all[i]);
+  }
+  /* Two hosts of two ranks, HYBRID_SHARD with one host per group: S = 2, the replicas all-
+   * reduce each host's region, so the padding goes to a multiple of 4. */
+  fsdp_topology_t t = {.hosts = 2, .host_rank = 1, .shard_group_hosts = 1};
+  fsdp_unit_plan_t p;
+  fsdp_unit_plan(&t, FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD, 2, &p);
+  assert_int_equal(p.shards, 2);
+  assert_int_equal(p.first_shard, 0);
+  assert_int_equal(p.pad_multiple, 4);
+  assert_int_equal(p.replica_ring.members, 2);
+  assert_int_equal(p.replica_ring.self, 1);
+  assert_int_equal(p.shard_ring.members, 1);
+  /* One host: the layout of the single-host store. */
+  t = (fsdp_topology_t){.hosts = 1, .host_rank = 0, .shard_group_hosts = 1};
+  fsdp_unit_plan(&t, FSDP__V1__SHARDING_STRATEGY__FULL_SHARD, 3, &p);
+  assert_int_equal(p.shards, 3);
+  assert_int_equal(p.pad_multiple, 3);
+  assert_false(fsdp_unit_plan_spans_hosts(&p));
 }
 
 static void test_scalars_and_zero_size_parameters(void **state) {
@@ -85,7 +157,7 @@ static void test_scalars_and_zero_size_parameters(void **state) {
   fsdp_status_t st;
   assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), 0);
   fsdp_unit_layout_t l;
-  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, &st), 0);
+  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, 4, &st), 0);
   assert_int_equal(l.numels[0], 1); /* a scalar */
   assert_int_equal(l.numels[1], 0); /* zero-size: kept, takes no room */
   assert_int_equal(l.offsets[1], 1);
@@ -214,6 +286,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layout_pads_to_a_multiple_of_the_shards),
       cmocka_unit_test(test_scalars_and_zero_size_parameters),
+      cmocka_unit_test(test_plans_across_hosts),
       cmocka_unit_test(test_refusals_name_the_field_and_value),
       cmocka_unit_test(test_element_counts_that_overflow_are_refused),
       cmocka_unit_test(test_diff_names_the_first_differing_field),
