@@ -1,0 +1,179 @@
+"""Collectives across hosts: 2 and 3 fsdpd on this machine (own run dirs and ports, joined
+over the Peer service, data over UCX), L = 2 trainers each, every sharding strategy, odd
+element counts, fp32 and bf16. Unshard must give every rank the whole unit as the masters
+all ranks wrote say; ReduceScatter must give every rank its shard of the mean over all
+ranks of all hosts, computed here (the values are chosen so that every sum is exact, so
+the ring's order of summation cannot matter and the check is bit for bit).
+
+Faults: a daemon SIGKILLed or SIGSTOPped while the others wait in a collective; every
+waiter gets an error naming the host within the peer timeout; a restarted daemon joins
+again and collectives work again. UCX runs over shared memory (the default here) and over
+tcp (UCX_TLS=tcp)."""
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from fsdpd_harness import common_pb2, fsdpd  # noqa: F401
+from test_peers import Cluster, wait_all_joined
+from test_reduce_scatter import decode, reference
+from test_unshard import BF16, FP32, SIZE, Rank, encode, values_for
+
+STRATEGIES = {"FULL_SHARD": common_pb2.FULL_SHARD, "SHARD_GRAD_OP": common_pb2.SHARD_GRAD_OP,
+              "HYBRID_SHARD": common_pb2.HYBRID_SHARD, "NO_SHARD": common_pb2.NO_SHARD}
+L = 2
+SHAPES = ((37, 11), (5,), (3, 7))  # 433 elements: prime, so every layout pads
+
+
+class UcxCluster(Cluster):
+    """test_peers' Cluster, with an environment for the daemons (UCX_TLS)."""
+
+    def __init__(self, fsdpd, n, env=None, **kwargs):
+        self.env = env or {}
+        super().__init__(fsdpd, n, **kwargs)
+
+    def start(self, rank, run_dir=None, name=None):
+        return self.fsdpd(*self.args(rank), run_dir=run_dir, env=self.env,
+                          name=name or f"{self.tag}-host{rank}")
+
+
+def start_cluster(fsdpd, hosts, tls=None, extra=(), timeout="1s"):
+    env = {"UCX_TLS": tls} if tls else {}
+    c = UcxCluster(fsdpd, hosts, env=env, lws=L, timeout=timeout,
+                   extra=["--set", "memory.job_limit=64MiB", *extra])
+    wait_all_joined(c)
+    return c
+
+
+def attach(cluster, job="j"):
+    """[[Rank]] by host: L sessions on every daemon."""
+    return [[Rank(d, r, L, job=job) for r in range(L)] for d in cluster.daemons]
+
+
+def on_all(ranks, name, step, unit="u"):
+    """name on every rank at once; the errors by rank (None: success)."""
+    errors = [None] * len(ranks)
+
+    def run(i):
+        try:
+            ranks[i].op(name, unit=unit, step=step, timeout=20)
+        except grpc.RpcError as e:
+            errors[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+def grad_values(n, global_rank):
+    # Halves in [-10, 10]: any sum of up to 6 of them is exact even in bf16.
+    return [((i * 31 + 7 * global_rank) % 41 - 20) * 0.5 for i in range(n)]
+
+
+def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
+    hosts = attach(cluster, job)
+    flat = [r for host in hosts for r in host]
+    layouts = [[r.register(shapes=SHAPES, param_dtype=dtype, strategy=STRATEGIES[strategy])
+                for r in host] for host in hosts]
+    lay = layouts[0][0]
+    n_hosts = len(hosts)
+    assert all(x.padded_numel == lay.padded_numel for h in layouts for x in h)
+    shards = [x.shard for h in layouts for x in h]
+    if strategy == "NO_SHARD":
+        assert shards == [0] * len(flat)
+    elif strategy == "HYBRID_SHARD":  # shard groups of `group` hosts, replicated
+        assert shards == [h % group * L + r for h in range(n_hosts) for r in range(L)]
+    else:
+        assert shards == list(range(L * n_hosts))
+
+    # Unshard: every rank writes its master shard; everyone gets the whole unit.
+    values = values_for(lay.padded_numel, 11)
+    for host, lays in zip(hosts, layouts):
+        for r, x in zip(host, lays):
+            r.write_master_shard(x, values)
+    assert on_all(flat, "Unshard", step) == [None] * len(flat)
+    for r, x in zip(flat, [x for h in layouts for x in h]):
+        assert r.unsharded(x, dtype) == encode(values, dtype), f"host rank {r.d.log_path.name}"
+
+    # ReduceScatter: the mean over every rank of every host, each rank's shard of it.
+    grads = [grad_values(lay.padded_numel, g) for g in range(len(flat))]
+    for g, (r, x) in enumerate(zip(flat, [x for h in layouts for x in h])):
+        r.memory[x.full_grad_offset:x.full_grad_offset + lay.padded_numel * SIZE[dtype]] = \
+            encode(grads[g], dtype)
+    assert on_all(flat, "ReduceScatter" if strategy != "NO_SHARD" else "AllReduce",
+                  step) == [None] * len(flat)
+    want = reference(grads, dtype, 1, len(flat))
+    for r, x in zip(flat, [x for h in layouts for x in h]):
+        lo = x.shard * x.shard_numel
+        got = decode(bytes(r.memory[x.grad_offset + lo * 4:
+                                    x.grad_offset + (lo + x.shard_numel) * 4]), FP32)
+        assert got == want[lo:lo + x.shard_numel], f"{r.d.log_path.name} shard {x.shard}"
+    return hosts, layouts
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_strategy_across_hosts(fsdpd, hosts, strategy):
+    c = start_cluster(fsdpd, hosts)
+    check_collectives(c, strategy, FP32)
+    out = c.daemons[0].fsdpctl("units").stdout
+    assert "u" in out
+
+
+@pytest.mark.parametrize("tls", ["tcp", None], ids=["tcp", "shm"])
+def test_bf16_and_the_transports(fsdpd, tls):
+    c = start_cluster(fsdpd, 2, tls=tls)
+    check_collectives(c, "FULL_SHARD", BF16)
+    check_collectives(c, "HYBRID_SHARD", BF16, job="hybrid")
+
+
+def test_hybrid_shard_groups_of_two_hosts(fsdpd):
+    """Four hosts would be the natural case; with 2 hosts per group and 2 hosts the group
+    is the whole cluster (g = 2): FULL_SHARD's layout through HYBRID_SHARD's path."""
+    c = start_cluster(fsdpd, 2, extra=["--set", "cluster.shard_group_hosts=2"])
+    hosts, layouts = check_collectives(c, "HYBRID_SHARD", FP32, group=2)
+    assert [x.shard for h in layouts for x in h] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how):
+    c = start_cluster(fsdpd, 3)
+    hosts = attach(c)
+    for host in hosts:
+        for r in host:
+            r.register(shapes=SHAPES)
+    victim = c.daemons[2]
+    survivors = hosts[0] + hosts[1]
+    box = {}
+    t0 = time.monotonic()
+    waiter = threading.Thread(target=lambda: box.update(e=on_all(survivors, "ReduceScatter", 1)))
+    waiter.start()
+    time.sleep(0.2)  # the survivors reach the ring; host 2's trainers never come
+    sig = signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP
+    victim.proc.send_signal(sig)
+    try:
+        waiter.join(30)
+        elapsed = time.monotonic() - t0
+        errors = box["e"]
+        for e in errors:
+            assert e is not None and e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                   grpc.StatusCode.ABORTED,
+                                                   grpc.StatusCode.DEADLINE_EXCEEDED), e
+            assert "host 2" in e.details(), e.details()
+        assert elapsed < 1.0 + 3.0, elapsed  # peer.timeout + slack
+    finally:
+        if how == "SIGSTOP":
+            victim.proc.send_signal(signal.SIGCONT)
+    for d in c.daemons[:2]:
+        d.assert_serving()
+    if how == "SIGKILL":
+        # The host comes back: it joins again and collectives work again, in a new job.
+        victim.proc.wait(5)
+        c.restart(2)
+        wait_all_joined(c)
+        check_collectives(c, "FULL_SHARD", FP32, step=1, job="again")
