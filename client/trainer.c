@@ -473,6 +473,7 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
       .full_grad = base + l->full_grad_offset,
       .gathered_step = l->gathered_step,
       .reduced_step = l->reduced_step,
+      .replica = l->replica,
   };
   t->units[t->n_units++] = u;
   *ret_unit = u;

@@ -129,6 +129,7 @@ static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32
   reply.shard = u->plan.first_shard + (u->plan.local_shards == 1 ? 0 : rank);
   reply.gathered_step = u->gathered ? u->gathered_step : 0;
   reply.reduced_step = u->reduced_step;
+  reply.replica = fsdp_unit_plan_replica(&u->plan, rank);
   fsdp_rpc_call_reply(call, &reply.base);
 }
 

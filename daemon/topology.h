@@ -54,6 +54,16 @@ static inline unsigned fsdp_host_ring_host(const fsdp_host_ring_t *ring, unsigne
   return ring->first + i * ring->stride;
 }
 
+/* Which copy of its shard local rank r holds among every rank holding that shard: the
+ * replica index of its host, and for NO_SHARD (one shard, held by every rank) its global
+ * rank. */
+static inline unsigned fsdp_unit_plan_replica(const fsdp_unit_plan_t *plan, unsigned r) {
+  if (plan->shards > 1 || plan->data_parallel_size == plan->replica_ring.members)
+    return plan->replica_ring.self;
+  unsigned local = plan->data_parallel_size / plan->replica_ring.members;
+  return plan->replica_ring.self * local + r;
+}
+
 /* Whether collectives of this plan involve other hosts. */
 static inline bool fsdp_unit_plan_spans_hosts(const fsdp_unit_plan_t *plan) {
   return plan->shard_ring.members > 1 || plan->replica_ring.members > 1;

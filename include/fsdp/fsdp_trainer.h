@@ -91,6 +91,9 @@ typedef struct fsdp_unit_view {
    * unit, 0 before the first (a trainer that attaches again finds its masters trained). */
   uint64_t gathered_step;
   uint64_t reduced_step;
+  /* Which copy of its shard this rank holds among all ranks holding it (HYBRID_SHARD's
+   * replicas, NO_SHARD's every rank); 0 for the first. */
+  unsigned replica;
 } fsdp_unit_view_t;
 
 /* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.

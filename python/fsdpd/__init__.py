@@ -132,7 +132,8 @@ class Unit:
     parameter's element offset in the flat buffers), param_shapes, param_names;
     gathered_step, reduced_step: as of registration, the newest step whose gather /
     reduce-scatter completed on the unit (0 before the first): non-zero when the job trained
-    before this client attached, so the masters hold trained values.
+    before this client attached, so the masters hold trained values; replica: which copy of
+    its shard this rank holds among all ranks of all hosts holding it (0: the first).
     Buffers (torch tensors, or memoryviews without torch; bf16 memoryviews hold raw bits):
       master, master_shard   fp32, whole buffer / this rank's slice: write your shard
       grad, grad_shard       fp32, written by reduce_scatter()
@@ -152,6 +153,7 @@ class Unit:
         self.shard_numel, self.shard = int(v.shard_numel), int(v.shard)
         self.param_offsets = [int(v.param_offsets[i]) for i in range(v.n_params)]
         self.gathered_step, self.reduced_step = int(v.gathered_step), int(v.reduced_step)
+        self.replica = int(v.replica)
         start = self.shard * self.shard_numel
         n = self.padded_numel
         self.master = _view(v.master, 0, n, _lib.SCALAR_FP32, True)

@@ -45,7 +45,7 @@ class UnitView(ctypes.Structure):
                 ("n_params", ctypes.c_size_t), ("unsharded", ctypes.c_void_p),
                 ("master", ctypes.c_void_p), ("grad", ctypes.c_void_p),
                 ("full_grad", ctypes.c_void_p), ("gathered_step", ctypes.c_uint64),
-                ("reduced_step", ctypes.c_uint64)]
+                ("reduced_step", ctypes.c_uint64), ("replica", ctypes.c_uint)]
 
 
 _p = ctypes.c_void_p

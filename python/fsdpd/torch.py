@@ -35,9 +35,11 @@ not write initial values and goes on at `model.completed_steps + 1`. The optimiz
 the trainer's own: with a stateless optimizer (SGD without momentum) the run continues
 exactly; otherwise restore the optimizer state yourself.
 
-One host. full_state_dict(), summon_full_params() and clip_grad_norm_() read the masters of
-the other local ranks from the job's shared memory; across hosts they need the daemon's
-gather of the masters.
+Several hosts. The daemon's units span every host (FULL_SHARD, SHARD_GRAD_OP) or a shard
+group (HYBRID_SHARD); gradients are averaged over every rank of every host. full_state_dict()
+and summon_full_params() read the other local ranks' masters from the job's shared memory
+when the host holds every shard, and otherwise gather them exactly through an all-reduce of
+a scratch unit (the size of the largest unit, registered on first use).
 """
 
 import contextlib
@@ -48,6 +50,7 @@ from torch import nn as _nn
 __all__ = ["shard_model", "ShardedModel"]
 
 _SYNC_UNIT = "__fsdpd_sync__"
+_GATHER_UNIT = "__fsdpd_gather__"
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 _RESHARD_AFTER_FORWARD = ("FULL_SHARD", "HYBRID_SHARD")
 
@@ -181,9 +184,8 @@ class ShardedModel(_nn.Module):
         self._recording = True
         self._units = self._make_units(wrap)
         self._root = next((fu for fu in self._units if fu.module is module), None)
-        self._sync = client.register_unit(_SYNC_UNIT, [("x", (1,), True)],
-                                          strategy="NO_SHARD", gradient_predivide_factor=1.0,
-                                          gradient_postdivide_factor=1.0)
+        self._sync = self._summing_unit(_SYNC_UNIT, 1)
+        self._gather = None  # the scratch unit of _full_masters, made on first need
 
         trained = [fu.unit for fu in self._units if fu.unit.gathered_step or fu.unit.reduced_step]
         self.resumed = bool(trained)
@@ -365,12 +367,38 @@ class ShardedModel(_nn.Module):
             self._sync_grads = True
 
     # --- collectives of the whole model --------------------------------------------------
-    def _all_reduce_scalar(self, value):
-        """The sum of value over the local ranks; also a barrier."""
+    def _summing_unit(self, name, numel):
+        """A private NO_SHARD unit whose AllReduce sums over every rank of every host."""
+        return self.client.register_unit(name, [("x", (numel,), True)], strategy="NO_SHARD",
+                                         gradient_predivide_factor=1.0,
+                                         gradient_postdivide_factor=1.0)
+
+    def _all_reduce(self, unit):
         self._sync_count += 1
+        unit.reduce_scatter(self._sync_count)
+
+    def _all_reduce_scalar(self, value):
+        """The sum of value over every rank; also a barrier."""
         self._sync.full_grad[0] = value
-        self._sync.reduce_scatter(self._sync_count)
+        self._all_reduce(self._sync)
         return float(self._sync.grad[0])
+
+    def _full_masters(self, fu):
+        """The unit's whole flat fp32 masters, a fresh tensor; every rank calls it together
+        (after a barrier when the host holds every shard)."""
+        u = fu.unit
+        if u.shard_numel * self.client.local_world_size >= u.padded_numel:
+            return u.master.clone()  # every shard is in this host's memory
+        if self._gather is None:
+            size = max(f.unit.padded_numel for f in self._units)
+            self._gather = self._summing_unit(_GATHER_UNIT, size)
+        g = self._gather
+        g.full_grad.zero_()
+        if u.replica == 0:  # each shard once: adding zeros elsewhere is exact
+            lo = u.shard * u.shard_numel
+            g.full_grad[lo:lo + u.shard_numel].copy_(u.master_shard)
+        self._all_reduce(g)
+        return g.grad[:u.padded_numel].clone()
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Scales every gradient shard so that the norm of the whole gradient (all ranks'
@@ -382,7 +410,10 @@ class ShardedModel(_nn.Module):
                              "(a positive finite p-norm is)")
         grads = [fu.shard_param.grad for fu in self._units
                  if fu.trainable and fu.shard_param.grad is not None]
-        local = sum(float(_torch.sum(g.abs().double() ** norm_type)) for g in grads)
+        # Each shard counts once, however many hosts keep a copy of it.
+        local = sum(float(_torch.sum(fu.shard_param.grad.abs().double() ** norm_type))
+                    for fu in self._units if fu.trainable and fu.shard_param.grad is not None
+                    and fu.unit.replica == 0)
         total = self._all_reduce_scalar(local) ** (1.0 / norm_type)
         coef = float(max_norm) / (total + 1e-6)
         if coef < 1.0:
@@ -394,11 +425,11 @@ class ShardedModel(_nn.Module):
     def summon_full_params(self, writeback=True):
         """Inside, the module's parameters are full fp32 copies (what the masters hold, for
         every rank's shard); with writeback, what they hold on leaving is written back into
-        this rank's master shards. Every local rank enters it together."""
+        this rank's master shards. Every rank enters it together."""
         self._all_reduce_scalar(0.0)  # every rank's masters are final
         flats = []
         for fu in self._units:
-            flat = fu.unit.master.clone()
+            flat = self._full_masters(fu)
             fu.point_params(flat)
             flats.append(flat)
         try:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.environ["FSDP_SOURCE_DIR"], "examples"))
 from transformer import Block, Config, TinyGPT, batch, loss_fn, rank_slice  # noqa: E402
 
 CFG = Config(vocab=300, d_model=32, n_heads=4, n_layers=2, seq_len=16, mlp_ratio=2)
-GLOBAL_BATCH = 12  # divides by 2 and 3
+GLOBAL_BATCH = 24  # its halves (the micro-batches) divide by 2, 3 and 4
 LR = 1.0
 MAX_NORM = 0.5
 
@@ -74,7 +74,9 @@ def rank(args):
     import fsdpd.torch
 
     client = fsdpd.Client(timeout=30)
-    r, world = client.rank, client.local_world_size
+    # Across hosts, the global rank and world size as torchrun sets them.
+    r = int(os.environ.get("RANK", client.rank))
+    world = int(os.environ.get("WORLD_SIZE", client.local_world_size))
     param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else None
     model = fsdpd.torch.shard_model(build(args.features), client, wrap={Block},
                                     strategy=args.strategy, param_dtype=param_dtype)

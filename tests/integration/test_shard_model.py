@@ -51,14 +51,20 @@ pytestmark = [
 ]
 
 
-def _start(d, mode, world, rank, *args, job="train"):
+def _start(d, mode, world, rank, *args, job="train", hosts=1):
+    """A worker: local rank `rank` of `world` on daemon d (global rank host * world + rank
+    when there are several hosts), or the reference when d is None."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FSDPD_") and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+           if not k.startswith("FSDPD_") and
+           k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
                FSDP_SOURCE_DIR=str(SOURCE_DIR), OMP_NUM_THREADS="1")
     if d is not None:
         env.update(FSDPD_SOCKET=str(d.socket_path), FSDPD_JOB=job, LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world))
+    if hosts > 1:
+        host, local = divmod(rank, world)
+        env.update(LOCAL_RANK=str(local), RANK=str(rank), WORLD_SIZE=str(world * hosts))
     return subprocess.Popen([PYTHON, str(WORKER), mode, "--steps", str(STEPS), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -153,6 +159,23 @@ def test_tied_frozen_no_sync_clipping_and_state_dict(fsdpd):
     state = _final(ranks[0])
     assert state["tok.weight"] == state["head.weight"]  # tied: one parameter, both names
     assert all(r["norm"] > 0 for r in ranks[0] if "norm" in r)
+    _assert_matches(ranks, ref, 1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_two_daemons_train_like_one_process(fsdpd, strategy):
+    """2 daemons x 2 trainers: FULL_SHARD shards every unit over the 4 ranks of both hosts,
+    HYBRID_SHARD over each host's 2 and replicates across; each trainer takes the slice of
+    the batch of its global rank, and the run equals one process on the whole batch."""
+    from test_peers import Cluster, wait_all_joined
+    c = Cluster(fsdpd, 2, lws=2, extra=list(DAEMON_ARGS))
+    wait_all_joined(c)
+    procs = [_start(c.daemons[g // 2], "rank", 2, g, "--strategy", strategy, "--features",
+                    hosts=2) for g in range(4)]
+    procs.append(_start(None, "reference", 4, 0, "--features"))
+    *ranks, ref = _finish(procs)
+    shards = [records[0]["units"][0]["shard"] for records in ranks]
+    assert shards == ([0, 1, 2, 3] if strategy == "FULL_SHARD" else [0, 1, 0, 1])
     _assert_matches(ranks, ref, 1e-5)
 
 

@@ -83,6 +83,8 @@ static void test_layout_pads_to_a_multiple_of_the_shards(void **state) {
 static void check_plans(unsigned hosts, unsigned group, unsigned l,
                         Fsdp__V1__ShardingStrategy strategy) {
   unsigned owners[64] = {0};
+  uint64_t replicas[64] = {0}; /* bit k: some rank holds the shard as copy k */
+  unsigned holders[64] = {0};
   for (unsigned h = 0; h < hosts; h++) {
     fsdp_topology_t t = {.hosts = hosts, .host_rank = h, .shard_group_hosts = group};
     fsdp_unit_plan_t p;
@@ -96,6 +98,14 @@ static void check_plans(unsigned hosts, unsigned group, unsigned l,
     assert_int_equal(fsdp_host_ring_host(&p.replica_ring, p.replica_ring.self), h);
     for (unsigned s = 0; s < p.local_shards; s++)
       owners[p.first_shard + s]++;
+    for (unsigned r = 0; r < l; r++) {
+      unsigned shard = p.first_shard + (p.local_shards == 1 ? 0 : r);
+      unsigned copy = fsdp_unit_plan_replica(&p, r);
+      assert_true(copy < 64);
+      assert_false(replicas[shard] >> copy & 1); /* no two ranks hold the same copy */
+      replicas[shard] |= 1ull << copy;
+      holders[shard]++;
+    }
     /* The members of this host's shard ring hold consecutive regions, in ring order. */
     for (unsigned i = 0; i < p.shard_ring.members; i++) {
       fsdp_topology_t ti = t;
@@ -113,8 +123,11 @@ static void check_plans(unsigned hosts, unsigned group, unsigned l,
   fsdp_topology_t t0 = {.hosts = hosts, .host_rank = 0, .shard_group_hosts = group};
   fsdp_unit_plan_t p0;
   fsdp_unit_plan(&t0, strategy, l, &p0);
-  for (unsigned s = 0; s < p0.shards; s++)
+  for (unsigned s = 0; s < p0.shards; s++) {
     assert_int_equal(owners[s], groups);
+    /* The copies of a shard are numbered 0, 1, ... */
+    assert_int_equal(replicas[s], holders[s] == 64 ? ~0ull : (1ull << holders[s]) - 1);
+  }
 }
 
 static void test_plans_across_hosts(void **state) {
