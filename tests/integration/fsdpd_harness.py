@@ -110,13 +110,14 @@ class Daemon:
     """One fsdpd process in run dir `run_dir`, its stderr captured in `log_path`."""
 
     def __init__(self, tmp_path, args=(), env=None, run_dir=None, health_listen="127.0.0.1:0",
-                 name="fsdpd"):
+                 name="fsdpd", prefix=()):
         self.tmp_path = Path(tmp_path)
         self.run_dir = Path(run_dir) if run_dir else self.tmp_path / f"{name}-run"
         self.socket_path = self.run_dir / "fsdpd.sock"
         self.unix_target = f"unix:{self.socket_path}"
         self.log_path = self.tmp_path / f"{name}.stderr"
         self.args = [str(a) for a in args]
+        self.prefix = [str(a) for a in prefix]  # e.g. ip netns exec NS: execs fsdpd in place
         self.env = env or {}
         self.health_listen = health_listen
         self.proc = None
@@ -130,7 +131,7 @@ class Daemon:
     def start(self, wait=True, timeout=START_TIMEOUT):
         """Starts fsdpd; with wait, returns once it answers a health Check SERVING over the
         unix socket and has logged its health address, or raises DaemonError."""
-        argv = [str(FSDPD), "--run-dir", str(self.run_dir)]
+        argv = [*self.prefix, str(FSDPD), "--run-dir", str(self.run_dir)]
         if self.health_listen is not None:
             argv += ["--health-listen", self.health_listen]
         argv += self.args
@@ -340,14 +341,16 @@ class ParkedCall:
 
 @pytest.fixture
 def fsdpd(tmp_path):
-    """Factory: fsdpd(*args, env=None, run_dir=None, wait=True, ...) -> started Daemon.
+    """Factory: fsdpd(*args, env=None, run_dir=None, wait=True, prefix=(), ...) -> started
+    Daemon (prefix: a command that execs fsdpd, like `ip netns exec NS`).
 
     Every daemon it made is killed (SIGKILL) and reaped at teardown if it still runs."""
     daemons = []
 
-    def start(*args, env=None, run_dir=None, wait=True, health_listen="127.0.0.1:0", name=None):
+    def start(*args, env=None, run_dir=None, wait=True, health_listen="127.0.0.1:0", name=None,
+              prefix=()):
         d = Daemon(tmp_path, args=args, env=env, run_dir=run_dir, health_listen=health_listen,
-                   name=name or f"fsdpd{len(daemons)}")
+                   name=name or f"fsdpd{len(daemons)}", prefix=prefix)
         daemons.append(d)
         d.start(wait=wait)
         return d

@@ -10,7 +10,10 @@ waiter gets an error naming the host within the peer timeout; a restarted daemon
 again and collectives work again. UCX runs over shared memory (the default here) and over
 tcp (UCX_TLS=tcp)."""
 
+import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -177,3 +180,56 @@ def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how):
         c.restart(2)
         wait_all_joined(c)
         check_collectives(c, "FULL_SHARD", FP32, step=1, job="again")
+
+
+class NetnsCluster:
+    """Two daemons, each in a network namespace of its own, joined by a veth pair: their Peer
+    service and UCX (over tcp) cross a real link rather than loopback. Trainers reach the
+    daemons' unix sockets, which belong to the file system, from the test's namespace."""
+
+    def __init__(self, fsdpd, tag):
+        self.names = [f"fsdp{tag}a", f"fsdp{tag}b"]
+        self.addresses = ["10.231.7.1", "10.231.7.2"]
+        self.daemons = []
+        self._ip("link", "add", f"{self.names[0]}v", "type", "veth", "peer", "name",
+                 f"{self.names[1]}v")
+        for ns, address in zip(self.names, self.addresses):
+            self._ip("netns", "add", ns)
+            self._ip("link", "set", f"{ns}v", "netns", ns)
+            self._ip("-n", ns, "addr", "add", f"{address}/24", "dev", f"{ns}v")
+            self._ip("-n", ns, "link", "set", f"{ns}v", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+        hosts = ",".join(f"{a}:7100" for a in self.addresses)
+        for rank, ns in enumerate(self.names):
+            self.daemons.append(fsdpd(
+                "--hosts", hosts, "--host-rank", rank, "--local-world-size", L,
+                "--set", "peer.heartbeat_interval=100ms", "--set", "peer.timeout=1s",
+                "--set", "memory.job_limit=64MiB", health_listen="", env={"UCX_TLS": "tcp"},
+                prefix=["ip", "netns", "exec", ns], name=f"{ns}-host{rank}"))
+
+    @staticmethod
+    def _ip(*args):
+        r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+        if r.returncode:
+            raise OSError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+    def close(self):
+        for d in self.daemons:
+            d.kill()
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def test_daemons_in_their_own_network_namespaces(fsdpd):
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 to make network namespaces and a veth pair")
+    try:
+        c = NetnsCluster(fsdpd, os.getpid() % 100000)
+    except OSError as e:
+        pytest.skip(f"cannot make network namespaces here: {e}")
+    try:
+        wait_all_joined(c)
+        check_collectives(c, "FULL_SHARD", FP32)
+        check_collectives(c, "HYBRID_SHARD", BF16, job="hybrid")
+    finally:
+        c.close()
