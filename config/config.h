@@ -66,8 +66,9 @@ typedef enum fsdp_option_type {
     "beyond.")                                                                                   \
   X(COLLECTIVE_TIMEOUT, "store.collective_timeout", FSDP_OPT_DURATION, "30s", 100, 3600000,     \
     NULL, "ms", true, NULL,                                                                      \
-    "How long a ReduceScatter waits for every local rank to submit; then every waiter gets "    \
-    "ABORTED naming the ranks that did not.")                                                    \
+    "How long a collective (the gather of a new step, a ReduceScatter) waits for every local "  \
+    "rank to ask, naming in every waiter's ABORTED the ranks that did not; also the deadline "  \
+    "of each ring among hosts once it starts.")                                                  \
   X(JOB_RETENTION, "store.job_retention", FSDP_OPT_DURATION, "10m", 100, 604800000, NULL, "ms",  \
     true, NULL,                                                                                  \
     "How long a job's units and memory outlive its last session, so that trainers can attach "  \
