@@ -408,8 +408,35 @@ typedef struct ring_run {
   fsdp_job_t *job;
   fsdp_unit_t *unit;
   fsdp_ring_kind_t kind;
+  void *scratch;         /* a sum's staging buffer, from the pool */
   struct ring_run *next; /* while waiting for the cluster */
 } ring_run_t;
+
+/* Rings move 1 MiB chunks, 8 in flight; a sum stages what it receives in a buffer of that
+ * size. The buffers are kept for the next ring once faulted in: no collective faults fresh
+ * pages. */
+#define RING_CHUNK ((size_t)1 << 20)
+#define RING_WINDOW 8u
+#define RING_SCRATCH (RING_CHUNK * RING_WINDOW)
+
+static void *take_scratch(fsdp_dataplane_t *dp) {
+  void *s = dp->free_scratch;
+  if (s) {
+    memcpy(&dp->free_scratch, s, sizeof(void *));
+    return s;
+  }
+  if (posix_memalign(&s, 4096, RING_SCRATCH) != 0)
+    return NULL;
+  memset(s, 0, RING_SCRATCH);
+  return s;
+}
+
+static void give_back_scratch(fsdp_dataplane_t *dp, void *s) {
+  if (!s)
+    return;
+  memcpy(s, &dp->free_scratch, sizeof(void *));
+  dp->free_scratch = s;
+}
 
 /* The same on every host, different for every collective that may run at once: the job,
  * the unit, the step and the ring (FNV-1a). */
@@ -433,6 +460,7 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
   (void)ring;
   ring_run_t *run = arg;
   fsdp_unit_t *u = run->unit;
+  give_back_scratch(run->dp, run->scratch);
   if (status->code < 0) {
     fsdp_status_t st;
     fsdp_status_set(&st, status->code, "unit '%s' step %llu: %s", u->spec->unit,
@@ -489,6 +517,14 @@ static void start_run(ring_run_t *run) {
     buf += host_first(u) * elem;
     region /= hosts->members;
   }
+  if (!gather && !(run->scratch = take_scratch(dp))) {
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "unit '%s' step %llu: out of memory for the %s's staging buffer",
+                    u->spec->unit, (unsigned long long)step, fsdp_ring_kind_name(run->kind));
+    finish_collective(u, wkind, &st);
+    free(run);
+    return;
+  }
   fsdp_ring_args_t args = {
       .kind = run->kind,
       .n = hosts->members,
@@ -499,9 +535,14 @@ static void start_run(ring_run_t *run) {
       .dtype = dtype,
       .op_id = ring_op_id(run->job, u, step, run->kind),
       .deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms,
+      .chunk_bytes = RING_CHUNK,
+      .window = RING_WINDOW,
+      .scratch = run->scratch,
+      .scratch_bytes = run->scratch ? RING_SCRATCH : 0,
   };
   fsdp_ring_t *ring;
   if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &st, &ring) < 0) {
+    give_back_scratch(dp, run->scratch);
     finish_collective(u, wkind, &st);
     free(run);
   }
@@ -832,6 +873,11 @@ void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_
 }
 
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
+  while (dp->free_scratch) {
+    void *s = dp->free_scratch;
+    memcpy(&dp->free_scratch, s, sizeof(void *));
+    free(s);
+  }
   fsdp_workers_free(dp->workers);
   dp->workers = NULL;
 }

@@ -58,6 +58,7 @@ typedef struct fsdp_dataplane {
   ring_run_t *cluster_waiting;
   fsdp_peers_waiter_t cluster_waiter;
   bool waiting_for_cluster;
+  void *free_scratch; /* the rings' staging buffers not in use, linked through their start */
 } fsdp_dataplane_t;
 
 /* threads: the worker pool's size, the calling pool thread included. */
