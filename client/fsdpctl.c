@@ -806,6 +806,7 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
     for (size_t i = 0; i < d->n_shards; i++) {
       json_object *s = json_object_new_object();
       json_object_object_add(s, "shard", json_object_new_int64(d->shards[i]->shard));
+      json_object_object_add(s, "host_rank", json_object_new_int64(d->shards[i]->host_rank));
       json_object_object_add(s, "local_rank", json_object_new_int64(d->shards[i]->local_rank));
       json_object_object_add(s, "begin", json_object_new_uint64(d->shards[i]->begin));
       json_object_object_add(s, "end", json_object_new_uint64(d->shards[i]->end));
@@ -838,19 +839,22 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
            d->params[i]->name, shape, d->params[i]->offset, d->params[i]->numel);
   }
   bool replicated = u->strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD;
-  printf("\n%-5s  %-5s  %-25s %8s  %s\n", "SHARD", "RANK", "ELEMENTS", "PADDING",
+  printf("\n%-5s  %-4s  %-5s  %-25s %8s  %s\n", "SHARD", "HOST", "RANK", "ELEMENTS", "PADDING",
          "FLAT BUFFER (letter: parameter, -: padding)");
   for (size_t i = 0; i < d->n_shards; i++) {
     const Fsdp__V1__ShardInfo *s = d->shards[i];
-    char range[48], rank[8], row[SHARD_MAP_WIDTH + 1];
+    char range[48], host[12], rank[12], row[SHARD_MAP_WIDTH + 1];
     snprintf(range, sizeof range, "[%" PRIu64 ", %" PRIu64 ")", s->begin, s->end);
-    if (replicated)
+    if (replicated) {
+      snprintf(host, sizeof host, "all");
       snprintf(rank, sizeof rank, "all");
-    else
+    } else {
+      snprintf(host, sizeof host, "%" PRIu32, s->host_rank);
       snprintf(rank, sizeof rank, "%" PRIu32, s->local_rank);
+    }
     draw_shard(d, s, row);
-    printf("%-5" PRIu32 "  %-5s  %-25s %8" PRIu64 "  |%s|\n", s->shard, rank, range, s->padding,
-           row);
+    printf("%-5" PRIu32 "  %-4s  %-5s  %-25s %8" PRIu64 "  |%s|\n", s->shard, host, rank, range,
+           s->padding, row);
   }
   protobuf_c_message_free_unpacked(reply, NULL);
   return EXIT_OK;

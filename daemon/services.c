@@ -580,7 +580,10 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   for (unsigned s = 0; s < l->shards; s++) {
     fsdp__v1__shard_info__init(&shards[s]);
     shards[s].shard = s;
-    shards[s].local_rank = s; /* on one host, shard s is local rank s's */
+    /* A shard group's hosts hold consecutive regions of local_shards shards each. */
+    const fsdp_unit_plan_t *p = &u->plan;
+    shards[s].host_rank = fsdp_host_ring_host(&p->shard_ring, s / p->local_shards);
+    shards[s].local_rank = s % p->local_shards;
     fsdp_unit_layout_shard_range(l, s, &shards[s].begin, &shards[s].end);
     shards[s].padding = shards[s].end > l->numel
                             ? shards[s].end - (shards[s].begin > l->numel ? shards[s].begin : l->numel)

@@ -10,6 +10,7 @@ waiter gets an error naming the host within the peer timeout; a restarted daemon
 again and collectives work again. UCX runs over shared memory (the default here) and over
 tcp (UCX_TLS=tcp)."""
 
+import json
 import os
 import shutil
 import signal
@@ -124,8 +125,14 @@ def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
 def test_every_strategy_across_hosts(fsdpd, hosts, strategy):
     c = start_cluster(fsdpd, hosts)
     check_collectives(c, strategy, FP32)
-    out = c.daemons[0].fsdpctl("units").stdout
-    assert "u" in out
+    # The operator's shard map says which host and rank hold each shard.
+    r = c.daemons[-1].fsdpctl("--json", "unit", "u")
+    assert r.returncode == 0, r.stderr
+    where = [(m["host_rank"], m["local_rank"]) for m in json.loads(r.stdout)["shard_map"]]
+    if strategy == "HYBRID_SHARD":  # this host's group is this host alone
+        assert where == [(hosts - 1, rank) for rank in range(L)]
+    elif strategy != "NO_SHARD":
+        assert where == [(h, rank) for h in range(hosts) for rank in range(L)]
 
 
 @pytest.mark.parametrize("tls", ["tcp", None], ids=["tcp", "shm"])
