@@ -389,7 +389,8 @@ static void work_done(uv_work_t *req, int status) {
   } else if (r < 0) {
     waiter_kind_t kind = w->kind == WORK_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
     fsdp_status_t st;
-    fsdp_status_set(&st, FSDP_E_INTERNAL, "unit '%s' step %llu: %s failed: %s", u->spec->unit,
+    fsdp_status_set(&st, FSDP_E_INTERNAL, "job '%s' unit '%s' step %llu: %s failed: %s",
+                    w->job->name, u->spec->unit,
                     (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
                     fsdp_strerror(r));
     finish_collective(u, kind, &st);
@@ -463,7 +464,8 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
   give_back_scratch(run->dp, run->scratch);
   if (status->code < 0) {
     fsdp_status_t st;
-    fsdp_status_set(&st, status->code, "unit '%s' step %llu: %s", u->spec->unit,
+    fsdp_status_set(&st, status->code, "job '%s' unit '%s' step %llu: %s", run->job->name,
+                    u->spec->unit,
                     (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step,
                     status->message);
     finish_collective(u, ring_waiter_kind(run->kind), &st);
@@ -500,7 +502,8 @@ static void start_run(ring_run_t *run) {
       }
       return;
     }
-    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "unit '%s' step %llu: the %s needs host %u: %s",
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
+                    "job '%s' unit '%s' step %llu: the %s needs host %u: %s", run->job->name,
                     u->spec->unit, (unsigned long long)step, fsdp_ring_kind_name(run->kind),
                     host, why);
     finish_collective(u, wkind, &st);
@@ -519,8 +522,9 @@ static void start_run(ring_run_t *run) {
   }
   if (!gather && !(run->scratch = take_scratch(dp))) {
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
-                    "unit '%s' step %llu: out of memory for the %s's staging buffer",
-                    u->spec->unit, (unsigned long long)step, fsdp_ring_kind_name(run->kind));
+                    "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
+                    run->job->name, u->spec->unit, (unsigned long long)step,
+                    fsdp_ring_kind_name(run->kind));
     finish_collective(u, wkind, &st);
     free(run);
     return;
@@ -575,8 +579,9 @@ static void on_cluster_ready(void *data, int status, const char *why) {
     fsdp_unit_t *u = run->unit;
     waiter_kind_t kind = ring_waiter_kind(run->kind);
     fsdp_status_t st;
-    fsdp_status_set(&st, status, "unit '%s' step %llu: the hosts did not all join: %s",
-                    u->spec->unit, (unsigned long long)collection_of(u, kind)->step, why);
+    fsdp_status_set(&st, status, "job '%s' unit '%s' step %llu: the hosts did not all join: %s",
+                    run->job->name, u->spec->unit,
+                    (unsigned long long)collection_of(u, kind)->step, why);
     finish_collective(u, kind, &st);
     free(run);
   }

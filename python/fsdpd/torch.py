@@ -197,8 +197,12 @@ class ShardedModel(_nn.Module):
             self.completed_steps = min(reduced) if reduced else 0
             gathered = max(fu.unit.gathered_step for fu in self._units)
             self.step = max(self.completed_steps, gathered - 1)
+            # Steps up to here may be served from the daemon's copy, gathered before this
+            # process came: once masters are written from here, forwards need newer steps.
+            self._daemon_gathered = gathered
         else:
             self.completed_steps = 0
+            self._daemon_gathered = 0
             for fu in self._units:
                 fu.write_initial_shard()
         for fu in self._units:
@@ -222,7 +226,8 @@ class ShardedModel(_nn.Module):
             accept = lambda m: isinstance(m, classes)  # noqa: E731
         wrapped = [name for name, m in module.named_modules() if name == "" or accept(m)]
         modules = dict(module.named_modules())
-        deepest_first = sorted(wrapped, key=lambda w: -len(w.split("."))) if wrapped else []
+        # Deepest first, the root ("") last whatever the depths.
+        deepest_first = sorted(wrapped, key=lambda w: -(w.count(".") + 1) if w else 1)
 
         def contains(w, module_name):
             return w == "" or module_name == w or module_name.startswith(w + ".")
@@ -332,6 +337,9 @@ class ShardedModel(_nn.Module):
     def _reduce(self, fu):
         if fu.reduced or not self._sync_grads:
             return
+        if fu.prefetched:  # a backward prefetch for a unit whose backward never came
+            fu.prefetched = False
+            fu.unit.wait()
         keep = fu.shard_param.grad is not None
         fu.unit.reduce_scatter(fu.ran_step, accumulate=keep)
         fu.reduced = True
@@ -435,6 +443,8 @@ class ShardedModel(_nn.Module):
         try:
             yield
         finally:
+            if writeback:
+                self.step = max(self.step, self._daemon_gathered)
             for fu, flat in zip(self._units, flats):
                 if writeback:
                     for off, n, p in zip(fu.offsets, fu.sizes, fu.params):

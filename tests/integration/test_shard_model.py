@@ -206,3 +206,75 @@ def test_a_killed_trainer_restarts_and_training_goes_on(fsdpd):
     merged = [[{"step": k, "loss": v} for k, v in x.items()] + [{"final": True,
               "state": _final(s)}] for x, s in zip(done, (s0, s1))]
     _assert_matches(merged, ref, 1e-5)
+
+
+EDGES = r'''
+import os, sys, json
+import torch
+from torch import nn
+import fsdpd, fsdpd.torch
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+out = {}
+
+# Wrapped modules that are the root's own children are units of their own.
+client = fsdpd.Client(job="edges-seq")
+seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+model = fsdpd.torch.shard_model(seq, client, wrap={nn.Linear})
+out["seq_units"] = [u.name for u in model.units]
+client.close()
+
+# A unit whose output feeds the loss only on some steps: its backward prefetch is never
+# waited for by its own backward.
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b0, self.b1, self.b2 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x, use_aux):
+        h = self.b0(x)
+        aux = self.b1(h)
+        y = self.b2(h)
+        return y + aux.sum(dim=1, keepdim=True) if use_aux else y
+
+client = fsdpd.Client(job="edges-aux")
+model = fsdpd.torch.shard_model(Net(), client, wrap={nn.Linear})
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(3, 4)
+for step, use_aux in enumerate([True, False, True]):
+    opt.zero_grad()
+    model(x, use_aux).pow(2).mean().backward()
+    opt.step()
+out["aux_steps"] = model.completed_steps
+before = model(x, False).detach()
+
+# Loading a state dict right after attaching again to a trained job takes effect at once.
+client.close()
+client = fsdpd.Client(job="edges-aux")
+model = fsdpd.torch.shard_model(Net(), client, wrap={nn.Linear})
+out["resumed"] = model.resumed
+sd = model.full_state_dict()
+model.load_full_state_dict({k: torch.zeros_like(v) for k, v in sd.items()})
+with torch.no_grad():
+    out["after_zero_load"] = model(x, False).reshape(-1).tolist()
+client.close()
+print(json.dumps(out))
+'''
+
+
+def test_edges_root_children_prefetch_without_backward_and_load_after_resume(fsdpd, tmp_path):
+    d = fsdpd(*DAEMON_ARGS)
+    script = tmp_path / "edges.py"
+    script.write_text(EDGES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
+    env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
+               FSDPD_SOCKET=str(d.socket_path), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               OMP_NUM_THREADS="1")
+    r = subprocess.run([PYTHON, str(script)], env=env, capture_output=True, text=True,
+                       timeout=CHILD_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["seq_units"] == ["0", "2"]
+    assert out["aux_steps"] == 3
+    assert out["resumed"] and out["after_zero_load"] == [0.0, 0.0, 0.0]
