@@ -314,7 +314,8 @@ class Client:
     def close(self):
         """Detaches (the daemon keeps the job's units and memory) and closes the connection.
         Every buffer view of this client's units dangles afterwards. Idempotent; raises
-        Error if the Detach failed (the session is closed here either way)."""
+        Error if the daemon refused the Detach (the session is closed here either way), but
+        not when the daemon is gone: its sessions went with it."""
         lib = _lib.lib()
         rc = 0
         err = None
@@ -323,6 +324,8 @@ class Client:
             self._trainer = None
             if rc < 0:
                 err = self._error(rc, "detach")
+                if err.status == "UNAVAILABLE":
+                    err = None
         self._units.clear()
         if self._client is not None:
             lib.fsdp_client_close(self._client)

@@ -289,3 +289,17 @@ def test_environment_defaults_and_context_manager_detaches(fsdpd, worker):
     assert attached["session_id"] not in sessions(d)
     p.communicate("\n", timeout=CHILD_TIMEOUT)
     assert p.returncode == 0
+
+
+def test_close_is_quiet_when_the_daemon_is_gone(fsdpd, worker):
+    """A trainer closing its client after the daemon went away (Ctrl-C reaching both) ends
+    without an error: its session went with the daemon."""
+    d = fsdpd(*DAEMON_ARGS)
+    p = worker(d, "context", FSDPD_JOB="gone", LOCAL_RANK=0, LOCAL_WORLD_SIZE=1)
+    json.loads(p.stdout.readline())
+    d.kill()
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert json.loads(p.stdout.readline()) == {"closed": True}
+    p.communicate("\n", timeout=CHILD_TIMEOUT)
+    assert p.returncode == 0
