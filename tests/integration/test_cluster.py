@@ -24,7 +24,7 @@ import pytest
 from fsdpd_harness import common_pb2, fsdpd  # noqa: F401
 from test_peers import Cluster, wait_all_joined
 from test_reduce_scatter import decode, reference
-from test_unshard import BF16, FP32, SIZE, Rank, encode, values_for
+from test_unshard import BF16, FP32, SIZE, Rank, encode, on_all, values_for
 
 STRATEGIES = {"FULL_SHARD": common_pb2.FULL_SHARD, "SHARD_GRAD_OP": common_pb2.SHARD_GRAD_OP,
               "HYBRID_SHARD": common_pb2.HYBRID_SHARD, "NO_SHARD": common_pb2.NO_SHARD}
@@ -57,23 +57,6 @@ def attach(cluster, job="j"):
     return [[Rank(d, r, L, job=job) for r in range(L)] for d in cluster.daemons]
 
 
-def on_all(ranks, name, step, unit="u"):
-    """name on every rank at once; the errors by rank (None: success)."""
-    errors = [None] * len(ranks)
-
-    def run(i):
-        try:
-            ranks[i].op(name, unit=unit, step=step, timeout=20)
-        except grpc.RpcError as e:
-            errors[i] = e
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return errors
-
-
 def grad_values(n, global_rank):
     # Halves in [-10, 10]: any sum of up to 6 of them is exact even in bf16.
     return [((i * 31 + 7 * global_rank) % 41 - 20) * 0.5 for i in range(n)]
@@ -100,7 +83,7 @@ def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
     for host, lays in zip(hosts, layouts):
         for r, x in zip(host, lays):
             r.write_master_shard(x, values)
-    assert on_all(flat, "Unshard", step) == [None] * len(flat)
+    assert on_all(flat, "Unshard", step=step) == [None] * len(flat)
     for r, x in zip(flat, [x for h in layouts for x in h]):
         assert r.unsharded(x, dtype) == encode(values, dtype), f"host rank {r.d.log_path.name}"
 
@@ -110,7 +93,7 @@ def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
         r.memory[x.full_grad_offset:x.full_grad_offset + lay.padded_numel * SIZE[dtype]] = \
             encode(grads[g], dtype)
     assert on_all(flat, "ReduceScatter" if strategy != "NO_SHARD" else "AllReduce",
-                  step) == [None] * len(flat)
+                  step=step) == [None] * len(flat)
     want = reference(grads, dtype, 1, len(flat))
     for r, x in zip(flat, [x for h in layouts for x in h]):
         lo = x.shard * x.shard_numel
@@ -161,7 +144,8 @@ def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how):
     survivors = hosts[0] + hosts[1]
     box = {}
     t0 = time.monotonic()
-    waiter = threading.Thread(target=lambda: box.update(e=on_all(survivors, "ReduceScatter", 1)))
+    waiter = threading.Thread(
+        target=lambda: box.update(e=on_all(survivors, "ReduceScatter", step=1)))
     waiter.start()
     time.sleep(0.2)  # the survivors reach the ring; host 2's trainers never come
     sig = signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP
