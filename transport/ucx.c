@@ -471,6 +471,21 @@ int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status
     return fsdp_status_set(st, FSDP_E_CONFIG, "UCX configuration (UCX_* variables): %s",
                            ucs_status_string(s));
   }
+  /* UCX's tcp transport moves a large message in segments of UCX_TCP_TX_SEG_SIZE (8 KiB by
+   * default), one send call and one progress round each, and receives into 64 KiB ones.
+   * Bulk transfers between daemons want far fewer, larger calls: 512 KiB segments doubled
+   * UCX's own tcp bandwidth (ucx_perftest tag_bw) and made the ring 1.5-1.7x faster where we
+   * measured (docs/PERFORMANCE.md, "Collectives between hosts"); the price is larger buffer
+   * pools (they grow 8 segments at a time) in a worker that uses tcp. A value set in the
+   * environment wins. The names are given without the transport's prefix, as ucp hands them
+   * on to every transport's settings; only tcp has these two. */
+  static const struct {
+    const char *env, *name, *value;
+  } tuning[] = {{"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "512k"},
+                {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512k"}};
+  for (size_t i = 0; i < sizeof tuning / sizeof tuning[0]; i++)
+    if (!getenv(tuning[i].env))
+      ucp_config_modify(cfg, tuning[i].name, tuning[i].value);
   ucp_params_t p = {
       .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
       .features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP,
