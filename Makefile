@@ -55,3 +55,13 @@ demo: setup-test build
 .PHONY: bench-train
 bench-train: setup-test build
 	/usr/bin/python3 bench/train_bench.py --build $(BUILD)
+
+# The ring collectives between hosts, timed between member processes on this machine over
+# UCX tcp and shared memory, against ucx_perftest and OpenMPI (bench/ucx_bench.c; results in
+# docs/PERFORMANCE.md). Setup comes first so that CMake finds MPI when it configures.
+.PHONY: bench-collectives
+bench-collectives:
+	@scripts/setup.sh --bench
+	@$(MAKE) --no-print-directory build
+	$(BUILD)/bin/fsdp-ucx-bench --members 2 --pin
+	$(BUILD)/bin/fsdp-ucx-bench --members 3 --pin

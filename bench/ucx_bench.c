@@ -276,8 +276,13 @@ static int proc_spawn(proc_t *p, char *const argv[], const char *ucx_tls, unsign
     setpgid(0, 0);
     dup2(fds[1], STDOUT_FILENO);
     dup2(fds[1], STDERR_FILENO);
-    if (ucx_tls)
+    if (ucx_tls) {
       setenv("UCX_TLS", ucx_tls, 1);
+      /* The tcp segments fsdp_ucx_new gives the ring (transport/ucx.c), unless the
+       * environment sets them for both: the peer runs on the same transport settings. */
+      setenv("UCX_TCP_TX_SEG_SIZE", "512k", 0);
+      setenv("UCX_TCP_RX_SEG_SIZE", "512k", 0);
+    }
     if (pin_cpu != UINT_MAX)
       pin_to(pin_cpu);
     execvp(argv[0], argv);
@@ -1097,8 +1102,8 @@ static void print_section(const options_t *o, const tls_result_t *r) {
     printf("  ucx_perftest: %s\n", r->p2p_why);
   if (r->mpi_why[0])
     printf("  OpenMPI: %s\n", r->mpi_why);
-  printf("%-15s %5s %10s %9s %8s %8s %8s %8s %10s %9s\n", "op", "MiB", "median ms", "min ms",
-         "algbw", "busbw", "p2p", "bus/p2p", "MPI ms", "ring/MPI");
+  printf("%-15s %5s %10s %9s %8s %8s %8s %8s %8s %10s %9s\n", "op", "MiB", "median ms",
+         "min ms", "algbw", "busbw", "p2p", "bus/p2p", "n*bus/p2p", "MPI ms", "ring/MPI");
   for (unsigned op = 0; op < N_OPS; op++) {
     if (!o->ops[op])
       continue;
@@ -1109,19 +1114,22 @@ static void print_section(const options_t *o, const tls_result_t *r) {
       double bytes = (double)(((o->mib[s] << 20) / o->members / 4) * 4 * o->members);
       double alg = bytes / (tm->median_ms / 1e3) / 1e9;
       double bus = alg * (o->members - 1) / o->members;
-      char med[16], mn[16], p2p[16] = "-", ratio[16] = "-", m1[16] = "-", r1[16] = "-";
+      char med[16], mn[16], p2p[16] = "-", ratio[16] = "-", agg[16] = "-", m1[16] = "-",
+           r1[16] = "-";
       fmt_ms(med, sizeof med, tm->median_ms);
       fmt_ms(mn, sizeof mn, tm->min_ms);
       if (r->p2p[s] > 0) {
         snprintf(p2p, sizeof p2p, "%.2f", r->p2p[s] / 1e9);
         snprintf(ratio, sizeof ratio, "%.2f", bus * 1e9 / r->p2p[s]);
+        snprintf(agg, sizeof agg, "%.2f", bus * o->members * 1e9 / r->p2p[s]);
       }
       if (r->mpi[op][s].done) {
         fmt_ms(m1, sizeof m1, r->mpi[op][s].median_ms);
         snprintf(r1, sizeof r1, "%.2f", tm->median_ms / r->mpi[op][s].median_ms);
       }
-      printf("%-15s %5zu %10s %9s %8.2f %8.2f %8s %8s %10s %9s\n",
-             fsdp_ring_kind_name(OP_KIND[op]), o->mib[s], med, mn, alg, bus, p2p, ratio, m1, r1);
+      printf("%-15s %5zu %10s %9s %8.2f %8.2f %8s %8s %9s %10s %9s\n",
+             fsdp_ring_kind_name(OP_KIND[op]), o->mib[s], med, mn, alg, bus, p2p, ratio, agg, m1,
+             r1);
     }
   }
   fflush(stdout);
@@ -1153,9 +1161,12 @@ int main(int argc, char **argv) {
   printf("  chunk %s, window %s; %u timed iterations after %u warm-up; an iteration's time is "
          "the slowest member's\n", chunk_s, window_s, o.iters, o.warmup);
   printf("  algbw = size / median time, busbw = size * (n-1)/n / median time, GB/s = 1e9 "
-         "bytes/s;\n  p2p = ucx_perftest tag_bw, one message of the size at a time, same "
-         "UCX_TLS; bus/p2p = busbw / p2p;\n  ring/MPI = ring median / OpenMPI median (below 1: "
-         "the ring is faster). Each size runs the ring, then its peers.\n");
+         "bytes/s;\n"
+         "  p2p = ucx_perftest tag_bw, one message of the size at a time, same UCX_TLS and tcp "
+         "segments;\n"
+         "  bus/p2p = busbw / p2p; n*bus/p2p = what all members send at once over p2p (on one "
+         "host they\n  share its CPUs and memory); ring/MPI = ring median / OpenMPI median (below "
+         "1: the ring is faster).\n  Each size runs the ring, then its peers.\n");
   fflush(stdout);
 
   const char *p2p_skip = NULL, *mpi_skip = NULL;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs the Debian packages fsdpd needs to build and run it, and with --test also what the
-# tests need. Idempotent: when every package is already there it prints nothing and touches
-# nothing. Uses sudo when not root.
+# Installs the Debian packages fsdpd needs to build and run it, with --test also what the
+# tests need, and with --bench what the benchmarks compare against (ucx_perftest, OpenMPI).
+# Idempotent: when every package is already there it prints nothing and touches nothing.
+# Uses sudo when not root.
 set -euo pipefail
 
 packages=(
@@ -12,13 +13,27 @@ packages=(
   libcmocka-dev                                       # the build defines the C tests too
   libucx-dev                                          # UCX (ucp): the data plane between daemons
 )
-if [[ "${1:-}" == --test ]]; then
-  packages+=(
-    python3-grpcio python3-protobuf python3-pytest    # integration tests, as a scheduler's probe
-    python3-torch                                     # the Python package's PyTorch tests
-    systemd                                           # systemd-analyze verify of the unit
-  )
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --test)
+      packages+=(
+        python3-grpcio python3-protobuf python3-pytest # integration tests, as a scheduler's probe
+        python3-torch                                  # the Python package's PyTorch tests
+        systemd                                        # systemd-analyze verify of the unit
+      )
+      ;;
+    --bench)
+      packages+=(
+        ucx-utils                      # ucx_perftest: UCX's point-to-point peer of fsdp-ucx-bench
+        openmpi-bin libopenmpi-dev     # OpenMPI's collectives, the other peer (optional in CMake)
+      )
+      ;;
+    *)
+      echo "setup: unknown option $arg (expected --test and/or --bench)" >&2
+      exit 2
+      ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do
