@@ -64,4 +64,4 @@ bench-collectives:
 	@scripts/setup.sh --bench
 	@$(MAKE) --no-print-directory build
 	$(BUILD)/bin/fsdp-ucx-bench --members 2 --pin
-	$(BUILD)/bin/fsdp-ucx-bench --members 3 --pin
+	$(BUILD)/bin/fsdp-ucx-bench --members 3
