@@ -622,11 +622,11 @@ static size_t round64(size_t n) {
 }
 
 /* Takes the unit's buffers: the unsharded one from the shared (read-only to trainers)
- * arena, and from the arena one block with the master shards, the gradient shards and one
- * full-gradient buffer per local rank. */
+ * arena, and from the arena one block with the master shards, the gradient shards, one
+ * full-gradient buffer per local rank and, across hosts, the host sums. */
 static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_status_t *st) {
   size_t padded = (size_t)u->layout.padded_numel;
-  size_t param_size = fsdp_dtype_size(kernel_dtype(fsdp_unit_spec_param_dtype(u->spec)));
+  size_t param_size = fsdp_dtype_size(param_dtype(u));
   size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
   size_t reduce_size = fsdp_dtype_size(reduce_dtype(u));
   /* Across hosts: the host sum in fp32, and in reduce_dtype when that is narrower. */
