@@ -283,13 +283,15 @@ class ShardedModel(_nn.Module):
                 nxt = self._next_in_order(fu, 1)
                 if nxt is not None:
                     nxt.prefetch(self.step)
-            if fu.ran_step != self.step and fu.trainable and _torch.is_grad_enabled():
+            if not _torch.is_grad_enabled():
+                return
+            fu.backward_started = False
+            if fu.ran_step != self.step and fu.trainable:
                 if fu.reduced:  # not carrying gradients from no_sync steps
                     fu.unit.full_grad.zero_()
                 fu.ran_step = self.step
                 fu.pending = len(fu.params)
                 fu.reduced = False
-                fu.backward_started = False
         return hook
 
     def _post_forward(self, fu):
