@@ -701,7 +701,41 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object_object_add(o, "params", json_object_new_int64(u->params));
   json_object_object_add(o, "local_world_size", json_object_new_int64(u->local_world_size));
   json_object_object_add(o, "registered_ranks", json_object_new_int64(u->registered_ranks));
+  json_object_object_add(o, "gathered_step", json_object_new_uint64(u->gathered_step));
+  json_object_object_add(o, "reduced_step", json_object_new_uint64(u->reduced_step));
+  json_object *collectives = json_object_new_array();
+  for (size_t i = 0; i < u->n_collectives; i++) {
+    const Fsdp__V1__CollectiveInfo *c = u->collectives[i];
+    json_object *co = json_object_new_object();
+    json_object_object_add(
+        co, "kind", json_string(enum_text(&fsdp__v1__collective_info__kind__descriptor, c->kind)));
+    json_object_object_add(co, "step", json_object_new_uint64(c->step));
+    json_object *ranks = json_object_new_array();
+    for (size_t r = 0; r < c->n_ranks; r++)
+      json_object_array_add(ranks, json_object_new_int64(c->ranks[r]));
+    json_object_object_add(co, "ranks", ranks);
+    json_object_object_add(co, "running", json_object_new_boolean(c->running));
+    json_object_object_add(co, "deadline_in_ms", json_object_new_int64(c->deadline_in_ms));
+    json_object_array_add(collectives, co);
+  }
+  json_object_object_add(o, "collectives", collectives);
   return o;
+}
+
+/* "unshard of step 13: ranks 0, 2 of 4 asked, 29.5 s left" or "... running". */
+static void print_collective(const Fsdp__V1__UnitInfo *u, const Fsdp__V1__CollectiveInfo *c) {
+  printf("%s of step %" PRIu64 ": ",
+         c->kind == FSDP__V1__COLLECTIVE_INFO__KIND__UNSHARD ? "unshard" : "reduce-scatter",
+         c->step);
+  if (c->running) {
+    printf("every rank asked, running\n");
+    return;
+  }
+  printf("rank%s ", c->n_ranks == 1 ? "" : "s");
+  for (size_t r = 0; r < c->n_ranks; r++)
+    printf("%s%" PRIu32, r ? ", " : "", c->ranks[r]);
+  printf(" of %" PRIu32 " asked, %.1f s left\n", u->local_world_size,
+         (double)c->deadline_in_ms / 1000.0);
 }
 
 static int cmd_units(ctl_t *ctl, int argc, char **argv) {
@@ -742,6 +776,17 @@ static int cmd_units(ctl_t *ctl, int argc, char **argv) {
              u->params, u->numel, u->shards, dtypes, ranks);
     }
     printf("(DTYPES: parameters/unsharded/reduce; RANKS: registered/local world size)\n");
+    bool header = false;
+    for (size_t i = 0; i < lr->n_units; i++) {
+      const Fsdp__V1__UnitInfo *u = lr->units[i];
+      for (size_t c = 0; c < u->n_collectives; c++) {
+        if (!header)
+          printf("\ncollectives under way:\n");
+        header = true;
+        printf("  %s %s: ", u->job, u->unit);
+        print_collective(u, u->collectives[c]);
+      }
+    }
   }
   protobuf_c_message_free_unpacked(reply, NULL);
   return EXIT_OK;
@@ -825,9 +870,16 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
          u->params, u->params == 1 ? "" : "s", u->numel, u->padded_numel - u->numel, u->shards,
          u->shards == 1 ? "" : "s", u->shard_numel);
   printf("%s parameters, unsharded %s, reduced in %s; %" PRIu32 " of %" PRIu32
-         " local ranks registered\n\n",
+         " local ranks registered\n",
          dtype_text(u->dtype), dtype_text(u->param_dtype), dtype_text(u->reduce_dtype),
          u->registered_ranks, u->local_world_size);
+  printf("unsharded copy of step %" PRIu64 ", last reduce-scatter of step %" PRIu64 "%s\n",
+         u->gathered_step, u->reduced_step, u->n_collectives ? "" : "; nothing under way");
+  for (size_t c = 0; c < u->n_collectives; c++) {
+    printf("under way: ");
+    print_collective(u, u->collectives[c]);
+  }
+  printf("\n");
   int nw = 4;
   for (size_t i = 0; i < d->n_params; i++)
     nw = max_int(nw, text_width(d->params[i]->name, 40));

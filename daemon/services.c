@@ -475,6 +475,41 @@ static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+/* The unit's collectives under way, into storage for two (the gather, the reduce-scatter)
+ * and their ranks (FSDP_LOCAL_WORLD_MAX each). */
+typedef struct collectives_storage {
+  Fsdp__V1__CollectiveInfo info[2];
+  Fsdp__V1__CollectiveInfo *ptrs[2];
+  uint32_t ranks[2][FSDP_LOCAL_WORLD_MAX];
+} collectives_storage_t;
+
+static void fill_collectives(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job,
+                             const fsdp_unit_t *u, uint64_t now_ms,
+                             collectives_storage_t *store) {
+  const fsdp_collection_t *cs[2] = {&u->gather, &u->reduce};
+  static const Fsdp__V1__CollectiveInfo__Kind kinds[2] = {
+      FSDP__V1__COLLECTIVE_INFO__KIND__UNSHARD, FSDP__V1__COLLECTIVE_INFO__KIND__REDUCE_SCATTER};
+  info->n_collectives = 0;
+  info->collectives = store->ptrs;
+  for (size_t k = 0; k < 2; k++) {
+    const fsdp_collection_t *c = cs[k];
+    if (c->count == 0 && !c->running)
+      continue;
+    Fsdp__V1__CollectiveInfo *ci = &store->info[info->n_collectives];
+    fsdp__v1__collective_info__init(ci);
+    ci->kind = kinds[k];
+    ci->step = c->step;
+    ci->running = c->running;
+    ci->ranks = store->ranks[info->n_collectives];
+    for (uint32_t r = 0; r < job->local_world_size; r++)
+      if (fsdp_rank_set_has(&c->submitted, r))
+        ci->ranks[ci->n_ranks++] = r;
+    if (!c->running)
+      ci->deadline_in_ms = (int64_t)c->deadline_ms - (int64_t)now_ms;
+    store->ptrs[info->n_collectives++] = ci;
+  }
+}
+
 static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, const fsdp_unit_t *u) {
   fsdp__v1__unit_info__init(info);
   info->job = (char *)job->name;
@@ -490,6 +525,8 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->params = (uint32_t)u->layout.n_params;
   info->local_world_size = job->local_world_size;
   info->registered_ranks = u->n_registered;
+  info->gathered_step = u->gathered ? u->gathered_step : 0;
+  info->reduced_step = u->reduced_step;
 }
 
 static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -506,7 +543,9 @@ static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *r
     n += j->n_units;
   Fsdp__V1__UnitInfo *infos = calloc(n ? n : 1, sizeof *infos);
   Fsdp__V1__UnitInfo **ptrs = calloc(n ? n : 1, sizeof *ptrs);
-  if (!infos || !ptrs) {
+  collectives_storage_t *collectives = calloc(n ? n : 1, sizeof *collectives);
+  uint64_t now = fsdp_daemon_now_ms(daemon);
+  if (!infos || !ptrs || !collectives) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory listing units");
     goto out;
   }
@@ -516,6 +555,7 @@ static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *r
       continue;
     for (const fsdp_unit_t *u = j->units; u; u = u->next, k++) {
       fill_unit_info(&infos[k], j, u);
+      fill_collectives(&infos[k], j, u, now, &collectives[k]);
       ptrs[k] = &infos[k];
     }
   }
@@ -526,6 +566,7 @@ static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *r
 out:
   free(infos);
   free(ptrs);
+  free(collectives);
 }
 
 /* The unit a DescribeUnit names; with no job, the only job that has it. */
@@ -573,7 +614,8 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   Fsdp__V1__ShardInfo **shard_ptrs = calloc(l->shards, sizeof *shard_ptrs);
   Fsdp__V1__ParamInfo *params = calloc(l->n_params, sizeof *params);
   Fsdp__V1__ParamInfo **param_ptrs = calloc(l->n_params, sizeof *param_ptrs);
-  if (!shards || !shard_ptrs || !params || !param_ptrs) {
+  collectives_storage_t *collectives = malloc(sizeof *collectives);
+  if (!shards || !shard_ptrs || !params || !param_ptrs || !collectives) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory describing a unit");
     goto out;
   }
@@ -603,6 +645,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   }
   Fsdp__V1__UnitInfo info;
   fill_unit_info(&info, job, u);
+  fill_collectives(&info, job, u, fsdp_daemon_now_ms(daemon), collectives);
   Fsdp__V1__DescribeUnitReply reply = FSDP__V1__DESCRIBE_UNIT_REPLY__INIT;
   reply.unit = &info;
   reply.n_shards = l->shards;
@@ -611,6 +654,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   reply.params = param_ptrs;
   fsdp_rpc_call_reply(call, &reply.base);
 out:
+  free(collectives);
   free(shards);
   free(shard_ptrs);
   free(params);

@@ -7,6 +7,7 @@ after a Reshard) until a newer step gathers the masters again; ranks that disagr
 step, or do not come, are told so; bad requests get their status."""
 
 import array
+import json
 import mmap
 import os
 import socket
@@ -157,6 +158,15 @@ def test_a_gather_waits_for_every_rank_of_the_step(fsdpd):
     t.start()
     t.join(0.3)
     assert t.is_alive(), "rank 0 got step 2 before rank 1 asked for it"
+    # The operator sees the gather being collected, and who is missing.
+    r = d.fsdpctl("--json", "unit", "u")
+    assert r.returncode == 0, r.stderr
+    unit = json.loads(r.stdout)
+    assert (unit["gathered_step"], unit["reduced_step"]) == (1, 0)
+    (c,) = unit["collectives"]
+    assert (c["kind"], c["step"], c["ranks"], c["running"]) == ("UNSHARD", 2, [0], False)
+    assert 0 < c["deadline_in_ms"] <= 30000
+    assert "j u: unshard of step 2: rank 0 of 2 asked" in d.fsdpctl("units").stdout
     values = [v + 1 for v in values]  # rank 1's optimizer step, while rank 0 waits
     for r, lay in zip(ranks, layouts):
         r.write_master_shard(lay, values)
