@@ -14,7 +14,7 @@ gathered but never reduced; buffers are never sharded.
 
 Memory. A unit's fp32 master shards, fp32 gradient shards, full-gradient buffers and its
 unsharded copy (param_dtype) live in the daemon; the module's parameters point at views of
-the unsharded copy while the unit is unsharded, and at empty placeholders otherwise.
+the unsharded copy while the unit is unsharded, and at empty tensors otherwise.
 `model.parameters()` yields one Parameter per trainable unit: this rank's master shard, whose
 .grad is its gradient shard, so torch.optim works unchanged and its state is sharded too.
 
@@ -96,7 +96,7 @@ class _FlatUnit:
         self.offsets = u.param_offsets
         self.sizes = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
-        self.placeholder = _torch.empty(0, dtype=u.unsharded.dtype)
+        self.empty_data = _torch.empty(0, dtype=u.unsharded.dtype)
         # This rank's master shard as an optimizer parameter (shares the mapped memory).
         self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
         self.unsharded_step = 0  # the step whose copy the parameters point at, 0: none
@@ -122,7 +122,7 @@ class _FlatUnit:
 
     def detach_params(self):
         for p in self.params:
-            p.data = self.placeholder
+            p.data = self.empty_data
 
     def prefetch(self, step):
         if self.unsharded_step != step and not self.prefetched:
