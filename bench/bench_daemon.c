@@ -1,18 +1,25 @@
 /* Throw-away fsdpd processes for benchmarks, and the helpers benches share. */
 #include "bench_daemon.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <limits.h>
+#include <netinet/in.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "client_rpc.h"
+#include "fsdp/v1/operator.pb-c.h"
+#include "wire.h"
 
 /* The daemon's socket inside its run dir: FSDP_SOCKET_NAME of daemon/listener.h, repeated
  * because that header drags in libuv and the daemon's internals; the spawn fails loudly (no
@@ -58,8 +65,8 @@ int set_error(char *buf, size_t size, const char *fmt, ...) {
   return -1;
 }
 
-/* fsdpd next to this binary, as the build and an install both lay them out. */
-static int find_fsdpd(char *buf, size_t size, char *err, size_t err_size) {
+/* A program next to this binary, as the build and an install both lay them out. */
+int bench_find_program(const char *name, char *buf, size_t size, char *err, size_t err_size) {
   char self[PATH_MAX];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   if (n < 0)
@@ -68,11 +75,11 @@ static int find_fsdpd(char *buf, size_t size, char *err, size_t err_size) {
   char *slash = strrchr(self, '/');
   if (slash)
     *slash = '\0';
-  if ((size_t)snprintf(buf, size, "%s/fsdpd", self) >= size)
-    return set_error(err, err_size, "path of fsdpd next to '%s' is too long", self);
+  if ((size_t)snprintf(buf, size, "%s/%s", self, name) >= size)
+    return set_error(err, err_size, "path of %s next to '%s' is too long", name, self);
   if (access(buf, X_OK) < 0)
-    return set_error(err, err_size, "cannot run '%s' (fsdpd is looked for next to the bench): %s",
-                     buf, strerror(errno));
+    return set_error(err, err_size, "cannot run '%s' (%s is looked for next to the bench): %s",
+                     buf, name, strerror(errno));
   return 0;
 }
 
@@ -98,7 +105,7 @@ static bool daemon_exited(daemon_proc_t *d) {
 int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *extra_args,
                        char *err, size_t err_size) {
   char fsdpd[PATH_MAX];
-  if (find_fsdpd(fsdpd, sizeof fsdpd, err, err_size) < 0)
+  if (bench_find_program("fsdpd", fsdpd, sizeof fsdpd, err, err_size) < 0)
     return -1;
   snprintf(d->run_dir, sizeof d->run_dir, "/tmp/%s.XXXXXX", name);
   if (!mkdtemp(d->run_dir)) {
@@ -184,6 +191,116 @@ int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double de
     }
     sleep_ms(20);
   }
+}
+
+static const char *peer_state_name(Fsdp__V1__PeerState s) {
+  switch (s) {
+  case FSDP__V1__PEER_STATE__PEER_STATE_SELF:
+    return "SELF";
+  case FSDP__V1__PEER_STATE__PEER_STATE_JOINING:
+    return "JOINING";
+  case FSDP__V1__PEER_STATE__PEER_STATE_JOINED:
+    return "JOINED";
+  case FSDP__V1__PEER_STATE__PEER_STATE_LOST:
+    return "LOST";
+  case FSDP__V1__PEER_STATE__PEER_STATE_LEFT:
+    return "LEFT";
+  case FSDP__V1__PEER_STATE__PEER_STATE_REFUSED:
+    return "REFUSED";
+  default:
+    return "UNSPECIFIED";
+  }
+}
+
+/* Writes "host R STATE (last error); ..." for every peer that is neither SELF nor JOINED. */
+static void describe_unjoined(const Fsdp__V1__StatusReply *s, char *buf, size_t size) {
+  size_t len = 0;
+  buf[0] = '\0';
+  for (size_t i = 0; i < s->n_peers && len < size; i++) {
+    const Fsdp__V1__PeerStatus *p = s->peers[i];
+    if (p->state == FSDP__V1__PEER_STATE__PEER_STATE_SELF ||
+        p->state == FSDP__V1__PEER_STATE__PEER_STATE_JOINED)
+      continue;
+    int n = snprintf(buf + len, size - len, "%shost %u %s%s%s%s", len ? "; " : "", p->host_rank,
+                     peer_state_name(p->state), p->last_error && p->last_error[0] ? " (" : "",
+                     p->last_error ? p->last_error : "",
+                     p->last_error && p->last_error[0] ? ")" : "");
+    if (n < 0)
+      break;
+    len += (size_t)n;
+  }
+}
+
+int bench_daemon_wait_peers(daemon_proc_t *d, fsdp_client_t *client, double deadline,
+                            char *err, size_t err_size) {
+  char path[FSDP_WIRE_PATH_MAX];
+  const ProtobufCServiceDescriptor *sd = &fsdp__v1__operator__descriptor;
+  const ProtobufCMethodDescriptor *md =
+      protobuf_c_service_descriptor_get_method_by_name(sd, "Status");
+  if (!md || fsdp_wire_method_path(sd, (unsigned)(md - sd->methods), path, sizeof path) < 0)
+    return set_error(err, err_size, "%s", "fsdp.v1.Operator has no method Status");
+  char last[512] = "no answer yet";
+  for (;;) {
+    Fsdp__V1__StatusRequest request = FSDP__V1__STATUS_REQUEST__INIT;
+    ProtobufCMessage *reply = NULL;
+    int r = fsdp_client_call(client, path, &request.base, &fsdp__v1__status_reply__descriptor,
+                             1000, &reply);
+    if (r >= 0) {
+      const Fsdp__V1__StatusReply *s = (const Fsdp__V1__StatusReply *)reply;
+      bool ready = s->topology && s->topology->peers_ready;
+      if (!ready)
+        describe_unjoined(s, last, sizeof last);
+      protobuf_c_message_free_unpacked(reply, NULL);
+      if (ready)
+        return 0;
+    } else {
+      snprintf(last, sizeof last, "Operator.Status: %s: %s", fsdp_strerror(r),
+               fsdp_client_last_error(client));
+    }
+    if (daemon_exited(d)) {
+      char how[96];
+      describe_exit(d->exit_status, how, sizeof how);
+      return set_error(err, err_size, "fsdpd (%s) %s while waiting for its peers", d->run_dir,
+                       how);
+    }
+    if (bench_interrupted)
+      return set_error(err, err_size, "bench_interrupted while waiting for the peers");
+    if (now_s() > deadline)
+      return set_error(err, err_size, "fsdpd (%s): peers not ready in time: %s", d->run_dir,
+                       last);
+    sleep_ms(20);
+  }
+}
+
+int bench_free_tcp_ports(unsigned n, unsigned short *ret_ports, char *err, size_t err_size) {
+  int fds[64];
+  unsigned short ports[64];
+  unsigned open_fds = 0;
+  int rc = 0;
+  if (n > 64)
+    return set_error(err, err_size, "%u ports asked for, at most 64", n);
+  for (; open_fds < n; open_fds++) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      rc = set_error(err, err_size, "socket: %s", strerror(errno));
+      break;
+    }
+    fds[open_fds] = fd;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t alen = sizeof a;
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 ||
+        getsockname(fd, (struct sockaddr *)&a, &alen) < 0) {
+      rc = set_error(err, err_size, "cannot bind a TCP port on 127.0.0.1: %s", strerror(errno));
+      close(fd);
+      break;
+    }
+    ports[open_fds] = ntohs(a.sin_port);
+  }
+  for (unsigned i = 0; i < open_fds; i++)
+    close(fds[i]);
+  if (rc == 0)
+    memcpy(ret_ports, ports, n * sizeof *ports);
+  return rc;
 }
 
 /* Removes the run dir and what the daemon left in it (its lock file; the socket too if it

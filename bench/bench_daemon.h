@@ -47,7 +47,19 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
 /* Waits until the daemon answers health.Check with SERVING, by `deadline` (now_s() time). */
 int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double deadline,
                               char *err, size_t err_size);
+/* Waits until the daemon's Operator.Status says every peer joined both ways (topology
+ * peers_ready; always true on one host), by `deadline` (now_s() time). On a timeout the
+ * message names the peers that are not JOINED, their state and last error. */
+int bench_daemon_wait_peers(daemon_proc_t *d, fsdp_client_t *client, double deadline,
+                            char *err, size_t err_size);
 /* SIGTERM, reap, remove the run dir; -1 with a message unless the daemon stopped cleanly. */
 int bench_daemon_stop(daemon_proc_t *d, char *err, size_t err_size);
+
+/* The program `name` next to the running bench (as the build and an install lay them out),
+ * checked to be executable. */
+int bench_find_program(const char *name, char *buf, size_t size, char *err, size_t err_size);
+/* n distinct TCP ports free on 127.0.0.1 right now (held together while chosen, so that they
+ * differ); a daemon started soon after can listen on them. n <= 64. */
+int bench_free_tcp_ports(unsigned n, unsigned short *ret_ports, char *err, size_t err_size);
 
 #endif
