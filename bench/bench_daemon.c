@@ -323,11 +323,18 @@ static void remove_run_dir(const char *dir) {
     fprintf(stderr, "bench: cannot remove run dir '%s': %s\n", dir, strerror(errno));
 }
 
+void bench_daemon_terminate(daemon_proc_t *d) {
+  if (d->pid > 0 && !d->reaped && !d->term_sent) {
+    kill(d->pid, SIGTERM);
+    d->term_sent = true;
+  }
+}
+
 /* A bench run must not hide a daemon that crashes on drain: a stop other than exit 0 fails. */
 int bench_daemon_stop(daemon_proc_t *d, char *err, size_t err_size) {
   int rc = 0;
   if (d->pid > 0 && !d->reaped) {
-    kill(d->pid, SIGTERM);
+    bench_daemon_terminate(d);
     double deadline = now_s() + STOP_WAIT_MS / 1e3;
     while (!daemon_exited(d) && now_s() < deadline)
       sleep_ms(5);

@@ -36,6 +36,7 @@ typedef struct daemon_proc {
   char socket_path[128];
   pid_t pid;
   bool reaped;
+  bool term_sent;        /* SIGTERM sent: never twice (see bench_daemon_terminate) */
   int exit_status;       /* waitpid status once reaped */
   double ready_deadline; /* monotonic seconds: SPAWN_READY_MS after the start */
 } daemon_proc_t;
@@ -52,7 +53,12 @@ int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double de
  * message names the peers that are not JOINED, their state and last error. */
 int bench_daemon_wait_peers(daemon_proc_t *d, fsdp_client_t *client, double deadline,
                             char *err, size_t err_size);
-/* SIGTERM, reap, remove the run dir; -1 with a message unless the daemon stopped cleanly. */
+/* Sends SIGTERM, once: fsdpd closes its signal handlers when its drain is over, so a second
+ * SIGTERM in the last moments of its exit kills it by the default action, which
+ * bench_daemon_stop would report as an unclean stop. Lets a bench stop several daemons at
+ * once before waiting for each. */
+void bench_daemon_terminate(daemon_proc_t *d);
+/* SIGTERM (unless sent already), reap, remove the run dir; -1 with a message unless the daemon stopped cleanly. */
 int bench_daemon_stop(daemon_proc_t *d, char *err, size_t err_size);
 
 /* The program `name` next to the running bench (as the build and an install lay them out),

@@ -716,8 +716,7 @@ out:
   /* SIGTERM every daemon before waiting for any, so that none waits for a peer being
    * stopped after it; bench_daemon_stop then reaps each (SIGKILL past STOP_WAIT_MS). */
   for (unsigned h = 0; h < o->hosts; h++)
-    if (d[h].pid > 0 && !d[h].reaped)
-      kill(d[h].pid, SIGTERM);
+    bench_daemon_terminate(&d[h]);
   for (unsigned h = 0; h < o->hosts; h++) {
     if (d[h].pid <= 0 && !d[h].run_dir[0])
       continue;
