@@ -135,6 +135,9 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
     prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (getppid() != parent)
       _exit(127);
+    /* UCX logs to stdout; the bench's stdout is its report (--json), so the daemon's goes to
+     * stderr with its own log. */
+    dup2(STDERR_FILENO, STDOUT_FILENO);
     execv(fsdpd, argv);
     static const char msg[] = "bench: cannot exec fsdpd\n";
     ssize_t unused = write(STDERR_FILENO, msg, sizeof msg - 1);

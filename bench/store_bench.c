@@ -437,7 +437,7 @@ static int time_memcpy(size_t size, double *ret_ms) {
 #define PEER_OUTPUT_MAX 65536
 
 /* Runs fsdp-ucx-bench for `ops` (all-gather, reduce-scatter or both) at `mib` MiB with
- * o->hosts members and the environment's UCX_TLS (UCX's choice, "all", when unset), bounded
+ * o->hosts members and the environment's UCX_TLS (which must be set), bounded
  * by RING_PEER_TIMEOUT_S, and reads the medians off its table (ms; 0 where not run). On
  * failure `why` says why, with the tail of its output. */
 static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double *ret_ag_ms,
@@ -446,13 +446,15 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
   if (bench_find_program("fsdp-ucx-bench", prog, sizeof prog, why, why_size) < 0)
     return -1;
   const char *tls = getenv("UCX_TLS");
+  if (!tls || !tls[0])
+    return set_error(why, why_size, "UCX_TLS is unset");
   char members[16], sizes[32], iters[16], warmup[16];
   snprintf(members, sizeof members, "%u", o->hosts);
   snprintf(sizes, sizeof sizes, "%zu", mib);
   snprintf(iters, sizeof iters, "%u", o->runs);
   snprintf(warmup, sizeof warmup, "%u", o->warmup);
   char *argv[] = {prog, "--members", members, "--sizes", sizes, "--op", (char *)ops,
-                  "--tls", (char *)(tls && tls[0] ? tls : "all"), "--iters", iters,
+                  "--tls", (char *)tls, "--iters", iters,
                   "--warmup", warmup, "--no-p2p", "--no-mpi", NULL};
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) < 0)
@@ -629,6 +631,13 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
       snprintf(res->ring_why, sizeof res->ring_why, "skipped (--no-ring)");
     else if (o->hosts > 3)
       snprintf(res->ring_why, sizeof res->ring_why, "fsdp-ucx-bench runs 2 or 3 members");
+    else if (!getenv("UCX_TLS") || !getenv("UCX_TLS")[0])
+      /* fsdp-ucx-bench picks UCX's error mode from UCX_TLS (none unless it names tcp) while
+       * the daemon asks for peer error handling wherever UCX offers it: with UCX_TLS unset
+       * the two would run different transports, and the ratio would mean nothing. */
+      snprintf(res->ring_why, sizeof res->ring_why,
+               "UCX_TLS is unset: set it (tcp, or posix,sysv,cma,self) so that the daemons and "
+               "fsdp-ucx-bench run the same transports");
     else if (bytes % (1u << 20))
       snprintf(res->ring_why, sizeof res->ring_why, "the unit is not whole MiB in %s",
                o->dtype == FSDP_SCALAR_FP32 ? "fp32" : "bf16");
