@@ -186,6 +186,11 @@ static void close_handles(fsdp_daemon_t *daemon) {
   for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++)
     if (!uv_is_closing(handles[i]))
       uv_close(handles[i], on_handle_closed);
+  /* Closing the watchers restored the default actions: a second SIGTERM or Ctrl-C while the
+   * daemon finishes exiting would kill it instead of letting it exit 0. It is stopping. */
+  signal(SIGTERM, SIG_IGN);
+  signal(SIGINT, SIG_IGN);
+  signal(SIGHUP, SIG_IGN);
 }
 
 static void on_peers_closed(void *data) {

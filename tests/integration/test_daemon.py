@@ -295,3 +295,18 @@ def test_drain_ends_within_drain_timeout(fsdpd, drain):
     limit = min(int(drain[:-1]), 1) + 0.5
     assert elapsed < limit, f"drain_timeout {drain}, exit after {elapsed:.2f}s"
     print(f"SIGTERM with an unanswered request, drain_timeout {drain}, to exit: {elapsed * 1000:.0f} ms")
+
+
+def test_more_sigterms_while_stopping_still_exit_cleanly(fsdpd):
+    """An impatient operator (or a supervisor) repeats SIGTERM until the daemon is gone: every
+    one after the first finds it already stopping, and it still exits 0."""
+    d = fsdpd()
+    d.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while d.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            d.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.0002)
+    assert d.wait() == 0
