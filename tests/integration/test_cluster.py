@@ -7,8 +7,10 @@ the ring's order of summation cannot matter and the check is bit for bit).
 
 Faults: a daemon SIGKILLed or SIGSTOPped while the others wait in a collective; every
 waiter gets an error naming the host within the peer timeout; a restarted daemon joins
-again and collectives work again. UCX runs over shared memory (the default here) and over
-tcp (UCX_TLS=tcp)."""
+again and collectives work again. UCX runs over tcp (what it picks by default: the daemons
+ask for peer error handling, which its shared-memory transports do not offer) and over
+shared memory (UCX_TLS=posix,sysv,cma,self); where the test may make network namespaces
+(root, iproute2), two daemons also run each in its own, joined by a veth pair."""
 
 import json
 import os
@@ -118,7 +120,7 @@ def test_every_strategy_across_hosts(fsdpd, hosts, strategy):
         assert where == [(h, rank) for h in range(hosts) for rank in range(L)]
 
 
-@pytest.mark.parametrize("tls", ["tcp", None], ids=["tcp", "shm"])
+@pytest.mark.parametrize("tls", ["tcp", "posix,sysv,cma,self"], ids=["tcp", "shm"])
 def test_bf16_and_the_transports(fsdpd, tls):
     c = start_cluster(fsdpd, 2, tls=tls)
     check_collectives(c, "FULL_SHARD", BF16)
