@@ -135,9 +135,12 @@ def test_hybrid_shard_groups_of_two_hosts(fsdpd):
     assert [x.shard for h in layouts for x in h] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("tls", [None, "posix,sysv,cma,self"], ids=["tcp", "shm"])
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
-def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how):
-    c = start_cluster(fsdpd, 3)
+def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how, tls):
+    """Over tcp UCX reports the dead peer itself; over shared memory only the peer service's
+    heartbeats notice, and the fabric fails the connection."""
+    c = start_cluster(fsdpd, 3, tls=tls)
     hosts = attach(c)
     for host in hosts:
         for r in host:
