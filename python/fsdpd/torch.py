@@ -22,10 +22,11 @@ Schedule (one step = one forward of the root): before a unit runs, it is unshard
 step; the daemon's gather of a new step is a collective of the local ranks (it waits for
 every rank's Unshard of that step, so no rank reads a shard before its owner's optimizer step
 is done). With forward prefetch the next unit in the recorded order is requested while the
-current one computes. FULL_SHARD (and HYBRID_SHARD, whose shard group is this host) reshards
-every unit but the root after its forward and unshards it again when its backward starts (the
-daemon still holds the step's copy, so that is immediate); SHARD_GRAD_OP keeps it until its
-backward. After a unit's backward its gradients are reduce-scattered (averaged over the
+current one computes. FULL_SHARD (and HYBRID_SHARD) reshards every unit but the root after its
+forward, pointing its parameters at empty tensors, and unshards it again when its backward
+starts; the daemon keeps the step's copy until every rank asks for a newer step, so that takes
+no call (nor does a reshard: the host backend keeps the buffer). SHARD_GRAD_OP keeps the
+parameters until the unit's backward. After a unit's backward its gradients are reduce-scattered (averaged over the
 ranks, summed in reduce_dtype) into the gradient shards, written or, when the shard's .grad
 was kept (zero_grad(set_to_none=False)), added.
 
@@ -99,8 +100,11 @@ class _FlatUnit:
         self.empty_data = _torch.empty(0, dtype=u.unsharded.dtype)
         # This rank's master shard as an optimizer parameter (shares the mapped memory).
         self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
-        self.unsharded_step = 0  # the step whose copy the parameters point at, 0: none
-        self.prefetched = False  # an unshard_async is under way
+        # The step of the daemon's copy this rank was last given: it stays valid until this
+        # rank asks for a newer step (the gather of a step waits for every rank), so the
+        # unit's backward needs no call to point at it again. 0: none.
+        self.copy_step = 0
+        self.prefetched = 0      # the step of an unshard_async under way, 0: none
         self.ran_step = 0        # the step in which the unit last ran forward
         self.pending = 0         # gradients still to come in this backward
         self.reduced = True      # the gradients of ran_step were reduced (or need not be)
@@ -125,31 +129,28 @@ class _FlatUnit:
             p.data = self.empty_data
 
     def prefetch(self, step):
-        if self.unsharded_step != step and not self.prefetched:
+        if self.copy_step != step and not self.prefetched:
             self.unit.unshard_async(step)
-            self.prefetched = True
+            self.prefetched = step
+
+    def settle(self):
+        """Ends a prefetch under way (its copy is then this rank's)."""
+        if self.prefetched:
+            step, self.prefetched = self.prefetched, 0
+            self.unit.wait()
+            self.copy_step = step
 
     def unshard(self, step):
-        if self.prefetched:
-            self.prefetched = False
-            self.unit.wait()
-        if self.unsharded_step != step:
-            self.unit.unshard(step)  # at once when prefetched, or when the copy is there
-        self.unsharded_step = step
+        self.settle()
+        if self.copy_step != step:
+            self.unit.unshard(step)
+            self.copy_step = step
         self.point_params(self.unit.unsharded)
 
-    def release(self):
-        """Reshards in the daemon; the parameters keep pointing at the copy (autograd may
-        still accumulate a gradient into them in this backward) until detach_params()."""
-        if self.prefetched:
-            self.prefetched = False
-            self.unit.wait()
-        if self.unsharded_step:
-            self.unit.reshard(self.unsharded_step)
-            self.unsharded_step = 0
-
     def reshard(self):
-        self.release()
+        """Lets go of the copy: the parameters point at empty tensors. The host backend keeps
+        the unsharded buffer (its Reshard only checks the unit), so no call is needed."""
+        self.settle()
         self.detach_params()
 
 
@@ -264,8 +265,7 @@ class ShardedModel(_nn.Module):
         out = self.module(*args, **kwargs)
         self._recording = False
         for fu in self._units:  # a prefetch for a unit this forward did not run
-            if fu.prefetched:
-                fu.release()
+            fu.settle()
         return out
 
     def _next_in_order(self, fu, delta):
@@ -339,15 +339,14 @@ class ShardedModel(_nn.Module):
     def _reduce(self, fu):
         if fu.reduced or not self._sync_grads:
             return
-        if fu.prefetched:  # a backward prefetch for a unit whose backward never came
-            fu.prefetched = False
-            fu.unit.wait()
+        fu.settle()  # a backward prefetch for a unit whose backward never came
         keep = fu.shard_param.grad is not None
         fu.unit.reduce_scatter(fu.ran_step, accumulate=keep)
         fu.reduced = True
         if not keep:
             fu.shard_param.grad = fu.unit.grad_shard
-        fu.release()
+        # The parameters keep pointing at the copy until the end of backward: autograd may
+        # still accumulate a gradient into them.
 
     def _finish_backward(self):
         """End of backward: units whose parameters did not all get a gradient are reduced
