@@ -229,3 +229,12 @@ def test_daemons_in_their_own_network_namespaces(fsdpd):
         check_collectives(c, "HYBRID_SHARD", BF16, job="hybrid")
     finally:
         c.close()
+
+
+def test_trainers_must_match_the_clusters_local_world_size(fsdpd):
+    c = start_cluster(fsdpd, 2)
+    with pytest.raises(AssertionError) as excinfo:  # the memory channel's welcome refuses
+        Rank(c.daemons[0], 0, 3, job="wide")
+    assert ("job 'wide': local_world_size 3, but every host of this cluster runs "
+            "cluster.local_world_size = 2 trainers") in str(excinfo.value)
+    c.daemons[0].assert_serving()
