@@ -164,7 +164,7 @@ static int64_t rank_setup(const options_t *o, unsigned rank, const char *socket_
   if ((r = fsdp_trainer_register_unit(*ret_trainer, &desc, ret_unit)) < 0)
     return fail(*ret_client, rank, "register_unit", r);
   const fsdp_unit_view_t *v = fsdp_unit_view(*ret_unit);
-  float *shard = v->master + v->shard * v->shard_numel;
+  float *shard = v->master + (uint64_t)(v->shard - v->host_first_shard) * v->shard_numel;
   if (o->hosts == 1) {
     for (uint64_t i = 0; i < v->shard_numel; i++)
       shard[i] = (float)((i + v->shard) % 1000) * 0.001f;
@@ -208,7 +208,7 @@ static int64_t check_unshard(const options_t *o, const fsdp_unit_view_t *v, unsi
 
 /* Samples of this rank's gradient shard: the mean of gradients of 1 over every rank. */
 static int64_t check_reduce_scatter(const fsdp_unit_view_t *v, unsigned rank) {
-  const float *g = v->grad + v->shard * v->shard_numel;
+  const float *g = v->grad + (uint64_t)(v->shard - v->host_first_shard) * v->shard_numel;
   for (uint64_t k = 0; k <= 16; k++) {
     uint64_t i = k == 16 ? v->shard_numel - 1 : k * v->shard_numel / 16;
     if (!(fabsf(g[i] - 1.0f) <= 1e-2f)) {

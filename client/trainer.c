@@ -400,7 +400,9 @@ static int check_layout(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
                         const Fsdp__V1__RegisterUnitReply *l) {
   if (l->n_param_offsets != d->n_params || l->numel == 0 || l->padded_numel < l->numel ||
       l->shard_numel == 0 || l->padded_numel % l->shard_numel != 0 ||
-      l->shard >= l->padded_numel / l->shard_numel)
+      l->shard >= l->padded_numel / l->shard_numel || l->host_shards == 0 ||
+      l->shard < l->host_first_shard || l->shard - l->host_first_shard >= l->host_shards ||
+      (uint64_t)l->host_first_shard + l->host_shards > l->padded_numel / l->shard_numel)
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
                                       "RegisterUnit of unit '%.256s': inconsistent layout "
                                       "(%zu offsets for %zu params, numel %llu, padded %llu, "
@@ -417,12 +419,13 @@ static int check_layout(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
                                         d->name, i, (unsigned long long)l->param_offsets[i],
                                         (unsigned long long)l->numel);
   size_t elem = scalar_bytes(d->param_type);
+  uint64_t host_numel = (uint64_t)l->host_shards * l->shard_numel;
   int r;
   size_t rw = t->memory_size;
   if ((r = check_buffer(t, d->name, "unsharded", l->unsharded_offset, l->padded_numel, elem,
                         t->shared_size)) < 0 ||
-      (r = check_buffer(t, d->name, "master", l->master_offset, l->padded_numel, 4, rw)) < 0 ||
-      (r = check_buffer(t, d->name, "grad", l->grad_offset, l->padded_numel, 4, rw)) < 0 ||
+      (r = check_buffer(t, d->name, "master", l->master_offset, host_numel, 4, rw)) < 0 ||
+      (r = check_buffer(t, d->name, "grad", l->grad_offset, host_numel, 4, rw)) < 0 ||
       (r = check_buffer(t, d->name, "full_grad", l->full_grad_offset, l->padded_numel, elem,
                         rw)) < 0)
     return r;
@@ -470,6 +473,8 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
       .unsharded = (const uint8_t *)t->shared + l->unsharded_offset,
       .master = (float *)(void *)(base + l->master_offset),
       .grad = (float *)(void *)(base + l->grad_offset),
+      .host_first_shard = l->host_first_shard,
+      .host_shards = l->host_shards,
       .full_grad = base + l->full_grad_offset,
       .gathered_step = l->gathered_step,
       .reduced_step = l->reduced_step,

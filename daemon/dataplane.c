@@ -130,6 +130,8 @@ static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32
   reply.gathered_step = u->gathered ? u->gathered_step : 0;
   reply.reduced_step = u->reduced_step;
   reply.replica = fsdp_unit_plan_replica(&u->plan, rank);
+  reply.host_first_shard = u->plan.first_shard;
+  reply.host_shards = u->plan.local_shards;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
@@ -292,7 +294,7 @@ static void run_work(uv_work_t *req) {
     fsdp_dtype_t pt = param_dtype(u);
     char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->unsharded_offset;
     w->result = fsdp_cast_parallel(dp->workers, unsharded + first * fsdp_dtype_size(pt), pt,
-                                   base + u->master_offset + first * 4, FSDP_DTYPE_FP32, n);
+                                   base + u->master_offset, FSDP_DTYPE_FP32, n);
     break;
   }
   case WORK_REDUCE:
@@ -314,7 +316,7 @@ static void run_work(uv_work_t *req) {
   }
   case WORK_POST_REDUCE: {
     const void *sum = (char *)host_sum(w->job, u) + first * fsdp_dtype_size(reduce_dtype(u));
-    w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset) + first,
+    w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset),
                                      u->reduce_accumulate, &sum, 1, reduce_dtype(u),
                                      reduce_dtype(u), 1.0f, post, n);
     break;
@@ -628,12 +630,13 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
   size_t padded = (size_t)u->layout.padded_numel;
   size_t param_size = fsdp_dtype_size(param_dtype(u));
   size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
+  size_t host_fp32 = round64((size_t)host_numel(u) * 4); /* this host's shards only */
   size_t reduce_size = fsdp_dtype_size(reduce_dtype(u));
   /* Across hosts: the host sum in fp32, and in reduce_dtype when that is narrower. */
   size_t sums = !fsdp_unit_plan_spans_hosts(&u->plan) ? 0
                 : reduce_size == 4                     ? fp32
                                                        : fp32 + round64(padded * reduce_size);
-  size_t total = 2 * fp32 + (size_t)job->local_world_size * unsharded + sums;
+  size_t total = 2 * host_fp32 + (size_t)job->local_world_size * unsharded + sums;
   if (total + unsharded > memory_free)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
                            "job '%s' unit '%s': need %zu bytes, %zu free under memory.limit "
@@ -649,8 +652,8 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
   }
   u->unsharded_offset = shared;
   u->buffers_offset = u->master_offset = base;
-  u->grad_offset = u->master_offset + fp32;
-  u->full_grad_offset = u->grad_offset + fp32;
+  u->grad_offset = u->master_offset + host_fp32;
+  u->full_grad_offset = u->grad_offset + host_fp32;
   u->full_grad_stride = unsharded;
   u->host_sum_fp32_offset = u->full_grad_offset + (size_t)job->local_world_size * unsharded;
   u->host_sum_offset = u->host_sum_fp32_offset + (reduce_size == 4 ? 0 : fp32);

@@ -51,7 +51,7 @@ typedef struct fsdp_unit {
   fsdp_status_t error;        /* why FAILED */
   uint64_t buffers_offset;    /* the arena block holding the read-write buffers */
   uint64_t unsharded_offset;  /* in the job's shared arena (its own block) */
-  uint64_t master_offset;     /* these in the job's arena */
+  uint64_t master_offset;     /* these in the job's arena; master and grad: this host's */
   uint64_t grad_offset;
   uint64_t full_grad_offset;  /* local rank r's at + r * full_grad_stride */
   uint64_t full_grad_stride;

@@ -83,10 +83,16 @@ typedef struct fsdp_unit_view {
   unsigned shard;        /* the shard this rank holds */
   const uint64_t *param_offsets; /* element offset of each parameter in the flat buffer */
   size_t n_params;
-  const void *unsharded; /* padded_numel of param_type: valid between Unshard and Reshard */
-  float *master;         /* padded_numel fp32: shard s at master + s * shard_numel */
-  float *grad;           /* padded_numel fp32 gradient shards, same layout */
-  void *full_grad;       /* this rank's padded_numel of param_type */
+  /* padded_numel of param_type: from Unshard until the gather of a newer step */
+  const void *unsharded;
+  /* The fp32 master and gradient shards of this host: host_shards shards, shard s at
+   * master + (s - host_first_shard) * shard_numel. On one host, host_first_shard is 0 and
+   * the host holds every shard. */
+  float *master;
+  float *grad;
+  unsigned host_first_shard;
+  unsigned host_shards;
+  void *full_grad; /* this rank's padded_numel of param_type */
   /* As of registration: the newest step whose gather / reduce-scatter completed on the
    * unit, 0 before the first (a trainer that attaches again finds its masters trained). */
   uint64_t gathered_step;

@@ -135,8 +135,9 @@ class Unit:
     before this client attached, so the masters hold trained values; replica: which copy of
     its shard this rank holds among all ranks of all hosts holding it (0: the first).
     Buffers (torch tensors, or memoryviews without torch; bf16 memoryviews hold raw bits):
-      master, master_shard   fp32, whole buffer / this rank's slice: write your shard
-      grad, grad_shard       fp32, written by reduce_scatter()
+      master, master_shard   fp32, this host's shards (host_shards of them from
+                             host_first_shard; on one host every shard) / this rank's
+      grad, grad_shard       fp32, the same layout, written by reduce_scatter()
       full_grad              param dtype, this rank's gradient: write it before reduce_scatter
       unsharded              param dtype, READ-ONLY memory: valid between unshard and reshard
     """
@@ -154,11 +155,13 @@ class Unit:
         self.param_offsets = [int(v.param_offsets[i]) for i in range(v.n_params)]
         self.gathered_step, self.reduced_step = int(v.gathered_step), int(v.reduced_step)
         self.replica = int(v.replica)
-        start = self.shard * self.shard_numel
+        self.host_first_shard, self.host_shards = int(v.host_first_shard), int(v.host_shards)
+        start = (self.shard - self.host_first_shard) * self.shard_numel
         n = self.padded_numel
-        self.master = _view(v.master, 0, n, _lib.SCALAR_FP32, True)
+        host = self.host_shards * self.shard_numel
+        self.master = _view(v.master, 0, host, _lib.SCALAR_FP32, True)
         self.master_shard = _view(v.master, start, self.shard_numel, _lib.SCALAR_FP32, True)
-        self.grad = _view(v.grad, 0, n, _lib.SCALAR_FP32, True)
+        self.grad = _view(v.grad, 0, host, _lib.SCALAR_FP32, True)
         self.grad_shard = _view(v.grad, start, self.shard_numel, _lib.SCALAR_FP32, True)
         self.full_grad = _view(v.full_grad, 0, n, param_type, True)
         self.unsharded = _view(v.unsharded, 0, n, param_type, False)

@@ -44,6 +44,7 @@ class UnitView(ctypes.Structure):
                 ("param_offsets", ctypes.POINTER(ctypes.c_uint64)),
                 ("n_params", ctypes.c_size_t), ("unsharded", ctypes.c_void_p),
                 ("master", ctypes.c_void_p), ("grad", ctypes.c_void_p),
+                ("host_first_shard", ctypes.c_uint), ("host_shards", ctypes.c_uint),
                 ("full_grad", ctypes.c_void_p), ("gathered_step", ctypes.c_uint64),
                 ("reduced_step", ctypes.c_uint64), ("replica", ctypes.c_uint)]
 

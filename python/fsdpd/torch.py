@@ -396,8 +396,8 @@ class ShardedModel(_nn.Module):
         """The unit's whole flat fp32 masters, a fresh tensor; every rank calls it together
         (after a barrier when the host holds every shard)."""
         u = fu.unit
-        if u.shard_numel * self.client.local_world_size >= u.padded_numel:
-            return u.master.clone()  # every shard is in this host's memory
+        if u.host_shards * u.shard_numel == u.padded_numel:
+            return u.master.clone()  # this host holds every shard
         if self._gather is None:
             size = max(f.unit.padded_numel for f in self._units)
             self._gather = self._summing_unit(_GATHER_UNIT, size)

@@ -26,7 +26,7 @@ import pytest
 from fsdpd_harness import common_pb2, fsdpd  # noqa: F401
 from test_peers import Cluster, wait_all_joined
 from test_reduce_scatter import decode, reference
-from test_unshard import BF16, FP32, SIZE, Rank, encode, on_all, values_for
+from test_unshard import BF16, FP32, SIZE, Rank, encode, host_element, on_all, values_for
 
 STRATEGIES = {"FULL_SHARD": common_pb2.FULL_SHARD, "SHARD_GRAD_OP": common_pb2.SHARD_GRAD_OP,
               "HYBRID_SHARD": common_pb2.HYBRID_SHARD, "NO_SHARD": common_pb2.NO_SHARD}
@@ -79,6 +79,10 @@ def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
         assert shards == [h % group * L + r for h in range(n_hosts) for r in range(L)]
     else:
         assert shards == list(range(L * n_hosts))
+    # Each host keeps master and gradient buffers for its own shards only.
+    for x in [x for h in layouts for x in h]:
+        assert x.host_shards == (1 if strategy == "NO_SHARD" else L)
+        assert x.host_first_shard == x.shard - (0 if strategy == "NO_SHARD" else x.shard % L)
 
     # Unshard: every rank writes its master shard; everyone gets the whole unit.
     values = values_for(lay.padded_numel, 11)
@@ -98,9 +102,8 @@ def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
                   step=step) == [None] * len(flat)
     want = reference(grads, dtype, 1, len(flat))
     for r, x in zip(flat, [x for h in layouts for x in h]):
-        lo = x.shard * x.shard_numel
-        got = decode(bytes(r.memory[x.grad_offset + lo * 4:
-                                    x.grad_offset + (lo + x.shard_numel) * 4]), FP32)
+        lo, at = x.shard * x.shard_numel, x.grad_offset + host_element(x) * 4
+        got = decode(bytes(r.memory[at:at + x.shard_numel * 4]), FP32)
         assert got == want[lo:lo + x.shard_numel], f"{r.d.log_path.name} shard {x.shard}"
     return hosts, layouts
 

@@ -64,14 +64,21 @@ class Rank:
                            trainer_pb2.UnitOpReply, timeout=timeout)
 
     def write_master_shard(self, layout, values):
+        """This rank's slice of the flat values into its master shard (the host's master
+        buffer holds its shards only, from host_first_shard)."""
         lo = layout.shard * layout.shard_numel
         shard = array.array("f", values[lo:lo + layout.shard_numel])
-        start = layout.master_offset + lo * 4
+        start = layout.master_offset + host_element(layout) * 4
         self.memory[start:start + len(shard) * 4] = shard.tobytes()
 
     def unsharded(self, layout, dtype):
         start = layout.unsharded_offset
         return bytes(self.shared[start:start + layout.padded_numel * SIZE[dtype]])
+
+
+def host_element(layout):
+    """Where the rank's shard starts in the host's master and gradient buffers."""
+    return (layout.shard - layout.host_first_shard) * layout.shard_numel
 
 
 def on_all(ranks, name, unit="u", step=0):
@@ -212,7 +219,7 @@ def test_concurrent_unshards_share_one_gather_and_big_units_work(fsdpd):
     values = array.array("f", range(layouts[0].padded_numel))
     for r, lay in zip(ranks, layouts):
         lo = lay.shard * lay.shard_numel
-        start = lay.master_offset + lo * 4
+        start = lay.master_offset + host_element(lay) * 4
         r.memory[start:start + lay.shard_numel * 4] = values[lo:lo + lay.shard_numel].tobytes()
     assert on_all(ranks, "Unshard", unit="big") == [None] * 4
     lay = layouts[0]
