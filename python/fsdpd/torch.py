@@ -14,7 +14,9 @@ gathered but never reduced; buffers are never sharded.
 
 Memory. A unit's fp32 master shards, fp32 gradient shards, full-gradient buffers and its
 unsharded copy (param_dtype) live in the daemon; the module's parameters point at views of
-the unsharded copy while the unit is unsharded, and at empty tensors otherwise.
+the unsharded copy while the unit is unsharded, and at empty tensors otherwise; in a
+training step their .grad are views of the rank's full-gradient buffer, into which autograd
+accumulates in place (no gradient is allocated or copied in the trainer).
 `model.parameters()` yields one Parameter per trainable unit: this rank's master shard, whose
 .grad is its gradient shard, so torch.optim works unchanged and its state is sharded too.
 
@@ -105,6 +107,7 @@ class _FlatUnit:
         # unit's backward needs no call to point at it again. 0: none.
         self.copy_step = 0
         self.prefetched = 0      # the step of an unshard_async under way, 0: none
+        self.accumulators = [None] * len(self.params)  # the hooked autograd nodes
         self.ran_step = 0        # the step in which the unit last ran forward
         self.pending = 0         # gradients still to come in this backward
         self.reduced = True      # the gradients of ran_step were reduced (or need not be)
@@ -119,13 +122,29 @@ class _FlatUnit:
         lo = u.shard * u.shard_numel
         u.master_shard.copy_(flat[lo:lo + u.shard_numel])
 
-    def point_params(self, flat):
-        """The parameters as views of a flat buffer (the unsharded copy, or a full copy)."""
-        for off, n, shape, p in zip(self.offsets, self.sizes, self.shapes, self.params):
+    def point_params(self, flat, grads=False):
+        """The parameters as views of a flat buffer (the unsharded copy, or a full copy); with
+        grads, their .grad as views of the rank's full-gradient buffer, which autograd then
+        accumulates into in place (no gradient is allocated or copied), and a hook on each
+        one's gradient accumulator, which runs once autograd has added the gradient."""
+        for i, (off, n, shape, p) in enumerate(zip(self.offsets, self.sizes, self.shapes,
+                                                   self.params)):
             p.data = flat[off:off + n].view(shape)
+            if not grads:
+                continue
+            p.grad = self.unit.full_grad[off:off + n].view(shape)
+            # An accumulator is made for the parameter's shape of the moment: the first is
+            # taken while the parameter is whole, and kept (so it stays the parameter's), and
+            # hooked once; a graph still alive from an earlier step holds the same one.
+            with _torch.enable_grad():  # also from backward's hooks, where it is off
+                node = p.expand_as(p).grad_fn.next_functions[0][0]
+            if node is not self.accumulators[i]:
+                node.register_hook(self.owner._grad_done(self))
+                self.accumulators[i] = node
 
     def detach_params(self):
         for p in self.params:
+            p.grad = None
             p.data = self.empty_data
 
     def prefetch(self, step):
@@ -140,12 +159,12 @@ class _FlatUnit:
             self.unit.wait()
             self.copy_step = step
 
-    def unshard(self, step):
+    def unshard(self, step, grads=False):
         self.settle()
         if self.copy_step != step:
             self.unit.unshard(step)
             self.copy_step = step
-        self.point_params(self.unit.unsharded)
+        self.point_params(self.unit.unsharded, grads)
 
     def reshard(self):
         """Lets go of the copy: the parameters point at empty tensors. The host backend keeps
@@ -212,9 +231,7 @@ class ShardedModel(_nn.Module):
         for fu in self._units:
             fu.module.register_forward_pre_hook(self._pre_forward(fu))
             fu.module.register_forward_hook(self._post_forward(fu))
-            if fu.trainable:
-                for i, p in enumerate(fu.params):
-                    p.register_hook(self._grad_hook(fu, i))
+
 
     def _make_units(self, wrap):
         module = self.module
@@ -278,7 +295,7 @@ class ShardedModel(_nn.Module):
         def hook(module, inputs):
             if self._recording and fu not in self._order:
                 self._order.append(fu)
-            fu.unshard(self.step)
+            fu.unshard(self.step, grads=fu.trainable and _torch.is_grad_enabled())
             if self.forward_prefetch and not self._recording:
                 nxt = self._next_in_order(fu, 1)
                 if nxt is not None:
@@ -312,7 +329,7 @@ class ShardedModel(_nn.Module):
             self._queue_finish()
             if not fu.backward_started:
                 fu.backward_started = True
-                fu.unshard(self.step)  # the step's copy is still in the daemon
+                fu.unshard(self.step, grads=fu.trainable and fu.ran_step == self.step)
                 if self.backward_prefetch:
                     prev = self._next_in_order(fu, -1)
                     if prev is not None:
@@ -325,15 +342,12 @@ class ShardedModel(_nn.Module):
             self._callback_queued = True
             _torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _grad_hook(self, fu, i):
-        def hook(grad):
+    def _grad_done(self, fu):
+        def hook(grad_inputs, grad_outputs):
             self._queue_finish()
-            off, n = fu.offsets[i], fu.sizes[i]
-            fu.unit.full_grad[off:off + n].add_(grad.reshape(-1))
             fu.pending -= 1
             if fu.pending == 0:
                 self._reduce(fu)
-            return None
         return hook
 
     def _reduce(self, fu):
@@ -345,8 +359,8 @@ class ShardedModel(_nn.Module):
         fu.reduced = True
         if not keep:
             fu.shard_param.grad = fu.unit.grad_shard
-        # The parameters keep pointing at the copy until the end of backward: autograd may
-        # still accumulate a gradient into them.
+        # The parameters keep pointing at the copy and the buffer until the end of
+        # backward.
 
     def _finish_backward(self):
         """End of backward: units whose parameters did not all get a gradient are reduced
@@ -356,8 +370,6 @@ class ShardedModel(_nn.Module):
             if fu.trainable and fu.ran_step == self.step:
                 self._reduce(fu)
         for fu in self._units:
-            for p in fu.params:
-                p.grad = None
             fu.reshard()
         if self._sync_grads:
             reduced = [fu.unit for fu in self._units if fu.trainable]
