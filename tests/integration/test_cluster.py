@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from fsdpd_harness import common_pb2, fsdpd  # noqa: F401
-from test_peers import Cluster, wait_all_joined
+from test_peers import Cluster, free_ports, wait_all_joined
 from test_reduce_scatter import decode, reference
 from test_unshard import BF16, FP32, SIZE, Rank, encode, host_element, on_all, values_for
 
@@ -241,3 +241,23 @@ def test_trainers_must_match_the_clusters_local_world_size(fsdpd):
     assert ("job 'wide': local_world_size 3, but every host of this cluster runs "
             "cluster.local_world_size = 2 trainers") in str(excinfo.value)
     c.daemons[0].assert_serving()
+
+
+def test_collectives_wait_for_the_cluster_then_fail_naming_who_is_missing(fsdpd):
+    """Host 1 never comes: host 0's collective among hosts waits for the cluster to join,
+    then fails after peer.join_timeout naming the host; the daemon keeps serving."""
+    hosts = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+    d = fsdpd("--hosts", hosts, "--host-rank", 0, "--local-world-size", L,
+              "--set", "memory.job_limit=64MiB", "--set", "peer.join_timeout=1500ms")
+    ranks = [Rank(d, r, L) for r in range(L)]
+    for r in ranks:
+        r.register(shapes=SHAPES)
+    t0 = time.monotonic()
+    errors = on_all(ranks, "Unshard", step=1)
+    elapsed = time.monotonic() - t0
+    for e in errors:
+        assert e is not None and e.code() == grpc.StatusCode.UNAVAILABLE, e
+        assert "the hosts did not all join" in e.details() and "host 1" in e.details(), \
+            e.details()
+    assert elapsed < 1.5 + 3.0, elapsed
+    d.assert_serving()
