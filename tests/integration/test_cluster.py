@@ -261,3 +261,20 @@ def test_collectives_wait_for_the_cluster_then_fail_naming_who_is_missing(fsdpd)
             e.details()
     assert elapsed < 1.5 + 3.0, elapsed
     d.assert_serving()
+
+
+def test_a_daemon_stops_cleanly_while_collectives_wait_for_the_cluster(fsdpd):
+    hosts = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+    d = fsdpd("--hosts", hosts, "--host-rank", 0, "--local-world-size", L,
+              "--set", "memory.job_limit=64MiB", "--set", "daemon.drain_timeout=300ms")
+    ranks = [Rank(d, r, L) for r in range(L)]
+    for r in ranks:
+        r.register(shapes=SHAPES)
+    box = {}
+    waiter = threading.Thread(target=lambda: box.update(e=on_all(ranks, "Unshard", step=1)))
+    waiter.start()
+    time.sleep(0.3)  # both ranks asked: the gather waits for host 1 to join
+    d.send_signal(signal.SIGTERM)
+    assert d.wait() == 0
+    waiter.join(10)
+    assert all(e is not None for e in box["e"])
