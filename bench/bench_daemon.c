@@ -196,25 +196,6 @@ int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double de
   }
 }
 
-static const char *peer_state_name(Fsdp__V1__PeerState s) {
-  switch (s) {
-  case FSDP__V1__PEER_STATE__PEER_STATE_SELF:
-    return "SELF";
-  case FSDP__V1__PEER_STATE__PEER_STATE_JOINING:
-    return "JOINING";
-  case FSDP__V1__PEER_STATE__PEER_STATE_JOINED:
-    return "JOINED";
-  case FSDP__V1__PEER_STATE__PEER_STATE_LOST:
-    return "LOST";
-  case FSDP__V1__PEER_STATE__PEER_STATE_LEFT:
-    return "LEFT";
-  case FSDP__V1__PEER_STATE__PEER_STATE_REFUSED:
-    return "REFUSED";
-  default:
-    return "UNSPECIFIED";
-  }
-}
-
 /* Writes "host R STATE (last error); ..." for every peer that is neither SELF nor JOINED. */
 static void describe_unjoined(const Fsdp__V1__StatusReply *s, char *buf, size_t size) {
   size_t len = 0;
@@ -225,7 +206,8 @@ static void describe_unjoined(const Fsdp__V1__StatusReply *s, char *buf, size_t 
         p->state == FSDP__V1__PEER_STATE__PEER_STATE_JOINED)
       continue;
     int n = snprintf(buf + len, size - len, "%shost %u %s%s%s%s", len ? "; " : "", p->host_rank,
-                     peer_state_name(p->state), p->last_error && p->last_error[0] ? " (" : "",
+                     fsdp_wire_peer_state_name(p->state),
+                     p->last_error && p->last_error[0] ? " (" : "",
                      p->last_error ? p->last_error : "",
                      p->last_error && p->last_error[0] ? ")" : "");
     if (n < 0)

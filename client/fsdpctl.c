@@ -217,25 +217,6 @@ static json_object *config_json(const Fsdp__V1__StatusReply *s) {
   return a;
 }
 
-static const char *peer_state_name(Fsdp__V1__PeerState state) {
-  switch (state) {
-  case FSDP__V1__PEER_STATE__PEER_STATE_SELF:
-    return "SELF";
-  case FSDP__V1__PEER_STATE__PEER_STATE_JOINING:
-    return "JOINING";
-  case FSDP__V1__PEER_STATE__PEER_STATE_JOINED:
-    return "JOINED";
-  case FSDP__V1__PEER_STATE__PEER_STATE_LOST:
-    return "LOST";
-  case FSDP__V1__PEER_STATE__PEER_STATE_LEFT:
-    return "LEFT";
-  case FSDP__V1__PEER_STATE__PEER_STATE_REFUSED:
-    return "REFUSED";
-  default:
-    return "UNSPECIFIED";
-  }
-}
-
 /* Incarnations are 64-bit random ids; JSON numbers lose bits past 2^53, so they are strings
  * of 16 hex digits, as the daemon's log writes them. */
 static const char *hex64(uint64_t v) {
@@ -253,7 +234,7 @@ static json_object *peers_json(const Fsdp__V1__StatusReply *s) {
     json_object *po = json_object_new_object();
     json_object_object_add(po, "host_rank", json_object_new_int64(p->host_rank));
     json_object_object_add(po, "address", json_string(p->address));
-    json_object_object_add(po, "state", json_string(peer_state_name(p->state)));
+    json_object_object_add(po, "state", json_string(fsdp_wire_peer_state_name(p->state)));
     json_object_object_add(po, "last_heard_ms", json_object_new_int64(p->last_heard_ms));
     json_object_object_add(po, "rtt_us", json_object_new_uint64(p->rtt_us));
     json_object_object_add(po, "incarnation", json_string(p->incarnation ? hex64(p->incarnation) : ""));
@@ -285,7 +266,7 @@ static void peers_summary(const Fsdp__V1__StatusReply *s, char *buf, size_t size
         p->state == FSDP__V1__PEER_STATE__PEER_STATE_JOINED)
       continue;
     used += snprintf(buf + used, size - (size_t)used, "; host %" PRIu32 " %s", p->host_rank,
-                     peer_state_name(p->state));
+                     fsdp_wire_peer_state_name(p->state));
   }
 }
 
@@ -495,7 +476,7 @@ static void print_peers(const Fsdp__V1__StatusReply *s) {
     else
       snprintf(rtt, sizeof rtt, "%" PRIu64 "ms", p->rtt_us / 1000);
     printf("%-4" PRIu32 " %-*s %-8s %8s %9s %-16s %s\n", p->host_rank, aw, p->address,
-           peer_state_name(p->state), heard, rtt, p->incarnation ? hex64(p->incarnation) : "-",
+           fsdp_wire_peer_state_name(p->state), heard, rtt, p->incarnation ? hex64(p->incarnation) : "-",
            p->last_error[0] ? p->last_error : "-");
   }
 }

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "fsdp/v1/operator.pb-c.h"
+
 int fsdp_wire_method_path(const ProtobufCServiceDescriptor *service, unsigned method, char *buf,
                           size_t size) {
   if (method >= service->n_methods)
@@ -342,4 +344,13 @@ int fsdp_wire_error_from_status(grpc_status_code code) {
     if (status_table[i].status == code)
       return status_table[i].error;
   return FSDP_E_UNKNOWN;
+}
+
+const char *fsdp_wire_peer_state_name(int state) {
+  static const char prefix[] = "PEER_STATE_";
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value(&fsdp__v1__peer_state__descriptor, state);
+  if (!v || strncmp(v->name, prefix, sizeof prefix - 1) != 0)
+    return "UNSPECIFIED";
+  return v->name + sizeof prefix - 1;
 }

@@ -58,4 +58,8 @@ int fsdp_wire_frame_decode(const ProtobufCMessageDescriptor *desc, const uint8_t
 grpc_status_code fsdp_wire_status_from_error(int err);
 int fsdp_wire_error_from_status(grpc_status_code code);
 
+/* A peer's state as operators read it: "JOINED" for PEER_STATE_JOINED; "UNSPECIFIED" for a
+ * value the enum does not have. */
+const char *fsdp_wire_peer_state_name(int state);
+
 #endif

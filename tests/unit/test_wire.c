@@ -238,6 +238,14 @@ static void test_field_number_zero_is_rejected(void **state) {
   assert_string_equal(st.message, "fsdp.v1.DetachRequest: field number 0 is not valid");
 }
 
+static void test_peer_state_names(void **state) {
+  (void)state;
+  assert_string_equal(fsdp_wire_peer_state_name(FSDP__V1__PEER_STATE__PEER_STATE_JOINED),
+                      "JOINED");
+  assert_string_equal(fsdp_wire_peer_state_name(FSDP__V1__PEER_STATE__PEER_STATE_SELF), "SELF");
+  assert_string_equal(fsdp_wire_peer_state_name(999), "UNSPECIFIED");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_domain_code_has_a_status_and_text),
@@ -251,6 +259,7 @@ int main(void) {
       cmocka_unit_test(test_invalid_utf8_is_rejected),
       cmocka_unit_test(test_field_number_zero_is_rejected),
       cmocka_unit_test(test_nul_inside_a_string_is_rejected),
+      cmocka_unit_test(test_peer_state_names),
   };
   return cmocka_run_group_tests_name("wire", tests, NULL, NULL);
 }
