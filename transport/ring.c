@@ -24,6 +24,8 @@
 
 #define DEFAULT_CHUNK ((size_t)1 << 20)
 #define DEFAULT_WINDOW 8u
+/* Chunks produced at once on the thread pool: enough to keep its threads busy. */
+#define LOCAL_WINDOW 4u
 #define MAX_WINDOW 64u
 #define MAX_CHUNKS ((size_t)1 << 24)
 /* How long members waiting in a chain have to pass the name of the one they all wait for,
@@ -48,8 +50,24 @@ typedef struct xfer {
   void *staging;
   char *dst;
   size_t unit, bytes;
-  bool busy, in_ucx, in_work;
+  unsigned region; /* received chunks: where they go */
+  int result;      /* of the work on the thread pool */
+  const char *failed;
+  /* final: the chunk holds its result once received (and added): finalize it.
+   * add_waiting: arrived, but this member has not produced its part of the chunk yet. */
+  bool busy, in_ucx, in_work, final, add_waiting;
 } xfer_t;
+
+/* A chunk this member makes itself: its produce, then its finalize if it is final then. */
+typedef struct local_work {
+  uv_work_t work;
+  fsdp_ring_t *ring;
+  unsigned region;
+  size_t chunk;
+  int result;
+  const char *failed;
+  bool busy, final;
+} local_work_t;
 
 typedef struct ctrl_slot {
   fsdp_ucx_req_t req;
@@ -73,6 +91,12 @@ struct fsdp_ring {
   uint8_t *state;
   size_t next_recv, next_send, recvs_done, sends_done;
   xfer_t *rx, *tx;
+  /* Chunks this member makes itself, in the order of local_regions; produced[region * n_chunks
+   * + chunk] once made (with a produce hook only). */
+  unsigned local_regions[FSDP_RING_MAX], n_local_regions;
+  size_t local_units, next_local, locals_done;
+  uint8_t *produced;
+  local_work_t locals[LOCAL_WINDOW];
   void *scratch_owned;
   fsdp_ucx_req_t ctrl_rx;
   unsigned char ctrl_in[CTRL_BYTES];
@@ -159,11 +183,17 @@ static void on_aux(uv_timer_t *h);
 
 static void cancel_all(fsdp_ring_t *r) {
   for (unsigned w = 0; w < r->window; w++) {
-    if (r->rx[w].in_ucx)
-      fsdp_ucx_cancel(&r->rx[w].req);
-    if (r->rx[w].in_work)
-      uv_cancel((uv_req_t *)&r->rx[w].work);
+    xfer_t *x = &r->rx[w];
+    if (x->in_ucx)
+      fsdp_ucx_cancel(&x->req);
+    if (x->in_work)
+      uv_cancel((uv_req_t *)&x->work);
+    if (x->add_waiting)
+      x->add_waiting = x->busy = false;
   }
+  for (unsigned w = 0; w < LOCAL_WINDOW; w++)
+    if (r->locals[w].busy)
+      uv_cancel((uv_req_t *)&r->locals[w].work);
   if (r->ctrl_rx_busy)
     fsdp_ucx_cancel(&r->ctrl_rx);
 }
@@ -212,6 +242,14 @@ static void fail_request(fsdp_ring_t *r, int status, unsigned member, const char
     ring_fail(r, status, NONE, "member %u (%s) failed during the %s of step %u chunk %zu: %s",
               member, label_of(r, member), what, t, k, why ? why : fsdp_strerror(status));
   }
+}
+
+/* A produce, finalize or sum that returned an error. */
+static void fail_work(fsdp_ring_t *r, const char *what, unsigned region, size_t chunk,
+                      int result) {
+  size_t off = chunk * r->chunk;
+  ring_fail(r, FSDP_E_INTERNAL, NONE, "the %s of region %u bytes %zu..%zu failed: %s", what,
+            region, off, off + unit_bytes(r, chunk), strerror(-result));
 }
 
 /* ---- Control messages ---- */
@@ -347,7 +385,8 @@ static void on_deadline(uv_timer_t *h) {
   if (!recv_waiting && !send_waiting) {
     uint64_t elapsed = uv_now(r->loop) - r->start_ms;
     ring_fail(r, FSDP_E_DEADLINE_EXCEEDED, NONE,
-              "deadline passed %llu ms after the start with %u local sums still running",
+              "deadline passed %llu ms after the start with %u local sums, produces or "
+              "finalizes still running",
               (unsigned long long)elapsed, r->works_out);
     return;
   }
@@ -397,27 +436,57 @@ static void on_aux(uv_timer_t *h) {
 static void on_recv(fsdp_ucx_req_t *req, int status);
 static void on_sent(fsdp_ucx_req_t *req, int status);
 
-static void add_work(uv_work_t *w) {
-  xfer_t *x = w->data;
-  fsdp_add(x->dst, x->staging, x->ring->a.dtype, x->bytes / x->ring->es);
+/* Whether this member's own part of a chunk is there to be sent or added to. */
+static bool local_ready(const fsdp_ring_t *r, unsigned region, size_t chunk) {
+  return !r->a.produce || r->produced[region * r->n_chunks + chunk];
 }
 
-static void unit_arrived(fsdp_ring_t *r, xfer_t *x) {
-  r->state[x->unit] |= UNIT_RECV_DONE;
+static void mark_arrived(fsdp_ring_t *r, size_t unit) {
+  r->state[unit] |= UNIT_RECV_DONE;
   r->recvs_done++;
-  x->busy = false;
 }
 
-static void after_add(uv_work_t *w, int status) {
+/* On a pool thread: a received chunk's sum into the buffer, then its finalize. */
+static void xfer_work(uv_work_t *w) {
+  xfer_t *x = w->data;
+  fsdp_ring_t *r = x->ring;
+  size_t chunk = x->unit % r->n_chunks;
+  x->result = 0;
+  if (x->staging) {
+    x->failed = "sum";
+    x->result = fsdp_add(x->dst, x->staging, r->a.dtype, x->bytes / r->es);
+  }
+  if (x->result == 0 && x->final) {
+    x->failed = "finalize";
+    x->result = r->a.finalize(r->a.hook_arg, x->region, chunk * r->chunk, x->bytes);
+  }
+}
+
+static void after_xfer_work(uv_work_t *w, int status) {
   xfer_t *x = w->data;
   fsdp_ring_t *r = x->ring;
   x->in_work = false;
+  x->busy = false;
   r->works_out--;
-  if (status == 0 && !r->failed)
-    unit_arrived(r, x);
-  else
-    x->busy = false;
+  if (status == 0 && x->result < 0)
+    fail_work(r, x->failed, x->region, x->unit % r->n_chunks, x->result);
+  else if (status == 0 && !r->failed && x->staging)
+    mark_arrived(r, x->unit); /* a direct receive was marked when it arrived */
   pump(r);
+}
+
+static void start_xfer_work(fsdp_ring_t *r, xfer_t *x) {
+  x->add_waiting = false;
+  x->work.data = x;
+  int rc = uv_queue_work(r->loop, &x->work, xfer_work, after_xfer_work);
+  if (rc < 0) {
+    x->busy = false;
+    ring_fail(r, FSDP_E_INTERNAL, NONE, "cannot queue work on the thread pool: %s",
+              uv_strerror(rc));
+    return;
+  }
+  x->in_work = true;
+  r->works_out++;
 }
 
 static void on_recv(fsdp_ucx_req_t *req, int status) {
@@ -434,14 +503,98 @@ static void on_recv(fsdp_ucx_req_t *req, int status) {
     return;
   }
   if (x->staging) {
-    x->in_work = true;
-    r->works_out++;
-    x->work.data = x;
-    uv_queue_work(r->loop, &x->work, add_work, after_add);
-    return;
+    /* The sum goes on once this member's own part of the chunk is made (pump). */
+    if (local_ready(r, x->region, x->unit % r->n_chunks))
+      start_xfer_work(r, x);
+    else
+      x->add_waiting = true;
+  } else {
+    mark_arrived(r, x->unit);
+    if (x->final)
+      start_xfer_work(r, x); /* the slot stays taken until the finalize returned */
+    else
+      x->busy = false;
   }
-  unit_arrived(r, x);
   pump(r);
+}
+
+/* On a pool thread: one chunk this member makes itself. */
+static void local_work(uv_work_t *w) {
+  local_work_t *l = w->data;
+  fsdp_ring_t *r = l->ring;
+  size_t off = l->chunk * r->chunk, bytes = unit_bytes(r, l->chunk);
+  l->result = 0;
+  if (r->a.produce) {
+    l->failed = "produce";
+    l->result = r->a.produce(r->a.hook_arg, l->region, off, bytes);
+  }
+  if (l->result == 0 && l->final) {
+    l->failed = "finalize";
+    l->result = r->a.finalize(r->a.hook_arg, l->region, off, bytes);
+  }
+}
+
+static void after_local_work(uv_work_t *w, int status) {
+  local_work_t *l = w->data;
+  fsdp_ring_t *r = l->ring;
+  l->busy = false;
+  r->works_out--;
+  if (status == 0 && l->result < 0) {
+    fail_work(r, l->failed, l->region, l->chunk, l->result);
+  } else if (status == 0 && !r->failed) {
+    if (r->produced)
+      r->produced[l->region * r->n_chunks + l->chunk] = 1;
+    r->locals_done++;
+  }
+  pump(r);
+}
+
+/* The regions this member makes itself, in the order the ring needs them: its own for an
+ * all-gather; for a sum, from the one it sends first (i - 1) down to its own, which it
+ * receives last. Without a produce hook only the chunks that are final from the start need
+ * local work, for their finalize. */
+static void plan_local_work(fsdp_ring_t *r) {
+  bool gather = r->a.kind == FSDP_RING_ALL_GATHER;
+  if (gather && (r->a.produce || r->a.finalize)) {
+    r->local_regions[0] = r->a.self;
+    r->n_local_regions = 1;
+  } else if (r->a.produce) {
+    for (unsigned j = 0; j < r->a.n; j++)
+      r->local_regions[j] = mod_n(r, (long)r->a.self - 1 - (long)j);
+    r->n_local_regions = r->a.n;
+  } else if (r->a.finalize && r->a.n == 1) {
+    r->local_regions[0] = 0;
+    r->n_local_regions = 1;
+  }
+  r->local_units = r->n_local_regions * r->n_chunks;
+}
+
+static void pump_local(fsdp_ring_t *r) {
+  for (unsigned w = 0; w < LOCAL_WINDOW && !r->failed && r->next_local < r->local_units; w++) {
+    local_work_t *l = &r->locals[w];
+    if (l->busy)
+      continue;
+    size_t p = r->next_local;
+    l->ring = r;
+    l->region = r->local_regions[p / r->n_chunks];
+    l->chunk = p % r->n_chunks;
+    l->final = r->a.finalize && (r->a.kind == FSDP_RING_ALL_GATHER || r->a.n == 1);
+    l->work.data = l;
+    int rc = uv_queue_work(r->loop, &l->work, local_work, after_local_work);
+    if (rc < 0) {
+      ring_fail(r, FSDP_E_INTERNAL, NONE, "cannot queue work on the thread pool: %s",
+                uv_strerror(rc));
+      return;
+    }
+    l->busy = true;
+    r->works_out++;
+    r->next_local++;
+  }
+  for (unsigned w = 0; w < r->window && !r->failed; w++) {
+    xfer_t *x = &r->rx[w];
+    if (x->add_waiting && local_ready(r, x->region, x->unit % r->n_chunks))
+      start_xfer_work(r, x);
+  }
 }
 
 static void on_sent(fsdp_ucx_req_t *req, int status) {
@@ -468,6 +621,7 @@ static xfer_t *free_slot(xfer_t *slots, unsigned n) {
 }
 
 static void pump(fsdp_ring_t *r) {
+  pump_local(r);
   while (!r->failed && r->next_recv < r->units) {
     xfer_t *x = free_slot(r->rx, r->window);
     if (!x)
@@ -477,9 +631,13 @@ static void pump(fsdp_ring_t *r) {
     size_t k = u % r->n_chunks;
     x->unit = u;
     x->bytes = unit_bytes(r, k);
-    x->dst = unit_ptr(r, recv_region(r, t), k);
+    x->region = recv_region(r, t);
+    x->dst = unit_ptr(r, x->region, k);
     x->staging = step_is_reduce(r, t) ? (char *)r->a.scratch + (size_t)(x - r->rx) * r->chunk
                                       : NULL;
+    /* The last sum step gives this member's own region its result; an all-gather's
+     * chunks, and those of an all-reduce's second half, arrive final. */
+    x->final = r->a.finalize && (r->a.kind == FSDP_RING_ALL_GATHER || t + 2 >= r->a.n);
     x->req.data = x;
     int rc = fsdp_ucx_recv(&x->req, r->peers[r->left], x->staging ? x->staging : x->dst,
                            x->bytes, data_tag(r, t, k), ~(uint64_t)0, on_recv);
@@ -495,7 +653,8 @@ static void pump(fsdp_ring_t *r) {
     size_t u = r->next_send;
     unsigned t = (unsigned)(u / r->n_chunks);
     size_t k = u % r->n_chunks;
-    if (t > 0 && !(r->state[u - r->n_chunks] & UNIT_RECV_DONE))
+    if (t > 0 ? !(r->state[u - r->n_chunks] & UNIT_RECV_DONE)
+              : !local_ready(r, send_region(r, 0), k))
       break;
     xfer_t *x = free_slot(r->tx, r->window);
     if (!x)
@@ -513,7 +672,8 @@ static void pump(fsdp_ring_t *r) {
     r->reqs_out++;
     r->next_send++;
   }
-  if (!r->failed && !r->succeeded && r->recvs_done == r->units && r->sends_done == r->units) {
+  if (!r->failed && !r->succeeded && r->recvs_done == r->units && r->sends_done == r->units &&
+      r->locals_done == r->local_units && r->works_out == 0) {
     r->succeeded = true;
     uv_timer_stop(&r->deadline);
     if (r->ctrl_rx_busy)
@@ -526,6 +686,7 @@ static void pump(fsdp_ring_t *r) {
 
 static void free_ring(fsdp_ring_t *r) {
   free(r->state);
+  free(r->produced);
   free(r->rx);
   free(r->tx);
   free(r->scratch_owned);
@@ -627,11 +788,15 @@ int fsdp_ring_start(fsdp_ucx_t *ucx, const fsdp_ring_args_t *args, fsdp_ring_cb 
   r->state = calloc(r->units ? r->units : 1, 1);
   r->rx = calloc(window, sizeof *r->rx);
   r->tx = calloc(window, sizeof *r->tx);
+  plan_local_work(r);
+  if (a->produce)
+    r->produced = calloc(a->n * n_chunks + 1, 1);
   if (reduce && !a->scratch) {
     r->scratch_owned = malloc((size_t)window * chunk);
     r->a.scratch = r->scratch_owned;
   }
-  if (!r->state || !r->rx || !r->tx || (reduce && !r->a.scratch)) {
+  if (!r->state || !r->rx || !r->tx || (reduce && !r->a.scratch) ||
+      (a->produce && !r->produced)) {
     free_ring(r);
     return fsdp_status_set(st, -ENOMEM, "%s op %u: out of memory for %u chunks of %zu bytes",
                            kind, a->op_id, window, chunk);

@@ -15,6 +15,19 @@
  * x[r] + (x[r-1] + (... + (x[r+2] + x[r+1]))), each addition rounded to the dtype, so the
  * result is deterministic and a reference can compute it bit for bit.
  *
+ * Making and using the data while the ring runs. A caller whose contribution is computed
+ * (a cast, a sum of local gradients) or whose result is consumed (scaled into other
+ * buffers) can hand both to the ring chunk by chunk instead of before and after it, so that
+ * the local work overlaps the transfers. `produce` writes this member's contribution to one
+ * chunk of the buffer; the ring calls it for its own region (all-gather) or for every
+ * region (reduce-scatter, all-reduce) in the order the ring needs them, and no chunk is
+ * sent or added to before its produce returned. `finalize` reads one chunk of a region this
+ * member ends with once the chunk holds its result: its own region (reduce-scatter), every
+ * region (all-gather, all-reduce). Each is called once per chunk, on libuv's thread pool
+ * (several chunks at once), with the region and the chunk's byte offset and length in it;
+ * it returns 0, or a negative errno that fails the collective ("the produce of region r
+ * ... failed: ..."). The callback runs after every finalize returned.
+ *
  * Messages. A collective's messages are tagged with its op_id (the caller's; the daemon
  * uses the unit and the step), so that collectives running at the same time never mix. An
  * op_id must not be reused while a collective with it may still be running on any member.
@@ -78,6 +91,10 @@ typedef struct fsdp_ring_args {
    * only), so that a collective faults no fresh pages; NULL: allocated per collective. */
   void *scratch;
   size_t scratch_bytes;
+  /* Optional, see the header comment; hook_arg is passed to both. */
+  int (*produce)(void *hook_arg, unsigned region, size_t offset, size_t bytes);
+  int (*finalize)(void *hook_arg, unsigned region, size_t offset, size_t bytes);
+  void *hook_arg;
 } fsdp_ring_args_t;
 
 typedef void (*fsdp_ring_cb)(fsdp_ring_t *ring, const fsdp_status_t *status, void *arg);

@@ -1,7 +1,10 @@
-/* The UCX transport and its ring collectives between real processes: n = 2 and 3 forked
+/* The UCX transport and its ring collectives between real processes: n = 1, 2 and 3 forked
  * members, each with its own loop and ucp worker, exchange their addresses through the
  * parent (socketpairs made before the fork), run every collective for every dtype on odd
- * sizes, and compare with a reference each computes itself. The sums are compared bit for
+ * sizes, with the data in the buffer and again made by a produce hook and read by a
+ * finalize hook (each chunk finalized exactly once), and compare with a reference each
+ * computes itself. (The parent never uses libuv's thread pool: a child forked after it
+ * started would inherit pool threads that no longer exist.) The sums are compared bit for
  * bit: the ring's summation order is fixed (region r is summed around the ring from member
  * r + 1, each addition rounded to the dtype, see ring.h), so the reference adds in that
  * order with the same rounding (fp32 addition of exact values, then fsdp_cast), and there
@@ -251,15 +254,55 @@ typedef struct shape {
   unsigned window;
 } shape_t;
 
-/* Runs one collective and checks the buffer; returns 0, or -1 after reporting. */
+/* A hooked collective: the member's contribution is made by `produce`, chunk by chunk, and
+ * `finalize` copies each final chunk out and counts the bytes it was given. */
+typedef struct hooks {
+  const member_t *m;
+  fsdp_ring_kind_t kind;
+  fsdp_dtype_t t;
+  size_t rb;
+  uint32_t seed;
+  unsigned char *buf, *out, *finalized;
+  unsigned fail_region; /* produce fails here (FSDP_RING_MAX: never) */
+} hooks_t;
+
+static int hook_produce(void *arg, unsigned region, size_t off, size_t bytes) {
+  hooks_t *h = arg;
+  size_t es = fsdp_dtype_size(h->t);
+  if (region >= h->m->n || off % es || bytes % es || off + bytes > h->rb ||
+      (h->kind == FSDP_RING_ALL_GATHER && region != h->m->self))
+    return -ERANGE;
+  if (region == h->fail_region)
+    return -EIO;
+  fill_member(h->buf + region * h->rb + off, h->t, h->m->self, (region * h->rb + off) / es,
+              bytes / es, h->seed);
+  return 0;
+}
+
+static int hook_finalize(void *arg, unsigned region, size_t off, size_t bytes) {
+  hooks_t *h = arg;
+  if (region >= h->m->n || off + bytes > h->rb)
+    return -ERANGE;
+  size_t at = region * h->rb + off;
+  memcpy(h->out + at, h->buf + at, bytes);
+  for (size_t i = 0; i < bytes; i++)
+    h->finalized[at + i]++;
+  return 0;
+}
+
+/* Runs one collective and checks the buffer; returns 0, or -1 after reporting. hooked: the
+ * member's data comes from produce and the result is read through finalize. */
 static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, shape_t sh,
-                            uint32_t op_id) {
+                            uint32_t op_id, bool hooked) {
   size_t es = fsdp_dtype_size(t), rb = sh.elems * es, total = rb * m->n;
   unsigned char *buf = malloc(total + 1), *want = malloc(total + 1);
+  unsigned char *out = calloc(total + 1, 1), *finalized = calloc(total + 1, 1);
+  hooks_t h = {.m = m, .kind = kind, .t = t, .rb = rb, .seed = op_id, .buf = buf, .out = out,
+               .finalized = finalized, .fail_region = FSDP_RING_MAX};
   memset(buf, 0xa5, total);
-  if (kind == FSDP_RING_ALL_GATHER)
+  if (!hooked && kind == FSDP_RING_ALL_GATHER) /* hooked: produce writes the member's part */
     fill_member(buf + m->self * rb, t, m->self, m->self * sh.elems, sh.elems, op_id);
-  else
+  else if (!hooked)
     fill_member(buf, t, m->self, 0, sh.elems * m->n, op_id);
   for (unsigned r = 0; r < m->n; r++) {
     if (kind == FSDP_RING_ALL_GATHER)
@@ -272,6 +315,11 @@ static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, 
                         .buf = buf, .region_bytes = rb, .dtype = t, .op_id = op_id,
                         .deadline_ms = uv_now(&m->loop) + 15000,
                         .chunk_bytes = sh.chunk_bytes, .window = sh.window};
+  if (hooked) {
+    a.produce = hook_produce;
+    a.finalize = hook_finalize;
+    a.hook_arg = &h;
+  }
   fsdp_status_t st = FSDP_STATUS_INIT;
   fsdp_ring_t *ring;
   int rc = -1;
@@ -290,19 +338,26 @@ static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, 
            sh.elems, res.st.message);
     goto out;
   }
+  const unsigned char *got = hooked ? out : buf;
   for (unsigned r = 0; r < m->n; r++) {
-    if (kind == FSDP_RING_REDUCE_SCATTER && r != m->self)
-      continue;
+    bool ends_with = kind != FSDP_RING_REDUCE_SCATTER || r == m->self;
     for (size_t i = 0; i < sh.elems; i++) {
       size_t off = r * rb + i * es;
-      if (memcmp(buf + off, want + off, es) != 0) {
+      if (hooked && finalized[off] != ends_with) {
+        report(m, "FAIL member %u of %u: hooked %s %s, %zu elements per region: region %u "
+                  "element %zu finalized %u times, expected %u",
+               m->self, m->n, what, fsdp_dtype_name(t), sh.elems, r, i, finalized[off],
+               (unsigned)ends_with);
+        goto out;
+      }
+      if (ends_with && memcmp(got + off, want + off, es) != 0) {
         uint32_t g = 0, w = 0;
-        memcpy(&g, buf + off, es);
+        memcpy(&g, got + off, es);
         memcpy(&w, want + off, es);
-        report(m, "FAIL member %u of %u: %s %s, %zu elements per region, chunk %zu, window %u: "
-                  "region %u element %zu is 0x%x, expected 0x%x",
-               m->self, m->n, what, fsdp_dtype_name(t), sh.elems, sh.chunk_bytes, sh.window, r,
-               i, g, w);
+        report(m, "FAIL member %u of %u: %s%s %s, %zu elements per region, chunk %zu, window "
+                  "%u: region %u element %zu is 0x%x, expected 0x%x",
+               m->self, m->n, hooked ? "hooked " : "", what, fsdp_dtype_name(t), sh.elems,
+               sh.chunk_bytes, sh.window, r, i, g, w);
         goto out;
       }
     }
@@ -311,6 +366,43 @@ static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, 
 out:
   free(buf);
   free(want);
+  free(out);
+  free(finalized);
+  return rc;
+}
+
+/* Member 0's produce fails for one region: every member's collective fails, and member 0's
+ * message names the produce. */
+static int check_produce_failure(member_t *m, uint32_t op_id) {
+  size_t elems = 4096, rb = elems * 4;
+  unsigned char *buf = malloc(rb * m->n), *out = malloc(rb * m->n), *fin = calloc(rb * m->n, 1);
+  hooks_t h = {.m = m, .kind = FSDP_RING_REDUCE_SCATTER, .t = FSDP_DTYPE_FP32, .rb = rb,
+               .seed = op_id, .buf = buf, .out = out, .finalized = fin,
+               .fail_region = m->self == 0 ? 1 : FSDP_RING_MAX};
+  result_t res = {.start_ms = now_ms()};
+  fsdp_ring_args_t a = {.kind = FSDP_RING_REDUCE_SCATTER, .n = m->n, .self = m->self,
+                        .peers = m->peers, .buf = buf, .region_bytes = rb,
+                        .dtype = FSDP_DTYPE_FP32, .op_id = op_id,
+                        .deadline_ms = uv_now(&m->loop) + 15000, .chunk_bytes = 4096,
+                        .produce = hook_produce, .finalize = hook_finalize, .hook_arg = &h};
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  fsdp_ring_t *ring;
+  int rc = -1;
+  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &st, &ring) < 0) {
+    report(m, "FAIL member %u: produce failure start: %s", m->self, st.message);
+  } else if (!run_until(m, &res.done, 20000)) {
+    report(m, "FAIL member %u: no callback 20 s after member 0's produce failed", m->self);
+  } else if (res.st.code >= 0 ||
+             (m->self == 0 && (!strstr(res.st.message, "the produce of region 1 bytes ") ||
+                               !strstr(res.st.message, "failed: Input/output error")))) {
+    report(m, "FAIL member %u: after member 0's produce failed: %d %s", m->self, res.st.code,
+           res.st.message);
+  } else {
+    rc = 0;
+  }
+  free(buf);
+  free(out);
+  free(fin);
   return rc;
 }
 
@@ -329,8 +421,11 @@ static int member_correctness(member_t *m) {
   for (int k = 0; k < 3; k++)
     for (int ti = 0; ti < 3; ti++)
       for (size_t s = 0; s < sizeof SHAPES / sizeof SHAPES[0]; s++)
-        if (check_collective(m, (fsdp_ring_kind_t)k, types[ti], SHAPES[s], op++) < 0)
-          return -1;
+        for (int hooked = 0; hooked < 2; hooked++)
+          if (check_collective(m, (fsdp_ring_kind_t)k, types[ti], SHAPES[s], op++, hooked) < 0)
+            return -1;
+  if (m->n > 1 && check_produce_failure(m, op++) < 0)
+    return -1;
   report(m, "OK");
   return 0;
 }
@@ -540,6 +635,12 @@ static void run_correctness(unsigned n) {
   assert_int_equal(group_reap(&g), n);
 }
 
+/* One member: no transfers, but every chunk still goes through the hooks. */
+static void test_collectives_one(void **state) {
+  (void)state;
+  run_correctness(1);
+}
+
 static void test_collectives_two(void **state) {
   (void)state;
   run_correctness(2);
@@ -707,6 +808,7 @@ int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_single_member_and_arguments),
+      cmocka_unit_test(test_collectives_one),
       cmocka_unit_test(test_collectives_two),
       cmocka_unit_test(test_collectives_three),
       cmocka_unit_test(test_cancel),
