@@ -18,17 +18,14 @@ struct fsdp_waiter {
   fsdp_waiter_t *prev, *next;
 };
 
-/* Work on the thread pool. A gather casts this host's master shards into the unsharded
- * buffer, then (across hosts) an all-gather fills in the other hosts' regions. A reduce on
- * one host writes the gradient shards in one pass; across hosts it is a pre-reduction of
- * the local ranks' gradients into the host sum, rings among the hosts, and a post-reduction
- * of this host's region into its ranks' gradient shards. */
+/* Work on the thread pool when the unit's collective stays on this host: a gather casts the
+ * master shards into the unsharded buffer, a reduce writes the gradient shards in one pass.
+ * Across hosts the same work is done by the rings' hooks, chunk by chunk, as the transfers
+ * go (see "Rings among hosts"). */
 typedef enum work_kind {
   WORK_PREFAULT,
   WORK_GATHER,
   WORK_REDUCE,
-  WORK_PRE_REDUCE,
-  WORK_POST_REDUCE,
 } work_kind_t;
 
 struct fsdp_dataplane_work {
@@ -42,8 +39,7 @@ struct fsdp_dataplane_work {
 };
 
 static const char *const work_names[] = {"preparing its buffers", "the gather",
-                                         "the reduce-scatter", "the host's pre-reduction",
-                                         "the host's post-reduction"};
+                                         "the reduce-scatter"};
 
 /* The proto's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
@@ -266,6 +262,14 @@ static float *host_sum_fp32(const fsdp_job_t *job, const fsdp_unit_t *u) {
   return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->host_sum_fp32_offset);
 }
 
+/* The local ranks' full gradients, in local rank order. */
+static void full_grads(const fsdp_job_t *job, const fsdp_unit_t *u,
+                       const void *srcs[FSDP_LOCAL_WORLD_MAX]) {
+  const char *base = fsdp_arena_base(job->arena);
+  for (unsigned r = 0; r < job->local_world_size; r++)
+    srcs[r] = base + u->full_grad_offset + r * u->full_grad_stride;
+}
+
 /* The work queue: one item at a time on libuv's thread pool. */
 
 static void start_next(fsdp_dataplane_t *dp);
@@ -277,8 +281,7 @@ static void run_work(uv_work_t *req) {
   char *base = fsdp_arena_base(w->job->arena);
   unsigned world = w->job->local_world_size;
   const void *srcs[FSDP_LOCAL_WORLD_MAX];
-  for (unsigned r = 0; r < world; r++)
-    srcs[r] = base + u->full_grad_offset + r * u->full_grad_stride;
+  full_grads(w->job, u, srcs);
   float pre, post;
   reduce_scales(u, &pre, &post);
   uint64_t first = host_first(u), n = host_numel(u);
@@ -304,23 +307,6 @@ static void run_work(uv_work_t *req) {
                                      u->reduce_accumulate, srcs, world, param_dtype(u),
                                      reduce_dtype(u), pre, post, u->layout.padded_numel);
     break;
-  case WORK_PRE_REDUCE: {
-    /* The host-level pre-reduction: one contribution per host leaves it. */
-    float *sum32 = host_sum_fp32(w->job, u);
-    w->result = fsdp_reduce_parallel(dp->workers, sum32, false, srcs, world, param_dtype(u),
-                                     reduce_dtype(u), pre, 1.0f, u->layout.padded_numel);
-    if (w->result == 0 && reduce_dtype(u) != FSDP_DTYPE_FP32)
-      w->result = fsdp_cast_parallel(dp->workers, host_sum(w->job, u), reduce_dtype(u), sum32,
-                                     FSDP_DTYPE_FP32, u->layout.padded_numel);
-    break;
-  }
-  case WORK_POST_REDUCE: {
-    const void *sum = (char *)host_sum(w->job, u) + first * fsdp_dtype_size(reduce_dtype(u));
-    w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset),
-                                     u->reduce_accumulate, &sum, 1, reduce_dtype(u),
-                                     reduce_dtype(u), 1.0f, post, n);
-    break;
-  }
   }
 }
 
@@ -348,26 +334,16 @@ static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                        fsdp_ring_kind_t kind);
 
 /* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
- * (done_ring); the other is -1. */
+ * (done_ring); the other is -1. A reduce-scatter among the shard group is followed by the
+ * all-reduce among the replicas, if any; every other stage ends its collective. */
 static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
                        int done_ring) {
-  const fsdp_unit_plan_t *p = &u->plan;
-  if (done_work == WORK_GATHER && p->shard_ring.members > 1) {
-    start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
-  } else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER) {
+  if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER)
     finish_collective(u, WAIT_UNSHARD, NULL);
-  } else if (done_work == WORK_PRE_REDUCE && p->shard_ring.members > 1) {
-    start_ring(dp, job, u, FSDP_RING_REDUCE_SCATTER);
-  } else if ((done_work == WORK_PRE_REDUCE || done_ring == FSDP_RING_REDUCE_SCATTER) &&
-             p->replica_ring.members > 1) {
+  else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1)
     start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
-  } else if (done_work == WORK_PRE_REDUCE || done_ring >= 0) {
-    int r = queue(dp, WORK_POST_REDUCE, job, u);
-    if (r < 0)
-      abort_collection(u, WAIT_REDUCE, r, "cannot queue the host's post-reduction");
-  } else { /* WORK_REDUCE, WORK_POST_REDUCE */
+  else
     finish_collective(u, WAIT_REDUCE, NULL);
-  }
 }
 
 static void work_done(uv_work_t *req, int status) {
@@ -404,16 +380,78 @@ static void work_done(uv_work_t *req, int status) {
   start_next(dp);
 }
 
-/* Rings among hosts. */
+/* Rings among hosts.
+ *
+ * The local work rides on the rings' hooks, chunk by chunk, so it overlaps the transfers:
+ * an all-gather produces this host's region by casting its master shards; the first ring of
+ * a reduce (the reduce-scatter among the shard group, or the all-reduce among replicas
+ * when the group is this host alone) produces each chunk of the host sum from the local
+ * ranks' full gradients (the host-level pre-reduction: one contribution per host leaves
+ * it); the last ring of a reduce finalizes each chunk of this host's region into its
+ * ranks' gradient shards (the post-reduction). */
 
 typedef struct ring_run {
   fsdp_dataplane_t *dp;
   fsdp_job_t *job;
   fsdp_unit_t *unit;
   fsdp_ring_kind_t kind;
+  uint64_t first_elem;   /* the unit's element at the start of the ring's buffer */
+  uint64_t region_numel; /* elements per region of the ring */
+  size_t elem_size;      /* of the ring's dtype */
   void *scratch;         /* a sum's staging buffer, from the pool */
   struct ring_run *next; /* while waiting for the cluster */
 } ring_run_t;
+
+/* The unit's first element of a ring chunk, and the chunk's length in elements. */
+static uint64_t chunk_elem(const ring_run_t *run, unsigned region, size_t offset) {
+  return run->first_elem + region * run->region_numel + offset / run->elem_size;
+}
+
+/* On a pool thread: this host's master shards of an all-gather chunk, cast to param_dtype. */
+static int produce_gathered(void *arg, unsigned region, size_t offset, size_t bytes) {
+  ring_run_t *run = arg;
+  const fsdp_unit_t *u = run->unit;
+  uint64_t e = chunk_elem(run, region, offset);
+  char *unsharded = (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset;
+  const float *master = (const float *)(const void *)((const char *)fsdp_arena_base(
+                            run->job->arena) + u->master_offset);
+  return fsdp_cast(unsharded + e * run->elem_size, param_dtype(u), master + (e - host_first(u)),
+                   FSDP_DTYPE_FP32, bytes / run->elem_size);
+}
+
+/* On a pool thread: a chunk of the host sum, from the local ranks' full gradients (in fp32,
+ * then in reduce_dtype when that is narrower), divided by the predivide factor. */
+static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t bytes) {
+  ring_run_t *run = arg;
+  const fsdp_unit_t *u = run->unit;
+  uint64_t e = chunk_elem(run, region, offset);
+  size_t n = bytes / run->elem_size;
+  const void *srcs[FSDP_LOCAL_WORLD_MAX];
+  full_grads(run->job, u, srcs);
+  float pre, post;
+  reduce_scales(u, &pre, &post);
+  float *sum32 = host_sum_fp32(run->job, u);
+  int r = fsdp_reduce_range(sum32, false, srcs, run->job->local_world_size, param_dtype(u),
+                            reduce_dtype(u), pre, 1.0f, e, e + n);
+  if (r == 0 && reduce_dtype(u) != FSDP_DTYPE_FP32)
+    r = fsdp_cast((char *)host_sum(run->job, u) + e * run->elem_size, reduce_dtype(u),
+                  sum32 + e, FSDP_DTYPE_FP32, n);
+  return r;
+}
+
+/* On a pool thread: a final chunk of this host's region of the sum, divided by the
+ * postdivide factor into (or onto, when accumulating) the ranks' fp32 gradient shards. */
+static int finalize_grads(void *arg, unsigned region, size_t offset, size_t bytes) {
+  ring_run_t *run = arg;
+  const fsdp_unit_t *u = run->unit;
+  uint64_t e = chunk_elem(run, region, offset);
+  float pre, post;
+  reduce_scales(u, &pre, &post);
+  float *grads = (float *)(void *)((char *)fsdp_arena_base(run->job->arena) + u->grad_offset);
+  const void *sum = (const char *)host_sum(run->job, u) + e * run->elem_size;
+  return fsdp_reduce(grads + (e - host_first(u)), u->reduce_accumulate, &sum, 1,
+                     reduce_dtype(u), reduce_dtype(u), 1.0f, post, bytes / run->elem_size);
+}
 
 /* Rings move 1 MiB chunks, 8 in flight; a sum stages what it receives in a buffer of that
  * size. The buffers are kept for the next ring once faulted in: no collective faults fresh
@@ -514,14 +552,18 @@ static void start_run(ring_run_t *run) {
   }
   bool gather = run->kind == FSDP_RING_ALL_GATHER;
   fsdp_dtype_t dtype = gather ? param_dtype(u) : reduce_dtype(u);
-  size_t elem = fsdp_dtype_size(dtype);
+  run->elem_size = fsdp_dtype_size(dtype);
+  run->region_numel = host_numel(u);
+  if (run->kind == FSDP_RING_ALL_REDUCE) { /* this host's region, among its replicas */
+    run->first_elem = host_first(u);
+    run->region_numel /= hosts->members;
+  }
   char *buf = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset
                      : host_sum(run->job, u);
-  size_t region = (size_t)host_numel(u) * elem;
-  if (run->kind == FSDP_RING_ALL_REDUCE) { /* this host's region, among its replicas */
-    buf += host_first(u) * elem;
-    region /= hosts->members;
-  }
+  buf += run->first_elem * run->elem_size;
+  /* The reduce's first ring makes the host sum, its last one writes the gradient shards. */
+  bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
+  bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
   if (!gather && !(run->scratch = take_scratch(dp))) {
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
                     "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
@@ -537,7 +579,7 @@ static void start_run(ring_run_t *run) {
       .self = hosts->self,
       .peers = peers,
       .buf = buf,
-      .region_bytes = region,
+      .region_bytes = run->region_numel * run->elem_size,
       .dtype = dtype,
       .op_id = ring_op_id(run->job, u, step, run->kind),
       .deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms,
@@ -545,6 +587,9 @@ static void start_run(ring_run_t *run) {
       .window = RING_WINDOW,
       .scratch = run->scratch,
       .scratch_bytes = run->scratch ? RING_SCRATCH : 0,
+      .produce = gather ? produce_gathered : first_of_reduce ? produce_host_sum : NULL,
+      .finalize = !gather && last_of_reduce ? finalize_grads : NULL,
+      .hook_arg = run,
   };
   fsdp_ring_t *ring;
   if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &st, &ring) < 0) {
@@ -746,13 +791,15 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
   }
   if (!collect(unit, WAIT_UNSHARD, call, job, session, rq->step, deadline_ms))
     return;
-  int r = queue(dp, WORK_GATHER, job, unit);
-  if (r < 0) {
-    abort_collection(unit, WAIT_UNSHARD, r, "cannot queue the gather");
-    return;
-  }
   unit->gathered = false; /* the buffer is overwritten from now on */
   c->running = true;
+  if (unit->plan.shard_ring.members > 1) {
+    start_ring(dp, job, unit, FSDP_RING_ALL_GATHER);
+    return;
+  }
+  int r = queue(dp, WORK_GATHER, job, unit);
+  if (r < 0)
+    abort_collection(unit, WAIT_UNSHARD, r, "cannot queue the gather");
 }
 
 void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
@@ -790,13 +837,15 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
   }
   if (!collect(unit, WAIT_REDUCE, call, job, session, rq->step, deadline_ms))
     return;
-  int r = queue(dp, fsdp_unit_plan_spans_hosts(&unit->plan) ? WORK_PRE_REDUCE : WORK_REDUCE,
-                job, unit);
-  if (r < 0) {
-    abort_collection(unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
+  c->running = true;
+  if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
+    start_ring(dp, job, unit,
+               unit->plan.shard_ring.members > 1 ? FSDP_RING_REDUCE_SCATTER : FSDP_RING_ALL_REDUCE);
     return;
   }
-  c->running = true;
+  int r = queue(dp, WORK_REDUCE, job, unit);
+  if (r < 0)
+    abort_collection(unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
 }
 
 static bool collecting(const fsdp_collection_t *c) {
