@@ -110,6 +110,7 @@ static void retire_idle_jobs(fsdp_daemon_t *daemon, uint64_t now_ms) {
              "and memory",
              job->name, (unsigned long long)(now_ms - job->idle_since_ms), job->n_units,
              job->n_units == 1 ? "" : "s");
+    fsdp_dataplane_forget_job(&daemon->dataplane, job);
     fsdp_store_remove_job(&daemon->store, job);
   }
 }

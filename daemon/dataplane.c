@@ -517,6 +517,14 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
 
 static void on_cluster_ready(void *data, int status, const char *why);
 
+/* A job's arena is registered with UCX as a whole on its first ring, once: it is mapped and
+ * faulted in for good when the job starts (fsdp_dataplane_forget_job releases it). */
+static const fsdp_ucx_mem_t *registered_arena(fsdp_dataplane_t *dp, fsdp_arena_t *arena) {
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(arena, &stats);
+  return fsdp_fabric_memory(dp->fabric, fsdp_arena_base(arena), stats.capacity);
+}
+
 /* Starts a ring of the unit's collective once the hosts it needs are connected; while the
  * cluster is still joining, it waits for it (at most peer.join_timeout after start). */
 static void start_run(ring_run_t *run) {
@@ -558,8 +566,8 @@ static void start_run(ring_run_t *run) {
     run->first_elem = host_first(u);
     run->region_numel /= hosts->members;
   }
-  char *buf = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset
-                     : host_sum(run->job, u);
+  fsdp_arena_t *arena = gather ? run->job->shared_arena : run->job->arena;
+  char *buf = gather ? (char *)fsdp_arena_base(arena) + u->unsharded_offset : host_sum(run->job, u);
   buf += run->first_elem * run->elem_size;
   /* The reduce's first ring makes the host sum, its last one writes the gradient shards. */
   bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
@@ -587,6 +595,9 @@ static void start_run(ring_run_t *run) {
       .window = RING_WINDOW,
       .scratch = run->scratch,
       .scratch_bytes = run->scratch ? RING_SCRATCH : 0,
+      .buf_mem = registered_arena(dp, arena),
+      .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
+                                  : NULL,
       .produce = gather ? produce_gathered : first_of_reduce ? produce_host_sum : NULL,
       .finalize = !gather && last_of_reduce ? finalize_grads : NULL,
       .hook_arg = run,
@@ -895,6 +906,15 @@ void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why
       abort_collection(u, kind, FSDP_E_ABORTED, message);
     }
   }
+}
+
+void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
+  if (!dp->fabric)
+    return;
+  if (job->arena)
+    fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(job->arena));
+  if (job->shared_arena)
+    fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(job->shared_arena));
 }
 
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {

@@ -106,6 +106,10 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
 /* Whether any queued or running work, or any parked call, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
 
+/* Before the job's memory goes (nothing may use it: fsdp_dataplane_uses_job is false):
+ * releases its registrations with the transport. */
+void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job);
+
 /* A session of `job` ended (why: for the messages); next_serial: the serial the next
  * session will get. Collectives waiting for its rank end with ABORTED naming it, and so do
  * those that sessions older than its end start until the rank attaches again (its session

@@ -16,12 +16,21 @@ typedef struct fabric_host {
   char label[FSDP_UCX_LABEL_MAX];
 } fabric_host_t;
 
+/* A buffer registered with the worker, by its start. mem is NULL when UCX refused it. */
+typedef struct fabric_memory {
+  const void *addr;
+  size_t len;
+  fsdp_ucx_mem_t *mem;
+  struct fabric_memory *next;
+} fabric_memory_t;
+
 struct fsdp_fabric {
   fsdp_peers_t *peers;
   fsdp_ucx_t *ucx;
   unsigned self;
   unsigned n_hosts;
   fabric_host_t *hosts;
+  fabric_memory_t *memory;
   void (*done)(void *data);
   void *done_data;
 };
@@ -144,10 +153,48 @@ fsdp_ucx_peer_t *fsdp_fabric_peer(fsdp_fabric_t *fabric, unsigned host_rank,
   return h->peer;
 }
 
+const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size_t len) {
+  for (fabric_memory_t *m = fabric->memory; m; m = m->next)
+    if (m->addr == addr && m->len == len)
+      return m->mem;
+  fabric_memory_t *m = calloc(1, sizeof *m);
+  if (!m)
+    return NULL;
+  fsdp_status_t st;
+  if (fsdp_ucx_mem_register(fabric->ucx, addr, len, &st, &m->mem) < 0)
+    log_warning("data plane: transfers from and to this buffer go without a registration: %s",
+                st.message);
+  m->addr = addr;
+  m->len = len;
+  m->next = fabric->memory;
+  fabric->memory = m;
+  return m->mem;
+}
+
+void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr) {
+  if (!fabric)
+    return;
+  for (fabric_memory_t **p = &fabric->memory; *p;) {
+    fabric_memory_t *m = *p;
+    if (m->addr != addr) {
+      p = &m->next;
+      continue;
+    }
+    *p = m->next;
+    fsdp_ucx_mem_deregister(m->mem);
+    free(m);
+  }
+}
+
 static void on_ucx_closed(void *data) {
   fsdp_fabric_t *f = data;
   if (f->done)
     f->done(f->done_data);
+  while (f->memory) { /* their registrations went with the worker */
+    fabric_memory_t *m = f->memory;
+    f->memory = m->next;
+    free(m);
+  }
   for (unsigned i = 0; i < f->n_hosts; i++)
     forget_address(&f->hosts[i]);
   free(f->hosts);

@@ -33,6 +33,15 @@ fsdp_ucx_t *fsdp_fabric_ucx(const fsdp_fabric_t *fabric);
 fsdp_ucx_peer_t *fsdp_fabric_peer(fsdp_fabric_t *fabric, unsigned host_rank,
                                   const char **ret_why);
 
+/* The registration of [addr, addr + len) with the worker (fsdp_ucx_mem_register), made on
+ * first use and kept until fsdp_fabric_forget_memory() or the close; NULL when UCX refused
+ * it (logged once; transfers then go without). */
+const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size_t len);
+
+/* Releases what was registered at addr, before that memory goes. NULL fabric: no-op. No
+ * transfer may still be using it. */
+void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr);
+
 /* Fails every transfer (their collectives end CANCELLED), closes the worker and frees the
  * fabric; done(data) runs on the loop afterwards. NULL: done runs at once. */
 void fsdp_fabric_close(fsdp_fabric_t *fabric, void (*done)(void *data), void *data);

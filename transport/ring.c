@@ -288,7 +288,7 @@ static void ctrl_send(fsdp_ring_t *r, unsigned to, unsigned kind, int culprit, i
   s->ring = r;
   s->peer = p;
   s->req.data = s;
-  if (fsdp_ucx_send(&s->req, p, s->msg, CTRL_BYTES, ctrl_tag(r, r->a.self, kind),
+  if (fsdp_ucx_send(&s->req, p, s->msg, CTRL_BYTES, NULL, ctrl_tag(r, r->a.self, kind),
                     on_ctrl_sent) == 0) {
     s->busy = true;
     r->reqs_out++;
@@ -302,7 +302,7 @@ static void post_ctrl_rx(fsdp_ring_t *r) {
     return;
   r->ctrl_rx.data = r;
   uint64_t mask = ~(uint64_t)0 << 24;
-  int rc = fsdp_ucx_recv(&r->ctrl_rx, r->peers[r->left], r->ctrl_in, CTRL_BYTES,
+  int rc = fsdp_ucx_recv(&r->ctrl_rx, r->peers[r->left], r->ctrl_in, CTRL_BYTES, NULL,
                          ctrl_tag(r, 0, 0), mask, on_ctrl);
   if (rc == 0) {
     r->ctrl_rx_busy = true;
@@ -640,7 +640,8 @@ static void pump(fsdp_ring_t *r) {
     x->final = r->a.finalize && (r->a.kind == FSDP_RING_ALL_GATHER || t + 2 >= r->a.n);
     x->req.data = x;
     int rc = fsdp_ucx_recv(&x->req, r->peers[r->left], x->staging ? x->staging : x->dst,
-                           x->bytes, data_tag(r, t, k), ~(uint64_t)0, on_recv);
+                           x->bytes, x->staging ? r->a.scratch_mem : r->a.buf_mem,
+                           data_tag(r, t, k), ~(uint64_t)0, on_recv);
     if (rc != 0) {
       fail_request(r, rc, r->left, "receive", t, k, 0, 0);
       break;
@@ -663,7 +664,7 @@ static void pump(fsdp_ring_t *r) {
     x->bytes = unit_bytes(r, k);
     x->req.data = x;
     int rc = fsdp_ucx_send(&x->req, r->peers[r->right], unit_ptr(r, send_region(r, t), k),
-                           x->bytes, data_tag(r, t, k), on_sent);
+                           x->bytes, r->a.buf_mem, data_tag(r, t, k), on_sent);
     if (rc != 0) {
       fail_request(r, rc, r->right, "send", t, k, 0, 0);
       break;

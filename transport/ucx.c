@@ -38,6 +38,14 @@ struct fsdp_ucx_peer {
   char error[160];
 };
 
+struct fsdp_ucx_mem {
+  fsdp_ucx_t *ucx;
+  ucp_mem_h memh;
+  const char *addr;
+  size_t len;
+  fsdp_ucx_mem_t *prev, *next;
+};
+
 struct fsdp_ucx {
   uv_loop_t *loop;
   fsdp_ucx_options_t opt;
@@ -50,6 +58,7 @@ struct fsdp_ucx {
   bool poll_started, idle_started;
   bool driving, again;
   fsdp_ucx_peer_t *peers;
+  fsdp_ucx_mem_t *mems;
   fsdp_ucx_req_t *done_head, *done_tail;
   unsigned ep_closes; /* ucp_ep_close_nbx requests not completed yet */
   bool closing, destroyed;
@@ -174,8 +183,18 @@ static void req_started(fsdp_ucx_req_t *r, ucs_status_ptr_t sp) {
   schedule(r->ucx);
 }
 
+/* The registration for a transfer, when mem covers the whole of it. */
+static void use_registration(ucp_request_param_t *rp, const fsdp_ucx_mem_t *mem,
+                             const void *buf, size_t len) {
+  const char *b = buf;
+  if (mem && b >= mem->addr && len <= mem->len && (size_t)(b - mem->addr) <= mem->len - len) {
+    rp->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    rp->memh = mem->memh;
+  }
+}
+
 int fsdp_ucx_send(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf, size_t len,
-                  uint64_t tag, fsdp_ucx_req_cb cb) {
+                  const fsdp_ucx_mem_t *mem, uint64_t tag, fsdp_ucx_req_cb cb) {
   if (peer->failed || !peer->ep)
     return FSDP_E_UNAVAILABLE;
   req_start(req, peer, cb, len, false);
@@ -184,12 +203,14 @@ int fsdp_ucx_send(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf, s
       .cb.send = send_cb,
       .user_data = req,
   };
+  use_registration(&rp, mem, buf, len);
   req_started(req, ucp_tag_send_nbx(peer->ep, buf, len, tag, &rp));
   return 0;
 }
 
 int fsdp_ucx_recv(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, void *buf, size_t len,
-                  uint64_t tag, uint64_t tag_mask, fsdp_ucx_req_cb cb) {
+                  const fsdp_ucx_mem_t *mem, uint64_t tag, uint64_t tag_mask,
+                  fsdp_ucx_req_cb cb) {
   if (peer->failed || !peer->ep)
     return FSDP_E_UNAVAILABLE;
   req_start(req, peer, cb, len, true);
@@ -198,8 +219,57 @@ int fsdp_ucx_recv(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, void *buf, size_t 
       .cb.recv = recv_cb,
       .user_data = req,
   };
+  use_registration(&rp, mem, buf, len);
   req_started(req, ucp_tag_recv_nbx(peer->ucx->worker, buf, len, tag, tag_mask, &rp));
   return 0;
+}
+
+/* ---- Registered memory ---- */
+
+int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_status_t *st,
+                          fsdp_ucx_mem_t **ret_mem) {
+  if (!addr || len == 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "UCX memory registration of %zu bytes at %p: expected a buffer", len,
+                           addr);
+  fsdp_ucx_mem_t *m = calloc(1, sizeof *m);
+  if (!m)
+    return fsdp_status_set(st, -ENOMEM, "UCX memory registration: out of memory");
+  ucp_mem_map_params_t mp = {
+      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+      .address = addr,
+      .length = len,
+  };
+  ucs_status_t us = ucp_mem_map(ucx->ctx, &mp, &m->memh);
+  if (us != UCS_OK) {
+    free(m);
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE,
+                           "UCX cannot register %zu bytes at %p (ucp_mem_map): %s", len, addr,
+                           ucs_status_string(us));
+  }
+  m->ucx = ucx;
+  m->addr = addr;
+  m->len = len;
+  m->next = ucx->mems;
+  if (ucx->mems)
+    ucx->mems->prev = m;
+  ucx->mems = m;
+  *ret_mem = m;
+  return 0;
+}
+
+void fsdp_ucx_mem_deregister(fsdp_ucx_mem_t *m) {
+  if (!m)
+    return;
+  fsdp_ucx_t *u = m->ucx;
+  if (m->prev)
+    m->prev->next = m->next;
+  else
+    u->mems = m->next;
+  if (m->next)
+    m->next->prev = m->prev;
+  ucp_mem_unmap(u->ctx, m->memh);
+  free(m);
 }
 
 void fsdp_ucx_cancel(fsdp_ucx_req_t *req) {
@@ -450,6 +520,8 @@ static void destroy_ucp(fsdp_ucx_t *u) {
   if (u->worker)
     ucp_worker_destroy(u->worker);
   u->worker = NULL;
+  while (u->mems)
+    fsdp_ucx_mem_deregister(u->mems);
   if (u->ctx)
     ucp_cleanup(u->ctx);
   u->ctx = NULL;

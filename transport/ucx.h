@@ -44,6 +44,7 @@
 typedef struct fsdp_ucx fsdp_ucx_t;
 typedef struct fsdp_ucx_peer fsdp_ucx_peer_t;
 typedef struct fsdp_ucx_req fsdp_ucx_req_t;
+typedef struct fsdp_ucx_mem fsdp_ucx_mem_t;
 
 /* Longest peer label kept (longer ones are cut). */
 #define FSDP_UCX_LABEL_MAX 96
@@ -115,15 +116,30 @@ unsigned fsdp_ucx_peer_pending(const fsdp_ucx_peer_t *peer);
  * already failed is left as it is. Reconnecting takes a new fsdp_ucx_connect. */
 void fsdp_ucx_peer_fail(fsdp_ucx_peer_t *peer, const char *reason);
 
-/* Starts a tagged send of len bytes of buf to peer. Returns 0 (cb will run), or
+/* Registers [addr, addr + len) with UCX once (ucp_mem_map), for transfers that name it: UCX
+ * then skips its registration cache for them, which on RDMA transports would otherwise pin
+ * and look up the pages of every chunk. The memory must stay mapped until the registration
+ * is released. Returns 0 and sets *ret_mem, or FSDP_E_INVALID_ARGUMENT / -ENOMEM /
+ * FSDP_E_UNAVAILABLE (UCX refused) with st saying why. */
+int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_status_t *st,
+                          fsdp_ucx_mem_t **ret_mem);
+
+/* Releases a registration; no pending transfer may be using it. NULL is a no-op.
+ * fsdp_ucx_close releases those still held, and their handles die with the object. */
+void fsdp_ucx_mem_deregister(fsdp_ucx_mem_t *mem);
+
+/* Starts a tagged send of len bytes of buf to peer. mem: a registration that holds buf, or
+ * NULL (one that does not hold all of it is not used). Returns 0 (cb will run), or
  * FSDP_E_UNAVAILABLE at once for a failed peer (cb will not run). */
 int fsdp_ucx_send(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf, size_t len,
-                  uint64_t tag, fsdp_ucx_req_cb cb);
+                  const fsdp_ucx_mem_t *mem, uint64_t tag, fsdp_ucx_req_cb cb);
 
 /* Posts a receive of exactly len bytes into buf for a message whose tag equals tag on the
- * bits set in tag_mask, expected from peer. Same returns as fsdp_ucx_send. */
+ * bits set in tag_mask, expected from peer; mem as for a send. Same returns as
+ * fsdp_ucx_send. */
 int fsdp_ucx_recv(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, void *buf, size_t len,
-                  uint64_t tag, uint64_t tag_mask, fsdp_ucx_req_cb cb);
+                  const fsdp_ucx_mem_t *mem, uint64_t tag, uint64_t tag_mask,
+                  fsdp_ucx_req_cb cb);
 
 /* Asks to end a pending request early. A receive that no message has matched yet ends with
  * FSDP_E_CANCELLED; a send, or a receive already being filled, runs to completion or

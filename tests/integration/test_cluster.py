@@ -23,7 +23,7 @@ import time
 import grpc
 import pytest
 
-from fsdpd_harness import common_pb2, fsdpd  # noqa: F401
+from fsdpd_harness import common_pb2, fsdpd, poll  # noqa: F401
 from test_peers import Cluster, free_ports, wait_all_joined
 from test_reduce_scatter import decode, reference
 from test_unshard import BF16, FP32, SIZE, Rank, encode, host_element, on_all, values_for
@@ -121,6 +121,21 @@ def test_every_strategy_across_hosts(fsdpd, hosts, strategy):
         assert where == [(hosts - 1, rank) for rank in range(L)]
     elif strategy != "NO_SHARD":
         assert where == [(h, rank) for h in range(hosts) for rank in range(L)]
+
+
+def test_a_retired_jobs_memory_leaves_the_transport_and_a_new_job_runs(fsdpd):
+    """A job's arenas are registered with UCX on its first ring and let go before they are
+    unmapped when the job retires: a new job, whose arenas the kernel may map at the same
+    addresses, still moves the right bytes."""
+    c = start_cluster(fsdpd, 2, extra=["--set", "store.job_retention=200ms",
+                                       "--set", "daemon.housekeeping_interval=20ms"])
+    for job in ("first", "second"):
+        hosts, _ = check_collectives(c, "FULL_SHARD", FP32, job=job)
+        for r in [r for host in hosts for r in host]:
+            r.sock.close()  # the trainers go
+        for d in c.daemons:
+            poll(lambda: not d.status().jobs, 10, what=f"job '{job}' to be freed")
+            assert f"job '{job}': no session for" in d.stderr()
 
 
 @pytest.mark.parametrize("tls", ["tcp", "posix,sysv,cma,self"], ids=["tcp", "shm"])

@@ -315,15 +315,31 @@ static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, 
                         .buf = buf, .region_bytes = rb, .dtype = t, .op_id = op_id,
                         .deadline_ms = uv_now(&m->loop) + 15000,
                         .chunk_bytes = sh.chunk_bytes, .window = sh.window};
-  if (hooked) {
-    a.produce = hook_produce;
-    a.finalize = hook_finalize;
-    a.hook_arg = &h;
-  }
   fsdp_status_t st = FSDP_STATUS_INIT;
   fsdp_ring_t *ring;
   int rc = -1;
   const char *what = fsdp_ring_kind_name(kind);
+  /* The hooked runs also move their chunks from and to memory registered with UCX. */
+  fsdp_ucx_mem_t *buf_mem = NULL, *scratch_mem = NULL;
+  size_t chunk = sh.chunk_bytes ? sh.chunk_bytes / es * es : (size_t)1 << 20;
+  size_t scratch_bytes = chunk * (sh.window ? sh.window : 8);
+  void *scratch = hooked ? malloc(scratch_bytes) : NULL;
+  if (hooked) {
+    a.produce = hook_produce;
+    a.finalize = hook_finalize;
+    a.hook_arg = &h;
+    if (kind != FSDP_RING_ALL_GATHER) {
+      a.scratch = scratch;
+      a.scratch_bytes = scratch_bytes;
+    }
+    if ((total > 0 && fsdp_ucx_mem_register(m->ucx, buf, total, &st, &buf_mem) < 0) ||
+        fsdp_ucx_mem_register(m->ucx, scratch, scratch_bytes, &st, &scratch_mem) < 0) {
+      report(m, "FAIL member %u: registering memory: %s", m->self, st.message);
+      goto out;
+    }
+    a.buf_mem = buf_mem;
+    a.scratch_mem = scratch_mem;
+  }
   if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &st, &ring) < 0) {
     report(m, "FAIL member %u: %s %s start: %s", m->self, what, fsdp_dtype_name(t), st.message);
     goto out;
@@ -364,6 +380,9 @@ static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, 
   }
   rc = 0;
 out:
+  fsdp_ucx_mem_deregister(buf_mem);
+  fsdp_ucx_mem_deregister(scratch_mem);
+  free(scratch);
   free(buf);
   free(want);
   free(out);
