@@ -18,10 +18,10 @@ struct fsdp_waiter {
   fsdp_waiter_t *prev, *next;
 };
 
-/* Work on the thread pool when the unit's collective stays on this host: a gather casts the
- * master shards into the unsharded buffer, a reduce writes the gradient shards in one pass.
- * Across hosts the same work is done by the rings' hooks, chunk by chunk, as the transfers
- * go (see "Rings among hosts"). */
+/* Work on the thread pool. A gather casts this host's master shards into the unsharded
+ * buffer, then (across hosts) an all-gather fills in the other hosts' regions. A reduce on
+ * one host writes the gradient shards in one pass; across hosts the same work is done by
+ * the rings' hooks, chunk by chunk, as the transfers go (see "Rings among hosts"). */
 typedef enum work_kind {
   WORK_PREFAULT,
   WORK_GATHER,
@@ -334,11 +334,14 @@ static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                        fsdp_ring_kind_t kind);
 
 /* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
- * (done_ring); the other is -1. A reduce-scatter among the shard group is followed by the
- * all-reduce among the replicas, if any; every other stage ends its collective. */
+ * (done_ring); the other is -1. This host's cast is followed by the all-gather among the
+ * shard group, a reduce-scatter among the shard group by the all-reduce among the replicas,
+ * if any; every other stage ends its collective. */
 static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
                        int done_ring) {
-  if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER)
+  if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
+    start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
+  else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER)
     finish_collective(u, WAIT_UNSHARD, NULL);
   else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1)
     start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
@@ -382,13 +385,14 @@ static void work_done(uv_work_t *req, int status) {
 
 /* Rings among hosts.
  *
- * The local work rides on the rings' hooks, chunk by chunk, so it overlaps the transfers:
- * an all-gather produces this host's region by casting its master shards; the first ring of
- * a reduce (the reduce-scatter among the shard group, or the all-reduce among replicas
- * when the group is this host alone) produces each chunk of the host sum from the local
- * ranks' full gradients (the host-level pre-reduction: one contribution per host leaves
- * it); the last ring of a reduce finalizes each chunk of this host's region into its
- * ranks' gradient shards (the post-reduction). */
+ * A reduce's local work rides on its rings' hooks, chunk by chunk, so it overlaps the
+ * transfers: the first ring (the reduce-scatter among the shard group, or the all-reduce
+ * among replicas when the group is this host alone) produces each chunk of the host sum
+ * from the local ranks' full gradients (the host-level pre-reduction: one contribution per
+ * host leaves it); the last ring finalizes each chunk of this host's region into its
+ * ranks' gradient shards (the post-reduction). A gather casts its region first and then
+ * starts its ring: the cast is a copy at memory speed, and feeding it through the hooks
+ * cost more in round trips to the thread pool than it hid (docs/PERFORMANCE.md). */
 
 typedef struct ring_run {
   fsdp_dataplane_t *dp;
@@ -405,18 +409,6 @@ typedef struct ring_run {
 /* The unit's first element of a ring chunk, and the chunk's length in elements. */
 static uint64_t chunk_elem(const ring_run_t *run, unsigned region, size_t offset) {
   return run->first_elem + region * run->region_numel + offset / run->elem_size;
-}
-
-/* On a pool thread: this host's master shards of an all-gather chunk, cast to param_dtype. */
-static int produce_gathered(void *arg, unsigned region, size_t offset, size_t bytes) {
-  ring_run_t *run = arg;
-  const fsdp_unit_t *u = run->unit;
-  uint64_t e = chunk_elem(run, region, offset);
-  char *unsharded = (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset;
-  const float *master = (const float *)(const void *)((const char *)fsdp_arena_base(
-                            run->job->arena) + u->master_offset);
-  return fsdp_cast(unsharded + e * run->elem_size, param_dtype(u), master + (e - host_first(u)),
-                   FSDP_DTYPE_FP32, bytes / run->elem_size);
 }
 
 /* On a pool thread: a chunk of the host sum, from the local ranks' full gradients (in fp32,
@@ -598,7 +590,7 @@ static void start_run(ring_run_t *run) {
       .buf_mem = registered_arena(dp, arena),
       .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
                                   : NULL,
-      .produce = gather ? produce_gathered : first_of_reduce ? produce_host_sum : NULL,
+      .produce = !gather && first_of_reduce ? produce_host_sum : NULL,
       .finalize = !gather && last_of_reduce ? finalize_grads : NULL,
       .hook_arg = run,
   };
@@ -804,10 +796,6 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
     return;
   unit->gathered = false; /* the buffer is overwritten from now on */
   c->running = true;
-  if (unit->plan.shard_ring.members > 1) {
-    start_ring(dp, job, unit, FSDP_RING_ALL_GATHER);
-    return;
-  }
   int r = queue(dp, WORK_GATHER, job, unit);
   if (r < 0)
     abort_collection(unit, WAIT_UNSHARD, r, "cannot queue the gather");

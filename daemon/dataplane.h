@@ -19,10 +19,10 @@
  * reduce_dtype, scaled by the gradient factors) into the fp32 gradient shards, and every
  * waiter is answered when it is done.
  *
- * Across hosts, the gather and the reduce are rings among the hosts (see dataplane.c) that
- * do the same local work chunk by chunk on the thread pool while the transfers run: the
- * cast of this host's masters, the pre-reduction of the L gradients into a host sum, the
- * post-reduction of this host's region into the gradient shards.
+ * Across hosts, the cast of a gather is followed by an all-gather among the hosts; a reduce
+ * is rings among the hosts (see dataplane.c) that do its local work chunk by chunk on the
+ * thread pool while the transfers run: the pre-reduction of the L gradients into a host
+ * sum, the post-reduction of this host's region into the gradient shards.
  *
  * A collective names one step; a rank asking for another step than the others aborts it
  * for all. Ranks that do not ask within the deadline of the first (store.collective_timeout)
