@@ -19,6 +19,10 @@
  * Peers, each bounded by --timeout and killed (its process group) when it overruns:
  *   - ucx_perftest (ucx-utils) tag_bw between a server and a client with the same UCX_TLS,
  *     one message of the same size at a time; ratio = ring bus bandwidth / that bandwidth.
+ *     Then n such streams at once in the ring's pattern (member i's client sends to member
+ *     i + 1's server), each member's processes on its CPU under --pin: what UCX's own
+ *     protocol gives one link of the ring when all n links share this machine, as the
+ *     ring's do; ratio = ring bus bandwidth / one stream's bandwidth then.
  *   - fsdp-mpi-collectives (built next to this binary when CMake found MPI) under mpirun
  *     with the same number of ranks, over OpenMPI's tcp transport (btl tcp,self, pml ob1)
  *     and over its shared memory (btl vader,self); ratio = ring time / MPI time.
@@ -278,10 +282,12 @@ static int proc_spawn(proc_t *p, char *const argv[], const char *ucx_tls, unsign
     dup2(fds[1], STDERR_FILENO);
     if (ucx_tls) {
       setenv("UCX_TLS", ucx_tls, 1);
-      /* The tcp segments fsdp_ucx_new gives the ring (transport/ucx.c), unless the
-       * environment sets them for both: the peer runs on the same transport settings. */
+      /* The tcp segments and socket buffers fsdp_ucx_new gives the ring (transport/ucx.c),
+       * unless the environment sets them for both: the peer runs on the same settings. */
       setenv("UCX_TCP_TX_SEG_SIZE", "512k", 0);
       setenv("UCX_TCP_RX_SEG_SIZE", "512k", 0);
+      setenv("UCX_TCP_SNDBUF", "8m", 0);
+      setenv("UCX_TCP_RCVBUF", "8m", 0);
     }
     if (pin_cpu != UINT_MAX)
       pin_to(pin_cpu);
@@ -802,61 +808,82 @@ static double parse_perftest(const char *text) {
   return bw;
 }
 
-/* UCX point to point: a perftest server and client with this UCX_TLS, one message of
- * `bytes` at a time. Returns bytes/s, or -1 with why. */
-static double run_perftest(const options_t *o, const char *ucx_tls, size_t bytes, char *why,
-                           size_t why_len) {
+/* UCX point to point: `streams` perftest servers and clients with this UCX_TLS at once, one
+ * message of `bytes` at a time each. One stream: the server on CPU 0 and the client on
+ * CPU 1 under --pin. n streams in the ring's pattern: stream i goes from the client of
+ * member i (on CPU i) to the server of member i + 1, as the ring's member i sends to its
+ * right neighbour while it receives from its left. Returns the mean bytes/s of one stream,
+ * or -1 with why. */
+static double run_perftest(const options_t *o, const char *ucx_tls, size_t bytes,
+                           unsigned streams, char *why, size_t why_len) {
   bool tcp = strstr(ucx_tls, "tcp") != NULL;
   for (int attempt = 0; attempt < 3; attempt++) {
-    int port = free_port();
-    if (port < 0) {
-      snprintf(why, why_len, "no free port: %s", strerror(errno));
-      return -1;
-    }
-    char port_s[16], size_s[32], iters_s[16], warm_s[16];
-    snprintf(port_s, sizeof port_s, "%d", port);
+    proc_t srv[MAX_MEMBERS], cli[MAX_MEMBERS];
+    int port[MAX_MEMBERS];
+    char port_s[MAX_MEMBERS][16], size_s[32], iters_s[16], warm_s[16];
     snprintf(size_s, sizeof size_s, "%zu", bytes);
     snprintf(iters_s, sizeof iters_s, "%u", o->p2p_iters);
     snprintf(warm_s, sizeof warm_s, "%u", o->p2p_iters / 5 + 1);
-    /* Peer error handling (-e) where the ring has it, so the same protocols are chosen. */
-    char *srv_argv[] = {"ucx_perftest", "-p", port_s, tcp ? "-e" : NULL, NULL};
-    char *cli_argv[] = {"ucx_perftest", "127.0.0.1", "-p", port_s, "-t", "tag_bw", "-s", size_s,
-                        "-n", iters_s, "-w", warm_s, "-f", tcp ? "-e" : NULL, NULL};
-    proc_t srv, cli;
     double deadline = now_ms() + o->timeout_s * 1000.0;
-    if (proc_spawn(&srv, srv_argv, ucx_tls, o->pin ? 0 : UINT_MAX) < 0) {
-      snprintf(why, why_len, "cannot start ucx_perftest: %s", strerror(errno));
-      return -1;
+    unsigned started = 0;
+    bool retry = false;
+    why[0] = '\0';
+    for (; started < streams; started++) {
+      unsigned i = started;
+      if ((port[i] = free_port()) < 0) {
+        snprintf(why, why_len, "no free port: %s", strerror(errno));
+        break;
+      }
+      snprintf(port_s[i], sizeof port_s[i], "%d", port[i]);
+      /* Peer error handling (-e) where the ring has it, so the same protocols are chosen. */
+      char *srv_argv[] = {"ucx_perftest", "-p", port_s[i], tcp ? "-e" : NULL, NULL};
+      unsigned srv_cpu = streams == 1 ? 0 : (i + 1) % streams;
+      if (proc_spawn(&srv[i], srv_argv, ucx_tls, o->pin ? srv_cpu : UINT_MAX) < 0) {
+        snprintf(why, why_len, "cannot start ucx_perftest: %s", strerror(errno));
+        break;
+      }
+      double listen_deadline = now_ms() + 10000;
+      while (!port_listening(port[i]) && now_ms() < listen_deadline && !has_exited(srv[i].pid))
+        usleep(5000);
+      if (!port_listening(port[i])) {
+        int code = proc_finish(&srv[i], now_ms() + 2000);
+        snprintf(why, why_len, "ucx_perftest server on port %d did not start (exit %d): %s",
+                 port[i], code, tail_of(srv[i].text));
+        retry = strstr(srv[i].text, "in use") != NULL; /* taken since we looked: again */
+        proc_free(&srv[i]);
+        break;
+      }
     }
-    double listen_deadline = now_ms() + 10000;
-    while (!port_listening(port) && now_ms() < listen_deadline && !has_exited(srv.pid))
-      usleep(5000);
-    if (!port_listening(port)) {
-      int code = proc_finish(&srv, now_ms() + 2000);
-      snprintf(why, why_len, "ucx_perftest server on port %d did not start (exit %d): %s", port,
-               code, tail_of(srv.text));
-      bool port_taken = strstr(srv.text, "in use") != NULL; /* taken since we looked: again */
-      proc_free(&srv);
-      if (port_taken)
-        continue;
-      return -1;
+    unsigned clients = 0;
+    for (; !why[0] && clients < started; clients++) {
+      unsigned i = clients;
+      char *cli_argv[] = {"ucx_perftest", "127.0.0.1", "-p", port_s[i], "-t", "tag_bw",
+                          "-s", size_s, "-n", iters_s, "-w", warm_s, "-f",
+                          tcp ? "-e" : NULL, NULL};
+      unsigned cli_cpu = streams == 1 ? 1 : i;
+      if (proc_spawn(&cli[i], cli_argv, ucx_tls, o->pin ? cli_cpu : UINT_MAX) < 0) {
+        snprintf(why, why_len, "cannot start ucx_perftest: %s", strerror(errno));
+        break;
+      }
     }
-    if (proc_spawn(&cli, cli_argv, ucx_tls, o->pin ? 1 : UINT_MAX) < 0) {
-      reap(srv.pid, now_ms());
-      proc_free(&srv);
-      snprintf(why, why_len, "cannot start ucx_perftest: %s", strerror(errno));
-      return -1;
+    double sum = 0;
+    for (unsigned i = 0; i < started; i++) {
+      int cli_code = i < clients ? proc_finish(&cli[i], deadline) : -1;
+      int srv_code = proc_finish(&srv[i], cli_code == 0 ? now_ms() + 5000 : now_ms());
+      double bw = cli_code == 0 ? parse_perftest(cli[i].text) : -1;
+      if (bw <= 0 && !why[0])
+        snprintf(why, why_len, "ucx_perftest client %u of %u %s (server %s): %s", i, streams,
+                 cli_code < 0 ? "timed out or crashed" : cli_code ? "failed" : "printed no figures",
+                 srv_code == 0 ? "exited 0" : "did not exit cleanly", tail_of(cli[i].text));
+      sum += bw;
+      if (i < clients)
+        proc_free(&cli[i]);
+      proc_free(&srv[i]);
     }
-    int cli_code = proc_finish(&cli, deadline);
-    int srv_code = proc_finish(&srv, cli_code == 0 ? now_ms() + 5000 : now_ms());
-    double bw = cli_code == 0 ? parse_perftest(cli.text) : -1;
-    if (bw <= 0)
-      snprintf(why, why_len, "ucx_perftest client %s (server %s): %s",
-               cli_code < 0 ? "timed out or crashed" : cli_code ? "failed" : "printed no figures",
-               srv_code == 0 ? "exited 0" : "did not exit cleanly", tail_of(cli.text));
-    proc_free(&cli);
-    proc_free(&srv);
-    return bw;
+    if (!why[0])
+      return sum / streams;
+    if (!retry)
+      return -1;
   }
   return -1;
 }
@@ -1090,7 +1117,8 @@ typedef struct {
   const char *ucx_tls, *mpi_btl;
   char err_mode[64];
   timing_t ring[N_OPS][MAX_SIZES];
-  double p2p[MAX_SIZES]; /* bytes/s, <= 0: none */
+  double p2p[MAX_SIZES];      /* bytes/s of one stream alone, <= 0: none */
+  double p2p_ring[MAX_SIZES]; /* bytes/s of one stream of n at once, <= 0: none */
   char p2p_why[256];
   mpi_result_t mpi[N_OPS][MAX_SIZES];
   char mpi_why[512];
@@ -1102,8 +1130,9 @@ static void print_section(const options_t *o, const tls_result_t *r) {
     printf("  ucx_perftest: %s\n", r->p2p_why);
   if (r->mpi_why[0])
     printf("  OpenMPI: %s\n", r->mpi_why);
-  printf("%-15s %5s %10s %9s %8s %8s %8s %8s %8s %10s %9s\n", "op", "MiB", "median ms",
-         "min ms", "algbw", "busbw", "p2p", "bus/p2p", "n*bus/p2p", "MPI ms", "ring/MPI");
+  printf("%-15s %5s %10s %9s %8s %8s %8s %8s %8s %9s %10s %9s\n", "op", "MiB", "median ms",
+         "min ms", "algbw", "busbw", "p2p", "bus/p2p", "p2p x n", "bus/p2p n", "MPI ms",
+         "ring/MPI");
   for (unsigned op = 0; op < N_OPS; op++) {
     if (!o->ops[op])
       continue;
@@ -1114,22 +1143,25 @@ static void print_section(const options_t *o, const tls_result_t *r) {
       double bytes = (double)(((o->mib[s] << 20) / o->members / 4) * 4 * o->members);
       double alg = bytes / (tm->median_ms / 1e3) / 1e9;
       double bus = alg * (o->members - 1) / o->members;
-      char med[16], mn[16], p2p[16] = "-", ratio[16] = "-", agg[16] = "-", m1[16] = "-",
-           r1[16] = "-";
+      char med[16], mn[16], p2p[16] = "-", ratio[16] = "-", p2p_n[16] = "-", ratio_n[16] = "-",
+           m1[16] = "-", r1[16] = "-";
       fmt_ms(med, sizeof med, tm->median_ms);
       fmt_ms(mn, sizeof mn, tm->min_ms);
       if (r->p2p[s] > 0) {
         snprintf(p2p, sizeof p2p, "%.2f", r->p2p[s] / 1e9);
         snprintf(ratio, sizeof ratio, "%.2f", bus * 1e9 / r->p2p[s]);
-        snprintf(agg, sizeof agg, "%.2f", bus * o->members * 1e9 / r->p2p[s]);
+      }
+      if (r->p2p_ring[s] > 0) {
+        snprintf(p2p_n, sizeof p2p_n, "%.2f", r->p2p_ring[s] / 1e9);
+        snprintf(ratio_n, sizeof ratio_n, "%.2f", bus * 1e9 / r->p2p_ring[s]);
       }
       if (r->mpi[op][s].done) {
         fmt_ms(m1, sizeof m1, r->mpi[op][s].median_ms);
         snprintf(r1, sizeof r1, "%.2f", tm->median_ms / r->mpi[op][s].median_ms);
       }
-      printf("%-15s %5zu %10s %9s %8.2f %8.2f %8s %8s %9s %10s %9s\n",
-             fsdp_ring_kind_name(OP_KIND[op]), o->mib[s], med, mn, alg, bus, p2p, ratio, agg, m1,
-             r1);
+      printf("%-15s %5zu %10s %9s %8.2f %8.2f %8s %8s %8s %9s %10s %9s\n",
+             fsdp_ring_kind_name(OP_KIND[op]), o->mib[s], med, mn, alg, bus, p2p, ratio, p2p_n,
+             ratio_n, m1, r1);
     }
   }
   fflush(stdout);
@@ -1164,9 +1196,11 @@ int main(int argc, char **argv) {
          "bytes/s;\n"
          "  p2p = ucx_perftest tag_bw, one message of the size at a time, same UCX_TLS and tcp "
          "segments;\n"
-         "  bus/p2p = busbw / p2p; n*bus/p2p = what all members send at once over p2p (on one "
-         "host they\n  share its CPUs and memory); ring/MPI = ring median / OpenMPI median (below "
-         "1: the ring is faster).\n  Each size runs the ring, then its peers.\n");
+         "  bus/p2p = busbw / p2p; p2p x n = one stream's tag_bw while n streams run at once in "
+         "the ring's\n  pattern (member i to i+1, process of member i on CPU i under --pin: on "
+         "one host they share\n  its CPUs and memory as the ring's members do); bus/p2p n = "
+         "busbw / that; ring/MPI = ring median /\n  OpenMPI median (below 1: the ring is "
+         "faster). Each size runs the ring, then its peers.\n");
   fflush(stdout);
 
   const char *p2p_skip = NULL, *mpi_skip = NULL;
@@ -1221,8 +1255,13 @@ int main(int argc, char **argv) {
       if (!p2p_skip) {
         fprintf(stderr, "UCX_TLS=%s: ucx_perftest tag_bw %zu bytes\n", r->ucx_tls, bytes);
         char why[256];
-        r->p2p[s] = run_perftest(&o, r->ucx_tls, bytes, why, sizeof why);
-        if (r->p2p[s] <= 0)
+        r->p2p[s] = run_perftest(&o, r->ucx_tls, bytes, 1, why, sizeof why);
+        if (r->p2p[s] > 0 && o.members > 1) {
+          fprintf(stderr, "UCX_TLS=%s: %u ucx_perftest tag_bw streams at once\n", r->ucx_tls,
+                  o.members);
+          r->p2p_ring[s] = run_perftest(&o, r->ucx_tls, bytes, o.members, why, sizeof why);
+        }
+        if (r->p2p[s] <= 0 || (o.members > 1 && r->p2p_ring[s] <= 0))
           snprintf(r->p2p_why, sizeof r->p2p_why, "%zu MiB: %.200s", o.mib[s], why);
       }
       if (!mpi_skip) {

@@ -549,12 +549,17 @@ int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status
    * UCX's own tcp bandwidth (ucx_perftest tag_bw) and made the ring 1.5-1.7x faster where we
    * measured (docs/PERFORMANCE.md, "Collectives between hosts"); the price is larger buffer
    * pools (they grow 8 segments at a time) in a worker that uses tcp. A value set in the
-   * environment wins. The names are given without the transport's prefix, as ucp hands them
-   * on to every transport's settings; only tcp has these two. */
+   * environment wins. Its sockets' buffers are left to the kernel's autotuning, which starts
+   * them small: asking for 8 MiB (the kernel caps it at net.core.[wr]mem_max) made the
+   * ring's tcp all-gather and reduce-scatter 10-15 % faster where we measured. The names
+   * are given without the transport's prefix, as ucp hands them on to every transport's
+   * settings; only tcp has these. */
   static const struct {
     const char *env, *name, *value;
   } tuning[] = {{"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "512k"},
-                {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512k"}};
+                {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512k"},
+                {"UCX_TCP_SNDBUF", "SNDBUF", "8m"},
+                {"UCX_TCP_RCVBUF", "RCVBUF", "8m"}};
   for (size_t i = 0; i < sizeof tuning / sizeof tuning[0]; i++)
     if (!getenv(tuning[i].env))
       ucp_config_modify(cfg, tuning[i].name, tuning[i].value);
