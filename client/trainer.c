@@ -278,6 +278,7 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
   rq.job = (char *)opts->job;
   rq.local_rank = opts->local_rank;
   rq.local_world_size = opts->local_world_size;
+  rq.generation = opts->generation;
   rq.pid = (int32_t)getpid();
   ProtobufCMessage *reply = NULL;
   int r = fsdp_client_call(client, TRAINER_PATH("Attach"), &rq.base,

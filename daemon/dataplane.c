@@ -202,7 +202,21 @@ static bool collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_rpc_call_t *call,
   }
   if (c->count == 0) {
     c->step = step;
+    c->generation = session->generation;
     c->deadline_ms = deadline_ms;
+  } else if (session->generation != c->generation) {
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: local rank %u attached with generation %llu while the other "
+             "ranks attached with generation %llu: ranks of two runs of job '%s' cannot %s "
+             "together",
+             u->spec->unit, (unsigned long long)step, rank,
+             (unsigned long long)session->generation, (unsigned long long)c->generation,
+             job->name, collection_verb(kind));
+    abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", fsdp_rpc_call_method(call),
+                       message);
+    return false;
   } else if (step != c->step) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
@@ -472,16 +486,20 @@ static void give_back_scratch(fsdp_dataplane_t *dp, void *s) {
 }
 
 /* The same on every host, different for every collective that may run at once: the job,
- * the unit, the step and the ring (FNV-1a). */
-static uint32_t ring_op_id(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t step,
-                           fsdp_ring_kind_t kind) {
+ * its run (generation), the unit, the step and the ring (FNV-1a). A failed ring can leave
+ * messages unmatched at a host (UCX matches tags worker-wide, whoever sent them); the run
+ * keeps them from the rings of the job's next run, which redoes the same steps. */
+static uint32_t ring_op_id(const fsdp_job_t *job, const fsdp_unit_t *u,
+                           const fsdp_collection_t *c, fsdp_ring_kind_t kind) {
   uint32_t h = 2166136261u;
   const char *parts[] = {job->name, "/", u->spec->unit};
   for (size_t i = 0; i < 3; i++)
-    for (const char *c = parts[i]; *c; c++)
-      h = (h ^ (uint8_t)*c) * 16777619u;
-  for (unsigned i = 0; i < 8; i++)
-    h = (h ^ (uint8_t)(step >> (8 * i))) * 16777619u;
+    for (const char *p = parts[i]; *p; p++)
+      h = (h ^ (uint8_t)*p) * 16777619u;
+  const uint64_t words[] = {c->step, c->generation};
+  for (size_t w = 0; w < 2; w++)
+    for (unsigned i = 0; i < 8; i++)
+      h = (h ^ (uint8_t)(words[w] >> (8 * i))) * 16777619u;
   return (h ^ (uint32_t)kind) * 16777619u;
 }
 
@@ -581,7 +599,7 @@ static void start_run(ring_run_t *run) {
       .buf = buf,
       .region_bytes = run->region_numel * run->elem_size,
       .dtype = dtype,
-      .op_id = ring_op_id(run->job, u, step, run->kind),
+      .op_id = ring_op_id(run->job, u, collection_of(u, wkind), run->kind),
       .deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms,
       .chunk_bytes = RING_CHUNK,
       .window = RING_WINDOW,

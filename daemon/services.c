@@ -73,8 +73,9 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
     fail_call(call, &st);
     return;
   }
-  log_info("session %016llx attached: job '%s' local rank %u of %u, pid %d",
-           (unsigned long long)s->id, s->job, s->local_rank, s->local_world_size, (int)s->pid);
+  log_info("session %016llx attached: job '%s' local rank %u of %u, generation %llu, pid %d",
+           (unsigned long long)s->id, s->job, s->local_rank, s->local_world_size,
+           (unsigned long long)s->generation, (int)s->pid);
   Fsdp__V1__AttachReply reply = FSDP__V1__ATTACH_REPLY__INIT;
   reply.session_id = s->id;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
@@ -293,6 +294,7 @@ static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
     out->job = (char *)ses->job;
     out->local_rank = ses->local_rank;
     out->local_world_size = ses->local_world_size;
+    out->generation = ses->generation;
     out->pid = ses->pid;
     out->attached_ms = now - ses->attached_ms;
     out->idle_ms = now - ses->last_call_ms;

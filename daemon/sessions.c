@@ -138,6 +138,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   memcpy(s->job, rq->job, strlen(rq->job) + 1);
   s->local_rank = rq->local_rank;
   s->local_world_size = rq->local_world_size;
+  s->generation = rq->generation;
   s->pid = peer->pid; /* the daemon's view, which later calls are checked against */
   s->attached_ms = s->last_call_ms = now_ms;
   s->serial = sessions->attaches++;

@@ -32,6 +32,7 @@ typedef struct fsdp_session {
   char job[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_rank;
   uint32_t local_world_size;
+  uint64_t generation; /* the job's run, as the trainer said (AttachRequest.generation) */
   pid_t pid; /* as the daemon sees it (SO_PEERCRED) */
   uint64_t attached_ms;  /* loop time of the Attach */
   uint64_t last_call_ms; /* loop time of the latest call naming the session */

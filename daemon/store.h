@@ -39,6 +39,7 @@ typedef struct fsdp_collection {
   fsdp_rank_set_t submitted;
   unsigned count;
   uint64_t step;
+  uint64_t generation;  /* of the ranks' sessions: the job's run (rings among hosts use it) */
   uint64_t deadline_ms; /* loop time by which every rank must have asked */
   bool running;         /* every rank asked; the work is on the worker pool */
 } fsdp_collection_t;

@@ -55,6 +55,11 @@ typedef struct fsdp_trainer_options {
   const char *job;           /* 1 to 64 of [A-Za-z0-9._-] */
   unsigned local_rank;       /* in [0, local_world_size) */
   unsigned local_world_size; /* the same for every rank of the job */
+  /* Which run of the job this is, the same for all its ranks on every host: trainers that
+   * restart after a failure attach with a higher one (torchrun's TORCHELASTIC_RESTART_COUNT),
+   * so that the collectives among hosts of the new run never meet messages the failed run
+   * left behind. 0 for a job that is never restarted. */
+  uint64_t generation;
 } fsdp_trainer_options_t;
 
 typedef struct fsdp_param_desc {

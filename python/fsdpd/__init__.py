@@ -209,13 +209,16 @@ class Client:
 
     socket: the daemon's unix socket path, or "unix:PATH" ($FSDPD_SOCKET, else
     ./run/fsdpd.sock). job: the job name ($FSDPD_JOB; required). rank: the local rank
-    ($LOCAL_RANK, else 0). local_world_size: ($LOCAL_WORLD_SIZE, else 1). timeout: each call's
+    ($LOCAL_RANK, else 0). local_world_size: ($LOCAL_WORLD_SIZE, else 1). generation: which
+    run of the job this is, higher after every restart, the same for all its ranks
+    ($TORCHELASTIC_RESTART_COUNT as torchrun sets it, else 0): collectives among hosts of a
+    restarted job never meet what its failed run left behind. timeout: each call's
     deadline in seconds (None: the library's 5 s). wait_for_ready: calls wait for a daemon
     that is not up yet, until their deadline, instead of failing at once.
     """
 
     def __init__(self, socket=None, job=None, rank=None, local_world_size=None, timeout=None,
-                 wait_for_ready=False):
+                 wait_for_ready=False, generation=None):
         self._client = None
         self._trainer = None
         self._units = {}
@@ -229,6 +232,10 @@ class Client:
             rank = _env_int("LOCAL_RANK", 0)
         if local_world_size is None:
             local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+        if generation is None:
+            generation = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        if generation < 0:
+            raise ValueError(f"fsdpd.Client: generation {generation}: expected 0 or more")
         if rank < 0 or local_world_size < 1:
             raise ValueError(f"fsdpd.Client: rank {rank} of local_world_size "
                              f"{local_world_size}: expected 0 <= rank < local_world_size")
@@ -245,7 +252,9 @@ class Client:
         if rc < 0:
             raise Error(rc, "", f"connect to {socket}")
         self._client = client
-        topts = _lib.TrainerOptions(job.encode(), self.rank, self.local_world_size)
+        self.generation = int(generation)
+        topts = _lib.TrainerOptions(job.encode(), self.rank, self.local_world_size,
+                                    self.generation)
         trainer = ctypes.c_void_p()
         rc = lib.fsdp_trainer_attach(client, ctypes.byref(topts), ctypes.byref(trainer))
         if rc < 0:

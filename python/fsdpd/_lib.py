@@ -22,7 +22,7 @@ class ClientOptions(ctypes.Structure):
 
 class TrainerOptions(ctypes.Structure):
     _fields_ = [("job", ctypes.c_char_p), ("local_rank", ctypes.c_uint),
-                ("local_world_size", ctypes.c_uint)]
+                ("local_world_size", ctypes.c_uint), ("generation", ctypes.c_uint64)]
 
 
 class ParamDesc(ctypes.Structure):

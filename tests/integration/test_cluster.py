@@ -54,9 +54,10 @@ def start_cluster(fsdpd, hosts, tls=None, extra=(), timeout="1s"):
     return c
 
 
-def attach(cluster, job="j"):
+def attach(cluster, job="j", generation=0):
     """[[Rank]] by host: L sessions on every daemon."""
-    return [[Rank(d, r, L, job=job) for r in range(L)] for d in cluster.daemons]
+    return [[Rank(d, r, L, job=job, generation=generation) for r in range(L)]
+            for d in cluster.daemons]
 
 
 def grad_values(n, global_rank):
@@ -136,6 +137,43 @@ def test_a_retired_jobs_memory_leaves_the_transport_and_a_new_job_runs(fsdpd):
         for d in c.daemons:
             poll(lambda: not d.status().jobs, 10, what=f"job '{job}' to be freed")
             assert f"job '{job}': no session for" in d.stderr()
+
+
+def test_a_restarted_job_meets_none_of_the_messages_its_failed_run_left(fsdpd):
+    """Host 0's ranks reduce step 1 while host 1's never do: host 0's ring sends its chunks
+    to host 1, whose daemon runs no ring to take them, and fails at its deadline, leaving
+    them and its abort unmatched there. The job restarts: every rank attaches again with
+    generation 1 and reduces step 1 with other gradients. The new run's rings have tags of
+    their own, so host 1 sums the new gradients only, and nothing fails."""
+    c = start_cluster(fsdpd, 2, extra=["--set", "store.collective_timeout=1s"])
+
+    def register_and_write(hosts, offset):
+        layouts = [[r.register(shapes=SHAPES) for r in host] for host in hosts]
+        flat = [(r, x) for host, lays in zip(hosts, layouts) for r, x in zip(host, lays)]
+        n = layouts[0][0].padded_numel
+        grads = [grad_values(n, g + offset) for g in range(len(flat))]
+        for g, (r, x) in enumerate(flat):
+            r.memory[x.full_grad_offset:x.full_grad_offset + n * 4] = encode(grads[g], FP32)
+        return flat, grads
+
+    hosts = attach(c)
+    register_and_write(hosts, offset=5)
+    errors = on_all(hosts[0], "ReduceScatter", step=1)
+    assert all(e is not None and "deadline passed" in e.details() for e in errors), errors
+
+    for r in [r for host in hosts for r in host]:
+        r.sock.close()  # the job's trainers go, and come back as its next run
+    for d in c.daemons:
+        poll(lambda: not d.status().sessions, 10, what="the first run's sessions to end")
+    hosts = attach(c, generation=1)
+    assert all(s.generation == 1 for d in c.daemons for s in d.status().sessions)
+    flat, grads = register_and_write(hosts, offset=0)
+    assert on_all([r for r, _ in flat], "ReduceScatter", step=1) == [None] * len(flat)
+    want = reference(grads, FP32, 1, len(flat))
+    for r, x in flat:
+        lo, at = x.shard * x.shard_numel, x.grad_offset + host_element(x) * 4
+        got = decode(bytes(r.memory[at:at + x.shard_numel * 4]), FP32)
+        assert got == want[lo:lo + x.shard_numel], f"{r.d.log_path.name} shard {x.shard}"
 
 
 @pytest.mark.parametrize("tls", ["tcp", "posix,sysv,cma,self"], ids=["tcp", "shm"])

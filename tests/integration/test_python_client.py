@@ -170,7 +170,8 @@ WORKER = textwrap.dedent(r'''
         # Prints the session id while attached, waits, then leaves the with block.
         with fsdpd.Client() as c:
             print(json.dumps({"session_id": c.session_id, "job": c.job, "rank": c.rank,
-                              "local_world_size": c.local_world_size}), flush=True)
+                              "local_world_size": c.local_world_size,
+                              "generation": c.generation}), flush=True)
             sys.stdin.readline()
         print(json.dumps({"closed": c.closed}), flush=True)
         sys.stdin.readline()
@@ -186,7 +187,8 @@ def worker(tmp_path):
 
     def env_for(d, **extra):
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith("FSDPD_") and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+               if not k.startswith("FSDPD_")
+               and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")}
         env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
                    FSDPD_SOCKET=str(d.socket_path), BARRIER_DIR=str(barriers))
         env.update({k: str(v) for k, v in extra.items()})
@@ -275,12 +277,14 @@ def test_unknown_session_and_unit_after_restart(fsdpd, worker):
 
 def test_environment_defaults_and_context_manager_detaches(fsdpd, worker):
     d = fsdpd(*DAEMON_ARGS)
-    p = worker(d, "context", FSDPD_JOB="envjob", LOCAL_RANK=1, LOCAL_WORLD_SIZE=3)
+    p = worker(d, "context", FSDPD_JOB="envjob", LOCAL_RANK=1, LOCAL_WORLD_SIZE=3,
+               TORCHELASTIC_RESTART_COUNT=2)
     attached = json.loads(p.stdout.readline())
     assert attached == {"session_id": attached["session_id"], "job": "envjob", "rank": 1,
-                        "local_world_size": 3}
+                        "local_world_size": 3, "generation": 2}
     s = sessions(d)[attached["session_id"]]
-    assert (s.job, s.local_rank, s.local_world_size, s.pid) == ("envjob", 1, 3, p.pid)
+    assert (s.job, s.local_rank, s.local_world_size, s.generation, s.pid) == \
+        ("envjob", 1, 3, 2, p.pid)
     p.stdin.write("\n")
     p.stdin.flush()
     assert json.loads(p.stdout.readline()) == {"closed": True}

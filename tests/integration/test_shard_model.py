@@ -51,14 +51,16 @@ pytestmark = [
 ]
 
 
-def _start(d, mode, world, rank, *args, job="train", hosts=1):
+def _start(d, mode, world, rank, *args, job="train", hosts=1, restarts=0):
     """A worker: local rank `rank` of `world` on daemon d (global rank host * world + rank
-    when there are several hosts), or the reference when d is None."""
+    when there are several hosts), or the reference when d is None; `restarts`: how often
+    the launcher restarted the job, as torchrun tells its workers."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("FSDPD_") and
            k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
-               FSDP_SOURCE_DIR=str(SOURCE_DIR), OMP_NUM_THREADS="1")
+               FSDP_SOURCE_DIR=str(SOURCE_DIR), OMP_NUM_THREADS="1",
+               TORCHELASTIC_RESTART_COUNT=str(restarts))
     if d is not None:
         env.update(FSDPD_SOCKET=str(d.socket_path), FSDPD_JOB=job, LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world))
@@ -197,7 +199,7 @@ def test_a_killed_trainer_restarts_and_training_goes_on(fsdpd):
                      error["error"]), error
     assert sorted(_losses(r0)) == [1, 2]
 
-    again = [_start(d, "rank", 2, r) for r in range(2)]
+    again = [_start(d, "rank", 2, r, restarts=1) for r in range(2)]
     s0, s1 = _finish(again)
     (ref,) = _finish([ref])
     for records in (s0, s1):

@@ -28,12 +28,12 @@ SIZE = {FP32: 4, BF16: 2, FP16: 2}
 class Rank:
     """One local rank: a session, its memory channel and its mapping of the job's arena."""
 
-    def __init__(self, d, rank, world, job="j"):
+    def __init__(self, d, rank, world, job="j", generation=0):
         self.d = d
         self.rank = rank
         a = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
             protocol_version=1, job=job, local_rank=rank, local_world_size=world,
-            pid=os.getpid()), trainer_pb2.AttachReply)
+            pid=os.getpid(), generation=generation), trainer_pb2.AttachReply)
         self.session = a.session_id
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(a.memory_socket)
@@ -209,6 +209,28 @@ def test_ranks_that_disagree_or_stay_away_are_named(fsdpd):
     code, details = refused(lambda: ranks[2].op("Unshard", step=6))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "asked for step 6, but the unsharded copy already holds step 7" in details
+    d.assert_serving()
+
+
+def test_ranks_of_two_runs_of_a_job_do_not_mix_in_a_collective(fsdpd):
+    """A rank of the job's next run (a higher generation) and one of the run before it
+    cannot complete a collective together: it aborts for both, naming the generations."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    ranks = [Rank(d, 0, 2, generation=3), Rank(d, 1, 2, generation=4)]
+    for r in ranks:
+        r.register()
+    assert sorted(s.generation for s in d.status().sessions) == [3, 4]
+    for name in ("Unshard", "ReduceScatter"):
+        t = threading.Thread(target=lambda: errors.append(refused(lambda: ranks[0].op(name))))
+        errors = []
+        t.start()
+        poll(lambda: d.status().rpc_work_inflight >= 1, 5, what=f"rank 0's {name} to wait")
+        code, details = refused(lambda: ranks[1].op(name))
+        t.join(10)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert ("local rank 1 attached with generation 4 while the other ranks attached with "
+                "generation 3: ranks of two runs of job 'j' cannot") in details
+        assert errors == [(code, details)]
     d.assert_serving()
 
 
