@@ -469,16 +469,22 @@ static bool has_queued(const fsdp_ucx_t *u) {
 
 static void finish_close(fsdp_ucx_t *u);
 
+#define MAX_IDLE_BUSY 64
+
 static void drive(fsdp_ucx_t *u) {
   if (u->driving || u->destroyed)
     return;
   u->driving = true;
+  /* Rounds in a row in which progress did nothing and the worker still would not arm. */
+  unsigned idle_busy = 0;
   for (;;) {
     u->again = false;
-    while (ucp_worker_progress(u->worker)) {
-    }
+    unsigned progressed = 0;
+    while (ucp_worker_progress(u->worker))
+      progressed++;
     if (has_queued(u)) {
       run_queued(u);
+      idle_busy = 0;
       continue;
     }
     if (u->again)
@@ -486,8 +492,12 @@ static void drive(fsdp_ucx_t *u) {
     ucs_status_t st = ucp_worker_arm(u->worker);
     if (st == UCS_OK)
       break;
-    if (st != UCS_ERR_BUSY) {
-      /* Cannot sleep on the fd: poll from the idle handle instead (slower, still correct). */
+    idle_busy = progressed ? 0 : idle_busy + 1;
+    if (st != UCS_ERR_BUSY || idle_busy >= MAX_IDLE_BUSY) {
+      /* Cannot sleep on the fd: poll from the idle handle instead (slower, still correct).
+       * A worker can stay BUSY with nothing to progress (a dead peer's socket event over
+       * tcp, seen under ASan): going back to the loop lets its timers run, so the
+       * collectives' deadlines still end what waits on that peer. */
       u->driving = false;
       schedule(u);
       return;
