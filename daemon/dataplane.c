@@ -420,7 +420,7 @@ typedef struct ring_run {
   struct ring_run *next; /* while waiting for the cluster */
 } ring_run_t;
 
-/* The unit's first element of a ring chunk, and the chunk's length in elements. */
+/* The unit's element at the start of a ring chunk. */
 static uint64_t chunk_elem(const ring_run_t *run, unsigned region, size_t offset) {
   return run->first_elem + region * run->region_numel + offset / run->elem_size;
 }
@@ -527,12 +527,11 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
 
 static void on_cluster_ready(void *data, int status, const char *why);
 
-/* A job's arena is registered with UCX as a whole on its first ring, once: it is mapped and
- * faulted in for good when the job starts (fsdp_dataplane_forget_job releases it). */
-static const fsdp_ucx_mem_t *registered_arena(fsdp_dataplane_t *dp, fsdp_arena_t *arena) {
+/* The arena's bytes, for forgetting what was registered in it. */
+static size_t arena_capacity(const fsdp_arena_t *arena) {
   fsdp_arena_stats_t stats;
   fsdp_arena_get_stats(arena, &stats);
-  return fsdp_fabric_memory(dp->fabric, fsdp_arena_base(arena), stats.capacity);
+  return stats.capacity;
 }
 
 /* Starts a ring of the unit's collective once the hosts it needs are connected; while the
@@ -576,9 +575,14 @@ static void start_run(ring_run_t *run) {
     run->first_elem = host_first(u);
     run->region_numel /= hosts->members;
   }
-  fsdp_arena_t *arena = gather ? run->job->shared_arena : run->job->arena;
-  char *buf = gather ? (char *)fsdp_arena_base(arena) + u->unsharded_offset : host_sum(run->job, u);
-  buf += run->first_elem * run->elem_size;
+  /* The unit's buffer the rings move (its unsharded copy or its host sum) is registered
+   * with UCX once, on its first ring, and stays so until its job goes; only that, since
+   * registering pins memory on RDMA transports, and an arena is mostly not in use. */
+  char *whole = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset
+                       : host_sum(run->job, u);
+  const fsdp_ucx_mem_t *whole_mem =
+      fsdp_fabric_memory(dp->fabric, whole, u->layout.padded_numel * run->elem_size);
+  char *buf = whole + run->first_elem * run->elem_size;
   /* The reduce's first ring makes the host sum, its last one writes the gradient shards. */
   bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
   bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
@@ -605,7 +609,7 @@ static void start_run(ring_run_t *run) {
       .window = RING_WINDOW,
       .scratch = run->scratch,
       .scratch_bytes = run->scratch ? RING_SCRATCH : 0,
-      .buf_mem = registered_arena(dp, arena),
+      .buf_mem = whole_mem,
       .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
                                   : NULL,
       .produce = !gather && first_of_reduce ? produce_host_sum : NULL,
@@ -915,12 +919,11 @@ void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why
 }
 
 void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
-  if (!dp->fabric)
-    return;
-  if (job->arena)
-    fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(job->arena));
-  if (job->shared_arena)
-    fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(job->shared_arena));
+  const fsdp_arena_t *arenas[] = {job->arena, job->shared_arena};
+  for (size_t i = 0; i < 2; i++)
+    if (dp->fabric && arenas[i])
+      fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(arenas[i]),
+                                arena_capacity(arenas[i]));
 }
 
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {

@@ -31,6 +31,7 @@ struct fsdp_fabric {
   unsigned n_hosts;
   fabric_host_t *hosts;
   fabric_memory_t *memory;
+  bool closing;
   void (*done)(void *data);
   void *done_data;
 };
@@ -154,6 +155,8 @@ fsdp_ucx_peer_t *fsdp_fabric_peer(fsdp_fabric_t *fabric, unsigned host_rank,
 }
 
 const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size_t len) {
+  if (fabric->closing)
+    return NULL;
   for (fabric_memory_t *m = fabric->memory; m; m = m->next)
     if (m->addr == addr && m->len == len)
       return m->mem;
@@ -171,12 +174,14 @@ const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size
   return m->mem;
 }
 
-void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr) {
-  if (!fabric)
+void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr, size_t len) {
+  if (!fabric || fabric->closing)
     return;
+  const char *lo = addr;
   for (fabric_memory_t **p = &fabric->memory; *p;) {
     fabric_memory_t *m = *p;
-    if (m->addr != addr) {
+    const char *at = m->addr;
+    if (at < lo || (size_t)(at - lo) >= len) {
       p = &m->next;
       continue;
     }
@@ -190,7 +195,7 @@ static void on_ucx_closed(void *data) {
   fsdp_fabric_t *f = data;
   if (f->done)
     f->done(f->done_data);
-  while (f->memory) { /* their registrations went with the worker */
+  while (f->memory) { /* their registrations went with the UCX context */
     fabric_memory_t *m = f->memory;
     f->memory = m->next;
     free(m);
@@ -208,6 +213,7 @@ void fsdp_fabric_close(fsdp_fabric_t *fabric, void (*done)(void *data), void *da
     return;
   }
   fsdp_peers_set_callbacks(fabric->peers, &(fsdp_peers_callbacks_t){0});
+  fabric->closing = true;
   fabric->done = done;
   fabric->done_data = data;
   fsdp_ucx_close(fabric->ucx, on_ucx_closed, fabric);

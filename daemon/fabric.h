@@ -35,12 +35,13 @@ fsdp_ucx_peer_t *fsdp_fabric_peer(fsdp_fabric_t *fabric, unsigned host_rank,
 
 /* The registration of [addr, addr + len) with the worker (fsdp_ucx_mem_register), made on
  * first use and kept until fsdp_fabric_forget_memory() or the close; NULL when UCX refused
- * it (logged once; transfers then go without). */
+ * it (logged once; transfers then go without) or the fabric is closing. */
 const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size_t len);
 
-/* Releases what was registered at addr, before that memory goes. NULL fabric: no-op. No
- * transfer may still be using it. */
-void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr);
+/* Releases every registration that starts in [addr, addr + len), before that memory goes.
+ * NULL fabric, or one closing: no-op (the registrations go with the transport). No transfer
+ * may still be using them. */
+void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr, size_t len);
 
 /* Fails every transfer (their collectives end CANCELLED), closes the worker and frees the
  * fabric; done(data) runs on the loop afterwards. NULL: done runs at once. */

@@ -4,11 +4,12 @@
  * 2(n - 1) for all-reduce), and each step is C chunks, so it moves T * C units, unit
  * u = t * C + k. Both directions walk the units in that one order: receives are posted in
  * it and sends are started in it, each with at most `window` in flight, and the send of
- * (t, k) waits only for the arrival (and sum) of (t - 1, k). Because the left neighbour
- * sends in the order this member posts its receives, the oldest send of any member always
- * has its receive posted or about to be (the receiver's slots are held only by earlier
- * units, which have arrived and are being summed), so the ring cannot deadlock however
- * the window is set.
+ * (t, k) waits only for the arrival (and sum) of (t - 1, k), or at t = 0 for this member's
+ * produce of the chunk. Because the left neighbour sends in the order this member posts its
+ * receives, the oldest send of any member always has its receive posted or about to be (the
+ * receiver's slots are held only by earlier units, which have arrived and are being summed
+ * or finalized, or wait for a produce, which depends on nothing the ring does), so the ring
+ * cannot deadlock however the window is set.
  *
  * Wire format (between fsdpd transports only; the protocol version travels in the control
  * message and in the address bytes of ucx.c): data tag = op_id << 32 | step << 24 | chunk;
@@ -373,16 +374,17 @@ static void on_deadline(uv_timer_t *h) {
   fsdp_ring_t *r = h->data;
   if (r->failed || r->succeeded || r->timing_out)
     return;
-  bool recv_waiting = false, send_waiting = false;
+  bool recv_waiting = false, send_waiting = false, local_waiting = r->works_out > 0;
   for (unsigned w = 0; w < r->window; w++) {
     recv_waiting |= r->rx[w].in_ucx;
     send_waiting |= r->tx[w].in_ucx;
+    local_waiting |= r->rx[w].add_waiting;
   }
-  if (!recv_waiting && send_waiting) {
+  if (!recv_waiting && send_waiting && !local_waiting) {
     fail_timeout(r, (int)r->right, r->right);
     return;
   }
-  if (!recv_waiting && !send_waiting) {
+  if (!recv_waiting) { /* this member's own work is what is late */
     uint64_t elapsed = uv_now(r->loop) - r->start_ms;
     ring_fail(r, FSDP_E_DEADLINE_EXCEEDED, NONE,
               "deadline passed %llu ms after the start with %u local sums, produces or "

@@ -91,8 +91,8 @@ typedef struct fsdp_ring_args {
    * only), so that a collective faults no fresh pages; NULL: allocated per collective. */
   void *scratch;
   size_t scratch_bytes;
-  /* Registrations with the transport (fsdp_ucx_mem_register) that hold buf and scratch,
-   * or NULL: the chunks' transfers then skip UCX's registration cache. */
+  /* Registrations with the transport (fsdp_ucx_mem_register) that hold buf and scratch (the
+   * chunks' transfers then skip UCX's registration cache), or NULL. */
   const fsdp_ucx_mem_t *buf_mem, *scratch_mem;
   /* Optional, see the header comment; hook_arg is passed to both. */
   int (*produce)(void *hook_arg, unsigned region, size_t offset, size_t bytes);

@@ -232,6 +232,9 @@ int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_status_t
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "UCX memory registration of %zu bytes at %p: expected a buffer", len,
                            addr);
+  if (ucx->closing)
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE,
+                           "UCX memory registration: the transport is closing");
   fsdp_ucx_mem_t *m = calloc(1, sizeof *m);
   if (!m)
     return fsdp_status_set(st, -ENOMEM, "UCX memory registration: out of memory");
@@ -560,10 +563,13 @@ int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status
    * measured (docs/PERFORMANCE.md, "Collectives between hosts"); the price is larger buffer
    * pools (they grow 8 segments at a time) in a worker that uses tcp. A value set in the
    * environment wins. Its sockets' buffers are left to the kernel's autotuning, which starts
-   * them small: asking for 8 MiB (the kernel caps it at net.core.[wr]mem_max) made the
-   * ring's tcp all-gather and reduce-scatter 10-15 % faster where we measured. The names
-   * are given without the transport's prefix, as ucp hands them on to every transport's
-   * settings; only tcp has these. */
+   * them small: asking for 8 MiB made the ring's tcp all-gather and reduce-scatter 10-15 %
+   * faster where we measured, with net.core.[wr]mem_max at 4 MiB. A size set on a socket
+   * turns autotuning off and is capped at those limits, so where they are left at a
+   * distribution's default (about 208 KiB) links between hosts get less than autotuning
+   * would give them: raise the limits with the buffers (docs/PERFORMANCE.md). The names are
+   * given without the transport's prefix, as ucp hands them on to every transport's
+   * settings; only tcp's transport and its connection manager have these. */
   static const struct {
     const char *env, *name, *value;
   } tuning[] = {{"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "512k"},

@@ -125,9 +125,11 @@ def test_every_strategy_across_hosts(fsdpd, hosts, strategy):
 
 
 def test_a_retired_jobs_memory_leaves_the_transport_and_a_new_job_runs(fsdpd):
-    """A job's arenas are registered with UCX on its first ring and let go before they are
-    unmapped when the job retires: a new job, whose arenas the kernel may map at the same
-    addresses, still moves the right bytes."""
+    """The buffers a unit's rings move are registered with UCX on its first ring and let go
+    before the job's memory is unmapped when it retires; a new job, whose arenas the kernel
+    may map at the same addresses, then registers and moves its own. (Over tcp and shared
+    memory a registration pins nothing, so what this checks is that retiring a job that ran
+    rings, and running a new one, works: not what a stale registration would do on RDMA.)"""
     c = start_cluster(fsdpd, 2, extra=["--set", "store.job_retention=200ms",
                                        "--set", "daemon.housekeeping_interval=20ms"])
     for job in ("first", "second"):

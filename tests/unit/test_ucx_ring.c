@@ -390,14 +390,15 @@ out:
   return rc;
 }
 
-/* Member 0's produce fails for one region: every member's collective fails, and member 0's
+/* Member 0's produce fails for the region it makes first (n - 1, which it sends first):
+ * every member needs a chunk that is never sent, so every collective fails, and member 0's
  * message names the produce. */
 static int check_produce_failure(member_t *m, uint32_t op_id) {
   size_t elems = 4096, rb = elems * 4;
   unsigned char *buf = malloc(rb * m->n), *out = malloc(rb * m->n), *fin = calloc(rb * m->n, 1);
   hooks_t h = {.m = m, .kind = FSDP_RING_REDUCE_SCATTER, .t = FSDP_DTYPE_FP32, .rb = rb,
                .seed = op_id, .buf = buf, .out = out, .finalized = fin,
-               .fail_region = m->self == 0 ? 1 : FSDP_RING_MAX};
+               .fail_region = m->self == 0 ? m->n - 1 : FSDP_RING_MAX};
   result_t res = {.start_ms = now_ms()};
   fsdp_ring_args_t a = {.kind = FSDP_RING_REDUCE_SCATTER, .n = m->n, .self = m->self,
                         .peers = m->peers, .buf = buf, .region_bytes = rb,
@@ -412,7 +413,7 @@ static int check_produce_failure(member_t *m, uint32_t op_id) {
   } else if (!run_until(m, &res.done, 20000)) {
     report(m, "FAIL member %u: no callback 20 s after member 0's produce failed", m->self);
   } else if (res.st.code >= 0 ||
-             (m->self == 0 && (!strstr(res.st.message, "the produce of region 1 bytes ") ||
+             (m->self == 0 && (!strstr(res.st.message, "the produce of region ") ||
                                !strstr(res.st.message, "failed: Input/output error")))) {
     report(m, "FAIL member %u: after member 0's produce failed: %d %s", m->self, res.st.code,
            res.st.message);
