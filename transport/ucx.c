@@ -183,14 +183,20 @@ static void req_started(fsdp_ucx_req_t *r, ucs_status_ptr_t sp) {
   schedule(r->ucx);
 }
 
-/* The registration for a transfer, when mem covers the whole of it. */
-static void use_registration(ucp_request_param_t *rp, const fsdp_ucx_mem_t *mem,
-                             const void *buf, size_t len) {
+/* A transfer's parameters: its request for the callback, and the registration when mem
+ * covers the whole of buf. The caller sets the callback of its direction. */
+static ucp_request_param_t transfer_params(fsdp_ucx_req_t *req, const fsdp_ucx_mem_t *mem,
+                                           const void *buf, size_t len) {
+  ucp_request_param_t rp = {
+      .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+      .user_data = req,
+  };
   const char *b = buf;
   if (mem && b >= mem->addr && len <= mem->len && (size_t)(b - mem->addr) <= mem->len - len) {
-    rp->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    rp->memh = mem->memh;
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    rp.memh = mem->memh;
   }
+  return rp;
 }
 
 int fsdp_ucx_send(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf, size_t len,
@@ -198,12 +204,8 @@ int fsdp_ucx_send(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf, s
   if (peer->failed || !peer->ep)
     return FSDP_E_UNAVAILABLE;
   req_start(req, peer, cb, len, false);
-  ucp_request_param_t rp = {
-      .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-      .cb.send = send_cb,
-      .user_data = req,
-  };
-  use_registration(&rp, mem, buf, len);
+  ucp_request_param_t rp = transfer_params(req, mem, buf, len);
+  rp.cb.send = send_cb;
   req_started(req, ucp_tag_send_nbx(peer->ep, buf, len, tag, &rp));
   return 0;
 }
@@ -214,12 +216,8 @@ int fsdp_ucx_recv(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, void *buf, size_t 
   if (peer->failed || !peer->ep)
     return FSDP_E_UNAVAILABLE;
   req_start(req, peer, cb, len, true);
-  ucp_request_param_t rp = {
-      .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-      .cb.recv = recv_cb,
-      .user_data = req,
-  };
-  use_registration(&rp, mem, buf, len);
+  ucp_request_param_t rp = transfer_params(req, mem, buf, len);
+  rp.cb.recv = recv_cb;
   req_started(req, ucp_tag_recv_nbx(peer->ucx->worker, buf, len, tag, tag_mask, &rp));
   return 0;
 }
