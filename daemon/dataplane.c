@@ -696,7 +696,7 @@ static size_t round64(size_t n) {
 /* Takes the unit's buffers: the unsharded one from the shared (read-only to trainers)
  * arena, and from the arena one block with the master shards, the gradient shards, one
  * full-gradient buffer per local rank and, across hosts, the host sums. */
-static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_status_t *st) {
+static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   size_t padded = (size_t)u->layout.padded_numel;
   size_t param_size = fsdp_dtype_size(param_dtype(u));
   size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
@@ -707,11 +707,6 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
                 : reduce_size == 4                     ? fp32
                                                        : fp32 + round64(padded * reduce_size);
   size_t total = 2 * host_fp32 + (size_t)job->local_world_size * unsharded + sums;
-  if (total + unsharded > memory_free)
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                           "job '%s' unit '%s': need %zu bytes, %zu free under memory.limit "
-                           "(all jobs together)",
-                           job->name, u->spec->unit, total + unsharded, memory_free);
   uint64_t base, shared;
   int r = fsdp_arena_alloc(job->arena, total, 0, &base, st);
   if (r < 0)
@@ -731,13 +726,11 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
 }
 
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                             fsdp_unit_t *unit, const fsdp_session_t *session,
-                             size_t arena_capacity, size_t memory_free) {
+                             fsdp_unit_t *unit, const fsdp_session_t *session) {
   fsdp_status_t st;
   switch (unit->state) {
   case FSDP_UNIT_NEW:
-    if (fsdp_store_job_arena(job, arena_capacity, &st) < 0 ||
-        allocate(job, unit, memory_free, &st) < 0) {
+    if (allocate(job, unit, &st) < 0) {
       fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
       return;
     }
