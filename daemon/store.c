@@ -64,7 +64,10 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
                            rq->unit);
   }
   fsdp_unit_plan(&store->topology, rq->strategy, job->local_world_size, &u->plan);
-  int r = fsdp_unit_layout_init(&u->layout, u->spec, u->plan.shards, u->plan.pad_multiple, st);
+  int r = fsdp_unit_gradient_scales(u->spec, u->plan.data_parallel_size, &u->pre_scale,
+                                    &u->post_scale, st);
+  if (r == 0)
+    r = fsdp_unit_layout_init(&u->layout, u->spec, u->plan.shards, u->plan.pad_multiple, st);
   if (r < 0) {
     unit_free(u);
     return r;

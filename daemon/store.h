@@ -57,6 +57,7 @@ typedef struct fsdp_unit {
   Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
+  float pre_scale, post_scale; /* the reduction's, from the gradient divide factors */
   fsdp_unit_state_t state;
   fsdp_status_t error;        /* why FAILED */
   uint64_t buffers_offset;    /* the arena block holding the read-write buffers */

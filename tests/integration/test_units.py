@@ -88,12 +88,21 @@ def test_mismatched_spec_names_field_values_and_ranks(fsdpd, change, field, mine
     (dict(unit=""), "field 'unit' is empty"),
     (dict(strategy=0), "field 'strategy' is unspecified"),
     (dict(shapes=((1 << 32, 1 << 32),), names=("w",)),
-     "params[0] 'w' shape [4294967296,4294967296] brings the unit past"),
+     "params[0] 'w' shape[1] = 4294967296 takes the product of its nonzero dimensions past"),
+    (dict(shapes=((0, (1 << 64) - 1),), names=("w",)),
+     "params[0] 'w' shape[1] = 18446744073709551615 takes the product of its nonzero "
+     "dimensions past the limit of 1099511627776 elements"),
     (dict(shapes=((0,), (3, 0)), names=("a", "b")), "has no elements: every parameter has size 0"),
     (dict(names=("w", "w")), "parameter name 'w' appears more than once"),
     (dict(dtype=0), "params[0].dtype of 'weight' is unspecified"),
-    (dict(gradient_predivide_factor=-1.0), "gradient_predivide_factor = -1"),
-], ids=["unit-empty", "strategy", "overflow", "zero-size", "duplicate", "dtype", "factor"])
+    (dict(gradient_predivide_factor=-1.0), "gradient_predivide_factor = -1, outside"),
+    (dict(gradient_predivide_factor=1e-310), "gradient_predivide_factor = 1e-310, outside"),
+    (dict(gradient_postdivide_factor=1e308), "gradient_postdivide_factor = 1e+308, outside"),
+    (dict(gradient_predivide_factor=2.0 ** -24),
+     "gradient_postdivide_factor (0: data-parallel size 2 / gradient_predivide_factor "
+     "5.96046e-08) = 3.35544e+07, outside [5.96046e-08 (2^-24), 1.67772e+07 (2^24)]"),
+], ids=["unit-empty", "strategy", "overflow", "zero-dim-hides-overflow", "zero-size",
+        "duplicate", "dtype", "factor", "factor-subnormal", "factor-huge", "factor-derived"])
 def test_bad_specs(fsdpd, request_kwargs, text):
     d = fsdpd()
     s = attach(d, 0, 2)
