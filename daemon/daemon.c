@@ -60,14 +60,28 @@ static void log_session_end(const fsdp_session_t *s, const char *why) {
            (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid, why);
 }
 
+/* Whether a session other than `except` (NULL: any) belongs to the job. */
+static bool job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job,
+                            const fsdp_session_t *except) {
+  for (const fsdp_session_t *s = daemon->sessions.head; s; s = s->next)
+    if (s != except && strcmp(s->job, job->name) == 0)
+      return true;
+  return false;
+}
+
 /* What a session leaves behind when it ends, however it ends. */
 static void release_session(fsdp_daemon_t *daemon, const fsdp_session_t *session,
                             const char *why) {
   if (session->channel)
     fsdp_channel_conn_close(session->channel);
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
-  if (job)
-    fsdp_dataplane_release_rank(job, session->local_rank, why, daemon->sessions.attaches);
+  if (!job)
+    return;
+  fsdp_dataplane_release_rank(job, session->local_rank, why, daemon->sessions.attaches);
+  /* Its retention counts from its last session's end, and the job idle longest is the
+   * first to give way to a new one (fsdp_store_job_for). */
+  if (!job_has_session(daemon, job, session))
+    job->idle_since_ms = fsdp_daemon_now_ms(daemon);
 }
 
 void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {
@@ -85,16 +99,10 @@ static void on_session_expired(const fsdp_session_t *s, void *data) {
   release_session(daemon, s, why);
 }
 
-static bool job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job) {
-  for (const fsdp_session_t *s = daemon->sessions.head; s; s = s->next)
-    if (strcmp(s->job, job->name) == 0)
-      return true;
-  return false;
-}
-
 static bool job_idle(void *data, const fsdp_job_t *job) {
   fsdp_daemon_t *daemon = data;
-  return !job_has_session(daemon, job) && !fsdp_dataplane_uses_job(&daemon->dataplane, job);
+  return !job_has_session(daemon, job, NULL) &&
+         !fsdp_dataplane_uses_job(&daemon->dataplane, job);
 }
 
 /* Frees an idle job: its units and its arenas go back to the host. */

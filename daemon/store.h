@@ -96,7 +96,9 @@ typedef struct fsdp_job {
   fsdp_unit_t *units; /* in registration order */
   fsdp_unit_t **units_tail;
   unsigned n_units;
-  uint64_t idle_since_ms; /* loop time since which it has had no session; 0 while it has */
+  /* Loop time since which nothing refers to it (set as its last session ends, or by the
+   * housekeeping when its work ends after that); 0 while in use. */
+  uint64_t idle_since_ms;
   /* For each rank whose session ended and that has not attached again: the serial of the
    * first session attached after, 0 otherwise. A session older than that (it was there when
    * the rank went) fails a collective that needs the rank at once: the rank died under it.

@@ -177,3 +177,36 @@ def test_fsdpctl_units_and_shard_map(fsdpd):
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "no job has a unit 'nope'" in r.stderr
     r = d.fsdpctl("--job", "ghost", "units")
     assert r.returncode == 1 and "no job 'ghost' holds units" in r.stderr
+
+
+@pytest.mark.parametrize("limits,full", [
+    (("session.max_sessions=2",), "the daemon holds 2 sessions"),
+    (("memory.limit=256MiB",), "but 256MiB of memory.limit = 256MiB is reserved by 2 jobs in use"),
+], ids=["job-slots", "memory"])
+def test_finished_jobs_never_keep_new_ones_out(fsdpd, limits, full):
+    """Issue 10 finding 13: a finished job is retained for store.job_retention (10 minutes)
+    so that its trainers may come back, but a job with no session gives way to a new one:
+    more short jobs than the daemon holds at once run one after another. Jobs in use are
+    never freed: with every slot or byte in use, a new job is refused."""
+    args = ["--set", "memory.job_limit=64MiB"]
+    for limit in limits:
+        args += ["--set", limit]
+    d = fsdpd(*args)
+    for i in range(5):
+        s = attach(d, 0, 1, job=f"short{i}")
+        register(d, spec(s, shapes=((64,),), names=("w",)))
+        d.call(DETACH, trainer_pb2.DetachRequest(session_id=s), trainer_pb2.DetachReply)
+    assert len(d.status().jobs) == 2
+    assert ("job 'short0': retained with no session, but job 'short2' needs the room"
+            in d.stderr())
+    in_use = [attach(d, 0, 1, job=f"live{i}") for i in range(2)]
+    for s in in_use:
+        register(d, spec(s, shapes=((64,),), names=("w",)))
+    with pytest.raises(grpc.RpcError) as excinfo:
+        s = attach(d, 0, 1, job="one-too-many")
+        register(d, spec(s, shapes=((64,),), names=("w",)))
+    code, details = status_code_and_details(excinfo)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert full in details, details
+    assert sorted(j.job for j in d.status().jobs) == ["live0", "live1"]
+    d.assert_serving()
