@@ -57,7 +57,8 @@
  * the last one goes. A read-write arena's pages are punched out at the free, so a holder
  * that outlives it keeps none of them (it reads zeros; what it faults in after is its own,
  * charged to its memory cgroup); a peers_read_only arena cannot be punched (the seal), and
- * a holder keeps its pages until it closes or unmaps. No logging: return codes and status messages; the daemon logs.
+ * a holder keeps its pages until it closes or unmaps. No logging: return codes and status
+ * messages; the daemon logs.
  *
  * Names: fsdp_arena_new/fsdp_arena_free make and destroy the arena (the heap-object verbs
  * of STYLE.md); fsdp_arena_alloc/fsdp_arena_release take and give back a block, so that

@@ -121,8 +121,9 @@ static size_t job_reserved(const fsdp_job_t *job) {
   return bytes;
 }
 
-/* The retained job that went idle first (idle_since_ms 0: not seen idle by the
- * housekeeping yet, so the most recent), or NULL when every job is in use. */
+/* The retained job that went idle first (idle_since_ms 0: its work ended after its last
+ * session and the housekeeping has not looked since, so the most recent), or NULL when
+ * every job is in use. */
 static fsdp_job_t *oldest_idle_job(const fsdp_store_t *store) {
   fsdp_job_t *oldest = NULL;
   for (fsdp_job_t *j = store->jobs; j; j = j->next) {

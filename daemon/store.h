@@ -11,10 +11,12 @@
  * refers to any more (retained for store.job_retention after its last session) never
  * keeps a new job out: when a new job needs a slot or memory and none is free, the
  * retained job that went idle first is freed to make room; only jobs in use count against
- * the limits. A unit is registered by every local
- * rank of its job with the same spec; the first registration fixes the spec and the layout,
- * a later one either matches it (and only records that the rank registered) or is refused
- * naming the first differing field, both values and both ranks.
+ * the limits.
+ *
+ * A unit is registered by every local rank of its job with the same spec; the first
+ * registration fixes the spec and the layout, a later one either matches it (and only
+ * records that the rank registered) or is refused naming the first differing field, both
+ * values and both ranks.
  *
  * Owned by the daemon, loop thread only. */
 #ifndef FSDP_STORE_H

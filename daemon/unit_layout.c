@@ -2,7 +2,6 @@
 #include "unit_layout.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,9 +65,10 @@ static int check_unique_names(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_st
 }
 
 /* The bounds of a gradient divide factor f, and of the product of the two: 2^-24 <= f <=
- * 2^24. The kernels scale by 1/f in fp32, which must be finite (1e-310 is subnormal and its
- * reciprocal overflows; 1/1e308 and its complement world/1e308 overflow the same way); the
- * bounds keep 1/f a normal fp32. A reduce may run in fp16, the narrowest range of the three
+ * 2^24. The kernels scale by 1/f in fp32 and refuse a scale that is not finite: 1e-310 is
+ * subnormal and its reciprocal overflows, and 1e308 leaves the other factor world/1e308,
+ * whose reciprocal overflows too (before these bounds every ReduceScatter of such a unit
+ * failed, as INTERNAL); the bounds keep 1/f a normal fp32. A reduce may run in fp16, the narrowest range of the three
  * reduce types: finite magnitudes from 2^-24 to 65504 < 2^16, 40 binades (bf16 and fp32
  * span 277). Dividing by f moves every magnitude by log2 f binades, the predivide factor
  * on each rank's gradient and the postdivide factor on the sum; with each factor and their
