@@ -301,8 +301,12 @@ def test_status_shows_each_jobs_memory(fsdpd):
     # unsharded + master + grad + one full gradient, fp32: 16 bytes an element at least
     assert jobs["llama"].used_bytes >= 16 * lay.padded_numel
     assert st.memory.in_use_bytes == jobs["llama"].used_bytes
+    assert st.memory.reserved_bytes == jobs["llama"].arena_bytes  # reserved whole
     out = d.fsdpctl("status").stdout
     assert "job llama:" in out and "of its 128.0 MiB arena, 1 unit, 1 local ranks" in out
+    assert "128.0 MiB reserved of 8.0 GiB limit (2%), " in out
+    assert json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["reserved_bytes"] == \
+        128 << 20
 
 
 def test_memory_comes_back_after_job_retention(fsdpd):
