@@ -673,7 +673,9 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
     snprintf(host_rank, sizeof host_rank, "%u", h);
     const char *cluster[] = {"--set", job_limit, "--set", "store.collective_timeout=60s",
                              "--hosts", host_list, "--host-rank", host_rank,
-                             "--local-world-size", lws, NULL};
+                             "--local-world-size", lws,
+                             /* daemons on one machine, over loopback */
+                             "--set", "peer.insecure=true", NULL};
     if (bench_daemon_spawn(&d[h], "fsdp-bench", o->hosts == 1 ? one : cluster, err,
                            err_size) < 0)
       goto out;

@@ -527,6 +527,15 @@ int fsdp_config_check(const fsdp_config_t *cfg, fsdp_status_t *st) {
                            "peer TLS is all or none: %s %s set but %s %s empty", a,
                            set == 1 ? "is" : "are", b, set == 2 ? "is" : "are");
   }
+  /* Whoever reaches a peer port unchallenged can join as a host and hand this daemon
+   * data-plane addresses; that takes a decision, not a default. */
+  if (n > 1 && set == 0 && !fsdp_config_text(cfg, FSDP_OPTION_PEER_TOKEN_FILE)[0] &&
+      !fsdp_config_number(cfg, FSDP_OPTION_PEER_INSECURE))
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "peering %u hosts needs a token (key 'peer.token_file') or mutual "
+                           "TLS (keys 'peer.tls_cert', 'peer.tls_key', 'peer.tls_ca'); set "
+                           "key 'peer.insecure' = true to peer without either on purpose",
+                           n);
   return 0;
 }
 

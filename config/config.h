@@ -111,6 +111,11 @@ typedef enum fsdp_option_type {
     false, NULL,                                                                                 \
     "How long after start every peer has to join both ways; then whoever waits for the "        \
     "cluster gets UNAVAILABLE naming the hosts missing. Joining goes on after it.")             \
+  X(PEER_ADDRESS_CHECK_TIMEOUT, "peer.address_check_timeout", FSDP_OPT_DURATION, "10s", 100,   \
+    600000, NULL, "ms", false, NULL,                                                             \
+    "How long the check of a peer's data-plane (UCX) address may take: UCX unpacks it in a "    \
+    "process of its own first, so that an address it cannot parse never reaches this "         \
+    "daemon's worker; a check that takes longer is retried with the peer's next Join.")         \
   X(PEER_TOKEN_FILE, "peer.token_file", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, false, NULL,     \
     "File holding the shared secret every daemon of the cluster sends and requires on the "     \
     "Peer service ('authorization: Bearer <token>'); empty: no token. Only its path is shown.") \
@@ -120,7 +125,11 @@ typedef enum fsdp_option_type {
   X(PEER_TLS_KEY, "peer.tls_key", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, false, NULL,           \
     "PEM private key of peer.tls_cert.")                                                         \
   X(PEER_TLS_CA, "peer.tls_ca", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, false, NULL,             \
-    "PEM CA certificates a peer's certificate must chain to, both ways.")
+    "PEM CA certificates a peer's certificate must chain to, both ways.")                        \
+  X(PEER_INSECURE, "peer.insecure", FSDP_OPT_BOOL, "false", 0, 0, NULL, NULL, false, NULL,      \
+    "Peer without peer.token_file or mutual TLS (peer.tls_*): anyone who reaches the peer "     \
+    "port can then join as a host. With several hosts one of the three is required, so set "   \
+    "this only on purpose, on a network no one else reaches.")
 
 typedef enum fsdp_option_id {
 #define FSDP_OPTION_ID(id, ...) FSDP_OPTION_##id,

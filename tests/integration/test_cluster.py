@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from fsdpd_harness import common_pb2, fsdpd, poll  # noqa: F401
-from test_peers import Cluster, free_ports, wait_all_joined
+from test_peers import INSECURE, Cluster, free_ports, wait_all_joined
 from test_reduce_scatter import decode, reference
 from test_unshard import BF16, FP32, SIZE, Rank, encode, host_element, on_all, values_for
 
@@ -258,7 +258,8 @@ class NetnsCluster:
             self.daemons.append(fsdpd(
                 "--hosts", hosts, "--host-rank", rank, "--local-world-size", L,
                 "--set", "peer.heartbeat_interval=100ms", "--set", "peer.timeout=1s",
-                "--set", "memory.job_limit=64MiB", health_listen="", env={"UCX_TLS": "tcp"},
+                "--set", "memory.job_limit=64MiB", *INSECURE, health_listen="",
+                env={"UCX_TLS": "tcp"},
                 prefix=["ip", "netns", "exec", ns], name=f"{ns}-host{rank}"))
 
     @staticmethod
@@ -303,7 +304,8 @@ def test_collectives_wait_for_the_cluster_then_fail_naming_who_is_missing(fsdpd)
     then fails after peer.join_timeout naming the host; the daemon keeps serving."""
     hosts = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     d = fsdpd("--hosts", hosts, "--host-rank", 0, "--local-world-size", L,
-              "--set", "memory.job_limit=64MiB", "--set", "peer.join_timeout=1500ms")
+              "--set", "memory.job_limit=64MiB", "--set", "peer.join_timeout=1500ms",
+              *INSECURE)
     ranks = [Rank(d, r, L) for r in range(L)]
     for r in ranks:
         r.register(shapes=SHAPES)
@@ -321,7 +323,8 @@ def test_collectives_wait_for_the_cluster_then_fail_naming_who_is_missing(fsdpd)
 def test_a_daemon_stops_cleanly_while_collectives_wait_for_the_cluster(fsdpd):
     hosts = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     d = fsdpd("--hosts", hosts, "--host-rank", 0, "--local-world-size", L,
-              "--set", "memory.job_limit=64MiB", "--set", "daemon.drain_timeout=300ms")
+              "--set", "memory.job_limit=64MiB", "--set", "daemon.drain_timeout=300ms",
+              *INSECURE)
     ranks = [Rank(d, r, L) for r in range(L)]
     for r in ranks:
         r.register(shapes=SHAPES)

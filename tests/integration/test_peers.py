@@ -22,6 +22,7 @@ HEARTBEAT = "100ms"
 TIMEOUT_S = 1.0
 SLACK_S = 1.5  # scheduling on a loaded 2-core machine, the tick, the status poll
 JOIN = "/fsdp.v1.Peer/Join"
+INSECURE = ("--set", "peer.insecure=true")
 
 
 def free_ports(n):
@@ -36,6 +37,13 @@ def free_ports(n):
     finally:
         for s in socks:
             s.close()
+
+
+def insecure_unless_secured(args):
+    """peer.insecure for daemons given neither a token nor TLS: these tests peer on
+    loopback, and several hosts refuse to start without one of the three."""
+    secured = any(str(a).startswith(("peer.token_file=", "peer.tls_cert=")) for a in args)
+    return [] if secured else list(INSECURE)
 
 
 class Cluster:
@@ -55,10 +63,10 @@ class Cluster:
 
     def args(self, rank):
         lws = self.per_rank.get(rank, {}).get("lws", self.lws)
+        own = [*self.extra, *self.per_rank.get(rank, {}).get("args", [])]
         return ["--hosts", self.hosts, "--host-rank", rank, "--local-world-size", lws,
                 "--set", f"peer.heartbeat_interval={HEARTBEAT}",
-                "--set", f"peer.timeout={self.timeout}",
-                *self.extra, *self.per_rank.get(rank, {}).get("args", [])]
+                "--set", f"peer.timeout={self.timeout}", *insecure_unless_secured(own), *own]
 
     def start(self, rank, run_dir=None, name=None):
         return self.fsdpd(*self.args(rank), run_dir=run_dir, name=name or f"{self.tag}-host{rank}")
@@ -379,7 +387,10 @@ def test_mutual_tls(fsdpd, tmp_path):
      "key 'peer.listen': value '0.0.0.0:7200' (from --peer-listen) has another port than this "
      "host's entry cluster.hosts[0] = 'a:7100'"),
     (["--set", "peer.tls_key=k.pem"], "peer TLS is all or none: peer.tls_key is set"),
-], ids=["rank", "duplicate", "syntax", "lws", "divides", "listen-port", "tls"])
+    (["--hosts", "127.0.0.1:1,127.0.0.1:2", "--local-world-size", "1"],
+     "peering 2 hosts needs a token (key 'peer.token_file') or mutual TLS (keys "
+     "'peer.tls_cert', 'peer.tls_key', 'peer.tls_ca'); set key 'peer.insecure' = true"),
+], ids=["rank", "duplicate", "syntax", "lws", "divides", "listen-port", "tls", "insecure"])
 def test_config_errors_exit_78(args, text):
     r = run_fsdpd("--check-config", *args)
     assert r.returncode == 78, r.stdout + r.stderr

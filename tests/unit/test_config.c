@@ -779,7 +779,16 @@ static void test_cluster_check(void **state) {
   expect_check_ok("");
   expect_check_ok("[cluster]\nhosts = 127.0.0.1:7100\n");
   expect_check_ok("[cluster]\nhosts = a:7100,b:7100\nhost_rank = 1\nlocal_world_size = 2\n"
-                  "shard_group_hosts = 2\n[peer]\nlisten = 0.0.0.0:7100\n");
+                  "shard_group_hosts = 2\n[peer]\nlisten = 0.0.0.0:7100\ninsecure = true\n");
+  /* Several hosts peer with a token, mutual TLS, or peer.insecure set on purpose. */
+  expect_check_error("[cluster]\nhosts = a:7100,b:7100\nlocal_world_size = 2\n",
+                     "peering 2 hosts needs a token (key 'peer.token_file') or mutual TLS "
+                     "(keys 'peer.tls_cert', 'peer.tls_key', 'peer.tls_ca'); set key "
+                     "'peer.insecure' = true to peer without either on purpose");
+  expect_check_ok("[cluster]\nhosts = a:7100,b:7100\nlocal_world_size = 2\n"
+                  "[peer]\ntoken_file = t\n");
+  expect_check_ok("[cluster]\nhosts = a:7100,b:7100\nlocal_world_size = 2\n"
+                  "[peer]\ntls_cert = c.pem\ntls_key = k.pem\ntls_ca = ca.pem\n");
   expect_check_error("[cluster]\nhost_rank = 1\n",
                      "key 'cluster.host_rank': value 1 (from " NAME ":2) is not below the "
                      "number of hosts, 0 in cluster.hosts (empty: one host, rank 0)");
