@@ -5,9 +5,11 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <fsdp/fsdp_version.h>
 
+#include "address_check.h"
 #include "args.h"
 #include "config.h"
 #include "daemon.h"
@@ -16,6 +18,10 @@
 extern char **environ;
 
 int main(int argc, char **argv) {
+  /* The daemon starts itself this way to have a peer's UCX address unpacked where an abort
+   * in UCX costs only that process (address_check.h). */
+  if (argc == 2 && strcmp(argv[1], FSDP_ADDRESS_CHECK_FLAG) == 0)
+    return fsdp_address_check_main();
   /* A trainer that disconnects mid-reply must not kill the daemon. */
   signal(SIGPIPE, SIG_IGN);
   fsdp_log_init();

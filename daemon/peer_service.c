@@ -12,34 +12,33 @@
 #include "log.h"
 #include "peers.h"
 
-/* Refuses a peer speaking another protocol version; returns false after failing the call. */
-static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version) {
-  if (version == FSDP_PROTOCOL_VERSION)
-    return true;
-  fsdp_rpc_call_fail(call, FSDP_E_PROTOCOL_VERSION,
-                     "%s: protocol_version %u from the peer daemon, but this fsdpd %s speaks "
-                     "protocol %u",
-                     fsdp_rpc_call_method(call), version, FSDP_VERSION_STRING,
-                     FSDP_PROTOCOL_VERSION);
-  return false;
-}
-
 static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
   fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);
 }
 
+static void on_join_answer(void *data, const fsdp_status_t *st, const Fsdp__V1__JoinReply *reply) {
+  fsdp_rpc_call_t *call = data;
+  if (st)
+    fail_call(call, st);
+  else
+    fsdp_rpc_call_reply(call, &reply->base);
+}
+
+static void on_join_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  fsdp_peers_join_cancel(data);
+}
+
+/* A Join may be answered later: while its data-plane address is checked, or its host's own
+ * address asked to confirm it (peers.h). */
 static void peer_join(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_daemon_t *daemon = data;
-  const Fsdp__V1__JoinRequest *rq = (const void *)request;
-  if (!protocol_ok(call, rq->protocol_version))
-    return;
-  Fsdp__V1__JoinReply reply = FSDP__V1__JOIN_REPLY__INIT;
-  fsdp_status_t st;
-  if (fsdp_peers_accept_join(daemon->peers, rq, &reply, &st) < 0) {
-    fail_call(call, &st);
-    return;
-  }
-  fsdp_rpc_call_reply(call, &reply.base);
+  char from[96];
+  fsdp_rpc_call_peer_name(call, from, sizeof from);
+  fsdp_peers_join_t *join = fsdp_peers_accept_join(daemon->peers, (const void *)request, from,
+                                                   on_join_answer, call);
+  if (join)
+    fsdp_rpc_call_on_cancel(call, on_join_cancel, join);
 }
 
 static void peer_heartbeat(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {

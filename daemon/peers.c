@@ -32,7 +32,10 @@
 
 #include <fsdp/fsdp_version.h>
 
+#include "address_check.h"
 #include "log.h"
+#include "peer_check.h"
+#include "ucx.h"
 #include "wire.h"
 
 /* Join retries: from JOIN_BACKOFF_MIN_MS doubling to JOIN_BACKOFF_MAX_MS. */
@@ -40,8 +43,8 @@
 #define JOIN_BACKOFF_MAX_MS 1000
 /* A Leave must not hold up a stop. */
 #define LEAVE_DEADLINE_MAX_MS 1000
-/* Largest data-plane address accepted from a peer. */
-#define UCX_ADDRESS_MAX 65536
+/* Joins of one host held at once while its address or incarnation is being checked. */
+#define PENDING_JOINS_MAX 8
 /* Secrets and certificates are small; the cap keeps a wrong path from eating memory. */
 #define SECRET_FILE_MAX (256 * 1024)
 #define N_SETTINGS 4
@@ -69,6 +72,7 @@ typedef struct pcall {
 } pcall_t;
 
 struct peer {
+  fsdp_peers_t *owner;
   unsigned rank;
   char address[320];
   grpc_channel *channel;
@@ -82,11 +86,36 @@ struct peer {
   char last_error[512];
   /* The refusals last logged each way, so that a retry every second logs nothing new. */
   char logged_in_refusal[512], logged_out_refusal[512];
-  uint8_t *ucx;
+  uint8_t *ucx; /* the data-plane address in use, which passed its check */
   size_t ucx_len;
+  /* The last address that passed a check, and the one being checked (one at a time). */
+  uint8_t *verified, *checking;
+  size_t verified_len, checking_len;
+  fsdp_address_check_t *check;
+  /* The address of the reply to our Join, held while it is checked. */
+  uint8_t *reply_ucx;
+  size_t reply_ucx_len;
+  bool out_waits;
+  fsdp_peers_join_t *pending; /* its Joins being checked */
+  unsigned n_pending;
+  uint64_t logged_impostor; /* the incarnation last refused as another daemon's */
   pcall_t *join_call, *heartbeat_call;
   uint64_t next_join_ms, next_heartbeat_ms;
   unsigned backoff_ms;
+};
+
+/* A peer's Join held while its address is checked or its incarnation confirmed. */
+struct fsdp_peers_join {
+  peer_t *p;
+  uint64_t incarnation;
+  uint8_t *ucx;
+  size_t ucx_len;
+  char from[96];
+  bool confirming; /* waits for the reply to our Join to the host's own address */
+  bool confirmed;  /* that reply came after this Join did */
+  fsdp_peers_join_fn cb;
+  void *data;
+  fsdp_peers_join_t *next;
 };
 
 struct fsdp_peers {
@@ -94,16 +123,19 @@ struct fsdp_peers {
   unsigned n, self;
   peer_t *peers; /* n of them; peers[self] is this daemon */
   uint64_t incarnation;
-  uint64_t heartbeat_ms, timeout_ms, join_deadline_ms;
+  uint64_t heartbeat_ms, timeout_ms, join_deadline_ms, address_check_ms;
   const fsdp_peer_security_t *sec;
   fsdp_peers_callbacks_t cb;
   char *auth_value; /* "Bearer <token>" */
   Fsdp__V1__Setting settings[N_SETTINGS];
   char setting_values[N_SETTINGS][4096];
+  fsdp_peer_rules_t rules;
+  unsigned checks; /* address checks not yet done */
   uint8_t *local_ucx;
   size_t local_ucx_len;
 
-  bool started, leaving, closing, ready, deadline_passed;
+  /* formed: the cluster had been ready; from then on a waiter waits peer.timeout. */
+  bool started, leaving, closing, ready, formed, deadline_passed;
   fsdp_peers_waiter_t *waiters;
 
   grpc_completion_queue *cq;
@@ -273,7 +305,7 @@ static void check_ready(fsdp_peers_t *peers) {
   bool ready = all_joined(peers);
   if (ready && !peers->ready) {
     log_info("peers: all %u hosts joined; the cluster is ready", peers->n);
-    peers->ready = true;
+    peers->ready = peers->formed = true;
     run_waiters(peers, 0, "");
   } else if (!ready) {
     peers->ready = false;
@@ -330,18 +362,28 @@ static void check_incarnation(fsdp_peers_t *peers, peer_t *p, uint64_t incarnati
   p->incarnation = incarnation;
 }
 
-static int store_address(peer_t *p, const ProtobufCBinaryData *addr) {
-  if (p->ucx_len == addr->len && (addr->len == 0 || memcmp(p->ucx, addr->data, addr->len) == 0))
+static bool same_bytes(const uint8_t *a, size_t a_len, const uint8_t *b, size_t b_len) {
+  return a_len == b_len && (a_len == 0 || memcmp(a, b, a_len) == 0);
+}
+
+/* *dst becomes a copy of [bytes, len); 1 if that changed it, 0 if not, -ENOMEM. */
+static int copy_bytes(uint8_t **dst, size_t *dst_len, const uint8_t *bytes, size_t len) {
+  if (*dst && same_bytes(*dst, *dst_len, bytes, len))
     return 0;
-  uint8_t *copy = NULL;
-  if (addr->len && !(copy = malloc(addr->len)))
+  uint8_t *copy = malloc(len ? len : 1);
+  if (!copy)
     return -ENOMEM;
-  if (addr->len)
-    memcpy(copy, addr->data, addr->len);
-  free(p->ucx);
-  p->ucx = copy;
-  p->ucx_len = addr->len;
+  if (len)
+    memcpy(copy, bytes, len);
+  free(*dst);
+  *dst = copy;
+  *dst_len = len;
   return 1;
+}
+
+/* An address nothing in UCX needs to unpack (none at all), or the one that last passed. */
+static bool address_verified(const peer_t *p, const uint8_t *bytes, size_t len) {
+  return len == 0 || (p->verified && same_bytes(p->verified, p->verified_len, bytes, len));
 }
 
 /* --- the client -------------------------------------------------------------------------- */
@@ -502,6 +544,63 @@ static void record_failure(peer_t *p, const pcall_t *c, const char *what) {
             (const char *)GRPC_SLICE_START_PTR(c->details), what);
 }
 
+/* The out half: the host at its own address accepted our Join, and its data-plane address
+ * passed its check. */
+static void complete_out(fsdp_peers_t *peers, peer_t *p) {
+  int r = copy_bytes(&p->ucx, &p->ucx_len, p->reply_ucx, p->reply_ucx_len);
+  if (r < 0) {
+    set_error(p, "Join: out of memory for its data-plane address");
+    join_failed(peers, p, false);
+    return;
+  }
+  p->out = true;
+  p->last_heard_ms = now_ms(peers);
+  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  if (p->state == FSDP_PEER_REFUSED)
+    p->state = FSDP_PEER_JOINING;
+  if (p->state == FSDP_PEER_JOINED && r > 0 && peers->cb.joined)
+    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
+  maybe_joined(peers, p);
+}
+
+static void check_reply_address(fsdp_peers_t *peers, peer_t *p);
+static void confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failure);
+
+/* The reply to our Join, from the host's own cluster.hosts entry: what it says (its
+ * incarnation, its address) is what relationships with the host go by. */
+static bool take_join_reply(fsdp_peers_t *peers, peer_t *p, const pcall_t *c) {
+  ProtobufCMessage *msg;
+  fsdp_status_t st;
+  if (fsdp_wire_decode(&fsdp__v1__join_reply__descriptor, c->recv, &msg, &st) < 0) {
+    set_error(p, "Join: bad reply: %s", st.message);
+    join_failed(peers, p, true);
+    return false;
+  }
+  const Fsdp__V1__JoinReply *reply = (const void *)msg;
+  if (fsdp_peer_check_join_reply(&peers->rules, p->rank, p->address, reply, &st) < 0) {
+    set_error(p, "Join: %s", st.message);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    join_failed(peers, p, true);
+    return false;
+  }
+  check_incarnation(peers, p, reply->incarnation);
+  int r = copy_bytes(&p->reply_ucx, &p->reply_ucx_len, reply->ucx_worker_address.data,
+                     reply->ucx_worker_address.len);
+  protobuf_c_message_free_unpacked(msg, NULL);
+  if (r < 0) {
+    set_error(p, "Join: out of memory for its data-plane address");
+    join_failed(peers, p, false);
+    return false;
+  }
+  if (address_verified(p, p->reply_ucx, p->reply_ucx_len)) {
+    complete_out(peers, p);
+    return true;
+  }
+  /* Joined once its address passed (on_check_done); no other Join meanwhile. */
+  check_reply_address(peers, p);
+  return true;
+}
+
 static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
   p->join_call = NULL;
   if (peers->leaving)
@@ -510,46 +609,22 @@ static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
     bool refused = c->status == GRPC_STATUS_FAILED_PRECONDITION ||
                    c->status == GRPC_STATUS_UNAUTHENTICATED ||
                    c->status == GRPC_STATUS_PERMISSION_DENIED ||
-                   c->status == GRPC_STATUS_INVALID_ARGUMENT;
+                   c->status == GRPC_STATUS_INVALID_ARGUMENT ||
+                   c->status == GRPC_STATUS_ALREADY_EXISTS;
     /* Why a peer was lost, left or refused says more than that it is still unreachable. */
     if (refused || (p->state != FSDP_PEER_LOST && p->state != FSDP_PEER_LEFT &&
                     p->state != FSDP_PEER_REFUSED))
       record_failure(p, c, "");
     join_failed(peers, p, refused);
+    char why[700];
+    int len = (int)GRPC_SLICE_LENGTH(c->details);
+    snprintf(why, sizeof why, "%s %.*s", status_name(c->status), len,
+             (const char *)GRPC_SLICE_START_PTR(c->details));
+    confirmations_done(peers, p, why);
     return;
   }
-  ProtobufCMessage *msg;
-  fsdp_status_t st;
-  if (fsdp_wire_decode(&fsdp__v1__join_reply__descriptor, c->recv, &msg, &st) < 0) {
-    set_error(p, "Join: bad reply: %s", st.message);
-    join_failed(peers, p, true);
-    return;
-  }
-  const Fsdp__V1__JoinReply *reply = (const void *)msg;
-  if (reply->host_rank != p->rank || reply->incarnation == 0 ||
-      reply->protocol_version != FSDP_PROTOCOL_VERSION) {
-    set_error(p, "Join: %s answered as host %u, protocol %u, incarnation %016llx; expected host "
-                 "%u, protocol %u, an incarnation",
-              p->address, reply->host_rank, reply->protocol_version,
-              (unsigned long long)reply->incarnation, p->rank, FSDP_PROTOCOL_VERSION);
-    protobuf_c_message_free_unpacked(msg, NULL);
-    join_failed(peers, p, true);
-    return;
-  }
-  check_incarnation(peers, p, reply->incarnation);
-  if (store_address(p, &reply->ucx_worker_address) < 0) {
-    set_error(p, "Join: out of memory for its data-plane address");
-    protobuf_c_message_free_unpacked(msg, NULL);
-    join_failed(peers, p, false);
-    return;
-  }
-  protobuf_c_message_free_unpacked(msg, NULL);
-  p->out = true;
-  p->last_heard_ms = now_ms(peers);
-  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
-  if (p->state == FSDP_PEER_REFUSED)
-    p->state = FSDP_PEER_JOINING;
-  maybe_joined(peers, p);
+  bool ok = take_join_reply(peers, p, c);
+  confirmations_done(peers, p, ok ? NULL : p->last_error);
 }
 
 static void on_heartbeat_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
@@ -576,8 +651,13 @@ static void on_heartbeat_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
     return;
   }
   const Fsdp__V1__HeartbeatReply *reply = (const void *)msg;
+  int r = fsdp_peer_check_heartbeat_reply(&peers->rules, p->rank, reply, &st);
   uint64_t incarnation = reply->incarnation;
   protobuf_c_message_free_unpacked(msg, NULL);
+  if (r < 0) {
+    set_error(p, "Heartbeat: %s", st.message);
+    return;
+  }
   check_incarnation(peers, p, incarnation);
   if (!p->out)
     return;
@@ -612,6 +692,7 @@ static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
 }
 
 static void maybe_finish_close(fsdp_peers_t *peers);
+static void refuse_pending(fsdp_peers_t *peers);
 
 static void on_async(uv_async_t *handle) {
   fsdp_peers_t *peers = handle->data;
@@ -635,11 +716,14 @@ static void on_async(uv_async_t *handle) {
 
 /* --- the timer --------------------------------------------------------------------------- */
 
+static void expire_waiters(fsdp_peers_t *peers, uint64_t now);
+
 static void on_tick(uv_timer_t *timer) {
   fsdp_peers_t *peers = timer->data;
   if (peers->leaving || peers->closing)
     return;
   uint64_t now = now_ms(peers);
+  expire_waiters(peers, now);
   for (unsigned i = 0; i < peers->n; i++) {
     peer_t *p = &peers->peers[i];
     if (i == peers->self)
@@ -651,7 +735,7 @@ static void on_tick(uv_timer_t *timer) {
                (unsigned long long)peers->timeout_ms);
       drop(peers, p, FSDP_PEER_LOST, why);
     }
-    if ((!p->out || p->rejoin) && !p->join_call && now >= p->next_join_ms)
+    if ((!p->out || p->rejoin) && !p->join_call && !p->out_waits && now >= p->next_join_ms)
       send_join(peers, p);
     if (p->out && !p->heartbeat_call && now >= p->next_heartbeat_ms)
       send_heartbeat(peers, p);
@@ -681,17 +765,47 @@ static void describe_missing(const fsdp_peers_t *peers, char *buf, size_t size) 
   }
 }
 
+/* Fails the waiters whose time is up: those waiting for the cluster to form once
+ * peer.join_timeout has passed (formation), those with a deadline of their own once it has
+ * passed (now). */
+static void fail_waiters(fsdp_peers_t *peers, bool formation, uint64_t now, const char *why) {
+  for (fsdp_peers_waiter_t **w = &peers->waiters; *w;) {
+    fsdp_peers_waiter_t *waiter = *w;
+    if (waiter->deadline_ms ? waiter->deadline_ms > now : !formation) {
+      w = &waiter->next;
+      continue;
+    }
+    *w = waiter->next;
+    waiter->next = NULL;
+    waiter->cb(waiter->data, FSDP_E_UNAVAILABLE, why);
+    w = &peers->waiters; /* the callback may have added or cancelled waiters */
+  }
+}
+
+static void expire_waiters(fsdp_peers_t *peers, uint64_t now) {
+  bool due = false;
+  for (const fsdp_peers_waiter_t *w = peers->waiters; w; w = w->next)
+    due |= w->deadline_ms && w->deadline_ms <= now;
+  if (!due)
+    return;
+  char missing[2048], why[2300];
+  describe_missing(peers, missing, sizeof missing);
+  snprintf(why, sizeof why, "%s; not back within peer.timeout (%llu ms)", missing,
+           (unsigned long long)peers->timeout_ms);
+  fail_waiters(peers, false, now, why);
+}
+
 static void on_join_deadline(uv_timer_t *timer) {
   fsdp_peers_t *peers = timer->data;
   peers->deadline_passed = true;
-  if (peers->ready)
+  if (peers->ready || peers->formed)
     return;
   char missing[2048], why[2300];
   describe_missing(peers, missing, sizeof missing);
   snprintf(why, sizeof why, "the cluster is not ready %llu ms after start (peer.join_timeout): %s",
            (unsigned long long)peers->join_deadline_ms, missing);
   log_error("peers: %s", why);
-  run_waiters(peers, FSDP_E_UNAVAILABLE, why);
+  fail_waiters(peers, true, 0, why);
 }
 
 /* --- public ------------------------------------------------------------------------------ */
@@ -728,6 +842,8 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   set_timing(peers, (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_HEARTBEAT_INTERVAL),
              (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_TIMEOUT));
   peers->join_deadline_ms = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_JOIN_TIMEOUT);
+  peers->address_check_ms =
+      (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_ADDRESS_CHECK_TIMEOUT);
   pthread_mutex_init(&peers->lock, NULL);
   while (peers->incarnation == 0)
     if (getrandom(&peers->incarnation, sizeof peers->incarnation, 0) != sizeof peers->incarnation)
@@ -745,6 +861,8 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
       fsdp_config_format(cfg, agree[i], peers->setting_values[i], sizeof peers->setting_values[i]);
     peers->settings[i].value = peers->setting_values[i];
   }
+  peers->rules = (fsdp_peer_rules_t){.n_hosts = peers->n, .self = peers->self,
+                                     .settings = peers->settings, .n_settings = N_SETTINGS};
 
   peers->peers = calloc(peers->n, sizeof *peers->peers);
   if (!peers->peers) {
@@ -753,6 +871,7 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   }
   for (unsigned i = 0; i < peers->n; i++) {
     peer_t *p = &peers->peers[i];
+    p->owner = peers;
     p->rank = i;
     if (n)
       fsdp_config_host(cfg, i, p->address, sizeof p->address);
@@ -845,7 +964,7 @@ void fsdp_peers_set_timing(fsdp_peers_t *peers, uint64_t heartbeat_interval_ms,
 }
 
 int fsdp_peers_set_local_address(fsdp_peers_t *peers, const void *bytes, size_t len) {
-  if (len > UCX_ADDRESS_MAX)
+  if (len > FSDP_UCX_ADDRESS_MAX)
     return -E2BIG;
   uint8_t *copy = NULL;
   if (len && !(copy = malloc(len)))
@@ -865,6 +984,7 @@ void fsdp_peers_leave(fsdp_peers_t *peers, const char *why) {
   if (!peers || !peers->started || peers->leaving)
     return;
   peers->leaving = true;
+  refuse_pending(peers);
   Fsdp__V1__LeaveRequest rq = FSDP__V1__LEAVE_REQUEST__INIT;
   rq.host_rank = peers->self;
   rq.incarnation = peers->incarnation;
@@ -891,7 +1011,7 @@ static void on_handle_closed(uv_handle_t *handle) {
 }
 
 static void maybe_finish_close(fsdp_peers_t *peers) {
-  if (!peers->closing || peers->inflight)
+  if (!peers->closing || peers->inflight || peers->checks)
     return;
   if (!peers->channels_gone) {
     /* Every call is back: nothing more can be queued, so the queue may shut down; the
@@ -920,6 +1040,10 @@ void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data)
   }
   peers->closing = true;
   peers->leaving = true;
+  refuse_pending(peers);
+  for (unsigned i = 0; i < peers->n; i++)
+    if (peers->peers[i].check)
+      fsdp_address_check_cancel(peers->peers[i].check);
   peers->done = done;
   peers->done_data = data;
   uv_timer_stop(&peers->timer);
@@ -938,6 +1062,9 @@ void fsdp_peers_free(fsdp_peers_t *peers) {
     if (peers->peers[i].channel)
       grpc_channel_destroy(peers->peers[i].channel);
     free(peers->peers[i].ucx);
+    free(peers->peers[i].verified);
+    free(peers->peers[i].checking);
+    free(peers->peers[i].reply_ucx);
   }
   if (peers->cq) {
     if (!peers->channels_gone)
@@ -992,6 +1119,9 @@ void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
   waiter->cb = cb;
   waiter->data = data;
   waiter->next = NULL;
+  /* Once the cluster had been ready, a host missing was lost or left: whoever needs it
+   * waits peer.timeout for it to be back, not what is left of the join deadline. */
+  waiter->deadline_ms = peers->formed ? now_ms(peers) + peers->timeout_ms : 0;
   if (peers->ready) {
     cb(data, 0, "");
     return;
@@ -1000,7 +1130,7 @@ void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
     cb(data, FSDP_E_CANCELLED, "fsdpd is stopping");
     return;
   }
-  if (peers->deadline_passed) {
+  if (peers->deadline_passed && !peers->formed) {
     char missing[2048], why[2300];
     describe_missing(peers, missing, sizeof missing);
     snprintf(why, sizeof why, "the cluster is not ready (peer.join_timeout %llu ms passed): %s",
@@ -1023,116 +1153,344 @@ void fsdp_peers_wait_cancel(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter) {
 
 /* --- server side ------------------------------------------------------------------------- */
 
-static peer_t *caller(fsdp_peers_t *peers, unsigned rank, fsdp_status_t *st) {
-  if (peers->n == 1) {
-    fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                    "field 'host_rank' = %u: this fsdpd serves one host (cluster.hosts is "
-                    "empty) and has no peers",
-                    rank);
-    return NULL;
-  }
-  if (rank >= peers->n || rank == peers->self) {
-    fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                    "field 'host_rank' = %u is not a peer: cluster.hosts has %u hosts and %u "
-                    "is this daemon's own rank",
-                    rank, peers->n, peers->self);
-    return NULL;
-  }
-  return &peers->peers[rank];
+static void answer_join(peer_t *p, fsdp_peers_join_t *j, const fsdp_status_t *st,
+                        const Fsdp__V1__JoinReply *reply) {
+  p->n_pending--;
+  j->cb(j->data, st, reply);
+  free(j->ucx);
+  free(j);
 }
 
-/* The first setting that does not agree, as a refusal; 0 when all agree. */
-static int compare_settings(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
-                            fsdp_status_t *st) {
-  for (size_t i = 0; i < rq->n_settings; i++) {
-    const Fsdp__V1__Setting *theirs = rq->settings[i];
-    size_t k = 0;
-    while (k < N_SETTINGS && strcmp(peers->settings[k].key, theirs->key) != 0)
-      k++;
-    if (k == N_SETTINGS)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "host %u sends setting '%s' = '%s', which host %u does not know "
-                             "(another fsdpd release?)",
-                             rq->host_rank, theirs->key, theirs->value, peers->self);
-    if (strcmp(peers->settings[k].value, theirs->value) != 0)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "setting '%s' differs: host %u has '%s', host %u has '%s'; every "
-                             "host must use the same value",
-                             theirs->key, rq->host_rank, theirs->value, peers->self,
-                             peers->settings[k].value);
-  }
-  for (size_t k = 0; k < N_SETTINGS; k++) {
-    size_t i = 0;
-    while (i < rq->n_settings && strcmp(peers->settings[k].key, rq->settings[i]->key) != 0)
-      i++;
-    if (i == rq->n_settings)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "field 'settings' lacks '%s' (host %u has '%s'); every host must "
-                             "send it",
-                             peers->settings[k].key, peers->self, peers->settings[k].value);
-  }
-  return 0;
+static void park_join(peer_t *p, fsdp_peers_join_t *j) {
+  j->next = p->pending;
+  p->pending = j;
 }
 
-int fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
-                           Fsdp__V1__JoinReply *reply, fsdp_status_t *st) {
-  peer_t *p = caller(peers, rq->host_rank, st);
-  if (!p)
-    return st->code;
-  if (rq->incarnation == 0)
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                           "field 'incarnation' = 0 from host %u; expected a random nonzero id",
-                           rq->host_rank);
-  if (rq->ucx_worker_address.len > UCX_ADDRESS_MAX)
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                           "field 'ucx_worker_address' holds %zu bytes, at most %d",
-                           rq->ucx_worker_address.len, UCX_ADDRESS_MAX);
-  int r = compare_settings(peers, rq, st);
+/* Whether j would change the live relationship with p: another incarnation, or another
+ * data-plane address than the one in use. */
+static bool changes_relationship(const peer_t *p, const fsdp_peers_join_t *j) {
+  if (!(p->in || p->out) || !p->incarnation)
+    return false;
+  if (j->incarnation != p->incarnation)
+    return true;
+  return p->ucx && !same_bytes(p->ucx, p->ucx_len, j->ucx, j->ucx_len);
+}
+
+/* The host's own address answered our Join as j says it is. */
+static bool confirms(const peer_t *p, const fsdp_peers_join_t *j) {
+  return j->incarnation == p->incarnation && p->reply_ucx &&
+         same_bytes(p->reply_ucx, p->reply_ucx_len, j->ucx, j->ucx_len);
+}
+
+/* Another daemon claims p's host rank while p lives at its own address. */
+static void refuse_claim(fsdp_peers_join_t *j) {
+  peer_t *p = j->p;
+  fsdp_status_t st;
+  fsdp_status_set(&st, FSDP_E_ALREADY_EXISTS,
+                  "host %u is %s at incarnation %016llx%s, as its own address %s confirmed; "
+                  "this Join as host %u, incarnation %016llx, came from %s: another daemon "
+                  "claims the host's rank",
+                  p->rank, fsdp_peer_state_name(p->state), (unsigned long long)p->incarnation,
+                  j->incarnation == p->incarnation ? " with another data-plane address" : "",
+                  p->address, p->rank, (unsigned long long)j->incarnation, j->from);
+  if (p->logged_impostor != j->incarnation) {
+    log_error("peers: refused a Join: %s", st.message);
+    p->logged_impostor = j->incarnation;
+  }
+  set_error(p, "refused a Join as this host: %s", st.message);
+  answer_join(p, j, &st, NULL);
+}
+
+/* The Join is valid and p's relationship may take it: the in half. */
+static void apply_join(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
+  peer_t *p = j->p;
+  check_incarnation(peers, p, j->incarnation);
+  int r = copy_bytes(&p->ucx, &p->ucx_len, j->ucx, j->ucx_len);
   if (r < 0) {
-    if (strcmp(p->logged_in_refusal, st->message) != 0) {
-      log_error("peers: refused the Join of host %u (%s): %s", p->rank, p->address, st->message);
-      snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", st->message);
-    }
-    if (p->state == FSDP_PEER_JOINED)
-      drop(peers, p, FSDP_PEER_REFUSED, st->message);
-    p->state = FSDP_PEER_REFUSED;
-    set_error(p, "refused its Join: %s", st->message);
-    return r;
+    fsdp_status_t st;
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "out of memory for the data-plane address of host %u", p->rank);
+    answer_join(p, j, &st, NULL);
+    return;
   }
-  if (peers->leaving)
-    return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "host %u is leaving", peers->self);
-  check_incarnation(peers, p, rq->incarnation);
-  r = store_address(p, &rq->ucx_worker_address);
-  if (r < 0)
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                           "out of memory for the data-plane address of host %u", p->rank);
-  bool changed = r > 0;
   p->in = true;
   p->last_heard_ms = now_ms(peers);
   if (p->state == FSDP_PEER_REFUSED)
     p->state = FSDP_PEER_JOINING;
-  if (!p->out && !p->join_call) {
+  if (!p->out && !p->join_call && !p->out_waits) {
     /* It is up: join it now rather than at the end of a backoff. */
     p->next_join_ms = now_ms(peers);
     p->backoff_ms = JOIN_BACKOFF_MIN_MS;
   }
-  if (p->state == FSDP_PEER_JOINED && changed && peers->cb.joined)
+  if (p->state == FSDP_PEER_JOINED && r > 0 && peers->cb.joined)
     peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
   maybe_joined(peers, p);
 
-  reply->protocol_version = FSDP_PROTOCOL_VERSION;
-  reply->host_rank = peers->self;
-  reply->incarnation = peers->incarnation;
-  reply->ucx_worker_address.data = peers->local_ucx;
-  reply->ucx_worker_address.len = peers->local_ucx_len;
+  Fsdp__V1__JoinReply reply = FSDP__V1__JOIN_REPLY__INIT;
+  reply.protocol_version = FSDP_PROTOCOL_VERSION;
+  reply.host_rank = peers->self;
+  reply.incarnation = peers->incarnation;
+  reply.ucx_worker_address.data = peers->local_ucx;
+  reply.ucx_worker_address.len = peers->local_ucx_len;
+  answer_join(p, j, NULL, &reply);
+}
+
+static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, size_t len,
+                       fsdp_status_t *st);
+
+/* Takes j as far as it can go now: answered (true), or waiting for the host's own address
+ * to confirm it or for its data-plane address's check (false). */
+static bool join_step(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
+  peer_t *p = j->p;
+  fsdp_status_t st;
+  if (peers->leaving) {
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "host %u is leaving", peers->self);
+    answer_join(p, j, &st, NULL);
+    return true;
+  }
+  /* A live relationship changes only on the word of the host's own address. */
+  if (changes_relationship(p, j) && !(j->confirmed && confirms(p, j))) {
+    if (j->confirmed) {
+      refuse_claim(j);
+      return true;
+    }
+    if (!j->confirming) {
+      j->confirming = true;
+      if (!p->join_call)
+        send_join(peers, p);
+      if (!p->join_call) {
+        fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
+                        "cannot ask host %u's own address %s to confirm incarnation %016llx; "
+                        "retry",
+                        p->rank, p->address, (unsigned long long)j->incarnation);
+        answer_join(p, j, &st, NULL);
+        return true;
+      }
+    }
+    return false;
+  }
+  if (!address_verified(p, j->ucx, j->ucx_len)) {
+    if (start_check(peers, p, j->ucx, j->ucx_len, &st) == 0)
+      return false;
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "field 'ucx_worker_address' (%zu bytes) of host "
+                    "%u: %s; retry", j->ucx_len, p->rank, st.message);
+    answer_join(p, j, &st, NULL);
+    return true;
+  }
+  apply_join(peers, j);
+  return true;
+}
+
+/* Every held Join of p, once more. */
+static void run_pending(fsdp_peers_t *peers, peer_t *p) {
+  fsdp_peers_join_t *list = p->pending;
+  p->pending = NULL;
+  while (list) {
+    fsdp_peers_join_t *j = list;
+    list = j->next;
+    j->next = NULL;
+    if (!join_step(peers, j))
+      park_join(p, j);
+  }
+}
+
+/* Our Join to p's own address came back: the Joins waiting for it are confirmed, or, when
+ * it failed (failure says how), refused as unconfirmable. */
+static void confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failure) {
+  fsdp_peers_join_t *list = p->pending;
+  p->pending = NULL;
+  while (list) {
+    fsdp_peers_join_t *j = list;
+    list = j->next;
+    j->next = NULL;
+    if (j->confirming && failure) {
+      fsdp_status_t st;
+      fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
+                      "host %u is %s at incarnation %016llx; its own address %s could not "
+                      "confirm incarnation %016llx from %s: %s",
+                      p->rank, fsdp_peer_state_name(p->state),
+                      (unsigned long long)p->incarnation, p->address,
+                      (unsigned long long)j->incarnation, j->from, failure);
+      answer_join(p, j, &st, NULL);
+      continue;
+    }
+    if (j->confirming) {
+      j->confirming = false;
+      j->confirmed = true;
+    }
+    park_join(p, j);
+  }
+  run_pending(peers, p);
+}
+
+static void on_check_done(void *data, int result, const char *why) {
+  peer_t *p = data;
+  fsdp_peers_t *peers = p->owner;
+  peers->checks--;
+  p->check = NULL;
+  uint8_t *bytes = p->checking;
+  size_t len = p->checking_len;
+  p->checking = NULL;
+  p->checking_len = 0;
+  if (result == 0) {
+    free(p->verified);
+    p->verified = bytes;
+    p->verified_len = len;
+  } else if (result != FSDP_E_CANCELLED && strcmp(p->logged_in_refusal, why) != 0) {
+    log_error("peers: the data-plane address of host %u (%s), %zu bytes, is refused: %s",
+              p->rank, p->address, len, why);
+    snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", why);
+  }
+  if (p->out_waits && same_bytes(p->reply_ucx, p->reply_ucx_len, bytes, len)) {
+    p->out_waits = false;
+    if (result == 0) {
+      complete_out(peers, p);
+    } else if (!peers->leaving) {
+      set_error(p, "Join: its data-plane address (%zu bytes) is refused: %s", len, why);
+      join_failed(peers, p, result == FSDP_E_INVALID_ARGUMENT);
+    }
+  }
+  /* Joins with the address just refused get why; the others go on (one may start the
+   * next check). */
+  fsdp_peers_join_t *list = p->pending;
+  p->pending = NULL;
+  while (list) {
+    fsdp_peers_join_t *j = list;
+    list = j->next;
+    j->next = NULL;
+    if (result != 0 && same_bytes(j->ucx, j->ucx_len, bytes, len)) {
+      fsdp_status_t st;
+      fsdp_status_set(&st, result == FSDP_E_INVALID_ARGUMENT ? result : FSDP_E_UNAVAILABLE,
+                      "field 'ucx_worker_address' (%zu bytes) of host %u: %s%s", len, p->rank,
+                      why, result == FSDP_E_INVALID_ARGUMENT ? "" : "; retry");
+      answer_join(p, j, &st, NULL);
+      continue;
+    }
+    park_join(p, j);
+  }
+  if (result != 0)
+    free(bytes);
+  if (peers->closing) {
+    maybe_finish_close(peers);
+    return;
+  }
+  run_pending(peers, p);
+  if (p->out_waits && !p->check)
+    check_reply_address(peers, p);
+}
+
+/* Has [bytes, len) checked, unless a check of p's is running (the next one starts when it
+ * ends): 0, and what waits on the check finds its outcome in on_check_done; or a negative
+ * code when none could start, with st saying why. */
+static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, size_t len,
+                       fsdp_status_t *st) {
+  if (p->check)
+    return 0;
+  if (peers->closing)
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "host %u is stopping", peers->self);
+  if (copy_bytes(&p->checking, &p->checking_len, bytes, len) < 0)
+    return fsdp_status_set(st, -ENOMEM, "out of memory to check the data-plane address");
+  int r = fsdp_address_check_start(peers->loop, bytes, len, peers->address_check_ms,
+                                   on_check_done, p, &p->check, st);
+  if (r < 0) {
+    log_error("peers: checking the data-plane address of host %u (%s): %s", p->rank,
+              p->address, st->message);
+    return r;
+  }
+  peers->checks++;
   return 0;
+}
+
+/* Our Join's reply waits for its address's check (on_check_done); none could start. */
+static void check_reply_address(fsdp_peers_t *peers, peer_t *p) {
+  fsdp_status_t st;
+  p->out_waits = true;
+  if (start_check(peers, p, p->reply_ucx, p->reply_ucx_len, &st) < 0) {
+    p->out_waits = false;
+    set_error(p, "Join: %s", st.message);
+    join_failed(peers, p, false);
+  }
+}
+
+/* A Join refused by the checks: logged once, and shown on the host's row; a relationship
+ * with the host stays as it is. */
+static void refused_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq, const char *from,
+                         const fsdp_status_t *st) {
+  if (peers->n == 1 || rq->host_rank >= peers->n || rq->host_rank == peers->self)
+    return;
+  peer_t *p = &peers->peers[rq->host_rank];
+  if (strcmp(p->logged_in_refusal, st->message) != 0) {
+    log_error("peers: refused the Join of host %u (%s) from %s: %s", p->rank, p->address, from,
+              st->message);
+    snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", st->message);
+  }
+  if (p->in || p->out) {
+    set_error(p, "refused a Join as this host from %s: %s", from, st->message);
+    return;
+  }
+  p->state = FSDP_PEER_REFUSED;
+  set_error(p, "refused its Join: %s", st->message);
+}
+
+fsdp_peers_join_t *fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
+                                          const char *from, fsdp_peers_join_fn cb, void *data) {
+  fsdp_status_t st;
+  if (fsdp_peer_check_join(&peers->rules, rq, &st) < 0) {
+    refused_join(peers, rq, from, &st);
+    cb(data, &st, NULL);
+    return NULL;
+  }
+  peer_t *p = &peers->peers[rq->host_rank];
+  if (p->n_pending >= PENDING_JOINS_MAX) {
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "host %u already has %d Joins being checked; retry", p->rank,
+                    PENDING_JOINS_MAX);
+    cb(data, &st, NULL);
+    return NULL;
+  }
+  fsdp_peers_join_t *j = calloc(1, sizeof *j);
+  if (!j || copy_bytes(&j->ucx, &j->ucx_len, rq->ucx_worker_address.data,
+                       rq->ucx_worker_address.len) < 0) {
+    free(j);
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for the Join of host %u",
+                    rq->host_rank);
+    cb(data, &st, NULL);
+    return NULL;
+  }
+  *j = (fsdp_peers_join_t){.p = p, .incarnation = rq->incarnation, .ucx = j->ucx,
+                           .ucx_len = j->ucx_len, .cb = cb, .data = data};
+  snprintf(j->from, sizeof j->from, "%s", from);
+  p->n_pending++;
+  if (join_step(peers, j))
+    return NULL;
+  park_join(p, j);
+  return j;
+}
+
+void fsdp_peers_join_cancel(fsdp_peers_join_t *join) {
+  peer_t *p = join->p;
+  for (fsdp_peers_join_t **j = &p->pending; *j; j = &(*j)->next)
+    if (*j == join) {
+      *j = join->next;
+      p->n_pending--;
+      free(join->ucx);
+      free(join);
+      return;
+    }
+}
+
+/* Every held Join ends: the daemon is leaving. */
+static void refuse_pending(fsdp_peers_t *peers) {
+  for (unsigned i = 0; i < peers->n; i++)
+    run_pending(peers, &peers->peers[i]);
 }
 
 int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRequest *rq,
                                 Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st) {
-  peer_t *p = caller(peers, rq->host_rank, st);
-  if (!p)
-    return st->code;
+  int r = fsdp_peer_check_heartbeat(&peers->rules, rq, st);
+  if (r < 0)
+    return r;
+  peer_t *p = &peers->peers[rq->host_rank];
   if (!p->in || rq->incarnation != p->incarnation)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "host %u (incarnation %016llx) has not joined host %u; Join first",
@@ -1145,9 +1503,10 @@ int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRe
 
 int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *rq,
                             fsdp_status_t *st) {
-  peer_t *p = caller(peers, rq->host_rank, st);
-  if (!p)
-    return st->code;
+  int r = fsdp_peer_check_leave(&peers->rules, rq, st);
+  if (r < 0)
+    return r;
+  peer_t *p = &peers->peers[rq->host_rank];
   /* A Leave from an incarnation we no longer know is old news. */
   if (rq->incarnation != p->incarnation)
     return 0;

@@ -113,14 +113,17 @@ bool fsdp_peers_ready(const fsdp_peers_t *peers);
 void fsdp_peers_get(const fsdp_peers_t *peers, unsigned host_rank, fsdp_peer_info_t *ret_info);
 
 /* Waiting for the cluster: cb runs once, with 0 when every peer is JOINED, FSDP_E_UNAVAILABLE
- * when peer.join_timeout has passed since start without it (why names the hosts missing and
- * their last errors), or FSDP_E_CANCELLED when the daemon stops. If that is already decided,
- * cb runs before fsdp_peers_when_ready returns. The waiter is caller-owned storage that must
+ * (why names the hosts missing and their last errors) when they are not all JOINED in time,
+ * or FSDP_E_CANCELLED when the daemon stops. In time: until peer.join_timeout after start
+ * while the cluster forms; once it had been ready, peer.timeout from the call (a host lost
+ * or left is back within that, or whoever needs it fails). If that is already decided, cb
+ * runs before fsdp_peers_when_ready returns. The waiter is caller-owned storage that must
  * stay valid until cb has run or fsdp_peers_wait_cancel. */
 typedef void (*fsdp_peers_ready_fn)(void *data, int status, const char *why);
 typedef struct fsdp_peers_waiter {
   fsdp_peers_ready_fn cb;
   void *data;
+  uint64_t deadline_ms; /* loop time; 0: the join deadline */
   struct fsdp_peers_waiter *next;
 } fsdp_peers_waiter_t;
 
@@ -128,12 +131,27 @@ void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
                            fsdp_peers_ready_fn cb, void *data);
 void fsdp_peers_wait_cancel(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter);
 
-/* Server side, for the Peer service (daemon/peer_service.c), protocol version already
- * checked. Each fails with a status naming the field and value: INVALID_ARGUMENT for a host
- * rank that is not a peer, FAILED_PRECONDITION for settings that differ (naming the key and
- * both values) or a Heartbeat from a host that has not joined. */
-int fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
-                           Fsdp__V1__JoinReply *reply, fsdp_status_t *st);
+/* Server side, for the Peer service (daemon/peer_service.c). Every message first passes
+ * daemon/peer_check.h (a refusal names the field and value), and an invalid one changes no
+ * state of a relationship. `from` is the caller's address ("ipv4:10.0.0.2:41234"), for
+ * messages.
+ *
+ * A Join may take time to answer: a data-plane address not yet checked is unpacked by UCX
+ * in a process of its own first (address_check.h; one it refuses gets INVALID_ARGUMENT
+ * naming the field), and a Join that would change the incarnation or address of a live
+ * relationship is accepted only when the host's own cluster.hosts entry confirms it (its
+ * reply to a Join sent there carries both); otherwise ALREADY_EXISTS names the host, the
+ * live incarnation and where the Join came from. cb runs once with st NULL and the reply
+ * (borrowed for the call), or with the refusal; before fsdp_peers_accept_join returns, which
+ * then gives NULL, or later, when it gives a handle for fsdp_peers_join_cancel (after which
+ * cb never runs; the checks it started go on, and their outcome is kept). */
+typedef struct fsdp_peers_join fsdp_peers_join_t;
+typedef void (*fsdp_peers_join_fn)(void *data, const fsdp_status_t *st,
+                                   const Fsdp__V1__JoinReply *reply);
+fsdp_peers_join_t *fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
+                                          const char *from, fsdp_peers_join_fn cb, void *data);
+void fsdp_peers_join_cancel(fsdp_peers_join_t *join);
+/* FAILED_PRECONDITION for a Heartbeat from a host that has not joined (at that incarnation). */
 int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRequest *rq,
                                 Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st);
 int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *rq,

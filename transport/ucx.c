@@ -371,11 +371,15 @@ void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret
   *ret_len = ucx->addr_len;
 }
 
-int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char *label,
-                     fsdp_status_t *st, fsdp_ucx_peer_t **ret_peer) {
+int fsdp_ucx_address_check(const void *address, size_t len, const char *label,
+                           fsdp_status_t *st) {
   const unsigned char *a = address;
   if (!label)
     label = "peer";
+  if (len > FSDP_UCX_ADDRESS_MAX)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "UCX address of %s: %zu bytes, at most %d", label, len,
+                           FSDP_UCX_ADDRESS_MAX);
   if (!a || len < ADDR_HEADER || memcmp(a, ADDR_MAGIC, ADDR_MAGIC_LEN) != 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "UCX address of %s: %zu bytes that are not an fsdpd transport address",
@@ -390,6 +394,17 @@ int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char 
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "UCX address of %s: says %zu bytes of UCX address, has %zu", label,
                            ucp_len, len - ADDR_HEADER);
+  return 0;
+}
+
+int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char *label,
+                     fsdp_status_t *st, fsdp_ucx_peer_t **ret_peer) {
+  const unsigned char *a = address;
+  if (!label)
+    label = "peer";
+  int r = fsdp_ucx_address_check(address, len, label, st);
+  if (r < 0)
+    return r;
   if (u->closing)
     return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "connecting %s: the transport is closing",
                            label);

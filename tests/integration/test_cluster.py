@@ -24,7 +24,8 @@ import grpc
 import pytest
 
 from fsdpd_harness import common_pb2, fsdpd, poll  # noqa: F401
-from test_peers import INSECURE, Cluster, free_ports, wait_all_joined
+from test_peers import (INSECURE, Cluster, free_ports, peers, row, token_args, wait_all_joined,
+                        wait_state)
 from test_reduce_scatter import decode, reference
 from test_unshard import BF16, FP32, SIZE, Rank, encode, host_element, on_all, values_for
 
@@ -234,6 +235,67 @@ def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how, tls):
         c.restart(2)
         wait_all_joined(c)
         check_collectives(c, "FULL_SHARD", FP32, step=1, job="again")
+
+
+def test_a_collective_needing_a_lost_host_fails_within_peer_timeout(fsdpd):
+    """The cluster formed, then host 1 was SIGKILLed and is LOST. A collective host 0 starts
+    now needs it: it waits peer.timeout for host 1 to be back, then fails naming it; not
+    peer.join_timeout (2 minutes by default) counted from the daemon's start."""
+    c = start_cluster(fsdpd, 2)
+    hosts = attach(c)
+    for host in hosts:
+        for r in host:
+            r.register(shapes=SHAPES)
+    c.daemons[1].proc.kill()
+    c.daemons[1].proc.wait(5)
+    wait_state(c.daemons[0], 1, "LOST", 1.0 + 3.0)
+    t0 = time.monotonic()
+    errors = on_all(hosts[0], "Unshard", step=1)
+    elapsed = time.monotonic() - t0
+    for e in errors:
+        assert e is not None and e.code() == grpc.StatusCode.UNAVAILABLE, e
+        assert "host 1 (127.0.0.1:" in e.details() and "LOST" in e.details(), e.details()
+        assert "not back within peer.timeout (1000 ms)" in e.details(), e.details()
+    assert 0.9 <= elapsed < 1.0 + 3.0, elapsed  # peer.timeout, plus slack for a loaded machine
+    c.daemons[0].assert_serving()
+    # Host 1 back, the same collective works again.
+    c.restart(1)
+    wait_all_joined(c)
+    check_collectives(c, "FULL_SHARD", FP32, step=1, job="again")
+
+
+def test_a_second_daemon_claiming_a_host_rank_is_named_and_changes_nothing(fsdpd, tmp_path):
+    """A second daemon starts as host 1, with the cluster's host list and token, listening
+    on another loopback address at host 1's port. Its Joins carry another incarnation:
+    host 0 asks host 1's own address, which answers with the live one, so they are refused
+    with ALREADY_EXISTS naming host 1, its live incarnation and where they came from. The
+    cluster keeps its relationship (nothing lost, nothing joined again) and its collectives
+    work while the impostor keeps trying."""
+    c = start_cluster(fsdpd, 2, extra=token_args(tmp_path))
+    d0, d1 = c.daemons
+    inc1 = peers(d1)["incarnation"]
+    impostor = fsdpd(*c.args(1), "--peer-listen", f"127.0.0.2:{c.ports[1]}", env=c.env,
+                     name=f"{c.tag}-impostor")
+    inc_x = peers(impostor)["incarnation"]
+    assert inc_x != inc1
+    seen = wait_state(impostor, 0, "REFUSED", 10.0)
+    assert "ALREADY_EXISTS" in seen["last_error"], seen
+    assert (f"host 1 is JOINED at incarnation {inc1}, as its own address "
+            f"127.0.0.1:{c.ports[1]} confirmed; this Join as host 1, incarnation {inc_x}, "
+            "came from ipv4:127.0.0.1:") in seen["last_error"], seen
+    for step in range(1, 4):  # collectives go on while the impostor keeps joining
+        check_collectives(c, "FULL_SHARD", FP32, step=step, job=f"j{step}")
+    r = row(d0, 1)
+    assert r["state"] == "JOINED" and r["incarnation"] == inc1, r
+    assert f"incarnation {inc_x}" in r["last_error"], r
+    assert row(d1, 0)["state"] == "JOINED"
+    log0, log1 = d0.stderr(), d1.stderr()
+    assert log0.count("another daemon claims the host's rank") == 1, log0  # logged once
+    assert f"host 1 (127.0.0.1:{c.ports[1]}) is " not in log0, log0  # never dropped
+    assert log0.count(f"host 1 (127.0.0.1:{c.ports[1]}) joined") == 1, log0
+    assert f"host 0 (127.0.0.1:{c.ports[0]}) is " not in log1, log1
+    assert log1.count(f"host 0 (127.0.0.1:{c.ports[0]}) joined") == 1, log1
+    assert impostor.running() and d0.running() and d1.running()
 
 
 class NetnsCluster:

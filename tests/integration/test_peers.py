@@ -9,8 +9,10 @@ Short timings keep it quick: heartbeats every 100 ms, peer.timeout 1 s."""
 import json
 import signal
 import socket
+import struct
 import subprocess
 import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -49,7 +51,7 @@ def insecure_unless_secured(args):
 class Cluster:
     count = 0
 
-    def __init__(self, fsdpd, n, lws=2, timeout="1s", extra=None, per_rank=None):
+    def __init__(self, fsdpd, n, lws=2, timeout="1s", extra=None, per_rank=None, started=None):
         Cluster.count += 1
         self.tag = f"c{Cluster.count}"  # run dirs and logs of its own in the test's tmp_path
         self.fsdpd = fsdpd
@@ -59,7 +61,7 @@ class Cluster:
         self.timeout = timeout
         self.extra = list(extra or [])
         self.per_rank = per_rank or {}
-        self.daemons = [self.start(i) for i in range(n)]
+        self.daemons = [self.start(i) for i in range(n if started is None else started)]
 
     def args(self, rank):
         lws = self.per_rank.get(rank, {}).get("lws", self.lws)
@@ -302,6 +304,144 @@ def test_token(fsdpd, tmp_path):
     assert states(c2.daemons[0])[1] != "JOINED" and states(c2.daemons[1])[0] == "REFUSED"
     assert "refused: no 'authorization' metadata" not in c2.daemons[0].stderr()
     assert "wrong token" in c2.daemons[0].stderr()
+
+
+TOKEN = "s3cret-peer-token"
+BEARER = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def token_args(tmp_path):
+    path = tmp_path / "peer.token"
+    path.write_text(TOKEN + "\n")
+    return ["--set", f"peer.token_file={path}"]
+
+
+def settings(cluster, lws=None):
+    return [peer_pb2.Setting(key="cluster.hosts", value=cluster.hosts),
+            peer_pb2.Setting(key="cluster.local_world_size", value=str(lws or cluster.lws)),
+            peer_pb2.Setting(key="cluster.shard_group_hosts", value="1"),
+            peer_pb2.Setting(key="daemon.backend", value="host")]
+
+
+def ucx_address(body):
+    """Bytes in fsdpd's transport address format around a UCX worker address `body`."""
+    return b"FSDPUCX\x01" + struct.pack(">I", len(body)) + body
+
+
+# A packed UCX worker address of version 7: UCX 1.13 asserts on it inside ucp_ep_create
+# ("addr version 7") and aborts the process that unpacks it.
+UCX_ABORTS = ucx_address(b"\x07" + bytes(40))
+
+
+def row(d, rank):
+    return next(p for p in peers(d)["peers"] if p["host_rank"] == rank)
+
+
+class FakePeer:
+    """Something answering at a host's cluster.hosts entry as that host would, with a UCX
+    address of its choice: anyone who can answer there (or who holds the token)."""
+
+    def __init__(self, port, rank, incarnation, ucx):
+        self.joins = 0
+
+        def join(request, context):
+            self.joins += 1
+            return peer_pb2.JoinReply(protocol_version=1, host_rank=rank,
+                                      incarnation=incarnation, ucx_worker_address=ucx)
+
+        def heartbeat(request, context):
+            return peer_pb2.HeartbeatReply(sent_ns=request.sent_ns, incarnation=incarnation)
+
+        handlers = {
+            "Join": grpc.unary_unary_rpc_method_handler(
+                join, request_deserializer=peer_pb2.JoinRequest.FromString,
+                response_serializer=peer_pb2.JoinReply.SerializeToString),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                heartbeat, request_deserializer=peer_pb2.HeartbeatRequest.FromString,
+                response_serializer=peer_pb2.HeartbeatReply.SerializeToString),
+        }
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("fsdp.v1.Peer", handlers),))
+        assert self.server.add_insecure_port(f"127.0.0.1:{port}") == port
+        self.server.start()
+
+    def stop(self):
+        self.server.stop(0)
+
+
+def test_a_ucx_address_ucx_aborts_on_never_reaches_the_daemons_worker(fsdpd, tmp_path):
+    """Host 1's entry is answered by a fake that joins host 0 both ways with a UCX address
+    UCX asserts on, as a token holder or anyone answering there could. The address is
+    unpacked in a process of its own and refused; host 0 lives and says why."""
+    c = Cluster(fsdpd, 2, extra=token_args(tmp_path), started=0)  # host 1 is the fake
+    fake = FakePeer(c.ports[1], 1, 0x77, UCX_ABORTS)
+    try:
+        d0 = c.start(0)
+        req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=0x77,
+                                   settings=settings(c), ucx_worker_address=UCX_ABORTS)
+        with pytest.raises(grpc.RpcError) as e:
+            join_call(c.ports[0], req, metadata=BEARER)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        details = e.value.details()
+        assert "field 'ucx_worker_address' (53 bytes) of host 1: UCX aborted unpacking it" in \
+            details and "addr version 7" in details, details
+        # Our own Join's reply carried it too: refused the same way, and shown.
+        poll(lambda: fake.joins > 0 and "is refused" in row(d0, 1)["last_error"], 10.0,
+             what=f"host 1's address refused: {peers(d0)}")
+        r = row(d0, 1)
+        assert r["state"] == "REFUSED", r
+        assert "Join: its data-plane address (53 bytes) is refused: UCX aborted" in \
+            r["last_error"], r
+        time.sleep(1.0)  # retries meet the same refusal; nothing reaches the worker
+        assert d0.running()
+        d0.assert_serving()
+        assert peers(d0)["ready"] is False
+        log = d0.stderr()
+        assert "the data-plane address of host 1" in log and "addr version 7" in log
+        assert "data plane: connected to host 1" not in log
+    finally:
+        fake.stop()
+
+
+def test_an_invalid_join_changes_nothing_of_a_live_relationship(fsdpd, tmp_path):
+    """A token holder sends Joins as host 1 while host 1 is JOINED: other settings, another
+    incarnation, an address that is not one. Each is refused naming why (the other
+    incarnation: ALREADY_EXISTS naming the live one, confirmed by host 1's own address, and
+    where the Join came from); host 1 stays JOINED at its incarnation throughout."""
+    c = Cluster(fsdpd, 2, extra=token_args(tmp_path))
+    wait_all_joined(c)
+    d0, d1 = c.daemons
+    inc1 = peers(d1)["incarnation"]
+    assert row(d0, 1)["incarnation"] == inc1
+    cases = [
+        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=int(inc1, 16),
+                              settings=settings(c, lws=8)),
+         grpc.StatusCode.FAILED_PRECONDITION, "setting 'cluster.local_world_size' differs"),
+        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=int(inc1, 16),
+                              settings=settings(c), ucx_worker_address=b"not an address"),
+         grpc.StatusCode.INVALID_ARGUMENT, "field 'ucx_worker_address': UCX address of host 1: "
+         "14 bytes that are not an fsdpd transport address"),
+        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=0x1234,
+                              settings=settings(c)),
+         grpc.StatusCode.ALREADY_EXISTS,
+         f"host 1 is JOINED at incarnation {inc1}, as its own address 127.0.0.1:{c.ports[1]} "
+         "confirmed; this Join as host 1, incarnation 0000000000001234, came from ipv4:127.0.0.1:"),
+    ]
+    for req, code, text in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            join_call(c.ports[0], req, metadata=BEARER)
+        assert e.value.code() == code, e.value.details()
+        assert text in e.value.details(), e.value.details()
+        r = row(d0, 1)
+        assert r["state"] == "JOINED" and r["incarnation"] == inc1, r
+    assert "refused a Join as this host" in row(d0, 1)["last_error"]
+    time.sleep(1.0)
+    assert row(d0, 1)["state"] == "JOINED" and row(d1, 0)["state"] == "JOINED"
+    log = d0.stderr()
+    assert f"host 1 (127.0.0.1:{c.ports[1]}) is " not in log, log  # never dropped
+    assert log.count(f"host 1 (127.0.0.1:{c.ports[1]}) joined") == 1, log
+    assert "another daemon claims the host's rank" in log
 
 
 def openssl(*args, cwd):
