@@ -1343,9 +1343,9 @@ static void on_check_done(void *data, int result, const char *why) {
   }
   if (p->out_waits && same_bytes(p->reply_ucx, p->reply_ucx_len, bytes, len)) {
     p->out_waits = false;
-    if (result == 0) {
+    if (result == 0 && !peers->leaving) {
       complete_out(peers, p);
-    } else if (!peers->leaving) {
+    } else if (result != 0 && !peers->leaving) {
       set_error(p, "Join: its data-plane address (%zu bytes) is refused: %s", len, why);
       join_failed(peers, p, result == FSDP_E_INVALID_ARGUMENT);
     }
