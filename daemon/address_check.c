@@ -78,8 +78,8 @@ static void output_line(int fd, bool aborted, char *buf, size_t size) {
   if (n <= 0)
     return;
   out[n] = '\0';
-  char *pick = NULL;
-  for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+  char *pick = NULL, *save;
+  for (char *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
     while (*line == ' ' || *line == '\t')
       line++;
     if (!*line)
