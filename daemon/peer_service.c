@@ -1,12 +1,10 @@
-/* Peer.Join, Heartbeat and Leave: the protocol-version gate, then the peer table. Every
- * refusal names the method, the field and the value; a Join refused for its settings names
- * the key and both hosts' values. */
+/* Peer.Join, Heartbeat and Leave, handed to the peer table, which checks them
+ * (daemon/peer_check.h) before anything else. Every refusal names the method, the field and
+ * the value; a Join refused for its settings names the key and both hosts' values. */
 #include "peer_service.h"
 
 #include <errno.h>
 #include <stdlib.h>
-
-#include <fsdp/fsdp_version.h>
 
 #include "fsdp/v1/peer.pb-c.h"
 #include "log.h"
@@ -16,7 +14,8 @@ static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
   fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);
 }
 
-static void on_join_answer(void *data, const fsdp_status_t *st, const Fsdp__V1__JoinReply *reply) {
+static void on_join_answer(void *data, const fsdp_status_t *st,
+                           const Fsdp__V1__JoinReply *reply) {
   fsdp_rpc_call_t *call = data;
   if (st)
     fail_call(call, st);
