@@ -1,6 +1,6 @@
 /* The fsdp.v1.Peer service (Join, Heartbeat, Leave) served on the peer endpoint, and the
- * peers' rows of Operator.Status. The handlers check the protocol version, then hand the
- * request to the peer table (daemon/peers.h). Loop thread only. */
+ * peers' rows of Operator.Status. The handlers hand the request to the peer table
+ * (daemon/peers.h), which checks it; a Join may be answered later. Loop thread only. */
 #ifndef FSDP_PEER_SERVICE_H
 #define FSDP_PEER_SERVICE_H
 
