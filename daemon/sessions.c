@@ -140,6 +140,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   s->local_world_size = rq->local_world_size;
   s->generation = rq->generation;
   s->pid = peer->pid; /* the daemon's view, which later calls are checked against */
+  s->uid = peer->uid;
   s->attached_ms = s->last_call_ms = now_ms;
   s->serial = sessions->attaches++;
   s->next = sessions->head;
@@ -167,6 +168,23 @@ int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t 
   return 0;
 }
 
+void fsdp_session_call_parked(fsdp_session_t *session) {
+  session->parked++;
+}
+
+void fsdp_session_call_ended(fsdp_session_t *session, uint64_t now_ms) {
+  session->parked--;
+  if (now_ms > session->last_call_ms)
+    session->last_call_ms = now_ms;
+}
+
+const fsdp_session_t *fsdp_sessions_find_job(const fsdp_sessions_t *sessions, const char *job) {
+  for (const fsdp_session_t *s = sessions->head; s; s = s->next)
+    if (strcmp(s->job, job) == 0)
+      return s;
+  return NULL;
+}
+
 void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session) {
   for (fsdp_session_t **p = &sessions->head; *p; p = &(*p)->next) {
     if (*p == session) {
@@ -179,13 +197,14 @@ void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session) {
 }
 
 unsigned fsdp_sessions_expire(fsdp_sessions_t *sessions, uint64_t now_ms, uint64_t lease_ms,
-                              void (*expired)(const fsdp_session_t *session, void *data),
+                              void (*expired)(fsdp_session_t *session, void *data),
                               void *data) {
   unsigned n = 0;
   fsdp_session_t **p = &sessions->head;
   while (*p) {
     fsdp_session_t *s = *p;
-    if (now_ms - s->last_call_ms < lease_ms) {
+    /* A trainer waiting in a collective makes no other call: it is alive while it waits. */
+    if (s->parked || now_ms - s->last_call_ms < lease_ms) {
       p = &s->next;
       continue;
     }

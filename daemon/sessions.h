@@ -7,7 +7,9 @@
  * lives, except that the same process attaching again before it opened the session's memory
  * channel (its reply was lost) gets its session back.
  * Every rank of a job must give the same L. A session ends on Detach or when its lease runs
- * out without a call (KeepAlive renews it).
+ * out without a call (KeepAlive renews it). A call parked in the daemon (a collective waiting
+ * for the other ranks) keeps its session alive however long it waits: the lease counts from
+ * the end of the session's last call.
  *
  * Owned by the daemon, loop thread only. Sessions are few (session.max_sessions), so a list
  * is enough. */
@@ -34,8 +36,11 @@ typedef struct fsdp_session {
   uint32_t local_world_size;
   uint64_t generation; /* the job's run, as the trainer said (AttachRequest.generation) */
   pid_t pid; /* as the daemon sees it (SO_PEERCRED) */
+  uid_t uid; /* of that process: its job belongs to this uid */
   uint64_t attached_ms;  /* loop time of the Attach */
-  uint64_t last_call_ms; /* loop time of the latest call naming the session */
+  uint64_t last_call_ms; /* loop time of the latest call naming the session, or of the end of
+                          * its last parked call, whichever came later */
+  unsigned parked;       /* calls naming it that the daemon holds (fsdp_session_call_*) */
   void *channel;         /* its memory channel connection (daemon/channel.h), or NULL */
   struct fsdp_session *next;
 } fsdp_session_t;
@@ -63,10 +68,18 @@ int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t 
 /* Ends one session (Detach). */
 void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session);
 
-/* Ends every session idle for lease_ms or more; calls expired(session, data) for each just
+/* A call naming the session is parked in the daemon, and the end of one (now_ms: when it
+ * was answered or cancelled). While it has a parked call the session does not expire. */
+void fsdp_session_call_parked(fsdp_session_t *session);
+void fsdp_session_call_ended(fsdp_session_t *session, uint64_t now_ms);
+
+/* The first session of `job`, or NULL. */
+const fsdp_session_t *fsdp_sessions_find_job(const fsdp_sessions_t *sessions, const char *job);
+
+/* Ends every session with no parked call and idle for lease_ms or more; calls expired(session, data) for each just
  * before it goes, so the daemon can say so. Returns how many ended. */
 unsigned fsdp_sessions_expire(fsdp_sessions_t *sessions, uint64_t now_ms, uint64_t lease_ms,
-                              void (*expired)(const fsdp_session_t *session, void *data),
+                              void (*expired)(fsdp_session_t *session, void *data),
                               void *data);
 
 #endif

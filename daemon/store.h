@@ -1,8 +1,9 @@
 /* The parameter store's registry: jobs and their units.
  *
- * A job is created by the first RegisterUnit or memory channel of any of its ranks and
- * outlives its trainers' sessions, with its arena: parameters stay in the daemon when a
- * trainer dies, so that it can attach again and go on. A unit is registered by every local
+ * A job is created by the first RegisterUnit or memory channel of any of its ranks, belongs
+ * to that trainer's uid (Attach lets no other uid in), and outlives its trainers' sessions,
+ * with its arena: parameters stay in the daemon when a trainer dies, so that it can attach
+ * again and go on. A unit is registered by every local
  * rank of its job with the same spec; the first registration fixes the spec and the layout,
  * a later one either matches it (and only records that the rank registered) or is refused
  * naming the first differing field, both values and both ranks.
@@ -78,6 +79,7 @@ typedef struct fsdp_unit {
 typedef struct fsdp_job {
   char name[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_world_size;
+  uid_t owner_uid; /* of the session that created it: only this uid's trainers attach to it */
   /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
    * `shared_arena`, sealed so that trainers can only map it read-only, and every other
    * buffer in `arena`, which trainers map read-write. */
