@@ -258,8 +258,17 @@ def test_operator_group_members_change_the_daemons_state(fsdpd, run_dir, group):
     assert state(d) == "SERVING_STATE_SERVING"
 
 
-def test_an_unknown_operator_group_is_a_config_error(fsdpd, run_dir):
+def test_an_unknown_operator_group_is_a_config_error(fsdpd, run_dir, tmp_path):
+    bad = "key 'daemon.operator_group': value 'no-such-group-here' is no group on this host"
     d = fsdpd("--set", "daemon.operator_group=no-such-group-here", run_dir=run_dir, wait=False)
     assert d.wait() == 78
-    assert ("key 'daemon.operator_group': value 'no-such-group-here' is no group on this host"
-            in d.stderr()), d.stderr()
+    assert bad in d.stderr(), d.stderr()
+    # A reload to one keeps the running config (and its operators).
+    conf = tmp_path / "fsdpd.conf"
+    conf.write_text("[daemon]\noperator_group = nogroup\n")
+    d = fsdpd("--config", conf, run_dir=run_dir)
+    conf.write_text("[daemon]\noperator_group = no-such-group-here\n")
+    r = d.fsdpctl("config", "reload")
+    assert r.returncode == 1 and bad in r.stderr, r.stderr
+    assert d.config_entry("daemon.operator_group").value == "nogroup"
+    assert fsdpctl_as(d, 5151, NOBODY, "drain").returncode == 0

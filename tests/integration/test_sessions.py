@@ -204,7 +204,7 @@ def test_a_rank_waiting_in_a_collective_outlives_a_shorter_lease(fsdpd):
     """The lease counts from the end of a session's last call: a rank parked in an Unshard
     for three leases, waiting for a slower rank, is alive and gets its unit; once its call
     has ended, the lease runs again."""
-    d = fsdpd("--set", "session.lease=300ms", "--set", "daemon.housekeeping_interval=20ms",
+    d = fsdpd("--set", "session.lease=500ms", "--set", "daemon.housekeeping_interval=20ms",
               "--set", "store.collective_timeout=20s", "--set", "memory.job_limit=64MiB")
     fast, slow = Rank(d, 0, 2), Rank(d, 1, 2)
     layouts = [fast.register(), slow.register()]
@@ -228,7 +228,7 @@ def test_a_rank_waiting_in_a_collective_outlives_a_shorter_lease(fsdpd):
              5, what="rank 0's Unshard to wait for rank 1")
         # The slow rank computes for three leases, renewing its own lease as a trainer
         # between calls does; the fast one makes no call but the one it waits in.
-        deadline = time.monotonic() + 0.9
+        deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
             d.call(KEEPALIVE, trainer_pb2.KeepAliveRequest(session_id=slow.session),
                    trainer_pb2.KeepAliveReply)
