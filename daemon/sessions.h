@@ -65,7 +65,8 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
 int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t *caller,
                       uint64_t now_ms, fsdp_session_t **ret_session, fsdp_status_t *st);
 
-/* Ends one session (Detach). */
+/* Ends one session (Detach, its channel closed) and frees it: its parked calls must have
+ * ended first (fsdp_dataplane_release_session), since they point to it. */
 void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session);
 
 /* A call naming the session is parked in the daemon, and the end of one (now_ms: when it
@@ -76,8 +77,9 @@ void fsdp_session_call_ended(fsdp_session_t *session, uint64_t now_ms);
 /* The first session of `job`, or NULL. */
 const fsdp_session_t *fsdp_sessions_find_job(const fsdp_sessions_t *sessions, const char *job);
 
-/* Ends every session with no parked call and idle for lease_ms or more; calls expired(session, data) for each just
- * before it goes, so the daemon can say so. Returns how many ended. */
+/* Ends every session with no parked call and idle for lease_ms or more; calls
+ * expired(session, data) for each just before it goes, so the daemon can release what it
+ * holds and say so. Returns how many ended. */
 unsigned fsdp_sessions_expire(fsdp_sessions_t *sessions, uint64_t now_ms, uint64_t lease_ms,
                               void (*expired)(fsdp_session_t *session, void *data),
                               void *data);
