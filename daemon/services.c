@@ -49,37 +49,11 @@ static uint64_t lease_ms(fsdp_daemon_t *daemon) {
   return (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE);
 }
 
-/* The uid a job belongs to: the one that attached it first. The store keeps it as long as
- * the job's units and memory live, also after its sessions end; a job with no units yet is
- * its sessions' (they all have one uid). False: no such job. */
-static bool job_owner(fsdp_daemon_t *daemon, const char *name, uid_t *ret_uid) {
-  const fsdp_job_t *job = fsdp_store_find_job(&daemon->store, name);
-  const fsdp_session_t *s = fsdp_sessions_find_job(&daemon->sessions, name);
-  if (!job && !s)
-    return false;
-  *ret_uid = job ? job->owner_uid : s->uid;
-  return true;
-}
-
 static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_daemon_t *daemon = data;
   const Fsdp__V1__AttachRequest *rq = (const void *)request;
   if (!protocol_ok(call, rq->protocol_version, "trainer"))
     return;
-  fsdp_peer_t peer;
-  const fsdp_peer_t *who = caller(daemon, call, &peer);
-  /* Jobs share the daemon's group: without this, anyone in it could attach as a rank whose
-   * trainer is gone, read the job's parameters and write what the job gathers next. Root
-   * gets no exception: the rule is about keeping two jobs apart, and a trainer run as root
-   * under another's job name is a clash to refuse, not a wish to honour. */
-  uid_t owner;
-  if (who && job_owner(daemon, rq->job, &owner) && owner != who->uid) {
-    fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED,
-                       "%s: job '%s' belongs to uid %u (whose trainer attached it first), not "
-                       "to the calling uid %u; every trainer of a job runs as its owner",
-                       fsdp_rpc_call_method(call), rq->job, (unsigned)owner, (unsigned)who->uid);
-    return;
-  }
   /* A job's units outlive its sessions, and their layout depends on the local world size. */
   const fsdp_job_t *job = fsdp_store_find_job(&daemon->store, rq->job);
   if (job && job->local_world_size != rq->local_world_size) {
@@ -89,9 +63,11 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
                        rq->local_world_size);
     return;
   }
+  fsdp_peer_t peer;
   fsdp_session_t *s;
   fsdp_status_t st;
-  if (fsdp_sessions_attach(&daemon->sessions, rq, who, fsdp_daemon_now_ms(daemon),
+  if (fsdp_sessions_attach(&daemon->sessions, rq, caller(daemon, call, &peer),
+                           job ? &job->owner : NULL, fsdp_daemon_now_ms(daemon),
                            (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_MAX_SESSIONS),
                            &s, &st) < 0) {
     fail_call(call, &st);
@@ -100,7 +76,7 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   log_info("session %016llx attached: job '%s' local rank %u of %u, generation %llu, pid %d, "
            "uid %u",
            (unsigned long long)s->id, s->job, s->local_rank, s->local_world_size,
-           (unsigned long long)s->generation, (int)s->pid, (unsigned)s->uid);
+           (unsigned long long)s->generation, (int)s->pid, (unsigned)s->owner.uid);
   Fsdp__V1__AttachReply reply = FSDP__V1__ATTACH_REPLY__INIT;
   reply.session_id = s->id;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
@@ -321,7 +297,7 @@ static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
     out->local_world_size = ses->local_world_size;
     out->generation = ses->generation;
     out->pid = ses->pid;
-    out->uid = ses->uid;
+    out->uid = ses->owner.uid;
     out->attached_ms = now - ses->attached_ms;
     out->idle_ms = ses->parked ? 0 : now - ses->last_call_ms;
     s->session_ptrs[i] = out;

@@ -79,7 +79,7 @@ typedef struct fsdp_unit {
 typedef struct fsdp_job {
   char name[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_world_size;
-  uid_t owner_uid; /* of the session that created it: only this uid's trainers attach to it */
+  fsdp_job_owner_t owner; /* of the session that created it: whom Attach lets in */
   /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
    * `shared_arena`, sealed so that trainers can only map it read-only, and every other
    * buffer in `arena`, which trainers map read-write. */

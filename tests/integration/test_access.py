@@ -272,3 +272,41 @@ def test_an_unknown_operator_group_is_a_config_error(fsdpd, run_dir, tmp_path):
     assert r.returncode == 1 and bad in r.stderr, r.stderr
     assert d.config_entry("daemon.operator_group").value == "nogroup"
     assert fsdpctl_as(d, 5151, NOBODY, "drain").returncode == 0
+
+
+def refused_attach(d, job, rank, world, job_token=""):
+    with pytest.raises(grpc.RpcError) as excinfo:
+        Rank(d, rank, world, job=job, job_token=job_token)
+    return status_code_and_details(excinfo)
+
+
+def test_a_job_token_keeps_apart_jobs_of_one_uid(fsdpd):
+    """Trainers of one uid (containers run as one user) are told apart by the token their
+    launcher handed them: the first Attach of a job fixes it, and it holds while the job's
+    units live; the token never appears in a message."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    secret = "launcher-secret-" + "x" * 200
+    first = Rank(d, 0, 2, job="tok", job_token=secret)
+    wrong = ("field 'job_token' is not the job token job 'tok' was first attached with; every "
+             "trainer of a job gives the one its launcher handed out, or none")
+    for token in ("", "launcher-secret", secret + "y", secret[:-1] + "X"):
+        code, details = refused_attach(d, "tok", 1, 2, token)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and wrong in details, details
+        assert "launcher" not in details.replace("its launcher", "")
+    second = Rank(d, 1, 2, job="tok", job_token=secret)
+    for r in (first, second):
+        r.register(shapes=SHAPES)
+        d.call(DETACH, trainer_pb2.DetachRequest(session_id=r.session), trainer_pb2.DetachReply)
+    # No session left: the store still knows the job's token.
+    assert refused_attach(d, "tok", 0, 2)[0] == grpc.StatusCode.PERMISSION_DENIED
+    Rank(d, 0, 2, job="tok", job_token=secret)
+
+    # A job attached without a token admits no trainer that gives one.
+    keep = Rank(d, 0, 1, job="open")
+    code, details = refused_attach(d, "open", 0, 1, "some-token")
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "job 'open'" in details, details
+    assert keep.session
+
+    code, details = refused_attach(d, "long", 0, 1, "t" * 257)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "field 'job_token' is 257 bytes, more than 256" in details
