@@ -302,6 +302,8 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
                          json_object_new_uint64(s->memory ? s->memory->in_use_bytes : 0));
   json_object_object_add(mem, "limit_bytes",
                          json_object_new_uint64(s->memory ? s->memory->limit_bytes : 0));
+  json_object_object_add(mem, "reserved_bytes",
+                         json_object_new_uint64(s->memory ? s->memory->reserved_bytes : 0));
   json_object *jobs = json_object_new_array();
   for (size_t i = 0; i < s->n_jobs; i++) {
     json_object *jo = json_object_new_object();
@@ -375,13 +377,15 @@ static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
   peers_summary(s, a2, sizeof a2);
   printf(LABEL "%s\n", "peers", a2);
   if (s->memory) {
+    char r[32];
     format_bytes(s->memory->in_use_bytes, a, sizeof a);
+    format_bytes(s->memory->reserved_bytes, r, sizeof r);
     if (s->memory->limit_bytes) {
       format_bytes(s->memory->limit_bytes, b, sizeof b);
-      printf(LABEL "%s in use of %s limit (%.0f%%)\n", "memory", a, b,
-             100.0 * (double)s->memory->in_use_bytes / (double)s->memory->limit_bytes);
+      printf(LABEL "%s reserved of %s limit (%.0f%%), %s in use\n", "memory", r, b,
+             100.0 * (double)s->memory->reserved_bytes / (double)s->memory->limit_bytes, a);
     } else {
-      printf(LABEL "%s in use, no limit\n", "memory", a);
+      printf(LABEL "%s reserved, %s in use, no limit\n", "memory", r, a);
     }
   } else {
     printf(LABEL "-\n", "memory");

@@ -62,12 +62,16 @@ typedef enum fsdp_option_type {
     false, "--health-listen",                                                                    \
     "TCP address of the gRPC health service for schedulers; empty disables it.")                \
   X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "8GiB", 67108864, 1099511627776, NULL, "B",    \
-    true, NULL, "Memory the daemon may hold for all jobs together.")                             \
+    true, NULL,                                                                                  \
+    "Host memory the jobs' arenas may hold together: each job reserves both of its arenas "    \
+    "whole (2 x memory.job_limit, what its trainers can make resident) when it is created; a " \
+    "job that does not fit is refused with RESOURCE_EXHAUSTED once no retained job is left "   \
+    "to free.")                                                                                  \
   X(JOB_MEMORY, "memory.job_limit", FSDP_OPT_SIZE, "1GiB", 67108864, 1099511627776, NULL, "B",  \
     false, NULL,                                                                                 \
     "Size of each of a job's two memory arenas (memfds every local rank maps: the unsharded "   \
     "buffers, read-only, and the rest); its buffers come out of them, RESOURCE_EXHAUSTED "      \
-    "beyond.")                                                                                   \
+    "beyond. Both count whole against memory.limit.")                                           \
   X(COLLECTIVE_TIMEOUT, "store.collective_timeout", FSDP_OPT_DURATION, "30s", 100, 3600000,     \
     NULL, "ms", true, NULL,                                                                      \
     "How long a collective (the gather of a new step, a ReduceScatter) waits for every local "  \
@@ -76,14 +80,15 @@ typedef enum fsdp_option_type {
   X(JOB_RETENTION, "store.job_retention", FSDP_OPT_DURATION, "10m", 100, 604800000, NULL, "ms",  \
     true, NULL,                                                                                  \
     "How long a job's units and memory outlive its last session, so that trainers can attach "  \
-    "again and go on; then they are freed.")                                                     \
+    "again and go on; then they are freed, or sooner when a new job needs the slot or the "    \
+    "memory (the job idle longest first).")                                                      \
   X(SESSION_LEASE, "session.lease", FSDP_OPT_DURATION, "30s", 100, 3600000, NULL, "ms", true,   \
     NULL,                                                                                        \
     "A trainer session that makes no call (KeepAlive included) for this long ends; its "        \
     "references are released.")                                                                  \
   X(MAX_SESSIONS, "session.max_sessions", FSDP_OPT_INT, "256", 1, 4096, NULL, NULL, true, NULL, \
-    "Trainer sessions the daemon holds at once, all jobs together; beyond it, "                 \
-    "RESOURCE_EXHAUSTED.")                                                                       \
+    "Trainer sessions the daemon holds at once, all jobs together, and jobs it holds at once "  \
+    "(jobs cost descriptors); beyond it, RESOURCE_EXHAUSTED.")                                   \
   X(CLUSTER_HOSTS, "cluster.hosts", FSDP_OPT_ADDRESS_LIST, "", 0, 0, NULL, NULL, false,         \
     "--hosts",                                                                                   \
     "The Peer address (HOST:PORT) of every host's fsdpd, in host-rank order, comma-separated; " \

@@ -17,6 +17,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,7 +38,7 @@
 #endif
 
 #define SMALL_PAGE ((size_t)4096)
-#define HUGE_PAGE ((size_t)2 << 20)
+#define HUGE_PAGE FSDP_ARENA_PAGE_MAX
 /* Far beyond any host's memory, and small enough that no offset arithmetic can overflow. */
 #define CAPACITY_MAX ((size_t)1 << 46)
 
@@ -50,6 +51,7 @@ typedef struct block {
 struct fsdp_arena {
   char name[FSDP_ARENA_NAME_MAX + 1];
   int fd;
+  int peer_fd; /* what trainers receive: fd, or an O_RDONLY one when peers_read_only */
   void *base; /* MAP_FAILED until mapped */
   size_t capacity;
   size_t page_size;
@@ -108,6 +110,9 @@ static void unmap_and_close(fsdp_arena_t *arena) {
   if (arena->base != MAP_FAILED)
     munmap(arena->base, arena->capacity);
   arena->base = MAP_FAILED;
+  if (arena->peer_fd >= 0 && arena->peer_fd != arena->fd)
+    close(arena->peer_fd);
+  arena->peer_fd = -1;
   if (arena->fd >= 0)
     close(arena->fd);
   arena->fd = -1;
@@ -233,7 +238,7 @@ int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t
   fsdp_arena_t *arena = calloc(1, sizeof *arena);
   if (!arena)
     return fsdp_status_set(st, -ENOMEM, "job '%s': out of memory for the arena", name);
-  arena->fd = -1;
+  arena->fd = arena->peer_fd = -1;
   arena->base = MAP_FAILED;
   snprintf(arena->name, sizeof arena->name, "%s", name);
   arena->cap_blocks = 16;
@@ -271,6 +276,15 @@ int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t
       goto fail;
   }
 
+  /* Trainers get a descriptor that cannot write either: the seal is not the only guard, and
+   * fallocate() needs a writable one. */
+  arena->peer_fd = arena->fd;
+  if (opt->peers_read_only && (r = fsdp_arena_open_readonly(arena, &arena->peer_fd)) < 0) {
+    r = fsdp_status_set(st, r, "job '%s': cannot open the arena read-only: %s", arena->name,
+                        strerror(-r));
+    goto fail;
+  }
+
   arena->blocks[0] = (block_t){.offset = 0, .size = arena->capacity, .allocated = false};
   arena->n_blocks = 1;
   *ret = arena;
@@ -284,6 +298,12 @@ fail:
 void fsdp_arena_free(fsdp_arena_t *arena) {
   if (!arena)
     return;
+  /* A trainer that still holds the descriptor or a mapping would otherwise keep every page
+   * there, and they are not counted anywhere any more. The sealed arena refuses this
+   * (F_SEAL_FUTURE_WRITE); its holders can only fault pages in by reading. */
+  if (arena->fd >= 0 && !arena->peers_read_only)
+    (void)fallocate(arena->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                    (off_t)arena->capacity);
   unmap_and_close(arena);
   free(arena->blocks);
   free(arena);
@@ -433,6 +453,10 @@ size_t fsdp_arena_block_size(const fsdp_arena_t *arena, uint64_t offset) {
 
 int fsdp_arena_fd(const fsdp_arena_t *arena) {
   return arena->fd;
+}
+
+int fsdp_arena_peer_fd(const fsdp_arena_t *arena) {
+  return arena->peer_fd;
 }
 
 void *fsdp_arena_base(const fsdp_arena_t *arena) {

@@ -26,7 +26,15 @@
  *    new writable shared mapping and every write() through any descriptor (EPERM), root
  *    and reopened descriptors included, while the daemon keeps writing through its
  *    mapping. This is the airtight choice: put a job's read-only buffers (unsharded
- *    parameters) in one such arena and its trainer-writable buffers in another.
+ *    parameters) in one such arena and its trainer-writable buffers in another. Such an
+ *    arena also hands out an O_RDONLY descriptor (fsdp_arena_peer_fd), so that the seal is
+ *    not the only guard.
+ *
+ * Host memory. Whoever holds a descriptor or mapping can make pages resident: fallocate()
+ * or writes through a writable one, read faults through any (shmem allocates a page on a
+ * read fault too). The sizes are sealed (F_SEAL_SHRINK | F_SEAL_GROW), so an arena never
+ * holds more than its capacity, whatever its holders do: the capacity is what a caller
+ * must count against a memory limit, not the bytes allocated.
  *
  * Sub-allocation: best-fit over an offset-sorted block list with coalescing on release;
  * O(blocks) per call. Every block starts at a multiple of 64 bytes (a cache line: no false
@@ -44,9 +52,13 @@
  * process; who writes which block when is the caller's protocol.
  *
  * Lifetime: the creator frees the arena with fsdp_arena_free(); that unmaps the daemon's
- * view and closes its descriptor. The memory lives on while a trainer still holds a
+ * view and closes its descriptors. The memory lives on while a trainer still holds a
  * mapping or a descriptor, so a trainer can never fault on freed memory; it is gone when
- * the last one goes. No logging: return codes and status messages; the daemon logs.
+ * the last one goes. A read-write arena's pages are punched out at the free, so a holder
+ * that outlives it keeps none of them (it reads zeros; what it faults in after is its own,
+ * charged to its memory cgroup); a peers_read_only arena cannot be punched (the seal), and
+ * a holder keeps its pages until it closes or unmaps. No logging: return codes and status
+ * messages; the daemon logs.
  *
  * Names: fsdp_arena_new/fsdp_arena_free make and destroy the arena (the heap-object verbs
  * of STYLE.md); fsdp_arena_alloc/fsdp_arena_release take and give back a block, so that
@@ -62,6 +74,9 @@
 
 /* Every block's start and size are multiples of this. */
 #define FSDP_ARENA_MIN_ALIGN 64
+/* The largest page an arena uses (hugetlb): a capacity is rounded up to a multiple of at
+ * most this. */
+#define FSDP_ARENA_PAGE_MAX ((size_t)2 << 20)
 /* Bytes of the name given to memfd_create ("fsdp-arena:<name>", shown in /proc/PID/maps). */
 #define FSDP_ARENA_NAME_MAX 200
 
@@ -118,8 +133,9 @@ typedef struct fsdp_arena_stats {
 int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t *options,
                    fsdp_arena_t **ret, fsdp_status_t *st);
 
-/* Unmaps the daemon's view and closes the arena's descriptor; offsets handed out become
- * meaningless. Accepts NULL. Trainers' own mappings and descriptors stay valid. */
+/* Unmaps the daemon's view and closes the arena's descriptors; offsets handed out become
+ * meaningless. Accepts NULL. Trainers' own mappings and descriptors stay valid; a
+ * read-write arena's pages are punched out first (see Lifetime above). */
 void fsdp_arena_free(fsdp_arena_t *arena);
 
 /* Takes a block of at least size bytes and returns its offset from the arena's start.
@@ -146,6 +162,11 @@ size_t fsdp_arena_block_size(const fsdp_arena_t *arena, uint64_t offset);
 /* The arena's memfd (read-write, O_CLOEXEC); borrowed: valid until fsdp_arena_free(). Send
  * it with fsdp_fd_send(); the receiver's copy is its own. */
 int fsdp_arena_fd(const fsdp_arena_t *arena);
+
+/* The descriptor to send trainers: the read-write memfd, or for a peers_read_only arena an
+ * O_RDONLY one (mapping it writable and fallocate() fail on it). Borrowed like
+ * fsdp_arena_fd(). */
+int fsdp_arena_peer_fd(const fsdp_arena_t *arena);
 
 /* A new read-only descriptor (O_RDONLY | O_CLOEXEC) for the arena's memory; the caller owns
  * it (close it after sending). Returns 0 or -errno. */

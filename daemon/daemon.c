@@ -35,6 +35,8 @@ static void apply_config(fsdp_daemon_t *daemon) {
   const fsdp_config_t *cfg = &daemon->config;
   fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(cfg, FSDP_OPTION_LOG_LEVEL));
   daemon->store.max_jobs = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_SESSIONS);
+  daemon->store.memory_limit = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MEMORY_LIMIT);
+  daemon->store.arena_capacity = (size_t)fsdp_config_number(cfg, FSDP_OPTION_JOB_MEMORY);
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
@@ -105,14 +107,28 @@ static void log_session_end(const fsdp_session_t *s, const char *why) {
            (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid, why);
 }
 
+/* Whether a session other than `except` (NULL: any) belongs to the job. */
+static bool job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job,
+                            const fsdp_session_t *except) {
+  for (const fsdp_session_t *s = daemon->sessions.head; s; s = s->next)
+    if (s != except && strcmp(s->job, job->name) == 0)
+      return true;
+  return false;
+}
+
 /* What a session leaves behind when it ends, however it ends. */
 static void release_session(fsdp_daemon_t *daemon, fsdp_session_t *session,
                             const char *why) {
   if (session->channel)
     fsdp_channel_conn_close(session->channel);
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
-  if (job)
-    fsdp_dataplane_release_session(job, session, why, daemon->sessions.attaches);
+  if (!job)
+    return;
+  fsdp_dataplane_release_session(job, session, why, daemon->sessions.attaches);
+  /* Its retention counts from its last session's end, and the job idle longest is the
+   * first to give way to a new one (fsdp_store_job_for). */
+  if (!job_has_session(daemon, job, session))
+    job->idle_since_ms = fsdp_daemon_now_ms(daemon);
 }
 
 void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {
@@ -130,17 +146,29 @@ static void on_session_expired(fsdp_session_t *s, void *data) {
   release_session(daemon, s, why);
 }
 
-static bool job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job) {
-  return fsdp_sessions_find_job(&daemon->sessions, job->name) != NULL;
+static bool job_idle(void *data, const fsdp_job_t *job) {
+  fsdp_daemon_t *daemon = data;
+  return !job_has_session(daemon, job, NULL) &&
+         !fsdp_dataplane_uses_job(&daemon->dataplane, job);
+}
+
+/* Frees an idle job: its units and its arenas go back to the host. */
+static void free_job(void *data, fsdp_job_t *job, const char *why) {
+  fsdp_daemon_t *daemon = data;
+  log_info("job '%s': %s; freeing its %u unit%s and memory", job->name, why, job->n_units,
+           job->n_units == 1 ? "" : "s");
+  fsdp_dataplane_forget_job(&daemon->dataplane, job);
+  fsdp_store_remove_job(&daemon->store, job);
 }
 
 /* A job's units and memory wait store.job_retention after its last session for a trainer to
- * come back; then the memory goes back to the host. */
+ * come back (unless a new job needs the room first: fsdp_store_job_for); then the memory
+ * goes back to the host. */
 static void retire_idle_jobs(fsdp_daemon_t *daemon, uint64_t now_ms) {
   uint64_t retention = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_JOB_RETENTION);
   for (fsdp_job_t *job = daemon->store.jobs, *next; job; job = next) {
     next = job->next;
-    if (job_has_session(daemon, job) || fsdp_dataplane_uses_job(&daemon->dataplane, job)) {
+    if (!job_idle(daemon, job)) {
       job->idle_since_ms = 0;
       continue;
     }
@@ -150,12 +178,10 @@ static void retire_idle_jobs(fsdp_daemon_t *daemon, uint64_t now_ms) {
     }
     if (now_ms - job->idle_since_ms < retention)
       continue;
-    log_info("job '%s': no session for %llu ms (store.job_retention); freeing its %u unit%s "
-             "and memory",
-             job->name, (unsigned long long)(now_ms - job->idle_since_ms), job->n_units,
-             job->n_units == 1 ? "" : "s");
-    fsdp_dataplane_forget_job(&daemon->dataplane, job);
-    fsdp_store_remove_job(&daemon->store, job);
+    char why[64];
+    snprintf(why, sizeof why, "no session for %llu ms (store.job_retention)",
+             (unsigned long long)(now_ms - job->idle_since_ms));
+    free_job(daemon, job, why);
   }
 }
 
@@ -445,6 +471,8 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   fsdp_health_init(&daemon->health);
   fsdp_sessions_init(&daemon->sessions);
   fsdp_store_init(&daemon->store);
+  daemon->store.hooks = (fsdp_store_hooks_t){.job_idle = job_idle, .free_job = free_job,
+                                             .data = daemon};
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   if ((r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)

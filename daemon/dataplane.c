@@ -252,19 +252,6 @@ static bool collect(fsdp_dataplane_t *dp, fsdp_unit_t *u, waiter_kind_t kind,
   return c->count == job->local_world_size;
 }
 
-/* The gradient factors of PyTorch FSDP: divide by `pre` before the sum and by `post` after,
- * pre * post being the data-parallel size (every rank of every host) by default. */
-static void reduce_scales(const fsdp_unit_t *u, float *ret_pre, float *ret_post) {
-  double world = u->plan.data_parallel_size;
-  double pre = u->spec->gradient_predivide_factor, post = u->spec->gradient_postdivide_factor;
-  if (pre == 0)
-    pre = post == 0 ? 1 : world / post;
-  if (post == 0)
-    post = world / pre;
-  *ret_pre = (float)(1 / pre);
-  *ret_post = (float)(1 / post);
-}
-
 /* This host's region of the flat buffer, in elements. */
 static uint64_t host_first(const fsdp_unit_t *u) {
   return (uint64_t)u->plan.first_shard * u->layout.shard_numel;
@@ -313,8 +300,6 @@ static void run_work(uv_work_t *req) {
   unsigned world = w->job->local_world_size;
   const void *srcs[FSDP_LOCAL_WORLD_MAX];
   full_grads(w->job, u, srcs);
-  float pre, post;
-  reduce_scales(u, &pre, &post);
   uint64_t first = host_first(u), n = host_numel(u);
   switch (w->kind) {
   case WORK_PREFAULT:
@@ -336,7 +321,8 @@ static void run_work(uv_work_t *req) {
      * buffer writes every rank's shard. */
     w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset),
                                      u->reduce_accumulate, srcs, world, param_dtype(u),
-                                     reduce_dtype(u), pre, post, u->layout.padded_numel);
+                                     reduce_dtype(u), u->pre_scale, u->post_scale,
+                                     u->layout.padded_numel);
     break;
   }
 }
@@ -451,11 +437,9 @@ static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t by
   size_t n = bytes / run->elem_size;
   const void *srcs[FSDP_LOCAL_WORLD_MAX];
   full_grads(run->job, u, srcs);
-  float pre, post;
-  reduce_scales(u, &pre, &post);
   float *sum32 = host_sum_fp32(run->job, u);
   int r = fsdp_reduce_range(sum32, false, srcs, run->job->local_world_size, param_dtype(u),
-                            reduce_dtype(u), pre, 1.0f, e, e + n);
+                            reduce_dtype(u), u->pre_scale, 1.0f, e, e + n);
   if (r == 0 && reduce_dtype(u) != FSDP_DTYPE_FP32)
     r = fsdp_cast((char *)host_sum(run->job, u) + e * run->elem_size, reduce_dtype(u),
                   sum32 + e, FSDP_DTYPE_FP32, n);
@@ -468,12 +452,11 @@ static int finalize_grads(void *arg, unsigned region, size_t offset, size_t byte
   ring_run_t *run = arg;
   const fsdp_unit_t *u = run->unit;
   uint64_t e = chunk_elem(run, region, offset);
-  float pre, post;
-  reduce_scales(u, &pre, &post);
   float *grads = (float *)(void *)((char *)fsdp_arena_base(run->job->arena) + u->grad_offset);
   const void *sum = (const char *)host_sum(run->job, u) + e * run->elem_size;
   return fsdp_reduce(grads + (e - host_first(u)), u->reduce_accumulate, &sum, 1,
-                     reduce_dtype(u), reduce_dtype(u), 1.0f, post, bytes / run->elem_size);
+                     reduce_dtype(u), reduce_dtype(u), 1.0f, u->post_scale,
+                     bytes / run->elem_size);
 }
 
 /* Rings move 1 MiB chunks, 8 in flight; a sum stages what it receives in a buffer of that
@@ -713,7 +696,7 @@ static size_t round64(size_t n) {
 /* Takes the unit's buffers: the unsharded one from the shared (read-only to trainers)
  * arena, and from the arena one block with the master shards, the gradient shards, one
  * full-gradient buffer per local rank and, across hosts, the host sums. */
-static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_status_t *st) {
+static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   size_t padded = (size_t)u->layout.padded_numel;
   size_t param_size = fsdp_dtype_size(param_dtype(u));
   size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
@@ -724,11 +707,6 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
                 : reduce_size == 4                     ? fp32
                                                        : fp32 + round64(padded * reduce_size);
   size_t total = 2 * host_fp32 + (size_t)job->local_world_size * unsharded + sums;
-  if (total + unsharded > memory_free)
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                           "job '%s' unit '%s': need %zu bytes, %zu free under memory.limit "
-                           "(all jobs together)",
-                           job->name, u->spec->unit, total + unsharded, memory_free);
   uint64_t base, shared;
   int r = fsdp_arena_alloc(job->arena, total, 0, &base, st);
   if (r < 0)
@@ -748,13 +726,11 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, size_t memory_free, fsdp_st
 }
 
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                             fsdp_unit_t *unit, fsdp_session_t *session,
-                             size_t arena_capacity, size_t memory_free) {
+                             fsdp_unit_t *unit, fsdp_session_t *session) {
   fsdp_status_t st;
   switch (unit->state) {
   case FSDP_UNIT_NEW:
-    if (fsdp_store_job_arena(job, arena_capacity, &st) < 0 ||
-        allocate(job, unit, memory_free, &st) < 0) {
+    if (allocate(job, unit, &st) < 0) {
       fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
       return;
     }

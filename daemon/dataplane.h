@@ -80,11 +80,10 @@ void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_
 
 /* Answers a RegisterUnit the store accepted for `session`'s rank: with the layout and the
  * buffers' offsets once the unit's buffers are ready. The first registration takes them from
- * the job's arenas (arena_capacity: their size if the job has none yet; memory_free: what
- * memory.limit leaves over all jobs) and pre-faults them. */
+ * the job's arenas (reserved against memory.limit as a whole when the job was made) and
+ * pre-faults them. */
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                             fsdp_unit_t *unit, fsdp_session_t *session,
-                             size_t arena_capacity, size_t memory_free);
+                             fsdp_unit_t *unit, fsdp_session_t *session);
 
 /* Unshard of `unit` for the session's rank at rq->step; deadline_ms: loop time by which
  * every local rank must have asked, if this call starts the collective. */

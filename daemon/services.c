@@ -41,10 +41,6 @@ static const fsdp_peer_t *caller(fsdp_daemon_t *daemon, fsdp_rpc_call_t *call,
              : NULL;
 }
 
-static size_t job_memory(fsdp_daemon_t *daemon) {
-  return (size_t)fsdp_config_number(&daemon->config, FSDP_OPTION_JOB_MEMORY);
-}
-
 static uint64_t lease_ms(fsdp_daemon_t *daemon) {
   return (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE);
 }
@@ -122,10 +118,8 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
     fail_call(call, &st);
     return;
   }
-  size_t limit = (size_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
-  size_t used = fsdp_store_memory_used(&daemon->store);
   fsdp_dataplane_register(&daemon->dataplane, call, fsdp_store_find_job(&daemon->store, s->job),
-                          u, s, job_memory(daemon), used < limit ? limit - used : 0);
+                          u, s);
 }
 
 /* The session and unit a UnitOp names, the unit registered by the session's rank; fails
@@ -409,6 +403,7 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   }
   fsdp__v1__memory__init(&s->memory);
   s->memory.in_use_bytes = (uint64_t)in_use;
+  s->memory.reserved_bytes = daemon->store.reserved;
   s->memory.limit_bytes = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
   reply.memory = &s->memory;
   reply.state = serving_state(daemon->state);
@@ -724,8 +719,6 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
   fsdp_job_t *job;
   if (fsdp_store_job_for(&daemon->store, s, &job, &w->status) < 0)
     return;
-  if (fsdp_store_job_arena(job, job_memory(daemon), &w->status) < 0)
-    return;
   /* Memory 0: the buffers trainers write; memory 1: the unsharded buffers, read-only. */
   const fsdp_arena_t *arenas[2] = {job->arena, job->shared_arena};
   static const char *const what[2] = {"arena", "unsharded buffers"};
@@ -738,7 +731,7 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
     w->memory[i].bytes = stats.capacity;
     w->memory[i].writable = i == 0;
     w->memories[i] = &w->memory[i];
-    w->fds[i] = fsdp_arena_fd(arenas[i]);
+    w->fds[i] = fsdp_arena_peer_fd(arenas[i]);
   }
   w->n = 2;
   s->channel = conn;

@@ -25,6 +25,14 @@ static fsdp_session_t *find_id(const fsdp_sessions_t *sessions, uint64_t id) {
   return NULL;
 }
 
+/* The first session of `job`, or NULL. */
+static const fsdp_session_t *find_job(const fsdp_sessions_t *sessions, const char *job) {
+  for (const fsdp_session_t *s = sessions->head; s; s = s->next)
+    if (strcmp(s->job, job) == 0)
+      return s;
+  return NULL;
+}
+
 /* Session ids are random so that one trainer cannot guess another's by counting. */
 static int new_id(const fsdp_sessions_t *sessions, uint64_t *ret_id) {
   for (;;) {
@@ -141,7 +149,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   /* The store knows the owner as long as the job's units live; before, its sessions do (they
    * all have the same). */
   if (!job_owner) {
-    const fsdp_session_t *first = fsdp_sessions_find_job(sessions, rq->job);
+    const fsdp_session_t *first = find_job(sessions, rq->job);
     job_owner = first ? &first->owner : NULL;
   }
   if (job_owner && (r = check_owner(job_owner, rq, peer, st)) < 0)
@@ -220,13 +228,6 @@ void fsdp_session_call_ended(fsdp_session_t *session, uint64_t now_ms) {
   session->parked--;
   if (now_ms > session->last_call_ms)
     session->last_call_ms = now_ms;
-}
-
-const fsdp_session_t *fsdp_sessions_find_job(const fsdp_sessions_t *sessions, const char *job) {
-  for (const fsdp_session_t *s = sessions->head; s; s = s->next)
-    if (strcmp(s->job, job) == 0)
-      return s;
-  return NULL;
 }
 
 void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session) {

@@ -88,9 +88,6 @@ void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session);
 void fsdp_session_call_parked(fsdp_session_t *session);
 void fsdp_session_call_ended(fsdp_session_t *session, uint64_t now_ms);
 
-/* The first session of `job`, or NULL. */
-const fsdp_session_t *fsdp_sessions_find_job(const fsdp_sessions_t *sessions, const char *job);
-
 /* Ends every session with no parked call and idle for lease_ms or more; calls
  * expired(session, data) for each just before it goes, so the daemon can release what it
  * holds and say so. Returns how many ended. */

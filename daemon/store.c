@@ -5,6 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h"
+#include "config_value.h"
+
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name) {
   for (fsdp_job_t *j = store->jobs; j; j = j->next)
     if (strcmp(j->name, name) == 0)
@@ -61,7 +64,10 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
                            rq->unit);
   }
   fsdp_unit_plan(&store->topology, rq->strategy, job->local_world_size, &u->plan);
-  int r = fsdp_unit_layout_init(&u->layout, u->spec, u->plan.shards, u->plan.pad_multiple, st);
+  int r = fsdp_unit_gradient_scales(u->spec, u->plan.data_parallel_size, &u->pre_scale,
+                                    &u->post_scale, st);
+  if (r == 0)
+    r = fsdp_unit_layout_init(&u->layout, u->spec, u->plan.shards, u->plan.pad_multiple, st);
   if (r < 0) {
     unit_free(u);
     return r;
@@ -73,6 +79,106 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
   job->n_units++;
   *ret_unit = u;
   return 0;
+}
+
+static int make_arenas(fsdp_job_t *job, size_t capacity, fsdp_status_t *st) {
+  fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
+  options.prefault = FSDP_ARENA_PREFAULT_NONE;
+  fsdp_arena_t *arena, *shared;
+  int r = fsdp_arena_new(job->name, capacity, &options, &arena, st);
+  if (r < 0)
+    return r;
+  /* F_SEAL_FUTURE_WRITE after our own mapping: nobody, root included, maps it writable. */
+  options.peers_read_only = true;
+  if ((r = fsdp_arena_new(job->name, capacity, &options, &shared, st)) < 0) {
+    fsdp_arena_free(arena);
+    return r;
+  }
+  job->arena = arena;
+  job->shared_arena = shared;
+  return 0;
+}
+
+static void job_free(fsdp_job_t *job) {
+  for (fsdp_unit_t *u = job->units, *next; u; u = next) {
+    next = u->next;
+    unit_free(u);
+  }
+  fsdp_arena_free(job->arena);
+  fsdp_arena_free(job->shared_arena);
+  free(job);
+}
+
+/* The bytes a job's arenas hold at most: what it reserves against memory.limit. */
+static size_t job_reserved(const fsdp_job_t *job) {
+  size_t bytes = 0;
+  const fsdp_arena_t *arenas[2] = {job->arena, job->shared_arena};
+  for (size_t k = 0; k < 2 && arenas[k]; k++) {
+    fsdp_arena_stats_t stats;
+    fsdp_arena_get_stats(arenas[k], &stats);
+    bytes += stats.capacity;
+  }
+  return bytes;
+}
+
+/* The retained job that went idle first (idle_since_ms 0: its work ended after its last
+ * session and the housekeeping has not looked since, so the most recent), or NULL when
+ * every job is in use. */
+static fsdp_job_t *oldest_idle_job(const fsdp_store_t *store) {
+  fsdp_job_t *oldest = NULL;
+  for (fsdp_job_t *j = store->jobs; j; j = j->next) {
+    if (!store->hooks.job_idle || !store->hooks.job_idle(store->hooks.data, j))
+      continue;
+    if (!oldest || (j->idle_since_ms != 0 &&
+                    (oldest->idle_since_ms == 0 || j->idle_since_ms < oldest->idle_since_ms)))
+      oldest = j;
+  }
+  return oldest;
+}
+
+static const char *format_bytes(size_t bytes, char *buf, size_t size) {
+  if (fsdp_config_value_format(fsdp_option_get(FSDP_OPTION_MEMORY_LIMIT), (int64_t)bytes, buf,
+                               size) < 0)
+    snprintf(buf, size, "%zuB", bytes);
+  return buf;
+}
+
+/* Frees retained jobs, the one idle longest first, until a new job fits in a slot and in
+ * memory.limit; fails naming what the jobs in use hold when it cannot. The arenas' size
+ * counted is an upper bound of what fsdp_arena_new makes of arena_capacity (it rounds up
+ * to whole pages), so that the reservation never passes the limit. */
+static int make_room(fsdp_store_t *store, const char *name, fsdp_status_t *st) {
+  size_t need = 2 * ((store->arena_capacity + FSDP_ARENA_PAGE_MAX - 1) / FSDP_ARENA_PAGE_MAX *
+                     FSDP_ARENA_PAGE_MAX);
+  for (;;) {
+    bool slot = store->n_jobs < store->max_jobs;
+    bool memory = store->reserved <= store->memory_limit &&
+                  need <= store->memory_limit - store->reserved;
+    if (slot && memory)
+      return 0;
+    fsdp_job_t *victim = oldest_idle_job(store);
+    if (victim) {
+      char why[FSDP_JOB_NAME_MAX + 96];
+      snprintf(why, sizeof why, "retained with no session, but job '%s' needs the room (%s)",
+               name, slot ? "memory.limit" : "session.max_sessions jobs at once");
+      store->hooks.free_job(store->hooks.data, victim, why);
+      continue;
+    }
+    if (!slot)
+      return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                             "job '%s': the daemon holds %u jobs in use already "
+                             "(session.max_sessions)",
+                             name, store->n_jobs);
+    char arena_s[32], need_s[32], reserved_s[32], limit_s[32];
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "job '%s': its two arenas of %s (memory.job_limit) need %s, but %s "
+                           "of memory.limit = %s is reserved by %u job%s in use",
+                           name, format_bytes(store->arena_capacity, arena_s, sizeof arena_s),
+                           format_bytes(need, need_s, sizeof need_s),
+                           format_bytes(store->reserved, reserved_s, sizeof reserved_s),
+                           format_bytes(store->memory_limit, limit_s, sizeof limit_s),
+                           store->n_jobs, store->n_jobs == 1 ? "" : "s");
+  }
 }
 
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
@@ -93,11 +199,9 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
     *ret_job = job;
     return 0;
   }
-  if (store->n_jobs >= store->max_jobs)
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                           "job '%s': the daemon holds %u jobs already (session.max_sessions); "
-                           "an idle job goes after store.job_retention",
-                           session->job, store->n_jobs);
+  int r = make_room(store, session->job, st);
+  if (r < 0)
+    return r;
   job = calloc(1, sizeof *job);
   if (!job)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s'",
@@ -106,6 +210,11 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
   job->local_world_size = session->local_world_size;
   job->owner = session->owner;
   job->units_tail = &job->units;
+  if ((r = make_arenas(job, store->arena_capacity, st)) < 0) {
+    job_free(job);
+    return r;
+  }
+  store->reserved += job_reserved(job);
   job->next = store->jobs;
   store->jobs = job;
   store->n_jobs++;
@@ -136,26 +245,6 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
   return 0;
 }
 
-int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st) {
-  if (job->arena)
-    return 0;
-  fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
-  options.prefault = FSDP_ARENA_PREFAULT_NONE;
-  fsdp_arena_t *arena, *shared;
-  int r = fsdp_arena_new(job->name, capacity, &options, &arena, st);
-  if (r < 0)
-    return r;
-  /* F_SEAL_FUTURE_WRITE after our own mapping: nobody, root included, maps it writable. */
-  options.peers_read_only = true;
-  if ((r = fsdp_arena_new(job->name, capacity, &options, &shared, st)) < 0) {
-    fsdp_arena_free(arena);
-    return r;
-  }
-  job->arena = arena;
-  job->shared_arena = shared;
-  return 0;
-}
-
 void fsdp_store_init(fsdp_store_t *store) {
   memset(store, 0, sizeof *store);
 }
@@ -173,21 +262,12 @@ size_t fsdp_store_memory_used(const fsdp_store_t *store) {
   return used;
 }
 
-static void job_free(fsdp_job_t *job) {
-  for (fsdp_unit_t *u = job->units, *next; u; u = next) {
-    next = u->next;
-    unit_free(u);
-  }
-  fsdp_arena_free(job->arena);
-  fsdp_arena_free(job->shared_arena);
-  free(job);
-}
-
 void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job) {
   for (fsdp_job_t **p = &store->jobs; *p; p = &(*p)->next) {
     if (*p == job) {
       *p = job->next;
       store->n_jobs--;
+      store->reserved -= job_reserved(job);
       job_free(job);
       return;
     }
@@ -201,4 +281,5 @@ void fsdp_store_cleanup(fsdp_store_t *store) {
     job_free(job);
   }
   store->n_jobs = 0;
+  store->reserved = 0;
 }

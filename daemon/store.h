@@ -1,12 +1,23 @@
 /* The parameter store's registry: jobs and their units.
  *
- * A job is created by the first RegisterUnit or memory channel of any of its ranks, belongs
- * to that trainer's uid (Attach lets no other uid in), and outlives its trainers' sessions,
- * with its arena: parameters stay in the daemon when a trainer dies, so that it can attach
- * again and go on. A unit is registered by every local
- * rank of its job with the same spec; the first registration fixes the spec and the layout,
- * a later one either matches it (and only records that the rank registered) or is refused
- * naming the first differing field, both values and both ranks.
+ * A job is created by the first RegisterUnit or memory channel of any of its ranks, with
+ * its two arenas, belongs to that trainer's uid and job token (Attach lets no other in),
+ * and outlives its trainers' sessions: parameters stay in the daemon when a trainer dies,
+ * so that it can attach again and go on.
+ *
+ * Memory and slots. A job's arenas are sized once (memory.job_limit each) and every local
+ * rank holds descriptors to them, so whatever a trainer does it can make at most their
+ * capacity resident (daemon/arena.h): the capacities, not the bytes allocated, are what
+ * the store reserves against memory.limit, when the job is created. A job that nothing
+ * refers to any more (retained for store.job_retention after its last session) never
+ * keeps a new job out: when a new job needs a slot or memory and none is free, the
+ * retained job that went idle first is freed to make room; only jobs in use count against
+ * the limits.
+ *
+ * A unit is registered by every local rank of its job with the same spec; the first
+ * registration fixes the spec and the layout, a later one either matches it (and only
+ * records that the rank registered) or is refused naming the first differing field, both
+ * values and both ranks.
  *
  * Owned by the daemon, loop thread only. */
 #ifndef FSDP_STORE_H
@@ -49,6 +60,7 @@ typedef struct fsdp_unit {
   Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
+  float pre_scale, post_scale; /* the reduction's, from the gradient divide factors */
   fsdp_unit_state_t state;
   fsdp_status_t error;        /* why FAILED */
   uint64_t buffers_offset;    /* the arena block holding the read-write buffers */
@@ -88,7 +100,9 @@ typedef struct fsdp_job {
   fsdp_unit_t *units; /* in registration order */
   fsdp_unit_t **units_tail;
   unsigned n_units;
-  uint64_t idle_since_ms; /* loop time since which it has had no session; 0 while it has */
+  /* Loop time since which nothing refers to it (set as its last session ends, or by the
+   * housekeeping when its work ends after that); 0 while in use. */
+  uint64_t idle_since_ms;
   /* For each rank whose session ended and that has not attached again: the serial of the
    * first session attached after, 0 otherwise. A session older than that (it was there when
    * the rank went) fails a collective that needs the rank at once: the rank died under it.
@@ -98,10 +112,27 @@ typedef struct fsdp_job {
   struct fsdp_job *next;
 } fsdp_job_t;
 
+/* Set by the daemon: what the store cannot see itself. */
+typedef struct fsdp_store_hooks {
+  /* Whether nothing refers to the job (no session, parked call or queued work), so that it
+   * may be freed to make room for a new one. */
+  bool (*job_idle)(void *data, const fsdp_job_t *job);
+  /* Frees such a job (logging `why`), ending with fsdp_store_remove_job(). */
+  void (*free_job)(void *data, fsdp_job_t *job, const char *why);
+  void *data;
+} fsdp_store_hooks_t;
+
 typedef struct fsdp_store {
   fsdp_job_t *jobs;
   unsigned n_jobs;
-  unsigned max_jobs; /* set by the daemon (session.max_sessions): jobs cost descriptors */
+  /* Set by the daemon: jobs at once (session.max_sessions: jobs cost descriptors), the
+   * bytes their arenas may reserve together (memory.limit) and each arena's size
+   * (memory.job_limit). */
+  unsigned max_jobs;
+  size_t memory_limit;
+  size_t arena_capacity;
+  size_t reserved; /* the capacities of every job's arenas */
+  fsdp_store_hooks_t hooks;
   /* Set by the daemon from cluster.*: the hosts, and the local world size every job must
    * have when there are several (0: any). */
   fsdp_topology_t topology;
@@ -121,14 +152,14 @@ fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);
 fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
 bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
 
-/* The session's job, created on first use; FAILED_PRECONDITION if it exists with another
- * local world size, or if its local world size is not cluster.local_world_size. The session's rank no longer counts as gone. */
+/* The session's job, created on first use with its two arenas of store->arena_capacity
+ * bytes (no pre-fault: buffers are pre-faulted as they are allocated), freeing retained jobs
+ * to make room when needed. FAILED_PRECONDITION if it exists with another local world size,
+ * or if its local world size is not cluster.local_world_size; RESOURCE_EXHAUSTED naming the
+ * job, its arenas, what jobs in use reserve and the limit when the jobs in use leave no
+ * room. The session's rank no longer counts as gone. */
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
                        fsdp_status_t *st);
-
-/* The job's two arenas, made with `capacity` bytes each (and no pre-fault: buffers are
- * pre-faulted as they are allocated) when the job has none yet. */
-int fsdp_store_job_arena(fsdp_job_t *job, size_t capacity, fsdp_status_t *st);
 
 /* Bytes of buffers allocated over every job's arenas. */
 size_t fsdp_store_memory_used(const fsdp_store_t *store);

@@ -2,7 +2,6 @@
 #include "unit_layout.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,14 +25,20 @@ static void format_shape(const Fsdp__V1__ParamSpec *p, char *buf, size_t size) {
     snprintf(buf + used, size - used, "]");
 }
 
-/* Element count of a parameter, or -EOVERFLOW past FSDP_UNIT_MAX_NUMEL. */
-static int param_numel(const Fsdp__V1__ParamSpec *p, uint64_t *ret_numel) {
-  uint64_t numel = 1;
+/* Element count of a parameter. The product of its nonzero dimensions must stay within
+ * FSDP_UNIT_MAX_NUMEL, so that a zero elsewhere ([0, 2^64-1]) hides no dimension that
+ * could not be: returns the index of the first dimension past the limit as -1 - d. */
+static int64_t param_numel(const Fsdp__V1__ParamSpec *p, uint64_t *ret_numel) {
+  uint64_t nonzero = 1;
+  bool empty = false;
   for (size_t d = 0; d < p->n_shape; d++) {
-    if (__builtin_mul_overflow(numel, p->shape[d], &numel) || numel > FSDP_UNIT_MAX_NUMEL)
-      return -EOVERFLOW;
+    if (p->shape[d] == 0)
+      empty = true;
+    else if (__builtin_mul_overflow(nonzero, p->shape[d], &nonzero) ||
+             nonzero > FSDP_UNIT_MAX_NUMEL)
+      return -1 - (int64_t)d;
   }
-  *ret_numel = numel;
+  *ret_numel = empty ? 0 : nonzero;
   return 0;
 }
 
@@ -59,13 +64,74 @@ static int check_unique_names(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_st
   return r;
 }
 
-static int check_factor(const Fsdp__V1__RegisterUnitRequest *spec, const char *field, double v,
-                        fsdp_status_t *st) {
-  if (v == 0 || (isfinite(v) && v > 0))
-    return 0;
+/* The bounds of a gradient divide factor f, and of the product of the two: 2^-24 <= f <=
+ * 2^24. The kernels scale by 1/f in fp32 and refuse a scale that is not finite: 1e-310 is
+ * subnormal and its reciprocal overflows, and 1e308 leaves the other factor world/1e308,
+ * whose reciprocal overflows too (before these bounds every ReduceScatter of such a unit
+ * failed, as INTERNAL); the bounds keep 1/f a normal fp32. A reduce may run in fp16, the narrowest range of the three
+ * reduce types: finite magnitudes from 2^-24 to 65504 < 2^16, 40 binades (bf16 and fp32
+ * span 277). Dividing by f moves every magnitude by log2 f binades, the predivide factor
+ * on each rank's gradient and the postdivide factor on the sum; with each factor and their
+ * product within 2^24, a gradient meets three placements of fp16's range (its own, after
+ * the predivide, after both) at most 24 binades apart, so at least 16 binades of values
+ * survive every step: no factor in bounds turns every gradient into 0 or Inf, where 2^40
+ * would. FSDP's own factors lie between 1 and the data-parallel size, at most 4096 hosts
+ * x 256 ranks = 2^20. */
+#define FACTOR_MIN 0x1p-24
+#define FACTOR_MAX 0x1p24
+
+static int factor_out_of_bounds(const Fsdp__V1__RegisterUnitRequest *spec, const char *what,
+                                double v, fsdp_status_t *st) {
   return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                         "unit '%s': %s = %g, expected a finite value > 0 (or 0 for the default)",
-                         spec->unit, field, v);
+                         "unit '%s': %s = %g, outside [%g (2^-24), %g (2^24)] (0 asks for the "
+                         "default)",
+                         spec->unit, what, v, FACTOR_MIN, FACTOR_MAX);
+}
+
+static bool factor_in_bounds(double v) {
+  return v >= FACTOR_MIN && v <= FACTOR_MAX; /* false for NaN */
+}
+
+static int check_factors(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
+  double pre = spec->gradient_predivide_factor, post = spec->gradient_postdivide_factor;
+  if (pre != 0 && !factor_in_bounds(pre))
+    return factor_out_of_bounds(spec, "gradient_predivide_factor", pre, st);
+  if (post != 0 && !factor_in_bounds(post))
+    return factor_out_of_bounds(spec, "gradient_postdivide_factor", post, st);
+  if (pre != 0 && post != 0 && !factor_in_bounds(pre * post))
+    return factor_out_of_bounds(spec, "gradient_predivide_factor * gradient_postdivide_factor",
+                                pre * post, st);
+  return 0;
+}
+
+int fsdp_unit_gradient_scales(const Fsdp__V1__RegisterUnitRequest *spec, unsigned world,
+                              float *ret_pre, float *ret_post, fsdp_status_t *st) {
+  double pre = spec->gradient_predivide_factor, post = spec->gradient_postdivide_factor;
+  char what[160] = "";
+  if (pre == 0 && post != 0) {
+    pre = world / post;
+    snprintf(what, sizeof what,
+             "gradient_predivide_factor (0: data-parallel size %u / gradient_postdivide_factor "
+             "%g)",
+             world, post);
+  } else if (post == 0) {
+    if (pre == 0)
+      pre = 1;
+    post = world / pre;
+    snprintf(what, sizeof what,
+             "gradient_postdivide_factor (0: data-parallel size %u / gradient_predivide_factor "
+             "%g)",
+             world, pre);
+  }
+  /* The factors given were checked; a derived one is checked here, their product being the
+   * data-parallel size. */
+  if (!factor_in_bounds(pre))
+    return factor_out_of_bounds(spec, what, pre, st);
+  if (!factor_in_bounds(post))
+    return factor_out_of_bounds(spec, what, post, st);
+  *ret_pre = (float)(1 / pre);
+  *ret_post = (float)(1 / post);
+  return 0;
 }
 
 int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
@@ -109,8 +175,16 @@ int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_
                              "unit '%s': params[%zu] '%s' has %zu dimensions, more than %d",
                              spec->unit, i, p->name, p->n_shape, FSDP_UNIT_MAX_DIMS);
     uint64_t numel;
-    if (param_numel(p, &numel) < 0 || __builtin_add_overflow(total, numel, &total) ||
-        total > FSDP_UNIT_MAX_NUMEL) {
+    int64_t bad_dim = param_numel(p, &numel);
+    if (bad_dim < 0) {
+      size_t d = (size_t)(-1 - bad_dim);
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "unit '%s': params[%zu] '%s' shape[%zu] = %llu takes the product of "
+                             "its nonzero dimensions past the limit of %llu elements",
+                             spec->unit, i, p->name, d, (unsigned long long)p->shape[d],
+                             (unsigned long long)FSDP_UNIT_MAX_NUMEL);
+    }
+    if (__builtin_add_overflow(total, numel, &total) || total > FSDP_UNIT_MAX_NUMEL) {
       char shape[128];
       format_shape(p, shape, sizeof shape);
       return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
@@ -126,9 +200,7 @@ int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_
   int r = check_unique_names(spec, st);
   if (r < 0)
     return r;
-  if ((r = check_factor(spec, "gradient_predivide_factor", spec->gradient_predivide_factor, st)) < 0)
-    return r;
-  return check_factor(spec, "gradient_postdivide_factor", spec->gradient_postdivide_factor, st);
+  return check_factors(spec, st);
 }
 
 int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUnitRequest *spec,

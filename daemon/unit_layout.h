@@ -39,10 +39,18 @@ typedef struct fsdp_unit_layout {
 } fsdp_unit_layout_t;
 
 /* Checks a spec on its own: names present, unique and not too long; at least one parameter
- * and one element; shapes whose element counts neither overflow nor pass the limits; one
- * element type for all parameters; a strategy; finite positive divide factors (0: default).
- * st names the field and the value. */
+ * and one element; shapes whose element counts neither overflow nor pass the limits (each
+ * dimension bounded, a zero one included); one element type for all parameters; a strategy;
+ * divide factors (0: default) from 2^-24 to 2^24, their product too (unit_layout.c says
+ * why). st names the field and the value. */
 int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st);
+
+/* The fp32 scales a reduction multiplies by (1 / the gradient divide factors) for a checked
+ * spec averaged over `world` ranks: a factor left 0 is world over the other (the
+ * predivide 1 when both are). INVALID_ARGUMENT when a factor so derived is out of bounds,
+ * naming it and how it was derived; *ret_* are then unset. */
+int fsdp_unit_gradient_scales(const Fsdp__V1__RegisterUnitRequest *spec, unsigned world,
+                              float *ret_pre, float *ret_post, fsdp_status_t *st);
 
 /* The layout of a checked spec over `shards` shards (1 for NO_SHARD), padded to a multiple
  * of pad_multiple (a multiple of shards; daemon/topology.h says why it may be larger). */

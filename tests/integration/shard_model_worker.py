@@ -5,9 +5,15 @@ single-process reference training the same model on the whole batch.
     shard_model_worker.py reference|rank --steps N [--world W] [--param-dtype bf16]
         [--strategy S] [--features] [--kill-at-step K]
 
-Prints one JSON line per step ({"step", "loss"}) as it goes, then one final line
-({"final": true, "state": {name: flat list}, ...}); a rank whose daemon call fails prints
-{"error": ...} and exits 3. --features ties the output head to the token embedding, freezes
+With --param-dtype bf16 the reference performs the ranks' mixed-precision computation
+itself, rounding for rounding: each of the --world ranks' forward and backward on a bf16
+copy of the fp32 masters, their gradients summed in bf16 in rank order and scaled as the
+daemon's reduce does (collectives/kernels.h, fsdp_reduce), then the fp32 update. Its
+results are then exact, on any CPU, whatever its bf16 kernels round like.
+
+Prints one JSON line per step ({"step", "loss"}; the bf16 reference adds each rank's loss
+as "rank_losses") as it goes, then one final line ({"final": true, "state": {name: flat
+list}, ...}); a rank whose daemon call fails prints {"error": ...} and exits 3. --features ties the output head to the token embedding, freezes
 the positions, and trains each step as two micro-batches (the first under no_sync) with the
 gradient clipped to a norm of 0.5; it also round-trips the state dict. --kill-at-step K: the
 rank SIGKILLs itself as the backward of step K starts (unless it resumed).
@@ -53,7 +59,6 @@ def emit(**record):
 def reference(args):
     model = build(args.features)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    emit(initial={k: v.reshape(-1).tolist() for k, v in model.state_dict().items()})
     for step in range(1, args.steps + 1):
         opt.zero_grad()
         parts = micro_batches(step, args.features)
@@ -67,6 +72,42 @@ def reference(args):
         opt.step()
         emit(step=step, loss=total)
     emit(final=True, state={k: v.reshape(-1).tolist() for k, v in model.state_dict().items()})
+
+
+def reference_bf16(args):
+    """The ranks' bf16 computation in one process. Matches fsdpd.torch with
+    param_dtype=bfloat16 and its defaults (reduce_dtype = param_dtype, gradients averaged
+    over the ranks: no pre-scale, a post-scale of 1/world), FULL_SHARD or SHARD_GRAD_OP."""
+    masters = build(False)
+    low = build(False)
+    for p in low.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    params = dict(masters.named_parameters())
+    opt = torch.optim.SGD(masters.parameters(), lr=LR)
+    # The daemon's post-scale is the fp32 nearest to 1/world, multiplied in fp32.
+    post = torch.tensor(1.0 / args.world, dtype=torch.float32)
+    for step in range(1, args.steps + 1):
+        tokens, targets = batch(step, GLOBAL_BATCH, CFG.seq_len, CFG.vocab)
+        sums, losses = {}, []
+        for r in range(args.world):
+            with torch.no_grad():
+                for name, p in low.named_parameters():
+                    p.copy_(params[name])  # the daemon's cast: round to nearest even
+            low.zero_grad(set_to_none=True)
+            x, y = rank_slice((tokens, targets), r, args.world)
+            loss = loss_fn(low(x).float(), y)
+            loss.backward()
+            losses.append(loss.item())
+            for name, p in low.named_parameters():
+                # Each addition in fp32, rounded to bf16: the kernel's sum in reduce_dtype.
+                g = p.grad
+                sums[name] = g if r == 0 else (sums[name].float() + g.float()).bfloat16()
+        opt.zero_grad()
+        for name, p in params.items():
+            p.grad = (sums[name].float() * post).bfloat16().float()
+        opt.step()
+        emit(step=step, loss=sum(losses) / len(losses), rank_losses=losses)
+    emit(final=True, state={k: v.reshape(-1).tolist() for k, v in masters.state_dict().items()})
 
 
 def rank(args):
@@ -124,10 +165,18 @@ def main():
     p.add_argument("--strategy", default="FULL_SHARD")
     p.add_argument("--features", action="store_true")
     p.add_argument("--kill-at-step", type=int, default=0)
+    p.add_argument("--world", type=int, default=1,
+                   help="the bf16 reference: how many ranks it computes for")
     args = p.parse_args()
+    bf16_reference = args.mode == "reference" and args.param_dtype == "bf16"
+    if bf16_reference and (args.features or args.world < 1):
+        p.error("the bf16 reference takes a --world of 1 or more and no --features")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    (reference if args.mode == "reference" else rank)(args)
+    if args.mode == "rank":
+        rank(args)
+    else:
+        (reference_bf16 if bf16_reference else reference)(args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ file descriptor (SCM_RIGHTS) and maps it; every rank of a job maps the same memo
 connection is the session's lifeline, so a trainer killed with SIGKILL loses its session at
 once; and every bad hello is answered with a status naming the problem."""
 
+import fcntl
+import json
 import mmap
 import os
 import signal
@@ -19,8 +21,9 @@ from fsdpd_harness import PYTHON_GEN, fsdpd, poll, trainer_pb2  # noqa: F401
 from fsdp.v1 import channel_pb2
 
 FRAME = 4096
-OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION = \
-    0, 3, 5, 6, 7, 9
+OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, RESOURCE_EXHAUSTED = \
+    0, 3, 5, 6, 7, 8
+FAILED_PRECONDITION = 9
 
 
 def attach(d, rank=0, world=2, job="j"):
@@ -69,11 +72,17 @@ def test_ranks_of_a_job_share_its_arena(fsdpd):
     mb = mmap.mmap(fb[0], 64 << 20)
     ma[12345:12350] = b"shard"
     assert mb[12345:12350] == b"shard"  # one memory, two mappings
-    # The unsharded buffers map read-only, and the kernel refuses a writable mapping, even
-    # through the read-write descriptor we were handed and even as root.
+    # The unsharded buffers come as a read-only descriptor and map read-only; the kernel
+    # refuses a writable mapping, even of a read-write reopening and even as root (the seal).
+    assert fcntl.fcntl(fa[1], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
     mmap.mmap(fa[1], 64 << 20, prot=mmap.PROT_READ)
     with pytest.raises(PermissionError):
         mmap.mmap(fa[1], 64 << 20)
+    if os.geteuid() == 0:
+        reopened = os.open(f"/proc/self/fd/{fa[1]}", os.O_RDWR)
+        with pytest.raises(PermissionError):
+            mmap.mmap(reopened, 64 << 20)
+        os.close(reopened)
     # Another job gets memory of its own.
     c = attach(d, 0, job="other")
     _, wc, fc = hello(c.memory_socket, c.session_id)
@@ -194,3 +203,102 @@ def test_lease_end_closes_the_channel(fsdpd):
     assert closed_by_daemon(s)
     assert not sessions(d)
     os.close(fds[0])
+
+
+_HOG = r"""
+import fcntl, json, mmap, os, socket, struct, sys
+sys.path.append(sys.argv[2])
+import grpc
+from fsdp.v1 import trainer_pb2 as t, channel_pb2 as c
+ch = grpc.insecure_channel("unix:" + sys.argv[1])
+r = ch.unary_unary("/fsdp.v1.Trainer/Attach", request_serializer=t.AttachRequest.SerializeToString,
+                   response_deserializer=t.AttachReply.FromString)(
+    t.AttachRequest(protocol_version=1, job="hog", local_rank=int(sys.argv[3]),
+                    local_world_size=3, pid=os.getpid()), timeout=5)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(r.memory_socket)
+h = c.ChannelHello(protocol_version=1, session_id=r.session_id).SerializeToString()
+s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
+msg, (rw, ro), _, _ = socket.recv_fds(s, 4096, 4)
+w = c.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
+size = w.memories[0].bytes
+out = {"ro_mode": fcntl.fcntl(ro, fcntl.F_GETFL) & os.O_ACCMODE, "refused": []}
+# Everything a trainer can try to make host memory out of its descriptors.
+attempts = {
+    "fallocate arena": lambda: os.posix_fallocate(rw, 0, size),
+    "grow arena": lambda: os.ftruncate(rw, 64 * size),
+    "fallocate arena past its end": lambda: os.posix_fallocate(rw, size, size),
+    "write past the end": lambda: os.pwrite(rw, b"x", 16 * size),
+    "fallocate unsharded": lambda: os.posix_fallocate(ro, 0, size),
+    "grow unsharded": lambda: os.ftruncate(ro, 64 * size),
+    "map unsharded writable": lambda: mmap.mmap(ro, size),
+}
+for what, attempt in attempts.items():
+    try:
+        attempt()
+    except OSError:
+        out["refused"].append(what)
+# Read faults allocate shmem pages too: touch every page of the read-only mapping.
+m = mmap.mmap(ro, size, prot=mmap.PROT_READ)
+sum(m[i] for i in range(0, size, 4096))
+out["inodes"] = [os.fstat(fd).st_ino for fd in (rw, ro)]
+out["bytes"] = [os.fstat(fd).st_blocks * 512 for fd in (rw, ro)]
+print(json.dumps(out), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_memory_limit_bounds_what_trainers_can_make_resident(fsdpd):
+    """Issue 10 finding 9: trainers hold descriptors to their job's arenas and fallocate,
+    grow, write and touch them. The host memory they can make is each arena's sealed size,
+    and those sizes are what memory.limit bounds: a second job that would pass it is refused
+    naming the job, its arenas, what is reserved and the limit, and gets the room once the
+    first job's trainers are gone. A holder that outlives the job keeps none of the
+    read-write arena's pages."""
+    limit = 128 << 20
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", f"memory.limit={limit}B")
+    hogs = [subprocess.Popen([sys.executable, "-c", _HOG, str(d.socket_path), str(PYTHON_GEN),
+                              str(rank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True) for rank in (0, 1)]
+    try:
+        seen = [json.loads(p.stdout.readline()) for p in hogs]
+        for s in seen:
+            assert s["ro_mode"] == os.O_RDONLY
+            assert s["refused"] == ["grow arena", "fallocate arena past its end",
+                                    "write past the end", "fallocate unsharded",
+                                    "grow unsharded", "map unsharded writable"]
+        # Both trainers hold the same two memfds, filled whole, and no more than the limit.
+        assert seen[0]["inodes"] == seen[1]["inodes"]
+        assert seen[0]["bytes"] == seen[1]["bytes"] == [64 << 20, 64 << 20]
+        assert sum(seen[0]["bytes"]) <= limit
+        memory = d.status().memory
+        assert (memory.reserved_bytes, memory.limit_bytes) == (limit, limit)
+
+        # A third rank of the job (this process) holds the read-write arena past the end.
+        keeper = attach(d, 2, world=3, job="hog")
+        _, w, (rw, ro) = hello(keeper.memory_socket, keeper.session_id)
+        assert w.status == OK
+        os.close(ro)
+        d.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=keeper.session_id),
+               trainer_pb2.DetachReply)
+
+        other = attach(d, 0, world=1, job="second")
+        _, w, fds = hello(other.memory_socket, other.session_id)
+        assert (w.status, fds) == (RESOURCE_EXHAUSTED, [])
+        assert w.message == ("job 'second': its two arenas of 64MiB (memory.job_limit) need "
+                             "128MiB, but 128MiB of memory.limit = 128MiB is reserved by 1 job "
+                             "in use")
+        assert [j.job for j in d.status().jobs] == ["hog"]
+    finally:
+        for p in hogs:
+            p.stdin.close()
+            p.wait(10)
+    poll(lambda: sessions(d) == {("second", 0)}, 5, what="the trainers' sessions to end")
+    _, w, fds = hello(other.memory_socket, other.session_id)
+    assert w.status == OK
+    assert [j.job for j in d.status().jobs] == ["second"]
+    assert "job 'hog': retained with no session, but job 'second' needs the room" in d.stderr()
+    assert d.status().memory.reserved_bytes == limit
+    assert os.fstat(rw).st_blocks == 0  # punched out when the job was freed
+    for f in fds + [rw]:
+        os.close(f)

@@ -5,6 +5,7 @@ accumulate); a rank that does not submit in time, or whose process dies, makes e
 get ABORTED naming it, the unit and the step, and the daemon serves on."""
 
 import array
+import math
 import struct
 import threading
 import time
@@ -22,11 +23,18 @@ def f32(x):
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
+def fp16(x):
+    try:
+        return struct.unpack("<e", struct.pack("<e", f32(x)))[0]
+    except OverflowError:  # rounds past 65504: Inf, as the arithmetic gives
+        return math.copysign(math.inf, x)
+
+
 def rounder(dtype):
     if dtype == FP32:
         return f32
     if dtype == FP16:
-        return lambda x: struct.unpack("<e", struct.pack("<e", f32(x)))[0]
+        return fp16
     return lambda x: struct.unpack("<f", struct.pack("<I", bf16_bits(f32(x)) << 16))[0]
 
 
@@ -114,6 +122,28 @@ def test_reduce_scatter_matches_the_reference(fsdpd, world, param_dtype, reduce_
     assert submit_all(ranks, "u", step=2, accumulate=True) == ["OK"] * world
     assert grad_shards(ranks[-1], layouts[0]) == reference(grads, reduce_dtype, 1, world, expected)
     assert register(ranks[0], "u", param_dtype, reduce_dtype).reduced_step == 2
+
+
+@pytest.mark.parametrize("pre,post", [(2.0 ** 24, 2.0 ** -24), (2.0 ** -24, 2.0 ** 24),
+                                      (2.0 ** 12, 2.0 ** 12), (2.0 ** -24, 0.0)],
+                         ids=["pre-max", "pre-min", "product-max", "derived"])
+def test_divide_factors_at_their_bounds_reduce_in_fp16(fsdpd, pre, post):
+    """Issue 10 finding 14: factors such as 1e-310 or 1e308 passed RegisterUnit and then every
+    ReduceScatter failed with INTERNAL. Now RegisterUnit bounds them (test_units.py), and at
+    the bounds a reduce in fp16, the narrowest range, still gives the reference's values,
+    neither all zero nor all Inf."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    ranks = [Rank(d, 0, 1)]  # derived: postdivide = data-parallel size 1 / 2^-24 = 2^24
+    lay = register(ranks[0], "u", FP16, FP16, gradient_predivide_factor=pre,
+                   gradient_postdivide_factor=post)
+    n = lay.padded_numel
+    R = rounder(FP16)
+    grads = [[R(2.0 ** (i % 40 - 24) * (1 + i % 3)) for i in range(n)]]
+    write_full_grad(ranks[0], lay, grads[0], FP16)
+    assert submit_all(ranks, "u", step=1) == ["OK"]
+    got = grad_shards(ranks[0], lay)
+    assert got == reference(grads, FP16, pre, post or 1 / pre)
+    assert any(0 < abs(v) < float("inf") for v in got)
 
 
 def test_divide_factors_and_all_reduce(fsdpd):

@@ -88,12 +88,21 @@ def test_mismatched_spec_names_field_values_and_ranks(fsdpd, change, field, mine
     (dict(unit=""), "field 'unit' is empty"),
     (dict(strategy=0), "field 'strategy' is unspecified"),
     (dict(shapes=((1 << 32, 1 << 32),), names=("w",)),
-     "params[0] 'w' shape [4294967296,4294967296] brings the unit past"),
+     "params[0] 'w' shape[1] = 4294967296 takes the product of its nonzero dimensions past"),
+    (dict(shapes=((0, (1 << 64) - 1),), names=("w",)),
+     "params[0] 'w' shape[1] = 18446744073709551615 takes the product of its nonzero "
+     "dimensions past the limit of 1099511627776 elements"),
     (dict(shapes=((0,), (3, 0)), names=("a", "b")), "has no elements: every parameter has size 0"),
     (dict(names=("w", "w")), "parameter name 'w' appears more than once"),
     (dict(dtype=0), "params[0].dtype of 'weight' is unspecified"),
-    (dict(gradient_predivide_factor=-1.0), "gradient_predivide_factor = -1"),
-], ids=["unit-empty", "strategy", "overflow", "zero-size", "duplicate", "dtype", "factor"])
+    (dict(gradient_predivide_factor=-1.0), "gradient_predivide_factor = -1, outside"),
+    (dict(gradient_predivide_factor=1e-310), "gradient_predivide_factor = 1e-310, outside"),
+    (dict(gradient_postdivide_factor=1e308), "gradient_postdivide_factor = 1e+308, outside"),
+    (dict(gradient_predivide_factor=2.0 ** -24),
+     "gradient_postdivide_factor (0: data-parallel size 2 / gradient_predivide_factor "
+     "5.96046e-08) = 3.35544e+07, outside [5.96046e-08 (2^-24), 1.67772e+07 (2^24)]"),
+], ids=["unit-empty", "strategy", "overflow", "zero-dim-hides-overflow", "zero-size",
+        "duplicate", "dtype", "factor", "factor-subnormal", "factor-huge", "factor-derived"])
 def test_bad_specs(fsdpd, request_kwargs, text):
     d = fsdpd()
     s = attach(d, 0, 2)
@@ -168,3 +177,36 @@ def test_fsdpctl_units_and_shard_map(fsdpd):
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "no job has a unit 'nope'" in r.stderr
     r = d.fsdpctl("--job", "ghost", "units")
     assert r.returncode == 1 and "no job 'ghost' holds units" in r.stderr
+
+
+@pytest.mark.parametrize("limits,full", [
+    (("session.max_sessions=2",), "the daemon holds 2 sessions"),
+    (("memory.limit=256MiB",), "but 256MiB of memory.limit = 256MiB is reserved by 2 jobs in use"),
+], ids=["job-slots", "memory"])
+def test_finished_jobs_never_keep_new_ones_out(fsdpd, limits, full):
+    """Issue 10 finding 13: a finished job is retained for store.job_retention (10 minutes)
+    so that its trainers may come back, but a job with no session gives way to a new one:
+    more short jobs than the daemon holds at once run one after another. Jobs in use are
+    never freed: with every slot or byte in use, a new job is refused."""
+    args = ["--set", "memory.job_limit=64MiB"]
+    for limit in limits:
+        args += ["--set", limit]
+    d = fsdpd(*args)
+    for i in range(5):
+        s = attach(d, 0, 1, job=f"short{i}")
+        register(d, spec(s, shapes=((64,),), names=("w",)))
+        d.call(DETACH, trainer_pb2.DetachRequest(session_id=s), trainer_pb2.DetachReply)
+    assert len(d.status().jobs) == 2
+    assert ("job 'short0': retained with no session, but job 'short2' needs the room"
+            in d.stderr())
+    in_use = [attach(d, 0, 1, job=f"live{i}") for i in range(2)]
+    for s in in_use:
+        register(d, spec(s, shapes=((64,),), names=("w",)))
+    with pytest.raises(grpc.RpcError) as excinfo:
+        s = attach(d, 0, 1, job="one-too-many")
+        register(d, spec(s, shapes=((64,),), names=("w",)))
+    code, details = status_code_and_details(excinfo)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert full in details, details
+    assert sorted(j.job for j in d.status().jobs) == ["live0", "live1"]
+    d.assert_serving()

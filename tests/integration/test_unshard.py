@@ -302,8 +302,12 @@ def test_status_shows_each_jobs_memory(fsdpd):
     # unsharded + master + grad + one full gradient, fp32: 16 bytes an element at least
     assert jobs["llama"].used_bytes >= 16 * lay.padded_numel
     assert st.memory.in_use_bytes == jobs["llama"].used_bytes
+    assert st.memory.reserved_bytes == jobs["llama"].arena_bytes  # reserved whole
     out = d.fsdpctl("status").stdout
     assert "job llama:" in out and "of its 128.0 MiB arena, 1 unit, 1 local ranks" in out
+    assert "128.0 MiB reserved of 8.0 GiB limit (2%), " in out
+    assert json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["reserved_bytes"] == \
+        128 << 20
 
 
 def test_memory_comes_back_after_job_retention(fsdpd):
@@ -350,13 +354,38 @@ def test_ops_on_a_unit_without_buffers_are_refused(fsdpd):
 
 
 def test_memory_limit_holds_over_all_jobs(fsdpd):
-    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "memory.limit=64MiB")
-    Rank(d, 0, 1, job="a").register(unit="u", shapes=((2048, 1024),))  # 8 MiB x 4 buffers
+    """memory.limit bounds the jobs' arenas, whole (what their trainers can make resident),
+    not the buffers allocated in them: a second job whose arenas do not fit is refused at its
+    first RegisterUnit, however little the first one allocated."""
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "memory.limit=191MiB")
+    a = Rank(d, 0, 1, job="a")  # its channel keeps the session: job 'a' is in use
+    a.register(unit="u", shapes=((64,),))
+    b = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
+        protocol_version=1, job="b", local_rank=0, local_world_size=1, pid=os.getpid()),
+        trainer_pb2.AttachReply)
     with pytest.raises(grpc.RpcError) as excinfo:
-        Rank(d, 0, 1, job="b").register(unit="u", shapes=((4096, 1024),))  # 64 MiB more
+        d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
+            session_id=b.session_id, unit="u", strategy=common_pb2.FULL_SHARD,
+            params=[trainer_pb2.ParamSpec(name="p", shape=[64], dtype=FP32)]),
+            trainer_pb2.RegisterUnitReply)
     code, details = status_code_and_details(excinfo)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "free under memory.limit (all jobs together)" in details
+    assert details.endswith("RegisterUnit: job 'b': its two arenas of 64MiB (memory.job_limit) "
+                            "need 128MiB, but 128MiB of memory.limit = 191MiB is reserved by 1 "
+                            "job in use")
+    st = d.status().memory
+    assert (st.reserved_bytes, st.limit_bytes) == (128 << 20, 191 << 20)
+    assert [j.job for j in d.status().jobs] == ["a"]
+    a.sock.close()  # job 'a' has no session now: retained, it gives way to job 'b'
+    poll(lambda: [x.job for x in d.status().sessions] == ["b"], 5,
+         what="job 'a''s session to end")
+    d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
+        session_id=b.session_id, unit="u", strategy=common_pb2.FULL_SHARD,
+        params=[trainer_pb2.ParamSpec(name="p", shape=[64], dtype=FP32)]),
+        trainer_pb2.RegisterUnitReply)
+    assert [j.job for j in d.status().jobs] == ["b"]
+    assert ("job 'a': retained with no session, but job 'b' needs the room (memory.limit); "
+            "freeing its 1 unit and memory") in d.stderr()
 
 
 def test_a_cancelled_unshard_does_not_count_in_the_gather(fsdpd):

@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -533,6 +534,52 @@ static void test_share_sealed_read_only_arena(void **state) {
   share_with_child(true, false);
 }
 
+/* Issue 10 finding 9: what a holder of the descriptors trainers get can make resident.
+ * Sizes are sealed, so fallocate() and writes past the end fail and an arena never holds
+ * more than its capacity; the read-only arena's descriptor is O_RDONLY; and a freed
+ * read-write arena gives its pages back even while a holder keeps its descriptor. */
+static void test_holders_cannot_pass_the_capacity(void **state) {
+  (void)state;
+  int before = count_fds();
+  fsdp_arena_options_t opt = FSDP_ARENA_OPTIONS_INIT;
+  opt.hugetlb = FSDP_ARENA_HUGETLB_NEVER;
+  opt.prefault = FSDP_ARENA_PREFAULT_NONE;
+  fsdp_arena_t *rw = NULL, *ro = NULL;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  assert_int_equal(fsdp_arena_new("hold", 4 * MiB, &opt, &rw, &st), 0);
+  opt.peers_read_only = true;
+  assert_int_equal(fsdp_arena_new("hold", 4 * MiB, &opt, &ro, &st), 0);
+
+  int held = fcntl(fsdp_arena_peer_fd(rw), F_DUPFD_CLOEXEC, 0);
+  assert_true(held >= 0);
+  assert_int_equal(fcntl(held, F_GETFL) & O_ACCMODE, O_RDWR);
+  assert_int_equal(fallocate(held, 0, 0, 4 * MiB), 0);
+  assert_int_equal(fallocate(held, 0, 4 * MiB, MiB), -1);
+  assert_int_equal(ftruncate(held, 64 * MiB), -1);
+  assert_int_equal(pwrite(held, "x", 1, 64 * MiB), -1);
+  struct stat sb;
+  assert_int_equal(fstat(held, &sb), 0);
+  assert_int_equal((size_t)sb.st_blocks * 512, 4 * MiB);
+
+  int peer = fsdp_arena_peer_fd(ro);
+  assert_true(peer != fsdp_arena_fd(ro));
+  assert_int_equal(fcntl(peer, F_GETFL) & O_ACCMODE, O_RDONLY);
+  assert_true(mmap(NULL, 4 * MiB, PROT_READ | PROT_WRITE, MAP_SHARED, peer, 0) == MAP_FAILED);
+  assert_int_equal(fallocate(peer, 0, 0, 4 * MiB), -1);
+  void *map = mmap(NULL, 4 * MiB, PROT_READ, MAP_SHARED, peer, 0);
+  assert_true(map != MAP_FAILED);
+  assert_int_equal(mprotect(map, 4 * MiB, PROT_READ | PROT_WRITE), -1);
+  munmap(map, 4 * MiB);
+
+  fsdp_arena_free(rw);
+  assert_int_equal(fstat(held, &sb), 0);
+  assert_int_equal(sb.st_blocks, 0); /* punched out at the free */
+  assert_int_equal(sb.st_size, (off_t)(4 * MiB));
+  close(held);
+  fsdp_arena_free(ro);
+  assert_int_equal(count_fds(), before);
+}
+
 /* The memory has no name anywhere but the process's own descriptor table. */
 static void test_no_name_in_dev_shm(void **state) {
   (void)state;
@@ -687,6 +734,7 @@ int main(void) {
       cmocka_unit_test(test_pages_resident_no_faults),
       cmocka_unit_test(test_share_read_only_descriptor),
       cmocka_unit_test(test_share_sealed_read_only_arena),
+      cmocka_unit_test(test_holders_cannot_pass_the_capacity),
       cmocka_unit_test(test_no_name_in_dev_shm),
       cmocka_unit_test(test_hugetlb),
       cmocka_unit_test(test_prefault_speed),

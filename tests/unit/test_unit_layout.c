@@ -225,12 +225,57 @@ static void test_refusals_name_the_field_and_value(void **state) {
 
   make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
   s.spec.gradient_predivide_factor = -2;
-  expect_refusal(&s.spec, "unit 'layer1': gradient_predivide_factor = -2, expected a finite value "
-                          "> 0 (or 0 for the default)");
+  expect_refusal(&s.spec, "unit 'layer1': gradient_predivide_factor = -2, outside "
+                          "[5.96046e-08 (2^-24), 1.67772e+07 (2^24)] (0 asks for the default)");
   s.spec.gradient_predivide_factor = 0;
   s.spec.gradient_postdivide_factor = NAN;
-  expect_refusal(&s.spec, "unit 'layer1': gradient_postdivide_factor = nan, expected a finite "
-                          "value > 0 (or 0 for the default)");
+  expect_refusal(&s.spec, "unit 'layer1': gradient_postdivide_factor = nan, outside "
+                          "[5.96046e-08 (2^-24), 1.67772e+07 (2^24)] (0 asks for the default)");
+}
+
+/* Issue 10 finding 14: factors that passed RegisterUnit and then failed every ReduceScatter
+ * with INTERNAL (their fp32 reciprocals overflow), and the bounds' edges. */
+static void test_gradient_factors_within_bounds(void **state) {
+  (void)state;
+  spec_storage_t s;
+  make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
+  const double refused[] = {1e-310, 1e308, INFINITY, 0x1p-25, 0x1p24 * 1.0001};
+  for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+    s.spec.gradient_predivide_factor = refused[i];
+    fsdp_status_t st;
+    assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), FSDP_E_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.message, "unit 'layer1': gradient_predivide_factor = "));
+  }
+  s.spec.gradient_predivide_factor = 0x1p-24;
+  s.spec.gradient_postdivide_factor = 0x1p24;
+  fsdp_status_t st;
+  assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), 0);
+  float pre, post;
+  assert_int_equal(fsdp_unit_gradient_scales(&s.spec, 8, &pre, &post, &st), 0);
+  assert_true(pre == 0x1p24f && post == 0x1p-24f);
+  /* Each in bounds, the product not: together they divide by 2^32. */
+  s.spec.gradient_predivide_factor = 0x1p16;
+  s.spec.gradient_postdivide_factor = 0x1p16;
+  expect_refusal(&s.spec, "unit 'layer1': gradient_predivide_factor * gradient_postdivide_factor "
+                          "= 4.29497e+09, outside [5.96046e-08 (2^-24), 1.67772e+07 (2^24)] (0 "
+                          "asks for the default)");
+  /* A factor left 0 is the data-parallel size over the other: checked once the size is
+   * known. */
+  s.spec.gradient_postdivide_factor = 0;
+  s.spec.gradient_predivide_factor = 0x1p-24;
+  assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), 0);
+  assert_int_equal(fsdp_unit_gradient_scales(&s.spec, 2, &pre, &post, &st),
+                   FSDP_E_INVALID_ARGUMENT);
+  assert_string_equal(st.message,
+                      "unit 'layer1': gradient_postdivide_factor (0: data-parallel size 2 / "
+                      "gradient_predivide_factor 5.96046e-08) = 3.35544e+07, outside "
+                      "[5.96046e-08 (2^-24), 1.67772e+07 (2^24)] (0 asks for the default)");
+  s.spec.gradient_predivide_factor = 0;
+  assert_int_equal(fsdp_unit_gradient_scales(&s.spec, 1u << 20, &pre, &post, &st), 0);
+  assert_true(pre == 1.0f && post == 0x1p-20f);
+  s.spec.gradient_postdivide_factor = 4;
+  assert_int_equal(fsdp_unit_gradient_scales(&s.spec, 8, &pre, &post, &st), 0);
+  assert_true(pre == 0.5f && post == 0.25f);
 }
 
 static void test_element_counts_that_overflow_are_refused(void **state) {
@@ -240,14 +285,27 @@ static void test_element_counts_that_overflow_are_refused(void **state) {
   static const size_t two[] = {2, 0, 0, 0};
   spec_storage_t s;
   make_spec(&s, "huge", 1, wb, wraps, two);
-  expect_refusal(&s.spec, "unit 'huge': params[0] 'weight' shape [4294967296,4294967296] brings "
-                          "the unit past 1099511627776 elements");
+  expect_refusal(&s.spec, "unit 'huge': params[0] 'weight' shape[1] = 4294967296 takes the "
+                          "product of its nonzero dimensions past the limit of 1099511627776 "
+                          "elements");
   /* Each parameter fits, the sum does not. */
   static const uint64_t halves[4][4] = {{1ull << 39}, {1ull << 39}, {1}, {0}};
   static const size_t ones[] = {1, 1, 1, 0};
   make_spec(&s, "huge", 3, wb, halves, ones);
   expect_refusal(&s.spec, "unit 'huge': params[2] 'scale' shape [1] brings the unit past "
                           "1099511627776 elements");
+  /* A zero dimension does not excuse the others (issue 10): [0, 2^64-1] is refused naming
+   * the dimension, as is [2^40, 0, 2]. */
+  static const uint64_t hidden[4][4] = {{0, UINT64_MAX}, {0}, {0}, {0}};
+  make_spec(&s, "huge", 1, wb, hidden, two);
+  expect_refusal(&s.spec, "unit 'huge': params[0] 'weight' shape[1] = 18446744073709551615 "
+                          "takes the product of its nonzero dimensions past the limit of "
+                          "1099511627776 elements");
+  static const uint64_t product[4][4] = {{1ull << 40, 0, 2}, {0}, {0}, {0}};
+  static const size_t three[] = {3, 0, 0, 0};
+  make_spec(&s, "huge", 1, wb, product, three);
+  expect_refusal(&s.spec, "unit 'huge': params[0] 'weight' shape[2] = 2 takes the product of "
+                          "its nonzero dimensions past the limit of 1099511627776 elements");
 }
 
 static void test_diff_names_the_first_differing_field(void **state) {
@@ -302,6 +360,7 @@ int main(void) {
       cmocka_unit_test(test_plans_across_hosts),
       cmocka_unit_test(test_refusals_name_the_field_and_value),
       cmocka_unit_test(test_element_counts_that_overflow_are_refused),
+      cmocka_unit_test(test_gradient_factors_within_bounds),
       cmocka_unit_test(test_diff_names_the_first_differing_field),
       cmocka_unit_test(test_dtype_defaults),
   };
