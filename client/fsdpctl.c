@@ -339,6 +339,7 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
     json_object_object_add(so, "job", json_string(se->job));
     json_object_object_add(so, "local_rank", json_object_new_int64(se->local_rank));
     json_object_object_add(so, "pid", json_object_new_int(se->pid));
+    json_object_object_add(so, "uid", json_object_new_int64(se->uid));
     json_object_object_add(so, "local_world_size", json_object_new_int64(se->local_world_size));
     json_object_object_add(so, "generation", json_object_new_uint64(se->generation));
     json_object_object_add(so, "attached_ms", json_object_new_uint64(se->attached_ms));
@@ -423,16 +424,16 @@ static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
   for (size_t i = 0; i < s->n_sessions; i++)
     jw = max_int(jw, text_width(s->sessions[i]->job, 40));
   /* Ids in hex, as the daemon's log writes them. */
-  printf("  %-16s %-*s %7s %4s %8s  %-10s %s\n", "ID", jw, "JOB", "RANK", "GEN", "PID", "ATTACHED",
-         "IDLE");
+  printf("  %-16s %-*s %7s %4s %8s %6s  %-10s %s\n", "ID", jw, "JOB", "RANK", "GEN", "PID", "UID",
+         "ATTACHED", "IDLE");
   for (size_t i = 0; i < s->n_sessions; i++) {
     const Fsdp__V1__Session *se = s->sessions[i];
     char rank[24], idle[32];
     snprintf(rank, sizeof rank, "%" PRIu32 "/%" PRIu32, se->local_rank, se->local_world_size);
     format_duration(se->attached_ms, a, sizeof a);
     format_duration(se->idle_ms, idle, sizeof idle);
-    printf("  %016" PRIx64 " %-*s %7s %4" PRIu64 " %8" PRId32 "  %-10s %s\n", se->session_id, jw,
-           se->job, rank, se->generation, se->pid, a, idle);
+    printf("  %016" PRIx64 " %-*s %7s %4" PRIu64 " %8" PRId32 " %6" PRIu32 "  %-10s %s\n",
+           se->session_id, jw, se->job, rank, se->generation, se->pid, se->uid, a, idle);
   }
 }
 

@@ -279,6 +279,7 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
   rq.local_rank = opts->local_rank;
   rq.local_world_size = opts->local_world_size;
   rq.generation = opts->generation;
+  rq.job_token = (char *)(opts->job_token ? opts->job_token : "");
   rq.pid = (int32_t)getpid();
   ProtobufCMessage *reply = NULL;
   int r = fsdp_client_call(client, TRAINER_PATH("Attach"), &rq.base,

@@ -50,6 +50,10 @@ typedef enum fsdp_option_type {
     "is pinged at least twice per WatchdogSec regardless.")                                      \
   X(DRAIN_TIMEOUT, "daemon.drain_timeout", FSDP_OPT_DURATION, "5s", 0, 600000, NULL, "ms",      \
     true, NULL, "On SIGTERM, how long in-flight calls may run before they are cancelled.")       \
+  X(OPERATOR_GROUP, "daemon.operator_group", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, true, NULL, \
+    "Group (name or gid) whose members may call the Operator methods that change the daemon's " \
+    "state (Drain, Resume, ReloadConfig), besides root and the daemon's own user; empty: only "  \
+    "those. Status, ListUnits and DescribeUnit are open to whoever may use the socket.")         \
   X(MAX_MESSAGE_SIZE, "rpc.max_message_size", FSDP_OPT_SIZE, "16MiB", 4096, 1073741824, NULL,   \
     "B", false, NULL, "Largest request or reply; a larger request gets RESOURCE_EXHAUSTED.")     \
   X(MAX_INFLIGHT_CALLS, "rpc.max_inflight_calls", FSDP_OPT_INT, "1024", 1, 1000000, NULL, NULL, \

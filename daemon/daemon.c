@@ -2,10 +2,12 @@
 #include "daemon.h"
 
 #include <errno.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <systemd/sd-daemon.h>
 
@@ -55,6 +57,51 @@ static void apply_config(fsdp_daemon_t *daemon) {
     uv_timer_again(&daemon->housekeeping);
 }
 
+/* daemon.operator_group as a gid: a group's name, or a number (a gid need not have a name).
+ * Looked up at start and on reload only: the lookup may ask a directory service. */
+static int resolve_operator_group(const fsdp_config_t *cfg, bool *ret_has, gid_t *ret_gid,
+                                  fsdp_status_t *st) {
+  const char *name = fsdp_config_text(cfg, FSDP_OPTION_OPERATOR_GROUP);
+  if (!name[0]) {
+    *ret_has = false;
+    return 0;
+  }
+  char *end;
+  errno = 0;
+  unsigned long gid = strtoul(name, &end, 10);
+  if (!*end && name[0] >= '0' && name[0] <= '9' && errno == 0 && gid < (gid_t)-1) {
+    *ret_has = true;
+    *ret_gid = (gid_t)gid;
+    return 0;
+  }
+  struct group grp, *found = NULL;
+  char *buf = NULL;
+  int r = ERANGE;
+  for (size_t size = 4096; r == ERANGE && size <= (1u << 20); size *= 2) {
+    char *grown = realloc(buf, size);
+    if (!grown) {
+      r = ENOMEM;
+      break;
+    }
+    buf = grown;
+    r = getgrnam_r(name, &grp, buf, size, &found);
+  }
+  if (found)
+    *ret_gid = grp.gr_gid;
+  free(buf);
+  if (!found)
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "key 'daemon.operator_group': value '%s' is no group on this host%s%s",
+                           name, r ? ": " : "", r ? strerror(r) : "");
+  *ret_has = true;
+  return 0;
+}
+
+bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd, const fsdp_peer_t *peer) {
+  return peer->uid == 0 || peer->uid == geteuid() ||
+         (daemon->has_operator_group && fsdp_peer_in_group(fd, peer, daemon->operator_gid));
+}
+
 static void log_session_end(const fsdp_session_t *s, const char *why) {
   log_info("session %016llx (job '%s' local rank %u, pid %d) ended: %s",
            (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid, why);
@@ -70,14 +117,14 @@ static bool job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job,
 }
 
 /* What a session leaves behind when it ends, however it ends. */
-static void release_session(fsdp_daemon_t *daemon, const fsdp_session_t *session,
+static void release_session(fsdp_daemon_t *daemon, fsdp_session_t *session,
                             const char *why) {
   if (session->channel)
     fsdp_channel_conn_close(session->channel);
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
   if (!job)
     return;
-  fsdp_dataplane_release_rank(job, session->local_rank, why, daemon->sessions.attaches);
+  fsdp_dataplane_release_session(job, session, why, daemon->sessions.attaches);
   /* Its retention counts from its last session's end, and the job idle longest is the
    * first to give way to a new one (fsdp_store_job_for). */
   if (!job_has_session(daemon, job, session))
@@ -90,7 +137,7 @@ void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, con
   fsdp_sessions_end(&daemon->sessions, session);
 }
 
-static void on_session_expired(const fsdp_session_t *s, void *data) {
+static void on_session_expired(fsdp_session_t *s, void *data) {
   fsdp_daemon_t *daemon = data;
   char why[96];
   snprintf(why, sizeof why, "no call for %llu ms (session.lease)",
@@ -158,6 +205,12 @@ int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, siz
     fsdp_config_cleanup(&next);
     return r;
   }
+  bool has_operator_group;
+  gid_t operator_gid;
+  if ((r = resolve_operator_group(&next, &has_operator_group, &operator_gid, st)) < 0) {
+    fsdp_config_cleanup(&next);
+    return r;
+  }
   fsdp_option_id_t changed[FSDP_OPTION_COUNT];
   size_t n = fsdp_config_diff(&daemon->config, &next, changed);
   for (size_t i = 0; i < n; i++) {
@@ -174,6 +227,8 @@ int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, siz
   }
   fsdp_config_cleanup(&daemon->config);
   daemon->config = next;
+  daemon->has_operator_group = has_operator_group;
+  daemon->operator_gid = operator_gid;
   apply_config(daemon);
   memcpy(ret_changed, changed, n * sizeof changed[0]);
   *ret_n = n;
@@ -405,6 +460,9 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
                         FSDP_HAVE_CUDA ? "" : " (and this build has no CUDA toolkit)");
     goto fail_config;
   }
+  if ((r = resolve_operator_group(&daemon->config, &daemon->has_operator_group,
+                                  &daemon->operator_gid, st)) < 0)
+    goto fail_config;
   if ((r = uv_loop_init(&daemon->loop)) < 0) {
     fsdp_status_set(st, r, "cannot create the event loop: %s", uv_strerror(r));
     goto fail_config;

@@ -66,6 +66,10 @@ typedef struct fsdp_daemon {
   fsdp_rpc_endpoint_t *peer_endpoint;   /* NULL on one host */
   char peer_address[320];
   fsdp_peer_security_t peer_security;   /* the token and TLS files, read at start */
+  /* daemon.operator_group resolved (at start and on reload): whose members may change the
+   * daemon's state besides root and its own user. */
+  bool has_operator_group;
+  gid_t operator_gid;
   fsdp_peers_t *peers;                  /* always there; one host: no peers, ready */
   fsdp_fabric_t *fabric;                /* the data plane's connections; one host: NULL */
 
@@ -102,6 +106,10 @@ uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon);
 
 /* The loop's clock in milliseconds (monotonic), as sessions and deadlines use it. */
 uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon);
+
+/* Whether the caller on connected socket fd may change the daemon's state (Drain, Resume,
+ * ReloadConfig): root, the daemon's own uid, or a member of daemon.operator_group. */
+bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd, const fsdp_peer_t *peer);
 
 /* Ends a session for `why` (logged): closes its memory channel and releases it. */
 void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why);

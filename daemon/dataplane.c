@@ -10,10 +10,13 @@
 
 typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
 
+/* A parked call. It counts in its session's liveness until it ends, and it never outlives
+ * its session: a session that ends fails its parked calls (fsdp_dataplane_release_session). */
 struct fsdp_waiter {
   fsdp_rpc_call_t *call;
   fsdp_unit_t *unit;
-  uint32_t rank;
+  fsdp_session_t *session;
+  uv_loop_t *loop; /* whose clock says when the call ended */
   waiter_kind_t kind;
   fsdp_waiter_t *prev, *next;
 };
@@ -72,9 +75,21 @@ static void waiter_unlink(fsdp_waiter_t *w) {
     w->next->prev = w->prev;
 }
 
+/* A waiter is answered: its session's lease counts from now again. */
+static void waiter_free(fsdp_waiter_t *w) {
+  fsdp_session_call_ended(w->session, uv_now(w->loop));
+  free(w);
+}
+
+/* Unlinks a waiter whose call is about to be answered, so that no cancel follows. */
+static void waiter_take(fsdp_waiter_t *w) {
+  waiter_unlink(w);
+  fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
+}
+
 static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) {
   for (const fsdp_waiter_t *w = u->waiters; w; w = w->next)
-    if (w->rank == rank && w->kind == kind)
+    if (w->session->local_rank == rank && w->kind == kind)
       return true;
   return false;
 }
@@ -86,24 +101,28 @@ static void on_waiter_cancel(fsdp_rpc_call_t *call, void *data) {
   (void)call;
   fsdp_waiter_t *w = data;
   fsdp_unit_t *u = w->unit;
+  uint32_t rank = w->session->local_rank;
   waiter_unlink(w);
   if (w->kind != WAIT_REGISTER) {
     fsdp_collection_t *c = collection_of(u, w->kind);
-    if (!c->running && fsdp_rank_set_has(&c->submitted, w->rank) && !rank_waits(u, w->rank, w->kind)) {
-      fsdp_rank_set_put(&c->submitted, w->rank, false);
+    if (!c->running && fsdp_rank_set_has(&c->submitted, rank) && !rank_waits(u, rank, w->kind)) {
+      fsdp_rank_set_put(&c->submitted, rank, false);
       c->count--;
     }
   }
-  free(w);
+  waiter_free(w);
 }
 
-static void park(fsdp_rpc_call_t *call, fsdp_unit_t *unit, uint32_t rank, waiter_kind_t kind) {
+static void park(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_unit_t *unit,
+                 fsdp_session_t *session, waiter_kind_t kind) {
   fsdp_waiter_t *w = calloc(1, sizeof *w);
   if (!w) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory parking a call");
     return;
   }
-  *w = (fsdp_waiter_t){.call = call, .unit = unit, .rank = rank, .kind = kind};
+  *w = (fsdp_waiter_t){.call = call, .unit = unit, .session = session, .loop = dp->loop,
+                       .kind = kind};
+  fsdp_session_call_parked(session);
   w->next = unit->waiters;
   if (unit->waiters)
     unit->waiters->prev = w;
@@ -143,16 +162,15 @@ static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
     next = w->next;
     if (w->kind != kind)
       continue;
-    waiter_unlink(w);
-    fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
+    waiter_take(w);
     if (u->state == FSDP_UNIT_FAILED)
       fsdp_rpc_call_fail(w->call, u->error.code, "%s: %s", fsdp_rpc_call_method(w->call),
                          u->error.message);
     else if (kind == WAIT_REGISTER)
-      reply_registered(w->call, u, w->rank);
+      reply_registered(w->call, u, w->session->local_rank);
     else
       reply_unit_op(w->call);
-    free(w);
+    waiter_free(w);
   }
 }
 
@@ -162,10 +180,9 @@ static void abort_collection(fsdp_unit_t *u, waiter_kind_t kind, int err, const 
     next = w->next;
     if (w->kind != kind)
       continue;
-    waiter_unlink(w);
-    fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
+    waiter_take(w);
     fsdp_rpc_call_fail(w->call, err, "%s: %s", fsdp_rpc_call_method(w->call), message);
-    free(w);
+    waiter_free(w);
   }
   collection_reset(collection_of(u, kind));
 }
@@ -179,9 +196,9 @@ static const char *collection_verb(waiter_kind_t kind) {
  * whether it completed the collection (every local rank has asked). A rank asking for
  * another step than the one being collected aborts the collection for everyone: nobody
  * could complete it. */
-static bool collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_rpc_call_t *call,
-                    const fsdp_job_t *job, const fsdp_session_t *session, uint64_t step,
-                    uint64_t deadline_ms) {
+static bool collect(fsdp_dataplane_t *dp, fsdp_unit_t *u, waiter_kind_t kind,
+                    fsdp_rpc_call_t *call, const fsdp_job_t *job, fsdp_session_t *session,
+                    uint64_t step, uint64_t deadline_ms) {
   uint32_t rank = session->local_rank;
   fsdp_collection_t *c = collection_of(u, kind);
   fsdp_rank_set_t died = {0};
@@ -231,7 +248,7 @@ static bool collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_rpc_call_t *call,
   }
   fsdp_rank_set_put(&c->submitted, rank, true);
   c->count++;
-  park(call, u, rank, kind);
+  park(dp, call, u, session, kind);
   return c->count == job->local_world_size;
 }
 
@@ -709,7 +726,7 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
 }
 
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                             fsdp_unit_t *unit, const fsdp_session_t *session) {
+                             fsdp_unit_t *unit, fsdp_session_t *session) {
   fsdp_status_t st;
   switch (unit->state) {
   case FSDP_UNIT_NEW:
@@ -726,10 +743,10 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_j
       return;
     }
     unit->state = FSDP_UNIT_ALLOCATING;
-    park(call, unit, session->local_rank, WAIT_REGISTER);
+    park(dp, call, unit, session, WAIT_REGISTER);
     return;
   case FSDP_UNIT_ALLOCATING:
-    park(call, unit, session->local_rank, WAIT_REGISTER);
+    park(dp, call, unit, session, WAIT_REGISTER);
     return;
   case FSDP_UNIT_FAILED:
     fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
@@ -759,7 +776,7 @@ static bool ready(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
 }
 
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                            fsdp_unit_t *unit, const fsdp_session_t *session,
+                            fsdp_unit_t *unit, fsdp_session_t *session,
                             const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
   uint32_t rank = session->local_rank;
   const char *method = fsdp_rpc_call_method(call);
@@ -779,7 +796,7 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
   }
   fsdp_collection_t *c = &unit->gather;
   if (fsdp_rank_set_has(&c->submitted, rank) && rq->step == c->step) {
-    park(call, unit, rank, WAIT_UNSHARD); /* a second call of the rank shares its request */
+    park(dp, call, unit, session, WAIT_UNSHARD); /* a second call of the rank shares its request */
     return;
   }
   if (c->running) {
@@ -790,7 +807,7 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
                        (unsigned long long)c->step);
     return;
   }
-  if (!collect(unit, WAIT_UNSHARD, call, job, session, rq->step, deadline_ms))
+  if (!collect(dp, unit, WAIT_UNSHARD, call, job, session, rq->step, deadline_ms))
     return;
   unit->gathered = false; /* the buffer is overwritten from now on */
   c->running = true;
@@ -806,7 +823,7 @@ void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
 }
 
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                           fsdp_unit_t *unit, const fsdp_session_t *session,
+                           fsdp_unit_t *unit, fsdp_session_t *session,
                            const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
   uint32_t rank = session->local_rank;
   const char *method = fsdp_rpc_call_method(call);
@@ -832,7 +849,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", method, message);
     return;
   }
-  if (!collect(unit, WAIT_REDUCE, call, job, session, rq->step, deadline_ms))
+  if (!collect(dp, unit, WAIT_REDUCE, call, job, session, rq->step, deadline_ms))
     return;
   c->running = true;
   if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
@@ -874,10 +891,25 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
   }
 }
 
-void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why,
-                                 uint64_t next_serial) {
+void fsdp_dataplane_release_session(fsdp_job_t *job, fsdp_session_t *session, const char *why,
+                                    uint64_t next_serial) {
+  uint32_t rank = session->local_rank;
   job->gone_before_serial[rank] = next_serial;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    /* Its own parked calls end first, whatever they wait for (a running collective too):
+     * an answer after this would be an answer to a session that no longer exists. */
+    for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+      next = w->next;
+      if (w->session != session)
+        continue;
+      waiter_take(w);
+      fsdp_rpc_call_fail(w->call, FSDP_E_ABORTED,
+                         "%s: session %016llx (job '%s' local rank %u) ended while the call "
+                         "waited: %s",
+                         fsdp_rpc_call_method(w->call), (unsigned long long)session->id,
+                         job->name, rank, why);
+      waiter_free(w);
+    }
     /* The others would wait for a rank that is gone: tell them now, naming it. */
     for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
       waiter_kind_t kind = collective_kinds[k];

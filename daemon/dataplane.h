@@ -27,7 +27,8 @@
  * A collective names one step; a rank asking for another step than the others aborts it
  * for all. Ranks that do not ask within the deadline of the first (store.collective_timeout)
  * are named in the ABORTED every waiter gets (fsdp_dataplane_expire), and so is a rank whose
- * session ends (fsdp_dataplane_release_rank).
+ * session ends (fsdp_dataplane_release_session). A parked call keeps its session alive
+ * (fsdp_session_call_parked) until it is answered.
  *
  * Loop thread only, except inside work items. */
 #ifndef FSDP_DATAPLANE_H
@@ -82,12 +83,12 @@ void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_
  * the job's arenas (reserved against memory.limit as a whole when the job was made) and
  * pre-faults them. */
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                             fsdp_unit_t *unit, const fsdp_session_t *session);
+                             fsdp_unit_t *unit, fsdp_session_t *session);
 
 /* Unshard of `unit` for the session's rank at rq->step; deadline_ms: loop time by which
  * every local rank must have asked, if this call starts the collective. */
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                            fsdp_unit_t *unit, const fsdp_session_t *session,
+                            fsdp_unit_t *unit, fsdp_session_t *session,
                             const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms);
 
 /* Reshard: answered at once once the unit has buffers. */
@@ -96,7 +97,7 @@ void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit);
 /* ReduceScatter (and AllReduce of a NO_SHARD unit) for the session's rank at rq->step, with
  * rq->accumulate; deadline_ms as for Unshard. */
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                           fsdp_unit_t *unit, const fsdp_session_t *session,
+                           fsdp_unit_t *unit, fsdp_session_t *session,
                            const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms);
 
 /* Ends collectives whose deadline passed; from the housekeeping timer. */
@@ -109,11 +110,13 @@ bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
  * releases its registrations with the transport. */
 void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job);
 
-/* A session of `job` ended (why: for the messages); next_serial: the serial the next
- * session will get. Collectives waiting for its rank end with ABORTED naming it, and so do
- * those that sessions older than its end start until the rank attaches again (its session
- * reaches the store: fsdp_store_job_for). */
-void fsdp_dataplane_release_rank(fsdp_job_t *job, uint32_t rank, const char *why,
-                                 uint64_t next_serial);
+/* A session of `job` ended (why: for the messages), before it is freed; next_serial: the
+ * serial the next session will get. Its own parked calls end with ABORTED naming it, even in
+ * a collective already running, so that no call is answered OK for a session that ended.
+ * Collectives waiting for its rank end with ABORTED naming it, and so do those that sessions
+ * older than its end start until the rank attaches again (its session reaches the store:
+ * fsdp_store_job_for). */
+void fsdp_dataplane_release_session(fsdp_job_t *job, fsdp_session_t *session, const char *why,
+                                    uint64_t next_serial);
 
 #endif

@@ -142,7 +142,7 @@ int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_stat
 
 /* Whether the peer of a connected socket had gid among its supplementary groups when it
  * connected (SO_PEERGROUPS: the kernel's record, immune to pid reuse). */
-static bool peer_in_group(int fd, gid_t gid) {
+static bool peer_in_supplementary_group(int fd, gid_t gid) {
   gid_t small[64], *groups = small;
   socklen_t len = sizeof small;
   bool found = false;
@@ -161,9 +161,12 @@ out:
   return found;
 }
 
+bool fsdp_peer_in_group(int fd, const fsdp_peer_t *peer, gid_t gid) {
+  return peer->gid == gid || peer_in_supplementary_group(fd, gid);
+}
+
 bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer) {
-  return peer->uid == 0 || peer->uid == geteuid() || peer->gid == getegid() ||
-         peer_in_group(fd, getegid());
+  return peer->uid == 0 || peer->uid == geteuid() || fsdp_peer_in_group(fd, peer, getegid());
 }
 
 /* Out of descriptors: accepting again at once would spin on the pending connection. */

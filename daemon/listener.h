@@ -70,6 +70,10 @@ void fsdp_listener_close(fsdp_listener_t *listener);
  * there. */
 int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer);
 
+/* Whether the peer on connected socket fd, with these credentials, was a member of group gid
+ * when it connected: its primary group, or a supplementary one (SO_PEERGROUPS). */
+bool fsdp_peer_in_group(int fd, const fsdp_peer_t *peer, gid_t gid);
+
 /* Whether the peer on connected socket fd, with these credentials, may use the daemon: root,
  * the daemon's user, or a member of the daemon's group (primary, or supplementary as
  * SO_PEERGROUPS recorded it at connect time). */

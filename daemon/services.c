@@ -63,15 +63,16 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   fsdp_session_t *s;
   fsdp_status_t st;
   if (fsdp_sessions_attach(&daemon->sessions, rq, caller(daemon, call, &peer),
-                           fsdp_daemon_now_ms(daemon),
+                           job ? &job->owner : NULL, fsdp_daemon_now_ms(daemon),
                            (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_MAX_SESSIONS),
                            &s, &st) < 0) {
     fail_call(call, &st);
     return;
   }
-  log_info("session %016llx attached: job '%s' local rank %u of %u, generation %llu, pid %d",
+  log_info("session %016llx attached: job '%s' local rank %u of %u, generation %llu, pid %d, "
+           "uid %u",
            (unsigned long long)s->id, s->job, s->local_rank, s->local_world_size,
-           (unsigned long long)s->generation, (int)s->pid);
+           (unsigned long long)s->generation, (int)s->pid, (unsigned)s->owner.uid);
   Fsdp__V1__AttachReply reply = FSDP__V1__ATTACH_REPLY__INIT;
   reply.session_id = s->id;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
@@ -290,8 +291,9 @@ static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
     out->local_world_size = ses->local_world_size;
     out->generation = ses->generation;
     out->pid = ses->pid;
+    out->uid = ses->owner.uid;
     out->attached_ms = now - ses->attached_ms;
-    out->idle_ms = now - ses->last_call_ms;
+    out->idle_ms = ses->parked ? 0 : now - ses->last_call_ms;
     s->session_ptrs[i] = out;
   }
   reply->n_sessions = n;
@@ -421,9 +423,29 @@ out:
   free(s);
 }
 
+/* Operator methods that change the daemon's state are for its operators only (root, the
+ * daemon's uid, daemon.operator_group); the socket lets in the whole group, trainers
+ * included. Returns false after failing the call. */
+static bool operator_only(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon) {
+  fsdp_peer_t peer;
+  const fsdp_peer_t *who = caller(daemon, call, &peer);
+  if (who && fsdp_daemon_is_operator(daemon, fsdp_rpc_call_peer_fd(call), who))
+    return true;
+  const char *group = fsdp_config_text(&daemon->config, FSDP_OPTION_OPERATOR_GROUP);
+  fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED,
+                     "%s: uid %u may not call it: it changes the daemon's state, which needs "
+                     "root, the daemon's uid %u or a member of daemon.operator_group%s%s%s",
+                     fsdp_rpc_call_method(call), who ? (unsigned)who->uid : (unsigned)-1,
+                     (unsigned)geteuid(), group[0] ? " '" : " (not set)", group,
+                     group[0] ? "'" : "");
+  return false;
+}
+
 static void operator_reload(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
   fsdp_daemon_t *daemon = data;
+  if (!operator_only(call, daemon))
+    return;
   fsdp_option_id_t changed[FSDP_OPTION_COUNT];
   size_t n = 0;
   fsdp_status_t st;
@@ -455,7 +477,7 @@ static bool set_draining(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, bool drai
 static void operator_drain(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
   fsdp_daemon_t *daemon = data;
-  if (!set_draining(call, daemon, true))
+  if (!operator_only(call, daemon) || !set_draining(call, daemon, true))
     return;
   fsdp_rpc_stats_t stats;
   fsdp_rpc_server_get_stats(daemon->rpc, &stats);
@@ -466,7 +488,7 @@ static void operator_drain(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
 
 static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
-  if (!set_draining(call, data, false))
+  if (!operator_only(call, data) || !set_draining(call, data, false))
     return;
   Fsdp__V1__ResumeReply reply = FSDP__V1__RESUME_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);

@@ -25,6 +25,14 @@ static fsdp_session_t *find_id(const fsdp_sessions_t *sessions, uint64_t id) {
   return NULL;
 }
 
+/* The first session of `job`, or NULL. */
+static const fsdp_session_t *find_job(const fsdp_sessions_t *sessions, const char *job) {
+  for (const fsdp_session_t *s = sessions->head; s; s = s->next)
+    if (strcmp(s->job, job) == 0)
+      return s;
+  return NULL;
+}
+
 /* Session ids are random so that one trainer cannot guess another's by counting. */
 static int new_id(const fsdp_sessions_t *sessions, uint64_t *ret_id) {
   for (;;) {
@@ -88,6 +96,10 @@ static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_peer_t *p
   if (rq->pid <= 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "field 'pid' = %d must be the caller's process id", rq->pid);
+  if (strlen(rq->job_token) > FSDP_JOB_TOKEN_MAX)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'job_token' is %zu bytes, more than %d", strlen(rq->job_token),
+                           FSDP_JOB_TOKEN_MAX);
   if (!peer)
     return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
                            "cannot identify the calling process: attach over the unix socket");
@@ -98,11 +110,49 @@ static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_peer_t *p
   return 0;
 }
 
+/* Whether `token` is the owner's, in time that does not depend on where they differ. */
+static bool token_is(const fsdp_job_owner_t *owner, const char *token) {
+  size_t len = strlen(token); /* at most FSDP_JOB_TOKEN_MAX: checked */
+  unsigned char diff = owner->token_len != len;
+  for (size_t i = 0; i < FSDP_JOB_TOKEN_MAX; i++)
+    diff |= (unsigned char)(owner->token[i] ^ (i < len ? token[i] : 0));
+  return diff == 0;
+}
+
+/* Jobs share the daemon's socket with every trainer of its group: without this, anyone in it
+ * could attach as a rank whose trainer is gone, read the job's parameters and write what the
+ * job gathers next. Root gets no exception: the rule keeps two jobs apart, and a trainer run
+ * as root under another's job name is a clash to refuse, not a wish to honour. */
+static int check_owner(const fsdp_job_owner_t *owner, const Fsdp__V1__AttachRequest *rq,
+                       const fsdp_peer_t *peer, fsdp_status_t *st) {
+  if (owner->uid != peer->uid)
+    return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
+                           "job '%s' belongs to uid %u (whose trainer attached it first), not "
+                           "to the calling uid %u; every trainer of a job runs as its owner",
+                           rq->job, (unsigned)owner->uid, (unsigned)peer->uid);
+  if (!token_is(owner, rq->job_token))
+    return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
+                           "field 'job_token' is not the job token job '%s' was first attached "
+                           "with; every trainer of a job gives the one its launcher handed out, "
+                           "or none",
+                           rq->job);
+  return 0;
+}
+
 int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachRequest *rq,
-                         const fsdp_peer_t *peer, uint64_t now_ms, unsigned max_sessions,
-                         fsdp_session_t **ret_session, fsdp_status_t *st) {
+                         const fsdp_peer_t *peer, const fsdp_job_owner_t *job_owner,
+                         uint64_t now_ms, unsigned max_sessions, fsdp_session_t **ret_session,
+                         fsdp_status_t *st) {
   int r = check_request(rq, peer, st);
   if (r < 0)
+    return r;
+  /* The store knows the owner as long as the job's units live; before, its sessions do (they
+   * all have the same). */
+  if (!job_owner) {
+    const fsdp_session_t *first = find_job(sessions, rq->job);
+    job_owner = first ? &first->owner : NULL;
+  }
+  if (job_owner && (r = check_owner(job_owner, rq, peer, st)) < 0)
     return r;
   for (fsdp_session_t *s = sessions->head; s; s = s->next) {
     if (strcmp(s->job, rq->job) != 0)
@@ -140,6 +190,9 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   s->local_world_size = rq->local_world_size;
   s->generation = rq->generation;
   s->pid = peer->pid; /* the daemon's view, which later calls are checked against */
+  s->owner.uid = peer->uid;
+  s->owner.token_len = strlen(rq->job_token);
+  memcpy(s->owner.token, rq->job_token, s->owner.token_len);
   s->attached_ms = s->last_call_ms = now_ms;
   s->serial = sessions->attaches++;
   s->next = sessions->head;
@@ -167,6 +220,16 @@ int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t 
   return 0;
 }
 
+void fsdp_session_call_parked(fsdp_session_t *session) {
+  session->parked++;
+}
+
+void fsdp_session_call_ended(fsdp_session_t *session, uint64_t now_ms) {
+  session->parked--;
+  if (now_ms > session->last_call_ms)
+    session->last_call_ms = now_ms;
+}
+
 void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session) {
   for (fsdp_session_t **p = &sessions->head; *p; p = &(*p)->next) {
     if (*p == session) {
@@ -179,13 +242,14 @@ void fsdp_sessions_end(fsdp_sessions_t *sessions, fsdp_session_t *session) {
 }
 
 unsigned fsdp_sessions_expire(fsdp_sessions_t *sessions, uint64_t now_ms, uint64_t lease_ms,
-                              void (*expired)(const fsdp_session_t *session, void *data),
+                              void (*expired)(fsdp_session_t *session, void *data),
                               void *data) {
   unsigned n = 0;
   fsdp_session_t **p = &sessions->head;
   while (*p) {
     fsdp_session_t *s = *p;
-    if (now_ms - s->last_call_ms < lease_ms) {
+    /* A trainer waiting in a collective makes no other call: it is alive while it waits. */
+    if (s->parked || now_ms - s->last_call_ms < lease_ms) {
       p = &s->next;
       continue;
     }

@@ -208,6 +208,7 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
                            session->job);
   memcpy(job->name, session->job, sizeof job->name);
   job->local_world_size = session->local_world_size;
+  job->owner = session->owner;
   job->units_tail = &job->units;
   if ((r = make_arenas(job, store->arena_capacity, st)) < 0) {
     job_free(job);

@@ -1,8 +1,9 @@
 /* The parameter store's registry: jobs and their units.
  *
  * A job is created by the first RegisterUnit or memory channel of any of its ranks, with
- * its two arenas, and outlives its trainers' sessions: parameters stay in the daemon when a
- * trainer dies, so that it can attach again and go on.
+ * its two arenas, belongs to that trainer's uid and job token (Attach lets no other in),
+ * and outlives its trainers' sessions: parameters stay in the daemon when a trainer dies,
+ * so that it can attach again and go on.
  *
  * Memory and slots. A job's arenas are sized once (memory.job_limit each) and every local
  * rank holds descriptors to them, so whatever a trainer does it can make at most their
@@ -90,6 +91,7 @@ typedef struct fsdp_unit {
 typedef struct fsdp_job {
   char name[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_world_size;
+  fsdp_job_owner_t owner; /* of the session that created it: whom Attach lets in */
   /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
    * `shared_arena`, sealed so that trainers can only map it read-only, and every other
    * buffer in `arena`, which trainers map read-write. */

@@ -60,6 +60,10 @@ typedef struct fsdp_trainer_options {
    * so that the collectives among hosts of the new run never meet messages the failed run
    * left behind. 0 for a job that is never restarted. */
   uint64_t generation;
+  /* NULL or "": none. A secret the job's launcher hands every trainer of the job (up to 256
+   * bytes): the first trainer's fixes it, and the daemon refuses another, so that jobs whose
+   * trainers run as one uid are kept apart too (different uids always are). */
+  const char *job_token;
 } fsdp_trainer_options_t;
 
 typedef struct fsdp_param_desc {

@@ -212,13 +212,16 @@ class Client:
     ($LOCAL_RANK, else 0). local_world_size: ($LOCAL_WORLD_SIZE, else 1). generation: which
     run of the job this is, higher after every restart, the same for all its ranks
     ($TORCHELASTIC_RESTART_COUNT as torchrun sets it, else 0): collectives among hosts of a
-    restarted job never meet what its failed run left behind. timeout: each call's
-    deadline in seconds (None: the library's 5 s). wait_for_ready: calls wait for a daemon
-    that is not up yet, until their deadline, instead of failing at once.
+    restarted job never meet what its failed run left behind. job_token: a secret the
+    job's launcher hands all its trainers ($FSDPD_JOB_TOKEN, else none): the daemon lets
+    no trainer with another token into the job, which keeps apart jobs that run as one
+    user. timeout: each call's deadline in seconds (None: the library's 5 s).
+    wait_for_ready: calls wait for a daemon that is not up yet, until their deadline,
+    instead of failing at once.
     """
 
     def __init__(self, socket=None, job=None, rank=None, local_world_size=None, timeout=None,
-                 wait_for_ready=False, generation=None):
+                 wait_for_ready=False, generation=None, job_token=None):
         self._client = None
         self._trainer = None
         self._units = {}
@@ -234,6 +237,8 @@ class Client:
             local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
         if generation is None:
             generation = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        if job_token is None:
+            job_token = os.environ.get("FSDPD_JOB_TOKEN", "")
         if generation < 0:
             raise ValueError(f"fsdpd.Client: generation {generation}: expected 0 or more")
         if rank < 0 or local_world_size < 1:
@@ -254,7 +259,7 @@ class Client:
         self._client = client
         self.generation = int(generation)
         topts = _lib.TrainerOptions(job.encode(), self.rank, self.local_world_size,
-                                    self.generation)
+                                    self.generation, job_token.encode())
         trainer = ctypes.c_void_p()
         rc = lib.fsdp_trainer_attach(client, ctypes.byref(topts), ctypes.byref(trainer))
         if rc < 0:

@@ -23,7 +23,7 @@ import time
 import grpc
 import pytest
 
-from fsdpd_harness import common_pb2, fsdpd, poll  # noqa: F401
+from fsdpd_harness import common_pb2, fsdpd, operator_pb2, poll, trainer_pb2  # noqa: F401
 from test_peers import (INSECURE, Cluster, free_ports, peers, row, token_args, wait_all_joined,
                         wait_state)
 from test_reduce_scatter import decode, reference
@@ -398,3 +398,46 @@ def test_a_daemon_stops_cleanly_while_collectives_wait_for_the_cluster(fsdpd):
     assert d.wait() == 0
     waiter.join(10)
     assert all(e is not None for e in box["e"])
+
+
+def test_a_session_that_ends_while_its_call_waits_is_never_answered_ok(fsdpd):
+    """Host 0's ranks are in a gather already running (their cast done, the all-gather among
+    hosts waiting for host 1's ranks) when rank 0's session ends: its Unshard ends at once
+    with ABORTED naming the session, not OK when the gather later completes; the others
+    get the unit."""
+    c = start_cluster(fsdpd, 2)
+    hosts = attach(c)
+    layouts = [[r.register(shapes=SHAPES) for r in host] for host in hosts]
+    values = values_for(layouts[0][0].padded_numel, 13)
+    for host, lays in zip(hosts, layouts):
+        for r, x in zip(host, lays):
+            r.write_master_shard(x, values)
+    d0 = c.daemons[0]
+    box = {}
+    waiting = [threading.Thread(target=lambda r=r: box.update({r.rank: on_all([r], "Unshard",
+                                                                              step=1)[0]}))
+               for r in hosts[0]]
+    for t in waiting:
+        t.start()
+
+    def running():
+        units = d0.call("/fsdp.v1.Operator/ListUnits", operator_pb2.ListUnitsRequest(),
+                        operator_pb2.ListUnitsReply).units
+        return units and any(ci.running for ci in units[0].collectives)
+    poll(running, 10, what="host 0's gather to run")
+    ended = hosts[0][0]
+    d0.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=ended.session),
+            trainer_pb2.DetachReply)
+    waiting[0].join(5)
+    answered_before_the_gather = not waiting[0].is_alive()
+    assert on_all(hosts[1], "Unshard", step=1) == [None] * L
+    for t in waiting:
+        t.join(10)
+    assert answered_before_the_gather, "rank 0's Unshard still waited after its session ended"
+    e = box[0]
+    assert e is not None and e.code() == grpc.StatusCode.ABORTED, e
+    assert (f"session {ended.session:016x} (job 'j' local rank 0) ended while the call waited: "
+            f"detached") in e.details(), e.details()
+    assert box[1] is None
+    for r, x in [(hosts[0][1], layouts[0][1])] + list(zip(hosts[1], layouts[1])):
+        assert r.unsharded(x, FP32) == encode(values, FP32)

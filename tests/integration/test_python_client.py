@@ -147,6 +147,18 @@ WORKER = textwrap.dedent(r'''
                 out["mismatch"] = err(e)
         print(json.dumps(out))
 
+    elif mode == "token":
+        # Two ranks of one job, the token from the environment; a third Client with another.
+        out = {}
+        with fsdpd.Client(job="tok", rank=0, local_world_size=2) as c:
+            try:
+                fsdpd.Client(job="tok", rank=1, local_world_size=2, job_token="guessed")
+            except fsdpd.Error as e:
+                out["other_token"] = err(e)
+            with fsdpd.Client(job="tok", rank=1, local_world_size=2) as same:
+                out["same_token"] = same.session_id != c.session_id
+        print(json.dumps(out))
+
     elif mode == "restart":
         # Holds a unit while the test restarts the daemon under it: the new daemon knows
         # neither the session nor the unit.
@@ -262,6 +274,17 @@ def test_errors_carry_code_status_and_message(fsdpd, worker):
     assert (mismatch["code"], mismatch["status"]) == ("FSDP_E_FAILED_PRECONDITION",
                                                        "FAILED_PRECONDITION")
     assert "unit 'u'" in mismatch["message"]
+
+
+def test_the_job_token_comes_from_the_environment(fsdpd, worker):
+    d = fsdpd(*DAEMON_ARGS)
+    o = result(worker(d, "token", FSDPD_JOB_TOKEN="launcher-secret"))
+    e = o["other_token"]
+    assert (e["code"], e["status"]) == ("FSDP_E_PERMISSION_DENIED", "PERMISSION_DENIED"), e
+    assert "field 'job_token' is not the job token job 'tok' was first attached with" in \
+        e["message"], e
+    assert "launcher-secret" not in e["message"] and "guessed" not in e["message"]
+    assert o["same_token"]
 
 
 def test_unknown_session_and_unit_after_restart(fsdpd, worker):

@@ -6,13 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
 import pytest
 
-from fsdpd_harness import (PYTHON_GEN, fsdpd, poll, status_code_and_details,  # noqa: F401
-                           trainer_pb2)
+from fsdpd_harness import (PYTHON_GEN, fsdpd, operator_pb2, poll,  # noqa: F401
+                           status_code_and_details, trainer_pb2)
+from test_unshard import Rank, values_for
 
 ATTACH = "/fsdp.v1.Trainer/Attach"
 DETACH = "/fsdp.v1.Trainer/Detach"
@@ -196,3 +198,47 @@ def test_draining_refuses_attach_and_keeps_sessions(fsdpd):
     assert d.fsdpctl("resume").returncode == 0
     attach(d, rank=1)
     assert d.stop(signal.SIGTERM) == 0
+
+
+def test_a_rank_waiting_in_a_collective_outlives_a_shorter_lease(fsdpd):
+    """The lease counts from the end of a session's last call: a rank parked in an Unshard
+    for three leases, waiting for a slower rank, is alive and gets its unit; once its call
+    has ended, the lease runs again."""
+    d = fsdpd("--set", "session.lease=500ms", "--set", "daemon.housekeeping_interval=20ms",
+              "--set", "store.collective_timeout=20s", "--set", "memory.job_limit=64MiB")
+    fast, slow = Rank(d, 0, 2), Rank(d, 1, 2)
+    layouts = [fast.register(), slow.register()]
+    values = values_for(layouts[0].padded_numel, 5)
+    for r, lay in zip((fast, slow), layouts):
+        r.write_master_shard(lay, values)
+    outcome = {}
+
+    def unshard():
+        try:
+            fast.op("Unshard", step=1, timeout=30)
+            outcome["fast"] = "OK"
+        except grpc.RpcError as e:
+            outcome["fast"] = f"{e.code().name} {e.details()}"
+    t = threading.Thread(target=unshard)
+    t.start()
+    try:
+        poll(lambda: any(s.local_rank == 0 and s.idle_ms == 0 for s in d.status().sessions)
+             and d.call("/fsdp.v1.Operator/ListUnits", operator_pb2.ListUnitsRequest(),
+                        operator_pb2.ListUnitsReply).units[0].collectives,
+             5, what="rank 0's Unshard to wait for rank 1")
+        # The slow rank computes for three leases, renewing its own lease as a trainer
+        # between calls does; the fast one makes no call but the one it waits in.
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            d.call(KEEPALIVE, trainer_pb2.KeepAliveRequest(session_id=slow.session),
+                   trainer_pb2.KeepAliveReply)
+            time.sleep(0.05)
+        assert set(sessions(d)) == {("j", 0), ("j", 1)}
+        slow.op("Unshard", step=1)
+    finally:
+        t.join(30)
+    assert outcome == {"fast": "OK"}, (outcome, d.stderr())
+    assert "session.lease" not in d.stderr()
+    # The call is over: an idle session ends a lease later.
+    poll(lambda: ("j", 0) not in sessions(d), 5, what="rank 0's lease to end")
+    assert f"session {fast.session:016x}" in d.stderr()

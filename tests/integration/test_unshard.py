@@ -28,12 +28,13 @@ SIZE = {FP32: 4, BF16: 2, FP16: 2}
 class Rank:
     """One local rank: a session, its memory channel and its mapping of the job's arena."""
 
-    def __init__(self, d, rank, world, job="j", generation=0):
+    def __init__(self, d, rank, world, job="j", generation=0, job_token=""):
         self.d = d
         self.rank = rank
         a = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
             protocol_version=1, job=job, local_rank=rank, local_world_size=world,
-            pid=os.getpid(), generation=generation), trainer_pb2.AttachReply)
+            pid=os.getpid(), generation=generation, job_token=job_token),
+            trainer_pb2.AttachReply)
         self.session = a.session_id
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(a.memory_socket)
