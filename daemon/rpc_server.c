@@ -55,10 +55,16 @@ typedef struct tag {
 
 /* What an arrived call counts against on its endpoint: each has its own limit, so that
  * Watch streams cannot starve Checks, nor either of them the trainers' work. */
-typedef enum budget { BUDGET_CONTROL, BUDGET_WORK, BUDGET_STREAMS, BUDGET_COUNT } budget_t;
+typedef enum budget {
+  BUDGET_CONTROL,
+  BUDGET_WORK,
+  BUDGET_STREAMS,
+  BUDGET_REFUSED,
+  BUDGET_COUNT
+} budget_t;
 
 static const char *const budget_names[BUDGET_COUNT] = {
-    "health and operator calls", "calls of work", "streams"};
+    "health and operator calls", "calls of work", "streams", "refused calls"};
 
 typedef struct method {
   fsdp_rpc_endpoint_t *endpoint;
@@ -129,7 +135,8 @@ struct fsdp_rpc_call {
 
   /* Set by the CQ thread at arrival. */
   int conn_fd;    /* the adopted connection it came on, or -1 */
-  bool conn_cut;  /* it took its connection over the stream limit, which was then cut */
+  bool conn_cut;      /* its connection was cut for holding more calls than its streams */
+  bool conn_logs_cut; /* ... by this call, which says so */
 };
 
 /* Calls in existence per adopted connection, by file descriptor. HTTP/2 lets a client reset
@@ -308,8 +315,9 @@ static void count_connection_call(fsdp_rpc_call_t *call) {
   unsigned calls = atomic_fetch_add(&slot->calls, 1) + 1;
   if (calls > call->endpoint->max_streams_per_connection && !atomic_exchange(&slot->cut, true)) {
     shutdown(fd, SHUT_RDWR);
-    call->conn_cut = true;
+    call->conn_logs_cut = true;
   }
+  call->conn_cut = atomic_load(&slot->cut);
 }
 
 /* CQ thread: a requested call arrived (or, with !success, the server is shutting down). */
@@ -607,14 +615,16 @@ static void dispatch(fsdp_rpc_call_t *call) {
   fsdp_rpc_server_t *server = call->server;
   method_t *method = call->method;
   server->calls_total++;
-  call->budget = budget_of(method);
+  /* Calls of a cut connection are refused without work and count against no budget. */
+  call->budget = call->conn_cut ? BUDGET_REFUSED : budget_of(method);
   active_link(server, call);
 
   if (call->conn_cut) {
     char *path = grpc_slice_to_c_string(call->details.method);
     snprintf(call->path, sizeof call->path, "%s", method ? method->path : path);
     gpr_free(path);
-    log_warning("%s endpoint: connection fd:%d held more than its %u streams in calls at once "
+    if (call->conn_logs_cut)
+      log_warning("%s endpoint: connection fd:%d held more than its %u streams in calls at once "
                 "(streams reset and reopened?); closed it",
                 call->endpoint->name, call->conn_fd, call->endpoint->max_streams_per_connection);
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
