@@ -356,6 +356,8 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
       return r;
     snprintf(daemon->health_address, sizeof daemon->health_address, "%s",
              daemon->listener.health_address);
+    daemon->listener.max_tcp_streams =
+        fsdp_rpc_endpoint_max_streams_per_connection(daemon->health_endpoint);
   }
   return create_peer_endpoint(daemon, st);
 }

@@ -170,7 +170,6 @@ bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer) {
 
 /* Out of descriptors: accepting again at once would spin on the pending connection. */
 #define ACCEPT_RETRY_MS 100
-#define HEALTH_RCVBUF 16384
 
 static void on_readable(uv_poll_t *poll, int status, int events);
 
@@ -182,29 +181,6 @@ static void on_accept_retry(uv_timer_t *timer) {
 /* Drops the connections gRPC has closed from the list (their descriptor is closed, or is
  * now another file) and returns how many of the rest count against the limit of a new
  * connection of `uid` (all of them on TCP); the oldest idle of those goes to ret_idle. */
-static unsigned count_conns(fsdp_listener_socket_t *ls, uid_t uid,
-                            fsdp_listener_conn_t **ret_idle) {
-  unsigned n = 0;
-  *ret_idle = NULL;
-  for (fsdp_listener_conn_t **p = &ls->conns; *p;) {
-    fsdp_listener_conn_t *c = *p;
-    struct stat sb;
-    if (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino) {
-      *p = c->next;
-      free(c);
-      continue;
-    }
-    p = &c->next;
-    if (!ls->tcp && c->uid != uid)
-      continue;
-    n++;
-    if (fsdp_rpc_endpoint_connection_calls(ls->endpoint, c->fd) == 0 &&
-        (!*ret_idle || c->since_ms < (*ret_idle)->since_ms))
-      *ret_idle = c;
-  }
-  return n;
-}
-
 static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) {
   for (fsdp_listener_conn_t **p = &ls->conns; *p; p = &(*p)->next)
     if (*p == conn) {
@@ -214,32 +190,66 @@ static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) 
     }
 }
 
-/* Makes room for a connection of uid under its limit; false if it must be refused. */
-static bool admit(fsdp_listener_socket_t *ls, int fd, uid_t uid) {
+static unsigned count_conns(fsdp_listener_socket_t *ls, uid_t uid,
+                            fsdp_listener_conn_t **ret_idle) {
+  unsigned n = 0;
+  *ret_idle = NULL;
+  for (fsdp_listener_conn_t *c = ls->conns, *next; c; c = next) {
+    next = c->next;
+    struct stat sb;
+    if (!c->relay && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)) {
+      conn_remove(ls, c);
+      continue;
+    }
+    if (c->closing || (!ls->tcp && c->uid != uid))
+      continue;
+    n++;
+    bool idle = c->relay ? fsdp_relay_open_streams(c->relay) == 0
+                         : fsdp_rpc_endpoint_connection_calls(ls->endpoint, c->fd) == 0;
+    if (idle && (!*ret_idle || c->since_ms < (*ret_idle)->since_ms))
+      *ret_idle = c;
+  }
+  return n;
+}
+
+/* A relayed connection ended, whoever ended it. */
+static void on_relay_closed(fsdp_relay_t *relay, void *data) {
+  (void)relay;
+  fsdp_listener_conn_t *conn = data;
+  conn_remove(conn->socket, conn);
+}
+
+/* Makes room for a connection of uid under its limit and records it; NULL if it must be
+ * refused. */
+static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid) {
   fsdp_listener_t *listener = ls->listener;
   unsigned limit = ls->tcp ? listener->max_tcp : listener->max_per_uid;
   fsdp_listener_conn_t *idle;
   unsigned n = count_conns(ls, uid, &idle);
   if (n >= limit) {
     if (!idle)
-      return false;
-    /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
-    shutdown(idle->fd, SHUT_RDWR);
+      return NULL;
     log_info("%s: closed an idle connection (fd %d) to make room: %s holds %u of %u",
-             ls->name, idle->fd, ls->tcp ? "the port" : "its uid", n,
-             limit);
-    conn_remove(ls, idle);
+             ls->name, idle->fd, ls->tcp ? "the port" : "its uid", n, limit);
+    if (idle->relay) {
+      idle->closing = true;
+      fsdp_relay_close(idle->relay);
+    } else {
+      /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
+      shutdown(idle->fd, SHUT_RDWR);
+      conn_remove(ls, idle);
+    }
   }
   struct stat sb;
   fsdp_listener_conn_t *c = calloc(1, sizeof *c);
   if (!c || fstat(fd, &sb) < 0) {
     free(c);
-    return false;
+    return NULL;
   }
-  *c = (fsdp_listener_conn_t){.fd = fd, .ino = sb.st_ino, .uid = uid,
+  *c = (fsdp_listener_conn_t){.socket = ls, .fd = fd, .ino = sb.st_ino, .uid = uid,
                               .since_ms = uv_now(listener->loop), .next = ls->conns};
   ls->conns = c;
-  return true;
+  return c;
 }
 
 /* Records the credentials of an accepted unix connection by descriptor. */
@@ -291,7 +301,8 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       close(fd);
       continue;
     }
-    if (!admit(ls, fd, cred.uid)) {
+    fsdp_listener_conn_t *conn = admit(ls, fd, cred.uid);
+    if (!conn) {
       log_warning("%s: refused a connection%s: %s already holds %u connections, none idle",
                   ls->name, ls->tcp ? "" : " of uid", ls->tcp ? "the port" : "that uid",
                   ls->tcp ? listener->max_tcp : listener->max_per_uid);
@@ -299,17 +310,22 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       close(fd);
       continue;
     }
-    if (!ls->tcp && !record_peer(listener, fd, &cred)) {
+    listener->accepted++;
+    if (ls->tcp) {
+      int r = fsdp_relay_start(listener->loop, fd, ls->endpoint, listener->max_tcp_streams,
+                               on_relay_closed, conn, &conn->relay);
+      if (r < 0) {
+        log_warning("%s: cannot relay a connection: %s", ls->name, strerror(-r));
+        conn_remove(ls, conn);
+      }
+      continue;
+    }
+    if (!record_peer(listener, fd, &cred)) {
       log_warning("out of memory recording a connection; closing it");
+      conn_remove(ls, conn);
       close(fd);
       continue;
     }
-    /* What a connection has sent but gRPC has not read yet is still parsed after it is cut:
-     * a small receive buffer keeps that small too. Probes send names. */
-    int rcvbuf = HEALTH_RCVBUF;
-    if (ls->tcp)
-      setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
-    listener->accepted++;
     fsdp_rpc_endpoint_adopt(ls->endpoint, fd);
   }
 }
@@ -388,6 +404,11 @@ static void stop_socket(fsdp_listener_socket_t *ls) {
   while (ls->conns) {
     fsdp_listener_conn_t *c = ls->conns;
     ls->conns = c->next;
+    if (c->relay) {
+      /* The relay outlives the list: it must not reach for its entry when it closes. */
+      fsdp_relay_forget(c->relay);
+      fsdp_relay_close(c->relay);
+    }
     free(c);
   }
 }

@@ -5,9 +5,9 @@
  * reasons: gRPC would unlink and re-bind a path that another live daemon is serving; the
  * socket's mode must be 0660 from the start; and every connection's peer credentials
  * (SO_PEERCRED) are checked before gRPC sees a byte. Accepted connections are handed to an
- * RPC endpoint. The health port is accepted here too, so that every connection the daemon
- * serves locally is one it knows by descriptor: the RPC adapter counts each one's calls and
- * cuts one that holds more than its streams (rapid reset).
+ * RPC endpoint. The health port is accepted here too, and its connections reach gRPC
+ * through a relay (daemon/relay.h) that cuts a client resetting streams faster than a probe
+ * ever would (HTTP/2 rapid reset) or holding more streams than the port allows.
  *
  * Connection limits: each uid may hold max_per_uid connections on the unix socket, and the
  * health port max_tcp in all. At the limit the oldest idle connection of that uid (of the
@@ -29,6 +29,7 @@
 
 #include <uv.h>
 
+#include "relay.h"
 #include "rpc_server.h"
 #include "status.h"
 
@@ -47,9 +48,12 @@ typedef struct fsdp_listener fsdp_listener_t;
 
 /* One accepted connection, while the listener counts it against a limit. */
 typedef struct fsdp_listener_conn {
+  struct fsdp_listener_socket *socket;
   int fd;
   ino_t ino; /* the socket's inode: the same number with another inode is another file */
   uid_t uid; /* unix socket only */
+  fsdp_relay_t *relay; /* TCP only: the connection's relay, which says when it ends */
+  bool closing;
   uint64_t since_ms;
   struct fsdp_listener_conn *next;
 } fsdp_listener_conn_t;
@@ -80,6 +84,7 @@ struct fsdp_listener {
   int health_fd; /* the TCP health port, or -1 */
   char health_address[320];
   unsigned max_per_uid, max_tcp; /* connection limits; loop thread may change them */
+  unsigned max_tcp_streams;      /* streams one health port connection may hold open */
   unsigned long accepted, refused;
   /* Credentials by file descriptor of the accepted connection. A closed connection's entry
    * stays until its number is reused by the next accept: no call can come from it, because

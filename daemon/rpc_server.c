@@ -25,6 +25,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <grpc/grpc.h>
@@ -139,15 +140,18 @@ struct fsdp_rpc_call {
   bool conn_logs_cut; /* ... by this call, which says so */
 };
 
-/* Calls in existence per adopted connection, by file descriptor. HTTP/2 lets a client reset
- * a stream and open the next at once ("rapid reset"), and gRPC 1.51 makes a call of every
- * stream whatever the client does with it next, so a connection can pile up calls far
- * beyond its stream limit faster than the loop answers them. Counting them as they arrive
- * on the CQ thread, and cutting the connection (shutdown(2), gRPC then closes it) once they
- * exceed the limit, bounds the calls and memory any one connection can cost. */
+/* Calls in existence per adopted connection, by file descriptor: the listener closes idle
+ * connections (no call) first. HTTP/2 lets a client reset a stream and open the next at once
+ * ("rapid reset"), and gRPC 1.51 makes a call of every stream whatever the client does with
+ * it next, so a connection can pile up calls beyond its stream limit faster than the loop
+ * answers them: one whose calls exceed the limit is cut (shutdown(2); gRPC then closes it).
+ * This sees calls only once gRPC hands them over, so it is the second line: the health
+ * port, open to anyone on the host, is relayed frame by frame (daemon/relay.h), which stops
+ * such a client before gRPC reads its streams. */
 typedef struct conn_slot {
   atomic_uint calls;
   atomic_bool cut;
+  _Atomic ino_t ino; /* the socket's inode at adoption */
 } conn_slot_t;
 
 typedef enum event_kind { EV_ARRIVED, EV_CANCELLED, EV_SENT, EV_SHUTDOWN, EV_THREAD_EXIT } event_kind_t;
@@ -314,7 +318,11 @@ static void count_connection_call(fsdp_rpc_call_t *call) {
   conn_slot_t *slot = &server->conns[fd];
   unsigned calls = atomic_fetch_add(&slot->calls, 1) + 1;
   if (calls > call->endpoint->max_streams_per_connection && !atomic_exchange(&slot->cut, true)) {
-    shutdown(fd, SHUT_RDWR);
+    /* Only if the descriptor is still that connection: gRPC may have closed it, and the
+     * number may be another file's by now. */
+    struct stat sb;
+    if (fstat(fd, &sb) == 0 && sb.st_ino == atomic_load(&slot->ino))
+      shutdown(fd, SHUT_RDWR);
     call->conn_logs_cut = true;
   }
   call->conn_cut = atomic_load(&slot->cut);
@@ -1036,9 +1044,16 @@ void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd) {
     close(fd);
     return;
   }
-  if ((size_t)fd < endpoint->server->n_conns)
+  struct stat sb;
+  if ((size_t)fd < endpoint->server->n_conns && fstat(fd, &sb) == 0) {
+    atomic_store(&endpoint->server->conns[fd].ino, sb.st_ino);
     atomic_store(&endpoint->server->conns[fd].cut, false);
+  }
   grpc_server_add_channel_from_fd(endpoint->grpc, fd, endpoint->server->credentials);
+}
+
+unsigned fsdp_rpc_endpoint_max_streams_per_connection(const fsdp_rpc_endpoint_t *endpoint) {
+  return endpoint->max_streams_per_connection;
 }
 
 unsigned fsdp_rpc_endpoint_connection_calls(const fsdp_rpc_endpoint_t *endpoint, int fd) {

@@ -118,6 +118,8 @@ int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
                              fsdp_status_t *st);
 /* Hands a connected, non-blocking socket to the endpoint; takes ownership of fd. After start. */
 void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd);
+/* HTTP/2 streams one connection of the endpoint may hold open at once. */
+unsigned fsdp_rpc_endpoint_max_streams_per_connection(const fsdp_rpc_endpoint_t *endpoint);
 /* Calls in existence that came on the adopted connection fd (0: the connection is idle). Any
  * thread. */
 unsigned fsdp_rpc_endpoint_connection_calls(const fsdp_rpc_endpoint_t *endpoint, int fd);
