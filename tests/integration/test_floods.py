@@ -125,7 +125,7 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
     at its per-uid limit closes that user's oldest idle connection for a new one."""
     if raise_own_fd_limit() < 2400:
         pytest.skip("this test needs 2,400 descriptors of its own")
-    d = fsdpd("--set", "rpc.max_connections_per_uid=256", "--set", "health.max_connections=32")
+    d = fsdpd()  # rpc.max_connections_per_uid = 512, health.max_connections = 64
     rss_before = rss_mb(d.pid)
     half = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
                        h2raw.grpc_headers("/grpc.health.v1.Health/Check"))[:20]
@@ -223,3 +223,32 @@ def test_request_of_millions_of_empty_entries_is_refused_before_unpacking(fsdpd)
 
     latency, failures, peak = under_flood(d, flood, 4)
     assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+
+
+def test_silent_and_half_sent_connections_are_closed_when_idle(fsdpd):
+    """Connections that sent nothing, only the HTTP/2 preface, or half a HEADERS frame were
+    never closed: rpc.idle_timeout closes them, on the unix socket and the health port."""
+    d = fsdpd("--set", "rpc.idle_timeout=1s")
+    half = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
+                       h2raw.grpc_headers("/grpc.health.v1.Health/Check"))[:20]
+    socks = []
+    for address in (str(d.socket_path), (d.health_host, d.health_port)):
+        bare = socket.socket(socket.AF_UNIX if isinstance(address, str) else socket.AF_INET)
+        bare.connect(address)
+        socks.append(bare)
+        socks.append(h2raw.connect(address, settings=False))
+        socks.append(h2raw.connect(address))
+        socks.append(h2raw.connect(address))
+        socks[-1].sendall(half)
+    try:
+        deadline = time.monotonic() + 10
+        for s in socks:
+            closed = False
+            while not closed and time.monotonic() < deadline:
+                closed = h2raw.read_frames(s, timeout=0.5)[1]
+            assert closed, "an idle connection was still open 10 s after connecting"
+        d.assert_serving()
+        d.assert_serving(tcp=True)
+    finally:
+        for s in socks:
+            s.close()
