@@ -343,6 +343,21 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   if (r < 0)
     return fsdp_status_set(st, r, "cannot set up the local endpoint: %s", fsdp_strerror(r));
 
+  /* Serves no one: every call gets PERMISSION_DENIED saying why (fsdp_listener_refusal). */
+  fsdp_rpc_endpoint_options_t refused_options = {
+      .max_inflight_calls = HEALTH_MAX_INFLIGHT,
+      .limit_name = "the refusal's fixed limit",
+      .max_streams = 1,
+      .streams_limit_name = "the refusal's fixed limit",
+      .idle_ms = idle_ms,
+      .refuse = fsdp_listener_refusal,
+      .refuse_data = &daemon->listener,
+  };
+  r = fsdp_rpc_server_add_endpoint(daemon->rpc, "refused", NULL, 0, &refused_options,
+                                   &daemon->refused_endpoint);
+  if (r < 0)
+    return fsdp_status_set(st, r, "cannot set up the refusal endpoint: %s", fsdp_strerror(r));
+
   const char *health_listen = fsdp_config_text(cfg, FSDP_OPTION_HEALTH_LISTEN);
   if (health_listen[0]) {
     r = fsdp_rpc_server_add_endpoint(daemon->rpc, "health",
@@ -471,7 +486,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
     goto fail_rpc;
   /* Nothing is accepted before the loop runs, so the listener may start before the server. */
   if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint,
-                                daemon->health_endpoint)) < 0) {
+                                daemon->health_endpoint, daemon->refused_endpoint)) < 0) {
     fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.socket_path,
                     uv_strerror(r));
     goto fail_rpc;

@@ -298,7 +298,17 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
                   (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
       listener->refused++;
-      close(fd);
+      cred.refused = true;
+      /* A gRPC client shows only "broken pipe" for a closed connection: let it in where
+       * every call hears PERMISSION_DENIED and why, under the same per-uid limit. */
+      fsdp_listener_conn_t *conn = ls->refused ? admit(ls, fd, cred.uid) : NULL;
+      if (!conn || !record_peer(listener, fd, &cred)) {
+        if (conn)
+          conn_remove(ls, conn);
+        close(fd);
+        continue;
+      }
+      fsdp_rpc_endpoint_adopt(ls->refused, fd);
       continue;
     }
     fsdp_listener_conn_t *conn = admit(ls, fd, cred.uid);
@@ -383,11 +393,26 @@ static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls, i
   return uv_poll_start(&ls->poll, UV_READABLE, on_readable);
 }
 
+void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
+  fsdp_listener_t *listener = data;
+  if (fd < 0 || (size_t)fd >= listener->n_peers || !listener->peers[fd].refused) {
+    snprintf(buf, size, "this connection may not use fsdpd");
+    return;
+  }
+  const fsdp_peer_t peer = listener->peers[fd];
+  snprintf(buf, size,
+           "uid %u (pid %ld, gid %u) may not use fsdpd: only root, uid %u and members of group "
+           "%u (primary or supplementary) may connect to %s",
+           (unsigned)peer.uid, (long)peer.pid, (unsigned)peer.gid, (unsigned)geteuid(),
+           (unsigned)getegid(), listener->socket_path);
+}
+
 int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
-                        fsdp_rpc_endpoint_t *health) {
+                        fsdp_rpc_endpoint_t *health, fsdp_rpc_endpoint_t *refused) {
   listener->loop = loop;
   int r = start_socket(listener, &listener->local, listener->socket_fd, false,
                        listener->socket_path, local);
+  listener->local.refused = refused;
   if (r == 0 && listener->health_fd >= 0)
     r = start_socket(listener, &listener->health, listener->health_fd, true,
                      listener->health_address, health);
@@ -414,7 +439,8 @@ static void stop_socket(fsdp_listener_socket_t *ls) {
 }
 
 int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer) {
-  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0)
+  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0 ||
+      listener->peers[fd].refused)
     return -ENOENT;
   *ret_peer = listener->peers[fd];
   return 0;

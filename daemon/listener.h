@@ -42,6 +42,7 @@ typedef struct fsdp_peer {
   pid_t pid;
   uid_t uid;
   gid_t gid;
+  bool refused; /* not let in: its calls only hear why */
 } fsdp_peer_t;
 
 typedef struct fsdp_listener fsdp_listener_t;
@@ -69,6 +70,7 @@ typedef struct fsdp_listener_socket {
   int fd;
   const char *name; /* for messages: the path or the address */
   fsdp_rpc_endpoint_t *endpoint;
+  fsdp_rpc_endpoint_t *refused; /* unix socket: where refused uids hear why */
   fsdp_listener_conn_t *conns;
 } fsdp_listener_socket_t;
 
@@ -102,10 +104,16 @@ int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_stat
  * port goes to listener->health_address. After fsdp_listener_open(). */
 int fsdp_listener_listen_tcp(fsdp_listener_t *listener, const char *address, fsdp_status_t *st);
 
-/* Accepts connections on the loop and hands those of the unix socket to `local` and those
- * of the health port (if bound) to `health` (borrowed). */
+/* Accepts connections on the loop and hands those of the unix socket to `local`, those of
+ * the health port (if bound) to `health`, and those of uids the socket does not let in to
+ * `refused`, whose calls all hear why (its refuse option is fsdp_listener_refusal with the
+ * listener). All borrowed. */
 int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
-                        fsdp_rpc_endpoint_t *health);
+                        fsdp_rpc_endpoint_t *health, fsdp_rpc_endpoint_t *refused);
+
+/* Why the connection on fd was refused, for its callers (an endpoint's refuse option, with
+ * the listener as data). */
+void fsdp_listener_refusal(void *listener, int fd, char *buf, size_t size);
 
 /* Stops accepting, removes the socket, releases the lock and closes everything; synchronous
  * apart from the poll handle's own close, which this starts. */

@@ -643,6 +643,17 @@ static void dispatch(fsdp_rpc_call_t *call) {
     return;
   }
 
+  if (call->endpoint->options.refuse) {
+    char *path = grpc_slice_to_c_string(call->details.method);
+    snprintf(call->path, sizeof call->path, "%s", path);
+    gpr_free(path);
+    char why[256];
+    call->endpoint->options.refuse(call->endpoint->options.refuse_data, call->conn_fd, why,
+                                   sizeof why);
+    fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED, "%s: %s", call->path, why);
+    return;
+  }
+
   {
     /* Before anything else: an unauthenticated caller learns nothing, not even which
      * methods exist. */
@@ -945,7 +956,7 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
   ep->shutdown_tag = (tag_t){TAG_SHUTDOWN, ep};
   for (size_t s = 0; s < n_services; s++)
     ep->n_methods += services[s].descriptor->n_methods;
-  ep->methods = calloc(ep->n_methods, sizeof *ep->methods);
+  ep->methods = calloc(ep->n_methods ? ep->n_methods : 1, sizeof *ep->methods);
   int r = ep->methods ? endpoint_security(ep, options) : -ENOMEM;
   if (r < 0) {
     endpoint_free(ep);
@@ -953,7 +964,7 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
   }
   /* gRPC refuses a message larger than the largest any method here takes before it has
    * buffered it: a port that serves only Health takes only names. */
-  size_t max_request = 0;
+  size_t max_request = FSDP_WIRE_HEALTH_REQUEST_MAX; /* a name, even with no method here */
   for (size_t s = 0; s < n_services; s++)
     for (unsigned i = 0; i < services[s].descriptor->n_methods; i++) {
       size_t m = fsdp_wire_method_max_request(services[s].descriptor, i,

@@ -85,6 +85,11 @@ typedef struct fsdp_rpc_endpoint_options {
    * certificate and requires and verifies a client certificate chaining to tls_ca_pem
    * (mutual TLS). All NULL: plaintext. Adopted descriptors are always plaintext. */
   const char *tls_cert_pem, *tls_key_pem, *tls_ca_pem;
+  /* Non-NULL: the endpoint serves no one. Every call on it gets PERMISSION_DENIED with the
+   * reason refuse() writes for its connection (the adopted descriptor), so that a client
+   * let in only to hear it is refused can show why. */
+  void (*refuse)(void *data, int fd, char *buf, size_t size);
+  void *refuse_data;
 } fsdp_rpc_endpoint_options_t;
 
 typedef struct fsdp_rpc_stats {
