@@ -225,6 +225,13 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
   return 0;
 }
 
+int fsdp_wire_decode_request_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                                   size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+  unsigned count = 0;
+  int r = count_elements(desc, data, len, "", &count, st);
+  return r < 0 ? r : fsdp_wire_decode_bytes(desc, data, len, ret_msg, st);
+}
+
 static int decode_buffer(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                          bool request, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
   if (!buffer)
@@ -235,13 +242,8 @@ static int decode_buffer(const ProtobufCMessageDescriptor *desc, grpc_byte_buffe
                            desc->name);
   grpc_slice all = grpc_byte_buffer_reader_readall(&reader);
   grpc_byte_buffer_reader_destroy(&reader);
-  unsigned count = 0;
-  int r = request ? count_elements(desc, GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), "",
-                                   &count, st)
-                  : 0;
-  if (r == 0)
-    r = fsdp_wire_decode_bytes(desc, GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), ret_msg,
-                               st);
+  int r = (request ? fsdp_wire_decode_request_bytes : fsdp_wire_decode_bytes)(
+      desc, GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), ret_msg, st);
   grpc_slice_unref(all);
   return r;
 }

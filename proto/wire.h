@@ -56,6 +56,8 @@ int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *b
  * count passed it). */
 int fsdp_wire_decode_request(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                              ProtobufCMessage **ret_msg, fsdp_status_t *st);
+int fsdp_wire_decode_request_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                                   size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st);
 int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
                            size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st);
 
