@@ -170,6 +170,12 @@ def test_descriptor_limit_is_raised_at_start(fsdpd):
         line = next(l for l in f if l.startswith("Max open files"))
     soft, hard_seen = line.split()[3:5]
     assert soft == hard_seen, line
+    # A hard limit below what the configured limits need is named, with what they need.
+    if hard == resource.RLIM_INFINITY or hard > 512:
+        low = fsdpd(prefix=("prlimit", "--nofile=256:512", "--"), name="low")
+        assert "the descriptor limit is 512 (hard limit 512) but the configured limits need " \
+            "about" in low.stderr()
+        assert "raise LimitNOFILE or lower them" in low.stderr()
 
 
 def test_large_health_checks_do_not_slow_trainers(fsdpd):
