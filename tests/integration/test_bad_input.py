@@ -1,6 +1,7 @@
 """Bad input from clients: each gets the right gRPC status and a message that names the
 problem, and the daemon still answers a health Check SERVING afterwards."""
 
+import os
 import random
 import socket
 import threading
@@ -314,6 +315,24 @@ def test_streams_beyond_max_streams_are_refused_and_checks_still_served(fsdpd):
         for _ in range(8):
             assert d.check("") == SERVING
         assert d.status().version
+    finally:
+        for w in watches:
+            w.cancel()
+
+
+def test_watches_on_the_unix_socket_do_not_lock_out_trainers(fsdpd):
+    """Watch streams held on the unix socket used to fill rpc.max_inflight_calls (1,024
+    locked out every trainer): streams have a budget of their own."""
+    d = fsdpd("--set", "rpc.max_inflight_calls=16")
+    watches = [d.watch("") for _ in range(20)]
+    try:
+        for w in watches:
+            assert next(w).status == SERVING
+        reply = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
+            protocol_version=1, job="watched", local_rank=0, local_world_size=1,
+            pid=os.getpid()), trainer_pb2.AttachReply)
+        assert reply.session_id
+        assert d.check("") == SERVING
     finally:
         for w in watches:
             w.cancel()

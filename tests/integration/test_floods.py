@@ -262,3 +262,39 @@ def test_silent_and_half_sent_connections_are_closed_when_idle(fsdpd):
     finally:
         for s in socks:
             s.close()
+
+
+def test_join_of_millions_of_entries_is_refused_before_decoding(fsdpd, tmp_path):
+    """A Join of the same shape as the RegisterUnit above (5.6 s of loop time on a peer port
+    without a token), from a token holder: refused by its size before gRPC buffers it, and a
+    smaller one by its count of entries, while the daemon keeps answering."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-peer-token\n")
+    ports = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        ports.append(s)
+    hosts = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in ports)
+    for s in ports:
+        s.close()
+    d = fsdpd("--hosts", hosts, "--host-rank", "0", "--local-world-size", "1",
+              "--set", f"peer.token_file={token}", env=DAEMON_ENV)
+    rss_before = rss_mb(d.pid)
+    metadata = (("authorization", "Bearer s3cret-peer-token"),)
+    field_settings = b"\x1a\x00"  # field 3 (settings), an empty entry
+    with grpc.insecure_channel(hosts.split(",")[0],
+                               options=[("grpc.enable_http_proxy", 0),
+                                        ("grpc.max_send_message_length", -1)]) as ch:
+        join = ch.unary_unary("/fsdp.v1.Peer/Join")
+        with pytest.raises(grpc.RpcError) as e:
+            join(field_settings * ((16 << 20) // 2 - 64), timeout=30, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "65536" in e.value.details(), e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            join(field_settings * 30000, timeout=30, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "/fsdp.v1.Peer/Join: field 'settings[16384]'" in e.value.details()
+        assert "more than 16384 elements of repeated fields" in e.value.details()
+    assert rss_mb(d.pid) - rss_before < RSS_GROWTH_MAX_MB
+    d.assert_serving()
