@@ -178,9 +178,6 @@ static void on_accept_retry(uv_timer_t *timer) {
   uv_poll_start(&ls->poll, UV_READABLE, on_readable);
 }
 
-/* Drops the connections gRPC has closed from the list (their descriptor is closed, or is
- * now another file) and returns how many of the rest count against the limit of a new
- * connection of `uid` (all of them on TCP); the oldest idle of those goes to ret_idle. */
 static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) {
   for (fsdp_listener_conn_t **p = &ls->conns; *p; p = &(*p)->next)
     if (*p == conn) {
@@ -190,18 +187,27 @@ static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) 
     }
 }
 
-static unsigned count_conns(fsdp_listener_socket_t *ls, uid_t uid,
+/* Drops the connections that gRPC has closed from the list and returns how many of those
+ * of `uid` (all of them on TCP) are left; the oldest idle of those goes to ret_idle. fd is
+ * the new connection's descriptor: an entry with that number was closed before it. Only
+ * uid's entries are checked with fstat(2) (closed, or now another file), so a new
+ * connection costs one uid's limit; the others go when their number is reused or their uid
+ * connects. */
+static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
                             fsdp_listener_conn_t **ret_idle) {
   unsigned n = 0;
   *ret_idle = NULL;
-  for (fsdp_listener_conn_t *c = ls->conns, *next; c; c = next) {
-    next = c->next;
+  for (fsdp_listener_conn_t **p = &ls->conns, *c; (c = *p);) {
+    bool other = c->closing || (!ls->tcp && c->uid != uid);
     struct stat sb;
-    if (!c->relay && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)) {
-      conn_remove(ls, c);
+    if (!c->relay &&
+        (c->fd == fd || (!other && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)))) {
+      *p = c->next;
+      free(c);
       continue;
     }
-    if (c->closing || (!ls->tcp && c->uid != uid))
+    p = &c->next;
+    if (other)
       continue;
     n++;
     bool idle = c->relay ? fsdp_relay_open_streams(c->relay) == 0
@@ -225,7 +231,7 @@ static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid
   fsdp_listener_t *listener = ls->listener;
   unsigned limit = ls->tcp ? listener->max_tcp : listener->max_per_uid;
   fsdp_listener_conn_t *idle;
-  unsigned n = count_conns(ls, uid, &idle);
+  unsigned n = count_conns(ls, fd, uid, &idle);
   if (n >= limit) {
     if (!idle)
       return NULL;
