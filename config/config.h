@@ -53,7 +53,9 @@ typedef enum fsdp_option_type {
   X(MAX_MESSAGE_SIZE, "rpc.max_message_size", FSDP_OPT_SIZE, "16MiB", 4096, 1073741824, NULL,   \
     "B", false, NULL, "Largest request or reply; a larger request gets RESOURCE_EXHAUSTED.")     \
   X(MAX_INFLIGHT_CALLS, "rpc.max_inflight_calls", FSDP_OPT_INT, "1024", 1, 1000000, NULL, NULL, \
-    true, NULL, "Calls the daemon holds at once; beyond it, RESOURCE_EXHAUSTED.")                \
+    true, NULL,                                                                                  \
+    "Calls the unix socket holds at once, counted apart for work (Trainer) and for health and " \
+    "operator calls; beyond either, RESOURCE_EXHAUSTED.")                                        \
   X(MAX_STREAMS, "rpc.max_streams", FSDP_OPT_INT, "64", 1, 100000, NULL, NULL, false, NULL,       \
     "Health Watch streams each endpoint holds at once, a budget apart from its calls; beyond "  \
     "it, RESOURCE_EXHAUSTED.")                                                                   \
