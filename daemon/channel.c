@@ -275,7 +275,8 @@ void fsdp_channel_expire(fsdp_channel_t *channel, uint64_t now_ms) {
   for (fsdp_channel_conn_t *conn = channel->conns, *next; conn; conn = next) {
     next = conn->next;
     if (conn->state == CONN_HELLO && now_ms - conn->accepted_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS)
-      refuse(conn, FSDP_E_DEADLINE_EXCEEDED, "memory channel of pid %d: no hello within %d ms; closed",
-             (int)conn->peer.pid, FSDP_CHANNEL_HELLO_TIMEOUT_MS);
+      refuse(conn, FSDP_E_DEADLINE_EXCEEDED,
+             "memory channel of pid %d: no hello within %d ms; closed", (int)conn->peer.pid,
+             FSDP_CHANNEL_HELLO_TIMEOUT_MS);
   }
 }

@@ -107,7 +107,9 @@ static void cut(fsdp_relay_t *relay, const char *why, unsigned count, unsigned l
 static bool on_frame(fsdp_relay_t *relay, bool from_client, uint8_t type, uint8_t flags,
                      uint32_t id) {
   if (!from_client) {
-    if (type == H2_RST_STREAM || ((type == H2_HEADERS || type == H2_DATA) && (flags & H2_END_STREAM)))
+    bool ends = type == H2_RST_STREAM ||
+                ((type == H2_HEADERS || type == H2_DATA) && (flags & H2_END_STREAM));
+    if (ends)
       stream_ended(relay, id);
     return true;
   }
@@ -262,11 +264,12 @@ int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoi
   char host[INET6_ADDRSTRLEN] = "?";
   unsigned port = 0;
   if (getpeername(client_fd, (struct sockaddr *)&addr, &len) == 0) {
-    const void *a = addr.ss_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)&addr)->sin6_addr
-                                               : (const void *)&((struct sockaddr_in *)&addr)->sin_addr;
-    inet_ntop(addr.ss_family, a, host, sizeof host);
-    port = ntohs(addr.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&addr)->sin6_port
-                                            : ((struct sockaddr_in *)&addr)->sin_port);
+    const struct sockaddr_in6 *v6 = (const struct sockaddr_in6 *)&addr;
+    const struct sockaddr_in *v4 = (const struct sockaddr_in *)&addr;
+    bool six = addr.ss_family == AF_INET6;
+    inet_ntop(addr.ss_family, six ? (const void *)&v6->sin6_addr : (const void *)&v4->sin_addr,
+              host, sizeof host);
+    port = ntohs(six ? v6->sin6_port : v4->sin_port);
   }
   snprintf(relay->name, sizeof relay->name, "%s:%u", host, port);
   if (uv_poll_init(loop, &relay->client_poll, client_fd) < 0 ||

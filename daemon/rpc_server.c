@@ -610,7 +610,8 @@ static budget_t budget_of(const method_t *method) {
 }
 
 /* The limit of a budget on the endpoint, and how refusals name it. */
-static unsigned budget_limit(const fsdp_rpc_endpoint_t *ep, budget_t budget, const char **ret_name) {
+static unsigned budget_limit(const fsdp_rpc_endpoint_t *ep, budget_t budget,
+                             const char **ret_name) {
   if (budget == BUDGET_STREAMS) {
     *ret_name = ep->options.streams_limit_name;
     return ep->options.max_streams;
@@ -632,9 +633,10 @@ static void dispatch(fsdp_rpc_call_t *call) {
     snprintf(call->path, sizeof call->path, "%s", method ? method->path : path);
     gpr_free(path);
     if (call->conn_logs_cut)
-      log_warning("%s endpoint: connection fd:%d held more than its %u streams in calls at once "
-                "(streams reset and reopened?); closed it",
-                call->endpoint->name, call->conn_fd, call->endpoint->max_streams_per_connection);
+      log_warning("%s endpoint: connection fd:%d held more than its %u streams in calls at "
+                  "once (streams reset and reopened?); closed it",
+                  call->endpoint->name, call->conn_fd,
+                  call->endpoint->max_streams_per_connection);
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
                        "%s: the connection held more than its %u streams in calls at once; "
                        "the %s endpoint closed it",

@@ -145,10 +145,10 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
             ch = d.new_channel()
             ch2 = d.new_channel(tcp=True)
             try:
-                assert d.call("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(),
-                              health_pb2.HealthCheckResponse, channel=ch, timeout=3).status == SERVING
-                assert d.call("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(),
-                              health_pb2.HealthCheckResponse, channel=ch2, timeout=3).status == SERVING
+                for c in (ch, ch2):
+                    reply = d.call("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(),
+                                   health_pb2.HealthCheckResponse, channel=c, timeout=3)
+                    assert reply.status == SERVING
             finally:
                 ch.close()
                 ch2.close()
