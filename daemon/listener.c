@@ -319,9 +319,13 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
     }
     fsdp_listener_conn_t *conn = admit(ls, fd, cred.uid);
     if (!conn) {
-      log_warning("%s: refused a connection%s: %s already holds %u connections, none idle",
-                  ls->name, ls->tcp ? "" : " of uid", ls->tcp ? "the port" : "that uid",
-                  ls->tcp ? listener->max_tcp : listener->max_per_uid);
+      if (ls->tcp)
+        log_warning("%s: refused a connection: the port holds %u (health.max_connections), "
+                    "none idle", ls->name, listener->max_tcp);
+      else
+        log_warning("%s: refused a connection of uid %u (pid %ld): it holds %u "
+                    "(rpc.max_connections_per_uid), none idle",
+                    ls->name, (unsigned)cred.uid, (long)cred.pid, listener->max_per_uid);
       listener->refused++;
       close(fd);
       continue;
