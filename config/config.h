@@ -57,10 +57,27 @@ typedef enum fsdp_option_type {
   X(MAX_MESSAGE_SIZE, "rpc.max_message_size", FSDP_OPT_SIZE, "16MiB", 4096, 1073741824, NULL,   \
     "B", false, NULL, "Largest request or reply; a larger request gets RESOURCE_EXHAUSTED.")     \
   X(MAX_INFLIGHT_CALLS, "rpc.max_inflight_calls", FSDP_OPT_INT, "1024", 1, 1000000, NULL, NULL, \
-    true, NULL, "Calls the daemon holds at once; beyond it, RESOURCE_EXHAUSTED.")                \
+    true, NULL,                                                                                  \
+    "Calls the unix socket holds at once, counted apart for work (Trainer) and for health and " \
+    "operator calls; beyond either, RESOURCE_EXHAUSTED.")                                        \
+  X(MAX_STREAMS, "rpc.max_streams", FSDP_OPT_INT, "64", 1, 100000, NULL, NULL, false, NULL,       \
+    "Health Watch streams each endpoint holds at once, a budget apart from its calls; beyond "  \
+    "it, RESOURCE_EXHAUSTED.")                                                                   \
+  X(IDLE_TIMEOUT, "rpc.idle_timeout", FSDP_OPT_DURATION, "2m", 1000, 86400000, NULL, "ms",       \
+    false, NULL,                                                                                 \
+    "A connection without a call for this long is closed; clients reconnect when they call "    \
+    "again.")                                                                                    \
+  X(MAX_CONNECTIONS_PER_UID, "rpc.max_connections_per_uid", FSDP_OPT_INT, "512", 1, 65536, NULL, \
+    NULL, true, NULL,                                                                            \
+    "Connections one user may hold on the unix socket; at the limit the user's oldest idle "    \
+    "connection is closed for a new one, or the new one is refused.")                           \
   X(HEALTH_LISTEN, "health.listen", FSDP_OPT_ADDRESS, "127.0.0.1:7071", 0, 0, NULL, NULL,       \
     false, "--health-listen",                                                                    \
     "TCP address of the gRPC health service for schedulers; empty disables it.")                \
+  X(HEALTH_MAX_CONNECTIONS, "health.max_connections", FSDP_OPT_INT, "64", 1, 65536, NULL, NULL,  \
+    true, NULL,                                                                                  \
+    "Connections the health port holds; at the limit the oldest idle one is closed for a new "  \
+    "one, or the new one is refused.")                                                           \
   X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "8GiB", 67108864, 1099511627776, NULL, "B",    \
     true, NULL,                                                                                  \
     "Host memory the jobs' arenas may hold together: each job reserves both of its arenas "    \

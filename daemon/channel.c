@@ -2,6 +2,7 @@
 #include "channel.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -77,6 +78,21 @@ static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
   return ok;
 }
 
+/* Tells a connection that has not said hello why it is closed (the trainer's client reads
+ * the status of the welcome), and closes it. */
+static void refuse(fsdp_channel_conn_t *conn, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void refuse(fsdp_channel_conn_t *conn, int code, const char *fmt, ...) {
+  fsdp_channel_welcome_t w = {0};
+  va_list ap;
+  va_start(ap, fmt);
+  fsdp_status_setv(&w.status, code, fmt, ap);
+  va_end(ap);
+  log_warning("%s", w.status.message);
+  answer(conn, &w);
+  fsdp_channel_conn_close(conn);
+}
+
 static void read_hello(fsdp_channel_conn_t *conn) {
   fsdp_channel_t *channel = conn->channel;
   uint8_t frame[FSDP_CHANNEL_FRAME_BYTES];
@@ -140,6 +156,45 @@ static void on_conn_event(uv_poll_t *poll, int status, int events) {
 
 static void on_accept(uv_poll_t *poll, int status, int events);
 
+/* Connections that have not said hello are bounded per uid and in all. A trainer says hello
+ * at once, so the oldest silent connection goes first: of the new one's own uid when that
+ * uid is at its limit, else of the uid holding the most when all are taken. One user's idle
+ * connections thus cost only that user, and never lock a trainer out. */
+static void make_room(fsdp_channel_t *channel, uid_t uid) {
+  fsdp_channel_conn_t *oldest_own = NULL, *oldest_top = NULL;
+  unsigned own = 0, top = 0;
+  for (fsdp_channel_conn_t *c = channel->conns; c; c = c->next) {
+    if (c->state != CONN_HELLO)
+      continue;
+    unsigned n = 0;
+    fsdp_channel_conn_t *oldest = NULL;
+    for (fsdp_channel_conn_t *d = channel->conns; d; d = d->next)
+      if (d->state == CONN_HELLO && d->peer.uid == c->peer.uid) {
+        n++;
+        if (!oldest || d->accepted_ms <= oldest->accepted_ms)
+          oldest = d;
+      }
+    if (c->peer.uid == uid) {
+      own = n;
+      oldest_own = oldest;
+    }
+    if (n > top) {
+      top = n;
+      oldest_top = oldest;
+    }
+  }
+  fsdp_channel_conn_t *victim = own >= FSDP_CHANNEL_MAX_PENDING_PER_UID ? oldest_own
+                                : channel->pending >= FSDP_CHANNEL_MAX_PENDING ? oldest_top
+                                                                                : NULL;
+  if (victim)
+    refuse(victim, FSDP_E_RESOURCE_EXHAUSTED,
+           "memory channel: closed a connection of pid %d uid %u that sent no hello, to make "
+           "room: its uid held %u such connections (at most %d), all uids %u (at most %d)",
+           (int)victim->peer.pid, (unsigned)victim->peer.uid,
+           victim == oldest_own ? own : top, FSDP_CHANNEL_MAX_PENDING_PER_UID, channel->pending,
+           FSDP_CHANNEL_MAX_PENDING);
+}
+
 static void on_accept_retry(uv_timer_t *timer) {
   fsdp_channel_t *channel = timer->data;
   uv_poll_start(&channel->poll, UV_READABLE, on_accept);
@@ -159,12 +214,6 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
       }
       return; /* EAGAIN: drained */
     }
-    if (channel->pending >= FSDP_CHANNEL_MAX_PENDING) {
-      log_warning("memory channel: %u connections have not said hello; closing another",
-                  channel->pending);
-      close(fd);
-      continue;
-    }
     fsdp_peer_t peer = {0};
     if (fsdp_peer_credentials(fd, &peer.pid, &peer.uid, &peer.gid) < 0 ||
         !fsdp_peer_allowed(fd, &peer)) {
@@ -173,6 +222,7 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
       close(fd);
       continue;
     }
+    make_room(channel, peer.uid);
     fsdp_channel_conn_t *conn = calloc(1, sizeof *conn);
     if (!conn) {
       close(fd);
@@ -224,10 +274,9 @@ void fsdp_channel_stop(fsdp_channel_t *channel) {
 void fsdp_channel_expire(fsdp_channel_t *channel, uint64_t now_ms) {
   for (fsdp_channel_conn_t *conn = channel->conns, *next; conn; conn = next) {
     next = conn->next;
-    if (conn->state == CONN_HELLO && now_ms - conn->accepted_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS) {
-      log_warning("memory channel of pid %d: no hello within %d ms; closed", (int)conn->peer.pid,
-                  FSDP_CHANNEL_HELLO_TIMEOUT_MS);
-      fsdp_channel_conn_close(conn);
-    }
+    if (conn->state == CONN_HELLO && now_ms - conn->accepted_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS)
+      refuse(conn, FSDP_E_DEADLINE_EXCEEDED,
+             "memory channel of pid %d: no hello within %d ms; closed", (int)conn->peer.pid,
+             FSDP_CHANNEL_HELLO_TIMEOUT_MS);
   }
 }

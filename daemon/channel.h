@@ -23,8 +23,11 @@
 
 #define FSDP_CHANNEL_HELLO_TIMEOUT_MS 5000
 #define FSDP_CHANNEL_MAX_FDS 8
-/* Connections that have not said hello yet, all together: beyond, new ones are closed. */
+/* Connections that have not said hello yet, per uid and all together: beyond, the oldest
+ * such connection (of the same uid, or of the uid holding the most) is told why in a
+ * ChannelWelcome and closed. */
 #define FSDP_CHANNEL_MAX_PENDING 64
+#define FSDP_CHANNEL_MAX_PENDING_PER_UID 8
 
 typedef struct fsdp_channel_conn fsdp_channel_conn_t;
 

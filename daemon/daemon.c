@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <systemd/sd-daemon.h>
@@ -40,6 +41,9 @@ static void apply_config(fsdp_daemon_t *daemon) {
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
+  daemon->listener.max_per_uid =
+      (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_CONNECTIONS_PER_UID);
+  daemon->listener.max_tcp = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS);
   if (daemon->peers)
     fsdp_peers_set_timing(daemon->peers,
                           (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_HEARTBEAT_INTERVAL),
@@ -354,6 +358,9 @@ static int create_peer_endpoint(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   fsdp_rpc_endpoint_options_t options = {
       .max_inflight_calls = PEER_MAX_INFLIGHT,
       .limit_name = "the peer port's fixed limit",
+      .max_streams = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_STREAMS),
+      .streams_limit_name = "rpc.max_streams",
+      .idle_ms = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_IDLE_TIMEOUT),
       .auth_token = sec->token,
       .auth_name = "peer.token_file",
       .tls_cert_pem = sec->tls_cert,
@@ -387,14 +394,22 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   fsdp_rpc_server_options_t options = {
       .max_message_size = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MAX_MESSAGE_SIZE),
   };
+  unsigned max_streams = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_STREAMS);
+  unsigned idle_ms = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_IDLE_TIMEOUT);
   fsdp_rpc_endpoint_options_t local_options = {
       .max_inflight_calls = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS),
       .limit_name = "rpc.max_inflight_calls",
+      .max_streams = max_streams,
+      .streams_limit_name = "rpc.max_streams",
+      .idle_ms = idle_ms,
   };
   /* The TCP port answers anyone on the host: probes are short Checks and a few Watches. */
   fsdp_rpc_endpoint_options_t health_options = {
       .max_inflight_calls = HEALTH_MAX_INFLIGHT,
       .limit_name = "the health port's fixed limit",
+      .max_streams = max_streams,
+      .streams_limit_name = "rpc.max_streams",
+      .idle_ms = idle_ms,
   };
   int r = fsdp_rpc_server_new(&daemon->loop, &options, &daemon->rpc);
   if (r < 0)
@@ -406,6 +421,21 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   if (r < 0)
     return fsdp_status_set(st, r, "cannot set up the local endpoint: %s", fsdp_strerror(r));
 
+  /* Serves no one: every call gets PERMISSION_DENIED saying why (fsdp_listener_refusal). */
+  fsdp_rpc_endpoint_options_t refused_options = {
+      .max_inflight_calls = HEALTH_MAX_INFLIGHT,
+      .limit_name = "the refusal's fixed limit",
+      .max_streams = 1,
+      .streams_limit_name = "the refusal's fixed limit",
+      .idle_ms = idle_ms,
+      .refuse = fsdp_listener_refusal,
+      .refuse_data = &daemon->listener,
+  };
+  r = fsdp_rpc_server_add_endpoint(daemon->rpc, "refused", NULL, 0, &refused_options,
+                                   &daemon->refused_endpoint);
+  if (r < 0)
+    return fsdp_status_set(st, r, "cannot set up the refusal endpoint: %s", fsdp_strerror(r));
+
   const char *health_listen = fsdp_config_text(cfg, FSDP_OPTION_HEALTH_LISTEN);
   if (health_listen[0]) {
     r = fsdp_rpc_server_add_endpoint(daemon->rpc, "health",
@@ -414,11 +444,13 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
                                      &daemon->health_endpoint);
     if (r < 0)
       return fsdp_status_set(st, r, "cannot set up the health endpoint: %s", fsdp_strerror(r));
-    int port;
-    if ((r = fsdp_rpc_endpoint_listen(daemon->health_endpoint, health_listen, &port, st)) < 0)
+    /* The listener accepts the port itself, as it does the unix socket. */
+    if ((r = fsdp_listener_listen_tcp(&daemon->listener, health_listen, st)) < 0)
       return r;
-    format_bound_address(daemon->health_address, sizeof daemon->health_address, health_listen,
-                         port);
+    snprintf(daemon->health_address, sizeof daemon->health_address, "%s",
+             daemon->listener.health_address);
+    daemon->listener.max_tcp_streams =
+        fsdp_rpc_endpoint_max_streams_per_connection(daemon->health_endpoint);
   }
   return create_peer_endpoint(daemon, st);
 }
@@ -441,6 +473,41 @@ static void start_handles(fsdp_daemon_t *daemon) {
                  uv_timer_get_repeat(&daemon->housekeeping));
 }
 
+/* Descriptors the limits allow the daemon to hold: each session's connection, memory channel
+ * and job arenas; one uid's connections on the unix socket and the health port's; pending
+ * memory channels; and a margin for peers, UCX, gRPC and logs. */
+static uint64_t descriptors_needed(const fsdp_config_t *cfg) {
+  return 3 * (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_MAX_SESSIONS) +
+         (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_MAX_CONNECTIONS_PER_UID) +
+         (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS) +
+         FSDP_CHANNEL_MAX_PENDING + 256;
+}
+
+/* The soft descriptor limit (1024 by default) is too low for session.max_sessions trainers
+ * and the connection limits: raise it to the hard limit, and say so if even that is short. */
+static void raise_descriptor_limit(const fsdp_config_t *cfg) {
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) < 0)
+    return;
+  if (nofile.rlim_cur < nofile.rlim_max) {
+    rlim_t was = nofile.rlim_cur;
+    nofile.rlim_cur = nofile.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &nofile) < 0)
+      nofile.rlim_cur = was;
+  }
+  uint64_t need = descriptors_needed(cfg);
+  if (nofile.rlim_cur != RLIM_INFINITY && nofile.rlim_cur < need)
+    log_warning("the descriptor limit is %llu (hard limit %llu) but the configured limits need "
+                "about %llu (3 per session.max_sessions, rpc.max_connections_per_uid, "
+                "health.max_connections and a margin): raise LimitNOFILE or lower them, or "
+                "trainers and probes will be refused when it runs out",
+                (unsigned long long)nofile.rlim_cur, (unsigned long long)nofile.rlim_max,
+                (unsigned long long)need);
+  else
+    log_debug("descriptor limit %llu, the configured limits need about %llu",
+              (unsigned long long)nofile.rlim_cur, (unsigned long long)need);
+}
+
 int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
                       fsdp_config_t *config, fsdp_status_t *st) {
   memset(daemon, 0, sizeof *daemon);
@@ -448,8 +515,9 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   daemon->envp = envp;
   daemon->config = *config;
   memset(config, 0, sizeof *config);
-  daemon->listener.lock_fd = daemon->listener.socket_fd = -1;
+  daemon->listener.lock_fd = daemon->listener.socket_fd = daemon->listener.health_fd = -1;
   fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(&daemon->config, FSDP_OPTION_LOG_LEVEL));
+  raise_descriptor_limit(&daemon->config);
 
   int r;
   if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0) {
@@ -500,7 +568,8 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   if ((r = create_rpc(daemon, st)) < 0)
     goto fail_rpc;
   /* Nothing is accepted before the loop runs, so the listener may start before the server. */
-  if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint)) < 0) {
+  if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint,
+                                daemon->health_endpoint, daemon->refused_endpoint)) < 0) {
     fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.socket_path,
                     uv_strerror(r));
     goto fail_rpc;

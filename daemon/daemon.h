@@ -62,6 +62,7 @@ typedef struct fsdp_daemon {
   fsdp_rpc_server_t *rpc;
   fsdp_rpc_endpoint_t *local_endpoint;
   fsdp_rpc_endpoint_t *health_endpoint; /* NULL when health.listen is empty */
+  fsdp_rpc_endpoint_t *refused_endpoint; /* uids the unix socket does not let in hear why */
   char health_address[320];             /* with the bound port */
   fsdp_rpc_endpoint_t *peer_endpoint;   /* NULL on one host */
   char peer_address[320];

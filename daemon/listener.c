@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -112,7 +114,7 @@ static int bind_socket(const fsdp_listener_t *listener, const char *name, int ty
   mode_t old_mask = umask(0117);
   r = bind(fd, (struct sockaddr *)&addr, sizeof addr);
   umask(old_mask);
-  if (r < 0 || chmod(addr.sun_path, 0660) < 0 || listen(fd, 128) < 0) {
+  if (r < 0 || chmod(addr.sun_path, 0660) < 0 || listen(fd, SOMAXCONN) < 0) {
     int err = errno;
     close(fd);
     return fsdp_status_set(st, -err, "cannot listen on '%s': %s", addr.sun_path, strerror(err));
@@ -123,7 +125,7 @@ static int bind_socket(const fsdp_listener_t *listener, const char *name, int ty
 
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
   memset(listener, 0, sizeof *listener);
-  listener->lock_fd = listener->socket_fd = listener->channel_fd = -1;
+  listener->lock_fd = listener->socket_fd = listener->channel_fd = listener->health_fd = -1;
   int r = prepare_run_dir(listener, run_dir, st);
   if (r < 0)
     return r;
@@ -175,90 +177,291 @@ bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer) {
 static void on_readable(uv_poll_t *poll, int status, int events);
 
 static void on_accept_retry(uv_timer_t *timer) {
-  fsdp_listener_t *listener = timer->data;
-  uv_poll_start(&listener->poll, UV_READABLE, on_readable);
+  fsdp_listener_socket_t *ls = timer->data;
+  uv_poll_start(&ls->poll, UV_READABLE, on_readable);
+}
+
+static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) {
+  for (fsdp_listener_conn_t **p = &ls->conns; *p; p = &(*p)->next)
+    if (*p == conn) {
+      *p = conn->next;
+      free(conn);
+      return;
+    }
+}
+
+/* Drops the connections that gRPC has closed from the list and returns how many of those
+ * of `uid` (all of them on TCP) are left; the oldest idle of those goes to ret_idle. fd is
+ * the new connection's descriptor: an entry with that number was closed before it. Only
+ * uid's entries are checked with fstat(2) (closed, or now another file), so a new
+ * connection costs one uid's limit; the others go when their number is reused or their uid
+ * connects. */
+static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
+                            fsdp_listener_conn_t **ret_idle) {
+  unsigned n = 0;
+  *ret_idle = NULL;
+  for (fsdp_listener_conn_t **p = &ls->conns, *c; (c = *p);) {
+    bool other = c->closing || (!ls->tcp && c->uid != uid);
+    struct stat sb;
+    if (!c->relay &&
+        (c->fd == fd || (!other && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)))) {
+      *p = c->next;
+      free(c);
+      continue;
+    }
+    p = &c->next;
+    if (other)
+      continue;
+    n++;
+    bool idle = c->relay ? fsdp_relay_open_streams(c->relay) == 0
+                         : fsdp_rpc_endpoint_connection_calls(ls->endpoint, c->fd) == 0;
+    if (idle && (!*ret_idle || c->since_ms < (*ret_idle)->since_ms))
+      *ret_idle = c;
+  }
+  return n;
+}
+
+/* A relayed connection ended, whoever ended it. */
+static void on_relay_closed(fsdp_relay_t *relay, void *data) {
+  (void)relay;
+  fsdp_listener_conn_t *conn = data;
+  conn_remove(conn->socket, conn);
+}
+
+/* Makes room for a connection of uid under its limit and records it; NULL if it must be
+ * refused. */
+static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid) {
+  fsdp_listener_t *listener = ls->listener;
+  unsigned limit = ls->tcp ? listener->max_tcp : listener->max_per_uid;
+  fsdp_listener_conn_t *idle;
+  unsigned n = count_conns(ls, fd, uid, &idle);
+  if (n >= limit) {
+    if (!idle)
+      return NULL;
+    log_info("%s: closed an idle connection (fd %d) to make room: %s holds %u of %u",
+             ls->name, idle->fd, ls->tcp ? "the port" : "its uid", n, limit);
+    if (idle->relay) {
+      idle->closing = true;
+      fsdp_relay_close(idle->relay);
+    } else {
+      /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
+      shutdown(idle->fd, SHUT_RDWR);
+      conn_remove(ls, idle);
+    }
+  }
+  struct stat sb;
+  fsdp_listener_conn_t *c = calloc(1, sizeof *c);
+  if (!c || fstat(fd, &sb) < 0) {
+    free(c);
+    return NULL;
+  }
+  *c = (fsdp_listener_conn_t){.socket = ls, .fd = fd, .ino = sb.st_ino, .uid = uid,
+                              .since_ms = uv_now(listener->loop), .next = ls->conns};
+  ls->conns = c;
+  return c;
+}
+
+/* Records the credentials of an accepted unix connection by descriptor. */
+static bool record_peer(fsdp_listener_t *listener, int fd, const fsdp_peer_t *cred) {
+  if ((size_t)fd >= listener->n_peers) {
+    size_t n = (size_t)fd * 2 + 16;
+    fsdp_peer_t *grown = realloc(listener->peers, n * sizeof *grown);
+    if (!grown)
+      return false;
+    memset(grown + listener->n_peers, 0, (n - listener->n_peers) * sizeof *grown);
+    listener->peers = grown;
+    listener->n_peers = n;
+  }
+  listener->peers[fd] = *cred;
+  return true;
 }
 
 static void on_readable(uv_poll_t *poll, int status, int events) {
   (void)events;
-  fsdp_listener_t *listener = poll->data;
+  fsdp_listener_socket_t *ls = poll->data;
+  fsdp_listener_t *listener = ls->listener;
   if (status < 0) {
-    log_error("socket %s: %s", listener->socket_path, uv_strerror(status));
+    log_error("socket %s: %s", ls->name, uv_strerror(status));
     return;
   }
   for (;;) {
-    int fd = accept4(listener->socket_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int fd = accept4(ls->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE) {
-        if (!listener->starved)
-          log_warning("cannot accept on %s: %s; retrying every %d ms", listener->socket_path,
+        if (!ls->starved)
+          log_warning("cannot accept on %s: %s; retrying every %d ms", ls->name,
                       strerror(errno), ACCEPT_RETRY_MS);
-        listener->starved = true;
-        uv_poll_stop(&listener->poll);
-        uv_timer_start(&listener->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
+        ls->starved = true;
+        uv_poll_stop(&ls->poll);
+        uv_timer_start(&ls->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
       }
       return; /* EAGAIN: drained */
     }
-    if (listener->starved) {
-      log_info("accepting on %s again", listener->socket_path);
-      listener->starved = false;
+    if (ls->starved) {
+      log_info("accepting on %s again", ls->name);
+      ls->starved = false;
     }
     fsdp_peer_t cred = {0};
-    if (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
-        !fsdp_peer_allowed(fd, &cred)) {
+    if (!ls->tcp && (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
+                     !fsdp_peer_allowed(fd, &cred))) {
       log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
                   (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
+      listener->refused++;
+      cred.refused = true;
+      /* A gRPC client shows only "broken pipe" for a closed connection: let it in where
+       * every call hears PERMISSION_DENIED and why, under the same per-uid limit. */
+      fsdp_listener_conn_t *conn = ls->refused ? admit(ls, fd, cred.uid) : NULL;
+      if (!conn || !record_peer(listener, fd, &cred)) {
+        if (conn)
+          conn_remove(ls, conn);
+        close(fd);
+        continue;
+      }
+      fsdp_rpc_endpoint_adopt(ls->refused, fd);
+      continue;
+    }
+    fsdp_listener_conn_t *conn = admit(ls, fd, cred.uid);
+    if (!conn) {
+      if (ls->tcp)
+        log_warning("%s: refused a connection: the port holds %u (health.max_connections), "
+                    "none idle", ls->name, listener->max_tcp);
+      else
+        log_warning("%s: refused a connection of uid %u (pid %ld): it holds %u "
+                    "(rpc.max_connections_per_uid), none idle",
+                    ls->name, (unsigned)cred.uid, (long)cred.pid, listener->max_per_uid);
       listener->refused++;
       close(fd);
       continue;
     }
-    if ((size_t)fd >= listener->n_peers) {
-      size_t n = (size_t)fd * 2 + 16;
-      fsdp_peer_t *grown = realloc(listener->peers, n * sizeof *grown);
-      if (!grown) {
-        log_warning("out of memory recording a connection; closing it");
-        close(fd);
-        continue;
-      }
-      memset(grown + listener->n_peers, 0, (n - listener->n_peers) * sizeof *grown);
-      listener->peers = grown;
-      listener->n_peers = n;
-    }
-    listener->peers[fd] = cred;
     listener->accepted++;
-    fsdp_rpc_endpoint_adopt(listener->endpoint, fd);
+    if (ls->tcp) {
+      int r = fsdp_relay_start(listener->loop, fd, ls->endpoint, listener->max_tcp_streams,
+                               on_relay_closed, conn, &conn->relay);
+      if (r < 0) {
+        log_warning("%s: cannot relay a connection: %s", ls->name, strerror(-r));
+        conn_remove(ls, conn);
+      }
+      continue;
+    }
+    if (!record_peer(listener, fd, &cred)) {
+      log_warning("out of memory recording a connection; closing it");
+      conn_remove(ls, conn);
+      close(fd);
+      continue;
+    }
+    fsdp_rpc_endpoint_adopt(ls->endpoint, fd);
   }
 }
 
-int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *endpoint) {
-  listener->endpoint = endpoint;
-  int r = uv_poll_init(loop, &listener->poll, listener->socket_fd);
-  if (r < 0)
-    return r;
-  uv_timer_init(loop, &listener->retry);
-  listener->poll.data = listener->retry.data = listener;
-  listener->polling = true;
-  return uv_poll_start(&listener->poll, UV_READABLE, on_readable);
+int fsdp_listener_listen_tcp(fsdp_listener_t *listener, const char *address, fsdp_status_t *st) {
+  char host[256];
+  const char *colon = strrchr(address, ':');
+  if (!colon || (size_t)(colon - address) >= sizeof host)
+    return fsdp_status_set(st, -EINVAL, "health address '%s' is not HOST:PORT", address);
+  snprintf(host, sizeof host, "%.*s", (int)(colon - address), address);
+  if (host[0] == '[' && host[strlen(host) - 1] == ']') {
+    memmove(host, host + 1, strlen(host));
+    host[strlen(host) - 1] = '\0';
+  }
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
+                  *ai;
+  int r = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &ai);
+  if (r != 0)
+    return fsdp_status_set(st, -EINVAL, "health address '%s': %s", address, gai_strerror(r));
+  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  int one = 1;
+  /* SO_REUSEADDR only: without SO_REUSEPORT a second daemon cannot share the port. */
+  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
+      bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0) {
+    int err = errno;
+    if (fd >= 0)
+      close(fd);
+    freeaddrinfo(ai);
+    return fsdp_status_set(st, -err, "cannot listen on %s for the health endpoint: %s", address,
+                           strerror(err));
+  }
+  freeaddrinfo(ai);
+  struct sockaddr_storage bound;
+  socklen_t len = sizeof bound;
+  getsockname(fd, (struct sockaddr *)&bound, &len);
+  unsigned port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                    : ((struct sockaddr_in *)&bound)->sin_port);
+  snprintf(listener->health_address, sizeof listener->health_address, "%.*s:%u",
+           (int)(colon - address), address, port);
+  listener->health_fd = fd;
+  return 0;
 }
 
-static void stop_polling(fsdp_listener_t *listener) {
-  if (listener->polling) {
-    uv_poll_stop(&listener->poll);
-    uv_close((uv_handle_t *)&listener->poll, NULL);
-    uv_close((uv_handle_t *)&listener->retry, NULL);
-    listener->polling = false;
+static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls, int fd, bool tcp,
+                        const char *name, fsdp_rpc_endpoint_t *endpoint) {
+  *ls = (fsdp_listener_socket_t){.listener = listener, .tcp = tcp, .fd = fd, .name = name,
+                                 .endpoint = endpoint};
+  int r = uv_poll_init(listener->loop, &ls->poll, fd);
+  if (r < 0)
+    return r;
+  uv_timer_init(listener->loop, &ls->retry);
+  ls->poll.data = ls->retry.data = ls;
+  ls->polling = true;
+  return uv_poll_start(&ls->poll, UV_READABLE, on_readable);
+}
+
+void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
+  fsdp_listener_t *listener = data;
+  if (fd < 0 || (size_t)fd >= listener->n_peers || !listener->peers[fd].refused) {
+    snprintf(buf, size, "this connection may not use fsdpd");
+    return;
+  }
+  const fsdp_peer_t peer = listener->peers[fd];
+  snprintf(buf, size,
+           "uid %u (pid %ld, gid %u) may not use fsdpd: only root, uid %u and members of group "
+           "%u (primary or supplementary) may connect to %s",
+           (unsigned)peer.uid, (long)peer.pid, (unsigned)peer.gid, (unsigned)geteuid(),
+           (unsigned)getegid(), listener->socket_path);
+}
+
+int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
+                        fsdp_rpc_endpoint_t *health, fsdp_rpc_endpoint_t *refused) {
+  listener->loop = loop;
+  int r = start_socket(listener, &listener->local, listener->socket_fd, false,
+                       listener->socket_path, local);
+  listener->local.refused = refused;
+  if (r == 0 && listener->health_fd >= 0)
+    r = start_socket(listener, &listener->health, listener->health_fd, true,
+                     listener->health_address, health);
+  return r;
+}
+
+static void stop_socket(fsdp_listener_socket_t *ls) {
+  if (ls->polling) {
+    uv_poll_stop(&ls->poll);
+    uv_close((uv_handle_t *)&ls->poll, NULL);
+    uv_close((uv_handle_t *)&ls->retry, NULL);
+    ls->polling = false;
+  }
+  while (ls->conns) {
+    fsdp_listener_conn_t *c = ls->conns;
+    ls->conns = c->next;
+    if (c->relay) {
+      /* The relay outlives the list: it must not reach for its entry when it closes. */
+      fsdp_relay_forget(c->relay);
+      fsdp_relay_close(c->relay);
+    }
+    free(c);
   }
 }
 
 int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer) {
-  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0)
+  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0 ||
+      listener->peers[fd].refused)
     return -ENOENT;
   *ret_peer = listener->peers[fd];
   return 0;
 }
 
 void fsdp_listener_close(fsdp_listener_t *listener) {
-  stop_polling(listener);
+  stop_socket(&listener->local);
+  stop_socket(&listener->health);
   free(listener->peers);
   listener->peers = NULL;
   listener->n_peers = 0;
@@ -271,6 +474,10 @@ void fsdp_listener_close(fsdp_listener_t *listener) {
     unlink(listener->channel_path);
     close(listener->channel_fd);
     listener->channel_fd = -1;
+  }
+  if (listener->health_fd >= 0) {
+    close(listener->health_fd);
+    listener->health_fd = -1;
   }
   if (listener->lock_fd >= 0) {
     close(listener->lock_fd); /* releases the flock */

@@ -1,11 +1,19 @@
-/* The local listener: the run directory, its lock file and the unix socket trainers and
- * operators connect to.
+/* The local listener: the run directory, its lock file, the unix socket trainers and
+ * operators connect to, and the TCP health port.
  *
  * The daemon binds and accepts the socket itself instead of letting gRPC do it, for three
  * reasons: gRPC would unlink and re-bind a path that another live daemon is serving; the
  * socket's mode must be 0660 from the start; and every connection's peer credentials
  * (SO_PEERCRED) are checked before gRPC sees a byte. Accepted connections are handed to an
- * RPC endpoint.
+ * RPC endpoint. The health port is accepted here too, and its connections reach gRPC
+ * through a relay (daemon/relay.h) that cuts a client resetting streams faster than a probe
+ * ever would (HTTP/2 rapid reset) or holding more streams than the port allows.
+ *
+ * Connection limits: each uid may hold max_per_uid connections on the unix socket, and the
+ * health port max_tcp in all. At the limit the oldest idle connection of that uid (of the
+ * port) is shut down to make room, so one user's idle connections cost only that user; when
+ * none is idle the new connection is refused. Whether a connection is still open is read
+ * from its descriptor (same socket inode), since gRPC closes it without telling us.
  *
  * Safety rules for the run directory: it must be a real directory (not a symlink) owned by
  * the daemon's user, mode 0750; the lock file (flock) proves which daemon owns it, and only
@@ -16,10 +24,12 @@
 #define FSDP_LISTENER_H
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #include <uv.h>
 
+#include "relay.h"
 #include "rpc_server.h"
 #include "status.h"
 
@@ -32,35 +42,78 @@ typedef struct fsdp_peer {
   pid_t pid;
   uid_t uid;
   gid_t gid;
+  bool refused; /* not let in: its calls only hear why */
 } fsdp_peer_t;
 
-typedef struct fsdp_listener {
+typedef struct fsdp_listener fsdp_listener_t;
+
+/* One accepted connection, while the listener counts it against a limit. */
+typedef struct fsdp_listener_conn {
+  struct fsdp_listener_socket *socket;
+  int fd;
+  ino_t ino; /* the socket's inode: the same number with another inode is another file */
+  uid_t uid; /* unix socket only */
+  fsdp_relay_t *relay; /* TCP only: the connection's relay, which says when it ends */
+  bool closing;
+  uint64_t since_ms;
+  struct fsdp_listener_conn *next;
+} fsdp_listener_conn_t;
+
+/* A listening socket and what its connections go to. */
+typedef struct fsdp_listener_socket {
+  fsdp_listener_t *listener;
   uv_poll_t poll;
   uv_timer_t retry; /* restarts accepting after running out of descriptors */
   bool polling;
   bool starved; /* out of descriptors: said once, until an accept works again */
+  bool tcp;
+  int fd;
+  const char *name; /* for messages: the path or the address */
+  fsdp_rpc_endpoint_t *endpoint;
+  fsdp_rpc_endpoint_t *refused; /* unix socket: where refused uids hear why */
+  fsdp_listener_conn_t *conns;
+} fsdp_listener_socket_t;
+
+struct fsdp_listener {
+  uv_loop_t *loop;
+  fsdp_listener_socket_t local, health;
   int lock_fd;
   int socket_fd;
   char run_dir[4096];
   char socket_path[108]; /* sun_path's size */
   int channel_fd;         /* the memory channel's listening socket (daemon/channel.h) */
   char channel_path[108];
-  fsdp_rpc_endpoint_t *endpoint;
+  int health_fd; /* the TCP health port, or -1 */
+  char health_address[320];
+  unsigned max_per_uid, max_tcp; /* connection limits; loop thread may change them */
+  unsigned max_tcp_streams;      /* streams one health port connection may hold open */
   unsigned long accepted, refused;
   /* Credentials by file descriptor of the accepted connection. A closed connection's entry
    * stays until its number is reused by the next accept: no call can come from it, because
    * gRPC keeps a connection's descriptor open while any of its calls is held. */
   fsdp_peer_t *peers;
   size_t n_peers;
-} fsdp_listener_t;
+};
 
 /* Prepares the run dir, takes its lock and binds the sockets (mode 0660): the gRPC one, and
  * the memory channel's (SOCK_SEQPACKET), which daemon/channel.h accepts on. Does not accept
  * yet. On failure st says which path and why; nothing is left behind. */
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st);
 
-/* Accepts connections on the loop and hands them to endpoint (borrowed). */
-int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *endpoint);
+/* Binds the TCP health port at "host:port" (port 0 picks one); its address with the bound
+ * port goes to listener->health_address. After fsdp_listener_open(). */
+int fsdp_listener_listen_tcp(fsdp_listener_t *listener, const char *address, fsdp_status_t *st);
+
+/* Accepts connections on the loop and hands those of the unix socket to `local`, those of
+ * the health port (if bound) to `health`, and those of uids the socket does not let in to
+ * `refused`, whose calls all hear why (its refuse option is fsdp_listener_refusal with the
+ * listener). All borrowed. */
+int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
+                        fsdp_rpc_endpoint_t *health, fsdp_rpc_endpoint_t *refused);
+
+/* Why the connection on fd was refused, for its callers (an endpoint's refuse option, with
+ * the listener as data). */
+void fsdp_listener_refusal(void *listener, int fd, char *buf, size_t size);
 
 /* Stops accepting, removes the socket, releases the lock and closes everything; synchronous
  * apart from the poll handle's own close, which this starts. */

@@ -23,6 +23,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <grpc/grpc.h>
@@ -51,6 +54,19 @@ typedef struct tag {
   void *owner;
 } tag_t;
 
+/* What an arrived call counts against on its endpoint: each has its own limit, so that
+ * Watch streams cannot starve Checks, nor either of them the trainers' work. */
+typedef enum budget {
+  BUDGET_CONTROL,
+  BUDGET_WORK,
+  BUDGET_STREAMS,
+  BUDGET_REFUSED,
+  BUDGET_COUNT
+} budget_t;
+
+static const char *const budget_names[BUDGET_COUNT] = {
+    "health and operator calls", "calls of work", "streams", "refused calls"};
+
 typedef struct method {
   fsdp_rpc_endpoint_t *endpoint;
   const fsdp_rpc_service_t *service;
@@ -58,6 +74,7 @@ typedef struct method {
   fsdp_rpc_handler_fn handler; /* NULL: not implemented */
   bool while_draining;
   bool streaming;
+  size_t max_request; /* bytes; larger requests are refused before they are decoded */
   void *registration;
   char path[FSDP_WIRE_PATH_MAX];
 } method_t;
@@ -70,6 +87,8 @@ struct fsdp_rpc_endpoint {
   char auth_name[64];
   grpc_server_credentials *credentials; /* TLS, or NULL: the server's insecure ones */
   unsigned inflight; /* loop thread */
+  unsigned held[BUDGET_COUNT];
+  unsigned max_streams_per_connection;
   grpc_server *grpc;
   method_t *methods;
   size_t n_methods;
@@ -101,6 +120,7 @@ struct fsdp_rpc_call {
   /* Loop thread only. */
   fsdp_rpc_call_t *prev, *next; /* the server's list of active calls */
   char path[FSDP_WIRE_PATH_MAX];
+  budget_t budget;
   bool is_work; /* a call of a method not served while draining: a stop waits for it */
   bool cancel_seen;
   bool initial_metadata_sent;
@@ -113,7 +133,26 @@ struct fsdp_rpc_call {
   grpc_slice status_details;
   fsdp_rpc_cancel_fn on_cancel;
   void *cancel_data;
+
+  /* Set by the CQ thread at arrival. */
+  int conn_fd;    /* the adopted connection it came on, or -1 */
+  bool conn_cut;      /* its connection was cut for holding more calls than its streams */
+  bool conn_logs_cut; /* ... by this call, which says so */
 };
+
+/* Calls in existence per adopted connection, by file descriptor: the listener closes idle
+ * connections (no call) first. HTTP/2 lets a client reset a stream and open the next at once
+ * ("rapid reset"), and gRPC 1.51 makes a call of every stream whatever the client does with
+ * it next, so a connection can pile up calls beyond its stream limit faster than the loop
+ * answers them: one whose calls exceed the limit is cut (shutdown(2); gRPC then closes it).
+ * This sees calls only once gRPC hands them over, so it is the second line: the health
+ * port, open to anyone on the host, is relayed frame by frame (daemon/relay.h), which stops
+ * such a client before gRPC reads its streams. */
+typedef struct conn_slot {
+  atomic_uint calls;
+  atomic_bool cut;
+  _Atomic ino_t ino; /* the socket's inode at adoption */
+} conn_slot_t;
 
 typedef enum event_kind { EV_ARRIVED, EV_CANCELLED, EV_SENT, EV_SHUTDOWN, EV_THREAD_EXIT } event_kind_t;
 
@@ -152,6 +191,8 @@ struct fsdp_rpc_server {
 
   atomic_bool stopping;
   atomic_int alive; /* call contexts in existence */
+  conn_slot_t *conns; /* by fd; descriptors at or above n_conns are not counted */
+  size_t n_conns;
 
   /* Loop thread only. */
   server_state_t state;
@@ -206,6 +247,8 @@ static void call_unref(fsdp_rpc_call_t *call) {
     free(m);
   }
   grpc_slice_unref(call->status_details);
+  if (call->conn_fd >= 0)
+    atomic_fetch_sub(&server->conns[call->conn_fd].calls, 1);
   free(call);
   /* The last context gone may be what a stopping server waits for. */
   if (atomic_fetch_sub(&server->alive, 1) == 1 && atomic_load(&server->stopping))
@@ -229,6 +272,7 @@ static void request_call(fsdp_rpc_endpoint_t *endpoint, method_t *method) {
   call->close_tag = (tag_t){TAG_RECV_CLOSE, call};
   call->send_tag = (tag_t){TAG_SEND, call};
   call->status_details = grpc_empty_slice();
+  call->conn_fd = -1;
   grpc_metadata_array_init(&call->request_metadata);
   grpc_call_details_init(&call->details);
   atomic_fetch_add(&server->alive, 1);
@@ -249,12 +293,48 @@ static void request_call(fsdp_rpc_endpoint_t *endpoint, method_t *method) {
   }
 }
 
+/* gRPC names a connection made from a file descriptor "fd:N"; -1 for any other. */
+static int peer_fd(grpc_call *call) {
+  char *peer = grpc_call_get_peer(call);
+  int fd = -1;
+  if (peer && strncmp(peer, "fd:", 3) == 0) {
+    char *end;
+    long n = strtol(peer + 3, &end, 10);
+    if (end != peer + 3 && *end == '\0' && n >= 0 && n <= INT32_MAX)
+      fd = (int)n;
+  }
+  gpr_free(peer);
+  return fd;
+}
+
+/* CQ thread: counts the call against its connection, and cuts a connection that holds
+ * more calls than it may have streams open. */
+static void count_connection_call(fsdp_rpc_call_t *call) {
+  fsdp_rpc_server_t *server = call->server;
+  int fd = peer_fd(call->call);
+  if (fd < 0 || (size_t)fd >= server->n_conns)
+    return;
+  call->conn_fd = fd;
+  conn_slot_t *slot = &server->conns[fd];
+  unsigned calls = atomic_fetch_add(&slot->calls, 1) + 1;
+  if (calls > call->endpoint->max_streams_per_connection && !atomic_exchange(&slot->cut, true)) {
+    /* Only if the descriptor is still that connection: gRPC may have closed it, and the
+     * number may be another file's by now. */
+    struct stat sb;
+    if (fstat(fd, &sb) == 0 && sb.st_ino == atomic_load(&slot->ino))
+      shutdown(fd, SHUT_RDWR);
+    call->conn_logs_cut = true;
+  }
+  call->conn_cut = atomic_load(&slot->cut);
+}
+
 /* CQ thread: a requested call arrived (or, with !success, the server is shutting down). */
 static void on_request(fsdp_rpc_call_t *call, bool success) {
   if (!success) {
     call_unref(call);
     return;
   }
+  count_connection_call(call);
   if (!atomic_load(&call->server->stopping))
     request_call(call->endpoint, call->method);
   /* Learn early when the client goes away or its deadline passes: gRPC never interrupts a
@@ -430,17 +510,7 @@ const char *fsdp_rpc_call_method(const fsdp_rpc_call_t *call) {
 }
 
 int fsdp_rpc_call_peer_fd(const fsdp_rpc_call_t *call) {
-  /* gRPC names a connection made from a file descriptor "fd:N". */
-  char *peer = grpc_call_get_peer(call->call);
-  int fd = -1;
-  if (peer && strncmp(peer, "fd:", 3) == 0) {
-    char *end;
-    long n = strtol(peer + 3, &end, 10);
-    if (end != peer + 3 && *end == '\0' && n >= 0 && n <= INT32_MAX)
-      fd = (int)n;
-  }
-  gpr_free(peer);
-  return fd;
+  return call->conn_fd >= 0 ? call->conn_fd : peer_fd(call->call);
 }
 
 int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call) {
@@ -458,6 +528,7 @@ static void active_link(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
   server->active = call;
   server->inflight++;
   call->endpoint->inflight++;
+  call->endpoint->held[call->budget]++;
 }
 
 static void count_work(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
@@ -475,6 +546,7 @@ static void active_unlink(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
   call->prev = call->next = NULL;
   server->inflight--;
   call->endpoint->inflight--;
+  call->endpoint->held[call->budget]--;
   if (call->is_work)
     server->work--;
 }
@@ -531,11 +603,58 @@ static bool authenticated(fsdp_rpc_call_t *call, const char *path) {
   return true;
 }
 
+static budget_t budget_of(const method_t *method) {
+  if (method && method->streaming)
+    return BUDGET_STREAMS;
+  return method && !method->while_draining ? BUDGET_WORK : BUDGET_CONTROL;
+}
+
+/* The limit of a budget on the endpoint, and how refusals name it. */
+static unsigned budget_limit(const fsdp_rpc_endpoint_t *ep, budget_t budget,
+                             const char **ret_name) {
+  if (budget == BUDGET_STREAMS) {
+    *ret_name = ep->options.streams_limit_name;
+    return ep->options.max_streams;
+  }
+  *ret_name = ep->options.limit_name;
+  return ep->options.max_inflight_calls;
+}
+
 static void dispatch(fsdp_rpc_call_t *call) {
   fsdp_rpc_server_t *server = call->server;
   method_t *method = call->method;
   server->calls_total++;
+  /* Calls of a cut connection are refused without work and count against no budget. */
+  call->budget = call->conn_cut ? BUDGET_REFUSED : budget_of(method);
   active_link(server, call);
+
+  if (call->conn_cut) {
+    char *path = grpc_slice_to_c_string(call->details.method);
+    snprintf(call->path, sizeof call->path, "%s", method ? method->path : path);
+    gpr_free(path);
+    if (call->conn_logs_cut)
+      log_warning("%s endpoint: connection fd:%d held more than its %u streams in calls at "
+                  "once (streams reset and reopened?); closed it",
+                  call->endpoint->name, call->conn_fd,
+                  call->endpoint->max_streams_per_connection);
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
+                       "%s: the connection held more than its %u streams in calls at once; "
+                       "the %s endpoint closed it",
+                       call->path, call->endpoint->max_streams_per_connection,
+                       call->endpoint->name);
+    return;
+  }
+
+  if (call->endpoint->options.refuse) {
+    char *path = grpc_slice_to_c_string(call->details.method);
+    snprintf(call->path, sizeof call->path, "%s", path);
+    gpr_free(path);
+    char why[256];
+    call->endpoint->options.refuse(call->endpoint->options.refuse_data, call->conn_fd, why,
+                                   sizeof why);
+    fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED, "%s: %s", call->path, why);
+    return;
+  }
 
   {
     /* Before anything else: an unauthenticated caller learns nothing, not even which
@@ -560,11 +679,12 @@ static void dispatch(fsdp_rpc_call_t *call) {
   }
   memcpy(call->path, method->path, sizeof call->path);
   fsdp_rpc_endpoint_t *ep = call->endpoint;
-  if (ep->inflight > ep->options.max_inflight_calls) {
+  const char *limit_name;
+  unsigned limit = budget_limit(ep, call->budget, &limit_name);
+  if (ep->held[call->budget] > limit) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
-                       "%s: the %s endpoint already holds %u calls (%s = %u)", call->path,
-                       ep->name, ep->inflight - 1, ep->options.limit_name,
-                       ep->options.max_inflight_calls);
+                       "%s: the %s endpoint already holds %u %s (%s = %u)", call->path, ep->name,
+                       ep->held[call->budget] - 1, budget_names[call->budget], limit_name, limit);
     return;
   }
   if (fsdp_rpc_call_deadline_ms(call) <= 0) {
@@ -572,11 +692,19 @@ static void dispatch(fsdp_rpc_call_t *call) {
                        call->path);
     return;
   }
+  /* Before decoding, which costs the loop time in proportion to the bytes. */
+  size_t size = call->request_payload ? grpc_byte_buffer_length(call->request_payload) : 0;
+  if (size > method->max_request) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
+                       "%s: request of %zu bytes, more than the %zu bytes this method takes",
+                       call->path, size, method->max_request);
+    return;
+  }
   /* A bad request is reported as such even by a method this release does not implement. */
   const ProtobufCMethodDescriptor *md = &method->service->descriptor->methods[method->index];
   fsdp_status_t st;
   ProtobufCMessage *request;
-  if (fsdp_wire_decode(md->input, call->request_payload, &request, &st) < 0) {
+  if (fsdp_wire_decode_request(md->input, call->request_payload, &request, &st) < 0) {
     fsdp_rpc_call_fail(call, st.code, "%s: %s", call->path, st.message);
     return;
   }
@@ -728,6 +856,16 @@ int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *option
   fsdp_rpc_server_t *server = calloc(1, sizeof *server);
   if (!server)
     return -ENOMEM;
+  /* Sized to the descriptor limit, which the daemon raised before creating the server. */
+  struct rlimit nofile;
+  server->n_conns = getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY
+                        ? (size_t)nofile.rlim_cur
+                        : 65536;
+  server->conns = calloc(server->n_conns, sizeof *server->conns);
+  if (!server->conns) {
+    free(server);
+    return -ENOMEM;
+  }
   server->loop = loop;
   server->options = *options;
   pthread_mutex_init(&server->lock, NULL);
@@ -760,6 +898,8 @@ void fsdp_rpc_server_free(fsdp_rpc_server_t *server) {
   }
   grpc_server_credentials_release(server->credentials);
   pthread_mutex_destroy(&server->lock);
+  free(server->conns);
+  server->conns = NULL;
   grpc_shutdown();
   if (server->open_handles > 0) {
     /* Never started: close the handles here; the last close callback frees the server. */
@@ -818,23 +958,39 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
   ep->shutdown_tag = (tag_t){TAG_SHUTDOWN, ep};
   for (size_t s = 0; s < n_services; s++)
     ep->n_methods += services[s].descriptor->n_methods;
-  ep->methods = calloc(ep->n_methods, sizeof *ep->methods);
+  ep->methods = calloc(ep->n_methods ? ep->n_methods : 1, sizeof *ep->methods);
   int r = ep->methods ? endpoint_security(ep, options) : -ENOMEM;
   if (r < 0) {
     endpoint_free(ep);
     return r;
   }
+  /* gRPC refuses a message larger than the largest any method here takes before it has
+   * buffered it: a port that serves only Health takes only names. */
+  size_t max_request = FSDP_WIRE_HEALTH_REQUEST_MAX; /* a name, even with no method here */
+  for (size_t s = 0; s < n_services; s++)
+    for (unsigned i = 0; i < services[s].descriptor->n_methods; i++) {
+      size_t m = fsdp_wire_method_max_request(services[s].descriptor, i,
+                                              server->options.max_message_size);
+      max_request = m > max_request ? m : max_request;
+    }
+  /* Requests whose message has not arrived yet are held by gRPC, not counted by us;
+   * this bounds them per connection. At the in-flight limit itself, HTTP/2 clients
+   * would queue quietly instead of hearing RESOURCE_EXHAUSTED from us: hence twice. */
+  ep->max_streams_per_connection = 2 * options->max_inflight_calls + options->max_streams;
   grpc_arg args[] = {
-      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-       {.integer = (int)server->options.max_message_size}},
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = (int)max_request}},
       {GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, {.integer = -1}},
       /* gRPC allows SO_REUSEPORT by default: two daemons would then share one port. */
       {GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}},
-      /* Requests whose message has not arrived yet are held by gRPC, not counted by us;
-       * this bounds them per connection. At the in-flight limit itself, HTTP/2 clients
-       * would queue quietly instead of hearing RESOURCE_EXHAUSTED from us: hence twice. */
       {GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS,
-       {.integer = (int)(2 * options->max_inflight_calls)}},
+       {.integer = (int)ep->max_streams_per_connection}},
+      /* A connection without a call for this long is closed (GOAWAY; clients reconnect when
+       * they call again): idle connections cannot pile up. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+       {.integer = options->idle_ms ? (int)options->idle_ms : INT32_MAX}},
+      /* A TLS handshake that does not finish in time is dropped too. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+       {.integer = options->idle_ms ? (int)options->idle_ms : INT32_MAX}},
   };
   grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
   ep->grpc = grpc_server_create(&channel_args, NULL);
@@ -861,6 +1017,7 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
       m->service = &services[s];
       m->index = i;
       m->streaming = fsdp_wire_method_is_server_streaming(sd, i);
+      m->max_request = fsdp_wire_method_max_request(sd, i, server->options.max_message_size);
       fsdp_wire_method_path(sd, i, m->path, sizeof m->path);
       m->registration = grpc_server_register_method(
           ep->grpc, m->path, NULL, GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
@@ -900,7 +1057,21 @@ void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd) {
     close(fd);
     return;
   }
+  struct stat sb;
+  if ((size_t)fd < endpoint->server->n_conns && fstat(fd, &sb) == 0) {
+    atomic_store(&endpoint->server->conns[fd].ino, sb.st_ino);
+    atomic_store(&endpoint->server->conns[fd].cut, false);
+  }
   grpc_server_add_channel_from_fd(endpoint->grpc, fd, endpoint->server->credentials);
+}
+
+unsigned fsdp_rpc_endpoint_max_streams_per_connection(const fsdp_rpc_endpoint_t *endpoint) {
+  return endpoint->max_streams_per_connection;
+}
+
+unsigned fsdp_rpc_endpoint_connection_calls(const fsdp_rpc_endpoint_t *endpoint, int fd) {
+  const fsdp_rpc_server_t *server = endpoint->server;
+  return fd >= 0 && (size_t)fd < server->n_conns ? atomic_load(&server->conns[fd].calls) : 0;
 }
 
 int fsdp_rpc_server_start(fsdp_rpc_server_t *server) {

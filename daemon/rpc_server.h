@@ -66,8 +66,15 @@ typedef struct fsdp_rpc_server_options {
 /* Each endpoint has its own budget, so that clients of one (anyone on the host can reach
  * the TCP health port) cannot use up another's. */
 typedef struct fsdp_rpc_endpoint_options {
-  unsigned max_inflight_calls; /* calls held at once; beyond it RESOURCE_EXHAUSTED */
-  const char *limit_name;      /* how refusals name the limit, e.g. the config key */
+  /* Unary calls held at once, counted apart for work (methods not served while draining)
+   * and for the rest (health Checks, operators); beyond it RESOURCE_EXHAUSTED. */
+  unsigned max_inflight_calls;
+  const char *limit_name; /* how refusals name the limit, e.g. the config key */
+  /* Streams (Health.Watch) held at once, a budget of their own. */
+  unsigned max_streams;
+  const char *streams_limit_name;
+  /* Milliseconds a connection may go without a call before it is closed; 0: no limit. */
+  unsigned idle_ms;
   /* Non-NULL: every call on the endpoint, whatever its method, must carry the metadata
    * "authorization: Bearer <auth_token>", or it gets UNAUTHENTICATED before anything else
    * (the message never shows the token). Copied. auth_name names where the token comes
@@ -78,6 +85,11 @@ typedef struct fsdp_rpc_endpoint_options {
    * certificate and requires and verifies a client certificate chaining to tls_ca_pem
    * (mutual TLS). All NULL: plaintext. Adopted descriptors are always plaintext. */
   const char *tls_cert_pem, *tls_key_pem, *tls_ca_pem;
+  /* Non-NULL: the endpoint serves no one. Every call on it gets PERMISSION_DENIED with the
+   * reason refuse() writes for its connection (the adopted descriptor), so that a client
+   * let in only to hear it is refused can show why. */
+  void (*refuse)(void *data, int fd, char *buf, size_t size);
+  void *refuse_data;
 } fsdp_rpc_endpoint_options_t;
 
 typedef struct fsdp_rpc_stats {
@@ -94,7 +106,11 @@ void fsdp_rpc_server_free(fsdp_rpc_server_t *server);
 
 /* Adds an endpoint serving `services` (borrowed; they must outlive the server). Before start.
  * HTTP/2 streams per connection are capped at twice the endpoint's in-flight limit as it is
- * here: requests whose message has not arrived are held by gRPC, not counted by us. */
+ * here, plus its streams: requests whose message has not arrived are held by gRPC, not
+ * counted by us. A connection handed over with fsdp_rpc_endpoint_adopt() that comes to hold
+ * more calls than that at once (streams reset and reopened faster than they are answered) is
+ * shut down. Requests larger than their method takes (fsdp_wire_method_max_request) get
+ * RESOURCE_EXHAUSTED before they are decoded. */
 int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
                                  const fsdp_rpc_service_t *services, size_t n_services,
                                  const fsdp_rpc_endpoint_options_t *options,
@@ -107,6 +123,11 @@ int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
                              fsdp_status_t *st);
 /* Hands a connected, non-blocking socket to the endpoint; takes ownership of fd. After start. */
 void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd);
+/* HTTP/2 streams one connection of the endpoint may hold open at once. */
+unsigned fsdp_rpc_endpoint_max_streams_per_connection(const fsdp_rpc_endpoint_t *endpoint);
+/* Calls in existence that came on the adopted connection fd (0: the connection is idle). Any
+ * thread. */
+unsigned fsdp_rpc_endpoint_connection_calls(const fsdp_rpc_endpoint_t *endpoint, int fd);
 
 /* Starts serving: the completion-queue thread and outstanding requests for every method. */
 int fsdp_rpc_server_start(fsdp_rpc_server_t *server);

@@ -27,6 +27,30 @@ bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *serv
   return false;
 }
 
+/* Methods whose requests may be as large as rpc.max_message_size allows: they carry a list
+ * of the trainer's parameters or units. A health request is a name. Every other request is
+ * a few ids and names. */
+static const struct {
+  const char *path;
+  size_t max; /* 0: the configured maximum */
+} request_limits[] = {
+    {"/fsdp.v1.Trainer/RegisterUnit", 0},
+    {"/fsdp.v1.Trainer/SetSchedule", 0},
+    {"/grpc.health.v1.Health/Check", FSDP_WIRE_HEALTH_REQUEST_MAX},
+    {"/grpc.health.v1.Health/Watch", FSDP_WIRE_HEALTH_REQUEST_MAX},
+};
+
+size_t fsdp_wire_method_max_request(const ProtobufCServiceDescriptor *service, unsigned method,
+                                    size_t max_message_size) {
+  char path[FSDP_WIRE_PATH_MAX];
+  size_t max = FSDP_WIRE_SMALL_REQUEST_MAX;
+  if (fsdp_wire_method_path(service, method, path, sizeof path) == 0)
+    for (size_t i = 0; i < sizeof request_limits / sizeof request_limits[0]; i++)
+      if (strcmp(path, request_limits[i].path) == 0)
+        max = request_limits[i].max ? request_limits[i].max : max_message_size;
+  return max < max_message_size ? max : max_message_size;
+}
+
 int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer) {
   size_t len = protobuf_c_message_get_packed_size(msg);
   grpc_slice slice = grpc_slice_malloc(len);
@@ -115,6 +139,74 @@ static int check_nul_in_strings(const ProtobufCMessageDescriptor *desc, const ui
   return 0;
 }
 
+/* protobuf-c allocates every element of a repeated message, string or bytes field on its
+ * own, and one 16 MiB request can hold millions of empty ones (seconds of loop time, a GB of
+ * memory). This walks the wire bytes first, down into sub-messages, and counts those
+ * elements in the whole request; it stops at the limit, so it costs little whatever the
+ * size. Bytes that do not parse end the walk: protobuf-c then refuses them. */
+static int count_elements(const ProtobufCMessageDescriptor *desc, const uint8_t *data, size_t len,
+                          const char *prefix, unsigned *count, fsdp_status_t *st) {
+  unsigned seen[64] = {0};
+  size_t pos = 0;
+  while (pos < len) {
+    uint64_t key, size;
+    size_t n = read_varint(data + pos, len - pos, &key);
+    if (n == 0)
+      return 0;
+    pos += n;
+    switch (key & 7) {
+    case 0:
+      n = read_varint(data + pos, len - pos, &size);
+      if (n == 0)
+        return 0;
+      pos += n;
+      continue;
+    case 1:
+      pos += 8;
+      continue;
+    case 5:
+      pos += 4;
+      continue;
+    case 2:
+      break;
+    default:
+      return 0;
+    }
+    n = read_varint(data + pos, len - pos, &size);
+    if (n == 0 || size > len - pos - n)
+      return 0;
+    pos += n;
+    const uint8_t *value = data + pos;
+    pos += size;
+    const ProtobufCFieldDescriptor *f =
+        protobuf_c_message_descriptor_get_field(desc, (unsigned)(key >> 3));
+    if (!f || (f->type != PROTOBUF_C_TYPE_MESSAGE && f->type != PROTOBUF_C_TYPE_STRING &&
+               f->type != PROTOBUF_C_TYPE_BYTES))
+      continue;
+    size_t index = (size_t)(f - desc->fields);
+    if (f->label == PROTOBUF_C_LABEL_REPEATED && ++*count > FSDP_WIRE_MAX_ELEMENTS)
+      return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                             "field '%s%s%s[%u]': %s holds more than %u elements of repeated "
+                             "fields, the most a request may",
+                             prefix, *prefix ? "." : "", f->name, index < 64 ? seen[index] : 0,
+                             desc->name, FSDP_WIRE_MAX_ELEMENTS);
+    if (f->label == PROTOBUF_C_LABEL_REPEATED && index < 64)
+      seen[index]++;
+    if (f->type == PROTOBUF_C_TYPE_MESSAGE) {
+      char path[256];
+      if (f->label == PROTOBUF_C_LABEL_REPEATED)
+        snprintf(path, sizeof path, "%s%s%s[%u]", prefix, *prefix ? "." : "", f->name,
+                 index < 64 ? seen[index] - 1 : 0);
+      else
+        snprintf(path, sizeof path, "%s%s%s", prefix, *prefix ? "." : "", f->name);
+      int r = count_elements(f->descriptor, value, size, path, count, st);
+      if (r < 0)
+        return r;
+    }
+  }
+  return 0;
+}
+
 int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
                            size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
   ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, len, data);
@@ -133,8 +225,15 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
   return 0;
 }
 
-int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
-                     ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+int fsdp_wire_decode_request_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                                   size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+  unsigned count = 0;
+  int r = count_elements(desc, data, len, "", &count, st);
+  return r < 0 ? r : fsdp_wire_decode_bytes(desc, data, len, ret_msg, st);
+}
+
+static int decode_buffer(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
+                         bool request, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
   if (!buffer)
     return fsdp_wire_decode_bytes(desc, NULL, 0, ret_msg, st);
   grpc_byte_buffer_reader reader;
@@ -143,10 +242,20 @@ int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *b
                            desc->name);
   grpc_slice all = grpc_byte_buffer_reader_readall(&reader);
   grpc_byte_buffer_reader_destroy(&reader);
-  int r = fsdp_wire_decode_bytes(desc, GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), ret_msg,
-                                 st);
+  int r = (request ? fsdp_wire_decode_request_bytes : fsdp_wire_decode_bytes)(
+      desc, GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), ret_msg, st);
   grpc_slice_unref(all);
   return r;
+}
+
+int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
+                     ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+  return decode_buffer(desc, buffer, false, ret_msg, st);
+}
+
+int fsdp_wire_decode_request(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
+                             ProtobufCMessage **ret_msg, fsdp_status_t *st) {
+  return decode_buffer(desc, buffer, true, ret_msg, st);
 }
 
 int fsdp_wire_frame_encode(const ProtobufCMessage *msg, uint8_t *frame) {

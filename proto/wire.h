@@ -29,6 +29,20 @@ int fsdp_wire_method_path(const ProtobufCServiceDescriptor *service, unsigned me
 bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *service,
                                           unsigned method);
 
+/* What a request may cost to decode. A health request is a service name; most others are
+ * a few ids and names; the few that carry lists (RegisterUnit, SetSchedule) may take all of
+ * rpc.max_message_size. Elements of repeated message, string or bytes fields, each of which
+ * protobuf-c allocates on its own, are counted in the wire bytes before anything is
+ * unpacked. */
+#define FSDP_WIRE_HEALTH_REQUEST_MAX 1024
+#define FSDP_WIRE_SMALL_REQUEST_MAX 65536
+#define FSDP_WIRE_MAX_ELEMENTS 16384
+
+/* The most bytes a request of method index `method` of `service` may have, given the
+ * configured maximum max_message_size (which it never exceeds). */
+size_t fsdp_wire_method_max_request(const ProtobufCServiceDescriptor *service, unsigned method,
+                                    size_t max_message_size);
+
 /* Packs msg into a new byte buffer that the caller destroys (after the batch using it). */
 int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer);
 
@@ -37,6 +51,13 @@ int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer)
  * and why. A NULL buffer is an empty message (gRPC sends no bytes for one). */
 int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                      ProtobufCMessage **ret_msg, fsdp_status_t *st);
+/* The same for a request a server received, which must first hold at most
+ * FSDP_WIRE_MAX_ELEMENTS repeated elements (RESOURCE_EXHAUSTED naming the field where the
+ * count passed it). */
+int fsdp_wire_decode_request(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
+                             ProtobufCMessage **ret_msg, fsdp_status_t *st);
+int fsdp_wire_decode_request_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                                   size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st);
 int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
                            size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st);
 

@@ -64,7 +64,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const ProtobufCMessageDescriptor *desc = pick(data[0]);
   ProtobufCMessage *msg;
   fsdp_status_t st;
-  if (fsdp_wire_decode_bytes(desc, data + 1, size - 1, &msg, &st) < 0) {
+  if (fsdp_wire_decode_request_bytes(desc, data + 1, size - 1, &msg, &st) < 0) {
     if (st.message[0] == '\0')
       abort(); /* every refusal must say why */
     return 0;

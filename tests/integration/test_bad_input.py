@@ -1,6 +1,7 @@
 """Bad input from clients: each gets the right gRPC status and a message that names the
 problem, and the daemon still answers a health Check SERVING afterwards."""
 
+import os
 import random
 import socket
 import threading
@@ -299,42 +300,60 @@ def test_many_concurrent_calls_all_answered(fsdpd):
     d.assert_serving()
 
 
-def test_calls_beyond_max_inflight_are_refused(fsdpd):
-    d = fsdpd("--set", "rpc.max_inflight_calls=2")
+def test_streams_beyond_max_streams_are_refused_and_checks_still_served(fsdpd):
+    d = fsdpd("--set", "rpc.max_streams=2", "--set", "rpc.max_inflight_calls=2")
     watches = [d.watch(""), d.watch("fsdp.v1.Peer")]
     try:
         for w in watches:
             assert next(w).status == SERVING
-        # Two parked Watch streams fill the daemon; a third call is refused, not queued.
+        # Two parked Watch streams fill the streams' budget: a third is refused, not queued...
         with pytest.raises(grpc.RpcError) as e:
-            d.check("")
+            next(d.watch("fsdp.v1.Trainer"))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "rpc.max_inflight_calls = 2" in e.value.details()
+        assert "already holds 2 streams (rpc.max_streams = 2)" in e.value.details()
+        # ... while Checks and operators, on budgets of their own, are answered.
+        for _ in range(8):
+            assert d.check("") == SERVING
+        assert d.status().version
     finally:
         for w in watches:
             w.cancel()
 
-    def serving_again():
-        try:
-            return d.check("") == SERVING
-        except grpc.RpcError:
-            return False
-    poll(serving_again, 5, what="a health Check after the watches were cancelled")
+
+def test_watches_on_the_unix_socket_do_not_lock_out_trainers(fsdpd):
+    """Watch streams held on the unix socket used to fill rpc.max_inflight_calls (1,024
+    locked out every trainer): streams have a budget of their own."""
+    d = fsdpd("--set", "rpc.max_inflight_calls=16")
+    watches = [d.watch("") for _ in range(20)]
+    try:
+        for w in watches:
+            assert next(w).status == SERVING
+        reply = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
+            protocol_version=1, job="watched", local_rank=0, local_world_size=1,
+            pid=os.getpid()), trainer_pb2.AttachReply)
+        assert reply.session_id
+        assert d.check("") == SERVING
+    finally:
+        for w in watches:
+            w.cancel()
 
 
 def test_health_port_cannot_use_up_the_unix_sockets_budget(fsdpd):
     """Anyone on the host reaches the TCP health port; Watch streams held open there fill only
-    that endpoint's own budget, while trainers and operators on the unix socket are served."""
+    that endpoint's streams, while Checks there, and trainers and operators on the unix socket,
+    are served (a scheduler must not see the node down because of other clients' streams)."""
     d = fsdpd("--set", "rpc.max_inflight_calls=4")
     watches = [d.watch("", tcp=True) for _ in range(64)]
     try:
         for w in watches:
             assert next(w).status == SERVING
         with pytest.raises(grpc.RpcError) as e:
-            d.check("", tcp=True)
+            next(d.watch("", tcp=True))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "the health endpoint already holds 64 calls (the health port's fixed limit = 64)" \
+        assert "the health endpoint already holds 64 streams (rpc.max_streams = 64)" \
             in e.value.details()
+        for _ in range(8):
+            assert d.check("", tcp=True) == SERVING
         assert d.status().version
         d.assert_serving()
     finally:

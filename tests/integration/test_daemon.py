@@ -233,24 +233,23 @@ def test_run_dir_owned_by_another_user_is_refused(fsdpd, tmp_path):
     assert f"run dir '{run}' is owned by uid 65534" in d.stderr()
 
 
-# A client that speaks HTTP/2 far enough that a daemon accepting it would answer with its
-# SETTINGS frame; a refused one reads EOF (or a reset) instead.
+# A gRPC client, as a trainer would be: it prints the status of a health Check.
 _FOREIGN_CLIENT = r"""
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.settimeout(5)
-s.connect(sys.argv[1])
+import sys
+import grpc
+ch = grpc.insecure_channel("unix:" + sys.argv[1], options=[("grpc.enable_http_proxy", 0)])
 try:
-    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
-    data = s.recv(100)
-except (BrokenPipeError, ConnectionResetError):
-    data = b""
-print(len(data))
+    ch.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
+    print("OK")
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
 """
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
-def test_connection_from_foreign_user_is_closed(fsdpd):
+def test_connection_from_foreign_user_is_refused_with_its_reason(fsdpd):
+    """A uid the socket does not let in is served nothing, and hears why (it used to see only
+    "broken pipe"): PERMISSION_DENIED naming its uid and who may connect."""
     # pytest's tmp_path sits in a 0700 folder; uid 65534 needs a path it may traverse.
     base = tempfile.mkdtemp(prefix="fsdpd-peer-")
     try:
@@ -262,16 +261,18 @@ def test_connection_from_foreign_user_is_closed(fsdpd):
         try:
             r = subprocess.run([sys.executable, "-c", _FOREIGN_CLIENT, str(d.socket_path)],
                                user=65534, group=65534, extra_groups=[], capture_output=True,
-                               text=True, timeout=10, cwd="/")
+                               text=True, timeout=20, cwd="/")
         except PermissionError as e:  # root in a user namespace that may not switch users
             pytest.skip(f"cannot run a process as uid 65534: {e}")
         assert r.returncode == 0, r.stderr
-        assert r.stdout.strip() == "0", "a foreign uid got an answer from the daemon"
+        assert r.stdout.startswith("PERMISSION_DENIED "), r.stdout
+        assert "uid 65534" in r.stdout and "may not use fsdpd" in r.stdout, r.stdout
+        assert f"uid {os.geteuid()}" in r.stdout, r.stdout
         assert "refused a connection" in d.stderr() and "uid 65534" in d.stderr()
-        # The same bytes from our own uid are answered.
+        # The same call from our own uid is answered.
         r = subprocess.run([sys.executable, "-c", _FOREIGN_CLIENT, str(d.socket_path)],
-                           capture_output=True, text=True, timeout=10)
-        assert r.returncode == 0 and r.stdout.strip() != "0", r.stderr
+                           capture_output=True, text=True, timeout=20)
+        assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
         d.assert_serving()
         assert d.stop() == 0
     finally:

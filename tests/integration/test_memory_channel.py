@@ -21,9 +21,9 @@ from fsdpd_harness import PYTHON_GEN, fsdpd, poll, trainer_pb2  # noqa: F401
 from fsdp.v1 import channel_pb2
 
 FRAME = 4096
-OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, RESOURCE_EXHAUSTED = \
-    0, 3, 5, 6, 7, 8
-FAILED_PRECONDITION = 9
+OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION = \
+    0, 3, 5, 6, 7, 9
+DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 4, 8
 
 
 def attach(d, rank=0, world=2, job="j"):
@@ -185,14 +185,54 @@ print(w.status, len(fds), w.message)
     assert f"belongs to pid {os.getpid()}" in message
 
 
+def welcome_of(s, seconds=8):
+    """The ChannelWelcome the daemon sends on a connection it refuses, then its end."""
+    s.settimeout(seconds)
+    msg = s.recv(FRAME)
+    n = struct.unpack("<I", msg[:4])[0]
+    return channel_pb2.ChannelWelcome.FromString(msg[4:4 + n])
+
+
 def test_silence_after_connecting_is_cut_off(fsdpd):
     d = fsdpd()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(str(d.run_dir / "fsdpd.mem.sock"))
     t0 = time.monotonic()
+    w = welcome_of(s)
+    assert (w.status, DEADLINE_EXCEEDED) == (DEADLINE_EXCEEDED, DEADLINE_EXCEEDED)
+    assert "no hello within 5000 ms" in w.message
     assert closed_by_daemon(s, 8)
     assert 4.5 < time.monotonic() - t0 < 8
     assert "no hello within 5000 ms" in d.stderr()
+
+
+def test_idle_connections_do_not_lock_out_trainers(fsdpd):
+    """One group member holding many connections that never say hello (64 made every trainer
+    start fail with only "connection reset") costs only its own: trainers still get their
+    memory, and the idle ones are told why they are closed."""
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    path = str(d.run_dir / "fsdpd.mem.sock")
+    idle = []
+    try:
+        for _ in range(100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(path)
+            idle.append(s)
+        for rank in range(13):
+            reply = attach(d, rank=rank, world=13, job="idle")
+            s, w, fds = hello(path, reply.session_id)
+            assert w.status == OK, w.message
+            assert len(fds) >= 1
+            for fd in fds:
+                os.close(fd)
+            idle.append(s)
+        # The oldest silent ones were closed with a reason a client can show.
+        w = welcome_of(idle[0], 2)
+        assert w.status == RESOURCE_EXHAUSTED
+        assert "sent no hello, to make room" in w.message
+    finally:
+        for s in idle:
+            s.close()
 
 
 def test_lease_end_closes_the_channel(fsdpd):

@@ -321,7 +321,7 @@ static void test_deadline_cancels_parked_call_and_limit_holds(void **state) {
   assert_int_equal(f->results[0].code, FSDP_E_DEADLINE_EXCEEDED);
   assert_int_equal(f->results[1].code, FSDP_E_RESOURCE_EXHAUSTED);
   assert_string_equal(f->results[1].message,
-                      "/fsdp.v1.Operator/Status: the test endpoint already holds 1 calls "
+                      "/fsdp.v1.Operator/Status: the test endpoint already holds 1 calls of work "
                       "(test.limit = 1)");
   assert_int_equal(f->results[2].code, 0);
   assert_int_equal(atomic_load(&f->cancels), 1);

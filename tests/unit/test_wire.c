@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -238,6 +239,68 @@ static void test_field_number_zero_is_rejected(void **state) {
   assert_string_equal(st.message, "fsdp.v1.DetachRequest: field number 0 is not valid");
 }
 
+/* RegisterUnitRequest with n empty entries of params (field 3). */
+static uint8_t *empty_params(size_t n, size_t *ret_len) {
+  uint8_t *data = malloc(2 * n);
+  assert_non_null(data);
+  for (size_t i = 0; i < n; i++) {
+    data[2 * i] = 3 << 3 | 2;
+    data[2 * i + 1] = 0;
+  }
+  *ret_len = 2 * n;
+  return data;
+}
+
+static void test_repeated_elements_are_counted_before_unpacking(void **state) {
+  (void)state;
+  size_t len;
+  ProtobufCMessage *msg;
+  fsdp_status_t st;
+  uint8_t *data = empty_params(FSDP_WIRE_MAX_ELEMENTS, &len);
+  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
+                                                  data, len, &msg, &st),
+                   0);
+  assert_int_equal(((Fsdp__V1__RegisterUnitRequest *)msg)->n_params, FSDP_WIRE_MAX_ELEMENTS);
+  protobuf_c_message_free_unpacked(msg, NULL);
+  free(data);
+
+  /* Millions of entries in 16 MiB: refused at the first element over, whatever follows. */
+  data = empty_params(8u << 20, &len);
+  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
+                                                  data, len, &msg, &st),
+                   FSDP_E_RESOURCE_EXHAUSTED);
+  assert_string_equal(st.message, "field 'params[16384]': fsdp.v1.RegisterUnitRequest holds "
+                                  "more than 16384 elements of repeated fields, the most a "
+                                  "request may");
+  /* Replies are not counted: the daemon's own may be long lists. */
+  assert_int_equal(fsdp_wire_decode_bytes(&fsdp__v1__register_unit_request__descriptor, data,
+                                          2 * (FSDP_WIRE_MAX_ELEMENTS + 1), &msg, &st),
+                   0);
+  protobuf_c_message_free_unpacked(msg, NULL);
+  free(data);
+}
+
+static void test_request_size_limits_by_method(void **state) {
+  (void)state;
+  const ProtobufCServiceDescriptor *health = &grpc__health__v1__health__descriptor;
+  const ProtobufCServiceDescriptor *trainer = &fsdp__v1__trainer__descriptor;
+  unsigned check = (unsigned)(protobuf_c_service_descriptor_get_method_by_name(health, "Check") -
+                              health->methods);
+  unsigned reg = (unsigned)(protobuf_c_service_descriptor_get_method_by_name(trainer,
+                                                                             "RegisterUnit") -
+                            trainer->methods);
+  unsigned unshard = (unsigned)(protobuf_c_service_descriptor_get_method_by_name(trainer,
+                                                                                 "Unshard") -
+                                trainer->methods);
+  assert_int_equal(fsdp_wire_method_max_request(health, check, 16 << 20),
+                   FSDP_WIRE_HEALTH_REQUEST_MAX);
+  assert_int_equal(fsdp_wire_method_max_request(trainer, reg, 16 << 20), 16 << 20);
+  assert_int_equal(fsdp_wire_method_max_request(trainer, unshard, 16 << 20),
+                   FSDP_WIRE_SMALL_REQUEST_MAX);
+  /* Never more than the configured maximum. */
+  assert_int_equal(fsdp_wire_method_max_request(trainer, unshard, 4096), 4096);
+}
+
 static void test_peer_state_names(void **state) {
   (void)state;
   assert_string_equal(fsdp_wire_peer_state_name(FSDP__V1__PEER_STATE__PEER_STATE_JOINED),
@@ -259,6 +322,8 @@ int main(void) {
       cmocka_unit_test(test_invalid_utf8_is_rejected),
       cmocka_unit_test(test_field_number_zero_is_rejected),
       cmocka_unit_test(test_nul_inside_a_string_is_rejected),
+      cmocka_unit_test(test_repeated_elements_are_counted_before_unpacking),
+      cmocka_unit_test(test_request_size_limits_by_method),
       cmocka_unit_test(test_peer_state_names),
   };
   return cmocka_run_group_tests_name("wire", tests, NULL, NULL);

@@ -1,0 +1,300 @@
+"""Floods a local user can send, through real sockets against a real fsdpd: HTTP/2 rapid
+reset on the health port, idle connections, oversized requests. Each checks that probes
+and the unix socket's callers keep being answered (latency compared with the same call
+measured in the same run without the flood, with a generous ratio, or calls that must end
+within their deadline) and that the daemon's memory (VmRSS) stays bounded."""
+
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+
+import h2raw
+from fsdpd_harness import SERVING, fsdpd, health_pb2, trainer_pb2  # noqa: F401
+
+# Generous: the machine may be shared with other builds and tests.
+LATENCY_RATIO = 50
+LATENCY_FLOOR_S = 0.05
+RSS_GROWTH_MAX_MB = 200
+# Under AddressSanitizer freed memory waits in a quarantine (256 MB by default) before it is
+# reused: a small one keeps VmRSS a measure of what the daemon holds.
+DAEMON_ENV = {"ASAN_OPTIONS": ":".join(
+    o for o in (os.environ.get("ASAN_OPTIONS", ""), "quarantine_size_mb=16") if o)}
+
+
+def rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def median_latency(fn, n=30):
+    times = []
+    for _ in range(n):
+        t = time.monotonic()
+        fn()
+        times.append(time.monotonic() - t)
+    return statistics.median(times)
+
+
+def under_flood(d, flood, seconds, tcp_probes=True):
+    """Runs flood(stop_time) in a thread while timing Status calls on the unix socket and
+    Checks on the health port (2 s deadline each); returns (median Status latency, probe
+    failures, peak VmRSS in MB)."""
+    stop = time.monotonic() + seconds
+    t = threading.Thread(target=flood, args=(stop,), daemon=True)
+    t.start()
+    times, failures, peak = [], [], rss_mb(d.pid)
+    while time.monotonic() < stop:
+        start = time.monotonic()
+        try:
+            d.status(timeout=2)
+            times.append(time.monotonic() - start)
+            if tcp_probes:
+                assert d.check("", tcp=True, timeout=2) == SERVING
+        except grpc.RpcError as e:
+            failures.append((e.code(), e.details()))
+        peak = max(peak, rss_mb(d.pid))
+        time.sleep(0.02)
+    t.join(10)
+    return statistics.median(times) if times else float("inf"), failures, peak
+
+
+def assert_kept_serving(d, baseline, latency, failures, peak, rss_before):
+    assert not failures, f"probes failed during the flood: {failures}"
+    assert latency < max(LATENCY_RATIO * baseline, LATENCY_FLOOR_S), \
+        f"Status p50 {latency * 1000:.1f} ms under the flood, {baseline * 1000:.2f} ms without"
+    assert peak - rss_before < RSS_GROWTH_MAX_MB, \
+        f"VmRSS grew from {rss_before:.0f} MB to {peak:.0f} MB"
+    d.assert_serving()
+    d.assert_serving(tcp=True)
+
+
+def test_rapid_reset_on_the_health_port(fsdpd):
+    """HEADERS then RST_STREAM, over and over on one connection (and again on a new one when
+    it is cut), no credentials needed: the daemon cuts each such connection, its memory stays
+    bounded and callers keep their latency."""
+    d = fsdpd(env=DAEMON_ENV)
+    rss_before = rss_mb(d.pid)
+    baseline = median_latency(lambda: d.status())
+    headers = h2raw.grpc_headers("/grpc.health.v1.Health/Check")
+    sent = [0, 0]
+
+    def flood(stop):
+        while time.monotonic() < stop and sent[0] < 2_000_000:
+            try:
+                s = h2raw.connect((d.health_host, d.health_port), timeout=1)
+                sent[1] += 1
+                sid = 1
+                while time.monotonic() < stop:
+                    burst = b"".join(
+                        h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, i, headers) +
+                        h2raw.frame(h2raw.DATA, h2raw.END_STREAM, i, h2raw.grpc_message(b"")) +
+                        h2raw.frame(h2raw.RST_STREAM, 0, i, h2raw.CANCEL.to_bytes(4, "big"))
+                        for i in range(sid, sid + 200, 2))
+                    s.sendall(burst)
+                    sid += 200
+                    sent[0] += 100
+            except OSError:
+                pass
+            finally:
+                s.close()
+
+    latency, failures, peak = under_flood(d, flood, 4)
+    print(f"{sent[0]} reset streams on {sent[1]} connections; Status p50 "
+          f"{latency * 1000:.2f} ms (without: {baseline * 1000:.2f}); VmRSS {rss_before:.0f} "
+          f"-> {peak:.0f} MB")
+    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+    assert "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)" \
+        in d.stderr()
+
+
+def raise_own_fd_limit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
+    """1,100 connections from one user that sent the HTTP/2 preface and half a HEADERS frame
+    (1,024 descriptors blocked every new caller): the daemon raised its descriptor limit, and
+    at its per-uid limit closes that user's oldest idle connection for a new one."""
+    if raise_own_fd_limit() < 2400:
+        pytest.skip("this test needs 2,400 descriptors of its own")
+    d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 64
+    rss_before = rss_mb(d.pid)
+    half = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
+                       h2raw.grpc_headers("/grpc.health.v1.Health/Check"))[:20]
+    idle = []
+    try:
+        for i in range(1100):
+            idle.append(h2raw.connect(str(d.socket_path)))
+            idle[-1].sendall(half)
+        for i in range(100):
+            idle.append(h2raw.connect((d.health_host, d.health_port)))
+        # Every new caller gets in, on a connection of its own, within its deadline.
+        for _ in range(5):
+            ch = d.new_channel()
+            ch2 = d.new_channel(tcp=True)
+            try:
+                for c in (ch, ch2):
+                    reply = d.call("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(),
+                                   health_pb2.HealthCheckResponse, channel=c, timeout=3)
+                    assert reply.status == SERVING
+            finally:
+                ch.close()
+                ch2.close()
+        assert rss_mb(d.pid) - rss_before < RSS_GROWTH_MAX_MB
+        assert "closed an idle connection" in d.stderr()
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_descriptor_limit_is_raised_at_start(fsdpd):
+    """The soft limit (1,024 by default) let only 251 of 256 trainers start: the daemon raises
+    it to the hard limit."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("the hard descriptor limit is too low to lower the soft one below it")
+    d = fsdpd(prefix=("prlimit", "--nofile=256:", "--"))
+    with open(f"/proc/{d.pid}/limits") as f:
+        line = next(l for l in f if l.startswith("Max open files"))
+    soft, hard_seen = line.split()[3:5]
+    assert soft == hard_seen, line
+    # A hard limit below what the configured limits need is named, with what they need.
+    if hard == resource.RLIM_INFINITY or hard > 512:
+        low = fsdpd(prefix=("prlimit", "--nofile=256:512", "--"), name="low")
+        assert "the descriptor limit is 512 (hard limit 512) but the configured limits need " \
+            "about" in low.stderr()
+        assert "raise LimitNOFILE or lower them" in low.stderr()
+
+
+def test_large_health_checks_do_not_slow_trainers(fsdpd):
+    """16 MiB health Checks from anyone on the host: refused before gRPC buffers them on the
+    health port, and before they are decoded on the unix socket, naming size and limit."""
+    d = fsdpd(env=DAEMON_ENV)
+    big = health_pb2.HealthCheckRequest(service="x" * ((16 << 20) - 64))
+    with pytest.raises(grpc.RpcError) as e:
+        d.call("/grpc.health.v1.Health/Check", big, health_pb2.HealthCheckResponse)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "more than the 1024 bytes this method takes" in e.value.details()
+    rss_before = rss_mb(d.pid)
+    baseline = median_latency(lambda: d.status())
+    payload = big.SerializeToString()
+
+    def flood(stop):
+        ch = d.new_channel(tcp=True)
+        n = 0
+        while time.monotonic() < stop and n < 1000:
+            n += 1
+            try:
+                d.raw_call("/grpc.health.v1.Health/Check", payload, channel=ch, timeout=2)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        ch.close()
+
+    latency, failures, peak = under_flood(d, flood, 4)
+    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+
+
+def test_request_of_millions_of_empty_entries_is_refused_before_unpacking(fsdpd):
+    """A RegisterUnit of 8.4 M empty parameter entries, no session needed (7 s of loop time
+    and 0.9 GB): refused by the count of repeated elements before anything is unpacked."""
+    d = fsdpd(env=DAEMON_ENV)
+    rss_before = rss_mb(d.pid)
+    payload = b"\x1a\x00" * ((16 << 20) // 2 - 64)  # field 3 (params), empty, over and over
+    baseline = median_latency(lambda: d.status())
+    with pytest.raises(grpc.RpcError) as e:
+        d.raw_call("/fsdp.v1.Trainer/RegisterUnit", payload, timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "field 'params[16384]'" in e.value.details()
+    assert "more than 16384 elements of repeated fields" in e.value.details()
+    assert "/fsdp.v1.Trainer/RegisterUnit" in e.value.details()
+
+    def flood(stop):
+        ch = d.new_channel()
+        for _ in range(20):
+            if time.monotonic() >= stop:
+                break
+            try:
+                d.raw_call("/fsdp.v1.Trainer/RegisterUnit", payload, channel=ch, timeout=10)
+            except grpc.RpcError:
+                pass
+        ch.close()
+
+    latency, failures, peak = under_flood(d, flood, 4)
+    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+
+
+def test_silent_and_half_sent_connections_are_closed_when_idle(fsdpd):
+    """Connections that sent nothing, only the HTTP/2 preface, or half a HEADERS frame were
+    never closed: rpc.idle_timeout closes them, on the unix socket and the health port."""
+    d = fsdpd("--set", "rpc.idle_timeout=1s", env=DAEMON_ENV)
+    half = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
+                       h2raw.grpc_headers("/grpc.health.v1.Health/Check"))[:20]
+    socks = []
+    for address in (str(d.socket_path), (d.health_host, d.health_port)):
+        bare = socket.socket(socket.AF_UNIX if isinstance(address, str) else socket.AF_INET)
+        bare.connect(address)
+        socks.append(bare)
+        socks.append(h2raw.connect(address, settings=False))
+        socks.append(h2raw.connect(address))
+        socks.append(h2raw.connect(address))
+        socks[-1].sendall(half)
+    try:
+        deadline = time.monotonic() + 10
+        for s in socks:
+            closed = False
+            while not closed and time.monotonic() < deadline:
+                closed = h2raw.read_frames(s, timeout=0.5)[1]
+            assert closed, "an idle connection was still open 10 s after connecting"
+        d.assert_serving()
+        d.assert_serving(tcp=True)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_join_of_millions_of_entries_is_refused_before_decoding(fsdpd, tmp_path):
+    """A Join of the same shape as the RegisterUnit above (5.6 s of loop time on a peer port
+    without a token), from a token holder: refused by its size before gRPC buffers it, and a
+    smaller one by its count of entries, while the daemon keeps answering."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-peer-token\n")
+    ports = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        ports.append(s)
+    hosts = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in ports)
+    for s in ports:
+        s.close()
+    d = fsdpd("--hosts", hosts, "--host-rank", "0", "--local-world-size", "1",
+              "--set", f"peer.token_file={token}", env=DAEMON_ENV)
+    rss_before = rss_mb(d.pid)
+    metadata = (("authorization", "Bearer s3cret-peer-token"),)
+    field_settings = b"\x1a\x00"  # field 3 (settings), an empty entry
+    with grpc.insecure_channel(hosts.split(",")[0],
+                               options=[("grpc.enable_http_proxy", 0),
+                                        ("grpc.max_send_message_length", -1)]) as ch:
+        join = ch.unary_unary("/fsdp.v1.Peer/Join")
+        with pytest.raises(grpc.RpcError) as e:
+            join(field_settings * ((16 << 20) // 2 - 64), timeout=30, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "65536" in e.value.details(), e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            join(field_settings * 30000, timeout=30, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "/fsdp.v1.Peer/Join: field 'settings[16384]'" in e.value.details()
+        assert "more than 16384 elements of repeated fields" in e.value.details()
+    assert rss_mb(d.pid) - rss_before < RSS_GROWTH_MAX_MB
+    d.assert_serving()
