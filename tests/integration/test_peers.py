@@ -537,6 +537,23 @@ def test_config_errors_exit_78(args, text):
     assert text in r.stderr, r.stderr
 
 
+def test_a_peer_port_in_use_stops_start_up_with_its_reason(tmp_path):
+    """Another process holds this host's peer port: start-up stops, naming the address,
+    with exit 1 (gRPC asserted when its half-set-up servers were destroyed: SIGABRT)."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        port = holder.getsockname()[1]
+        r = run_fsdpd("--run-dir", tmp_path / "run", "--health-listen", "127.0.0.1:0",
+                      "--hosts", f"127.0.0.1:{port},127.0.0.1:{free_ports(1)[0]}",
+                      "--local-world-size", "1", *INSECURE)
+    finally:
+        holder.close()
+    assert r.returncode == 1, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port} for the peer endpoint" in r.stderr, r.stderr
+
+
 def test_missing_token_file_exits_78(fsdpd, tmp_path):
     ports = free_ports(2)
     r = run_fsdpd("--run-dir", tmp_path / "run", "--health-listen", "",
