@@ -367,8 +367,8 @@ static void format_bound_address(char *buf, size_t size, const char *address, in
  * this many into one read (and then the peer reconnects). A rapid-reset client sends
  * thousands a second. */
 static unsigned peer_max_resets(void) {
-  return 2 * FSDP_RELAY_RESET_WINDOW_MS / (unsigned)fsdp_option_get(FSDP_OPTION_PEER_TIMEOUT)->min +
-         1;
+  unsigned shortest_deadline_ms = (unsigned)fsdp_option_get(FSDP_OPTION_PEER_TIMEOUT)->min;
+  return 2 * FSDP_RELAY_RESET_WINDOW_MS / shortest_deadline_ms + 1;
 }
 
 static unsigned peer_max_connections(const fsdp_config_t *cfg) {

@@ -1,8 +1,9 @@
 """Floods a local user can send, through real sockets against a real fsdpd: HTTP/2 rapid
-reset on the health port, idle connections, oversized requests. Each checks that probes
-and the unix socket's callers keep being answered (latency compared with the same call
-measured in the same run without the flood, with a generous ratio, or calls that must end
-within their deadline) and that the daemon's memory (VmRSS) stays bounded."""
+reset on the health port and on a token-protected peer port, idle connections, oversized
+requests. Each checks that probes and the unix socket's callers keep being answered (latency
+compared with the same call measured in the same run without the flood, with a generous
+ratio, or calls that must end within their deadline) and that the daemon's memory (VmRSS)
+stays bounded."""
 
 import os
 import resource
@@ -79,24 +80,6 @@ def assert_kept_serving(d, baseline, latency, failures, peak, rss_before):
     d.assert_serving(tcp=True)
 
 
-def test_rapid_reset_on_the_health_port(fsdpd):
-    """HEADERS then RST_STREAM, over and over on one connection (and again on a new one when
-    it is cut), no credentials needed: the daemon cuts each such connection, its memory stays
-    bounded and callers keep their latency."""
-    d = fsdpd(env=DAEMON_ENV)
-    rss_before = rss_mb(d.pid)
-    baseline = median_latency(lambda: d.status())
-    sent = [0, 0]
-    flood = rapid_reset_flood((d.health_host, d.health_port), "/grpc.health.v1.Health/Check", sent)
-    latency, failures, peak = under_flood(d, flood, 4)
-    print(f"{sent[0]} reset streams on {sent[1]} connections; Status p50 "
-          f"{latency * 1000:.2f} ms (without: {baseline * 1000:.2f}); VmRSS {rss_before:.0f} "
-          f"-> {peak:.0f} MB")
-    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
-    assert "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)" \
-        in d.stderr()
-
-
 def rapid_reset_flood(address, method, sent):
     """flood(stop) for under_flood: HEADERS, an empty message and RST_STREAM, 100 streams a
     burst on one connection, and again on a new one when it is cut; sent[0] counts streams,
@@ -125,6 +108,24 @@ def rapid_reset_flood(address, method, sent):
                 if s:
                     s.close()
     return flood
+
+
+def test_rapid_reset_on_the_health_port(fsdpd):
+    """HEADERS then RST_STREAM, over and over on one connection (and again on a new one when
+    it is cut), no credentials needed: the daemon cuts each such connection, its memory stays
+    bounded and callers keep their latency."""
+    d = fsdpd(env=DAEMON_ENV)
+    rss_before = rss_mb(d.pid)
+    baseline = median_latency(lambda: d.status())
+    sent = [0, 0]
+    flood = rapid_reset_flood((d.health_host, d.health_port), "/grpc.health.v1.Health/Check", sent)
+    latency, failures, peak = under_flood(d, flood, 4)
+    print(f"{sent[0]} reset streams on {sent[1]} connections; Status p50 "
+          f"{latency * 1000:.2f} ms (without: {baseline * 1000:.2f}); VmRSS {rss_before:.0f} "
+          f"-> {peak:.0f} MB")
+    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+    assert "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)" \
+        in d.stderr()
 
 
 def test_rapid_reset_on_a_token_protected_peer_port(fsdpd, tmp_path):
