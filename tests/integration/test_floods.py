@@ -24,6 +24,7 @@ from test_peers import Cluster, peers, token_args, wait_all_joined
 LATENCY_RATIO = 50
 LATENCY_FLOOR_S = 0.05
 RSS_GROWTH_MAX_MB = 200
+PEER_FLOOD_LATENCY_FLOOR_S = 0.25
 # Under AddressSanitizer freed memory waits in a quarantine (256 MB by default) before it is
 # reused: a small one keeps VmRSS a measure of what the daemon holds.
 DAEMON_ENV = {"ASAN_OPTIONS": ":".join(
@@ -70,9 +71,10 @@ def under_flood(d, flood, seconds, tcp_probes=True):
     return statistics.median(times) if times else float("inf"), failures, peak
 
 
-def assert_kept_serving(d, baseline, latency, failures, peak, rss_before):
+def assert_kept_serving(d, baseline, latency, failures, peak, rss_before,
+                        floor=LATENCY_FLOOR_S):
     assert not failures, f"probes failed during the flood: {failures}"
-    assert latency < max(LATENCY_RATIO * baseline, LATENCY_FLOOR_S), \
+    assert latency < max(LATENCY_RATIO * baseline, floor), \
         f"Status p50 {latency * 1000:.1f} ms under the flood, {baseline * 1000:.2f} ms without"
     assert peak - rss_before < RSS_GROWTH_MAX_MB, \
         f"VmRSS grew from {rss_before:.0f} MB to {peak:.0f} MB"
@@ -145,7 +147,12 @@ def test_rapid_reset_on_a_token_protected_peer_port(fsdpd, tmp_path):
     print(f"{sent[0]} reset streams on {sent[1]} connections; Status p50 "
           f"{latency * 1000:.2f} ms (without: {baseline * 1000:.2f}); VmRSS {rss_before:.0f} "
           f"-> {peak:.0f} MB")
-    assert_kept_serving(d0, baseline, latency, failures, peak, rss_before)
+    # The peer port lets a connection reset 401 streams in 10 s (a peer's deadlines may come
+    # that close), six times the health port's 64, so more of the flood reaches gRPC on the
+    # same loop: Status stays well within its deadline (20 to 60 ms here, under
+    # AddressSanitizer too), but not always under the health test's 50 ms floor.
+    assert_kept_serving(d0, baseline, latency, failures, peak, rss_before,
+                        floor=PEER_FLOOD_LATENCY_FLOOR_S)
     assert "peer port: closed the connection from ipv4:127.0.0.1:" in d0.stderr()
     assert "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)" \
         in d0.stderr()
