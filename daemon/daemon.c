@@ -21,6 +21,13 @@
 #define HEALTH_MAX_INFLIGHT 64
 /* The peer port answers the other daemons: a Join, a Heartbeat and a Leave each at most. */
 #define PEER_MAX_INFLIGHT 256
+/* Client resets one health port connection may send within the relay's window: a probe
+ * resets a stream only when its deadline passes. */
+#define HEALTH_MAX_RESETS 64
+/* Connections the plaintext peer port holds at once: each other host's channel, and one it
+ * left behind when it restarted until that one is found closed, plus probes. */
+#define PEER_CONNECTIONS_PER_HOST 2
+#define PEER_CONNECTIONS_EXTRA 16
 
 uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon) {
   uv_update_time(&daemon->loop);
@@ -43,7 +50,8 @@ static void apply_config(fsdp_daemon_t *daemon) {
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
   daemon->listener.max_per_uid =
       (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_CONNECTIONS_PER_UID);
-  daemon->listener.max_tcp = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS);
+  daemon->listener.tcp[FSDP_LISTENER_HEALTH].max_conns =
+      (unsigned)fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS);
   if (daemon->peers)
     fsdp_peers_set_timing(daemon->peers,
                           (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_HEARTBEAT_INTERVAL),
@@ -348,8 +356,31 @@ static void format_bound_address(char *buf, size_t size, const char *address, in
   snprintf(buf, size, "%.*s:%d", host_len, address, port);
 }
 
+/* Client resets one peer port connection may send within the relay's window. A peer's
+ * client resets a stream only when a call's deadline passes: it holds at most one Join and
+ * one Heartbeat in flight, each with a deadline of peer.timeout, which no daemon sets below
+ * the option's minimum (50 ms), and sends one Leave as it stops. So a peer resets at most
+ * 2 * 10 s / 50 ms + 1 = 401 streams in 10 s, and with the default peer.timeout (5 s) 5. The
+ * relay counts resets when it reads them, so a loop that stalled reads a backlog at once:
+ * but a peer that hears nothing for peer.timeout counts this host lost and stops its
+ * Heartbeats, and its Joins back off to one a second, so only a stall of minutes brings
+ * this many into one read (and then the peer reconnects). A rapid-reset client sends
+ * thousands a second. */
+static unsigned peer_max_resets(void) {
+  unsigned shortest_deadline_ms = (unsigned)fsdp_option_get(FSDP_OPTION_PEER_TIMEOUT)->min;
+  return 2 * FSDP_RELAY_RESET_WINDOW_MS / shortest_deadline_ms + 1;
+}
+
+static unsigned peer_max_connections(const fsdp_config_t *cfg) {
+  return PEER_CONNECTIONS_PER_HOST * fsdp_config_host_count(cfg) + PEER_CONNECTIONS_EXTRA;
+}
+
 /* The Peer service on its own TCP port, with the token and TLS of the peer.* keys; only
- * when there are peers. */
+ * when there are peers. A plaintext port (token or peer.insecure) is accepted by the
+ * listener and relayed, like the health port: a client without the token reaches gRPC all
+ * the same, and could reset streams faster than gRPC 1.51 can stop. With mutual TLS gRPC
+ * accepts the port itself: the handshake wants a client certificate before any HTTP/2
+ * frame, so only a holder of one could try. */
 static int create_peer_endpoint(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   const fsdp_config_t *cfg = &daemon->config;
   if (fsdp_config_host_count(cfg) < 2)
@@ -382,6 +413,22 @@ static int create_peer_endpoint(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   else
     fsdp_config_host(cfg, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_HOST_RANK),
                      listen, sizeof listen);
+  if (!sec->tls_cert) {
+    fsdp_listener_tcp_options_t tcp = {
+        .what = "peer",
+        .endpoint = daemon->peer_endpoint,
+        .max_connections = peer_max_connections(cfg),
+        .limit_name = "the peer port's fixed limit",
+        .max_streams = fsdp_rpc_endpoint_max_streams_per_connection(daemon->peer_endpoint),
+        .max_resets = peer_max_resets(),
+    };
+    if ((r = fsdp_listener_listen_tcp(&daemon->listener, FSDP_LISTENER_PEER, listen, &tcp,
+                                      st)) < 0)
+      return r;
+    snprintf(daemon->peer_address, sizeof daemon->peer_address, "%s",
+             daemon->listener.tcp[FSDP_LISTENER_PEER].address);
+    return 0;
+  }
   int port;
   if ((r = fsdp_rpc_endpoint_listen(daemon->peer_endpoint, listen, &port, st)) < 0)
     return r;
@@ -445,12 +492,19 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
     if (r < 0)
       return fsdp_status_set(st, r, "cannot set up the health endpoint: %s", fsdp_strerror(r));
     /* The listener accepts the port itself, as it does the unix socket. */
-    if ((r = fsdp_listener_listen_tcp(&daemon->listener, health_listen, st)) < 0)
+    fsdp_listener_tcp_options_t tcp = {
+        .what = "health",
+        .endpoint = daemon->health_endpoint,
+        .max_connections = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS),
+        .limit_name = "health.max_connections",
+        .max_streams = fsdp_rpc_endpoint_max_streams_per_connection(daemon->health_endpoint),
+        .max_resets = HEALTH_MAX_RESETS,
+    };
+    if ((r = fsdp_listener_listen_tcp(&daemon->listener, FSDP_LISTENER_HEALTH, health_listen,
+                                      &tcp, st)) < 0)
       return r;
     snprintf(daemon->health_address, sizeof daemon->health_address, "%s",
-             daemon->listener.health_address);
-    daemon->listener.max_tcp_streams =
-        fsdp_rpc_endpoint_max_streams_per_connection(daemon->health_endpoint);
+             daemon->listener.tcp[FSDP_LISTENER_HEALTH].address);
   }
   return create_peer_endpoint(daemon, st);
 }
@@ -474,13 +528,13 @@ static void start_handles(fsdp_daemon_t *daemon) {
 }
 
 /* Descriptors the limits allow the daemon to hold: each session's connection, memory channel
- * and job arenas; one uid's connections on the unix socket and the health port's; pending
- * memory channels; and a margin for peers, UCX, gRPC and logs. */
+ * and job arenas; one uid's connections on the unix socket, the health port's and the peer
+ * port's; pending memory channels; and a margin for peers, UCX, gRPC and logs. */
 static uint64_t descriptors_needed(const fsdp_config_t *cfg) {
   return 3 * (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_MAX_SESSIONS) +
          (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_MAX_CONNECTIONS_PER_UID) +
          (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS) +
-         FSDP_CHANNEL_MAX_PENDING + 256;
+         peer_max_connections(cfg) + FSDP_CHANNEL_MAX_PENDING + 256;
 }
 
 /* The soft descriptor limit (1024 by default) is too low for session.max_sessions trainers
@@ -515,7 +569,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   daemon->envp = envp;
   daemon->config = *config;
   memset(config, 0, sizeof *config);
-  daemon->listener.lock_fd = daemon->listener.socket_fd = daemon->listener.health_fd = -1;
+  daemon->listener.lock_fd = daemon->listener.socket_fd = -1;
   fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(&daemon->config, FSDP_OPTION_LOG_LEVEL));
   raise_descriptor_limit(&daemon->config);
 
@@ -569,7 +623,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
     goto fail_rpc;
   /* Nothing is accepted before the loop runs, so the listener may start before the server. */
   if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint,
-                                daemon->health_endpoint, daemon->refused_endpoint)) < 0) {
+                                daemon->refused_endpoint)) < 0) {
     fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.socket_path,
                     uv_strerror(r));
     goto fail_rpc;

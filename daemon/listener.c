@@ -125,7 +125,7 @@ static int bind_socket(const fsdp_listener_t *listener, const char *name, int ty
 
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
   memset(listener, 0, sizeof *listener);
-  listener->lock_fd = listener->socket_fd = listener->channel_fd = listener->health_fd = -1;
+  listener->lock_fd = listener->socket_fd = listener->channel_fd = -1;
   int r = prepare_run_dir(listener, run_dir, st);
   if (r < 0)
     return r;
@@ -232,7 +232,7 @@ static void on_relay_closed(fsdp_relay_t *relay, void *data) {
  * refused. */
 static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid) {
   fsdp_listener_t *listener = ls->listener;
-  unsigned limit = ls->tcp ? listener->max_tcp : listener->max_per_uid;
+  unsigned limit = ls->tcp ? ls->max_conns : listener->max_per_uid;
   fsdp_listener_conn_t *idle;
   unsigned n = count_conns(ls, fd, uid, &idle);
   if (n >= limit) {
@@ -317,14 +317,14 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
         close(fd);
         continue;
       }
-      fsdp_rpc_endpoint_adopt(ls->refused, fd);
+      fsdp_rpc_endpoint_adopt(ls->refused, fd, NULL);
       continue;
     }
     fsdp_listener_conn_t *conn = admit(ls, fd, cred.uid);
     if (!conn) {
       if (ls->tcp)
-        log_warning("%s: refused a connection: the port holds %u (health.max_connections), "
-                    "none idle", ls->name, listener->max_tcp);
+        log_warning("%s: refused a connection: the port holds %u (%s), none idle", ls->name,
+                    ls->max_conns, ls->limit_name);
       else
         log_warning("%s: refused a connection of uid %u (pid %ld): it holds %u "
                     "(rpc.max_connections_per_uid), none idle",
@@ -335,8 +335,8 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
     }
     listener->accepted++;
     if (ls->tcp) {
-      int r = fsdp_relay_start(listener->loop, fd, ls->endpoint, listener->max_tcp_streams,
-                               on_relay_closed, conn, &conn->relay);
+      int r = fsdp_relay_start(listener->loop, fd, ls->endpoint, &ls->relay, on_relay_closed,
+                               conn, &conn->relay);
       if (r < 0) {
         log_warning("%s: cannot relay a connection: %s", ls->name, strerror(-r));
         conn_remove(ls, conn);
@@ -349,15 +349,18 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       close(fd);
       continue;
     }
-    fsdp_rpc_endpoint_adopt(ls->endpoint, fd);
+    fsdp_rpc_endpoint_adopt(ls->endpoint, fd, NULL);
   }
 }
 
-int fsdp_listener_listen_tcp(fsdp_listener_t *listener, const char *address, fsdp_status_t *st) {
+int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t port,
+                             const char *address, const fsdp_listener_tcp_options_t *options,
+                             fsdp_status_t *st) {
   char host[256];
   const char *colon = strrchr(address, ':');
   if (!colon || (size_t)(colon - address) >= sizeof host)
-    return fsdp_status_set(st, -EINVAL, "health address '%s' is not HOST:PORT", address);
+    return fsdp_status_set(st, -EINVAL, "%s address '%s' is not HOST:PORT", options->what,
+                           address);
   snprintf(host, sizeof host, "%.*s", (int)(colon - address), address);
   if (host[0] == '[' && host[strlen(host) - 1] == ']') {
     memmove(host, host + 1, strlen(host));
@@ -368,7 +371,8 @@ int fsdp_listener_listen_tcp(fsdp_listener_t *listener, const char *address, fsd
                   *ai;
   int r = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &ai);
   if (r != 0)
-    return fsdp_status_set(st, -EINVAL, "health address '%s': %s", address, gai_strerror(r));
+    return fsdp_status_set(st, -EINVAL, "%s address '%s': %s", options->what, address,
+                           gai_strerror(r));
   int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   int one = 1;
   /* SO_REUSEADDR only: without SO_REUSEPORT a second daemon cannot share the port. */
@@ -378,26 +382,30 @@ int fsdp_listener_listen_tcp(fsdp_listener_t *listener, const char *address, fsd
     if (fd >= 0)
       close(fd);
     freeaddrinfo(ai);
-    return fsdp_status_set(st, -err, "cannot listen on %s for the health endpoint: %s", address,
-                           strerror(err));
+    return fsdp_status_set(st, -err, "cannot listen on %s for the %s endpoint: %s", address,
+                           options->what, strerror(err));
   }
   freeaddrinfo(ai);
   struct sockaddr_storage bound;
   socklen_t len = sizeof bound;
   getsockname(fd, (struct sockaddr *)&bound, &len);
-  unsigned port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
-                                                    : ((struct sockaddr_in *)&bound)->sin_port);
-  snprintf(listener->health_address, sizeof listener->health_address, "%.*s:%u",
-           (int)(colon - address), address, port);
-  listener->health_fd = fd;
+  fsdp_listener_socket_t *ls = &listener->tcp[port];
+  *ls = (fsdp_listener_socket_t){.listener = listener, .tcp = true, .fd = fd,
+                                 .endpoint = options->endpoint,
+                                 .max_conns = options->max_connections,
+                                 .limit_name = options->limit_name};
+  snprintf(ls->address, sizeof ls->address, "%.*s:%u", (int)(colon - address), address,
+           ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                            : ((struct sockaddr_in *)&bound)->sin_port));
+  snprintf(ls->port, sizeof ls->port, "%s port", options->what);
+  ls->name = ls->address;
+  ls->relay = (fsdp_relay_limits_t){.port = ls->port, .max_streams = options->max_streams,
+                                    .max_resets = options->max_resets};
   return 0;
 }
 
-static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls, int fd, bool tcp,
-                        const char *name, fsdp_rpc_endpoint_t *endpoint) {
-  *ls = (fsdp_listener_socket_t){.listener = listener, .tcp = tcp, .fd = fd, .name = name,
-                                 .endpoint = endpoint};
-  int r = uv_poll_init(listener->loop, &ls->poll, fd);
+static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls) {
+  int r = uv_poll_init(listener->loop, &ls->poll, ls->fd);
   if (r < 0)
     return r;
   uv_timer_init(listener->loop, &ls->retry);
@@ -421,14 +429,15 @@ void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
 }
 
 int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
-                        fsdp_rpc_endpoint_t *health, fsdp_rpc_endpoint_t *refused) {
+                        fsdp_rpc_endpoint_t *refused) {
   listener->loop = loop;
-  int r = start_socket(listener, &listener->local, listener->socket_fd, false,
-                       listener->socket_path, local);
-  listener->local.refused = refused;
-  if (r == 0 && listener->health_fd >= 0)
-    r = start_socket(listener, &listener->health, listener->health_fd, true,
-                     listener->health_address, health);
+  listener->local = (fsdp_listener_socket_t){.listener = listener, .fd = listener->socket_fd,
+                                             .name = listener->socket_path, .endpoint = local,
+                                             .refused = refused};
+  int r = start_socket(listener, &listener->local);
+  for (int i = 0; r == 0 && i < FSDP_LISTENER_PORTS; i++)
+    if (listener->tcp[i].tcp)
+      r = start_socket(listener, &listener->tcp[i]);
   return r;
 }
 
@@ -461,7 +470,13 @@ int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret
 
 void fsdp_listener_close(fsdp_listener_t *listener) {
   stop_socket(&listener->local);
-  stop_socket(&listener->health);
+  for (int i = 0; i < FSDP_LISTENER_PORTS; i++) {
+    fsdp_listener_socket_t *ls = &listener->tcp[i];
+    stop_socket(ls);
+    if (ls->tcp && ls->fd >= 0)
+      close(ls->fd);
+    ls->fd = -1;
+  }
   free(listener->peers);
   listener->peers = NULL;
   listener->n_peers = 0;
@@ -474,10 +489,6 @@ void fsdp_listener_close(fsdp_listener_t *listener) {
     unlink(listener->channel_path);
     close(listener->channel_fd);
     listener->channel_fd = -1;
-  }
-  if (listener->health_fd >= 0) {
-    close(listener->health_fd);
-    listener->health_fd = -1;
   }
   if (listener->lock_fd >= 0) {
     close(listener->lock_fd); /* releases the flock */

@@ -1,16 +1,18 @@
 /* The local listener: the run directory, its lock file, the unix socket trainers and
- * operators connect to, and the TCP health port.
+ * operators connect to, and the TCP ports: health, and peer when it is not TLS.
  *
  * The daemon binds and accepts the socket itself instead of letting gRPC do it, for three
  * reasons: gRPC would unlink and re-bind a path that another live daemon is serving; the
  * socket's mode must be 0660 from the start; and every connection's peer credentials
  * (SO_PEERCRED) are checked before gRPC sees a byte. Accepted connections are handed to an
- * RPC endpoint. The health port is accepted here too, and its connections reach gRPC
+ * RPC endpoint. The TCP ports are accepted here too, and their connections reach gRPC
  * through a relay (daemon/relay.h) that cuts a client resetting streams faster than a probe
- * ever would (HTTP/2 rapid reset) or holding more streams than the port allows.
+ * or a peer ever would (HTTP/2 rapid reset) or holding more streams than the port allows;
+ * their calls name the client by its TCP address. A peer port with mutual TLS stays gRPC's
+ * own: its handshake wants a client certificate before any HTTP/2 frame.
  *
- * Connection limits: each uid may hold max_per_uid connections on the unix socket, and the
- * health port max_tcp in all. At the limit the oldest idle connection of that uid (of the
+ * Connection limits: each uid may hold max_per_uid connections on the unix socket, and each
+ * TCP port its max_conns in all. At the limit the oldest idle connection of that uid (of the
  * port) is shut down to make room, so one user's idle connections cost only that user; when
  * none is idle the new connection is refused. Whether a connection is still open is read
  * from its descriptor (same socket inode), since gRPC closes it without telling us.
@@ -52,7 +54,7 @@ typedef struct fsdp_listener_conn {
   struct fsdp_listener_socket *socket;
   int fd;
   ino_t ino; /* the socket's inode: the same number with another inode is another file */
-  uid_t uid; /* unix socket only */
+  uid_t uid;           /* unix socket only */
   fsdp_relay_t *relay; /* TCP only: the connection's relay, which says when it ends */
   bool closing;
   uint64_t since_ms;
@@ -72,21 +74,41 @@ typedef struct fsdp_listener_socket {
   fsdp_rpc_endpoint_t *endpoint;
   fsdp_rpc_endpoint_t *refused; /* unix socket: where refused uids hear why */
   fsdp_listener_conn_t *conns;
+  /* TCP only. */
+  char address[320];       /* as configured, with the bound port */
+  char port[16];           /* "health port" */
+  unsigned max_conns;      /* connections at once; the loop thread may change it */
+  const char *limit_name;  /* how refusals name max_conns */
+  fsdp_relay_limits_t relay;
 } fsdp_listener_socket_t;
+
+/* The TCP ports the listener may accept. */
+typedef enum fsdp_listener_port {
+  FSDP_LISTENER_HEALTH,
+  FSDP_LISTENER_PEER,
+  FSDP_LISTENER_PORTS
+} fsdp_listener_port_t;
+
+/* What a TCP port serves, and its limits. */
+typedef struct fsdp_listener_tcp_options {
+  const char *what; /* "health", "peer": names the port in messages */
+  fsdp_rpc_endpoint_t *endpoint; /* borrowed */
+  unsigned max_connections;
+  const char *limit_name;
+  unsigned max_streams, max_resets; /* each connection's (fsdp_relay_limits_t) */
+} fsdp_listener_tcp_options_t;
 
 struct fsdp_listener {
   uv_loop_t *loop;
-  fsdp_listener_socket_t local, health;
+  fsdp_listener_socket_t local;
+  fsdp_listener_socket_t tcp[FSDP_LISTENER_PORTS]; /* bound when their `tcp` is set */
   int lock_fd;
   int socket_fd;
   char run_dir[4096];
   char socket_path[108]; /* sun_path's size */
   int channel_fd;         /* the memory channel's listening socket (daemon/channel.h) */
   char channel_path[108];
-  int health_fd; /* the TCP health port, or -1 */
-  char health_address[320];
-  unsigned max_per_uid, max_tcp; /* connection limits; loop thread may change them */
-  unsigned max_tcp_streams;      /* streams one health port connection may hold open */
+  unsigned max_per_uid; /* the unix socket's limit; loop thread may change it */
   unsigned long accepted, refused;
   /* Credentials by file descriptor of the accepted connection. A closed connection's entry
    * stays until its number is reused by the next accept: no call can come from it, because
@@ -100,16 +122,19 @@ struct fsdp_listener {
  * yet. On failure st says which path and why; nothing is left behind. */
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st);
 
-/* Binds the TCP health port at "host:port" (port 0 picks one); its address with the bound
- * port goes to listener->health_address. After fsdp_listener_open(). */
-int fsdp_listener_listen_tcp(fsdp_listener_t *listener, const char *address, fsdp_status_t *st);
+/* Binds TCP port `port` at "host:port" (port 0 picks one), whose connections will be relayed
+ * to options->endpoint; its address with the bound port goes to listener->tcp[port].address.
+ * After fsdp_listener_open(). */
+int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t port,
+                             const char *address, const fsdp_listener_tcp_options_t *options,
+                             fsdp_status_t *st);
 
 /* Accepts connections on the loop and hands those of the unix socket to `local`, those of
- * the health port (if bound) to `health`, and those of uids the socket does not let in to
- * `refused`, whose calls all hear why (its refuse option is fsdp_listener_refusal with the
- * listener). All borrowed. */
+ * uids the socket does not let in to `refused`, whose calls all hear why (its refuse option
+ * is fsdp_listener_refusal with the listener), and relays those of the TCP ports bound. All
+ * borrowed. */
 int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
-                        fsdp_rpc_endpoint_t *health, fsdp_rpc_endpoint_t *refused);
+                        fsdp_rpc_endpoint_t *refused);
 
 /* Why the connection on fd was refused, for its callers (an endpoint's refuse option, with
  * the listener as data). */

@@ -1,4 +1,4 @@
-/* The health port's relay: bytes both ways between a TCP client and a socket pair whose
+/* The TCP ports' relay: bytes both ways between a TCP client and a socket pair whose
  * other end gRPC serves, with the frame headers read on the way (see relay.h). */
 #include "relay.h"
 
@@ -44,11 +44,12 @@ struct fsdp_relay {
   int open_handles;
   bool closing;
   relay_dir_t up, down; /* client to gRPC, gRPC to client */
-  char name[64];        /* the client's address */
+  char name[80];        /* the client's address, as gRPC writes it */
+  const fsdp_relay_limits_t *limits;
 
   uint32_t last_stream; /* highest stream id the client opened */
   uint32_t *open;       /* ids of the streams open now */
-  unsigned n_open, max_streams;
+  unsigned n_open;
   unsigned resets;
   uint64_t resets_since_ms;
 
@@ -98,8 +99,8 @@ static void stream_ended(fsdp_relay_t *relay, uint32_t id) {
 }
 
 static void cut(fsdp_relay_t *relay, const char *why, unsigned count, unsigned limit) {
-  log_warning("health port: closed the connection from %s: %s (%u, at most %u)", relay->name,
-              why, count, limit);
+  log_warning("%s: closed the connection from %s: %s (%u, at most %u)", relay->limits->port,
+              relay->name, why, count, limit);
   fsdp_relay_close(relay);
 }
 
@@ -115,9 +116,9 @@ static bool on_frame(fsdp_relay_t *relay, bool from_client, uint8_t type, uint8_
   }
   if (type == H2_HEADERS && id > relay->last_stream && (id & 1)) {
     relay->last_stream = id;
-    if (relay->n_open >= relay->max_streams) {
+    if (relay->n_open >= relay->limits->max_streams) {
       cut(relay, "more streams open at once than the port allows", relay->n_open + 1,
-          relay->max_streams);
+          relay->limits->max_streams);
       return false;
     }
     relay->open[relay->n_open++] = id;
@@ -128,9 +129,9 @@ static bool on_frame(fsdp_relay_t *relay, bool from_client, uint8_t type, uint8_
       relay->resets_since_ms = now;
       relay->resets = 0;
     }
-    if (++relay->resets > FSDP_RELAY_MAX_RESETS) {
+    if (++relay->resets > relay->limits->max_resets) {
       cut(relay, "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)",
-          relay->resets, FSDP_RELAY_MAX_RESETS);
+          relay->resets, relay->limits->max_resets);
       return false;
     }
   }
@@ -231,10 +232,10 @@ static void update_polls(fsdp_relay_t *relay) {
 }
 
 int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoint,
-                     unsigned max_streams, fsdp_relay_closed_fn closed, void *data,
+                     const fsdp_relay_limits_t *limits, fsdp_relay_closed_fn closed, void *data,
                      fsdp_relay_t **ret_relay) {
   fsdp_relay_t *relay = calloc(1, sizeof *relay);
-  uint32_t *open = calloc(max_streams ? max_streams : 1, sizeof *open);
+  uint32_t *open = calloc(limits->max_streams ? limits->max_streams : 1, sizeof *open);
   int pair[2];
   if (!relay || !open) {
     free(relay);
@@ -255,7 +256,7 @@ int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoi
     setsockopt(pair[i], SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
   }
   *relay = (fsdp_relay_t){.loop = loop, .client_fd = client_fd, .grpc_fd = pair[0],
-                          .open = open, .max_streams = max_streams, .closed = closed,
+                          .open = open, .limits = limits, .closed = closed,
                           .data = data, .resets_since_ms = uv_now(loop)};
   relay->up = (relay_dir_t){.from = client_fd, .to = pair[0], .preface_left = H2_PREFACE_BYTES};
   relay->down = (relay_dir_t){.from = pair[0], .to = client_fd};
@@ -263,24 +264,32 @@ int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoi
   socklen_t len = sizeof addr;
   char host[INET6_ADDRSTRLEN] = "?";
   unsigned port = 0;
+  bool six = false;
   if (getpeername(client_fd, (struct sockaddr *)&addr, &len) == 0) {
     const struct sockaddr_in6 *v6 = (const struct sockaddr_in6 *)&addr;
     const struct sockaddr_in *v4 = (const struct sockaddr_in *)&addr;
-    bool six = addr.ss_family == AF_INET6;
-    inet_ntop(addr.ss_family, six ? (const void *)&v6->sin6_addr : (const void *)&v4->sin_addr,
-              host, sizeof host);
-    port = ntohs(six ? v6->sin6_port : v4->sin_port);
+    six = addr.ss_family == AF_INET6;
+    /* As gRPC names a client: an IPv4 one on an IPv6 socket is ipv4 too. */
+    if (six && IN6_IS_ADDR_V4MAPPED(&v6->sin6_addr)) {
+      inet_ntop(AF_INET, &v6->sin6_addr.s6_addr[12], host, sizeof host);
+      six = false;
+    } else {
+      inet_ntop(addr.ss_family, six ? (const void *)&v6->sin6_addr : (const void *)&v4->sin_addr,
+                host, sizeof host);
+    }
+    port = ntohs(addr.ss_family == AF_INET6 ? v6->sin6_port : v4->sin_port);
   }
-  snprintf(relay->name, sizeof relay->name, "%s:%u", host, port);
+  snprintf(relay->name, sizeof relay->name, "%s:%s%s%s:%u", six ? "ipv6" : "ipv4",
+           six ? "[" : "", host, six ? "]" : "", port);
   if (uv_poll_init(loop, &relay->client_poll, client_fd) < 0 ||
       uv_poll_init(loop, &relay->grpc_poll, pair[0]) < 0) {
     /* Only a descriptor that cannot be polled fails here, and none of ours is one. */
-    log_error("health port: cannot poll the connection from %s", relay->name);
+    log_error("%s: cannot poll the connection from %s", limits->port, relay->name);
     abort();
   }
   relay->client_poll.data = relay->grpc_poll.data = relay;
   relay->open_handles = 2;
-  fsdp_rpc_endpoint_adopt(endpoint, pair[1]);
+  fsdp_rpc_endpoint_adopt(endpoint, pair[1], relay->name);
   update_polls(relay);
   *ret_relay = relay;
   return 0;

@@ -1,15 +1,17 @@
-/* The health port's relay: HTTP/2 between a TCP client and gRPC, read frame by frame.
+/* The TCP ports' relay: HTTP/2 between a TCP client and gRPC, read frame by frame.
  *
  * gRPC 1.51 has no defence against HTTP/2 rapid reset: a client that opens a stream and
  * resets it at once, over and over, never counts against the concurrent-stream limit
  * (which gRPC also enforces only once the client has acknowledged its SETTINGS), and gRPC
  * makes a call of every such stream, faster than the daemon can answer them, so memory and
- * CPU grow without bound. Anyone on the host reaches the health port, so the daemon does not
- * hand its connections to gRPC: each is relayed through a socket pair, and the relay reads
+ * CPU grow without bound. Anyone on the host reaches the health port, and anyone on the
+ * network a plaintext peer port (a token is checked per call, after gRPC has made the call),
+ * so the daemon does not hand their connections to gRPC: each is relayed through a socket
+ * pair, and the relay reads
  * the 9-byte header of every frame both ways. It counts the streams the client opens
  * (HEADERS on a new stream id) and those that end (the server's END_STREAM or RST_STREAM,
  * or the client's RST_STREAM), and closes the connection when the client holds more streams
- * open than the endpoint allows or resets more than FSDP_RELAY_MAX_RESETS streams within
+ * open than the endpoint allows or resets more than the port allows within
  * FSDP_RELAY_RESET_WINDOW_MS. It reads from the client only once gRPC has taken what it
  * forwarded before, and the socket pair's buffers are small, so gRPC never holds more than
  * a few kilobytes of one connection that the relay has not judged.
@@ -26,10 +28,14 @@
 
 #include "rpc_server.h"
 
-/* Client resets a connection may send within the window (a probe resets a stream only when
- * its deadline passes). */
-#define FSDP_RELAY_MAX_RESETS 64
 #define FSDP_RELAY_RESET_WINDOW_MS 10000
+
+/* A port's limits on each of its connections. Borrowed: they must outlive the relay. */
+typedef struct fsdp_relay_limits {
+  const char *port;     /* for messages: "health port" */
+  unsigned max_streams; /* streams open at once */
+  unsigned max_resets;  /* client resets within FSDP_RELAY_RESET_WINDOW_MS */
+} fsdp_relay_limits_t;
 
 typedef struct fsdp_relay fsdp_relay_t;
 
@@ -37,9 +43,10 @@ typedef struct fsdp_relay fsdp_relay_t;
 typedef void (*fsdp_relay_closed_fn)(fsdp_relay_t *relay, void *data);
 
 /* Relays the connected, non-blocking TCP socket client_fd (ownership taken, whatever the
- * result) to endpoint; a client with more than max_streams streams open at once is cut. */
+ * result) to endpoint, whose calls name the client by its address; a client passing the
+ * limits is cut. */
 int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoint,
-                     unsigned max_streams, fsdp_relay_closed_fn closed, void *data,
+                     const fsdp_relay_limits_t *limits, fsdp_relay_closed_fn closed, void *data,
                      fsdp_relay_t **ret_relay);
 
 /* Closes both sockets (gRPC sees the end of its side and ends the connection's calls). */

@@ -79,12 +79,18 @@ typedef struct method {
   char path[FSDP_WIRE_PATH_MAX];
 } method_t;
 
+#define AUTH_LOG_INTERVAL_MS 1000
+
 struct fsdp_rpc_endpoint {
   fsdp_rpc_server_t *server;
   char name[32];
   fsdp_rpc_endpoint_options_t options; /* the pointers in it are not kept: see below */
   char *auth_expected;                 /* "Bearer <token>", or NULL: no token needed */
   char auth_name[64];
+  /* Refusals are logged once a second at most, so that a client without the token cannot
+   * make the daemon write its log as fast as it opens streams. Loop thread. */
+  uint64_t auth_logged_ms;
+  unsigned long auth_unlogged;
   grpc_server_credentials *credentials; /* TLS, or NULL: the server's insecure ones */
   unsigned inflight; /* loop thread */
   unsigned held[BUDGET_COUNT];
@@ -152,6 +158,7 @@ typedef struct conn_slot {
   atomic_uint calls;
   atomic_bool cut;
   _Atomic ino_t ino; /* the socket's inode at adoption */
+  char *name;        /* loop thread only: the client's address, when the adopter knew it */
 } conn_slot_t;
 
 typedef enum event_kind { EV_ARRIVED, EV_CANCELLED, EV_SENT, EV_SHUTDOWN, EV_THREAD_EXIT } event_kind_t;
@@ -495,6 +502,13 @@ void fsdp_rpc_call_fail(fsdp_rpc_call_t *call, int err, const char *fmt, ...) {
 }
 
 void fsdp_rpc_call_peer_name(const fsdp_rpc_call_t *call, char *buf, size_t size) {
+  /* gRPC knows a relayed connection only as the socket pair's "fd:N". A call's connection
+   * keeps its descriptor open while the call exists, so the slot still names its client. */
+  const char *name = call->conn_fd >= 0 ? call->server->conns[call->conn_fd].name : NULL;
+  if (name) {
+    snprintf(buf, size, "%s", name);
+    return;
+  }
   char *peer = grpc_call_get_peer(call->call);
   snprintf(buf, size, "%s", peer ? peer : "an unknown peer");
   gpr_free(peer);
@@ -573,34 +587,40 @@ static bool same_secret(const uint8_t *a, size_t a_len, const char *b) {
 
 /* The endpoint's token check; fails the call and returns false when it does not pass. */
 static bool authenticated(fsdp_rpc_call_t *call, const char *path) {
-  const fsdp_rpc_endpoint_t *ep = call->endpoint;
+  fsdp_rpc_endpoint_t *ep = call->endpoint;
   if (!ep->auth_expected)
     return true;
   const grpc_metadata *found = NULL;
   for (size_t i = 0; i < call->request_metadata.count; i++)
     if (grpc_slice_str_cmp(call->request_metadata.metadata[i].key, "authorization") == 0)
       found = &call->request_metadata.metadata[i];
-  char peer[128];
-  fsdp_rpc_call_peer_name(call, peer, sizeof peer);
-  if (!found) {
-    log_warning("%s endpoint: %s from %s refused: no 'authorization' metadata", ep->name, path,
-                peer);
+  if (found && same_secret(GRPC_SLICE_START_PTR(found->value), GRPC_SLICE_LENGTH(found->value),
+                           ep->auth_expected))
+    return true;
+  uint64_t now = uv_now(call->server->loop);
+  if (ep->auth_logged_ms && now - ep->auth_logged_ms < AUTH_LOG_INTERVAL_MS) {
+    ep->auth_unlogged++;
+  } else {
+    char peer[128];
+    fsdp_rpc_call_peer_name(call, peer, sizeof peer);
+    log_warning("%s endpoint: %s from %s refused: %s (%lu more refused since the last such "
+                "message)",
+                ep->name, path, peer, found ? "wrong token" : "no 'authorization' metadata",
+                ep->auth_unlogged);
+    ep->auth_logged_ms = now;
+    ep->auth_unlogged = 0;
+  }
+  if (!found)
     fsdp_rpc_call_fail(call, FSDP_E_UNAUTHENTICATED,
                        "%s: the %s endpoint requires 'authorization: Bearer <token>' metadata "
                        "with the token of %s; the call carried none",
                        path, ep->name, ep->auth_name);
-    return false;
-  }
-  if (!same_secret(GRPC_SLICE_START_PTR(found->value), GRPC_SLICE_LENGTH(found->value),
-                   ep->auth_expected)) {
-    log_warning("%s endpoint: %s from %s refused: wrong token", ep->name, path, peer);
+  else
     fsdp_rpc_call_fail(call, FSDP_E_UNAUTHENTICATED,
                        "%s: the 'authorization' metadata does not carry the token of %s that "
                        "the %s endpoint requires ('Bearer <token>')",
                        path, ep->auth_name, ep->name);
-    return false;
-  }
-  return true;
+  return false;
 }
 
 static budget_t budget_of(const method_t *method) {
@@ -898,6 +918,8 @@ void fsdp_rpc_server_free(fsdp_rpc_server_t *server) {
   }
   grpc_server_credentials_release(server->credentials);
   pthread_mutex_destroy(&server->lock);
+  for (size_t i = 0; i < server->n_conns; i++)
+    free(server->conns[i].name);
   free(server->conns);
   server->conns = NULL;
   grpc_shutdown();
@@ -1051,7 +1073,7 @@ int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
   return 0;
 }
 
-void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd) {
+void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd, const char *peer_name) {
   server_state_t state = endpoint->server->state;
   if (state != SERVER_RUNNING && state != SERVER_STOP_DRAINING) {
     close(fd);
@@ -1059,8 +1081,11 @@ void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd) {
   }
   struct stat sb;
   if ((size_t)fd < endpoint->server->n_conns && fstat(fd, &sb) == 0) {
-    atomic_store(&endpoint->server->conns[fd].ino, sb.st_ino);
-    atomic_store(&endpoint->server->conns[fd].cut, false);
+    conn_slot_t *slot = &endpoint->server->conns[fd];
+    atomic_store(&slot->ino, sb.st_ino);
+    atomic_store(&slot->cut, false);
+    free(slot->name);
+    slot->name = peer_name ? strdup(peer_name) : NULL;
   }
   grpc_server_add_channel_from_fd(endpoint->grpc, fd, endpoint->server->credentials);
 }

@@ -121,8 +121,10 @@ void fsdp_rpc_endpoint_set_max_inflight(fsdp_rpc_endpoint_t *endpoint,
 /* Listens on a TCP address "host:port" (port 0 picks one, returned). Before start. */
 int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
                              fsdp_status_t *st);
-/* Hands a connected, non-blocking socket to the endpoint; takes ownership of fd. After start. */
-void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd);
+/* Hands a connected, non-blocking socket to the endpoint; takes ownership of fd. After start.
+ * peer_name (copied; NULL: gRPC's "fd:N") is what fsdp_rpc_call_peer_name() gives for its
+ * calls: the relay's client address, in gRPC's form ("ipv4:127.0.0.1:41234"). */
+void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd, const char *peer_name);
 /* HTTP/2 streams one connection of the endpoint may hold open at once. */
 unsigned fsdp_rpc_endpoint_max_streams_per_connection(const fsdp_rpc_endpoint_t *endpoint);
 /* Calls in existence that came on the adopted connection fd (0: the connection is idle). Any
@@ -161,7 +163,8 @@ const char *fsdp_rpc_call_method(const fsdp_rpc_call_t *call);
 /* The file descriptor of the connection the call came on, for connections handed over with
  * fsdp_rpc_endpoint_adopt(); -1 for those gRPC accepted itself (TCP). */
 int fsdp_rpc_call_peer_fd(const fsdp_rpc_call_t *call);
-/* gRPC's name of the caller ("ipv4:127.0.0.1:41234", "fd:12") into buf, for messages. */
+/* The caller's name into buf, for messages: its TCP address ("ipv4:127.0.0.1:41234") on
+ * a port gRPC accepted or the listener relayed, "fd:12" on the unix socket. */
 void fsdp_rpc_call_peer_name(const fsdp_rpc_call_t *call, char *buf, size_t size);
 /* Milliseconds until the client's deadline (<= 0 if passed); INT64_MAX without one. */
 int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call);

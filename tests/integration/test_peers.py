@@ -51,7 +51,8 @@ def insecure_unless_secured(args):
 class Cluster:
     count = 0
 
-    def __init__(self, fsdpd, n, lws=2, timeout="1s", extra=None, per_rank=None, started=None):
+    def __init__(self, fsdpd, n, lws=2, timeout="1s", extra=None, per_rank=None, started=None,
+                 env=None):
         Cluster.count += 1
         self.tag = f"c{Cluster.count}"  # run dirs and logs of its own in the test's tmp_path
         self.fsdpd = fsdpd
@@ -61,6 +62,7 @@ class Cluster:
         self.timeout = timeout
         self.extra = list(extra or [])
         self.per_rank = per_rank or {}
+        self.env = env
         self.daemons = [self.start(i) for i in range(n if started is None else started)]
 
     def args(self, rank):
@@ -71,7 +73,8 @@ class Cluster:
                 "--set", f"peer.timeout={self.timeout}", *insecure_unless_secured(own), *own]
 
     def start(self, rank, run_dir=None, name=None):
-        return self.fsdpd(*self.args(rank), run_dir=run_dir, name=name or f"{self.tag}-host{rank}")
+        return self.fsdpd(*self.args(rank), env=self.env, run_dir=run_dir,
+                          name=name or f"{self.tag}-host{rank}")
 
     def restart(self, rank):
         old = self.daemons[rank]
