@@ -213,8 +213,11 @@ static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
     if (other)
       continue;
     n++;
-    bool idle = c->relay ? fsdp_relay_open_streams(c->relay) == 0
-                         : fsdp_rpc_endpoint_connection_calls(ls->endpoint, c->fd) == 0;
+    /* Idle: no call the endpoint serves. A stream whose request never came whole is no
+     * such call: gRPC would hold it for ever, and a connection of those must not keep a
+     * newcomer out. */
+    int served = c->relay ? fsdp_relay_served_fd(c->relay) : c->fd;
+    bool idle = fsdp_rpc_endpoint_connection_calls(ls->endpoint, served) == 0;
     if (idle && (!*ret_idle || c->since_ms < (*ret_idle)->since_ms))
       *ret_idle = c;
   }

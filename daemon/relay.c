@@ -40,6 +40,7 @@ typedef struct relay_dir {
 struct fsdp_relay {
   uv_loop_t *loop;
   int client_fd, grpc_fd;
+  int served_fd; /* the pair's other end, which gRPC serves and closes */
   uv_poll_t client_poll, grpc_poll;
   int open_handles;
   bool closing;
@@ -86,8 +87,8 @@ void fsdp_relay_forget(fsdp_relay_t *relay) {
   relay->closed = NULL;
 }
 
-unsigned fsdp_relay_open_streams(const fsdp_relay_t *relay) {
-  return relay->n_open;
+int fsdp_relay_served_fd(const fsdp_relay_t *relay) {
+  return relay->served_fd;
 }
 
 static void stream_ended(fsdp_relay_t *relay, uint32_t id) {
@@ -256,6 +257,7 @@ int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoi
     setsockopt(pair[i], SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
   }
   *relay = (fsdp_relay_t){.loop = loop, .client_fd = client_fd, .grpc_fd = pair[0],
+                          .served_fd = pair[1],
                           .open = open, .limits = limits, .closed = closed,
                           .data = data, .resets_since_ms = uv_now(loop)};
   relay->up = (relay_dir_t){.from = client_fd, .to = pair[0], .preface_left = H2_PREFACE_BYTES};

@@ -54,7 +54,7 @@ void fsdp_relay_close(fsdp_relay_t *relay);
 /* The closed callback will not be called: its data is going away. */
 void fsdp_relay_forget(fsdp_relay_t *relay);
 
-/* Streams the client holds open now: 0 means the connection is idle. */
-unsigned fsdp_relay_open_streams(const fsdp_relay_t *relay);
+/* The descriptor gRPC serves the connection on: the endpoint counts its calls under it. */
+int fsdp_relay_served_fd(const fsdp_relay_t *relay);
 
 #endif

@@ -210,6 +210,36 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
             s.close()
 
 
+def test_requests_that_never_finish_do_not_lock_out_probes_or_trainers(fsdpd):
+    """Connections whose only stream sent its HEADERS and never its message (a call gRPC
+    holds open for ever, unless its deadline ends it) fill the health port's and one uid's
+    connection limits: new probes and callers still get in, within their deadlines."""
+    if raise_own_fd_limit() < 1400:
+        pytest.skip("this test needs 1,400 descriptors of its own")
+    d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 64
+    headers = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
+                          h2raw.grpc_headers("/grpc.health.v1.Health/Check"))
+    held = []
+    try:
+        for address, n in ((str(d.socket_path), 600), ((d.health_host, d.health_port), 100)):
+            for _ in range(n):
+                held.append(h2raw.connect(address))
+                held[-1].sendall(headers)
+        for _ in range(5):
+            for tcp in (False, True):
+                ch = d.new_channel(tcp=tcp)
+                try:
+                    reply = d.call("/grpc.health.v1.Health/Check",
+                                   health_pb2.HealthCheckRequest(),
+                                   health_pb2.HealthCheckResponse, channel=ch, timeout=3)
+                    assert reply.status == SERVING
+                finally:
+                    ch.close()
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_descriptor_limit_is_raised_at_start(fsdpd):
     """The soft limit (1,024 by default) let only 251 of 256 trainers start: the daemon raises
     it to the hard limit."""
