@@ -527,6 +527,18 @@ int fsdp_config_check(const fsdp_config_t *cfg, fsdp_status_t *st) {
                            "peer TLS is all or none: %s %s set but %s %s empty", a,
                            set == 1 ? "is" : "are", b, set == 2 ? "is" : "are");
   }
+  /* A Watch holds its connection busy: if the streams could fill every connection of the
+   * health port, nobody could connect to probe. */
+  int64_t conns = fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS);
+  int64_t streams = fsdp_config_number(cfg, FSDP_OPTION_MAX_STREAMS);
+  if (conns <= streams)
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "key 'health.max_connections': value %lld%s must exceed "
+                           "rpc.max_streams = %lld%s, so that Watch streams, each on a "
+                           "connection of its own, cannot fill every connection of the port",
+                           (long long)conns,
+                           from(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS, a, sizeof a),
+                           (long long)streams, from(cfg, FSDP_OPTION_MAX_STREAMS, b, sizeof b));
   /* Whoever reaches a peer port unchallenged can join as a host and hand this daemon
    * data-plane addresses; that takes a decision, not a default. */
   if (n > 1 && set == 0 && !fsdp_config_text(cfg, FSDP_OPTION_PEER_TOKEN_FILE)[0] &&

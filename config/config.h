@@ -74,10 +74,10 @@ typedef enum fsdp_option_type {
   X(HEALTH_LISTEN, "health.listen", FSDP_OPT_ADDRESS, "127.0.0.1:7071", 0, 0, NULL, NULL,       \
     false, "--health-listen",                                                                    \
     "TCP address of the gRPC health service for schedulers; empty disables it.")                \
-  X(HEALTH_MAX_CONNECTIONS, "health.max_connections", FSDP_OPT_INT, "64", 1, 65536, NULL, NULL,  \
-    true, NULL,                                                                                  \
-    "Connections the health port holds; at the limit the oldest idle one is closed for a new "  \
-    "one, or the new one is refused.")                                                           \
+  X(HEALTH_MAX_CONNECTIONS, "health.max_connections", FSDP_OPT_INT, "128", 1, 65536, NULL,      \
+    NULL, true, NULL,                                                                            \
+    "Connections the health port holds, more than rpc.max_streams; at the limit the oldest "    \
+    "idle one is closed for a new one, or the new one is refused.")                              \
   X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "8GiB", 67108864, 1099511627776, NULL, "B",    \
     true, NULL,                                                                                  \
     "Host memory the jobs' arenas may hold together: each job reserves both of its arenas "    \

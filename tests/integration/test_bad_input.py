@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from fsdpd_harness import (SERVING, fsdpd, operator_pb2, peer_pb2, poll,  # noqa: F401
-                           trainer_pb2)
+from fsdpd_harness import (SERVING, fsdpd, health_pb2, operator_pb2, peer_pb2,  # noqa: F401
+                           poll, run_fsdpd, trainer_pb2)
 
 
 # --- hand encoding, for bytes a well-behaved protobuf library refuses to produce ---------
@@ -359,3 +359,35 @@ def test_health_port_cannot_use_up_the_unix_sockets_budget(fsdpd):
     finally:
         for w in watches:
             w.cancel()
+
+
+def test_watch_streams_on_connections_of_their_own_leave_room_for_probes(fsdpd):
+    """Each Watch on a connection of its own: the streams' budget (rpc.max_streams) fills
+    before the health port's connections (health.max_connections) do, so a probe on a new
+    connection is still let in and answered."""
+    d = fsdpd()
+    channels = [d.new_channel(tcp=True) for _ in range(64)]
+    watches = [d.watch("", channel=ch) for ch in channels]
+    try:
+        for w in watches:
+            assert next(w).status == SERVING
+        for _ in range(8):
+            ch = d.new_channel(tcp=True)
+            try:
+                reply = d.call("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(),
+                               health_pb2.HealthCheckResponse, channel=ch, timeout=3)
+                assert reply.status == SERVING
+            finally:
+                ch.close()
+    finally:
+        for w in watches:
+            w.cancel()
+        for ch in channels:
+            ch.close()
+
+
+def test_health_connections_must_outnumber_the_streams():
+    r = run_fsdpd("--check-config", "--set", "health.max_connections=64")
+    assert r.returncode == 78, r.stdout + r.stderr
+    assert "key 'health.max_connections': value 64 (from --set health.max_connections) must " \
+        "exceed rpc.max_streams = 64 (the default)" in r.stderr, r.stderr

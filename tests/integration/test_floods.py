@@ -180,7 +180,7 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
     at its per-uid limit closes that user's oldest idle connection for a new one."""
     if raise_own_fd_limit() < 2400:
         pytest.skip("this test needs 2,400 descriptors of its own")
-    d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 64
+    d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 128
     rss_before = rss_mb(d.pid)
     half = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
                        h2raw.grpc_headers("/grpc.health.v1.Health/Check"))[:20]
@@ -189,7 +189,7 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
         for i in range(1100):
             idle.append(h2raw.connect(str(d.socket_path)))
             idle[-1].sendall(half)
-        for i in range(100):
+        for i in range(200):
             idle.append(h2raw.connect((d.health_host, d.health_port)))
         # Every new caller gets in, on a connection of its own, within its deadline.
         for _ in range(5):
@@ -212,16 +212,16 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
 
 def test_requests_that_never_finish_do_not_lock_out_probes_or_trainers(fsdpd):
     """Connections whose only stream sent its HEADERS and never its message (a call gRPC
-    holds open for ever, unless its deadline ends it) fill the health port's and one uid's
-    connection limits: new probes and callers still get in, within their deadlines."""
+    holds open for ever, unless its deadline ends it) fill one uid's and the health port's
+    connection limits (600 > 512, 200 > 128): new probes and callers still get in, within their deadlines."""
     if raise_own_fd_limit() < 1400:
         pytest.skip("this test needs 1,400 descriptors of its own")
-    d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 64
+    d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 128
     headers = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
                           h2raw.grpc_headers("/grpc.health.v1.Health/Check"))
     held = []
     try:
-        for address, n in ((str(d.socket_path), 600), ((d.health_host, d.health_port), 100)):
+        for address, n in ((str(d.socket_path), 600), ((d.health_host, d.health_port), 200)):
             for _ in range(n):
                 held.append(h2raw.connect(address))
                 held[-1].sendall(headers)
