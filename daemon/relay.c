@@ -283,13 +283,27 @@ int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoi
   }
   snprintf(relay->name, sizeof relay->name, "%s:%s%s%s:%u", six ? "ipv6" : "ipv4",
            six ? "[" : "", host, six ? "]" : "", port);
-  if (uv_poll_init(loop, &relay->client_poll, client_fd) < 0 ||
-      uv_poll_init(loop, &relay->grpc_poll, pair[0]) < 0) {
-    /* Only a descriptor that cannot be polled fails here, and none of ours is one. */
-    log_error("%s: cannot poll the connection from %s", limits->port, relay->name);
-    abort();
+  /* epoll can refuse a descriptor (ENOMEM, or ENOSPC past fs.epoll.max_user_watches): the
+   * connection is then refused, and the daemon serves on. */
+  int r = uv_poll_init(loop, &relay->client_poll, client_fd);
+  if (r < 0) {
+    close(pair[0]);
+    close(pair[1]);
+    close(client_fd);
+    free(open);
+    free(relay);
+    return r;
   }
-  relay->client_poll.data = relay->grpc_poll.data = relay;
+  relay->client_poll.data = relay;
+  relay->open_handles = 1;
+  if ((r = uv_poll_init(loop, &relay->grpc_poll, pair[0])) < 0) {
+    /* The client's handle is open: its close frees the relay and its two descriptors. */
+    relay->closed = NULL;
+    close(pair[1]);
+    uv_close((uv_handle_t *)&relay->client_poll, on_handle_closed);
+    return r;
+  }
+  relay->grpc_poll.data = relay;
   relay->open_handles = 2;
   fsdp_rpc_endpoint_adopt(endpoint, pair[1], relay->name);
   update_polls(relay);
