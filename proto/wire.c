@@ -76,135 +76,127 @@ static size_t read_varint(const uint8_t *data, size_t len, uint64_t *ret_value) 
   return 0;
 }
 
-/* protobuf-c hands strings out as C strings, so a NUL inside one would silently cut it
- * short ("a\0b" would read as "a"). Only the wire bytes show it: this walks them, down
- * into sub-messages, for string fields holding a NUL. The bytes have already been unpacked
- * successfully, so anything odd here simply ends the walk. */
-static int check_nul_in_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
-                                size_t len, const char *prefix, fsdp_status_t *st) {
+/* One field as the wire bytes hold it. */
+typedef struct wire_field {
+  const ProtobufCFieldDescriptor *desc; /* NULL: a field the message does not know */
+  unsigned number;
+  unsigned index; /* of a repeated field: which element this is */
+  unsigned wire_type;
+  const uint8_t *value; /* wire type 2 (length-delimited) only */
+  size_t size;
+} wire_field_t;
+
+typedef int (*wire_visit_fn)(const wire_field_t *field, const char *prefix, void *ctx,
+                             fsdp_status_t *st);
+
+/* Calls visit for every field of the message of type desc in data[0..len), in wire order.
+ * Bytes that do not parse end the walk quietly: protobuf-c refuses them when it unpacks. */
+static int walk_fields(const ProtobufCMessageDescriptor *desc, const uint8_t *data, size_t len,
+                       const char *prefix, wire_visit_fn visit, void *ctx, fsdp_status_t *st) {
   unsigned seen[64] = {0}; /* occurrences per field, for the index of repeated fields */
   size_t pos = 0;
   while (pos < len) {
-    uint64_t key, size;
+    uint64_t key, size = 0;
     size_t n = read_varint(data + pos, len - pos, &key);
     if (n == 0)
       return 0;
     pos += n;
-    switch (key & 7) {
+    wire_field_t field = {.number = (unsigned)(key >> 3), .wire_type = (unsigned)(key & 7)};
+    switch (field.wire_type) {
     case 0:
       n = read_varint(data + pos, len - pos, &size);
       if (n == 0)
         return 0;
       pos += n;
-      continue;
+      break;
     case 1:
-      pos += 8;
-      continue;
     case 5:
-      pos += 4;
-      continue;
+      n = field.wire_type == 1 ? 8 : 4;
+      if (n > len - pos)
+        return 0;
+      pos += n;
+      break;
     case 2:
+      n = read_varint(data + pos, len - pos, &size);
+      if (n == 0 || size > len - pos - n)
+        return 0;
+      pos += n;
+      field.value = data + pos;
+      field.size = (size_t)size;
+      pos += size;
       break;
     default:
       return 0;
     }
-    n = read_varint(data + pos, len - pos, &size);
-    if (n == 0 || size > len - pos - n)
-      return 0;
-    pos += n;
-    const uint8_t *value = data + pos;
-    pos += size;
-    const ProtobufCFieldDescriptor *f =
-        protobuf_c_message_descriptor_get_field(desc, (unsigned)(key >> 3));
-    if (!f || (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE))
-      continue;
-    size_t index = (size_t)(f - desc->fields);
-    char path[256];
-    if (f->label == PROTOBUF_C_LABEL_REPEATED && index < 64)
-      snprintf(path, sizeof path, "%s%s%s[%u]", prefix, *prefix ? "." : "", f->name, seen[index]++);
-    else
-      snprintf(path, sizeof path, "%s%s%s", prefix, *prefix ? "." : "", f->name);
-    if (f->type == PROTOBUF_C_TYPE_STRING) {
-      const uint8_t *nul = memchr(value, 0, size);
-      if (nul)
-        return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                               "field '%s' holds a NUL byte at offset %zu", path,
-                               (size_t)(nul - value));
-    } else {
-      int r = check_nul_in_strings(f->descriptor, value, size, path, st);
-      if (r < 0)
-        return r;
-    }
+    field.desc = key >> 32 ? NULL : protobuf_c_message_descriptor_get_field(desc, field.number);
+    size_t i = field.desc ? (size_t)(field.desc - desc->fields) : 64;
+    if (field.desc && field.desc->label == PROTOBUF_C_LABEL_REPEATED && i < 64)
+      field.index = seen[i]++;
+    int r = visit(&field, prefix, ctx, st);
+    if (r < 0)
+      return r;
   }
   return 0;
 }
 
-/* protobuf-c allocates every element of a repeated message, string or bytes field on its
- * own, and one 16 MiB request can hold millions of empty ones (seconds of loop time, a GB of
- * memory). This walks the wire bytes first, down into sub-messages, and counts those
- * elements in the whole request; it stops at the limit, so it costs little whatever the
- * size. Bytes that do not parse end the walk: protobuf-c then refuses them. */
-static int count_elements(const ProtobufCMessageDescriptor *desc, const uint8_t *data, size_t len,
-                          const char *prefix, unsigned *count, fsdp_status_t *st) {
-  unsigned seen[64] = {0};
-  size_t pos = 0;
-  while (pos < len) {
-    uint64_t key, size;
-    size_t n = read_varint(data + pos, len - pos, &key);
-    if (n == 0)
-      return 0;
-    pos += n;
-    switch (key & 7) {
-    case 0:
-      n = read_varint(data + pos, len - pos, &size);
-      if (n == 0)
-        return 0;
-      pos += n;
-      continue;
-    case 1:
-      pos += 8;
-      continue;
-    case 5:
-      pos += 4;
-      continue;
-    case 2:
-      break;
-    default:
-      return 0;
-    }
-    n = read_varint(data + pos, len - pos, &size);
-    if (n == 0 || size > len - pos - n)
-      return 0;
-    pos += n;
-    const uint8_t *value = data + pos;
-    pos += size;
-    const ProtobufCFieldDescriptor *f =
-        protobuf_c_message_descriptor_get_field(desc, (unsigned)(key >> 3));
-    if (!f || (f->type != PROTOBUF_C_TYPE_MESSAGE && f->type != PROTOBUF_C_TYPE_STRING &&
-               f->type != PROTOBUF_C_TYPE_BYTES))
-      continue;
-    size_t index = (size_t)(f - desc->fields);
-    if (f->label == PROTOBUF_C_LABEL_REPEATED && ++*count > FSDP_WIRE_MAX_ELEMENTS)
-      return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                             "field '%s%s%s[%u]': %s holds more than %u elements of repeated "
-                             "fields, the most a request may",
-                             prefix, *prefix ? "." : "", f->name, index < 64 ? seen[index] : 0,
-                             desc->name, FSDP_WIRE_MAX_ELEMENTS);
-    if (f->label == PROTOBUF_C_LABEL_REPEATED && index < 64)
-      seen[index]++;
-    if (f->type == PROTOBUF_C_TYPE_MESSAGE) {
-      char path[256];
-      if (f->label == PROTOBUF_C_LABEL_REPEATED)
-        snprintf(path, sizeof path, "%s%s%s[%u]", prefix, *prefix ? "." : "", f->name,
-                 index < 64 ? seen[index] - 1 : 0);
-      else
-        snprintf(path, sizeof path, "%s%s%s", prefix, *prefix ? "." : "", f->name);
-      int r = count_elements(f->descriptor, value, size, path, count, st);
-      if (r < 0)
-        return r;
-    }
-  }
+/* "params[3].name", or "#15" for a field the message does not know. */
+static void field_path(char *buf, size_t size, const char *prefix, const wire_field_t *field) {
+  const char *dot = *prefix ? "." : "";
+  if (!field->desc)
+    snprintf(buf, size, "%s%s#%u", prefix, dot, field->number);
+  else if (field->desc->label == PROTOBUF_C_LABEL_REPEATED)
+    snprintf(buf, size, "%s%s%s[%u]", prefix, dot, field->desc->name, field->index);
+  else
+    snprintf(buf, size, "%s%s%s", prefix, dot, field->desc->name);
+}
+
+/* protobuf-c hands strings out as C strings, so a NUL inside one would silently cut it
+ * short ("a\0b" would read as "a"). Only the wire bytes show it: this looks at them, down
+ * into sub-messages, for string fields holding a NUL. */
+static int visit_nul_in_strings(const wire_field_t *field, const char *prefix, void *ctx,
+                                fsdp_status_t *st) {
+  const ProtobufCFieldDescriptor *f = field->desc;
+  if (!f || field->wire_type != 2 ||
+      (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE))
+    return 0;
+  char path[256];
+  field_path(path, sizeof path, prefix, field);
+  if (f->type == PROTOBUF_C_TYPE_MESSAGE)
+    return walk_fields(f->descriptor, field->value, field->size, path, visit_nul_in_strings, ctx,
+                       st);
+  const uint8_t *nul = memchr(field->value, 0, field->size);
+  if (nul)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "field '%s' holds a NUL byte at offset %zu",
+                           path, (size_t)(nul - field->value));
   return 0;
+}
+
+typedef struct field_count {
+  const char *request;
+  unsigned n;
+} field_count_t;
+
+/* protobuf-c allocates on its own every element of a repeated message, string or bytes
+ * field, and every field the message does not know, and one 16 MiB request can hold
+ * millions of empty ones (seconds of loop time, a GB of memory). So every field of a
+ * request, at every level, is counted in the wire bytes first; the walk stops at the limit,
+ * so it costs little whatever the size. */
+static int visit_count_fields(const wire_field_t *field, const char *prefix, void *ctx,
+                              fsdp_status_t *st) {
+  field_count_t *count = ctx;
+  bool message = field->desc && field->desc->type == PROTOBUF_C_TYPE_MESSAGE &&
+                 field->wire_type == 2;
+  if (++count->n <= FSDP_WIRE_MAX_FIELDS && !message)
+    return 0;
+  char path[256];
+  field_path(path, sizeof path, prefix, field);
+  if (count->n > FSDP_WIRE_MAX_FIELDS)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "field '%s': %s holds more than %u fields (each element of a list "
+                           "counts, at every level), the most a request may",
+                           path, count->request, FSDP_WIRE_MAX_FIELDS);
+  return walk_fields(field->desc->descriptor, field->value, field->size, path, visit_count_fields,
+                     ctx, st);
 }
 
 int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
@@ -216,7 +208,7 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
                            len);
   int r = fsdp_wire_validate(msg, st);
   if (r == 0)
-    r = check_nul_in_strings(desc, data, len, "", st);
+    r = walk_fields(desc, data, len, "", visit_nul_in_strings, NULL, st);
   if (r < 0) {
     protobuf_c_message_free_unpacked(msg, NULL);
     return r;
@@ -227,8 +219,8 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
 
 int fsdp_wire_decode_request_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
                                    size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
-  unsigned count = 0;
-  int r = count_elements(desc, data, len, "", &count, st);
+  field_count_t count = {.request = desc->name};
+  int r = walk_fields(desc, data, len, "", visit_count_fields, &count, st);
   return r < 0 ? r : fsdp_wire_decode_bytes(desc, data, len, ret_msg, st);
 }
 

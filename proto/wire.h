@@ -31,12 +31,12 @@ bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *serv
 
 /* What a request may cost to decode. A health request is a service name; most others are
  * a few ids and names; the few that carry lists (RegisterUnit, SetSchedule) may take all of
- * rpc.max_message_size. Elements of repeated message, string or bytes fields, each of which
- * protobuf-c allocates on its own, are counted in the wire bytes before anything is
- * unpacked. */
+ * rpc.max_message_size. Its fields (each element of a list, and fields the message does not
+ * know, many of which protobuf-c allocates one by one) are counted at every level in the
+ * wire bytes before anything is unpacked: 65,536 hold a unit of over 16,000 parameters. */
 #define FSDP_WIRE_HEALTH_REQUEST_MAX 1024
 #define FSDP_WIRE_SMALL_REQUEST_MAX 65536
-#define FSDP_WIRE_MAX_ELEMENTS 16384
+#define FSDP_WIRE_MAX_FIELDS 65536
 
 /* The most bytes a request of method index `method` of `service` may have, given the
  * configured maximum max_message_size (which it never exceeds). */
@@ -52,7 +52,7 @@ int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer)
 int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                      ProtobufCMessage **ret_msg, fsdp_status_t *st);
 /* The same for a request a server received, which must first hold at most
- * FSDP_WIRE_MAX_ELEMENTS repeated elements (RESOURCE_EXHAUSTED naming the field where the
+ * FSDP_WIRE_MAX_FIELDS fields at all levels (RESOURCE_EXHAUSTED naming the field where the
  * count passed it). */
 int fsdp_wire_decode_request(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                              ProtobufCMessage **ret_msg, fsdp_status_t *st);

@@ -251,32 +251,60 @@ static uint8_t *empty_params(size_t n, size_t *ret_len) {
   return data;
 }
 
-static void test_repeated_elements_are_counted_before_unpacking(void **state) {
+static void test_fields_are_counted_before_unpacking(void **state) {
   (void)state;
   size_t len;
   ProtobufCMessage *msg;
   fsdp_status_t st;
-  uint8_t *data = empty_params(FSDP_WIRE_MAX_ELEMENTS, &len);
+  uint8_t *data = empty_params(FSDP_WIRE_MAX_FIELDS, &len);
   assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
                                                   data, len, &msg, &st),
                    0);
-  assert_int_equal(((Fsdp__V1__RegisterUnitRequest *)msg)->n_params, FSDP_WIRE_MAX_ELEMENTS);
+  assert_int_equal(((Fsdp__V1__RegisterUnitRequest *)msg)->n_params, FSDP_WIRE_MAX_FIELDS);
   protobuf_c_message_free_unpacked(msg, NULL);
   free(data);
 
-  /* Millions of entries in 16 MiB: refused at the first element over, whatever follows. */
+  /* Millions of entries in 16 MiB: refused at the first field over, whatever follows. */
   data = empty_params(8u << 20, &len);
   assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
                                                   data, len, &msg, &st),
                    FSDP_E_RESOURCE_EXHAUSTED);
-  assert_string_equal(st.message, "field 'params[16384]': fsdp.v1.RegisterUnitRequest holds "
-                                  "more than 16384 elements of repeated fields, the most a "
-                                  "request may");
+  assert_string_equal(st.message, "field 'params[65536]': fsdp.v1.RegisterUnitRequest holds "
+                                  "more than 65536 fields (each element of a list counts, at "
+                                  "every level), the most a request may");
   /* Replies are not counted: the daemon's own may be long lists. */
   assert_int_equal(fsdp_wire_decode_bytes(&fsdp__v1__register_unit_request__descriptor, data,
-                                          2 * (FSDP_WIRE_MAX_ELEMENTS + 1), &msg, &st),
+                                          2 * (FSDP_WIRE_MAX_FIELDS + 1), &msg, &st),
                    0);
   protobuf_c_message_free_unpacked(msg, NULL);
+
+  /* Fields the message does not know (15, a varint) count too: protobuf-c keeps each. */
+  for (size_t i = 0; i < len / 2; i++) {
+    data[2 * i] = 15 << 3;
+    data[2 * i + 1] = 0;
+  }
+  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
+                                                  data, len, &msg, &st),
+                   FSDP_E_RESOURCE_EXHAUSTED);
+  assert_string_equal(st.message, "field '#15': fsdp.v1.RegisterUnitRequest holds more than "
+                                  "65536 fields (each element of a list counts, at every "
+                                  "level), the most a request may");
+
+  /* And so do the fields of every element: parameters of three fields each (the entry, its
+   * name, its packed shape) pass the limit at the name of the 21,846th. */
+  free(data);
+  const uint8_t param[] = {3 << 3 | 2, 6, 1 << 3 | 2, 1, 'w', 2 << 3 | 2, 1, 4};
+  len = 21846 * sizeof param;
+  data = malloc(len);
+  assert_non_null(data);
+  for (size_t i = 0; i < 21846; i++)
+    memcpy(data + i * sizeof param, param, sizeof param);
+  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
+                                                  data, len, &msg, &st),
+                   FSDP_E_RESOURCE_EXHAUSTED);
+  assert_string_equal(st.message, "field 'params[21845].name': fsdp.v1.RegisterUnitRequest "
+                                  "holds more than 65536 fields (each element of a list counts, "
+                                  "at every level), the most a request may");
   free(data);
 }
 
@@ -322,7 +350,7 @@ int main(void) {
       cmocka_unit_test(test_invalid_utf8_is_rejected),
       cmocka_unit_test(test_field_number_zero_is_rejected),
       cmocka_unit_test(test_nul_inside_a_string_is_rejected),
-      cmocka_unit_test(test_repeated_elements_are_counted_before_unpacking),
+      cmocka_unit_test(test_fields_are_counted_before_unpacking),
       cmocka_unit_test(test_request_size_limits_by_method),
       cmocka_unit_test(test_peer_state_names),
   };
