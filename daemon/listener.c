@@ -215,9 +215,11 @@ static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
     n++;
     /* Idle: no call the endpoint serves. A stream whose request never came whole is no
      * such call: gRPC would hold it for ever, and a connection of those must not keep a
-     * newcomer out. */
+     * newcomer out. A connection that proved it holds the token (a peer's channel, idle
+     * between heartbeats) never makes room for a newcomer, who has proved nothing. */
     int served = c->relay ? fsdp_relay_served_fd(c->relay) : c->fd;
-    bool idle = fsdp_rpc_endpoint_connection_calls(ls->endpoint, served) == 0;
+    bool idle = fsdp_rpc_endpoint_connection_calls(ls->endpoint, served) == 0 &&
+                !fsdp_rpc_endpoint_connection_authenticated(ls->endpoint, served);
     if (idle && (!*ret_idle || c->since_ms < (*ret_idle)->since_ms))
       *ret_idle = c;
   }
@@ -241,8 +243,13 @@ static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid
   if (n >= limit) {
     if (!idle)
       return NULL;
-    log_info("%s: closed an idle connection (fd %d) to make room: %s holds %u of %u",
-             ls->name, idle->fd, ls->tcp ? "the port" : "its uid", n, limit);
+    char who[128];
+    if (idle->relay)
+      snprintf(who, sizeof who, "from %s", fsdp_relay_client_name(idle->relay));
+    else
+      snprintf(who, sizeof who, "fd %d", idle->fd);
+    log_info("%s: closed an idle connection (%s) to make room: %s holds %u of %u", ls->name, who,
+             ls->tcp ? "the port" : "its uid", n, limit);
     if (idle->relay) {
       idle->closing = true;
       fsdp_relay_close(idle->relay);

@@ -91,6 +91,10 @@ int fsdp_relay_served_fd(const fsdp_relay_t *relay) {
   return relay->served_fd;
 }
 
+const char *fsdp_relay_client_name(const fsdp_relay_t *relay) {
+  return relay->name;
+}
+
 static void stream_ended(fsdp_relay_t *relay, uint32_t id) {
   for (unsigned i = 0; i < relay->n_open; i++)
     if (relay->open[i] == id) {

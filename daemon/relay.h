@@ -57,4 +57,7 @@ void fsdp_relay_forget(fsdp_relay_t *relay);
 /* The descriptor gRPC serves the connection on: the endpoint counts its calls under it. */
 int fsdp_relay_served_fd(const fsdp_relay_t *relay);
 
+/* The client's address, as gRPC names one ("ipv4:127.0.0.1:41234"). */
+const char *fsdp_relay_client_name(const fsdp_relay_t *relay);
+
 #endif

@@ -157,7 +157,8 @@ struct fsdp_rpc_call {
 typedef struct conn_slot {
   atomic_uint calls;
   atomic_bool cut;
-  _Atomic ino_t ino; /* the socket's inode at adoption */
+  atomic_bool authenticated; /* a call on it carried the endpoint's token */
+  _Atomic ino_t ino;         /* the socket's inode at adoption */
   char *name;        /* loop thread only: the client's address, when the adopter knew it */
 } conn_slot_t;
 
@@ -595,8 +596,11 @@ static bool authenticated(fsdp_rpc_call_t *call, const char *path) {
     if (grpc_slice_str_cmp(call->request_metadata.metadata[i].key, "authorization") == 0)
       found = &call->request_metadata.metadata[i];
   if (found && same_secret(GRPC_SLICE_START_PTR(found->value), GRPC_SLICE_LENGTH(found->value),
-                           ep->auth_expected))
+                           ep->auth_expected)) {
+    if (call->conn_fd >= 0)
+      atomic_store(&call->server->conns[call->conn_fd].authenticated, true);
     return true;
+  }
   uint64_t now = uv_now(call->server->loop);
   if (ep->auth_logged_ms && now - ep->auth_logged_ms < AUTH_LOG_INTERVAL_MS) {
     ep->auth_unlogged++;
@@ -1084,6 +1088,7 @@ void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd, const char *
     conn_slot_t *slot = &endpoint->server->conns[fd];
     atomic_store(&slot->ino, sb.st_ino);
     atomic_store(&slot->cut, false);
+    atomic_store(&slot->authenticated, false);
     free(slot->name);
     slot->name = peer_name ? strdup(peer_name) : NULL;
   }
@@ -1097,6 +1102,12 @@ unsigned fsdp_rpc_endpoint_max_streams_per_connection(const fsdp_rpc_endpoint_t 
 unsigned fsdp_rpc_endpoint_connection_calls(const fsdp_rpc_endpoint_t *endpoint, int fd) {
   const fsdp_rpc_server_t *server = endpoint->server;
   return fd >= 0 && (size_t)fd < server->n_conns ? atomic_load(&server->conns[fd].calls) : 0;
+}
+
+bool fsdp_rpc_endpoint_connection_authenticated(const fsdp_rpc_endpoint_t *endpoint, int fd) {
+  const fsdp_rpc_server_t *server = endpoint->server;
+  return fd >= 0 && (size_t)fd < server->n_conns &&
+         atomic_load(&server->conns[fd].authenticated);
 }
 
 int fsdp_rpc_server_start(fsdp_rpc_server_t *server) {

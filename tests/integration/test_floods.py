@@ -168,6 +168,51 @@ def test_rapid_reset_on_a_token_protected_peer_port(fsdpd, tmp_path):
         assert log.count(f"host {other} (127.0.0.1:{c.ports[other]}) joined") == 1, log[-4000:]
 
 
+def connections_to(pid, port):
+    """The inodes of process pid's TCP sockets connected to 127.0.0.1:port."""
+    mine = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(int(target[8:-1]))
+    found = set()
+    for table in ("tcp", "tcp6"):  # gRPC's client sockets are dual-stack
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                remote, inode = cols[2], int(cols[9])
+                if int(remote.split(":")[1], 16) == port and inode in mine:
+                    found.add(inode)
+    return found
+
+
+def test_newcomers_never_displace_the_peers_own_connections(fsdpd, tmp_path):
+    """Connections that prove nothing (the preface only), from anyone who reaches a
+    token-protected peer port, fill its connection limit over and over: each displaces the
+    oldest idle one, but never a peer's own channel, idle between heartbeats as it is."""
+    c = Cluster(fsdpd, 2, extra=token_args(tmp_path), env=DAEMON_ENV)
+    wait_all_joined(c)
+    d0, d1 = c.daemons
+    # Host 1's channel to host 0's peer port has carried its Joins and heartbeats.
+    channel = poll(lambda: connections_to(d1.pid, c.ports[0]), 5.0,
+                   what="host 1's connection to host 0's peer port")
+    newcomers = []
+    try:
+        for _ in range(100):  # the port holds 2 x 2 hosts + 16
+            newcomers.append(h2raw.connect(("127.0.0.1", c.ports[0])))
+        poll(lambda: d0.stderr().count(f"{c.ports[0]}: closed an idle connection") >= 50, 5.0,
+             what="newcomers displacing idle newcomers")
+        assert channel <= connections_to(d1.pid, c.ports[0]), d0.stderr()[-4000:]
+        log = d1.stderr()
+        assert log.count(f"host 0 (127.0.0.1:{c.ports[0]}) joined") == 1, log[-4000:]
+    finally:
+        for s in newcomers:
+            s.close()
+
+
 def raise_own_fd_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
