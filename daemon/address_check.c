@@ -107,6 +107,10 @@ static void on_closed(uv_handle_t *handle) {
   fsdp_address_check_t *c = handle->data;
   if (--c->open_handles > 0)
     return;
+  /* Only now: the poll handle watched the pidfd until it was closed, and the number must
+   * not be another file's while epoll still has it. */
+  close(c->out_fd);
+  close(c->pidfd);
   c->cb(c->data, c->result, c->why);
   free(c);
 }
@@ -147,16 +151,19 @@ static void finish(fsdp_address_check_t *c) {
     snprintf(c->why, sizeof c->why, "the check could not be made (exit status %d)%s%s",
              r > 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1, line[0] ? ": " : "", line);
   }
-  close(c->out_fd);
-  close(c->pidfd);
   uv_timer_stop(&c->timer);
   uv_close((uv_handle_t *)&c->poll, on_closed);
   uv_close((uv_handle_t *)&c->timer, on_closed);
 }
 
 static void on_exit_readable(uv_poll_t *poll, int status, int events) {
-  (void)status;
   (void)events;
+  if (status < 0) {
+    /* Polling the pidfd failed: rather than spin on it, wait for the deadline, which kills
+     * the process and polls once more. */
+    uv_poll_stop(poll);
+    return;
+  }
   finish(poll->data);
 }
 
@@ -164,6 +171,7 @@ static void on_deadline(uv_timer_t *timer) {
   fsdp_address_check_t *c = timer->data;
   c->timed_out = true;
   pidfd_send_signal(c->pidfd, SIGKILL, NULL, 0);
+  uv_poll_start(&c->poll, UV_READABLE, on_exit_readable);
 }
 
 int fsdp_address_check_start(uv_loop_t *loop, const void *bytes, size_t len,
@@ -186,11 +194,13 @@ int fsdp_address_check_start(uv_loop_t *loop, const void *bytes, size_t len,
   posix_spawnattr_init(&attr);
   if (r >= 0) {
     /* Nothing of the daemon's but the two memfds reaches the process, and it starts with no
-     * signal blocked. */
-    sigset_t none;
+     * signal blocked or ignored (the daemon ignores some while it stops). */
+    sigset_t none, all;
     sigemptyset(&none);
+    sigfillset(&all);
     posix_spawnattr_setsigmask(&attr, &none);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+    posix_spawnattr_setsigdefault(&attr, &all);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
     posix_spawn_file_actions_adddup2(&actions, in_fd, 0);
     posix_spawn_file_actions_adddup2(&actions, c->out_fd, 1);
     posix_spawn_file_actions_adddup2(&actions, c->out_fd, 2);
