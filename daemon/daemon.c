@@ -538,7 +538,9 @@ static uint64_t descriptors_needed(const fsdp_config_t *cfg) {
 }
 
 /* The soft descriptor limit (1024 by default) is too low for session.max_sessions trainers
- * and the connection limits: raise it to the hard limit, and say so if even that is short. */
+ * and the connection limits: raise it to the hard limit, and say so if even that is short.
+ * The unix socket's limit is per uid: the estimate holds one uid's, as the socket's group is
+ * the trainers' launcher and its operators, not a crowd. */
 static void raise_descriptor_limit(const fsdp_config_t *cfg) {
   struct rlimit nofile;
   if (getrlimit(RLIMIT_NOFILE, &nofile) < 0)
@@ -552,9 +554,10 @@ static void raise_descriptor_limit(const fsdp_config_t *cfg) {
   uint64_t need = descriptors_needed(cfg);
   if (nofile.rlim_cur != RLIM_INFINITY && nofile.rlim_cur < need)
     log_warning("the descriptor limit is %llu (hard limit %llu) but the configured limits need "
-                "about %llu (3 per session.max_sessions, rpc.max_connections_per_uid, "
-                "health.max_connections and a margin): raise LimitNOFILE or lower them, or "
-                "trainers and probes will be refused when it runs out",
+                "about %llu (3 per session.max_sessions, one uid's "
+                "rpc.max_connections_per_uid, health.max_connections, the peer port's and the "
+                "memory channel's pending connections, and a margin): raise LimitNOFILE or "
+                "lower them, or trainers and probes will be refused when it runs out",
                 (unsigned long long)nofile.rlim_cur, (unsigned long long)nofile.rlim_max,
                 (unsigned long long)need);
   else
