@@ -1281,14 +1281,27 @@ static bool join_step(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
   return true;
 }
 
-/* Every held Join of p, once more. */
-static void run_pending(fsdp_peers_t *peers, peer_t *p) {
+/* The first Join of a list, taken off it; NULL once it is empty. A loop over p's held Joins
+ * takes the whole list first, so that each can be parked again on p->pending. */
+static fsdp_peers_join_t *pop_join(fsdp_peers_join_t **list) {
+  fsdp_peers_join_t *j = *list;
+  if (j) {
+    *list = j->next;
+    j->next = NULL;
+  }
+  return j;
+}
+
+static fsdp_peers_join_t *take_pending(peer_t *p) {
   fsdp_peers_join_t *list = p->pending;
   p->pending = NULL;
-  while (list) {
-    fsdp_peers_join_t *j = list;
-    list = j->next;
-    j->next = NULL;
+  return list;
+}
+
+/* Every held Join of p, once more. */
+static void run_pending(fsdp_peers_t *peers, peer_t *p) {
+  fsdp_peers_join_t *list = take_pending(p), *j;
+  while ((j = pop_join(&list))) {
     if (!join_step(peers, j))
       park_join(p, j);
   }
@@ -1297,12 +1310,8 @@ static void run_pending(fsdp_peers_t *peers, peer_t *p) {
 /* Our Join to p's own address came back: the Joins waiting for it are confirmed, or, when
  * it failed (failure says how), refused as unconfirmable. */
 static void confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failure) {
-  fsdp_peers_join_t *list = p->pending;
-  p->pending = NULL;
-  while (list) {
-    fsdp_peers_join_t *j = list;
-    list = j->next;
-    j->next = NULL;
+  fsdp_peers_join_t *list = take_pending(p), *j;
+  while ((j = pop_join(&list))) {
     if (j->confirming && failure) {
       fsdp_status_t st;
       fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
@@ -1352,12 +1361,8 @@ static void on_check_done(void *data, int result, const char *why) {
   }
   /* Joins with the address just refused get why; the others go on (one may start the
    * next check). */
-  fsdp_peers_join_t *list = p->pending;
-  p->pending = NULL;
-  while (list) {
-    fsdp_peers_join_t *j = list;
-    list = j->next;
-    j->next = NULL;
+  fsdp_peers_join_t *list = take_pending(p), *j;
+  while ((j = pop_join(&list))) {
     if (result != 0 && same_bytes(j->ucx, j->ucx_len, bytes, len)) {
       fsdp_status_t st;
       fsdp_status_set(&st, result == FSDP_E_INVALID_ARGUMENT ? result : FSDP_E_UNAVAILABLE,

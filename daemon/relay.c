@@ -176,8 +176,7 @@ static bool inspect(fsdp_relay_t *relay, relay_dir_t *d, const uint8_t *p, size_
 }
 
 /* Writes what is pending in d; false if the connection ended. */
-static bool flush(fsdp_relay_t *relay, relay_dir_t *d) {
-  (void)relay;
+static bool flush(relay_dir_t *d) {
   while (d->off < d->len) {
     ssize_t w = send(d->to, d->buf + d->off, d->len - d->off, MSG_NOSIGNAL);
     if (w < 0)
@@ -201,7 +200,7 @@ static bool pull(fsdp_relay_t *relay, relay_dir_t *d) {
     return false;
   d->len = (size_t)n;
   d->off = 0;
-  return flush(relay, d);
+  return flush(d);
 }
 
 static void on_event(uv_poll_t *poll, int status, int events) {
@@ -213,7 +212,7 @@ static void on_event(uv_poll_t *poll, int status, int events) {
   relay_dir_t *out = client ? &relay->down : &relay->up;
   bool ok = status == 0;
   if (ok && (events & UV_WRITABLE))
-    ok = flush(relay, out);
+    ok = flush(out);
   if (ok && (events & (UV_READABLE | UV_DISCONNECT)))
     ok = pull(relay, in);
   if (!ok) {
