@@ -56,6 +56,12 @@ demo: setup-test build
 bench-train: setup-test build
 	/usr/bin/python3 bench/train_bench.py --build $(BUILD)
 
+# Status, a health Check and a trainer's Unshard under each flood a local user can send, against
+# the same calls without it in the same run (bench/flood_bench.py; results in docs/PERFORMANCE.md).
+.PHONY: bench-floods
+bench-floods: setup-test build
+	/usr/bin/python3 bench/flood_bench.py --build $(BUILD)
+
 # The ring collectives between hosts, timed between member processes on this machine over
 # UCX tcp and shared memory, against ucx_perftest and OpenMPI (bench/ucx_bench.c; results in
 # docs/PERFORMANCE.md). Setup comes first so that CMake finds MPI when it configures.

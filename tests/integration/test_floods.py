@@ -1,15 +1,14 @@
 """Floods a local user can send, through real sockets against a real fsdpd: HTTP/2 rapid
 reset on the health port and on a token-protected peer port, idle connections, oversized
-requests. Each checks that probes and the unix socket's callers keep being answered (latency
-compared with the same call measured in the same run without the flood, with a generous
-ratio, or calls that must end within their deadline) and that the daemon's memory (VmRSS)
-stays bounded."""
+requests. Each checks that probes and the unix socket's callers keep being answered within
+their deadlines while it runs, that the daemon's memory (VmRSS) stays bounded, that it serves
+after, and what it logs. How long those calls take under each flood, against the same calls
+without it, is measured by bench/flood_bench.py (results in docs/PERFORMANCE.md), not here:
+the floods themselves are in floods.py, shared with that bench."""
 
 import os
 import resource
 import socket
-import statistics
-import subprocess
 import threading
 import time
 
@@ -17,14 +16,12 @@ import grpc
 import pytest
 
 import h2raw
+from floods import (half_headers, open_connections, rapid_reset_flood,
+                    repeated_call_flood)
 from fsdpd_harness import SERVING, fsdpd, health_pb2, poll, trainer_pb2  # noqa: F401
 from test_peers import Cluster, peers, token_args, wait_all_joined
 
-# Generous: the machine may be shared with other builds and tests.
-LATENCY_RATIO = 50
-LATENCY_FLOOR_S = 0.05
 RSS_GROWTH_MAX_MB = 200
-PEER_FLOOD_LATENCY_FLOOR_S = 0.25
 # Under AddressSanitizer freed memory waits in a quarantine (256 MB by default) before it is
 # reused: a small one keeps VmRSS a measure of what the daemon holds.
 DAEMON_ENV = {"ASAN_OPTIONS": ":".join(
@@ -39,28 +36,17 @@ def rss_mb(pid):
     raise AssertionError("no VmRSS")
 
 
-def median_latency(fn, n=30):
-    times = []
-    for _ in range(n):
-        t = time.monotonic()
-        fn()
-        times.append(time.monotonic() - t)
-    return statistics.median(times)
-
-
 def under_flood(d, flood, seconds, tcp_probes=True):
-    """Runs flood(stop_time) in a thread while timing Status calls on the unix socket and
-    Checks on the health port (2 s deadline each); returns (median Status latency, probe
-    failures, peak VmRSS in MB)."""
+    """Runs flood(stop_time) (one of floods.py's) in a thread while calling Status on the unix
+    socket and Check on the health port, one after the other (2 s deadline each); returns
+    (probe failures, peak VmRSS in MB)."""
     stop = time.monotonic() + seconds
     t = threading.Thread(target=flood, args=(stop,), daemon=True)
     t.start()
-    times, failures, peak = [], [], rss_mb(d.pid)
+    failures, peak = [], rss_mb(d.pid)
     while time.monotonic() < stop:
-        start = time.monotonic()
         try:
             d.status(timeout=2)
-            times.append(time.monotonic() - start)
             if tcp_probes:
                 assert d.check("", tcp=True, timeout=2) == SERVING
         except grpc.RpcError as e:
@@ -68,64 +54,29 @@ def under_flood(d, flood, seconds, tcp_probes=True):
         peak = max(peak, rss_mb(d.pid))
         time.sleep(0.02)
     t.join(10)
-    return statistics.median(times) if times else float("inf"), failures, peak
+    return failures, peak
 
 
-def assert_kept_serving(d, baseline, latency, failures, peak, rss_before,
-                        floor=LATENCY_FLOOR_S):
+def assert_kept_serving(d, failures, peak, rss_before):
     assert not failures, f"probes failed during the flood: {failures}"
-    assert latency < max(LATENCY_RATIO * baseline, floor), \
-        f"Status p50 {latency * 1000:.1f} ms under the flood, {baseline * 1000:.2f} ms without"
     assert peak - rss_before < RSS_GROWTH_MAX_MB, \
         f"VmRSS grew from {rss_before:.0f} MB to {peak:.0f} MB"
     d.assert_serving()
     d.assert_serving(tcp=True)
 
 
-def rapid_reset_flood(address, method, sent):
-    """flood(stop) for under_flood: HEADERS, an empty message and RST_STREAM, 100 streams a
-    burst on one connection, and again on a new one when it is cut; sent[0] counts streams,
-    sent[1] connections."""
-    headers = h2raw.grpc_headers(method)
-
-    def flood(stop):
-        while time.monotonic() < stop and sent[0] < 2_000_000:
-            s = None
-            try:
-                s = h2raw.connect(address, timeout=1)
-                sent[1] += 1
-                sid = 1
-                while time.monotonic() < stop:
-                    burst = b"".join(
-                        h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, i, headers) +
-                        h2raw.frame(h2raw.DATA, h2raw.END_STREAM, i, h2raw.grpc_message(b"")) +
-                        h2raw.frame(h2raw.RST_STREAM, 0, i, h2raw.CANCEL.to_bytes(4, "big"))
-                        for i in range(sid, sid + 200, 2))
-                    s.sendall(burst)
-                    sid += 200
-                    sent[0] += 100
-            except OSError:
-                pass
-            finally:
-                if s:
-                    s.close()
-    return flood
-
-
 def test_rapid_reset_on_the_health_port(fsdpd):
     """HEADERS then RST_STREAM, over and over on one connection (and again on a new one when
     it is cut), no credentials needed: the daemon cuts each such connection, its memory stays
-    bounded and callers keep their latency."""
+    bounded and callers are answered within their deadlines."""
     d = fsdpd(env=DAEMON_ENV)
     rss_before = rss_mb(d.pid)
-    baseline = median_latency(lambda: d.status())
     sent = [0, 0]
     flood = rapid_reset_flood((d.health_host, d.health_port), "/grpc.health.v1.Health/Check", sent)
-    latency, failures, peak = under_flood(d, flood, 4)
-    print(f"{sent[0]} reset streams on {sent[1]} connections; Status p50 "
-          f"{latency * 1000:.2f} ms (without: {baseline * 1000:.2f}); VmRSS {rss_before:.0f} "
-          f"-> {peak:.0f} MB")
-    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+    failures, peak = under_flood(d, flood, 4)
+    print(f"{sent[0]} reset streams on {sent[1]} connections; VmRSS {rss_before:.0f} -> "
+          f"{peak:.0f} MB")
+    assert_kept_serving(d, failures, peak, rss_before)
     assert "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)" \
         in d.stderr()
 
@@ -140,19 +91,12 @@ def test_rapid_reset_on_a_token_protected_peer_port(fsdpd, tmp_path):
     d0, d1 = c.daemons
     inc = [peers(d)["incarnation"] for d in c.daemons]
     rss_before = rss_mb(d0.pid)
-    baseline = median_latency(lambda: d0.status())
     sent = [0, 0]
     flood = rapid_reset_flood(("127.0.0.1", c.ports[0]), "/fsdp.v1.Peer/Heartbeat", sent)
-    latency, failures, peak = under_flood(d0, flood, 10)
-    print(f"{sent[0]} reset streams on {sent[1]} connections; Status p50 "
-          f"{latency * 1000:.2f} ms (without: {baseline * 1000:.2f}); VmRSS {rss_before:.0f} "
-          f"-> {peak:.0f} MB")
-    # The peer port lets a connection reset 401 streams in 10 s (a peer's deadlines may come
-    # that close), six times the health port's 64, so more of the flood reaches gRPC on the
-    # same loop: Status stays well within its deadline (20 to 60 ms here, under
-    # AddressSanitizer too), but not always under the health test's 50 ms floor.
-    assert_kept_serving(d0, baseline, latency, failures, peak, rss_before,
-                        floor=PEER_FLOOD_LATENCY_FLOOR_S)
+    failures, peak = under_flood(d0, flood, 10)
+    print(f"{sent[0]} reset streams on {sent[1]} connections; VmRSS {rss_before:.0f} -> "
+          f"{peak:.0f} MB")
+    assert_kept_serving(d0, failures, peak, rss_before)
     assert "peer port: closed the connection from ipv4:127.0.0.1:" in d0.stderr()
     assert "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)" \
         in d0.stderr()
@@ -227,15 +171,10 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
         pytest.skip("this test needs 2,400 descriptors of its own")
     d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 128
     rss_before = rss_mb(d.pid)
-    half = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
-                       h2raw.grpc_headers("/grpc.health.v1.Health/Check"))[:20]
     idle = []
     try:
-        for i in range(1100):
-            idle.append(h2raw.connect(str(d.socket_path)))
-            idle[-1].sendall(half)
-        for i in range(200):
-            idle.append(h2raw.connect((d.health_host, d.health_port)))
+        open_connections(str(d.socket_path), 1100, half_headers(), idle)
+        open_connections((d.health_host, d.health_port), 200, into=idle)
         # Every new caller gets in, on a connection of its own, within its deadline.
         for _ in range(5):
             ch = d.new_channel()
@@ -267,9 +206,7 @@ def test_requests_that_never_finish_do_not_lock_out_probes_or_trainers(fsdpd):
     held = []
     try:
         for address, n in ((str(d.socket_path), 600), ((d.health_host, d.health_port), 200)):
-            for _ in range(n):
-                held.append(h2raw.connect(address))
-                held[-1].sendall(headers)
+            open_connections(address, n, headers, held)
         for _ in range(5):
             for tcp in (False, True):
                 ch = d.new_channel(tcp=tcp)
@@ -314,22 +251,12 @@ def test_large_health_checks_do_not_slow_trainers(fsdpd):
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "more than the 1024 bytes this method takes" in e.value.details()
     rss_before = rss_mb(d.pid)
-    baseline = median_latency(lambda: d.status())
-    payload = big.SerializeToString()
-
-    def flood(stop):
-        ch = d.new_channel(tcp=True)
-        n = 0
-        while time.monotonic() < stop and n < 1000:
-            n += 1
-            try:
-                d.raw_call("/grpc.health.v1.Health/Check", payload, channel=ch, timeout=2)
-            except grpc.RpcError as err:
-                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        ch.close()
-
-    latency, failures, peak = under_flood(d, flood, 4)
-    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+    codes = []
+    flood = repeated_call_flood(d, "/grpc.health.v1.Health/Check", big.SerializeToString(),
+                                codes, 1000, 2, tcp=True)
+    failures, peak = under_flood(d, flood, 4)
+    assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert_kept_serving(d, failures, peak, rss_before)
 
 
 @pytest.mark.parametrize("field,path", [(b"\x1a\x00", "params[65536]"), (b"\x78\x00", "#15")],
@@ -341,7 +268,6 @@ def test_request_of_millions_of_fields_is_refused_before_unpacking(fsdpd, field,
     d = fsdpd(env=DAEMON_ENV)
     rss_before = rss_mb(d.pid)
     payload = field * ((16 << 20) // 2 - 64)  # a 2-byte field, over and over
-    baseline = median_latency(lambda: d.status())
     with pytest.raises(grpc.RpcError) as e:
         d.raw_call("/fsdp.v1.Trainer/RegisterUnit", payload, timeout=30)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -349,27 +275,18 @@ def test_request_of_millions_of_fields_is_refused_before_unpacking(fsdpd, field,
     assert "more than 65536 fields" in e.value.details()
     assert "/fsdp.v1.Trainer/RegisterUnit" in e.value.details()
 
-    def flood(stop):
-        ch = d.new_channel()
-        for _ in range(20):
-            if time.monotonic() >= stop:
-                break
-            try:
-                d.raw_call("/fsdp.v1.Trainer/RegisterUnit", payload, channel=ch, timeout=10)
-            except grpc.RpcError:
-                pass
-        ch.close()
-
-    latency, failures, peak = under_flood(d, flood, 4)
-    assert_kept_serving(d, baseline, latency, failures, peak, rss_before)
+    codes = []
+    flood = repeated_call_flood(d, "/fsdp.v1.Trainer/RegisterUnit", payload, codes, 20, 10)
+    failures, peak = under_flood(d, flood, 4)
+    assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert_kept_serving(d, failures, peak, rss_before)
 
 
 def test_silent_and_half_sent_connections_are_closed_when_idle(fsdpd):
     """Connections that sent nothing, only the HTTP/2 preface, or half a HEADERS frame were
     never closed: rpc.idle_timeout closes them, on the unix socket and the health port."""
     d = fsdpd("--set", "rpc.idle_timeout=1s", env=DAEMON_ENV)
-    half = h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
-                       h2raw.grpc_headers("/grpc.health.v1.Health/Check"))[:20]
+    half = half_headers()
     socks = []
     for address in (str(d.socket_path), (d.health_host, d.health_port)):
         bare = socket.socket(socket.AF_UNIX if isinstance(address, str) else socket.AF_INET)
