@@ -118,6 +118,7 @@ class Trainers:
 
 
 PROBES = ("Status", "Check", "Unshard")
+FLOODS = ("reset-health", "reset-peer", "idle-conns", "fields", "watches", "mem-channel")
 
 
 def phase(d, trainers, floods, seconds):
@@ -218,7 +219,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="rounds per flood (default 3)")
     p.add_argument("--seconds", type=float, default=2.0,
                    help="seconds of each phase, without or under the flood (default 2)")
-    p.add_argument("--only", nargs="+", help="floods to run (default: all)")
+    p.add_argument("--only", nargs="+", choices=FLOODS, help="floods to run (default: all)")
     args = p.parse_args(argv)
     if args.rounds < 1 or not 0.2 <= args.seconds <= 20:
         p.error("--rounds must be at least 1 and --seconds within 0.2 to 20")
@@ -231,9 +232,9 @@ def main(argv=None):
     sys.path.insert(0, str(SOURCE_DIR / "tests" / "integration"))
     import floods
     from fsdpd_harness import common_pb2
-    from test_peers import Cluster, TOKEN, wait_all_joined  # noqa: F401
+    from test_peers import TOKEN, Cluster, wait_all_joined
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < 2400:
         print(f"flood_bench: the idle-conns flood needs 2,400 descriptors (hard limit {hard})",
               file=sys.stderr)
@@ -288,9 +289,8 @@ def main(argv=None):
             return d, t, lambda: [floods.silent_memory_connections_flood(
                 str(d.run_dir / "fsdpd.mem.sock"), 200)]
 
-        cases = {"reset-health": reset_health, "reset-peer": reset_peer,
-                 "idle-conns": idle_conns, "fields": fields, "watches": watches,
-                 "mem-channel": mem_channel}
+        cases = dict(zip(FLOODS, (reset_health, reset_peer, idle_conns, fields, watches,
+                                  mem_channel)))
         try:
             for name, setup in cases.items():
                 if args.only and name not in args.only:
