@@ -24,6 +24,10 @@
 /* Client resets one health port connection may send within the relay's window: a probe
  * resets a stream only when its deadline passes. */
 #define HEALTH_MAX_RESETS 64
+/* Resets a peer port connection may send before a call on it carried the token: a peer's
+ * first call does, long before a deadline of it could pass, and a probe without the token
+ * is refused at once, so only a flood resets streams there. */
+#define PEER_MAX_RESETS_UNTRUSTED 8
 /* Connections the plaintext peer port holds at once: each other host's channel, and one it
  * left behind when it restarted until that one is found closed, plus probes. */
 #define PEER_CONNECTIONS_PER_HOST 2
@@ -421,6 +425,7 @@ static int create_peer_endpoint(fsdp_daemon_t *daemon, fsdp_status_t *st) {
         .limit_name = "the peer port's fixed limit",
         .max_streams = fsdp_rpc_endpoint_max_streams_per_connection(daemon->peer_endpoint),
         .max_resets = peer_max_resets(),
+        .max_resets_untrusted = PEER_MAX_RESETS_UNTRUSTED,
     };
     if ((r = fsdp_listener_listen_tcp(&daemon->listener, FSDP_LISTENER_PEER, listen, &tcp,
                                       st)) < 0)
@@ -499,6 +504,7 @@ static int create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
         .limit_name = "health.max_connections",
         .max_streams = fsdp_rpc_endpoint_max_streams_per_connection(daemon->health_endpoint),
         .max_resets = HEALTH_MAX_RESETS,
+        .max_resets_untrusted = HEALTH_MAX_RESETS,
     };
     if ((r = fsdp_listener_listen_tcp(&daemon->listener, FSDP_LISTENER_HEALTH, health_listen,
                                       &tcp, st)) < 0)

@@ -199,6 +199,7 @@ static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) 
 static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
                             fsdp_listener_conn_t **ret_idle) {
   unsigned n = 0;
+  bool idle_proven = false;
   *ret_idle = NULL;
   for (fsdp_listener_conn_t **p = &ls->conns, *c; (c = *p);) {
     bool other = c->closing || (!ls->tcp && c->uid != uid);
@@ -216,12 +217,17 @@ static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
     /* Idle: no call the endpoint serves. A stream whose request never came whole is no
      * such call: gRPC would hold it for ever, and a connection of those must not keep a
      * newcomer out. A connection that proved it holds the token (a peer's channel, idle
-     * between heartbeats) never makes room for a newcomer, who has proved nothing. */
+     * between heartbeats) never makes room for a newcomer, who has proved nothing; one that
+     * never carried a call goes before one that did (a prober's, idle between probes). */
     int served = c->relay ? fsdp_relay_served_fd(c->relay) : c->fd;
     bool idle = fsdp_rpc_endpoint_connection_calls(ls->endpoint, served) == 0 &&
                 !fsdp_rpc_endpoint_connection_authenticated(ls->endpoint, served);
-    if (idle && (!*ret_idle || c->since_ms < (*ret_idle)->since_ms))
+    bool proven = fsdp_rpc_endpoint_connection_proven(ls->endpoint, served);
+    if (idle && (!*ret_idle || proven < idle_proven ||
+                 (proven == idle_proven && c->since_ms < (*ret_idle)->since_ms))) {
       *ret_idle = c;
+      idle_proven = proven;
+    }
   }
   return n;
 }
@@ -410,7 +416,8 @@ int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t por
   snprintf(ls->port, sizeof ls->port, "%s port", options->what);
   ls->name = ls->address;
   ls->relay = (fsdp_relay_limits_t){.port = ls->port, .max_streams = options->max_streams,
-                                    .max_resets = options->max_resets};
+                                    .max_resets = options->max_resets,
+                                    .max_resets_untrusted = options->max_resets_untrusted};
   return 0;
 }
 

@@ -95,7 +95,8 @@ typedef struct fsdp_listener_tcp_options {
   fsdp_rpc_endpoint_t *endpoint; /* borrowed */
   unsigned max_connections;
   const char *limit_name;
-  unsigned max_streams, max_resets; /* each connection's (fsdp_relay_limits_t) */
+  unsigned max_streams, max_resets, max_resets_untrusted; /* each connection's
+                                                           * (fsdp_relay_limits_t) */
 } fsdp_listener_tcp_options_t;
 
 struct fsdp_listener {

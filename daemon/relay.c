@@ -41,6 +41,7 @@ struct fsdp_relay {
   uv_loop_t *loop;
   int client_fd, grpc_fd;
   int served_fd; /* the pair's other end, which gRPC serves and closes */
+  fsdp_rpc_endpoint_t *endpoint;
   uv_poll_t client_poll, grpc_poll;
   int open_handles;
   bool closing;
@@ -134,9 +135,12 @@ static bool on_frame(fsdp_relay_t *relay, bool from_client, uint8_t type, uint8_
       relay->resets_since_ms = now;
       relay->resets = 0;
     }
-    if (++relay->resets > relay->limits->max_resets) {
+    unsigned limit = fsdp_rpc_endpoint_connection_trusted(relay->endpoint, relay->served_fd)
+                         ? relay->limits->max_resets
+                         : relay->limits->max_resets_untrusted;
+    if (++relay->resets > limit) {
       cut(relay, "more streams reset within 10 s than the port allows (HTTP/2 rapid reset)",
-          relay->resets, relay->limits->max_resets);
+          relay->resets, limit);
       return false;
     }
   }
@@ -260,7 +264,7 @@ int fsdp_relay_start(uv_loop_t *loop, int client_fd, fsdp_rpc_endpoint_t *endpoi
     setsockopt(pair[i], SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
   }
   *relay = (fsdp_relay_t){.loop = loop, .client_fd = client_fd, .grpc_fd = pair[0],
-                          .served_fd = pair[1],
+                          .served_fd = pair[1], .endpoint = endpoint,
                           .open = open, .limits = limits, .closed = closed,
                           .data = data, .resets_since_ms = uv_now(loop)};
   relay->up = (relay_dir_t){.from = client_fd, .to = pair[0], .preface_left = H2_PREFACE_BYTES};

@@ -35,6 +35,9 @@ typedef struct fsdp_relay_limits {
   const char *port;     /* for messages: "health port" */
   unsigned max_streams; /* streams open at once */
   unsigned max_resets;  /* client resets within FSDP_RELAY_RESET_WINDOW_MS */
+  /* The same for a connection the endpoint does not trust yet (no call with its token): a
+   * peer's first call carries the token long before any deadline of it could pass. */
+  unsigned max_resets_untrusted;
 } fsdp_relay_limits_t;
 
 typedef struct fsdp_relay fsdp_relay_t;

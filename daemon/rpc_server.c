@@ -157,6 +157,7 @@ struct fsdp_rpc_call {
 typedef struct conn_slot {
   atomic_uint calls;
   atomic_bool cut;
+  atomic_bool proven;        /* a call came on it: a client, not a connection left open */
   atomic_bool authenticated; /* a call on it carried the endpoint's token */
   _Atomic ino_t ino;         /* the socket's inode at adoption */
   char *name;        /* loop thread only: the client's address, when the adopter knew it */
@@ -324,6 +325,7 @@ static void count_connection_call(fsdp_rpc_call_t *call) {
     return;
   call->conn_fd = fd;
   conn_slot_t *slot = &server->conns[fd];
+  atomic_store(&slot->proven, true);
   unsigned calls = atomic_fetch_add(&slot->calls, 1) + 1;
   if (calls > call->endpoint->max_streams_per_connection && !atomic_exchange(&slot->cut, true)) {
     /* Only if the descriptor is still that connection: gRPC may have closed it, and the
@@ -1088,6 +1090,7 @@ void fsdp_rpc_endpoint_adopt(fsdp_rpc_endpoint_t *endpoint, int fd, const char *
     conn_slot_t *slot = &endpoint->server->conns[fd];
     atomic_store(&slot->ino, sb.st_ino);
     atomic_store(&slot->cut, false);
+    atomic_store(&slot->proven, false);
     atomic_store(&slot->authenticated, false);
     free(slot->name);
     slot->name = peer_name ? strdup(peer_name) : NULL;
@@ -1104,10 +1107,20 @@ unsigned fsdp_rpc_endpoint_connection_calls(const fsdp_rpc_endpoint_t *endpoint,
   return fd >= 0 && (size_t)fd < server->n_conns ? atomic_load(&server->conns[fd].calls) : 0;
 }
 
+bool fsdp_rpc_endpoint_connection_proven(const fsdp_rpc_endpoint_t *endpoint, int fd) {
+  const fsdp_rpc_server_t *server = endpoint->server;
+  return fd >= 0 && (size_t)fd < server->n_conns && atomic_load(&server->conns[fd].proven);
+}
+
 bool fsdp_rpc_endpoint_connection_authenticated(const fsdp_rpc_endpoint_t *endpoint, int fd) {
   const fsdp_rpc_server_t *server = endpoint->server;
   return fd >= 0 && (size_t)fd < server->n_conns &&
          atomic_load(&server->conns[fd].authenticated);
+}
+
+bool fsdp_rpc_endpoint_connection_trusted(const fsdp_rpc_endpoint_t *endpoint, int fd) {
+  return endpoint->auth_expected ? fsdp_rpc_endpoint_connection_authenticated(endpoint, fd)
+                                 : fsdp_rpc_endpoint_connection_proven(endpoint, fd);
 }
 
 int fsdp_rpc_server_start(fsdp_rpc_server_t *server) {

@@ -130,9 +130,13 @@ unsigned fsdp_rpc_endpoint_max_streams_per_connection(const fsdp_rpc_endpoint_t 
 /* Calls in existence that came on the adopted connection fd (0: the connection is idle). Any
  * thread. */
 unsigned fsdp_rpc_endpoint_connection_calls(const fsdp_rpc_endpoint_t *endpoint, int fd);
-/* Whether a call on the adopted connection fd carried the endpoint's token (a peer's own
- * channel). Any thread. */
+/* What the adopted connection fd has shown, any thread: proven, that a call came on it (a
+ * client, not a connection left open); authenticated, that a call carried the endpoint's
+ * token (a peer's own channel); trusted, the latter, or the former where the endpoint asks
+ * no token. */
+bool fsdp_rpc_endpoint_connection_proven(const fsdp_rpc_endpoint_t *endpoint, int fd);
 bool fsdp_rpc_endpoint_connection_authenticated(const fsdp_rpc_endpoint_t *endpoint, int fd);
+bool fsdp_rpc_endpoint_connection_trusted(const fsdp_rpc_endpoint_t *endpoint, int fd);
 
 /* Starts serving: the completion-queue thread and outstanding requests for every method. */
 int fsdp_rpc_server_start(fsdp_rpc_server_t *server);
