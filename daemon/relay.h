@@ -7,12 +7,12 @@
  * CPU grow without bound. Anyone on the host reaches the health port, and anyone on the
  * network a plaintext peer port (a token is checked per call, after gRPC has made the call),
  * so the daemon does not hand their connections to gRPC: each is relayed through a socket
- * pair, and the relay reads
- * the 9-byte header of every frame both ways. It counts the streams the client opens
- * (HEADERS on a new stream id) and those that end (the server's END_STREAM or RST_STREAM,
- * or the client's RST_STREAM), and closes the connection when the client holds more streams
- * open than the endpoint allows or resets more than the port allows within
- * FSDP_RELAY_RESET_WINDOW_MS. It reads from the client only once gRPC has taken what it
+ * pair, and the relay reads the 9-byte header of every frame both ways. It counts the
+ * streams the client opens (HEADERS on a new stream id) and those that end (the server's
+ * END_STREAM or RST_STREAM, or the client's RST_STREAM), and closes the connection when the
+ * client holds more streams open than the endpoint allows or resets more than the port
+ * allows within FSDP_RELAY_RESET_WINDOW_MS (fewer while the endpoint does not trust the
+ * connection: fsdp_rpc_endpoint_connection_trusted). It reads from the client only once gRPC has taken what it
  * forwarded before, and the socket pair's buffers are small, so gRPC never holds more than
  * a few kilobytes of one connection that the relay has not judged.
  *
