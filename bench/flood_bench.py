@@ -54,14 +54,6 @@ MAX_CALLS = 500  # per phase
 DEADLINE = 5.0   # seconds, every timed call
 
 
-def rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
 def percentile(times, q):
     s = sorted(times)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -135,7 +127,7 @@ def phase(d, trainers, floods, seconds):
         t.start()
     times = {p: [] for p in PROBES}
     failures = {p: [] for p in PROBES}
-    peak = rss_mb(d.pid)
+    peak = d.rss_mb()
     n = 0
     while time.monotonic() < stop and n < MAX_CALLS:
         n += 1
@@ -147,7 +139,7 @@ def phase(d, trainers, floods, seconds):
             except Exception as e:  # noqa: BLE001 (grpc.RpcError: a failed call)
                 failures[p].append(f"{e.code().name}: {e.details()}" if hasattr(e, "code")
                                    else repr(e))
-        peak = max(peak, rss_mb(d.pid))
+        peak = max(peak, d.rss_mb())
     for t in threads:
         t.join(30)
         if t.is_alive():
@@ -158,7 +150,7 @@ def phase(d, trainers, floods, seconds):
 def run_flood(name, make, d, trainers, args):
     """Alternating rounds without and under the flood made by make() (a list of flood(stop));
     returns the row for the table."""
-    rss_before = rss_mb(d.pid)
+    rss_before = d.rss_mb()
     peak = rss_before
     rounds = {"without": [], "under": []}
     failures = {"without": {p: [] for p in PROBES}, "under": {p: [] for p in PROBES}}

@@ -258,11 +258,28 @@ class Daemon:
         ch = channel or self.channel(tcp)
         return ch.unary_unary(path)(payload, timeout=timeout)
 
-    def check(self, service="", tcp=False, timeout=CALL_TIMEOUT):
+    def check(self, service="", tcp=False, timeout=CALL_TIMEOUT, channel=None):
         reply = self.call("/grpc.health.v1.Health/Check",
                           health_pb2.HealthCheckRequest(service=service),
-                          health_pb2.HealthCheckResponse, tcp=tcp, timeout=timeout)
+                          health_pb2.HealthCheckResponse, tcp=tcp, timeout=timeout,
+                          channel=channel)
         return reply.status
+
+    def check_on_new_connection(self, tcp=False, timeout=3):
+        """A Check as a newcomer makes it: on a connection of its own, closed after."""
+        ch = self.new_channel(tcp)
+        try:
+            return self.check(timeout=timeout, channel=ch)
+        finally:
+            ch.close()
+
+    def rss_mb(self):
+        """The daemon's resident memory (VmRSS), in MB."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
 
     def watch(self, service="", tcp=False, timeout=30, channel=None):
         """A Watch stream: an iterator of HealthCheckResponse (cancel() it when done)."""

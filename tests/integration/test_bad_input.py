@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from fsdpd_harness import (SERVING, fsdpd, health_pb2, operator_pb2, peer_pb2,  # noqa: F401
-                           poll, run_fsdpd, trainer_pb2)
+from fsdpd_harness import (SERVING, fsdpd, operator_pb2, peer_pb2, poll,  # noqa: F401
+                           run_fsdpd, trainer_pb2)
 
 
 # --- hand encoding, for bytes a well-behaved protobuf library refuses to produce ---------
@@ -372,13 +372,7 @@ def test_watch_streams_on_connections_of_their_own_leave_room_for_probes(fsdpd):
         for w in watches:
             assert next(w).status == SERVING
         for _ in range(8):
-            ch = d.new_channel(tcp=True)
-            try:
-                reply = d.call("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(),
-                               health_pb2.HealthCheckResponse, channel=ch, timeout=3)
-                assert reply.status == SERVING
-            finally:
-                ch.close()
+            assert d.check_on_new_connection(tcp=True) == SERVING
     finally:
         for w in watches:
             w.cancel()

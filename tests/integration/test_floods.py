@@ -28,14 +28,6 @@ DAEMON_ENV = {"ASAN_OPTIONS": ":".join(
     o for o in (os.environ.get("ASAN_OPTIONS", ""), "quarantine_size_mb=16") if o)}
 
 
-def rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def under_flood(d, flood, seconds, tcp_probes=True):
     """Runs flood(stop_time) (one of floods.py's) in a thread while calling Status on the unix
     socket and Check on the health port, one after the other (2 s deadline each); returns
@@ -43,7 +35,7 @@ def under_flood(d, flood, seconds, tcp_probes=True):
     stop = time.monotonic() + seconds
     t = threading.Thread(target=flood, args=(stop,), daemon=True)
     t.start()
-    failures, peak = [], rss_mb(d.pid)
+    failures, peak = [], d.rss_mb()
     while time.monotonic() < stop:
         try:
             d.status(timeout=2)
@@ -51,7 +43,7 @@ def under_flood(d, flood, seconds, tcp_probes=True):
                 assert d.check("", tcp=True, timeout=2) == SERVING
         except grpc.RpcError as e:
             failures.append((e.code(), e.details()))
-        peak = max(peak, rss_mb(d.pid))
+        peak = max(peak, d.rss_mb())
         time.sleep(0.02)
     t.join(10)
     return failures, peak
@@ -70,7 +62,7 @@ def test_rapid_reset_on_the_health_port(fsdpd):
     it is cut), no credentials needed: the daemon cuts each such connection, its memory stays
     bounded and callers are answered within their deadlines."""
     d = fsdpd(env=DAEMON_ENV)
-    rss_before = rss_mb(d.pid)
+    rss_before = d.rss_mb()
     sent = [0, 0]
     flood = rapid_reset_flood((d.health_host, d.health_port), "/grpc.health.v1.Health/Check", sent)
     failures, peak = under_flood(d, flood, 4)
@@ -90,7 +82,7 @@ def test_rapid_reset_on_a_token_protected_peer_port(fsdpd, tmp_path):
     wait_all_joined(c)
     d0, d1 = c.daemons
     inc = [peers(d)["incarnation"] for d in c.daemons]
-    rss_before = rss_mb(d0.pid)
+    rss_before = d0.rss_mb()
     sent = [0, 0]
     flood = rapid_reset_flood(("127.0.0.1", c.ports[0]), "/fsdp.v1.Peer/Heartbeat", sent)
     failures, peak = under_flood(d0, flood, 10)
@@ -198,24 +190,16 @@ def test_idle_connections_do_not_lock_out_trainers_or_probes(fsdpd):
     if raise_own_fd_limit() < 2400:
         pytest.skip("this test needs 2,400 descriptors of its own")
     d = fsdpd(env=DAEMON_ENV)  # rpc.max_connections_per_uid = 512, health.max_connections = 128
-    rss_before = rss_mb(d.pid)
+    rss_before = d.rss_mb()
     idle = []
     try:
         open_connections(str(d.socket_path), 1100, half_headers(), idle)
         open_connections((d.health_host, d.health_port), 200, into=idle)
         # Every new caller gets in, on a connection of its own, within its deadline.
         for _ in range(5):
-            ch = d.new_channel()
-            ch2 = d.new_channel(tcp=True)
-            try:
-                for c in (ch, ch2):
-                    reply = d.call("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(),
-                                   health_pb2.HealthCheckResponse, channel=c, timeout=3)
-                    assert reply.status == SERVING
-            finally:
-                ch.close()
-                ch2.close()
-        assert rss_mb(d.pid) - rss_before < RSS_GROWTH_MAX_MB
+            for tcp in (False, True):
+                assert d.check_on_new_connection(tcp=tcp) == SERVING
+        assert d.rss_mb() - rss_before < RSS_GROWTH_MAX_MB
         assert "closed an idle connection" in d.stderr()
     finally:
         for s in idle:
@@ -237,14 +221,7 @@ def test_requests_that_never_finish_do_not_lock_out_probes_or_trainers(fsdpd):
             open_connections(address, n, headers, held)
         for _ in range(5):
             for tcp in (False, True):
-                ch = d.new_channel(tcp=tcp)
-                try:
-                    reply = d.call("/grpc.health.v1.Health/Check",
-                                   health_pb2.HealthCheckRequest(),
-                                   health_pb2.HealthCheckResponse, channel=ch, timeout=3)
-                    assert reply.status == SERVING
-                finally:
-                    ch.close()
+                assert d.check_on_new_connection(tcp=tcp) == SERVING
     finally:
         for s in held:
             s.close()
@@ -278,7 +255,7 @@ def test_large_health_checks_do_not_slow_trainers(fsdpd):
         d.call("/grpc.health.v1.Health/Check", big, health_pb2.HealthCheckResponse)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "more than the 1024 bytes this method takes" in e.value.details()
-    rss_before = rss_mb(d.pid)
+    rss_before = d.rss_mb()
     codes = []
     flood = repeated_call_flood(d, "/grpc.health.v1.Health/Check", big.SerializeToString(),
                                 codes, 1000, 2, tcp=True)
@@ -294,7 +271,7 @@ def test_request_of_millions_of_fields_is_refused_before_unpacking(fsdpd, field,
     message does not know (protobuf-c keeps each), no session needed (7 s of loop time and
     0.9 GB; 1 s and 0.5 GB): refused by the count of fields before anything is unpacked."""
     d = fsdpd(env=DAEMON_ENV)
-    rss_before = rss_mb(d.pid)
+    rss_before = d.rss_mb()
     payload = field * ((16 << 20) // 2 - 64)  # a 2-byte field, over and over
     with pytest.raises(grpc.RpcError) as e:
         d.raw_call("/fsdp.v1.Trainer/RegisterUnit", payload, timeout=30)
@@ -354,7 +331,7 @@ def test_join_of_millions_of_entries_is_refused_before_decoding(fsdpd, tmp_path)
         s.close()
     d = fsdpd("--hosts", hosts, "--host-rank", "0", "--local-world-size", "1",
               "--set", f"peer.token_file={token}", env=DAEMON_ENV)
-    rss_before = rss_mb(d.pid)
+    rss_before = d.rss_mb()
     metadata = (("authorization", "Bearer s3cret-peer-token"),)
     field_settings = b"\x1a\x00"  # field 3 (settings), an empty entry
     with grpc.insecure_channel(hosts.split(",")[0],
@@ -365,5 +342,5 @@ def test_join_of_millions_of_entries_is_refused_before_decoding(fsdpd, tmp_path)
             join(field_settings * ((16 << 20) // 2 - 64), timeout=30, metadata=metadata)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "65536" in e.value.details(), e.value.details()
-    assert rss_mb(d.pid) - rss_before < RSS_GROWTH_MAX_MB
+    assert d.rss_mb() - rss_before < RSS_GROWTH_MAX_MB
     d.assert_serving()
