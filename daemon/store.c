@@ -109,16 +109,25 @@ static void job_free(fsdp_job_t *job) {
   free(job);
 }
 
-/* The bytes a job's arenas hold at most: what it reserves against memory.limit. */
-static size_t job_reserved(const fsdp_job_t *job) {
-  size_t bytes = 0;
+/* A job's two arenas together: the bytes its buffers use, and the bytes the arenas hold at
+ * most (what it reserves against memory.limit). */
+static void job_memory(const fsdp_job_t *job, size_t *ret_used, size_t *ret_capacity) {
+  size_t used = 0, capacity = 0;
   const fsdp_arena_t *arenas[2] = {job->arena, job->shared_arena};
   for (size_t k = 0; k < 2 && arenas[k]; k++) {
     fsdp_arena_stats_t stats;
     fsdp_arena_get_stats(arenas[k], &stats);
-    bytes += stats.capacity;
+    used += stats.used;
+    capacity += stats.capacity;
   }
-  return bytes;
+  *ret_used = used;
+  *ret_capacity = capacity;
+}
+
+static size_t job_reserved(const fsdp_job_t *job) {
+  size_t used, capacity;
+  job_memory(job, &used, &capacity);
+  return capacity;
 }
 
 /* The retained job that went idle first (idle_since_ms 0: its work ended after its last
@@ -252,12 +261,9 @@ void fsdp_store_init(fsdp_store_t *store) {
 size_t fsdp_store_memory_used(const fsdp_store_t *store) {
   size_t used = 0;
   for (const fsdp_job_t *j = store->jobs; j; j = j->next) {
-    const fsdp_arena_t *arenas[2] = {j->arena, j->shared_arena};
-    for (size_t k = 0; k < 2 && arenas[k]; k++) {
-      fsdp_arena_stats_t stats;
-      fsdp_arena_get_stats(arenas[k], &stats);
-      used += stats.used;
-    }
+    size_t job_used, capacity;
+    job_memory(j, &job_used, &capacity);
+    used += job_used;
   }
   return used;
 }
