@@ -1,5 +1,5 @@
 /* Throw-away fsdpd processes for benchmarks, and the helpers benches share. */
-#include "bench_daemon.h"
+#include "bench/bench_daemon.h"
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -17,9 +17,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "client_rpc.h"
+#include "client/client_rpc.h"
 #include "fsdp/v1/operator.pb-c.h"
-#include "wire.h"
+#include "proto/wire.h"
 
 /* The daemon's socket inside its run dir: FSDP_SOCKET_NAME of daemon/listener.h, repeated
  * because that header drags in libuv and the daemon's internals; the spawn fails loudly (no

@@ -23,8 +23,8 @@
 
 #include <json-c/json.h>
 
-#include "kernels.h"
-#include "workers.h"
+#include "collectives/kernels.h"
+#include "collectives/workers.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 

@@ -24,10 +24,10 @@
 #include <fsdp/fsdp_error.h>
 #include <fsdp/fsdp_version.h>
 
-#include "bench_daemon.h"
-#include "client_rpc.h"
+#include "bench/bench_daemon.h"
+#include "client/client_rpc.h"
 #include "fsdp/v1/operator.pb-c.h"
-#include "wire.h"
+#include "proto/wire.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 

@@ -45,7 +45,7 @@
 #include <fsdp/fsdp_error.h>
 #include <fsdp/fsdp_trainer.h>
 
-#include "bench_daemon.h"
+#include "bench/bench_daemon.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 

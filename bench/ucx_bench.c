@@ -50,9 +50,9 @@
 
 #include <uv.h>
 
-#include "kernels.h"
-#include "ring.h"
-#include "ucx.h"
+#include "collectives/kernels.h"
+#include "transport/ring.h"
+#include "transport/ucx.h"
 
 #ifndef FSDP_BENCH_MPI
 #define FSDP_BENCH_MPI 0

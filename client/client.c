@@ -16,9 +16,9 @@
 
 #include <fsdp/fsdp_client.h>
 
-#include "client_rpc.h"
+#include "client/client_rpc.h"
 #include "grpc/health/v1/health.pb-c.h"
-#include "wire.h"
+#include "proto/wire.h"
 
 /* Local failures and the daemon's messages both land here; long daemon messages are cut. */
 #define LAST_ERROR_MAX 1024

@@ -18,9 +18,9 @@
 #include <fsdp/fsdp_error.h>
 #include <fsdp/fsdp_version.h>
 
-#include "client_rpc.h"
+#include "client/client_rpc.h"
 #include "fsdp/v1/operator.pb-c.h"
-#include "wire.h"
+#include "proto/wire.h"
 
 enum {
   EXIT_OK = 0,

@@ -15,11 +15,11 @@
 #include <fsdp/fsdp_trainer.h>
 #include <fsdp/fsdp_version.h>
 
-#include "client_rpc.h"
-#include "fdpass.h"
+#include "client/client_rpc.h"
+#include "common/fdpass.h"
 #include "fsdp/v1/channel.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
-#include "wire.h"
+#include "proto/wire.h"
 
 #define TRAINER_PATH(method) "/fsdp.v1.Trainer/" method
 

@@ -3,7 +3,7 @@
  * cannot fix. The control buffer always has room for FSDP_FD_MAX descriptors whatever
  * max_fds is, so that "too many" is told apart from "truncated by the kernel" only by the
  * flag, and both end the same way: everything that arrived is closed. */
-#include "fdpass.h"
+#include "common/fdpass.h"
 
 #include <errno.h>
 #include <poll.h>

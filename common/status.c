@@ -1,5 +1,5 @@
 /* Error code plus message, filled where a failure is detected. */
-#include "status.h"
+#include "common/status.h"
 
 #include <stdio.h>
 

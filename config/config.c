@@ -6,7 +6,7 @@
  * line. We feed inih through our own line reader instead: it counts lines, hands inih one
  * whole line per call (so inih's error line and ours agree) and stops the parse at the first
  * error, so that the first bad line is the one reported. */
-#include "config.h"
+#include "config/config.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "config_value.h"
+#include "config/config_value.h"
 
 static const fsdp_option_t options[FSDP_OPTION_COUNT] = {
 #define FSDP_OPTION_ROW(id, key, type, def, min, max, choices, unit, reloadable, flag, help) \

@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "status.h"
+#include "common/status.h"
 
 /* Exit status for a configuration error (sysexits.h EX_CONFIG). */
 #define FSDP_EXIT_CONFIG 78

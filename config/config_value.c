@@ -1,7 +1,7 @@
 /* Value syntax of config options: parsing with range checks, and the canonical spelling.
  * Numbers are read digit by digit with overflow checks, never through strtoll and a wrap, so
  * that "99999999999TiB" is refused as too large instead of becoming a small number. */
-#include "config_value.h"
+#include "config/config_value.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

@@ -1,6 +1,6 @@
 /* A peer's data-plane address, unpacked by UCX in a process of its own (see
  * address_check.h). */
-#include "address_check.h"
+#include "daemon/address_check.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -14,8 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "fabric.h"
-#include "ucx.h"
+#include "daemon/fabric.h"
+#include "transport/ucx.h"
 
 extern char **environ;
 

@@ -23,7 +23,7 @@
 
 #include <uv.h>
 
-#include "status.h"
+#include "common/status.h"
 
 /* argv[1] of the checking process; main() hands it to fsdp_address_check_main at once. */
 #define FSDP_ADDRESS_CHECK_FLAG "--check-peer-address"

@@ -13,7 +13,7 @@
  * reports a memory limit as an error (-ENOMEM / -EFAULT) instead of a SIGBUS or an OOM
  * kill halfway through, so it is the default, with touching as the fallback for kernels
  * before 5.14. tests/unit/test_arena.c prints the figures for the machine it runs on. */
-#include "arena.h"
+#include "daemon/arena.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -70,7 +70,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "status.h"
+#include "common/status.h"
 
 /* Every block's start and size are multiples of this. */
 #define FSDP_ARENA_MIN_ALIGN 64

@@ -1,5 +1,5 @@
 /* Command-line parsing for fsdpd. */
-#include "args.h"
+#include "daemon/args.h"
 
 #include <errno.h>
 #include <string.h>

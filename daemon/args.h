@@ -8,8 +8,8 @@
 
 #include <stdbool.h>
 
-#include "config.h"
-#include "status.h"
+#include "common/status.h"
+#include "config/config.h"
 
 #define FSDP_MAX_FLAG_SETTINGS 64
 

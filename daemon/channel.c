@@ -1,5 +1,5 @@
 /* Memory channel: accept, hello, welcome with descriptors, then watch for the end. */
-#include "channel.h"
+#include "daemon/channel.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -10,9 +10,9 @@
 
 #include <fsdp/fsdp_version.h>
 
-#include "fdpass.h"
-#include "log.h"
-#include "wire.h"
+#include "common/fdpass.h"
+#include "daemon/log.h"
+#include "proto/wire.h"
 
 typedef enum conn_state { CONN_HELLO, CONN_BOUND, CONN_CLOSING } conn_state_t;
 

@@ -18,8 +18,8 @@
 
 #include "fsdp/v1/channel.pb-c.h"
 
-#include "listener.h"
-#include "status.h"
+#include "common/status.h"
+#include "daemon/listener.h"
 
 #define FSDP_CHANNEL_HELLO_TIMEOUT_MS 5000
 #define FSDP_CHANNEL_MAX_FDS 8

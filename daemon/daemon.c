@@ -1,5 +1,5 @@
 /* Daemon lifecycle: start, serve, reload, drain, stop. */
-#include "daemon.h"
+#include "daemon/daemon.h"
 
 #include <errno.h>
 #include <grp.h>
@@ -14,8 +14,8 @@
 
 #include <fsdp/fsdp_version.h>
 
-#include "log.h"
-#include "services.h"
+#include "daemon/log.h"
+#include "daemon/services.h"
 
 /* Calls the TCP health endpoint holds at once. */
 #define HEALTH_MAX_INFLIGHT 64

@@ -13,17 +13,17 @@
 
 #include <uv.h>
 
-#include "args.h"
-#include "channel.h"
-#include "config.h"
-#include "dataplane.h"
-#include "fabric.h"
-#include "health.h"
-#include "listener.h"
-#include "peers.h"
-#include "rpc_server.h"
-#include "sessions.h"
-#include "store.h"
+#include "config/config.h"
+#include "daemon/args.h"
+#include "daemon/channel.h"
+#include "daemon/dataplane.h"
+#include "daemon/fabric.h"
+#include "daemon/health.h"
+#include "daemon/listener.h"
+#include "daemon/peers.h"
+#include "daemon/rpc_server.h"
+#include "daemon/sessions.h"
+#include "daemon/store.h"
 
 typedef enum fsdp_daemon_state {
   FSDP_DAEMON_STARTING,

@@ -1,12 +1,12 @@
 /* Unit buffers and the operations of the host backend, on one host and across hosts. */
-#include "dataplane.h"
+#include "daemon/dataplane.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "log.h"
-#include "ring.h"
+#include "daemon/log.h"
+#include "transport/ring.h"
 
 typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
 

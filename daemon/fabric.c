@@ -1,12 +1,12 @@
 /* Connections to the other hosts (see fabric.h). */
-#include "fabric.h"
+#include "daemon/fabric.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "log.h"
+#include "daemon/log.h"
 
 typedef struct fabric_host {
   fsdp_ucx_peer_t *peer; /* the current connection, NULL while none */

@@ -15,9 +15,9 @@
 
 #include <uv.h>
 
-#include "peers.h"
-#include "status.h"
-#include "ucx.h"
+#include "common/status.h"
+#include "daemon/peers.h"
+#include "transport/ucx.h"
 
 typedef struct fsdp_fabric fsdp_fabric_t;
 

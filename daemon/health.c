@@ -1,12 +1,12 @@
 /* grpc.health.v1.Health: Check and Watch over the daemon's serving status. */
-#include "health.h"
+#include "daemon/health.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 #include "grpc/health/v1/health.pb-c.h"
 
-#include "log.h"
+#include "daemon/log.h"
 
 typedef Grpc__Health__V1__HealthCheckResponse__ServingStatus serving_status_t;
 

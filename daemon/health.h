@@ -12,7 +12,7 @@
 
 #include <stdbool.h>
 
-#include "rpc_server.h"
+#include "daemon/rpc_server.h"
 
 #define FSDP_HEALTH_SERVICES 4
 

@@ -1,5 +1,5 @@
 /* Run directory, lock file, unix socket and credential-checked accept. */
-#include "listener.h"
+#include "daemon/listener.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -14,8 +14,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "fdpass.h"
-#include "log.h"
+#include "common/fdpass.h"
+#include "daemon/log.h"
 
 /* Creates or checks the run dir; resolves it to an absolute path in listener->run_dir. */
 static int prepare_run_dir(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {

@@ -31,9 +31,9 @@
 
 #include <uv.h>
 
-#include "relay.h"
-#include "rpc_server.h"
-#include "status.h"
+#include "common/status.h"
+#include "daemon/relay.h"
+#include "daemon/rpc_server.h"
 
 #define FSDP_SOCKET_NAME "fsdpd.sock"
 #define FSDP_CHANNEL_SOCKET_NAME "fsdpd.mem.sock"

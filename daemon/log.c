@@ -1,5 +1,5 @@
 /* Leveled logging to stderr, journald-aware. */
-#include "log.h"
+#include "daemon/log.h"
 
 #include <stdarg.h>
 #include <stdatomic.h>

@@ -1,12 +1,12 @@
 /* What a peer's messages must hold before the peer table looks at them (see peer_check.h). */
-#include "peer_check.h"
+#include "daemon/peer_check.h"
 
 #include <stdio.h>
 #include <string.h>
 
 #include <fsdp/fsdp_version.h>
 
-#include "ucx.h"
+#include "transport/ucx.h"
 
 /* A host rank that is one of our peers; rank names the field for the message. */
 static int check_rank(const fsdp_peer_rules_t *rules, unsigned rank, fsdp_status_t *st) {

@@ -15,7 +15,7 @@
 #include <stddef.h>
 
 #include "fsdp/v1/peer.pb-c.h"
-#include "status.h"
+#include "common/status.h"
 
 /* Longest Leave reason taken (it goes into logs and status). */
 #define FSDP_PEER_REASON_MAX 256

@@ -1,14 +1,14 @@
 /* Peer.Join, Heartbeat and Leave, handed to the peer table, which checks them
  * (daemon/peer_check.h) before anything else. Every refusal names the method, the field and
  * the value; a Join refused for its settings names the key and both hosts' values. */
-#include "peer_service.h"
+#include "daemon/peer_service.h"
 
 #include <errno.h>
 #include <stdlib.h>
 
 #include "fsdp/v1/peer.pb-c.h"
-#include "log.h"
-#include "peers.h"
+#include "daemon/log.h"
+#include "daemon/peers.h"
 
 static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
   fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);

@@ -4,7 +4,7 @@
 #ifndef FSDP_PEER_SERVICE_H
 #define FSDP_PEER_SERVICE_H
 
-#include "daemon.h"
+#include "daemon/daemon.h"
 #include "fsdp/v1/operator.pb-c.h"
 
 /* The Peer service's table, bound to daemon. */

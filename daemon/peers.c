@@ -12,7 +12,7 @@
  * thread only moves completed contexts onto a list and wakes the loop; the loop decodes the
  * reply and acts. A peer has at most one Join and one Heartbeat in flight; every call has a
  * deadline (peer.timeout, shorter for Leave). */
-#include "peers.h"
+#include "daemon/peers.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -32,11 +32,11 @@
 
 #include <fsdp/fsdp_version.h>
 
-#include "address_check.h"
-#include "log.h"
-#include "peer_check.h"
-#include "ucx.h"
-#include "wire.h"
+#include "daemon/address_check.h"
+#include "daemon/log.h"
+#include "daemon/peer_check.h"
+#include "proto/wire.h"
+#include "transport/ucx.h"
 
 /* Join retries: from JOIN_BACKOFF_MIN_MS doubling to JOIN_BACKOFF_MAX_MS. */
 #define JOIN_BACKOFF_MIN_MS 50

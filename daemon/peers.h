@@ -28,9 +28,9 @@
 
 #include <uv.h>
 
-#include "config.h"
+#include "config/config.h"
 #include "fsdp/v1/peer.pb-c.h"
-#include "status.h"
+#include "common/status.h"
 
 typedef struct fsdp_peers fsdp_peers_t;
 

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "sessions.h"
+#include "daemon/sessions.h"
 
 typedef struct fsdp_rank_set {
   uint64_t bits[FSDP_LOCAL_WORLD_MAX / 64];

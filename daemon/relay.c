@@ -1,6 +1,6 @@
 /* The TCP ports' relay: bytes both ways between a TCP client and a socket pair whose
  * other end gRPC serves, with the frame headers read on the way (see relay.h). */
-#include "relay.h"
+#include "daemon/relay.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -11,7 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "log.h"
+#include "daemon/log.h"
 
 /* What the relay reads at once, and the socket pair's buffers: small, so that gRPC holds
  * little of a connection the relay has not judged yet. Probes send names. */

@@ -26,7 +26,7 @@
 
 #include <uv.h>
 
-#include "rpc_server.h"
+#include "daemon/rpc_server.h"
 
 #define FSDP_RELAY_RESET_WINDOW_MS 10000
 

@@ -13,7 +13,7 @@
  * a short grace for final replies, and destroy once every endpoint's tag is back and no call
  * context is left. Then the completion queue is
  * shut down, the thread sees GRPC_QUEUE_SHUTDOWN and exits, and the loop joins it. */
-#include "rpc_server.h"
+#include "daemon/rpc_server.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -36,8 +36,8 @@
 
 #include <fsdp/fsdp_version.h>
 
-#include "log.h"
-#include "wire.h"
+#include "daemon/log.h"
+#include "proto/wire.h"
 
 /* Requests kept outstanding per method, so that bursts do not wait for a re-arm. */
 #define REQUESTS_PER_METHOD 4

@@ -33,7 +33,7 @@
 #include <protobuf-c/protobuf-c.h>
 #include <uv.h>
 
-#include "status.h"
+#include "common/status.h"
 
 typedef struct fsdp_rpc_server fsdp_rpc_server_t;
 typedef struct fsdp_rpc_endpoint fsdp_rpc_endpoint_t;

@@ -1,7 +1,7 @@
 /* fsdp.v1 handlers of this release: Trainer sessions and RegisterUnit; Operator.Status,
  * ReloadConfig, Drain, Resume, ListUnits and DescribeUnit. The Peer service is in
  * peer_service.c. */
-#include "services.h"
+#include "daemon/services.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -14,8 +14,8 @@
 
 #include <fsdp/fsdp_version.h>
 
-#include "log.h"
-#include "peer_service.h"
+#include "daemon/log.h"
+#include "daemon/peer_service.h"
 
 /* Refuses a peer speaking another protocol version; returns false after failing the call. */
 static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who) {

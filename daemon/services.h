@@ -8,7 +8,7 @@
 #ifndef FSDP_SERVICES_H
 #define FSDP_SERVICES_H
 
-#include "daemon.h"
+#include "daemon/daemon.h"
 
 /* Fills daemon->services, each bound to daemon. */
 void fsdp_services_init(fsdp_daemon_t *daemon);

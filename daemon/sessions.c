@@ -1,5 +1,5 @@
 /* Trainer sessions: attach, use, expire. */
-#include "sessions.h"
+#include "daemon/sessions.h"
 
 #include <errno.h>
 #include <stdio.h>

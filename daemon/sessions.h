@@ -23,8 +23,8 @@
 
 #include "fsdp/v1/trainer.pb-c.h"
 
-#include "listener.h"
-#include "status.h"
+#include "common/status.h"
+#include "daemon/listener.h"
 
 #define FSDP_JOB_NAME_MAX 64
 #define FSDP_LOCAL_WORLD_MAX 256

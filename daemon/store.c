@@ -1,12 +1,12 @@
 /* Jobs and units of the parameter store. */
-#include "store.h"
+#include "daemon/store.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "config.h"
-#include "config_value.h"
+#include "config/config.h"
+#include "config/config_value.h"
 
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name) {
   for (fsdp_job_t *j = store->jobs; j; j = j->next)

@@ -28,12 +28,12 @@
 
 #include "fsdp/v1/trainer.pb-c.h"
 
-#include "arena.h"
-#include "rank_set.h"
-#include "topology.h"
-#include "sessions.h"
-#include "status.h"
-#include "unit_layout.h"
+#include "common/status.h"
+#include "daemon/arena.h"
+#include "daemon/rank_set.h"
+#include "daemon/sessions.h"
+#include "daemon/topology.h"
+#include "daemon/unit_layout.h"
 
 typedef struct fsdp_waiter fsdp_waiter_t; /* a parked call; daemon/dataplane.h */
 

@@ -1,5 +1,5 @@
 /* Unit plans across hosts (see topology.h). */
-#include "topology.h"
+#include "daemon/topology.h"
 
 static fsdp_host_ring_t ring(unsigned first, unsigned stride, unsigned members,
                              unsigned self) {

@@ -1,5 +1,5 @@
 /* FlatParameter layout and spec checks. */
-#include "unit_layout.h"
+#include "daemon/unit_layout.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -20,7 +20,7 @@
 
 #include "fsdp/v1/trainer.pb-c.h"
 
-#include "status.h"
+#include "common/status.h"
 
 /* Limits on what one RegisterUnit may ask for. */
 #define FSDP_UNIT_NAME_MAX 256             /* bytes in a unit or parameter name */

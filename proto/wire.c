@@ -1,5 +1,5 @@
 /* Wire codec between protobuf-c messages and gRPC byte buffers, plus the status table. */
-#include "wire.h"
+#include "proto/wire.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -15,7 +15,7 @@
 #include <grpc/grpc.h>
 #include <protobuf-c/protobuf-c.h>
 
-#include "status.h"
+#include "common/status.h"
 
 /* Longest method path we build: "/" service "/" method. */
 #define FSDP_WIRE_PATH_MAX 128

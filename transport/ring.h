@@ -56,9 +56,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kernels.h"
-#include "status.h"
-#include "ucx.h"
+#include "collectives/kernels.h"
+#include "common/status.h"
+#include "transport/ucx.h"
 
 #define FSDP_RING_MAX 16
 

@@ -8,7 +8,7 @@
  * queues the request; drive() runs the queued callbacks at the top of the loop, between
  * progress rounds, and only arms the worker (so that the loop may sleep in epoll) when no
  * callback is queued and progress found nothing to do. */
-#include "ucx.h"
+#include "transport/ucx.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -39,7 +39,7 @@
 
 #include <uv.h>
 
-#include "status.h"
+#include "common/status.h"
 
 typedef struct fsdp_ucx fsdp_ucx_t;
 typedef struct fsdp_ucx_peer fsdp_ucx_peer_t;

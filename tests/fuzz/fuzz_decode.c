@@ -13,7 +13,7 @@
 #include "fsdp/v1/trainer.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 
-#include "wire.h"
+#include "proto/wire.h"
 
 static const ProtobufCServiceDescriptor *const services[] = {
     &fsdp__v1__trainer__descriptor,

@@ -11,9 +11,9 @@
 #include <string.h>
 
 #include "fsdp/v1/peer.pb-c.h"
-#include "peer_check.h"
-#include "ucx.h"
-#include "wire.h"
+#include "daemon/peer_check.h"
+#include "proto/wire.h"
+#include "transport/ucx.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -1,6 +1,6 @@
 /* Starts and stops a real fsdpd for the C integration tests; the contract is in
  * daemon_fixture.h. */
-#include "daemon_fixture.h"
+#include "tests/integration/daemon_fixture.h"
 
 #include <fcntl.h>
 #include <ftw.h>

@@ -30,8 +30,8 @@
 #include <fsdp/fsdp_client.h>
 #include <fsdp/fsdp_trainer.h>
 
-#include "client_rpc.h"
-#include "daemon_fixture.h"
+#include "client/client_rpc.h"
+#include "tests/integration/daemon_fixture.h"
 #include "fsdp/v1/trainer.pb-c.h"
 
 extern char **environ;

@@ -1,5 +1,5 @@
 /* The unit tests' descriptor count; the contract is in fd_count.h. */
-#include "fd_count.h"
+#include "tests/unit/fd_count.h"
 
 #include <dirent.h>
 #include <setjmp.h>

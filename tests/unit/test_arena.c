@@ -24,9 +24,9 @@
 
 #include <cmocka.h>
 
-#include "arena.h"
-#include "fd_count.h"
-#include "fdpass.h"
+#include "common/fdpass.h"
+#include "daemon/arena.h"
+#include "tests/unit/fd_count.h"
 
 #define KiB ((size_t)1 << 10)
 #define MiB ((size_t)1 << 20)

@@ -25,9 +25,9 @@
 
 #include <fsdp/fsdp_client.h>
 
-#include "client_rpc.h"
+#include "client/client_rpc.h"
 #include "grpc/health/v1/health.pb-c.h"
-#include "wire.h"
+#include "proto/wire.h"
 
 #define HEALTH_CHECK "/grpc.health.v1.Health/Check"
 

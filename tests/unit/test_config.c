@@ -16,8 +16,8 @@
 
 #include <cmocka.h>
 
-#include "config.h"
-#include "config_value.h"
+#include "config/config.h"
+#include "config/config_value.h"
 
 #define NAME "fsdpd.conf"
 

@@ -22,8 +22,8 @@
 
 #include <cmocka.h>
 
-#include "fd_count.h"
-#include "fdpass.h"
+#include "common/fdpass.h"
+#include "tests/unit/fd_count.h"
 
 typedef struct header {
   uint32_t magic;

@@ -17,8 +17,8 @@
 
 #include <cmocka.h>
 
-#include "kernels.h"
-#include "workers.h"
+#include "collectives/kernels.h"
+#include "collectives/workers.h"
 
 /* ---- Reference conversions ---- */
 

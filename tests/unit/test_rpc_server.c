@@ -21,8 +21,8 @@
 
 #include "fsdp/v1/operator.pb-c.h"
 
-#include "client_rpc.h"
-#include "rpc_server.h"
+#include "client/client_rpc.h"
+#include "daemon/rpc_server.h"
 
 typedef struct result {
   int code;

@@ -36,9 +36,9 @@
 
 #include <cmocka.h>
 
-#include "kernels.h"
-#include "ring.h"
-#include "ucx.h"
+#include "collectives/kernels.h"
+#include "transport/ring.h"
+#include "transport/ucx.h"
 
 #define MAX_N 3
 #define IO_TIMEOUT_MS 20000

@@ -15,7 +15,7 @@
 #include "fsdp/v1/trainer.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 
-#include "wire.h"
+#include "proto/wire.h"
 
 static const int domain_codes[] = {
 #define FSDP_ERROR_VALUE(name, value, text) name,
