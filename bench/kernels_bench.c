@@ -23,8 +23,8 @@
 
 #include <json-c/json.h>
 
-#include "collectives/kernels.h"
-#include "collectives/workers.h"
+#include "kernels/kernels.h"
+#include "kernels/workers.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 

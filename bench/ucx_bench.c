@@ -50,7 +50,7 @@
 
 #include <uv.h>
 
-#include "collectives/kernels.h"
+#include "kernels/kernels.h"
 #include "transport/ring.h"
 #include "transport/ucx.h"
 

@@ -38,13 +38,13 @@
 
 #include <uv.h>
 
-#include "collectives/workers.h"
 #include "common/status.h"
 #include "daemon/fabric.h"
 #include "daemon/peers.h"
 #include "daemon/rpc_server.h"
 #include "daemon/sessions.h"
 #include "daemon/store.h"
+#include "kernels/workers.h"
 
 typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
 

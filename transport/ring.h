@@ -56,8 +56,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "collectives/kernels.h"
 #include "common/status.h"
+#include "kernels/kernels.h"
 #include "transport/ucx.h"
 
 #define FSDP_RING_MAX 16

@@ -8,7 +8,7 @@ single-process reference training the same model on the whole batch.
 With --param-dtype bf16 the reference performs the ranks' mixed-precision computation
 itself, rounding for rounding: each of the --world ranks' forward and backward on a bf16
 copy of the fp32 masters, their gradients summed in bf16 in rank order and scaled as the
-daemon's reduce does (collectives/kernels.h, fsdp_reduce), then the fp32 update. Its
+daemon's reduce does (kernels/kernels.h, fsdp_reduce), then the fp32 update. Its
 results are then exact, on any CPU, whatever its bf16 kernels round like.
 
 Prints one JSON line per step ({"step", "loss"}; the bf16 reference adds each rank's loss

@@ -48,7 +48,7 @@ def decode(data, dtype):
 
 
 def reference(grads, reduce_dtype, pre, post, previous=None):
-    """The kernel's contract (collectives/kernels.h), element by element."""
+    """The kernel's contract (kernels/kernels.h), element by element."""
     R = rounder(reduce_dtype)
     pre32, post32 = f32(1 / pre), f32(1 / post)
     out = []

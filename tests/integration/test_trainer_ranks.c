@@ -6,7 +6,7 @@
  * rank writes its master shard; after a barrier every rank unshards (some through
  * unshard_start and wait) and finds the whole unit as the reference says (fp32 exact, bf16
  * rounded to nearest even), reshards, writes a full gradient of its own and reduce-scatters;
- * its gradient shard must equal, bit for bit, the reference of collectives/kernels.h (the sum
+ * its gradient shard must equal, bit for bit, the reference of kernels/kernels.h (the sum
  * in reduce type rounded after each addition, then times 1/L: the daemon's default factors
  * are pre-divide 1 and post-divide L), and an accumulating step adds to it.
  *

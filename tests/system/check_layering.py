@@ -18,13 +18,13 @@ LAYERS = {
     'common': [],
     'proto': ['common'],
     'config': ['common', 'proto'],
-    'collectives': ['common'],
-    'transport': ['common', 'collectives'],
+    'kernels': ['common'],
+    'transport': ['common', 'kernels'],
     'client': ['common', 'proto'],
-    'daemon': ['common', 'proto', 'config', 'collectives', 'transport'],
+    'daemon': ['common', 'proto', 'config', 'kernels', 'transport'],
     # Tools and tests sit on top and may use every layer, but nothing uses them.
-    'bench': ['common', 'proto', 'config', 'collectives', 'transport', 'client', 'daemon'],
-    'tests': ['common', 'proto', 'config', 'collectives', 'transport', 'client', 'daemon'],
+    'bench': ['common', 'proto', 'config', 'kernels', 'transport', 'client', 'daemon'],
+    'tests': ['common', 'proto', 'config', 'kernels', 'transport', 'client', 'daemon'],
 }
 GENERATED = ('fsdp/v1/', 'grpc/health/v1/')
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

@@ -17,8 +17,8 @@
 
 #include <cmocka.h>
 
-#include "collectives/kernels.h"
-#include "collectives/workers.h"
+#include "kernels/kernels.h"
+#include "kernels/workers.h"
 
 /* ---- Reference conversions ---- */
 

@@ -36,7 +36,7 @@
 
 #include <cmocka.h>
 
-#include "collectives/kernels.h"
+#include "kernels/kernels.h"
 #include "transport/ring.h"
 #include "transport/ucx.h"
 

@@ -5,7 +5,7 @@
  * the same bits everywhere; hardware conversion instructions are not used because they
  * differ in corner cases (VCVTNEPS2BF16 flushes subnormals) and GCC does not vectorize
  * _Float16 conversions. */
-#include "collectives/kernels.h"
+#include "kernels/kernels.h"
 
 #include <errno.h>
 #include <math.h>

@@ -13,7 +13,7 @@
  * SPIN_NS, and the caller watches for the joined threads to leave for SPIN_NS. Back-to-back
  * calls, one per unit, then never sleep; a pool with nothing to do is asleep SPIN_NS after
  * its last call. */
-#include "collectives/workers.h"
+#include "kernels/workers.h"
 
 #include <errno.h>
 #include <math.h>

@@ -31,7 +31,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "collectives/kernels.h"
+#include "kernels/kernels.h"
 
 typedef struct fsdp_workers fsdp_workers_t;
 
