@@ -1,4 +1,4 @@
-/* fsdp-ucx-bench: the ring collectives between hosts (transport/ring.h), timed between n
+/* fsdp-ucx-bench: the ring collectives between hosts (collectives/ring.h), timed between n
  * member processes on this machine, with UCX's own point-to-point bandwidth and OpenMPI's
  * collectives measured in the same run as the peers.
  *
@@ -50,8 +50,8 @@
 
 #include <uv.h>
 
+#include "collectives/ring.h"
 #include "kernels/kernels.h"
-#include "transport/ring.h"
 #include "transport/ucx.h"
 
 #ifndef FSDP_BENCH_MPI

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "collectives/ring.h"
 #include "daemon/log.h"
-#include "transport/ring.h"
 
 typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
 

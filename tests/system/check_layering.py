@@ -19,12 +19,13 @@ LAYERS = {
     'proto': ['common'],
     'config': ['common', 'proto'],
     'kernels': ['common'],
-    'transport': ['common', 'kernels'],
+    'transport': ['common'],
+    'collectives': ['common', 'kernels', 'transport'],
     'client': ['common', 'proto'],
-    'daemon': ['common', 'proto', 'config', 'kernels', 'transport'],
+    'daemon': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives'],
     # Tools and tests sit on top and may use every layer, but nothing uses them.
-    'bench': ['common', 'proto', 'config', 'kernels', 'transport', 'client', 'daemon'],
-    'tests': ['common', 'proto', 'config', 'kernels', 'transport', 'client', 'daemon'],
+    'bench': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'client', 'daemon'],
+    'tests': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'client', 'daemon'],
 }
 GENERATED = ('fsdp/v1/', 'grpc/health/v1/')
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

@@ -36,8 +36,8 @@
 
 #include <cmocka.h>
 
+#include "collectives/ring.h"
 #include "kernels/kernels.h"
-#include "transport/ring.h"
 #include "transport/ucx.h"
 
 #define MAX_N 3

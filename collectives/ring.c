@@ -15,7 +15,7 @@
  * message and in the address bytes of ucx.c): data tag = op_id << 32 | step << 24 | chunk;
  * control tag = op_id << 32 | 0xff << 24 | sender << 8 | kind, with a fixed 256-byte
  * message: version, kind, sender, culprit, code (big endian), text. */
-#include "transport/ring.h"
+#include "collectives/ring.h"
 
 #include <errno.h>
 #include <stdarg.h>
