@@ -22,6 +22,7 @@ LAYERS = {
     'transport': ['common'],
     'collectives': ['common', 'kernels', 'transport'],
     'client': ['common', 'proto'],
+    'fsdpctl': ['common', 'proto', 'client'],
     'daemon': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives'],
     # Tools and tests sit on top and may use every layer, but nothing uses them.
     'bench': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'client', 'daemon'],
