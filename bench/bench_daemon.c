@@ -21,7 +21,7 @@
 #include "fsdp/v1/operator.pb-c.h"
 #include "proto/wire.h"
 
-/* The daemon's socket inside its run dir: FSDP_SOCKET_NAME of daemon/listener.h, repeated
+/* The daemon's socket inside its run dir: FSDP_SOCKET_NAME of daemon/rpc/listener.h, repeated
  * because that header drags in libuv and the daemon's internals; the spawn fails loudly (no
  * socket appears) if the two ever drift. */
 #define DAEMON_SOCKET_NAME "fsdpd.sock"

@@ -23,7 +23,7 @@
 
 #define TRAINER_PATH(method) "/fsdp.v1.Trainer/" method
 
-/* The daemon's limits on a unit (daemon/unit_layout.h), checked here too so that a descriptor
+/* The daemon's limits on a unit (daemon/store/unit_layout.h), checked here too so that a descriptor
  * that cannot be right fails with -EINVAL before anything is encoded. The daemon checks the
  * whole spec again and is the authority. */
 #define UNIT_MAX_PARAMS 65536

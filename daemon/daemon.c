@@ -14,8 +14,8 @@
 
 #include <fsdp/fsdp_version.h>
 
-#include "daemon/log.h"
-#include "daemon/services.h"
+#include "common/log.h"
+#include "daemon/services/services.h"
 
 /* Calls the TCP health endpoint holds at once. */
 #define HEALTH_MAX_INFLIGHT 64

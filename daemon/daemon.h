@@ -15,15 +15,15 @@
 
 #include "config/config.h"
 #include "daemon/args.h"
-#include "daemon/channel.h"
-#include "daemon/dataplane.h"
-#include "daemon/fabric.h"
-#include "daemon/health.h"
-#include "daemon/listener.h"
-#include "daemon/peers.h"
-#include "daemon/rpc_server.h"
-#include "daemon/sessions.h"
-#include "daemon/store.h"
+#include "daemon/cluster/fabric.h"
+#include "daemon/cluster/peers.h"
+#include "daemon/dataplane/dataplane.h"
+#include "daemon/rpc/listener.h"
+#include "daemon/rpc/rpc_server.h"
+#include "daemon/services/health.h"
+#include "daemon/session/channel.h"
+#include "daemon/session/sessions.h"
+#include "daemon/store/store.h"
 
 typedef enum fsdp_daemon_state {
   FSDP_DAEMON_STARTING,

@@ -9,11 +9,11 @@
 
 #include <fsdp/fsdp_version.h>
 
+#include "common/log.h"
 #include "config/config.h"
-#include "daemon/address_check.h"
 #include "daemon/args.h"
+#include "daemon/cluster/address_check.h"
 #include "daemon/daemon.h"
-#include "daemon/log.h"
 
 extern char **environ;
 

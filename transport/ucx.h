@@ -101,7 +101,7 @@ void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret
  * 0, or FSDP_E_INVALID_ARGUMENT with st naming label and what is wrong. What follows the
  * header is UCX's own packed worker address, which only UCX can unpack, and which it
  * asserts on (aborting the process) when it cannot: the daemon has it unpacked by a process
- * of its own first (daemon/address_check.h). fsdp_ucx_connect runs this check too. */
+ * of its own first (daemon/cluster/address_check.h). fsdp_ucx_connect runs this check too. */
 int fsdp_ucx_address_check(const void *address, size_t len, const char *label,
                            fsdp_status_t *st);
 

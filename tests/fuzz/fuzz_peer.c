@@ -1,17 +1,17 @@
 /* Fuzz harness for what a peer daemon sends: the first byte picks the message (a Join, a
  * Heartbeat, a Leave as the Peer service receives them; the replies to this daemon's Join
  * and Heartbeat; or raw data-plane address bytes), the rest is decoded as the RPC layer does
- * and checked by the very functions the daemon runs on it (daemon/peer_check.h,
+ * and checked by the very functions the daemon runs on it (daemon/cluster/peer_check.h,
  * fsdp_ucx_address_check), against the rules of host 0 of a 3-host cluster. A refusal must
  * say why; a check must give the same answer twice; a Join or Join reply that passes must
  * carry an address whose framing passes on its own. What follows the framing is UCX's, and
- * reaches UCX only in a process of its own (daemon/address_check.h). */
+ * reaches UCX only in a process of its own (daemon/cluster/address_check.h). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fsdp/v1/peer.pb-c.h"
-#include "daemon/peer_check.h"
+#include "daemon/cluster/peer_check.h"
 #include "proto/wire.h"
 #include "transport/ucx.h"
 

@@ -23,11 +23,23 @@ LAYERS = {
     'collectives': ['common', 'kernels', 'transport'],
     'client': ['common', 'proto'],
     'fsdpctl': ['common', 'proto', 'client'],
-    'daemon': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives'],
-    # Tools and tests sit on top and may use every layer, but nothing uses them.
-    'bench': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'client', 'daemon'],
-    'tests': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'client', 'daemon'],
+    # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
+    'daemon/rpc': ['common', 'proto', 'config'],
+    'daemon/session': ['common', 'proto', 'daemon/rpc'],
+    'daemon/store': ['common', 'proto', 'config', 'daemon/session'],
+    'daemon/cluster': ['common', 'proto', 'config', 'transport', 'daemon/rpc'],
+    # daemon/rpc: while the data plane still parks gRPC calls itself.
+    'daemon/dataplane': ['common', 'kernels', 'transport', 'collectives', 'daemon/rpc',
+                         'daemon/session', 'daemon/store', 'daemon/cluster'],
+    # daemon: while the handlers still take the whole daemon object.
+    'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
+                        'daemon/store', 'daemon/cluster', 'daemon/dataplane', 'daemon'],
+    'daemon': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'daemon/rpc',
+               'daemon/session', 'daemon/store', 'daemon/cluster', 'daemon/dataplane',
+               'daemon/services'],
 }
+# Tools and tests sit on top and may use every layer, but nothing uses them.
+LAYERS['bench'] = LAYERS['tests'] = sorted(LAYERS)
 GENERATED = ('fsdp/v1/', 'grpc/health/v1/')
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 

@@ -25,7 +25,7 @@
 #include <cmocka.h>
 
 #include "common/fdpass.h"
-#include "daemon/arena.h"
+#include "daemon/store/arena.h"
 #include "tests/unit/fd_count.h"
 
 #define KiB ((size_t)1 << 10)

@@ -22,7 +22,7 @@
 #include "fsdp/v1/operator.pb-c.h"
 
 #include "client/client_rpc.h"
-#include "daemon/rpc_server.h"
+#include "daemon/rpc/rpc_server.h"
 
 typedef struct result {
   int code;

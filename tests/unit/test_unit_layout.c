@@ -9,8 +9,8 @@
 
 #include <cmocka.h>
 
-#include "daemon/topology.h"
-#include "daemon/unit_layout.h"
+#include "daemon/store/topology.h"
+#include "daemon/store/unit_layout.h"
 
 /* A spec with up to 4 parameters, all fp32, FULL_SHARD. */
 typedef struct spec_storage {

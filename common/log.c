@@ -1,0 +1,66 @@
+/* Leveled logging to stderr, journald-aware. */
+#include "common/log.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include <grpc/support/log.h>
+
+static _Atomic int log_level = FSDP_LOG_INFO;
+static bool log_to_journal;
+
+static const char *const level_words[] = {"error", "warning", "info", "debug"};
+/* syslog priorities: LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG */
+static const int level_priorities[] = {3, 4, 6, 7};
+
+/* JOURNAL_STREAM is "DEV:INO" of the stream systemd connected; it only counts if stderr is
+ * still that stream (a child with redirected stderr inherits the variable). */
+static bool stderr_is_journal(void) {
+  const char *e = getenv("JOURNAL_STREAM");
+  unsigned long long dev, ino;
+  struct stat sb;
+  if (!e || sscanf(e, "%llu:%llu", &dev, &ino) != 2 || fstat(2, &sb) < 0)
+    return false;
+  return sb.st_dev == dev && sb.st_ino == ino;
+}
+
+static void grpc_log_sink(gpr_log_func_args *args) {
+  fsdp_log_level_t level = args->severity == GPR_LOG_SEVERITY_ERROR ? FSDP_LOG_WARNING
+                                                                    : FSDP_LOG_DEBUG;
+  fsdp_log(level, "grpc: %s", args->message);
+}
+
+void fsdp_log_init(void) {
+  log_to_journal = stderr_is_journal();
+  gpr_set_log_function(grpc_log_sink);
+  gpr_set_log_verbosity(GPR_LOG_SEVERITY_ERROR);
+}
+
+void fsdp_log_set_level(fsdp_log_level_t level) {
+  atomic_store(&log_level, level);
+  /* gRPC's debug chatter is only worth formatting when someone will read it. */
+  gpr_set_log_verbosity(level >= FSDP_LOG_DEBUG ? GPR_LOG_SEVERITY_INFO : GPR_LOG_SEVERITY_ERROR);
+}
+
+fsdp_log_level_t fsdp_log_get_level(void) {
+  return (fsdp_log_level_t)atomic_load(&log_level);
+}
+
+void fsdp_log(fsdp_log_level_t level, const char *fmt, ...) {
+  if ((int)level > atomic_load(&log_level))
+    return;
+  char line[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  /* One fprintf per line keeps lines from different threads whole. */
+  if (log_to_journal)
+    fprintf(stderr, "<%d>%s\n", level_priorities[level], line);
+  else
+    fprintf(stderr, "fsdpd: %s: %s\n", level_words[level], line);
+}

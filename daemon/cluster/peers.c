@@ -1,0 +1,1522 @@
+/* The peer table and the Peer client: joins, heartbeats and leaves, as a small asynchronous
+ * gRPC client on a completion queue of its own.
+ *
+ * Each peer has two halves of a relationship: `in` (it joined us: we accepted its Join at
+ * its current incarnation) and `out` (we joined it: it accepted ours). JOINED is both. Any
+ * sign that one half is gone (a Heartbeat refused as "not joined", a new incarnation, a
+ * Leave, silence for peer.timeout) drops both, tells the data plane if the peer was JOINED,
+ * and the join starts over; the other side hears the same through its own calls, so the two
+ * converge without more protocol.
+ *
+ * Calls. Each call is one batch of all six client ops, tagged with its own context. The CQ
+ * thread only moves completed contexts onto a list and wakes the loop; the loop decodes the
+ * reply and acts. A peer has at most one Join and one Heartbeat in flight; every call has a
+ * deadline (peer.timeout, shorter for Leave). */
+#include "daemon/cluster/peers.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include <fsdp/fsdp_version.h>
+
+#include "common/log.h"
+#include "daemon/cluster/address_check.h"
+#include "daemon/cluster/peer_check.h"
+#include "proto/wire.h"
+#include "transport/ucx.h"
+
+/* Join retries: from JOIN_BACKOFF_MIN_MS doubling to JOIN_BACKOFF_MAX_MS. */
+#define JOIN_BACKOFF_MIN_MS 50
+#define JOIN_BACKOFF_MAX_MS 1000
+/* A Leave must not hold up a stop. */
+#define LEAVE_DEADLINE_MAX_MS 1000
+/* Joins of one host held at once while its address or incarnation is being checked. */
+#define PENDING_JOINS_MAX 8
+/* Secrets and certificates are small; the cap keeps a wrong path from eating memory. */
+#define SECRET_FILE_MAX (256 * 1024)
+#define N_SETTINGS 4
+
+typedef enum call_kind { CALL_JOIN, CALL_HEARTBEAT, CALL_LEAVE } call_kind_t;
+
+typedef struct peer peer_t;
+
+typedef struct pcall {
+  fsdp_peers_t *peers;
+  peer_t *peer;
+  call_kind_t kind;
+  grpc_call *call;
+  grpc_metadata auth;
+  grpc_byte_buffer *send;
+  grpc_byte_buffer *recv;
+  grpc_metadata_array initial_md, trailing_md;
+  grpc_status_code status;
+  grpc_slice details;
+  const char *error_string;
+  bool success;
+  uint64_t sent_ns;
+  struct pcall *next; /* the completed list, then the loop */
+  struct pcall *all_prev, *all_next; /* every call in flight */
+} pcall_t;
+
+struct peer {
+  fsdp_peers_t *owner;
+  unsigned rank;
+  char address[320];
+  grpc_channel *channel;
+  fsdp_peer_state_t state;
+  bool in, out;
+  bool announced; /* the data plane was told joined, and not yet lost */
+  bool rejoin;    /* send Join again although out (the local address changed) */
+  uint64_t incarnation;
+  uint64_t last_heard_ms; /* 0: never */
+  uint64_t rtt_us;
+  char last_error[512];
+  /* The refusals last logged each way, so that a retry every second logs nothing new. */
+  char logged_in_refusal[512], logged_out_refusal[512];
+  uint8_t *ucx; /* the data-plane address in use, which passed its check */
+  size_t ucx_len;
+  /* The last address that passed a check, and the one being checked (one at a time). */
+  uint8_t *verified, *checking;
+  size_t verified_len, checking_len;
+  fsdp_address_check_t *check;
+  /* The address of the reply to our Join, held while it is checked. */
+  uint8_t *reply_ucx;
+  size_t reply_ucx_len;
+  bool out_waits;
+  fsdp_peers_join_t *pending; /* its Joins being checked */
+  unsigned n_pending;
+  uint64_t logged_impostor; /* the incarnation last refused as another daemon's */
+  pcall_t *join_call, *heartbeat_call;
+  uint64_t next_join_ms, next_heartbeat_ms;
+  unsigned backoff_ms;
+};
+
+/* A peer's Join held while its address is checked or its incarnation confirmed. */
+struct fsdp_peers_join {
+  peer_t *p;
+  uint64_t incarnation;
+  uint8_t *ucx;
+  size_t ucx_len;
+  char from[96];
+  bool confirming; /* waits for the reply to our Join to the host's own address */
+  bool confirmed;  /* that reply came after this Join did */
+  fsdp_peers_join_fn cb;
+  void *data;
+  fsdp_peers_join_t *next;
+};
+
+struct fsdp_peers {
+  uv_loop_t *loop;
+  unsigned n, self;
+  peer_t *peers; /* n of them; peers[self] is this daemon */
+  uint64_t incarnation;
+  uint64_t heartbeat_ms, timeout_ms, join_deadline_ms, address_check_ms;
+  const fsdp_peer_security_t *sec;
+  fsdp_peers_callbacks_t cb;
+  char *auth_value; /* "Bearer <token>" */
+  Fsdp__V1__Setting settings[N_SETTINGS];
+  char setting_values[N_SETTINGS][4096];
+  fsdp_peer_rules_t rules;
+  unsigned checks; /* address checks not yet done */
+  uint8_t *local_ucx;
+  size_t local_ucx_len;
+
+  /* formed: the cluster had been ready; from then on a waiter waits peer.timeout. */
+  bool started, leaving, closing, ready, formed, deadline_passed;
+  fsdp_peers_waiter_t *waiters;
+
+  grpc_completion_queue *cq;
+  pthread_t thread;
+  bool thread_started, grpc_initialized, channels_gone, handles_closing;
+  pthread_mutex_t lock;
+  pcall_t *completed; /* filled by the CQ thread */
+  bool thread_exited;
+  pcall_t *inflight;
+  uv_async_t async;
+  uv_timer_t timer, deadline_timer;
+  int open_handles;
+  void (*done)(void *data);
+  void *done_data;
+};
+
+const char *fsdp_peer_state_name(fsdp_peer_state_t state) {
+  switch (state) {
+  case FSDP_PEER_SELF:
+    return "SELF";
+  case FSDP_PEER_JOINING:
+    return "JOINING";
+  case FSDP_PEER_JOINED:
+    return "JOINED";
+  case FSDP_PEER_LOST:
+    return "LOST";
+  case FSDP_PEER_LEFT:
+    return "LEFT";
+  case FSDP_PEER_REFUSED:
+    return "REFUSED";
+  }
+  return "UNKNOWN";
+}
+
+static const char *const status_names[] = {
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+static const char *status_name(grpc_status_code code) {
+  return (unsigned)code < sizeof status_names / sizeof status_names[0] ? status_names[code]
+                                                                        : "UNKNOWN";
+}
+
+/* --- secrets -------------------------------------------------------------------------- */
+
+static int read_secret_file(const char *key, const char *path, bool trim, char **ret,
+                            fsdp_status_t *st) {
+  char errbuf[128];
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0)
+    return fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': cannot read '%s': %s", key, path,
+                           strerror_r(errno, errbuf, sizeof errbuf));
+  /* Reads up to one byte past the limit, to tell a file that is too long, plus the NUL. */
+  char *buf = malloc(SECRET_FILE_MAX + 2);
+  size_t len = 0;
+  ssize_t got = 0;
+  while (buf && len <= SECRET_FILE_MAX &&
+         (got = read(fd, buf + len, SECRET_FILE_MAX + 1 - len)) > 0)
+    len += (size_t)got;
+  int err = got < 0 ? errno : 0;
+  close(fd);
+  int r = 0;
+  if (!buf)
+    r = fsdp_status_set(st, -ENOMEM, "key '%s': out of memory reading '%s'", key, path);
+  else if (err)
+    r = fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': cannot read '%s': %s", key, path,
+                        strerror_r(err, errbuf, sizeof errbuf));
+  else if (len > SECRET_FILE_MAX)
+    r = fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': '%s' is larger than %d bytes", key, path,
+                        SECRET_FILE_MAX);
+  if (r == 0) {
+    buf[len] = '\0';
+    if (trim)
+      while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r' || buf[len - 1] == ' ' ||
+                         buf[len - 1] == '\t'))
+        buf[--len] = '\0';
+    if (len == 0 || strlen(buf) != len)
+      r = fsdp_status_set(st, FSDP_E_CONFIG, "key '%s': '%s' is %s", key, path,
+                          len == 0 ? "empty" : "not text (it holds a NUL byte)");
+    else if (trim && strpbrk(buf, "\r\n"))
+      r = fsdp_status_set(st, FSDP_E_CONFIG,
+                          "key '%s': '%s' holds more than one line; the token is one line",
+                          key, path);
+  }
+  if (r < 0) {
+    if (buf)
+      explicit_bzero(buf, SECRET_FILE_MAX + 2);
+    free(buf);
+    return r;
+  }
+  *ret = buf;
+  return 0;
+}
+
+static void free_secret(char **s) {
+  if (*s) {
+    explicit_bzero(*s, strlen(*s));
+    free(*s);
+    *s = NULL;
+  }
+}
+
+void fsdp_peer_security_cleanup(fsdp_peer_security_t *sec) {
+  if (!sec)
+    return;
+  free_secret(&sec->token);
+  free_secret(&sec->tls_cert);
+  free_secret(&sec->tls_key);
+  free_secret(&sec->tls_ca);
+}
+
+int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_peer_security_t *ret,
+                            fsdp_status_t *st) {
+  memset(ret, 0, sizeof *ret);
+  const char *token = fsdp_config_text(cfg, FSDP_OPTION_PEER_TOKEN_FILE);
+  int r = 0;
+  if (token[0] && (r = read_secret_file("peer.token_file", token, true, &ret->token, st)) < 0)
+    goto fail;
+  const char *cert = fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CERT);
+  if (cert[0]) {
+    if ((r = read_secret_file("peer.tls_cert", cert, false, &ret->tls_cert, st)) < 0 ||
+        (r = read_secret_file("peer.tls_key", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_KEY),
+                              false, &ret->tls_key, st)) < 0 ||
+        (r = read_secret_file("peer.tls_ca", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CA),
+                              false, &ret->tls_ca, st)) < 0)
+      goto fail;
+  }
+  return 0;
+fail:
+  fsdp_peer_security_cleanup(ret);
+  return r;
+}
+
+/* --- state changes --------------------------------------------------------------------- */
+
+static uint64_t now_ms(const fsdp_peers_t *peers) {
+  return uv_now(peers->loop);
+}
+
+static void set_error(peer_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_error(peer_t *p, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(p->last_error, sizeof p->last_error, fmt, ap);
+  va_end(ap);
+}
+
+static bool all_joined(const fsdp_peers_t *peers) {
+  for (unsigned i = 0; i < peers->n; i++)
+    if (i != peers->self && peers->peers[i].state != FSDP_PEER_JOINED)
+      return false;
+  return true;
+}
+
+static void run_waiters(fsdp_peers_t *peers, int status, const char *why) {
+  while (peers->waiters) {
+    fsdp_peers_waiter_t *w = peers->waiters;
+    peers->waiters = w->next;
+    w->next = NULL;
+    w->cb(w->data, status, why);
+  }
+}
+
+static void check_ready(fsdp_peers_t *peers) {
+  bool ready = all_joined(peers);
+  if (ready && !peers->ready) {
+    log_info("peers: all %u hosts joined; the cluster is ready", peers->n);
+    peers->ready = peers->formed = true;
+    run_waiters(peers, 0, "");
+  } else if (!ready) {
+    peers->ready = false;
+  }
+}
+
+/* Both halves are gone; tells the data plane if the peer was JOINED. */
+static void drop(fsdp_peers_t *peers, peer_t *p, fsdp_peer_state_t state, const char *why) {
+  bool was_joined = p->state == FSDP_PEER_JOINED;
+  p->in = p->out = false;
+  p->rejoin = false;
+  p->state = state;
+  snprintf(p->last_error, sizeof p->last_error, "%s", why);
+  p->next_join_ms = now_ms(peers);
+  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  if (was_joined)
+    log_warning("peers: host %u (%s) is %s: %s", p->rank, p->address,
+                fsdp_peer_state_name(state), why);
+  if (p->announced) {
+    p->announced = false;
+    char msg[700];
+    snprintf(msg, sizeof msg, "host %u (%s) %s: %s", p->rank, p->address,
+             state == FSDP_PEER_LEFT ? "left" : "lost", why);
+    if (peers->cb.lost)
+      peers->cb.lost(peers->cb.data, p->rank, msg);
+  }
+  check_ready(peers);
+}
+
+static void maybe_joined(fsdp_peers_t *peers, peer_t *p) {
+  if (!p->in || !p->out || p->state == FSDP_PEER_JOINED)
+    return;
+  p->state = FSDP_PEER_JOINED;
+  p->last_error[0] = p->logged_in_refusal[0] = p->logged_out_refusal[0] = '\0';
+  p->next_heartbeat_ms = now_ms(peers);
+  log_info("peers: host %u (%s) joined, incarnation %016llx, data-plane address of %zu bytes",
+           p->rank, p->address, (unsigned long long)p->incarnation, p->ucx_len);
+  p->announced = true;
+  if (peers->cb.joined)
+    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
+  check_ready(peers);
+}
+
+/* A peer answered with, or joined as, another incarnation than the one we knew. */
+static void check_incarnation(fsdp_peers_t *peers, peer_t *p, uint64_t incarnation) {
+  if (p->incarnation == incarnation)
+    return;
+  if (p->incarnation && (p->in || p->out)) {
+    char why[128];
+    snprintf(why, sizeof why, "restarted (incarnation %016llx, before %016llx)",
+             (unsigned long long)incarnation, (unsigned long long)p->incarnation);
+    drop(peers, p, FSDP_PEER_JOINING, why);
+  }
+  p->incarnation = incarnation;
+}
+
+static bool same_bytes(const uint8_t *a, size_t a_len, const uint8_t *b, size_t b_len) {
+  return a_len == b_len && (a_len == 0 || memcmp(a, b, a_len) == 0);
+}
+
+/* *dst becomes a copy of [bytes, len); 1 if that changed it, 0 if not, -ENOMEM. */
+static int copy_bytes(uint8_t **dst, size_t *dst_len, const uint8_t *bytes, size_t len) {
+  if (*dst && same_bytes(*dst, *dst_len, bytes, len))
+    return 0;
+  uint8_t *copy = malloc(len ? len : 1);
+  if (!copy)
+    return -ENOMEM;
+  if (len)
+    memcpy(copy, bytes, len);
+  free(*dst);
+  *dst = copy;
+  *dst_len = len;
+  return 1;
+}
+
+/* An address nothing in UCX needs to unpack (none at all), or the one that last passed. */
+static bool address_verified(const peer_t *p, const uint8_t *bytes, size_t len) {
+  return len == 0 || (p->verified && same_bytes(p->verified, p->verified_len, bytes, len));
+}
+
+/* --- the client -------------------------------------------------------------------------- */
+
+static void pcall_free(pcall_t *c) {
+  if (c->call)
+    grpc_call_unref(c->call);
+  if (c->send)
+    grpc_byte_buffer_destroy(c->send);
+  if (c->recv)
+    grpc_byte_buffer_destroy(c->recv);
+  grpc_metadata_array_destroy(&c->initial_md);
+  grpc_metadata_array_destroy(&c->trailing_md);
+  grpc_slice_unref(c->details);
+  gpr_free((void *)c->error_string);
+  free(c);
+}
+
+static void *cq_thread_main(void *arg) {
+  fsdp_peers_t *peers = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(peers->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                                               NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN)
+      break;
+    if (ev.type != GRPC_OP_COMPLETE)
+      continue;
+    pcall_t *c = ev.tag;
+    c->success = ev.success;
+    pthread_mutex_lock(&peers->lock);
+    c->next = peers->completed;
+    peers->completed = c;
+    pthread_mutex_unlock(&peers->lock);
+    uv_async_send(&peers->async);
+  }
+  pthread_mutex_lock(&peers->lock);
+  peers->thread_exited = true;
+  pthread_mutex_unlock(&peers->lock);
+  uv_async_send(&peers->async);
+  return NULL;
+}
+
+static const char *method_path(call_kind_t kind) {
+  switch (kind) {
+  case CALL_JOIN:
+    return "/fsdp.v1.Peer/Join";
+  case CALL_HEARTBEAT:
+    return "/fsdp.v1.Peer/Heartbeat";
+  case CALL_LEAVE:
+    return "/fsdp.v1.Peer/Leave";
+  }
+  return "";
+}
+
+/* Starts one call to p; NULL when it could not start (logged, retried later). */
+static pcall_t *start_call(fsdp_peers_t *peers, peer_t *p, call_kind_t kind,
+                           const ProtobufCMessage *request, uint64_t deadline_ms) {
+  pcall_t *c = calloc(1, sizeof *c);
+  if (!c)
+    return NULL;
+  c->peers = peers;
+  c->peer = p;
+  c->kind = kind;
+  c->details = grpc_empty_slice();
+  grpc_metadata_array_init(&c->initial_md);
+  grpc_metadata_array_init(&c->trailing_md);
+  if (fsdp_wire_encode(request, &c->send) < 0) {
+    pcall_free(c);
+    return NULL;
+  }
+  gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                       gpr_time_from_millis((int64_t)deadline_ms, GPR_TIMESPAN));
+  c->call = grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS, peers->cq,
+                                     grpc_slice_from_static_string(method_path(kind)), NULL,
+                                     deadline, NULL);
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  if (peers->auth_value) {
+    c->auth.key = grpc_slice_from_static_string("authorization");
+    c->auth.value = grpc_slice_from_static_string(peers->auth_value);
+    ops[0].data.send_initial_metadata.count = 1;
+    ops[0].data.send_initial_metadata.metadata = &c->auth;
+  }
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = c->send;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &c->initial_md;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &c->recv;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &c->trailing_md;
+  ops[5].data.recv_status_on_client.status = &c->status;
+  ops[5].data.recv_status_on_client.status_details = &c->details;
+  ops[5].data.recv_status_on_client.error_string = &c->error_string;
+  grpc_call_error e = grpc_call_start_batch(c->call, ops, 6, c, NULL);
+  if (e != GRPC_CALL_OK) {
+    log_error("peers: cannot start %s to host %u: gRPC error %d", method_path(kind), p->rank, e);
+    pcall_free(c);
+    return NULL;
+  }
+  c->all_next = peers->inflight;
+  if (peers->inflight)
+    peers->inflight->all_prev = c;
+  peers->inflight = c;
+  return c;
+}
+
+static void send_join(fsdp_peers_t *peers, peer_t *p) {
+  Fsdp__V1__JoinRequest rq = FSDP__V1__JOIN_REQUEST__INIT;
+  Fsdp__V1__Setting *settings[N_SETTINGS];
+  for (size_t i = 0; i < N_SETTINGS; i++)
+    settings[i] = &peers->settings[i];
+  rq.protocol_version = FSDP_PROTOCOL_VERSION;
+  rq.host_rank = peers->self;
+  rq.n_settings = N_SETTINGS;
+  rq.settings = settings;
+  rq.ucx_worker_address.data = peers->local_ucx;
+  rq.ucx_worker_address.len = peers->local_ucx_len;
+  rq.incarnation = peers->incarnation;
+  p->rejoin = false;
+  p->join_call = start_call(peers, p, CALL_JOIN, &rq.base, peers->timeout_ms);
+  if (!p->join_call)
+    p->next_join_ms = now_ms(peers) + p->backoff_ms;
+}
+
+static void send_heartbeat(fsdp_peers_t *peers, peer_t *p) {
+  Fsdp__V1__HeartbeatRequest rq = FSDP__V1__HEARTBEAT_REQUEST__INIT;
+  rq.host_rank = peers->self;
+  rq.incarnation = peers->incarnation;
+  rq.sent_ns = uv_hrtime();
+  p->next_heartbeat_ms = now_ms(peers) + peers->heartbeat_ms;
+  p->heartbeat_call = start_call(peers, p, CALL_HEARTBEAT, &rq.base, peers->timeout_ms);
+  if (p->heartbeat_call)
+    p->heartbeat_call->sent_ns = rq.sent_ns;
+}
+
+static void join_failed(fsdp_peers_t *peers, peer_t *p, bool refused) {
+  p->next_join_ms = now_ms(peers) + p->backoff_ms;
+  p->backoff_ms = p->backoff_ms * 2 > JOIN_BACKOFF_MAX_MS ? JOIN_BACKOFF_MAX_MS : p->backoff_ms * 2;
+  if (refused) {
+    if (strcmp(p->logged_out_refusal, p->last_error) != 0) {
+      log_error("peers: host %u (%s) refused: %s", p->rank, p->address, p->last_error);
+      snprintf(p->logged_out_refusal, sizeof p->logged_out_refusal, "%s", p->last_error);
+    }
+    if (p->state == FSDP_PEER_JOINED)
+      drop(peers, p, FSDP_PEER_REFUSED, p->last_error);
+    p->state = FSDP_PEER_REFUSED;
+  }
+}
+
+/* A Join's or Heartbeat's failure in words: "Join: UNAVAILABLE: <details>". */
+static void record_failure(peer_t *p, const pcall_t *c, const char *what) {
+  const char *name = c->kind == CALL_JOIN ? "Join" : c->kind == CALL_HEARTBEAT ? "Heartbeat" : "Leave";
+  int len = (int)GRPC_SLICE_LENGTH(c->details);
+  set_error(p, "%s: %s: %.*s%s", name, status_name(c->status), len,
+            (const char *)GRPC_SLICE_START_PTR(c->details), what);
+}
+
+/* The out half: the host at its own address accepted our Join, and its data-plane address
+ * passed its check. */
+static void complete_out(fsdp_peers_t *peers, peer_t *p) {
+  int r = copy_bytes(&p->ucx, &p->ucx_len, p->reply_ucx, p->reply_ucx_len);
+  if (r < 0) {
+    set_error(p, "Join: out of memory for its data-plane address");
+    join_failed(peers, p, false);
+    return;
+  }
+  p->out = true;
+  p->last_heard_ms = now_ms(peers);
+  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  if (p->state == FSDP_PEER_REFUSED)
+    p->state = FSDP_PEER_JOINING;
+  if (p->state == FSDP_PEER_JOINED && r > 0 && peers->cb.joined)
+    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
+  maybe_joined(peers, p);
+}
+
+static void check_reply_address(fsdp_peers_t *peers, peer_t *p);
+static void confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failure);
+
+/* The reply to our Join, from the host's own cluster.hosts entry: what it says (its
+ * incarnation, its address) is what relationships with the host go by. */
+static bool take_join_reply(fsdp_peers_t *peers, peer_t *p, const pcall_t *c) {
+  ProtobufCMessage *msg;
+  fsdp_status_t st;
+  if (fsdp_wire_decode(&fsdp__v1__join_reply__descriptor, c->recv, &msg, &st) < 0) {
+    set_error(p, "Join: bad reply: %s", st.message);
+    join_failed(peers, p, true);
+    return false;
+  }
+  const Fsdp__V1__JoinReply *reply = (const void *)msg;
+  if (fsdp_peer_check_join_reply(&peers->rules, p->rank, p->address, reply, &st) < 0) {
+    set_error(p, "Join: %s", st.message);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    join_failed(peers, p, true);
+    return false;
+  }
+  check_incarnation(peers, p, reply->incarnation);
+  int r = copy_bytes(&p->reply_ucx, &p->reply_ucx_len, reply->ucx_worker_address.data,
+                     reply->ucx_worker_address.len);
+  protobuf_c_message_free_unpacked(msg, NULL);
+  if (r < 0) {
+    set_error(p, "Join: out of memory for its data-plane address");
+    join_failed(peers, p, false);
+    return false;
+  }
+  if (address_verified(p, p->reply_ucx, p->reply_ucx_len)) {
+    complete_out(peers, p);
+    return true;
+  }
+  /* Joined once its address passed (on_check_done); no other Join meanwhile. */
+  check_reply_address(peers, p);
+  return true;
+}
+
+static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
+  p->join_call = NULL;
+  if (peers->leaving)
+    return;
+  if (c->status != GRPC_STATUS_OK) {
+    bool refused = c->status == GRPC_STATUS_FAILED_PRECONDITION ||
+                   c->status == GRPC_STATUS_UNAUTHENTICATED ||
+                   c->status == GRPC_STATUS_PERMISSION_DENIED ||
+                   c->status == GRPC_STATUS_INVALID_ARGUMENT ||
+                   c->status == GRPC_STATUS_ALREADY_EXISTS;
+    /* Why a peer was lost, left or refused says more than that it is still unreachable. */
+    if (refused || (p->state != FSDP_PEER_LOST && p->state != FSDP_PEER_LEFT &&
+                    p->state != FSDP_PEER_REFUSED))
+      record_failure(p, c, "");
+    join_failed(peers, p, refused);
+    char why[700];
+    int len = (int)GRPC_SLICE_LENGTH(c->details);
+    snprintf(why, sizeof why, "%s %.*s", status_name(c->status), len,
+             (const char *)GRPC_SLICE_START_PTR(c->details));
+    confirmations_done(peers, p, why);
+    return;
+  }
+  bool ok = take_join_reply(peers, p, c);
+  confirmations_done(peers, p, ok ? NULL : p->last_error);
+}
+
+static void on_heartbeat_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
+  p->heartbeat_call = NULL;
+  if (peers->leaving || !p->out)
+    return;
+  if (c->status == GRPC_STATUS_FAILED_PRECONDITION) {
+    /* It no longer counts us as joined (it restarted, or lost us): join again. */
+    char why[600];
+    int len = (int)GRPC_SLICE_LENGTH(c->details);
+    snprintf(why, sizeof why, "it no longer counts this host as joined: %.*s", len,
+             (const char *)GRPC_SLICE_START_PTR(c->details));
+    drop(peers, p, FSDP_PEER_JOINING, why);
+    return;
+  }
+  if (c->status != GRPC_STATUS_OK) {
+    record_failure(p, c, "");
+    return;
+  }
+  ProtobufCMessage *msg;
+  fsdp_status_t st;
+  if (fsdp_wire_decode(&fsdp__v1__heartbeat_reply__descriptor, c->recv, &msg, &st) < 0) {
+    set_error(p, "Heartbeat: bad reply: %s", st.message);
+    return;
+  }
+  const Fsdp__V1__HeartbeatReply *reply = (const void *)msg;
+  int r = fsdp_peer_check_heartbeat_reply(&peers->rules, p->rank, reply, &st);
+  uint64_t incarnation = reply->incarnation;
+  protobuf_c_message_free_unpacked(msg, NULL);
+  if (r < 0) {
+    set_error(p, "Heartbeat: %s", st.message);
+    return;
+  }
+  check_incarnation(peers, p, incarnation);
+  if (!p->out)
+    return;
+  p->last_heard_ms = now_ms(peers);
+  p->rtt_us = (uv_hrtime() - c->sent_ns) / 1000;
+}
+
+static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
+  if (c->all_prev)
+    c->all_prev->all_next = c->all_next;
+  else
+    peers->inflight = c->all_next;
+  if (c->all_next)
+    c->all_next->all_prev = c->all_prev;
+  if (!c->success)
+    c->status = GRPC_STATUS_UNKNOWN; /* only API misuse; treat as a failed call */
+  peer_t *p = c->peer;
+  switch (c->kind) {
+  case CALL_JOIN:
+    on_join_done(peers, p, c);
+    break;
+  case CALL_HEARTBEAT:
+    on_heartbeat_done(peers, p, c);
+    break;
+  case CALL_LEAVE:
+    if (c->status != GRPC_STATUS_OK)
+      log_warning("peers: Leave to host %u (%s): %s", p->rank, p->address,
+                  status_name(c->status));
+    break;
+  }
+  pcall_free(c);
+}
+
+static void maybe_finish_close(fsdp_peers_t *peers);
+static void refuse_pending(fsdp_peers_t *peers);
+
+static void on_async(uv_async_t *handle) {
+  fsdp_peers_t *peers = handle->data;
+  pthread_mutex_lock(&peers->lock);
+  pcall_t *list = peers->completed;
+  peers->completed = NULL;
+  bool exited = peers->thread_exited;
+  pthread_mutex_unlock(&peers->lock);
+  /* The list is newest first; order does not matter between different calls. */
+  while (list) {
+    pcall_t *next = list->next;
+    on_call_done(peers, list);
+    list = next;
+  }
+  if (exited && peers->thread_started) {
+    pthread_join(peers->thread, NULL);
+    peers->thread_started = false;
+  }
+  maybe_finish_close(peers);
+}
+
+/* --- the timer --------------------------------------------------------------------------- */
+
+static void expire_waiters(fsdp_peers_t *peers, uint64_t now);
+
+static void on_tick(uv_timer_t *timer) {
+  fsdp_peers_t *peers = timer->data;
+  if (peers->leaving || peers->closing)
+    return;
+  uint64_t now = now_ms(peers);
+  expire_waiters(peers, now);
+  for (unsigned i = 0; i < peers->n; i++) {
+    peer_t *p = &peers->peers[i];
+    if (i == peers->self)
+      continue;
+    if ((p->in || p->out) && p->last_heard_ms && now - p->last_heard_ms >= peers->timeout_ms) {
+      char why[160];
+      snprintf(why, sizeof why, "no answer for %llu ms (peer.timeout %llu ms)",
+               (unsigned long long)(now - p->last_heard_ms),
+               (unsigned long long)peers->timeout_ms);
+      drop(peers, p, FSDP_PEER_LOST, why);
+    }
+    if ((!p->out || p->rejoin) && !p->join_call && !p->out_waits && now >= p->next_join_ms)
+      send_join(peers, p);
+    if (p->out && !p->heartbeat_call && now >= p->next_heartbeat_ms)
+      send_heartbeat(peers, p);
+  }
+}
+
+static uint64_t tick_ms(const fsdp_peers_t *peers) {
+  uint64_t t = peers->heartbeat_ms / 2;
+  if (peers->timeout_ms / 4 < t)
+    t = peers->timeout_ms / 4;
+  if (t > 100)
+    t = 100;
+  return t < 5 ? 5 : t;
+}
+
+/* The hosts that have not joined, with their last errors. */
+static void describe_missing(const fsdp_peers_t *peers, char *buf, size_t size) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (unsigned i = 0; i < peers->n && used < size; i++) {
+    const peer_t *p = &peers->peers[i];
+    if (i == peers->self || p->state == FSDP_PEER_JOINED)
+      continue;
+    used += (size_t)snprintf(buf + used, size - used, "%shost %u (%s) %s%s%s", used ? "; " : "",
+                             p->rank, p->address, fsdp_peer_state_name(p->state),
+                             p->last_error[0] ? ": " : "", p->last_error);
+  }
+}
+
+/* Fails the waiters whose time is up: those waiting for the cluster to form once
+ * peer.join_timeout has passed (formation), those with a deadline of their own once it has
+ * passed (now). */
+static void fail_waiters(fsdp_peers_t *peers, bool formation, uint64_t now, const char *why) {
+  for (fsdp_peers_waiter_t **w = &peers->waiters; *w;) {
+    fsdp_peers_waiter_t *waiter = *w;
+    if (waiter->deadline_ms ? waiter->deadline_ms > now : !formation) {
+      w = &waiter->next;
+      continue;
+    }
+    *w = waiter->next;
+    waiter->next = NULL;
+    waiter->cb(waiter->data, FSDP_E_UNAVAILABLE, why);
+    w = &peers->waiters; /* the callback may have added or cancelled waiters */
+  }
+}
+
+static void expire_waiters(fsdp_peers_t *peers, uint64_t now) {
+  bool due = false;
+  for (const fsdp_peers_waiter_t *w = peers->waiters; w; w = w->next)
+    due |= w->deadline_ms && w->deadline_ms <= now;
+  if (!due)
+    return;
+  char missing[2048], why[2300];
+  describe_missing(peers, missing, sizeof missing);
+  snprintf(why, sizeof why, "%s; not back within peer.timeout (%llu ms)", missing,
+           (unsigned long long)peers->timeout_ms);
+  fail_waiters(peers, false, now, why);
+}
+
+static void on_join_deadline(uv_timer_t *timer) {
+  fsdp_peers_t *peers = timer->data;
+  peers->deadline_passed = true;
+  if (peers->ready || peers->formed)
+    return;
+  char missing[2048], why[2300];
+  describe_missing(peers, missing, sizeof missing);
+  snprintf(why, sizeof why, "the cluster is not ready %llu ms after start (peer.join_timeout): %s",
+           (unsigned long long)peers->join_deadline_ms, missing);
+  log_error("peers: %s", why);
+  fail_waiters(peers, true, 0, why);
+}
+
+/* --- public ------------------------------------------------------------------------------ */
+
+/* cluster.hosts spelled one way whatever the spaces, so that it compares as a setting. */
+static void canonical_hosts(const fsdp_config_t *cfg, char *buf, size_t size) {
+  size_t used = 0;
+  char one[320];
+  buf[0] = '\0';
+  for (unsigned i = 0; i < fsdp_config_host_count(cfg) && used < size; i++) {
+    fsdp_config_host(cfg, i, one, sizeof one);
+    used += (size_t)snprintf(buf + used, size - used, "%s%s", i ? "," : "", one);
+  }
+}
+
+static void set_timing(fsdp_peers_t *peers, uint64_t heartbeat_ms, uint64_t timeout_ms) {
+  peers->heartbeat_ms = heartbeat_ms;
+  peers->timeout_ms = timeout_ms;
+}
+
+int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
+                   const fsdp_peers_callbacks_t *callbacks, fsdp_peers_t **ret_peers,
+                   fsdp_status_t *st) {
+  fsdp_peers_t *peers = calloc(1, sizeof *peers);
+  if (!peers)
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  peers->loop = loop;
+  peers->sec = sec;
+  if (callbacks)
+    peers->cb = *callbacks;
+  unsigned n = fsdp_config_host_count(cfg);
+  peers->n = n ? n : 1;
+  peers->self = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_HOST_RANK);
+  set_timing(peers, (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_HEARTBEAT_INTERVAL),
+             (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_TIMEOUT));
+  peers->join_deadline_ms = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_JOIN_TIMEOUT);
+  peers->address_check_ms =
+      (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_ADDRESS_CHECK_TIMEOUT);
+  pthread_mutex_init(&peers->lock, NULL);
+  while (peers->incarnation == 0)
+    if (getrandom(&peers->incarnation, sizeof peers->incarnation, 0) != sizeof peers->incarnation)
+      peers->incarnation = uv_hrtime() ^ ((uint64_t)getpid() << 32);
+
+  static const fsdp_option_id_t agree[N_SETTINGS] = {
+      FSDP_OPTION_CLUSTER_HOSTS, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE,
+      FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS, FSDP_OPTION_BACKEND};
+  for (size_t i = 0; i < N_SETTINGS; i++) {
+    fsdp__v1__setting__init(&peers->settings[i]);
+    peers->settings[i].key = (char *)fsdp_option_get(agree[i])->key;
+    if (agree[i] == FSDP_OPTION_CLUSTER_HOSTS)
+      canonical_hosts(cfg, peers->setting_values[i], sizeof peers->setting_values[i]);
+    else
+      fsdp_config_format(cfg, agree[i], peers->setting_values[i], sizeof peers->setting_values[i]);
+    peers->settings[i].value = peers->setting_values[i];
+  }
+  peers->rules = (fsdp_peer_rules_t){.n_hosts = peers->n, .self = peers->self,
+                                     .settings = peers->settings, .n_settings = N_SETTINGS};
+
+  peers->peers = calloc(peers->n, sizeof *peers->peers);
+  if (!peers->peers) {
+    fsdp_peers_free(peers);
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  }
+  for (unsigned i = 0; i < peers->n; i++) {
+    peer_t *p = &peers->peers[i];
+    p->owner = peers;
+    p->rank = i;
+    if (n)
+      fsdp_config_host(cfg, i, p->address, sizeof p->address);
+    p->state = i == peers->self ? FSDP_PEER_SELF : FSDP_PEER_JOINING;
+    p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  }
+  peers->peers[peers->self].incarnation = peers->incarnation;
+  peers->ready = peers->n == 1;
+  if (peers->n == 1) {
+    *ret_peers = peers;
+    return 0;
+  }
+
+  if (sec->token) {
+    size_t len = strlen(sec->token) + sizeof "Bearer ";
+    if (!(peers->auth_value = malloc(len))) {
+      fsdp_peers_free(peers);
+      return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+    }
+    snprintf(peers->auth_value, len, "Bearer %s", sec->token);
+  }
+  grpc_init();
+  peers->grpc_initialized = true;
+  peers->cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_arg args[] = {
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = 4 << 20}},
+      {GRPC_ARG_INTEGER, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, {.integer = 100}},
+      {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, {.integer = 1000}},
+      /* A proxy in the environment must not sit between daemons. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_ENABLE_HTTP_PROXY, {.integer = 0}},
+      /* Each peer's connection backs off on its own, not shared by address. */
+      {GRPC_ARG_INTEGER, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, {.integer = 1}},
+  };
+  grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
+  for (unsigned i = 0; i < peers->n; i++) {
+    if (i == peers->self)
+      continue;
+    grpc_channel_credentials *creds;
+    if (sec->tls_cert) {
+      grpc_ssl_pem_key_cert_pair pair = {sec->tls_key, sec->tls_cert};
+      creds = grpc_ssl_credentials_create(sec->tls_ca, &pair, NULL, NULL);
+    } else {
+      creds = grpc_insecure_credentials_create();
+    }
+    peers->peers[i].channel = grpc_channel_create(peers->peers[i].address, creds, &channel_args);
+    grpc_channel_credentials_release(creds);
+    if (!peers->peers[i].channel) {
+      fsdp_peers_free(peers);
+      return fsdp_status_set(st, FSDP_E_CONFIG, "key 'cluster.hosts': cannot make a channel to "
+                                                "'%s'", peers->peers[i].address);
+    }
+  }
+  *ret_peers = peers;
+  return 0;
+}
+
+int fsdp_peers_start(fsdp_peers_t *peers) {
+  if (peers->n == 1)
+    return 0;
+  /* The thread first: if it cannot start, there is nothing to close, only to free. Until a
+   * call is started it never touches the async handle. */
+  int r = pthread_create(&peers->thread, NULL, cq_thread_main, peers);
+  if (r != 0)
+    return -r;
+  peers->thread_started = true;
+  uv_async_init(peers->loop, &peers->async, on_async);
+  uv_timer_init(peers->loop, &peers->timer);
+  uv_timer_init(peers->loop, &peers->deadline_timer);
+  peers->async.data = peers->timer.data = peers->deadline_timer.data = peers;
+  peers->open_handles = 3;
+  peers->started = true;
+  log_info("peers: host %u of %u, incarnation %016llx, joining %u peers",
+           peers->self, peers->n, (unsigned long long)peers->incarnation, peers->n - 1);
+  uv_timer_start(&peers->timer, on_tick, 0, tick_ms(peers));
+  uv_timer_start(&peers->deadline_timer, on_join_deadline, peers->join_deadline_ms, 0);
+  return 0;
+}
+
+void fsdp_peers_set_callbacks(fsdp_peers_t *peers, const fsdp_peers_callbacks_t *callbacks) {
+  peers->cb = *callbacks;
+}
+
+void fsdp_peers_set_timing(fsdp_peers_t *peers, uint64_t heartbeat_interval_ms,
+                           uint64_t timeout_ms) {
+  set_timing(peers, heartbeat_interval_ms, timeout_ms);
+  if (peers->started && !peers->closing) {
+    uv_timer_set_repeat(&peers->timer, tick_ms(peers));
+    uv_timer_again(&peers->timer);
+  }
+}
+
+int fsdp_peers_set_local_address(fsdp_peers_t *peers, const void *bytes, size_t len) {
+  if (len > FSDP_UCX_ADDRESS_MAX)
+    return -E2BIG;
+  uint8_t *copy = NULL;
+  if (len && !(copy = malloc(len)))
+    return -ENOMEM;
+  if (len)
+    memcpy(copy, bytes, len);
+  free(peers->local_ucx);
+  peers->local_ucx = copy;
+  peers->local_ucx_len = len;
+  for (unsigned i = 0; i < peers->n; i++)
+    if (peers->peers[i].out)
+      peers->peers[i].rejoin = true;
+  return 0;
+}
+
+void fsdp_peers_leave(fsdp_peers_t *peers, const char *why) {
+  if (!peers || !peers->started || peers->leaving)
+    return;
+  peers->leaving = true;
+  refuse_pending(peers);
+  Fsdp__V1__LeaveRequest rq = FSDP__V1__LEAVE_REQUEST__INIT;
+  rq.host_rank = peers->self;
+  rq.incarnation = peers->incarnation;
+  rq.reason = (char *)why;
+  uint64_t deadline = peers->timeout_ms < LEAVE_DEADLINE_MAX_MS ? peers->timeout_ms
+                                                                : LEAVE_DEADLINE_MAX_MS;
+  unsigned sent = 0;
+  for (unsigned i = 0; i < peers->n; i++) {
+    peer_t *p = &peers->peers[i];
+    if (i == peers->self || !(p->in || p->out))
+      continue;
+    if (start_call(peers, p, CALL_LEAVE, &rq.base, deadline))
+      sent++;
+  }
+  log_info("peers: leaving (%s), told %u peer%s", why, sent, sent == 1 ? "" : "s");
+}
+
+static void on_handle_closed(uv_handle_t *handle) {
+  fsdp_peers_t *peers = handle->data;
+  if (--peers->open_handles > 0)
+    return;
+  if (peers->done)
+    peers->done(peers->done_data);
+}
+
+static void maybe_finish_close(fsdp_peers_t *peers) {
+  if (!peers->closing || peers->inflight || peers->checks)
+    return;
+  if (!peers->channels_gone) {
+    /* Every call is back: nothing more can be queued, so the queue may shut down; the
+     * thread sees it and exits, and wakes us once more. */
+    for (unsigned i = 0; i < peers->n; i++)
+      if (peers->peers[i].channel) {
+        grpc_channel_destroy(peers->peers[i].channel);
+        peers->peers[i].channel = NULL;
+      }
+    peers->channels_gone = true;
+    grpc_completion_queue_shutdown(peers->cq);
+  }
+  if (peers->thread_started || peers->handles_closing)
+    return;
+  peers->handles_closing = true;
+  uv_close((uv_handle_t *)&peers->async, on_handle_closed);
+  uv_close((uv_handle_t *)&peers->timer, on_handle_closed);
+  uv_close((uv_handle_t *)&peers->deadline_timer, on_handle_closed);
+}
+
+void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data) {
+  run_waiters(peers, FSDP_E_CANCELLED, "fsdpd is stopping");
+  if (!peers->started) {
+    done(data);
+    return;
+  }
+  peers->closing = true;
+  peers->leaving = true;
+  refuse_pending(peers);
+  for (unsigned i = 0; i < peers->n; i++)
+    if (peers->peers[i].check)
+      fsdp_address_check_cancel(peers->peers[i].check);
+  peers->done = done;
+  peers->done_data = data;
+  uv_timer_stop(&peers->timer);
+  uv_timer_stop(&peers->deadline_timer);
+  /* Joins and Heartbeats end now; Leaves have their own short deadline. */
+  for (pcall_t *c = peers->inflight; c; c = c->all_next)
+    if (c->kind != CALL_LEAVE)
+      grpc_call_cancel(c->call, NULL);
+  maybe_finish_close(peers);
+}
+
+void fsdp_peers_free(fsdp_peers_t *peers) {
+  if (!peers)
+    return;
+  for (unsigned i = 0; peers->peers && i < peers->n; i++) {
+    if (peers->peers[i].channel)
+      grpc_channel_destroy(peers->peers[i].channel);
+    free(peers->peers[i].ucx);
+    free(peers->peers[i].verified);
+    free(peers->peers[i].checking);
+    free(peers->peers[i].reply_ucx);
+  }
+  if (peers->cq) {
+    if (!peers->channels_gone)
+      grpc_completion_queue_shutdown(peers->cq);
+    grpc_completion_queue_destroy(peers->cq);
+  }
+  if (peers->grpc_initialized)
+    grpc_shutdown();
+  free_secret(&peers->auth_value);
+  free(peers->peers);
+  free(peers->local_ucx);
+  pthread_mutex_destroy(&peers->lock);
+  free(peers);
+}
+
+unsigned fsdp_peers_host_rank(const fsdp_peers_t *peers) {
+  return peers->self;
+}
+
+unsigned fsdp_peers_host_count(const fsdp_peers_t *peers) {
+  return peers->n;
+}
+
+uint64_t fsdp_peers_incarnation(const fsdp_peers_t *peers) {
+  return peers->incarnation;
+}
+
+bool fsdp_peers_ready(const fsdp_peers_t *peers) {
+  return peers->ready;
+}
+
+void fsdp_peers_get(const fsdp_peers_t *peers, unsigned host_rank, fsdp_peer_info_t *ret) {
+  const peer_t *p = &peers->peers[host_rank < peers->n ? host_rank : peers->self];
+  uint64_t now = now_ms(peers);
+  *ret = (fsdp_peer_info_t){
+      .host_rank = p->rank,
+      .address = p->address,
+      .state = p->state,
+      .last_heard_ms = p->rank == peers->self ? 0
+                       : p->last_heard_ms  ? (int64_t)(now - p->last_heard_ms)
+                                           : -1,
+      .rtt_us = p->rtt_us,
+      .incarnation = p->incarnation,
+      .last_error = p->last_error,
+      .ucx_address = p->rank == peers->self ? peers->local_ucx : p->ucx,
+      .ucx_address_len = p->rank == peers->self ? peers->local_ucx_len : p->ucx_len,
+  };
+}
+
+void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
+                           fsdp_peers_ready_fn cb, void *data) {
+  waiter->cb = cb;
+  waiter->data = data;
+  waiter->next = NULL;
+  /* Once the cluster had been ready, a host missing was lost or left: whoever needs it
+   * waits peer.timeout for it to be back, not what is left of the join deadline. */
+  waiter->deadline_ms = peers->formed ? now_ms(peers) + peers->timeout_ms : 0;
+  if (peers->ready) {
+    cb(data, 0, "");
+    return;
+  }
+  if (peers->closing || peers->leaving) {
+    cb(data, FSDP_E_CANCELLED, "fsdpd is stopping");
+    return;
+  }
+  if (peers->deadline_passed && !peers->formed) {
+    char missing[2048], why[2300];
+    describe_missing(peers, missing, sizeof missing);
+    snprintf(why, sizeof why, "the cluster is not ready (peer.join_timeout %llu ms passed): %s",
+             (unsigned long long)peers->join_deadline_ms, missing);
+    cb(data, FSDP_E_UNAVAILABLE, why);
+    return;
+  }
+  waiter->next = peers->waiters;
+  peers->waiters = waiter;
+}
+
+void fsdp_peers_wait_cancel(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter) {
+  for (fsdp_peers_waiter_t **w = &peers->waiters; *w; w = &(*w)->next)
+    if (*w == waiter) {
+      *w = waiter->next;
+      waiter->next = NULL;
+      return;
+    }
+}
+
+/* --- server side ------------------------------------------------------------------------- */
+
+static void answer_join(peer_t *p, fsdp_peers_join_t *j, const fsdp_status_t *st,
+                        const Fsdp__V1__JoinReply *reply) {
+  p->n_pending--;
+  j->cb(j->data, st, reply);
+  free(j->ucx);
+  free(j);
+}
+
+static void park_join(peer_t *p, fsdp_peers_join_t *j) {
+  j->next = p->pending;
+  p->pending = j;
+}
+
+/* Whether j would change the live relationship with p: another incarnation, or another
+ * data-plane address than the one in use. */
+static bool changes_relationship(const peer_t *p, const fsdp_peers_join_t *j) {
+  if (!(p->in || p->out) || !p->incarnation)
+    return false;
+  if (j->incarnation != p->incarnation)
+    return true;
+  return p->ucx && !same_bytes(p->ucx, p->ucx_len, j->ucx, j->ucx_len);
+}
+
+/* The host's own address answered our Join as j says it is. */
+static bool confirms(const peer_t *p, const fsdp_peers_join_t *j) {
+  return j->incarnation == p->incarnation && p->reply_ucx &&
+         same_bytes(p->reply_ucx, p->reply_ucx_len, j->ucx, j->ucx_len);
+}
+
+/* Another daemon claims p's host rank while p lives at its own address. */
+static void refuse_claim(fsdp_peers_join_t *j) {
+  peer_t *p = j->p;
+  fsdp_status_t st;
+  fsdp_status_set(&st, FSDP_E_ALREADY_EXISTS,
+                  "host %u is %s at incarnation %016llx%s, as its own address %s confirmed; "
+                  "this Join as host %u, incarnation %016llx, came from %s: another daemon "
+                  "claims the host's rank",
+                  p->rank, fsdp_peer_state_name(p->state), (unsigned long long)p->incarnation,
+                  j->incarnation == p->incarnation ? " with another data-plane address" : "",
+                  p->address, p->rank, (unsigned long long)j->incarnation, j->from);
+  if (p->logged_impostor != j->incarnation) {
+    log_error("peers: refused a Join: %s", st.message);
+    p->logged_impostor = j->incarnation;
+  }
+  set_error(p, "refused a Join as this host: %s", st.message);
+  answer_join(p, j, &st, NULL);
+}
+
+/* The Join is valid and p's relationship may take it: the in half. */
+static void apply_join(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
+  peer_t *p = j->p;
+  check_incarnation(peers, p, j->incarnation);
+  int r = copy_bytes(&p->ucx, &p->ucx_len, j->ucx, j->ucx_len);
+  if (r < 0) {
+    fsdp_status_t st;
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "out of memory for the data-plane address of host %u", p->rank);
+    answer_join(p, j, &st, NULL);
+    return;
+  }
+  p->in = true;
+  p->last_heard_ms = now_ms(peers);
+  if (p->state == FSDP_PEER_REFUSED)
+    p->state = FSDP_PEER_JOINING;
+  if (!p->out && !p->join_call && !p->out_waits) {
+    /* It is up: join it now rather than at the end of a backoff. */
+    p->next_join_ms = now_ms(peers);
+    p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+  }
+  if (p->state == FSDP_PEER_JOINED && r > 0 && peers->cb.joined)
+    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
+  maybe_joined(peers, p);
+
+  Fsdp__V1__JoinReply reply = FSDP__V1__JOIN_REPLY__INIT;
+  reply.protocol_version = FSDP_PROTOCOL_VERSION;
+  reply.host_rank = peers->self;
+  reply.incarnation = peers->incarnation;
+  reply.ucx_worker_address.data = peers->local_ucx;
+  reply.ucx_worker_address.len = peers->local_ucx_len;
+  answer_join(p, j, NULL, &reply);
+}
+
+static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, size_t len,
+                       fsdp_status_t *st);
+
+/* Takes j as far as it can go now: answered (true), or waiting for the host's own address
+ * to confirm it or for its data-plane address's check (false). */
+static bool join_step(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
+  peer_t *p = j->p;
+  fsdp_status_t st;
+  if (peers->leaving) {
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "host %u is leaving", peers->self);
+    answer_join(p, j, &st, NULL);
+    return true;
+  }
+  /* A live relationship changes only on the word of the host's own address. */
+  if (changes_relationship(p, j) && !(j->confirmed && confirms(p, j))) {
+    if (j->confirmed) {
+      refuse_claim(j);
+      return true;
+    }
+    if (!j->confirming) {
+      j->confirming = true;
+      if (!p->join_call)
+        send_join(peers, p);
+      if (!p->join_call) {
+        fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
+                        "cannot ask host %u's own address %s to confirm incarnation %016llx; "
+                        "retry",
+                        p->rank, p->address, (unsigned long long)j->incarnation);
+        answer_join(p, j, &st, NULL);
+        return true;
+      }
+    }
+    return false;
+  }
+  if (!address_verified(p, j->ucx, j->ucx_len)) {
+    if (start_check(peers, p, j->ucx, j->ucx_len, &st) == 0)
+      return false;
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "field 'ucx_worker_address' (%zu bytes) of host "
+                    "%u: %s; retry", j->ucx_len, p->rank, st.message);
+    answer_join(p, j, &st, NULL);
+    return true;
+  }
+  apply_join(peers, j);
+  return true;
+}
+
+/* The first Join of a list, taken off it; NULL once it is empty. A loop over p's held Joins
+ * takes the whole list first, so that each can be parked again on p->pending. */
+static fsdp_peers_join_t *pop_join(fsdp_peers_join_t **list) {
+  fsdp_peers_join_t *j = *list;
+  if (j) {
+    *list = j->next;
+    j->next = NULL;
+  }
+  return j;
+}
+
+static fsdp_peers_join_t *take_pending(peer_t *p) {
+  fsdp_peers_join_t *list = p->pending;
+  p->pending = NULL;
+  return list;
+}
+
+/* Every held Join of p, once more. */
+static void run_pending(fsdp_peers_t *peers, peer_t *p) {
+  fsdp_peers_join_t *list = take_pending(p), *j;
+  while ((j = pop_join(&list))) {
+    if (!join_step(peers, j))
+      park_join(p, j);
+  }
+}
+
+/* Our Join to p's own address came back: the Joins waiting for it are confirmed, or, when
+ * it failed (failure says how), refused as unconfirmable. */
+static void confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failure) {
+  fsdp_peers_join_t *list = take_pending(p), *j;
+  while ((j = pop_join(&list))) {
+    if (j->confirming && failure) {
+      fsdp_status_t st;
+      fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
+                      "host %u is %s at incarnation %016llx; its own address %s could not "
+                      "confirm incarnation %016llx from %s: %s",
+                      p->rank, fsdp_peer_state_name(p->state),
+                      (unsigned long long)p->incarnation, p->address,
+                      (unsigned long long)j->incarnation, j->from, failure);
+      answer_join(p, j, &st, NULL);
+      continue;
+    }
+    if (j->confirming) {
+      j->confirming = false;
+      j->confirmed = true;
+    }
+    park_join(p, j);
+  }
+  run_pending(peers, p);
+}
+
+static void on_check_done(void *data, int result, const char *why) {
+  peer_t *p = data;
+  fsdp_peers_t *peers = p->owner;
+  peers->checks--;
+  p->check = NULL;
+  uint8_t *bytes = p->checking;
+  size_t len = p->checking_len;
+  p->checking = NULL;
+  p->checking_len = 0;
+  if (result == 0) {
+    free(p->verified);
+    p->verified = bytes;
+    p->verified_len = len;
+  } else if (result != FSDP_E_CANCELLED && strcmp(p->logged_in_refusal, why) != 0) {
+    log_error("peers: the data-plane address of host %u (%s), %zu bytes, is refused: %s",
+              p->rank, p->address, len, why);
+    snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", why);
+  }
+  if (p->out_waits && same_bytes(p->reply_ucx, p->reply_ucx_len, bytes, len)) {
+    p->out_waits = false;
+    if (result == 0 && !peers->leaving) {
+      complete_out(peers, p);
+    } else if (result != 0 && !peers->leaving) {
+      set_error(p, "Join: its data-plane address (%zu bytes) is refused: %s", len, why);
+      join_failed(peers, p, result == FSDP_E_INVALID_ARGUMENT);
+    }
+  }
+  /* Joins with the address just refused get why; the others go on (one may start the
+   * next check). */
+  fsdp_peers_join_t *list = take_pending(p), *j;
+  while ((j = pop_join(&list))) {
+    if (result != 0 && same_bytes(j->ucx, j->ucx_len, bytes, len)) {
+      fsdp_status_t st;
+      fsdp_status_set(&st, result == FSDP_E_INVALID_ARGUMENT ? result : FSDP_E_UNAVAILABLE,
+                      "field 'ucx_worker_address' (%zu bytes) of host %u: %s%s", len, p->rank,
+                      why, result == FSDP_E_INVALID_ARGUMENT ? "" : "; retry");
+      answer_join(p, j, &st, NULL);
+      continue;
+    }
+    park_join(p, j);
+  }
+  if (result != 0)
+    free(bytes);
+  if (peers->closing) {
+    maybe_finish_close(peers);
+    return;
+  }
+  run_pending(peers, p);
+  if (p->out_waits && !p->check)
+    check_reply_address(peers, p);
+}
+
+/* Has [bytes, len) checked, unless a check of p's is running (the next one starts when it
+ * ends): 0, and what waits on the check finds its outcome in on_check_done; or a negative
+ * code when none could start, with st saying why. */
+static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, size_t len,
+                       fsdp_status_t *st) {
+  if (p->check)
+    return 0;
+  if (peers->closing)
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "host %u is stopping", peers->self);
+  if (copy_bytes(&p->checking, &p->checking_len, bytes, len) < 0)
+    return fsdp_status_set(st, -ENOMEM, "out of memory to check the data-plane address");
+  int r = fsdp_address_check_start(peers->loop, bytes, len, peers->address_check_ms,
+                                   on_check_done, p, &p->check, st);
+  if (r < 0) {
+    log_error("peers: checking the data-plane address of host %u (%s): %s", p->rank,
+              p->address, st->message);
+    return r;
+  }
+  peers->checks++;
+  return 0;
+}
+
+/* Our Join's reply waits for its address's check (on_check_done); none could start. */
+static void check_reply_address(fsdp_peers_t *peers, peer_t *p) {
+  fsdp_status_t st;
+  p->out_waits = true;
+  if (start_check(peers, p, p->reply_ucx, p->reply_ucx_len, &st) < 0) {
+    p->out_waits = false;
+    set_error(p, "Join: %s", st.message);
+    join_failed(peers, p, false);
+  }
+}
+
+/* A Join refused by the checks: logged once, and shown on the host's row; a relationship
+ * with the host stays as it is. */
+static void refused_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq, const char *from,
+                         const fsdp_status_t *st) {
+  if (peers->n == 1 || rq->host_rank >= peers->n || rq->host_rank == peers->self)
+    return;
+  peer_t *p = &peers->peers[rq->host_rank];
+  if (strcmp(p->logged_in_refusal, st->message) != 0) {
+    log_error("peers: refused the Join of host %u (%s) from %s: %s", p->rank, p->address, from,
+              st->message);
+    snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", st->message);
+  }
+  if (p->in || p->out) {
+    set_error(p, "refused a Join as this host from %s: %s", from, st->message);
+    return;
+  }
+  p->state = FSDP_PEER_REFUSED;
+  set_error(p, "refused its Join: %s", st->message);
+}
+
+fsdp_peers_join_t *fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
+                                          const char *from, fsdp_peers_join_fn cb, void *data) {
+  fsdp_status_t st;
+  if (fsdp_peer_check_join(&peers->rules, rq, &st) < 0) {
+    refused_join(peers, rq, from, &st);
+    cb(data, &st, NULL);
+    return NULL;
+  }
+  peer_t *p = &peers->peers[rq->host_rank];
+  if (p->n_pending >= PENDING_JOINS_MAX) {
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "host %u already has %d Joins being checked; retry", p->rank,
+                    PENDING_JOINS_MAX);
+    cb(data, &st, NULL);
+    return NULL;
+  }
+  fsdp_peers_join_t *j = calloc(1, sizeof *j);
+  if (!j || copy_bytes(&j->ucx, &j->ucx_len, rq->ucx_worker_address.data,
+                       rq->ucx_worker_address.len) < 0) {
+    free(j);
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for the Join of host %u",
+                    rq->host_rank);
+    cb(data, &st, NULL);
+    return NULL;
+  }
+  *j = (fsdp_peers_join_t){.p = p, .incarnation = rq->incarnation, .ucx = j->ucx,
+                           .ucx_len = j->ucx_len, .cb = cb, .data = data};
+  snprintf(j->from, sizeof j->from, "%s", from);
+  p->n_pending++;
+  if (join_step(peers, j))
+    return NULL;
+  park_join(p, j);
+  return j;
+}
+
+void fsdp_peers_join_cancel(fsdp_peers_join_t *join) {
+  peer_t *p = join->p;
+  for (fsdp_peers_join_t **j = &p->pending; *j; j = &(*j)->next)
+    if (*j == join) {
+      *j = join->next;
+      p->n_pending--;
+      free(join->ucx);
+      free(join);
+      return;
+    }
+}
+
+/* Every held Join ends: the daemon is leaving. */
+static void refuse_pending(fsdp_peers_t *peers) {
+  for (unsigned i = 0; i < peers->n; i++)
+    run_pending(peers, &peers->peers[i]);
+}
+
+int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRequest *rq,
+                                Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st) {
+  int r = fsdp_peer_check_heartbeat(&peers->rules, rq, st);
+  if (r < 0)
+    return r;
+  peer_t *p = &peers->peers[rq->host_rank];
+  if (!p->in || rq->incarnation != p->incarnation)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "host %u (incarnation %016llx) has not joined host %u; Join first",
+                           rq->host_rank, (unsigned long long)rq->incarnation, peers->self);
+  p->last_heard_ms = now_ms(peers);
+  reply->sent_ns = rq->sent_ns;
+  reply->incarnation = peers->incarnation;
+  return 0;
+}
+
+int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *rq,
+                            fsdp_status_t *st) {
+  int r = fsdp_peer_check_leave(&peers->rules, rq, st);
+  if (r < 0)
+    return r;
+  peer_t *p = &peers->peers[rq->host_rank];
+  /* A Leave from an incarnation we no longer know is old news. */
+  if (rq->incarnation != p->incarnation)
+    return 0;
+  char why[300];
+  snprintf(why, sizeof why, "left: %s", rq->reason[0] ? rq->reason : "no reason given");
+  drop(peers, p, FSDP_PEER_LEFT, why);
+  return 0;
+}

@@ -1,0 +1,160 @@
+/* The peer table: the other hosts' daemons (cluster.hosts), and the client side of the Peer
+ * control plane that joins them, heartbeats them and tells the rest of the daemon when one
+ * joins or is lost.
+ *
+ * Every daemon joins every other one (Peer.Join, retried with backoff), and accepts their
+ * Joins (fsdp_peers_accept_join, called by the Peer service); a peer is JOINED once it has
+ * joined us and we have joined it, and the cluster is ready once every peer is JOINED. A
+ * Join carries the protocol version, the host rank, a random incarnation per start (so a
+ * restarted daemon is told from the one before), the settings that must agree on every host
+ * (a difference is refused naming the key and both values) and the data plane's (UCX)
+ * worker address. Joined peers get a Heartbeat every peer.heartbeat_interval; one that
+ * answers nothing for peer.timeout is LOST. A graceful stop sends Leave, and the others mark
+ * it LEFT at once. A lost, left or restarted peer is joined again when it answers.
+ *
+ * Threads: everything here runs on the loop thread, callbacks included. The client calls
+ * complete on a completion queue of this module's own, drained by a thread that only hands
+ * the completions to the loop (uv_async_send); nothing here blocks the loop.
+ *
+ * Lifetime: fsdp_peers_new at start (one host: no thread, no channel, always ready),
+ * fsdp_peers_leave when a stop begins, fsdp_peers_close to end it (async; the done callback
+ * runs once every call, thread and handle is gone), then fsdp_peers_free. */
+#ifndef FSDP_PEERS_H
+#define FSDP_PEERS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "config/config.h"
+#include "fsdp/v1/peer.pb-c.h"
+#include "common/status.h"
+
+typedef struct fsdp_peers fsdp_peers_t;
+
+typedef enum fsdp_peer_state {
+  FSDP_PEER_SELF,    /* this daemon's own row */
+  FSDP_PEER_JOINING, /* not yet joined both ways */
+  FSDP_PEER_JOINED,
+  FSDP_PEER_LOST,    /* no answer for peer.timeout */
+  FSDP_PEER_LEFT,    /* it sent Leave */
+  FSDP_PEER_REFUSED, /* a Join between us was refused; last_error says why */
+} fsdp_peer_state_t;
+
+const char *fsdp_peer_state_name(fsdp_peer_state_t state);
+
+/* A peer as the status shows it; pointers borrowed until the loop runs again. */
+typedef struct fsdp_peer_info {
+  unsigned host_rank;
+  const char *address; /* its entry in cluster.hosts */
+  fsdp_peer_state_t state;
+  int64_t last_heard_ms; /* since it last answered or called; -1: never */
+  uint64_t rtt_us;       /* the latest Heartbeat's round trip; 0: none yet */
+  uint64_t incarnation;  /* 0: unknown */
+  const char *last_error;
+  const uint8_t *ucx_address; /* its data-plane address as it joined; NULL if none */
+  size_t ucx_address_len;
+} fsdp_peer_info_t;
+
+/* What the data plane hears. joined: the peer is JOINED (again, or its address changed);
+ * ucx_address is borrowed for the call. lost: a peer that was JOINED no longer is (no answer
+ * for peer.timeout, it left, it restarted, or it no longer counts us as joined); `why` names
+ * the host and the reason, ready to be the message of every waiter's UNAVAILABLE. */
+typedef struct fsdp_peers_callbacks {
+  void (*joined)(void *data, unsigned host_rank, uint64_t incarnation, const uint8_t *ucx_address,
+                 size_t ucx_address_len);
+  void (*lost)(void *data, unsigned host_rank, const char *why);
+  void *data;
+} fsdp_peers_callbacks_t;
+
+/* The secrets of the Peer endpoint, read from the files config names (at start, before the
+ * loop runs). Owned; fsdp_peer_security_cleanup wipes and frees them. */
+typedef struct fsdp_peer_security {
+  char *token;                        /* NULL: no token */
+  char *tls_cert, *tls_key, *tls_ca; /* PEM text; all NULL: plaintext */
+} fsdp_peer_security_t;
+
+int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_peer_security_t *ret,
+                            fsdp_status_t *st);
+void fsdp_peer_security_cleanup(fsdp_peer_security_t *sec);
+
+/* Builds the table from cfg (cluster.*, peer.*); borrows sec (it must outlive the peers)
+ * and callbacks (copied). Joining starts with fsdp_peers_start. */
+int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
+                   const fsdp_peers_callbacks_t *callbacks, fsdp_peers_t **ret_peers,
+                   fsdp_status_t *st);
+int fsdp_peers_start(fsdp_peers_t *peers);
+/* Replaces the callbacks (copied), e.g. once the data plane is up. */
+void fsdp_peers_set_callbacks(fsdp_peers_t *peers, const fsdp_peers_callbacks_t *callbacks);
+/* New heartbeat interval and timeout (reload). */
+void fsdp_peers_set_timing(fsdp_peers_t *peers, uint64_t heartbeat_interval_ms,
+                           uint64_t timeout_ms);
+/* The local data-plane address sent in every Join (copied); a change re-sends Join to the
+ * peers already joined. */
+int fsdp_peers_set_local_address(fsdp_peers_t *peers, const void *bytes, size_t len);
+
+/* Sends Leave to every peer we are joined with, and stops joining and heartbeating. */
+void fsdp_peers_leave(fsdp_peers_t *peers, const char *why);
+/* Ends every call (a Leave in flight may finish within its short deadline), then the thread
+ * and handles; `done` runs on the loop afterwards. Ready waiters get FSDP_E_CANCELLED. */
+void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data);
+/* Frees a table that was never started, or whose close has completed. NULL-safe. */
+void fsdp_peers_free(fsdp_peers_t *peers);
+
+/* Topology. */
+unsigned fsdp_peers_host_rank(const fsdp_peers_t *peers);
+unsigned fsdp_peers_host_count(const fsdp_peers_t *peers); /* >= 1 */
+uint64_t fsdp_peers_incarnation(const fsdp_peers_t *peers);
+/* Every peer is JOINED (always true on one host). */
+bool fsdp_peers_ready(const fsdp_peers_t *peers);
+/* Rows by host rank, this daemon's included (state SELF). */
+void fsdp_peers_get(const fsdp_peers_t *peers, unsigned host_rank, fsdp_peer_info_t *ret_info);
+
+/* Waiting for the cluster: cb runs once, with 0 when every peer is JOINED, FSDP_E_UNAVAILABLE
+ * (why names the hosts missing and their last errors) when they are not all JOINED in time,
+ * or FSDP_E_CANCELLED when the daemon stops. In time: until peer.join_timeout after start
+ * while the cluster forms; once it had been ready, peer.timeout from the call (a host lost
+ * or left is back within that, or whoever needs it fails). If that is already decided, cb
+ * runs before fsdp_peers_when_ready returns. The waiter is caller-owned storage that must
+ * stay valid until cb has run or fsdp_peers_wait_cancel. */
+typedef void (*fsdp_peers_ready_fn)(void *data, int status, const char *why);
+typedef struct fsdp_peers_waiter {
+  fsdp_peers_ready_fn cb;
+  void *data;
+  uint64_t deadline_ms; /* loop time; 0: the join deadline */
+  struct fsdp_peers_waiter *next;
+} fsdp_peers_waiter_t;
+
+void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
+                           fsdp_peers_ready_fn cb, void *data);
+void fsdp_peers_wait_cancel(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter);
+
+/* Server side, for the Peer service (daemon/services/peer_service.c). Every message first passes
+ * daemon/cluster/peer_check.h (a refusal names the field and value), and an invalid one changes no
+ * state of a relationship. `from` is the caller's address ("ipv4:10.0.0.2:41234"), for
+ * messages.
+ *
+ * A Join may take time to answer: a data-plane address not yet checked is unpacked by UCX
+ * in a process of its own first (address_check.h; one it refuses gets INVALID_ARGUMENT
+ * naming the field), and a Join that would change the incarnation or address of a live
+ * relationship is accepted only when the host's own cluster.hosts entry confirms it (its
+ * reply to a Join sent there carries both); otherwise ALREADY_EXISTS names the host, the
+ * live incarnation and where the Join came from. cb runs once with st NULL and the reply
+ * (borrowed for the call), or with the refusal; before fsdp_peers_accept_join returns, which
+ * then gives NULL, or later, when it gives a handle for fsdp_peers_join_cancel (after which
+ * cb never runs; the checks it started go on, and their outcome is kept). */
+typedef struct fsdp_peers_join fsdp_peers_join_t;
+typedef void (*fsdp_peers_join_fn)(void *data, const fsdp_status_t *st,
+                                   const Fsdp__V1__JoinReply *reply);
+fsdp_peers_join_t *fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
+                                          const char *from, fsdp_peers_join_fn cb, void *data);
+void fsdp_peers_join_cancel(fsdp_peers_join_t *join);
+/* FAILED_PRECONDITION for a Heartbeat from a host that has not joined (at that incarnation). */
+int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRequest *rq,
+                                Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st);
+int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *rq,
+                            fsdp_status_t *st);
+
+#endif

@@ -1,0 +1,977 @@
+/* Unit buffers and the operations of the host backend, on one host and across hosts. */
+#include "daemon/dataplane/dataplane.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "collectives/ring.h"
+#include "common/log.h"
+
+typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
+
+/* A parked call. It counts in its session's liveness until it ends, and it never outlives
+ * its session: a session that ends fails its parked calls (fsdp_dataplane_release_session). */
+struct fsdp_waiter {
+  fsdp_rpc_call_t *call;
+  fsdp_unit_t *unit;
+  fsdp_session_t *session;
+  uv_loop_t *loop; /* whose clock says when the call ended */
+  waiter_kind_t kind;
+  fsdp_waiter_t *prev, *next;
+};
+
+/* Work on the thread pool. A gather casts this host's master shards into the unsharded
+ * buffer, then (across hosts) an all-gather fills in the other hosts' regions. A reduce on
+ * one host writes the gradient shards in one pass; across hosts the same work is done by
+ * the rings' hooks, chunk by chunk, as the transfers go (see "Rings among hosts"). */
+typedef enum work_kind {
+  WORK_PREFAULT,
+  WORK_GATHER,
+  WORK_REDUCE,
+} work_kind_t;
+
+struct fsdp_dataplane_work {
+  work_kind_t kind;
+  fsdp_job_t *job;
+  fsdp_unit_t *unit;
+  /* WORK_PREFAULT: the blocks' lengths, read on the loop: the block lists are the loop's. */
+  size_t rw_bytes, shared_bytes;
+  int result;
+  fsdp_dataplane_work_t *next;
+};
+
+static const char *const work_names[] = {"preparing its buffers", "the gather",
+                                         "the reduce-scatter"};
+
+/* The proto's element types, as the kernels name them. */
+static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
+  switch (dtype) {
+  case FSDP__V1__DTYPE__DTYPE_BF16:
+    return FSDP_DTYPE_BF16;
+  case FSDP__V1__DTYPE__DTYPE_FP16:
+    return FSDP_DTYPE_FP16;
+  default:
+    return FSDP_DTYPE_FP32;
+  }
+}
+
+/* Collections and their waiters. */
+
+static fsdp_collection_t *collection_of(fsdp_unit_t *u, waiter_kind_t kind) {
+  return kind == WAIT_UNSHARD ? &u->gather : &u->reduce;
+}
+
+static void collection_reset(fsdp_collection_t *c) {
+  *c = (fsdp_collection_t){0};
+}
+
+static void waiter_unlink(fsdp_waiter_t *w) {
+  if (w->prev)
+    w->prev->next = w->next;
+  else
+    w->unit->waiters = w->next;
+  if (w->next)
+    w->next->prev = w->prev;
+}
+
+/* A waiter is answered: its session's lease counts from now again. */
+static void waiter_free(fsdp_waiter_t *w) {
+  fsdp_session_call_ended(w->session, uv_now(w->loop));
+  free(w);
+}
+
+/* Unlinks a waiter whose call is about to be answered, so that no cancel follows. */
+static void waiter_take(fsdp_waiter_t *w) {
+  waiter_unlink(w);
+  fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
+}
+
+static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) {
+  for (const fsdp_waiter_t *w = u->waiters; w; w = w->next)
+    if (w->session->local_rank == rank && w->kind == kind)
+      return true;
+  return false;
+}
+
+/* A parked call's client gave up (its deadline, or it went away): unless the collection
+ * already runs, the rank no longer counts in it, so that it is not gathered or reduced for
+ * a rank that no longer waits (and asks again). */
+static void on_waiter_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  fsdp_waiter_t *w = data;
+  fsdp_unit_t *u = w->unit;
+  uint32_t rank = w->session->local_rank;
+  waiter_unlink(w);
+  if (w->kind != WAIT_REGISTER) {
+    fsdp_collection_t *c = collection_of(u, w->kind);
+    if (!c->running && fsdp_rank_set_has(&c->submitted, rank) && !rank_waits(u, rank, w->kind)) {
+      fsdp_rank_set_put(&c->submitted, rank, false);
+      c->count--;
+    }
+  }
+  waiter_free(w);
+}
+
+static void park(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_unit_t *unit,
+                 fsdp_session_t *session, waiter_kind_t kind) {
+  fsdp_waiter_t *w = calloc(1, sizeof *w);
+  if (!w) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory parking a call");
+    return;
+  }
+  *w = (fsdp_waiter_t){.call = call, .unit = unit, .session = session, .loop = dp->loop,
+                       .kind = kind};
+  fsdp_session_call_parked(session);
+  w->next = unit->waiters;
+  if (unit->waiters)
+    unit->waiters->prev = w;
+  unit->waiters = w;
+  fsdp_rpc_call_on_cancel(call, on_waiter_cancel, w);
+}
+
+static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32_t rank) {
+  Fsdp__V1__RegisterUnitReply reply = FSDP__V1__REGISTER_UNIT_REPLY__INIT;
+  reply.numel = u->layout.numel;
+  reply.padded_numel = u->layout.padded_numel;
+  reply.shard_numel = u->layout.shard_numel;
+  reply.n_param_offsets = u->layout.n_params;
+  reply.param_offsets = u->layout.offsets;
+  reply.unsharded_offset = u->unsharded_offset;
+  reply.master_offset = u->master_offset;
+  reply.grad_offset = u->grad_offset;
+  reply.full_grad_offset = u->full_grad_offset + rank * u->full_grad_stride;
+  reply.shard = u->plan.first_shard + (u->plan.local_shards == 1 ? 0 : rank);
+  reply.gathered_step = u->gathered ? u->gathered_step : 0;
+  reply.reduced_step = u->reduced_step;
+  reply.replica = fsdp_unit_plan_replica(&u->plan, rank);
+  reply.host_first_shard = u->plan.first_shard;
+  reply.host_shards = u->plan.local_shards;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void reply_unit_op(fsdp_rpc_call_t *call) {
+  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* Answers every waiter of `kind`: with the result, or with the unit's error once it
+ * failed. */
+static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
+  for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+    next = w->next;
+    if (w->kind != kind)
+      continue;
+    waiter_take(w);
+    if (u->state == FSDP_UNIT_FAILED)
+      fsdp_rpc_call_fail(w->call, u->error.code, "%s: %s", fsdp_rpc_call_method(w->call),
+                         u->error.message);
+    else if (kind == WAIT_REGISTER)
+      reply_registered(w->call, u, w->session->local_rank);
+    else
+      reply_unit_op(w->call);
+    waiter_free(w);
+  }
+}
+
+/* Ends the collection of `kind` being gathered: every waiter gets err and the message. */
+static void abort_collection(fsdp_unit_t *u, waiter_kind_t kind, int err, const char *message) {
+  for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+    next = w->next;
+    if (w->kind != kind)
+      continue;
+    waiter_take(w);
+    fsdp_rpc_call_fail(w->call, err, "%s: %s", fsdp_rpc_call_method(w->call), message);
+    waiter_free(w);
+  }
+  collection_reset(collection_of(u, kind));
+}
+
+/* What a collection's ranks are asked for, in messages. */
+static const char *collection_verb(waiter_kind_t kind) {
+  return kind == WAIT_UNSHARD ? "unshard" : "reduce-scatter";
+}
+
+/* Parks the call as rank's part of the unit's collection of `kind` for `step` and returns
+ * whether it completed the collection (every local rank has asked). A rank asking for
+ * another step than the one being collected aborts the collection for everyone: nobody
+ * could complete it. */
+static bool collect(fsdp_dataplane_t *dp, fsdp_unit_t *u, waiter_kind_t kind,
+                    fsdp_rpc_call_t *call, const fsdp_job_t *job, fsdp_session_t *session,
+                    uint64_t step, uint64_t deadline_ms) {
+  uint32_t rank = session->local_rank;
+  fsdp_collection_t *c = collection_of(u, kind);
+  fsdp_rank_set_t died = {0};
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (session->serial < job->gone_before_serial[r])
+      fsdp_rank_set_put(&died, r, true);
+  char gone[128];
+  fsdp_rank_set_format(&died, true, job->local_world_size, gone, sizeof gone);
+  if (gone[0]) {
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: local rank(s) %s of job '%s' ended their session and have "
+             "not attached again; the %s cannot complete without them",
+             u->spec->unit, (unsigned long long)step, gone, job->name, collection_verb(kind));
+    abort_collection(u, kind, FSDP_E_ABORTED, message);
+    fsdp_rpc_call_fail(call, FSDP_E_ABORTED, "%s: %s", fsdp_rpc_call_method(call), message);
+    return false;
+  }
+  if (c->count == 0) {
+    c->step = step;
+    c->generation = session->generation;
+    c->deadline_ms = deadline_ms;
+  } else if (session->generation != c->generation) {
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: local rank %u attached with generation %llu while the other "
+             "ranks attached with generation %llu: ranks of two runs of job '%s' cannot %s "
+             "together",
+             u->spec->unit, (unsigned long long)step, rank,
+             (unsigned long long)session->generation, (unsigned long long)c->generation,
+             job->name, collection_verb(kind));
+    abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", fsdp_rpc_call_method(call),
+                       message);
+    return false;
+  } else if (step != c->step) {
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s': local rank %u asked to %s step %llu while the other ranks asked for "
+             "step %llu",
+             u->spec->unit, rank, collection_verb(kind), (unsigned long long)step,
+             (unsigned long long)c->step);
+    abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", fsdp_rpc_call_method(call),
+                       message);
+    return false;
+  }
+  fsdp_rank_set_put(&c->submitted, rank, true);
+  c->count++;
+  park(dp, call, u, session, kind);
+  return c->count == job->local_world_size;
+}
+
+/* This host's region of the flat buffer, in elements. */
+static uint64_t host_first(const fsdp_unit_t *u) {
+  return (uint64_t)u->plan.first_shard * u->layout.shard_numel;
+}
+
+static uint64_t host_numel(const fsdp_unit_t *u) {
+  return (uint64_t)u->plan.local_shards * u->layout.shard_numel;
+}
+
+static fsdp_dtype_t param_dtype(const fsdp_unit_t *u) {
+  return kernel_dtype(fsdp_unit_spec_param_dtype(u->spec));
+}
+
+static fsdp_dtype_t reduce_dtype(const fsdp_unit_t *u) {
+  return kernel_dtype(fsdp_unit_spec_reduce_dtype(u->spec));
+}
+
+/* Across hosts: the host's sum of its ranks' gradients in reduce_dtype (what the rings
+ * move), and the fp32 buffer the pre-reduction writes first (the same when reduce_dtype is
+ * fp32). */
+static void *host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  return (char *)fsdp_arena_base(job->arena) + u->host_sum_offset;
+}
+
+static float *host_sum_fp32(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->host_sum_fp32_offset);
+}
+
+/* The local ranks' full gradients, in local rank order. */
+static void full_grads(const fsdp_job_t *job, const fsdp_unit_t *u,
+                       const void *srcs[FSDP_LOCAL_WORLD_MAX]) {
+  const char *base = fsdp_arena_base(job->arena);
+  for (unsigned r = 0; r < job->local_world_size; r++)
+    srcs[r] = base + u->full_grad_offset + r * u->full_grad_stride;
+}
+
+/* The work queue: one item at a time on libuv's thread pool. */
+
+static void start_next(fsdp_dataplane_t *dp);
+
+static void run_work(uv_work_t *req) {
+  fsdp_dataplane_t *dp = req->data;
+  fsdp_dataplane_work_t *w = dp->head;
+  fsdp_unit_t *u = w->unit;
+  char *base = fsdp_arena_base(w->job->arena);
+  unsigned world = w->job->local_world_size;
+  const void *srcs[FSDP_LOCAL_WORLD_MAX];
+  full_grads(w->job, u, srcs);
+  uint64_t first = host_first(u), n = host_numel(u);
+  switch (w->kind) {
+  case WORK_PREFAULT:
+    w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->rw_bytes);
+    if (w->result == 0)
+      w->result =
+          fsdp_arena_prefault_range(w->job->shared_arena, u->unsharded_offset, w->shared_bytes);
+    break;
+  case WORK_GATHER: {
+    /* This host's shards: its region of the fp32 masters cast into param_dtype. */
+    fsdp_dtype_t pt = param_dtype(u);
+    char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->unsharded_offset;
+    w->result = fsdp_cast_parallel(dp->workers, unsharded + first * fsdp_dtype_size(pt), pt,
+                                   base + u->master_offset, FSDP_DTYPE_FP32, n);
+    break;
+  }
+  case WORK_REDUCE:
+    /* One host: the gradient shards lie side by side, so one reduce over the whole flat
+     * buffer writes every rank's shard. */
+    w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset),
+                                     u->reduce_accumulate, srcs, world, param_dtype(u),
+                                     reduce_dtype(u), u->pre_scale, u->post_scale,
+                                     u->layout.padded_numel);
+    break;
+  }
+}
+
+/* A collective of `kind` ended for the local ranks (st: NULL or OK when it succeeded):
+ * every waiter hears the result. */
+static void finish_collective(fsdp_unit_t *u, waiter_kind_t kind, const fsdp_status_t *st) {
+  fsdp_collection_t *c = collection_of(u, kind);
+  if (st && st->code < 0) {
+    log_error("%s", st->message);
+    abort_collection(u, kind, st->code, st->message);
+    return;
+  }
+  if (kind == WAIT_UNSHARD) {
+    u->gathered = true;
+    u->gathered_step = c->step;
+  } else {
+    u->reduced_step = c->step;
+  }
+  wake(u, kind);
+  collection_reset(c);
+}
+
+static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit);
+static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                       fsdp_ring_kind_t kind);
+
+/* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
+ * (done_ring); the other is -1. This host's cast is followed by the all-gather among the
+ * shard group, a reduce-scatter among the shard group by the all-reduce among the replicas,
+ * if any; every other stage ends its collective. */
+static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
+                       int done_ring) {
+  if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
+    start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
+  else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER)
+    finish_collective(u, WAIT_UNSHARD, NULL);
+  else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1)
+    start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
+  else
+    finish_collective(u, WAIT_REDUCE, NULL);
+}
+
+static void work_done(uv_work_t *req, int status) {
+  fsdp_dataplane_t *dp = req->data;
+  fsdp_dataplane_work_t *w = dp->head;
+  dp->head = w->next;
+  if (!dp->head)
+    dp->tail = NULL;
+  fsdp_unit_t *u = w->unit;
+  int r = status < 0 ? status : w->result;
+  if (w->kind == WORK_PREFAULT) {
+    if (r < 0) {
+      fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,
+                      work_names[w->kind], fsdp_strerror(r));
+      log_error("%s", u->error.message);
+      u->state = FSDP_UNIT_FAILED;
+    } else {
+      u->state = FSDP_UNIT_READY;
+    }
+    wake(u, WAIT_REGISTER);
+  } else if (r < 0) {
+    waiter_kind_t kind = w->kind == WORK_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
+    fsdp_status_t st;
+    fsdp_status_set(&st, FSDP_E_INTERNAL, "job '%s' unit '%s' step %llu: %s failed: %s",
+                    w->job->name, u->spec->unit,
+                    (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
+                    fsdp_strerror(r));
+    finish_collective(u, kind, &st);
+  } else {
+    next_stage(dp, w->job, u, (int)w->kind, -1);
+  }
+  free(w);
+  dp->busy = false;
+  start_next(dp);
+}
+
+/* Rings among hosts.
+ *
+ * A reduce's local work rides on its rings' hooks, chunk by chunk, so it overlaps the
+ * transfers: the first ring (the reduce-scatter among the shard group, or the all-reduce
+ * among replicas when the group is this host alone) produces each chunk of the host sum
+ * from the local ranks' full gradients (the host-level pre-reduction: one contribution per
+ * host leaves it); the last ring finalizes each chunk of this host's region into its
+ * ranks' gradient shards (the post-reduction). A gather casts its region first and then
+ * starts its ring: the cast is a copy at memory speed, and feeding it through the hooks
+ * cost more in round trips to the thread pool than it hid (docs/PERFORMANCE.md). */
+
+typedef struct ring_run {
+  fsdp_dataplane_t *dp;
+  fsdp_job_t *job;
+  fsdp_unit_t *unit;
+  fsdp_ring_kind_t kind;
+  uint64_t first_elem;   /* the unit's element at the start of the ring's buffer */
+  uint64_t region_numel; /* elements per region of the ring */
+  size_t elem_size;      /* of the ring's dtype */
+  void *scratch;         /* a sum's staging buffer, from the pool */
+  struct ring_run *next; /* while waiting for the cluster */
+} ring_run_t;
+
+/* The unit's element at the start of a ring chunk. */
+static uint64_t chunk_elem(const ring_run_t *run, unsigned region, size_t offset) {
+  return run->first_elem + region * run->region_numel + offset / run->elem_size;
+}
+
+/* On a pool thread: a chunk of the host sum, from the local ranks' full gradients (in fp32,
+ * then in reduce_dtype when that is narrower), divided by the predivide factor. */
+static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t bytes) {
+  ring_run_t *run = arg;
+  const fsdp_unit_t *u = run->unit;
+  uint64_t e = chunk_elem(run, region, offset);
+  size_t n = bytes / run->elem_size;
+  const void *srcs[FSDP_LOCAL_WORLD_MAX];
+  full_grads(run->job, u, srcs);
+  float *sum32 = host_sum_fp32(run->job, u);
+  int r = fsdp_reduce_range(sum32, false, srcs, run->job->local_world_size, param_dtype(u),
+                            reduce_dtype(u), u->pre_scale, 1.0f, e, e + n);
+  if (r == 0 && reduce_dtype(u) != FSDP_DTYPE_FP32)
+    r = fsdp_cast((char *)host_sum(run->job, u) + e * run->elem_size, reduce_dtype(u),
+                  sum32 + e, FSDP_DTYPE_FP32, n);
+  return r;
+}
+
+/* On a pool thread: a final chunk of this host's region of the sum, divided by the
+ * postdivide factor into (or onto, when accumulating) the ranks' fp32 gradient shards. */
+static int finalize_grads(void *arg, unsigned region, size_t offset, size_t bytes) {
+  ring_run_t *run = arg;
+  const fsdp_unit_t *u = run->unit;
+  uint64_t e = chunk_elem(run, region, offset);
+  float *grads = (float *)(void *)((char *)fsdp_arena_base(run->job->arena) + u->grad_offset);
+  const void *sum = (const char *)host_sum(run->job, u) + e * run->elem_size;
+  return fsdp_reduce(grads + (e - host_first(u)), u->reduce_accumulate, &sum, 1,
+                     reduce_dtype(u), reduce_dtype(u), 1.0f, u->post_scale,
+                     bytes / run->elem_size);
+}
+
+/* Rings move 1 MiB chunks, 8 in flight; a sum stages what it receives in a buffer of that
+ * size. The buffers are kept for the next ring once faulted in: no collective faults fresh
+ * pages. */
+#define RING_CHUNK ((size_t)1 << 20)
+#define RING_WINDOW 8u
+#define RING_SCRATCH (RING_CHUNK * RING_WINDOW)
+
+static void *take_scratch(fsdp_dataplane_t *dp) {
+  void *s = dp->free_scratch;
+  if (s) {
+    memcpy(&dp->free_scratch, s, sizeof(void *));
+    return s;
+  }
+  if (posix_memalign(&s, 4096, RING_SCRATCH) != 0)
+    return NULL;
+  memset(s, 0, RING_SCRATCH);
+  return s;
+}
+
+static void give_back_scratch(fsdp_dataplane_t *dp, void *s) {
+  if (!s)
+    return;
+  memcpy(s, &dp->free_scratch, sizeof(void *));
+  dp->free_scratch = s;
+}
+
+/* The same on every host, different for every collective that may run at once: the job,
+ * its run (generation), the unit, the step and the ring (FNV-1a). A failed ring can leave
+ * messages unmatched at a host (UCX matches tags worker-wide, whoever sent them); the run
+ * keeps them from the rings of the job's next run, which redoes the same steps. */
+static uint32_t ring_op_id(const fsdp_job_t *job, const fsdp_unit_t *u,
+                           const fsdp_collection_t *c, fsdp_ring_kind_t kind) {
+  uint32_t h = 2166136261u;
+  const char *parts[] = {job->name, "/", u->spec->unit};
+  for (size_t i = 0; i < 3; i++)
+    for (const char *p = parts[i]; *p; p++)
+      h = (h ^ (uint8_t)*p) * 16777619u;
+  const uint64_t words[] = {c->step, c->generation};
+  for (size_t w = 0; w < 2; w++)
+    for (unsigned i = 0; i < 8; i++)
+      h = (h ^ (uint8_t)(words[w] >> (8 * i))) * 16777619u;
+  return (h ^ (uint32_t)kind) * 16777619u;
+}
+
+static waiter_kind_t ring_waiter_kind(fsdp_ring_kind_t kind) {
+  return kind == FSDP_RING_ALL_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
+}
+
+static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *arg) {
+  (void)ring;
+  ring_run_t *run = arg;
+  fsdp_unit_t *u = run->unit;
+  give_back_scratch(run->dp, run->scratch);
+  if (status->code < 0) {
+    fsdp_status_t st;
+    fsdp_status_set(&st, status->code, "job '%s' unit '%s' step %llu: %s", run->job->name,
+                    u->spec->unit,
+                    (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step,
+                    status->message);
+    finish_collective(u, ring_waiter_kind(run->kind), &st);
+  } else {
+    next_stage(run->dp, run->job, u, -1, (int)run->kind);
+  }
+  free(run);
+}
+
+static void on_cluster_ready(void *data, int status, const char *why);
+
+/* The arena's bytes, for forgetting what was registered in it. */
+static size_t arena_capacity(const fsdp_arena_t *arena) {
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(arena, &stats);
+  return stats.capacity;
+}
+
+/* Starts a ring of the unit's collective once the hosts it needs are connected; while the
+ * cluster is still joining, it waits for it (at most peer.join_timeout after start). */
+static void start_run(ring_run_t *run) {
+  fsdp_dataplane_t *dp = run->dp;
+  fsdp_unit_t *u = run->unit;
+  waiter_kind_t wkind = ring_waiter_kind(run->kind);
+  uint64_t step = collection_of(u, wkind)->step;
+  const fsdp_host_ring_t *hosts =
+      run->kind == FSDP_RING_ALL_REDUCE ? &u->plan.replica_ring : &u->plan.shard_ring;
+  fsdp_ucx_peer_t *peers[FSDP_RING_MAX] = {0};
+  fsdp_status_t st;
+  for (unsigned i = 0; i < hosts->members; i++) {
+    const char *why = "the data plane is not running";
+    unsigned host = fsdp_host_ring_host(hosts, i);
+    if (i == hosts->self || (dp->fabric && (peers[i] = fsdp_fabric_peer(dp->fabric, host, &why))))
+      continue;
+    if (dp->peers && !fsdp_peers_ready(dp->peers)) {
+      run->next = dp->cluster_waiting;
+      dp->cluster_waiting = run;
+      if (!dp->waiting_for_cluster) {
+        dp->waiting_for_cluster = true;
+        fsdp_peers_when_ready(dp->peers, &dp->cluster_waiter, on_cluster_ready, dp);
+      }
+      return;
+    }
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
+                    "job '%s' unit '%s' step %llu: the %s needs host %u: %s", run->job->name,
+                    u->spec->unit, (unsigned long long)step, fsdp_ring_kind_name(run->kind),
+                    host, why);
+    finish_collective(u, wkind, &st);
+    free(run);
+    return;
+  }
+  bool gather = run->kind == FSDP_RING_ALL_GATHER;
+  fsdp_dtype_t dtype = gather ? param_dtype(u) : reduce_dtype(u);
+  run->elem_size = fsdp_dtype_size(dtype);
+  run->region_numel = host_numel(u);
+  if (run->kind == FSDP_RING_ALL_REDUCE) { /* this host's region, among its replicas */
+    run->first_elem = host_first(u);
+    run->region_numel /= hosts->members;
+  }
+  /* The unit's buffer the rings move (its unsharded copy or its host sum) is registered
+   * with UCX once, on its first ring, and stays so until its job goes; only that, since
+   * registering pins memory on RDMA transports, and an arena is mostly not in use. */
+  char *whole = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset
+                       : host_sum(run->job, u);
+  const fsdp_ucx_mem_t *whole_mem =
+      fsdp_fabric_memory(dp->fabric, whole, u->layout.padded_numel * run->elem_size);
+  char *buf = whole + run->first_elem * run->elem_size;
+  /* The reduce's first ring makes the host sum, its last one writes the gradient shards. */
+  bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
+  bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
+  if (!gather && !(run->scratch = take_scratch(dp))) {
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
+                    run->job->name, u->spec->unit, (unsigned long long)step,
+                    fsdp_ring_kind_name(run->kind));
+    finish_collective(u, wkind, &st);
+    free(run);
+    return;
+  }
+  fsdp_ring_args_t args = {
+      .kind = run->kind,
+      .n = hosts->members,
+      .self = hosts->self,
+      .peers = peers,
+      .buf = buf,
+      .region_bytes = run->region_numel * run->elem_size,
+      .dtype = dtype,
+      .op_id = ring_op_id(run->job, u, collection_of(u, wkind), run->kind),
+      .deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms,
+      .chunk_bytes = RING_CHUNK,
+      .window = RING_WINDOW,
+      .scratch = run->scratch,
+      .scratch_bytes = run->scratch ? RING_SCRATCH : 0,
+      .buf_mem = whole_mem,
+      .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
+                                  : NULL,
+      .produce = !gather && first_of_reduce ? produce_host_sum : NULL,
+      .finalize = !gather && last_of_reduce ? finalize_grads : NULL,
+      .hook_arg = run,
+  };
+  fsdp_ring_t *ring;
+  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &st, &ring) < 0) {
+    give_back_scratch(dp, run->scratch);
+    finish_collective(u, wkind, &st);
+    free(run);
+  }
+}
+
+static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                       fsdp_ring_kind_t kind) {
+  ring_run_t *run = calloc(1, sizeof *run);
+  if (!run) {
+    abort_collection(u, ring_waiter_kind(kind), FSDP_E_RESOURCE_EXHAUSTED,
+                     "out of memory starting a collective among hosts");
+    return;
+  }
+  *run = (ring_run_t){.dp = dp, .job = job, .unit = u, .kind = kind};
+  start_run(run);
+}
+
+static void on_cluster_ready(void *data, int status, const char *why) {
+  fsdp_dataplane_t *dp = data;
+  ring_run_t *runs = dp->cluster_waiting;
+  dp->cluster_waiting = NULL;
+  dp->waiting_for_cluster = false;
+  while (runs) {
+    ring_run_t *run = runs;
+    runs = run->next;
+    if (status == 0) {
+      start_run(run);
+      continue;
+    }
+    fsdp_unit_t *u = run->unit;
+    waiter_kind_t kind = ring_waiter_kind(run->kind);
+    fsdp_status_t st;
+    fsdp_status_set(&st, status, "job '%s' unit '%s' step %llu: the hosts did not all join: %s",
+                    run->job->name, u->spec->unit,
+                    (unsigned long long)collection_of(u, kind)->step, why);
+    finish_collective(u, kind, &st);
+    free(run);
+  }
+}
+
+static void start_next(fsdp_dataplane_t *dp) {
+  if (dp->busy || !dp->head)
+    return;
+  dp->busy = true;
+  dp->req.data = dp;
+  int r = uv_queue_work(dp->loop, &dp->req, run_work, work_done);
+  if (r < 0)
+    work_done(&dp->req, r); /* fails the item and moves on */
+}
+
+static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit) {
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  if (!w)
+    return -ENOMEM;
+  *w = (fsdp_dataplane_work_t){.kind = kind, .job = job, .unit = unit};
+  if (kind == WORK_PREFAULT) {
+    w->rw_bytes = fsdp_arena_block_size(job->arena, unit->buffers_offset);
+    w->shared_bytes = fsdp_arena_block_size(job->shared_arena, unit->unsharded_offset);
+  }
+  if (dp->tail)
+    dp->tail->next = w;
+  else
+    dp->head = w;
+  dp->tail = w;
+  start_next(dp);
+  return 0;
+}
+
+/* Operations. */
+
+static size_t round64(size_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+/* Takes the unit's buffers: the unsharded one from the shared (read-only to trainers)
+ * arena, and from the arena one block with the master shards, the gradient shards, one
+ * full-gradient buffer per local rank and, across hosts, the host sums. */
+static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
+  size_t padded = (size_t)u->layout.padded_numel;
+  size_t param_size = fsdp_dtype_size(param_dtype(u));
+  size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
+  size_t host_fp32 = round64((size_t)host_numel(u) * 4); /* this host's shards only */
+  size_t reduce_size = fsdp_dtype_size(reduce_dtype(u));
+  /* Across hosts: the host sum in fp32, and in reduce_dtype when that is narrower. */
+  size_t sums = !fsdp_unit_plan_spans_hosts(&u->plan) ? 0
+                : reduce_size == 4                     ? fp32
+                                                       : fp32 + round64(padded * reduce_size);
+  size_t total = 2 * host_fp32 + (size_t)job->local_world_size * unsharded + sums;
+  uint64_t base, shared;
+  int r = fsdp_arena_alloc(job->arena, total, 0, &base, st);
+  if (r < 0)
+    return r;
+  if ((r = fsdp_arena_alloc(job->shared_arena, unsharded, 0, &shared, st)) < 0) {
+    fsdp_arena_release(job->arena, base);
+    return r;
+  }
+  u->unsharded_offset = shared;
+  u->buffers_offset = u->master_offset = base;
+  u->grad_offset = u->master_offset + host_fp32;
+  u->full_grad_offset = u->grad_offset + host_fp32;
+  u->full_grad_stride = unsharded;
+  u->host_sum_fp32_offset = u->full_grad_offset + (size_t)job->local_world_size * unsharded;
+  u->host_sum_offset = u->host_sum_fp32_offset + (reduce_size == 4 ? 0 : fp32);
+  return 0;
+}
+
+void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                             fsdp_unit_t *unit, fsdp_session_t *session) {
+  fsdp_status_t st;
+  switch (unit->state) {
+  case FSDP_UNIT_NEW:
+    if (allocate(job, unit, &st) < 0) {
+      fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+      return;
+    }
+    int r = queue(dp, WORK_PREFAULT, job, unit);
+    if (r < 0) {
+      fsdp_arena_release(job->arena, unit->buffers_offset);
+      fsdp_arena_release(job->shared_arena, unit->unsharded_offset);
+      fsdp_rpc_call_fail(call, r, "%s: cannot queue the buffers' preparation",
+                         fsdp_rpc_call_method(call));
+      return;
+    }
+    unit->state = FSDP_UNIT_ALLOCATING;
+    park(dp, call, unit, session, WAIT_REGISTER);
+    return;
+  case FSDP_UNIT_ALLOCATING:
+    park(dp, call, unit, session, WAIT_REGISTER);
+    return;
+  case FSDP_UNIT_FAILED:
+    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
+                       unit->error.message);
+    return;
+  default:
+    reply_registered(call, unit, session->local_rank);
+  }
+}
+
+/* Whether the unit's buffers are there to work on; fails the call otherwise. */
+static bool ready(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
+  switch (unit->state) {
+  case FSDP_UNIT_FAILED:
+    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
+                       unit->error.message);
+    return false;
+  case FSDP_UNIT_NEW:
+  case FSDP_UNIT_ALLOCATING:
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s' has no buffers yet: its RegisterUnit has not succeeded",
+                       fsdp_rpc_call_method(call), unit->spec->unit);
+    return false;
+  default:
+    return true;
+  }
+}
+
+void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                            fsdp_unit_t *unit, fsdp_session_t *session,
+                            const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
+  uint32_t rank = session->local_rank;
+  const char *method = fsdp_rpc_call_method(call);
+  if (!ready(call, unit))
+    return;
+  if (unit->gathered && rq->step == unit->gathered_step) {
+    reply_unit_op(call); /* the fast path: this step's copy is there */
+    return;
+  }
+  if (unit->gathered && rq->step < unit->gathered_step) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s': local rank %u asked for step %llu, but the unsharded "
+                       "copy already holds step %llu",
+                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
+                       (unsigned long long)unit->gathered_step);
+    return;
+  }
+  fsdp_collection_t *c = &unit->gather;
+  if (fsdp_rank_set_has(&c->submitted, rank) && rq->step == c->step) {
+    park(dp, call, unit, session, WAIT_UNSHARD); /* a second call of the rank shares its request */
+    return;
+  }
+  if (c->running) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s': local rank %u asked for step %llu while step %llu is "
+                       "being gathered",
+                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
+                       (unsigned long long)c->step);
+    return;
+  }
+  if (!collect(dp, unit, WAIT_UNSHARD, call, job, session, rq->step, deadline_ms))
+    return;
+  unit->gathered = false; /* the buffer is overwritten from now on */
+  c->running = true;
+  int r = queue(dp, WORK_GATHER, job, unit);
+  if (r < 0)
+    abort_collection(unit, WAIT_UNSHARD, r, "cannot queue the gather");
+}
+
+void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
+  if (!ready(call, unit))
+    return;
+  reply_unit_op(call);
+}
+
+void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
+                           fsdp_unit_t *unit, fsdp_session_t *session,
+                           const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
+  uint32_t rank = session->local_rank;
+  const char *method = fsdp_rpc_call_method(call);
+  if (!ready(call, unit))
+    return;
+  fsdp_collection_t *c = &unit->reduce;
+  if (c->running || fsdp_rank_set_has(&c->submitted, rank)) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s' step %llu: local rank %u already submitted its gradient",
+                       method, unit->spec->unit, (unsigned long long)c->step, rank);
+    return;
+  }
+  if (c->count == 0) {
+    unit->reduce_accumulate = rq->accumulate;
+  } else if (rq->step == c->step && rq->accumulate != unit->reduce_accumulate) {
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: local rank %u submitted with accumulate %s while the other "
+             "ranks submitted with accumulate %s",
+             unit->spec->unit, (unsigned long long)rq->step, rank,
+             rq->accumulate ? "true" : "false", unit->reduce_accumulate ? "true" : "false");
+    abort_collection(unit, WAIT_REDUCE, FSDP_E_FAILED_PRECONDITION, message);
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", method, message);
+    return;
+  }
+  if (!collect(dp, unit, WAIT_REDUCE, call, job, session, rq->step, deadline_ms))
+    return;
+  c->running = true;
+  if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
+    start_ring(dp, job, unit,
+               unit->plan.shard_ring.members > 1 ? FSDP_RING_REDUCE_SCATTER : FSDP_RING_ALL_REDUCE);
+    return;
+  }
+  int r = queue(dp, WORK_REDUCE, job, unit);
+  if (r < 0)
+    abort_collection(unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
+}
+
+static bool collecting(const fsdp_collection_t *c) {
+  return c->count > 0 && !c->running;
+}
+
+static const waiter_kind_t collective_kinds[] = {WAIT_UNSHARD, WAIT_REDUCE};
+
+void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
+  for (fsdp_job_t *job = store->jobs; job; job = job->next) {
+    for (fsdp_unit_t *u = job->units; u; u = u->next) {
+      for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
+        waiter_kind_t kind = collective_kinds[k];
+        const fsdp_collection_t *c = collection_of(u, kind);
+        if (!collecting(c) || now_ms < c->deadline_ms)
+          continue;
+        char missing[128], message[FSDP_STATUS_MESSAGE_MAX];
+        fsdp_rank_set_format(&c->submitted, false, job->local_world_size, missing,
+                             sizeof missing);
+        snprintf(message, sizeof message,
+                 "unit '%s' step %llu: local rank(s) %s of job '%s' did not ask to %s in time "
+                 "(store.collective_timeout)",
+                 u->spec->unit, (unsigned long long)c->step, missing, job->name,
+                 collection_verb(kind));
+        log_warning("%s", message);
+        abort_collection(u, kind, FSDP_E_ABORTED, message);
+      }
+    }
+  }
+}
+
+void fsdp_dataplane_release_session(fsdp_job_t *job, fsdp_session_t *session, const char *why,
+                                    uint64_t next_serial) {
+  uint32_t rank = session->local_rank;
+  job->gone_before_serial[rank] = next_serial;
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    /* Its own parked calls end first, whatever they wait for (a running collective too):
+     * an answer after this would be an answer to a session that no longer exists. */
+    for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+      next = w->next;
+      if (w->session != session)
+        continue;
+      waiter_take(w);
+      fsdp_rpc_call_fail(w->call, FSDP_E_ABORTED,
+                         "%s: session %016llx (job '%s' local rank %u) ended while the call "
+                         "waited: %s",
+                         fsdp_rpc_call_method(w->call), (unsigned long long)session->id,
+                         job->name, rank, why);
+      waiter_free(w);
+    }
+    /* The others would wait for a rank that is gone: tell them now, naming it. */
+    for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
+      waiter_kind_t kind = collective_kinds[k];
+      const fsdp_collection_t *c = collection_of(u, kind);
+      if (!collecting(c))
+        continue;
+      char message[FSDP_STATUS_MESSAGE_MAX];
+      snprintf(message, sizeof message,
+               "unit '%s' step %llu: local rank %u of job '%s' is gone (%s) before its %s",
+               u->spec->unit, (unsigned long long)c->step, rank, job->name, why,
+               collection_verb(kind));
+      abort_collection(u, kind, FSDP_E_ABORTED, message);
+    }
+  }
+}
+
+void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
+  const fsdp_arena_t *arenas[] = {job->arena, job->shared_arena};
+  for (size_t i = 0; i < 2; i++)
+    if (dp->fabric && arenas[i])
+      fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(arenas[i]),
+                                arena_capacity(arenas[i]));
+}
+
+bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
+  for (const fsdp_dataplane_work_t *w = dp->head; w; w = w->next)
+    if (w->job == job)
+      return true;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->waiters || u->gather.running || u->reduce.running)
+      return true;
+  return false;
+}
+
+int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
+                        fsdp_status_t *st) {
+  memset(dp, 0, sizeof *dp);
+  dp->loop = loop;
+  int r = fsdp_workers_new(threads, &dp->workers);
+  if (r < 0)
+    return fsdp_status_set(st, r, "cannot start %u worker threads: %s", threads,
+                           fsdp_strerror(r));
+  return 0;
+}
+
+void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
+                                uint64_t collective_timeout_ms) {
+  if (dp->waiting_for_cluster && dp->peers && peers != dp->peers) {
+    fsdp_peers_wait_cancel(dp->peers, &dp->cluster_waiter);
+    on_cluster_ready(dp, FSDP_E_CANCELLED, "the daemon is stopping");
+  }
+  dp->peers = peers;
+  dp->fabric = fabric;
+  dp->collective_timeout_ms = collective_timeout_ms;
+}
+
+void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
+  while (dp->free_scratch) {
+    void *s = dp->free_scratch;
+    memcpy(&dp->free_scratch, s, sizeof(void *));
+    free(s);
+  }
+  fsdp_workers_free(dp->workers);
+  dp->workers = NULL;
+}

@@ -1,0 +1,514 @@
+/* Run directory, lock file, unix socket and credential-checked accept. */
+#include "daemon/rpc/listener.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "common/fdpass.h"
+#include "common/log.h"
+
+/* Creates or checks the run dir; resolves it to an absolute path in listener->run_dir. */
+static int prepare_run_dir(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
+  struct stat sb;
+  if (lstat(run_dir, &sb) < 0) {
+    if (errno != ENOENT)
+      return fsdp_status_set(st, -errno, "run dir '%s': %s", run_dir, strerror(errno));
+    if (mkdir(run_dir, 0750) < 0)
+      return fsdp_status_set(st, -errno, "cannot create run dir '%s': %s", run_dir,
+                             strerror(errno));
+    if (lstat(run_dir, &sb) < 0)
+      return fsdp_status_set(st, -errno, "run dir '%s': %s", run_dir, strerror(errno));
+  }
+  if (S_ISLNK(sb.st_mode))
+    return fsdp_status_set(st, -ELOOP, "run dir '%s' is a symlink; refusing to follow it",
+                           run_dir);
+  if (!S_ISDIR(sb.st_mode))
+    return fsdp_status_set(st, -ENOTDIR, "run dir '%s' is not a directory", run_dir);
+  if (sb.st_uid != geteuid())
+    return fsdp_status_set(st, -EPERM, "run dir '%s' is owned by uid %u, not by the daemon's uid %u",
+                           run_dir, (unsigned)sb.st_uid, (unsigned)geteuid());
+  if ((sb.st_mode & 07777) != 0750) {
+    if (chmod(run_dir, 0750) < 0)
+      return fsdp_status_set(st, -errno, "cannot set mode 0750 on run dir '%s': %s", run_dir,
+                             strerror(errno));
+    log_warning("run dir '%s' had mode %04o; set it to 0750", run_dir,
+                (unsigned)(sb.st_mode & 07777));
+  }
+  if (!realpath(run_dir, listener->run_dir))
+    return fsdp_status_set(st, -errno, "run dir '%s': %s", run_dir, strerror(errno));
+  return 0;
+}
+
+static int take_lock(fsdp_listener_t *listener, fsdp_status_t *st) {
+  char path[sizeof listener->run_dir + sizeof FSDP_LOCK_NAME + 1];
+  snprintf(path, sizeof path, "%s/%s", listener->run_dir, FSDP_LOCK_NAME);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0640);
+  if (fd < 0)
+    return fsdp_status_set(st, -errno, "lock file '%s': %s", path, strerror(errno));
+  if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
+    int err = errno;
+    char owner[32] = "";
+    ssize_t n = pread(fd, owner, sizeof owner - 1, 0);
+    owner[n > 0 ? n : 0] = '\0';
+    owner[strcspn(owner, "\n")] = '\0';
+    close(fd);
+    if (err == EWOULDBLOCK)
+      return fsdp_status_set(st, -EBUSY, "run dir '%s' is in use by another fsdpd (pid %s)",
+                             listener->run_dir, owner[0] ? owner : "unknown");
+    return fsdp_status_set(st, -err, "cannot lock '%s': %s", path, strerror(err));
+  }
+  char pid[32];
+  int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+  if (ftruncate(fd, 0) < 0 || pwrite(fd, pid, (size_t)len, 0) != len)
+    log_warning("cannot record the pid in '%s': %s", path, strerror(errno));
+  listener->lock_fd = fd;
+  return 0;
+}
+
+/* Removes a socket left by a daemon that died; we hold the lock, so it cannot be live. */
+static int remove_stale_socket(const char *path, fsdp_status_t *st) {
+  struct stat sb;
+  if (lstat(path, &sb) < 0)
+    return errno == ENOENT ? 0 : fsdp_status_set(st, -errno, "'%s': %s", path, strerror(errno));
+  if (!S_ISSOCK(sb.st_mode))
+    return fsdp_status_set(st, -EEXIST, "'%s' exists and is not a socket; refusing to remove it",
+                           path);
+  if (sb.st_uid != geteuid())
+    return fsdp_status_set(st, -EPERM, "stale socket '%s' is owned by uid %u; refusing to remove it",
+                           path, (unsigned)sb.st_uid);
+  if (unlink(path) < 0)
+    return fsdp_status_set(st, -errno, "cannot remove stale socket '%s': %s", path,
+                           strerror(errno));
+  log_info("removed stale socket %s", path);
+  return 0;
+}
+
+/* Binds run_dir/name as a listening unix socket of `type`, mode 0660; its path goes to
+ * ret_path (sun_path's size). */
+static int bind_socket(const fsdp_listener_t *listener, const char *name, int type,
+                       char *ret_path, int *ret_fd, fsdp_status_t *st) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int n = snprintf(addr.sun_path, sizeof addr.sun_path, "%s/%s", listener->run_dir, name);
+  if (n < 0 || (size_t)n >= sizeof addr.sun_path)
+    return fsdp_status_set(st, -ENAMETOOLONG,
+                           "socket path '%s/%s' is longer than the %zu bytes a unix socket allows",
+                           listener->run_dir, name, sizeof addr.sun_path - 1);
+  memcpy(ret_path, addr.sun_path, sizeof addr.sun_path);
+  int r = remove_stale_socket(addr.sun_path, st);
+  if (r < 0)
+    return r;
+  int fd = socket(AF_UNIX, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return fsdp_status_set(st, -errno, "socket: %s", strerror(errno));
+  /* The umask makes the file 0660 at birth; chmod states it regardless of the umask. */
+  mode_t old_mask = umask(0117);
+  r = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+  umask(old_mask);
+  if (r < 0 || chmod(addr.sun_path, 0660) < 0 || listen(fd, SOMAXCONN) < 0) {
+    int err = errno;
+    close(fd);
+    return fsdp_status_set(st, -err, "cannot listen on '%s': %s", addr.sun_path, strerror(err));
+  }
+  *ret_fd = fd;
+  return 0;
+}
+
+int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
+  memset(listener, 0, sizeof *listener);
+  listener->lock_fd = listener->socket_fd = listener->channel_fd = -1;
+  int r = prepare_run_dir(listener, run_dir, st);
+  if (r < 0)
+    return r;
+  r = take_lock(listener, st);
+  if (r < 0)
+    return r;
+  r = bind_socket(listener, FSDP_SOCKET_NAME, SOCK_STREAM, listener->socket_path,
+                  &listener->socket_fd, st);
+  if (r == 0)
+    r = bind_socket(listener, FSDP_CHANNEL_SOCKET_NAME, SOCK_SEQPACKET, listener->channel_path,
+                    &listener->channel_fd, st);
+  if (r < 0)
+    fsdp_listener_close(listener);
+  return r;
+}
+
+/* Whether the peer of a connected socket had gid among its supplementary groups when it
+ * connected (SO_PEERGROUPS: the kernel's record, immune to pid reuse). */
+static bool peer_in_supplementary_group(int fd, gid_t gid) {
+  gid_t small[64], *groups = small;
+  socklen_t len = sizeof small;
+  bool found = false;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0) {
+    if (errno != ERANGE || !(groups = malloc(len)))
+      return false;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0)
+      goto out;
+  }
+  for (size_t i = 0; i < len / sizeof *groups; i++)
+    if (groups[i] == gid)
+      found = true;
+out:
+  if (groups != small)
+    free(groups);
+  return found;
+}
+
+bool fsdp_peer_in_group(int fd, const fsdp_peer_t *peer, gid_t gid) {
+  return peer->gid == gid || peer_in_supplementary_group(fd, gid);
+}
+
+bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer) {
+  return peer->uid == 0 || peer->uid == geteuid() || fsdp_peer_in_group(fd, peer, getegid());
+}
+
+/* Out of descriptors: accepting again at once would spin on the pending connection. */
+#define ACCEPT_RETRY_MS 100
+
+static void on_readable(uv_poll_t *poll, int status, int events);
+
+static void on_accept_retry(uv_timer_t *timer) {
+  fsdp_listener_socket_t *ls = timer->data;
+  uv_poll_start(&ls->poll, UV_READABLE, on_readable);
+}
+
+static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) {
+  for (fsdp_listener_conn_t **p = &ls->conns; *p; p = &(*p)->next)
+    if (*p == conn) {
+      *p = conn->next;
+      free(conn);
+      return;
+    }
+}
+
+/* Drops the connections that gRPC has closed from the list and returns how many of those
+ * of `uid` (all of them on TCP) are left; the oldest idle of those goes to ret_idle. fd is
+ * the new connection's descriptor: an entry with that number was closed before it. Only
+ * uid's entries are checked with fstat(2) (closed, or now another file), so a new
+ * connection costs one uid's limit; the others go when their number is reused or their uid
+ * connects. */
+static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
+                            fsdp_listener_conn_t **ret_idle) {
+  unsigned n = 0;
+  bool idle_proven = false;
+  *ret_idle = NULL;
+  for (fsdp_listener_conn_t **p = &ls->conns, *c; (c = *p);) {
+    bool other = c->closing || (!ls->tcp && c->uid != uid);
+    struct stat sb;
+    if (!c->relay &&
+        (c->fd == fd || (!other && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)))) {
+      *p = c->next;
+      free(c);
+      continue;
+    }
+    p = &c->next;
+    if (other)
+      continue;
+    n++;
+    /* Idle: no call the endpoint serves. A stream whose request never came whole is no
+     * such call: gRPC would hold it for ever, and a connection of those must not keep a
+     * newcomer out. A connection that proved it holds the token (a peer's channel, idle
+     * between heartbeats) never makes room for a newcomer, who has proved nothing; one that
+     * never carried a call goes before one that did (a prober's, idle between probes). */
+    int served = c->relay ? fsdp_relay_served_fd(c->relay) : c->fd;
+    bool idle = fsdp_rpc_endpoint_connection_calls(ls->endpoint, served) == 0 &&
+                !fsdp_rpc_endpoint_connection_authenticated(ls->endpoint, served);
+    bool proven = fsdp_rpc_endpoint_connection_proven(ls->endpoint, served);
+    if (idle && (!*ret_idle || proven < idle_proven ||
+                 (proven == idle_proven && c->since_ms < (*ret_idle)->since_ms))) {
+      *ret_idle = c;
+      idle_proven = proven;
+    }
+  }
+  return n;
+}
+
+/* A relayed connection ended, whoever ended it. */
+static void on_relay_closed(fsdp_relay_t *relay, void *data) {
+  (void)relay;
+  fsdp_listener_conn_t *conn = data;
+  conn_remove(conn->socket, conn);
+}
+
+/* Makes room for a connection of uid under its limit and records it; NULL if it must be
+ * refused. */
+static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid) {
+  fsdp_listener_t *listener = ls->listener;
+  unsigned limit = ls->tcp ? ls->max_conns : listener->max_per_uid;
+  fsdp_listener_conn_t *idle;
+  unsigned n = count_conns(ls, fd, uid, &idle);
+  if (n >= limit) {
+    if (!idle)
+      return NULL;
+    char who[128];
+    if (idle->relay)
+      snprintf(who, sizeof who, "from %s", fsdp_relay_client_name(idle->relay));
+    else
+      snprintf(who, sizeof who, "fd %d", idle->fd);
+    log_info("%s: closed an idle connection (%s) to make room: %s holds %u of %u", ls->name, who,
+             ls->tcp ? "the port" : "its uid", n, limit);
+    if (idle->relay) {
+      idle->closing = true;
+      fsdp_relay_close(idle->relay);
+    } else {
+      /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
+      shutdown(idle->fd, SHUT_RDWR);
+      conn_remove(ls, idle);
+    }
+  }
+  struct stat sb;
+  fsdp_listener_conn_t *c = calloc(1, sizeof *c);
+  if (!c || fstat(fd, &sb) < 0) {
+    free(c);
+    return NULL;
+  }
+  *c = (fsdp_listener_conn_t){.socket = ls, .fd = fd, .ino = sb.st_ino, .uid = uid,
+                              .since_ms = uv_now(listener->loop), .next = ls->conns};
+  ls->conns = c;
+  return c;
+}
+
+/* Records the credentials of an accepted unix connection by descriptor. */
+static bool record_peer(fsdp_listener_t *listener, int fd, const fsdp_peer_t *cred) {
+  if ((size_t)fd >= listener->n_peers) {
+    size_t n = (size_t)fd * 2 + 16;
+    fsdp_peer_t *grown = realloc(listener->peers, n * sizeof *grown);
+    if (!grown)
+      return false;
+    memset(grown + listener->n_peers, 0, (n - listener->n_peers) * sizeof *grown);
+    listener->peers = grown;
+    listener->n_peers = n;
+  }
+  listener->peers[fd] = *cred;
+  return true;
+}
+
+static void on_readable(uv_poll_t *poll, int status, int events) {
+  (void)events;
+  fsdp_listener_socket_t *ls = poll->data;
+  fsdp_listener_t *listener = ls->listener;
+  if (status < 0) {
+    log_error("socket %s: %s", ls->name, uv_strerror(status));
+    return;
+  }
+  for (;;) {
+    int fd = accept4(ls->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) {
+        if (!ls->starved)
+          log_warning("cannot accept on %s: %s; retrying every %d ms", ls->name,
+                      strerror(errno), ACCEPT_RETRY_MS);
+        ls->starved = true;
+        uv_poll_stop(&ls->poll);
+        uv_timer_start(&ls->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
+      }
+      return; /* EAGAIN: drained */
+    }
+    if (ls->starved) {
+      log_info("accepting on %s again", ls->name);
+      ls->starved = false;
+    }
+    fsdp_peer_t cred = {0};
+    if (!ls->tcp && (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
+                     !fsdp_peer_allowed(fd, &cred))) {
+      log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
+                  (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
+      listener->refused++;
+      cred.refused = true;
+      /* A gRPC client shows only "broken pipe" for a closed connection: let it in where
+       * every call hears PERMISSION_DENIED and why, under the same per-uid limit. */
+      fsdp_listener_conn_t *conn = ls->refused ? admit(ls, fd, cred.uid) : NULL;
+      if (!conn || !record_peer(listener, fd, &cred)) {
+        if (conn)
+          conn_remove(ls, conn);
+        close(fd);
+        continue;
+      }
+      fsdp_rpc_endpoint_adopt(ls->refused, fd, NULL);
+      continue;
+    }
+    fsdp_listener_conn_t *conn = admit(ls, fd, cred.uid);
+    if (!conn) {
+      if (ls->tcp)
+        log_warning("%s: refused a connection: the port holds %u (%s), none idle", ls->name,
+                    ls->max_conns, ls->limit_name);
+      else
+        log_warning("%s: refused a connection of uid %u (pid %ld): it holds %u "
+                    "(rpc.max_connections_per_uid), none idle",
+                    ls->name, (unsigned)cred.uid, (long)cred.pid, listener->max_per_uid);
+      listener->refused++;
+      close(fd);
+      continue;
+    }
+    listener->accepted++;
+    if (ls->tcp) {
+      int r = fsdp_relay_start(listener->loop, fd, ls->endpoint, &ls->relay, on_relay_closed,
+                               conn, &conn->relay);
+      if (r < 0) {
+        log_warning("%s: cannot relay a connection: %s", ls->name, strerror(-r));
+        conn_remove(ls, conn);
+      }
+      continue;
+    }
+    if (!record_peer(listener, fd, &cred)) {
+      log_warning("out of memory recording a connection; closing it");
+      conn_remove(ls, conn);
+      close(fd);
+      continue;
+    }
+    fsdp_rpc_endpoint_adopt(ls->endpoint, fd, NULL);
+  }
+}
+
+int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t port,
+                             const char *address, const fsdp_listener_tcp_options_t *options,
+                             fsdp_status_t *st) {
+  char host[256];
+  const char *colon = strrchr(address, ':');
+  if (!colon || (size_t)(colon - address) >= sizeof host)
+    return fsdp_status_set(st, -EINVAL, "%s address '%s' is not HOST:PORT", options->what,
+                           address);
+  snprintf(host, sizeof host, "%.*s", (int)(colon - address), address);
+  if (host[0] == '[' && host[strlen(host) - 1] == ']') {
+    memmove(host, host + 1, strlen(host));
+    host[strlen(host) - 1] = '\0';
+  }
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
+                  *ai;
+  int r = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &ai);
+  if (r != 0)
+    return fsdp_status_set(st, -EINVAL, "%s address '%s': %s", options->what, address,
+                           gai_strerror(r));
+  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  int one = 1;
+  /* SO_REUSEADDR only: without SO_REUSEPORT a second daemon cannot share the port. */
+  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
+      bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0) {
+    int err = errno;
+    if (fd >= 0)
+      close(fd);
+    freeaddrinfo(ai);
+    return fsdp_status_set(st, -err, "cannot listen on %s for the %s endpoint: %s", address,
+                           options->what, strerror(err));
+  }
+  freeaddrinfo(ai);
+  struct sockaddr_storage bound;
+  socklen_t len = sizeof bound;
+  getsockname(fd, (struct sockaddr *)&bound, &len);
+  fsdp_listener_socket_t *ls = &listener->tcp[port];
+  *ls = (fsdp_listener_socket_t){.listener = listener, .tcp = true, .fd = fd,
+                                 .endpoint = options->endpoint,
+                                 .max_conns = options->max_connections,
+                                 .limit_name = options->limit_name};
+  snprintf(ls->address, sizeof ls->address, "%.*s:%u", (int)(colon - address), address,
+           ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                            : ((struct sockaddr_in *)&bound)->sin_port));
+  snprintf(ls->port, sizeof ls->port, "%s port", options->what);
+  ls->name = ls->address;
+  ls->relay = (fsdp_relay_limits_t){.port = ls->port, .max_streams = options->max_streams,
+                                    .max_resets = options->max_resets,
+                                    .max_resets_untrusted = options->max_resets_untrusted};
+  return 0;
+}
+
+static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls) {
+  int r = uv_poll_init(listener->loop, &ls->poll, ls->fd);
+  if (r < 0)
+    return r;
+  uv_timer_init(listener->loop, &ls->retry);
+  ls->poll.data = ls->retry.data = ls;
+  ls->polling = true;
+  return uv_poll_start(&ls->poll, UV_READABLE, on_readable);
+}
+
+void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
+  fsdp_listener_t *listener = data;
+  if (fd < 0 || (size_t)fd >= listener->n_peers || !listener->peers[fd].refused) {
+    snprintf(buf, size, "this connection may not use fsdpd");
+    return;
+  }
+  const fsdp_peer_t peer = listener->peers[fd];
+  snprintf(buf, size,
+           "uid %u (pid %ld, gid %u) may not use fsdpd: only root, uid %u and members of group "
+           "%u (primary or supplementary) may connect to %s",
+           (unsigned)peer.uid, (long)peer.pid, (unsigned)peer.gid, (unsigned)geteuid(),
+           (unsigned)getegid(), listener->socket_path);
+}
+
+int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
+                        fsdp_rpc_endpoint_t *refused) {
+  listener->loop = loop;
+  listener->local = (fsdp_listener_socket_t){.listener = listener, .fd = listener->socket_fd,
+                                             .name = listener->socket_path, .endpoint = local,
+                                             .refused = refused};
+  int r = start_socket(listener, &listener->local);
+  for (int i = 0; r == 0 && i < FSDP_LISTENER_PORTS; i++)
+    if (listener->tcp[i].tcp)
+      r = start_socket(listener, &listener->tcp[i]);
+  return r;
+}
+
+static void stop_socket(fsdp_listener_socket_t *ls) {
+  if (ls->polling) {
+    uv_poll_stop(&ls->poll);
+    uv_close((uv_handle_t *)&ls->poll, NULL);
+    uv_close((uv_handle_t *)&ls->retry, NULL);
+    ls->polling = false;
+  }
+  while (ls->conns) {
+    fsdp_listener_conn_t *c = ls->conns;
+    ls->conns = c->next;
+    if (c->relay) {
+      /* The relay outlives the list: it must not reach for its entry when it closes. */
+      fsdp_relay_forget(c->relay);
+      fsdp_relay_close(c->relay);
+    }
+    free(c);
+  }
+}
+
+int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer) {
+  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0 ||
+      listener->peers[fd].refused)
+    return -ENOENT;
+  *ret_peer = listener->peers[fd];
+  return 0;
+}
+
+void fsdp_listener_close(fsdp_listener_t *listener) {
+  stop_socket(&listener->local);
+  for (int i = 0; i < FSDP_LISTENER_PORTS; i++) {
+    fsdp_listener_socket_t *ls = &listener->tcp[i];
+    stop_socket(ls);
+    if (ls->tcp && ls->fd >= 0)
+      close(ls->fd);
+    ls->fd = -1;
+  }
+  free(listener->peers);
+  listener->peers = NULL;
+  listener->n_peers = 0;
+  if (listener->socket_fd >= 0) {
+    unlink(listener->socket_path);
+    close(listener->socket_fd);
+    listener->socket_fd = -1;
+  }
+  if (listener->channel_fd >= 0) {
+    unlink(listener->channel_path);
+    close(listener->channel_fd);
+    listener->channel_fd = -1;
+  }
+  if (listener->lock_fd >= 0) {
+    close(listener->lock_fd); /* releases the flock */
+    listener->lock_fd = -1;
+  }
+}

@@ -1,0 +1,150 @@
+/* Peer.Join, Heartbeat and Leave, handed to the peer table, which checks them
+ * (daemon/cluster/peer_check.h) before anything else. Every refusal names the method, the field and
+ * the value; a Join refused for its settings names the key and both hosts' values. */
+#include "daemon/services/peer_service.h"
+
+#include <errno.h>
+#include <stdlib.h>
+
+#include "fsdp/v1/peer.pb-c.h"
+#include "common/log.h"
+#include "daemon/cluster/peers.h"
+
+static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
+  fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);
+}
+
+static void on_join_answer(void *data, const fsdp_status_t *st,
+                           const Fsdp__V1__JoinReply *reply) {
+  fsdp_rpc_call_t *call = data;
+  if (st)
+    fail_call(call, st);
+  else
+    fsdp_rpc_call_reply(call, &reply->base);
+}
+
+static void on_join_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  fsdp_peers_join_cancel(data);
+}
+
+/* A Join may be answered later: while its data-plane address is checked, or its host's own
+ * address asked to confirm it (peers.h). */
+static void peer_join(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  char from[96];
+  fsdp_rpc_call_peer_name(call, from, sizeof from);
+  fsdp_peers_join_t *join = fsdp_peers_accept_join(daemon->peers, (const void *)request, from,
+                                                   on_join_answer, call);
+  if (join)
+    fsdp_rpc_call_on_cancel(call, on_join_cancel, join);
+}
+
+static void peer_heartbeat(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  Fsdp__V1__HeartbeatReply reply = FSDP__V1__HEARTBEAT_REPLY__INIT;
+  fsdp_status_t st;
+  if (fsdp_peers_accept_heartbeat(daemon->peers, (const void *)request, &reply, &st) < 0) {
+    fail_call(call, &st);
+    return;
+  }
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void peer_leave(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  Fsdp__V1__LeaveReply reply = FSDP__V1__LEAVE_REPLY__INIT;
+  fsdp_status_t st;
+  if (fsdp_peers_accept_leave(daemon->peers, (const void *)request, &st) < 0) {
+    fail_call(call, &st);
+    return;
+  }
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* Join is work a drain refuses: a draining daemon takes no new peer. Heartbeat and Leave are
+ * served while draining, so that a drain for maintenance does not make the peers count this
+ * host as lost, and a stopping host still hears the others leave. */
+static const fsdp_rpc_handler_t peer_handlers[] = {
+    {"Join", peer_join, false},
+    {"Heartbeat", peer_heartbeat, true},
+    {"Leave", peer_leave, true},
+};
+
+fsdp_rpc_service_t fsdp_peer_service(fsdp_daemon_t *daemon) {
+  return (fsdp_rpc_service_t){&fsdp__v1__peer__descriptor, peer_handlers,
+                              sizeof peer_handlers / sizeof peer_handlers[0], daemon};
+}
+
+struct fsdp_peer_status {
+  Fsdp__V1__PeerStatus *rows;
+  Fsdp__V1__PeerStatus **ptrs;
+};
+
+static Fsdp__V1__PeerState state_to_proto(fsdp_peer_state_t state) {
+  switch (state) {
+  case FSDP_PEER_SELF:
+    return FSDP__V1__PEER_STATE__PEER_STATE_SELF;
+  case FSDP_PEER_JOINING:
+    return FSDP__V1__PEER_STATE__PEER_STATE_JOINING;
+  case FSDP_PEER_JOINED:
+    return FSDP__V1__PEER_STATE__PEER_STATE_JOINED;
+  case FSDP_PEER_LOST:
+    return FSDP__V1__PEER_STATE__PEER_STATE_LOST;
+  case FSDP_PEER_LEFT:
+    return FSDP__V1__PEER_STATE__PEER_STATE_LEFT;
+  case FSDP_PEER_REFUSED:
+    return FSDP__V1__PEER_STATE__PEER_STATE_REFUSED;
+  }
+  return FSDP__V1__PEER_STATE__PEER_STATE_UNSPECIFIED;
+}
+
+int fsdp_peer_status_fill(fsdp_daemon_t *daemon, Fsdp__V1__Topology *topology,
+                          Fsdp__V1__StatusReply *reply, fsdp_peer_status_t **ret_storage) {
+  const fsdp_peers_t *peers = daemon->peers;
+  fsdp_peer_status_t *s = calloc(1, sizeof *s);
+  *ret_storage = s;
+  if (!s)
+    return -ENOMEM;
+  unsigned n = fsdp_peers_host_count(peers);
+  topology->host_rank = fsdp_peers_host_rank(peers);
+  topology->hosts = n;
+  topology->local_world_size =
+      (uint32_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE);
+  topology->shard_group_hosts =
+      (uint32_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS);
+  topology->peers_ready = fsdp_peers_ready(peers);
+  topology->incarnation = fsdp_peers_incarnation(peers);
+  if (n == 1)
+    return 0;
+  s->rows = calloc(n, sizeof *s->rows);
+  s->ptrs = calloc(n, sizeof *s->ptrs);
+  if (!s->rows || !s->ptrs)
+    return -ENOMEM;
+  for (unsigned i = 0; i < n; i++) {
+    fsdp_peer_info_t info;
+    fsdp_peers_get(peers, i, &info);
+    Fsdp__V1__PeerStatus *row = &s->rows[i];
+    fsdp__v1__peer_status__init(row);
+    row->host_rank = info.host_rank;
+    row->address = (char *)info.address;
+    row->state = state_to_proto(info.state);
+    row->last_heard_ms = info.last_heard_ms;
+    row->rtt_us = info.rtt_us;
+    row->incarnation = info.incarnation;
+    row->last_error = (char *)info.last_error;
+    row->ucx_address_bytes = (uint32_t)info.ucx_address_len;
+    s->ptrs[i] = row;
+  }
+  reply->n_peers = n;
+  reply->peers = s->ptrs;
+  return 0;
+}
+
+void fsdp_peer_status_free(fsdp_peer_status_t *storage) {
+  if (!storage)
+    return;
+  free(storage->rows);
+  free(storage->ptrs);
+  free(storage);
+}

@@ -1,0 +1,763 @@
+/* fsdp.v1 handlers of this release: Trainer sessions and RegisterUnit; Operator.Status,
+ * ReloadConfig, Drain, Resume, ListUnits and DescribeUnit. The Peer service is in
+ * peer_service.c. */
+#include "daemon/services/services.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fsdp/v1/operator.pb-c.h"
+#include "fsdp/v1/trainer.pb-c.h"
+#include "grpc/health/v1/health.pb-c.h"
+
+#include <fsdp/fsdp_version.h>
+
+#include "common/log.h"
+#include "daemon/services/peer_service.h"
+
+/* Refuses a peer speaking another protocol version; returns false after failing the call. */
+static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who) {
+  if (version == FSDP_PROTOCOL_VERSION)
+    return true;
+  fsdp_rpc_call_fail(call, FSDP_E_PROTOCOL_VERSION,
+                     "%s: protocol_version %u from the %s, but this fsdpd %s speaks protocol %u",
+                     fsdp_rpc_call_method(call), version, who, FSDP_VERSION_STRING,
+                     FSDP_PROTOCOL_VERSION);
+  return false;
+}
+
+/* Fails a call with st, its message prefixed by the method, as every refusal here reads. */
+static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
+  fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);
+}
+
+/* The credentials of the calling process, or NULL when it did not come through our listener. */
+static const fsdp_peer_t *caller(fsdp_daemon_t *daemon, fsdp_rpc_call_t *call,
+                                 fsdp_peer_t *ret_peer) {
+  return fsdp_listener_peer(&daemon->listener, fsdp_rpc_call_peer_fd(call), ret_peer) == 0
+             ? ret_peer
+             : NULL;
+}
+
+static uint64_t lease_ms(fsdp_daemon_t *daemon) {
+  return (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE);
+}
+
+static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__AttachRequest *rq = (const void *)request;
+  if (!protocol_ok(call, rq->protocol_version, "trainer"))
+    return;
+  /* A job's units outlive its sessions, and their layout depends on the local world size. */
+  const fsdp_job_t *job = fsdp_store_find_job(&daemon->store, rq->job);
+  if (job && job->local_world_size != rq->local_world_size) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: job '%s' holds units laid out for local_world_size %u, not %u",
+                       fsdp_rpc_call_method(call), job->name, job->local_world_size,
+                       rq->local_world_size);
+    return;
+  }
+  fsdp_peer_t peer;
+  fsdp_session_t *s;
+  fsdp_status_t st;
+  if (fsdp_sessions_attach(&daemon->sessions, rq, caller(daemon, call, &peer),
+                           job ? &job->owner : NULL, fsdp_daemon_now_ms(daemon),
+                           (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_MAX_SESSIONS),
+                           &s, &st) < 0) {
+    fail_call(call, &st);
+    return;
+  }
+  log_info("session %016llx attached: job '%s' local rank %u of %u, generation %llu, pid %d, "
+           "uid %u",
+           (unsigned long long)s->id, s->job, s->local_rank, s->local_world_size,
+           (unsigned long long)s->generation, (int)s->pid, (unsigned)s->owner.uid);
+  Fsdp__V1__AttachReply reply = FSDP__V1__ATTACH_REPLY__INIT;
+  reply.session_id = s->id;
+  reply.protocol_version = FSDP_PROTOCOL_VERSION;
+  reply.lease_ms = lease_ms(daemon);
+  reply.memory_socket = daemon->listener.channel_path;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* The session a request names, its lease renewed; fails the call if there is none. */
+static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, uint64_t id) {
+  fsdp_session_t *s;
+  fsdp_status_t st;
+  fsdp_peer_t peer;
+  if (fsdp_sessions_use(&daemon->sessions, id, caller(daemon, call, &peer),
+                        fsdp_daemon_now_ms(daemon), &s, &st) < 0) {
+    fail_call(call, &st);
+    return NULL;
+  }
+  return s;
+}
+
+static void trainer_detach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__DetachRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  if (!s)
+    return;
+  fsdp_daemon_end_session(daemon, s, "detached");
+  Fsdp__V1__DetachReply reply = FSDP__V1__DETACH_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                  void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__RegisterUnitRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  if (!s)
+    return;
+  fsdp_unit_t *u;
+  fsdp_status_t st;
+  if (fsdp_store_register_unit(&daemon->store, s, rq, &u, &st) < 0) {
+    fail_call(call, &st);
+    return;
+  }
+  fsdp_dataplane_register(&daemon->dataplane, call, fsdp_store_find_job(&daemon->store, s->job),
+                          u, s);
+}
+
+/* The session and unit a UnitOp names, the unit registered by the session's rank; fails
+ * the call and returns NULL otherwise. */
+static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
+                            const Fsdp__V1__UnitOpRequest *rq, fsdp_session_t **ret_session,
+                            fsdp_job_t **ret_job) {
+  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  if (!s)
+    return NULL;
+  fsdp_job_t *job = fsdp_store_find_job(&daemon->store, s->job);
+  fsdp_unit_t *u = job ? fsdp_store_find_unit(job, rq->unit) : NULL;
+  if (!u || !fsdp_store_unit_registered_by(u, s->local_rank)) {
+    fsdp_rpc_call_fail(call, u ? FSDP_E_FAILED_PRECONDITION : FSDP_E_NOT_FOUND,
+                       "%s: unit '%s' is not registered by job '%s' local rank %u",
+                       fsdp_rpc_call_method(call), rq->unit, s->job, s->local_rank);
+    return NULL;
+  }
+  *ret_session = s;
+  *ret_job = job;
+  return u;
+}
+
+/* When every local rank must have joined a collective that a call starts now. */
+static uint64_t collective_deadline(fsdp_daemon_t *daemon) {
+  return fsdp_daemon_now_ms(daemon) +
+         (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_COLLECTIVE_TIMEOUT);
+}
+
+static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
+  fsdp_session_t *s;
+  fsdp_job_t *job;
+  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
+  if (u)
+    fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
+}
+
+/* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
+static void reduce(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
+                   const Fsdp__V1__UnitOpRequest *rq, bool all_reduce) {
+  fsdp_session_t *s;
+  fsdp_job_t *job;
+  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
+  if (!u)
+    return;
+  bool no_shard = u->spec->strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD;
+  if (no_shard != all_reduce) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: unit '%s' is %s: use %s", fsdp_rpc_call_method(call), rq->unit,
+                       no_shard ? "NO_SHARD" : "sharded", no_shard ? "AllReduce" : "ReduceScatter");
+    return;
+  }
+  fsdp_dataplane_reduce(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
+}
+
+static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                   void *data) {
+  reduce(call, data, (const void *)request, false);
+}
+
+static void trainer_all_reduce(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                               void *data) {
+  reduce(call, data, (const void *)request, true);
+}
+
+static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
+  fsdp_session_t *s;
+  fsdp_job_t *job;
+  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
+  if (u)
+    fsdp_dataplane_reshard(call, u);
+}
+
+static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_daemon_t *daemon = data;
+  const Fsdp__V1__KeepAliveRequest *rq = (const void *)request;
+  if (!use_session(call, daemon, rq->session_id))
+    return;
+  Fsdp__V1__KeepAliveReply reply = FSDP__V1__KEEP_ALIVE_REPLY__INIT;
+  reply.lease_ms = lease_ms(daemon);
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static Fsdp__V1__ConfigSource source_to_proto(fsdp_config_source_t source) {
+  switch (source) {
+  case FSDP_SOURCE_DEFAULT:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_DEFAULT;
+  case FSDP_SOURCE_FILE:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_FILE;
+  case FSDP_SOURCE_ENV:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_ENV;
+  case FSDP_SOURCE_FLAG:
+    return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_FLAG;
+  }
+  return FSDP__V1__CONFIG_SOURCE__CONFIG_SOURCE_UNSPECIFIED;
+}
+
+/* Storage for one Status reply: protobuf-c messages point into it, so it lives on the stack
+ * of the handler and nothing is allocated per field. */
+typedef struct status_storage {
+  Fsdp__V1__ConfigEntry entries[FSDP_OPTION_COUNT];
+  Fsdp__V1__ConfigEntry *entry_ptrs[FSDP_OPTION_COUNT];
+  char values[FSDP_OPTION_COUNT][256];
+  Fsdp__V1__Listener listeners[3];
+  Fsdp__V1__Listener *listener_ptrs[3];
+  char addresses[2][sizeof(((fsdp_listener_t *)0)->socket_path) + 8];
+  char *local_services[FSDP_SERVICE_LOCAL_COUNT];
+  char *health_services[1];
+  char *peer_services[2];
+  fsdp_peer_status_t *peers;
+  Fsdp__V1__Topology topology;
+  Fsdp__V1__Memory memory;
+  Fsdp__V1__Session *sessions; /* session.max_sessions may be large: sized per reply */
+  Fsdp__V1__Session **session_ptrs;
+  Fsdp__V1__JobMemory *jobs;
+  Fsdp__V1__JobMemory **job_ptrs;
+} status_storage_t;
+
+/* Per-job memory; returns the bytes in use over all jobs, or -ENOMEM. */
+static int64_t fill_jobs(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+                         status_storage_t *s) {
+  unsigned n = daemon->store.n_jobs;
+  s->jobs = calloc(n ? n : 1, sizeof *s->jobs);
+  s->job_ptrs = calloc(n ? n : 1, sizeof *s->job_ptrs);
+  if (!s->jobs || !s->job_ptrs)
+    return -ENOMEM;
+  int64_t in_use = 0;
+  size_t i = 0;
+  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next, i++) {
+    Fsdp__V1__JobMemory *m = &s->jobs[i];
+    fsdp__v1__job_memory__init(m);
+    m->job = (char *)j->name;
+    m->units = j->n_units;
+    m->local_world_size = j->local_world_size;
+    const fsdp_arena_t *arenas[2] = {j->arena, j->shared_arena};
+    for (size_t k = 0; k < 2 && arenas[k]; k++) {
+      fsdp_arena_stats_t stats;
+      fsdp_arena_get_stats(arenas[k], &stats);
+      m->arena_bytes += stats.capacity;
+      m->used_bytes += stats.used;
+      in_use += (int64_t)stats.used;
+    }
+    s->job_ptrs[i] = m;
+  }
+  reply->n_jobs = n;
+  reply->jobs = s->job_ptrs;
+  return in_use;
+}
+
+static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+                         status_storage_t *s) {
+  unsigned n = daemon->sessions.count;
+  s->sessions = calloc(n ? n : 1, sizeof *s->sessions);
+  s->session_ptrs = calloc(n ? n : 1, sizeof *s->session_ptrs);
+  if (!s->sessions || !s->session_ptrs)
+    return -ENOMEM;
+  uint64_t now = fsdp_daemon_now_ms(daemon);
+  size_t i = 0;
+  for (const fsdp_session_t *ses = daemon->sessions.head; ses; ses = ses->next, i++) {
+    Fsdp__V1__Session *out = &s->sessions[i];
+    fsdp__v1__session__init(out);
+    out->session_id = ses->id;
+    out->job = (char *)ses->job;
+    out->local_rank = ses->local_rank;
+    out->local_world_size = ses->local_world_size;
+    out->generation = ses->generation;
+    out->pid = ses->pid;
+    out->uid = ses->owner.uid;
+    out->attached_ms = now - ses->attached_ms;
+    out->idle_ms = ses->parked ? 0 : now - ses->last_call_ms;
+    s->session_ptrs[i] = out;
+  }
+  reply->n_sessions = n;
+  reply->sessions = s->session_ptrs;
+  return 0;
+}
+
+static void fill_config(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply, status_storage_t *s) {
+  for (int id = 0; id < FSDP_OPTION_COUNT; id++) {
+    const fsdp_option_t *opt = fsdp_option_get((fsdp_option_id_t)id);
+    const fsdp_config_value_t *v = &daemon->config.values[id];
+    Fsdp__V1__ConfigEntry *e = &s->entries[id];
+    fsdp__v1__config_entry__init(e);
+    fsdp_config_format(&daemon->config, (fsdp_option_id_t)id, s->values[id], sizeof s->values[id]);
+    e->key = (char *)opt->key;
+    e->value = s->values[id];
+    /* The table spells defaults canonically (a config test holds it to that). */
+    e->default_value = (char *)opt->default_value;
+    e->source = source_to_proto(v->source);
+    e->origin = (char *)v->origin;
+    e->reloadable = opt->reloadable;
+    e->unit = (char *)(opt->unit ? opt->unit : "");
+    e->help = (char *)opt->help;
+    s->entry_ptrs[id] = e;
+  }
+  reply->n_config = FSDP_OPTION_COUNT;
+  reply->config = s->entry_ptrs;
+}
+
+static void fill_listeners(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+                           status_storage_t *s) {
+  size_t n = 0;
+  for (int i = 0; i < FSDP_SERVICE_LOCAL_COUNT; i++)
+    s->local_services[i] = (char *)daemon->services[i].descriptor->name;
+  s->health_services[0] = (char *)daemon->services[FSDP_SERVICE_HEALTH].descriptor->name;
+
+  fsdp__v1__listener__init(&s->listeners[n]);
+  snprintf(s->addresses[n], sizeof s->addresses[n], "unix:%s", daemon->listener.socket_path);
+  s->listeners[n].address = s->addresses[n];
+  s->listeners[n].n_services = FSDP_SERVICE_LOCAL_COUNT;
+  s->listeners[n].services = s->local_services;
+  n++;
+  if (daemon->health_endpoint) {
+    fsdp__v1__listener__init(&s->listeners[n]);
+    s->listeners[n].address = daemon->health_address;
+    s->listeners[n].n_services = 1;
+    s->listeners[n].services = s->health_services;
+    n++;
+  }
+  if (daemon->peer_endpoint) {
+    s->peer_services[0] = (char *)daemon->services[FSDP_SERVICE_PEER].descriptor->name;
+    s->peer_services[1] = s->health_services[0];
+    fsdp__v1__listener__init(&s->listeners[n]);
+    s->listeners[n].address = daemon->peer_address;
+    s->listeners[n].n_services = 2;
+    s->listeners[n].services = s->peer_services;
+    n++;
+  }
+  for (size_t i = 0; i < n; i++)
+    s->listener_ptrs[i] = &s->listeners[i];
+  reply->n_listeners = n;
+  reply->listeners = s->listener_ptrs;
+}
+
+static Fsdp__V1__ServingState serving_state(fsdp_daemon_state_t state) {
+  switch (state) {
+  case FSDP_DAEMON_SERVING:
+    return FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING;
+  case FSDP_DAEMON_DRAINING:
+    return FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING;
+  case FSDP_DAEMON_STARTING:
+  case FSDP_DAEMON_STOPPING:
+  case FSDP_DAEMON_STOPPED:
+    break;
+  }
+  return FSDP__V1__SERVING_STATE__SERVING_STATE_STOPPING;
+}
+
+static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  fsdp_daemon_t *daemon = data;
+  status_storage_t *s = calloc(1, sizeof *s);
+  if (!s) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
+    return;
+  }
+  Fsdp__V1__StatusReply reply = FSDP__V1__STATUS_REPLY__INIT;
+  reply.version = FSDP_VERSION_STRING;
+  reply.protocol_version = FSDP_PROTOCOL_VERSION;
+  reply.uptime_ms = fsdp_daemon_uptime_ms(daemon);
+  reply.pid = (int32_t)getpid();
+  reply.config_file = daemon->config.file ? daemon->config.file : "";
+  fill_config(daemon, &reply, s);
+  fill_listeners(daemon, &reply, s);
+  reply.backend = "host";
+  fsdp__v1__topology__init(&s->topology);
+  reply.topology = &s->topology;
+  if (fsdp_peer_status_fill(daemon, &s->topology, &reply, &s->peers) < 0 ||
+      fill_sessions(daemon, &reply, s) < 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
+    goto out;
+  }
+  int64_t in_use = fill_jobs(daemon, &reply, s);
+  if (in_use < 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
+    goto out;
+  }
+  fsdp__v1__memory__init(&s->memory);
+  s->memory.in_use_bytes = (uint64_t)in_use;
+  s->memory.reserved_bytes = daemon->store.reserved;
+  s->memory.limit_bytes = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
+  reply.memory = &s->memory;
+  reply.state = serving_state(daemon->state);
+  fsdp_rpc_stats_t stats;
+  fsdp_rpc_server_get_stats(daemon->rpc, &stats);
+  reply.rpc_calls_total = stats.calls_total;
+  reply.rpc_calls_failed = stats.calls_failed;
+  reply.rpc_calls_inflight = stats.calls_inflight;
+  reply.rpc_work_inflight = stats.work_inflight;
+  fsdp_rpc_call_reply(call, &reply.base);
+out:
+  fsdp_peer_status_free(s->peers);
+  free(s->sessions);
+  free(s->session_ptrs);
+  free(s->jobs);
+  free(s->job_ptrs);
+  free(s);
+}
+
+/* Operator methods that change the daemon's state are for its operators only (root, the
+ * daemon's uid, daemon.operator_group); the socket lets in the whole group, trainers
+ * included. Returns false after failing the call. */
+static bool operator_only(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon) {
+  fsdp_peer_t peer;
+  const fsdp_peer_t *who = caller(daemon, call, &peer);
+  if (who && fsdp_daemon_is_operator(daemon, fsdp_rpc_call_peer_fd(call), who))
+    return true;
+  const char *group = fsdp_config_text(&daemon->config, FSDP_OPTION_OPERATOR_GROUP);
+  fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED,
+                     "%s: uid %u may not call it: it changes the daemon's state, which needs "
+                     "root, the daemon's uid %u or a member of daemon.operator_group%s%s%s",
+                     fsdp_rpc_call_method(call), who ? (unsigned)who->uid : (unsigned)-1,
+                     (unsigned)geteuid(), group[0] ? " '" : " (not set)", group,
+                     group[0] ? "'" : "");
+  return false;
+}
+
+static void operator_reload(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  fsdp_daemon_t *daemon = data;
+  if (!operator_only(call, daemon))
+    return;
+  fsdp_option_id_t changed[FSDP_OPTION_COUNT];
+  size_t n = 0;
+  fsdp_status_t st;
+  if (fsdp_daemon_reload(daemon, changed, &n, &st) < 0) {
+    log_error("reload requested over RPC failed, keeping the running config: %s", st.message);
+    fsdp_rpc_call_fail(call, st.code, "%s; the running config is unchanged", st.message);
+    return;
+  }
+  log_info("config reloaded over RPC: %zu value%s changed", n, n == 1 ? "" : "s");
+  char *keys[FSDP_OPTION_COUNT];
+  for (size_t i = 0; i < n; i++)
+    keys[i] = (char *)fsdp_option_get(changed[i])->key;
+  Fsdp__V1__ReloadConfigReply reply = FSDP__V1__RELOAD_CONFIG_REPLY__INIT;
+  reply.n_changed = n;
+  reply.changed = keys;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* Drain and Resume; false after failing the call (the daemon is stopping). */
+static bool set_draining(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, bool draining) {
+  fsdp_status_t st;
+  if (fsdp_daemon_set_draining(daemon, draining, &st) < 0) {
+    fsdp_rpc_call_fail_status(call, &st);
+    return false;
+  }
+  return true;
+}
+
+static void operator_drain(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  fsdp_daemon_t *daemon = data;
+  if (!operator_only(call, daemon) || !set_draining(call, daemon, true))
+    return;
+  fsdp_rpc_stats_t stats;
+  fsdp_rpc_server_get_stats(daemon->rpc, &stats);
+  Fsdp__V1__DrainReply reply = FSDP__V1__DRAIN_REPLY__INIT;
+  reply.work_inflight = stats.work_inflight;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  (void)request;
+  if (!operator_only(call, data) || !set_draining(call, data, false))
+    return;
+  Fsdp__V1__ResumeReply reply = FSDP__V1__RESUME_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* The unit's collectives under way, into storage for two (the gather, the reduce-scatter)
+ * and their ranks (FSDP_LOCAL_WORLD_MAX each). */
+typedef struct collectives_storage {
+  Fsdp__V1__CollectiveInfo info[2];
+  Fsdp__V1__CollectiveInfo *ptrs[2];
+  uint32_t ranks[2][FSDP_LOCAL_WORLD_MAX];
+} collectives_storage_t;
+
+static void fill_collectives(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job,
+                             const fsdp_unit_t *u, uint64_t now_ms,
+                             collectives_storage_t *store) {
+  const fsdp_collection_t *cs[2] = {&u->gather, &u->reduce};
+  static const Fsdp__V1__CollectiveInfo__Kind kinds[2] = {
+      FSDP__V1__COLLECTIVE_INFO__KIND__UNSHARD, FSDP__V1__COLLECTIVE_INFO__KIND__REDUCE_SCATTER};
+  info->n_collectives = 0;
+  info->collectives = store->ptrs;
+  for (size_t k = 0; k < 2; k++) {
+    const fsdp_collection_t *c = cs[k];
+    if (c->count == 0 && !c->running)
+      continue;
+    Fsdp__V1__CollectiveInfo *ci = &store->info[info->n_collectives];
+    fsdp__v1__collective_info__init(ci);
+    ci->kind = kinds[k];
+    ci->step = c->step;
+    ci->running = c->running;
+    ci->ranks = store->ranks[info->n_collectives];
+    for (uint32_t r = 0; r < job->local_world_size; r++)
+      if (fsdp_rank_set_has(&c->submitted, r))
+        ci->ranks[ci->n_ranks++] = r;
+    if (!c->running)
+      ci->deadline_in_ms = (int64_t)c->deadline_ms - (int64_t)now_ms;
+    store->ptrs[info->n_collectives++] = ci;
+  }
+}
+
+static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, const fsdp_unit_t *u) {
+  fsdp__v1__unit_info__init(info);
+  info->job = (char *)job->name;
+  info->unit = u->spec->unit;
+  info->strategy = u->spec->strategy;
+  info->dtype = u->spec->params[0]->dtype;
+  info->param_dtype = fsdp_unit_spec_param_dtype(u->spec);
+  info->reduce_dtype = fsdp_unit_spec_reduce_dtype(u->spec);
+  info->numel = u->layout.numel;
+  info->padded_numel = u->layout.padded_numel;
+  info->shard_numel = u->layout.shard_numel;
+  info->shards = u->layout.shards;
+  info->params = (uint32_t)u->layout.n_params;
+  info->local_world_size = job->local_world_size;
+  info->registered_ranks = u->n_registered;
+  info->gathered_step = u->gathered ? u->gathered_step : 0;
+  info->reduced_step = u->reduced_step;
+}
+
+static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                void *data) {
+  const Fsdp__V1__ListUnitsRequest *rq = (const void *)request;
+  fsdp_daemon_t *daemon = data;
+  if (rq->job[0] && !fsdp_store_find_job(&daemon->store, rq->job)) {
+    fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "%s: no job '%s' holds units",
+                       fsdp_rpc_call_method(call), rq->job);
+    return;
+  }
+  size_t n = 0;
+  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next)
+    n += j->n_units;
+  Fsdp__V1__UnitInfo *infos = calloc(n ? n : 1, sizeof *infos);
+  Fsdp__V1__UnitInfo **ptrs = calloc(n ? n : 1, sizeof *ptrs);
+  collectives_storage_t *collectives = calloc(n ? n : 1, sizeof *collectives);
+  uint64_t now = fsdp_daemon_now_ms(daemon);
+  if (!infos || !ptrs || !collectives) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory listing units");
+    goto out;
+  }
+  size_t k = 0;
+  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next) {
+    if (rq->job[0] && strcmp(rq->job, j->name) != 0)
+      continue;
+    for (const fsdp_unit_t *u = j->units; u; u = u->next, k++) {
+      fill_unit_info(&infos[k], j, u);
+      fill_collectives(&infos[k], j, u, now, &collectives[k]);
+      ptrs[k] = &infos[k];
+    }
+  }
+  Fsdp__V1__ListUnitsReply reply = FSDP__V1__LIST_UNITS_REPLY__INIT;
+  reply.n_units = k;
+  reply.units = ptrs;
+  fsdp_rpc_call_reply(call, &reply.base);
+out:
+  free(infos);
+  free(ptrs);
+  free(collectives);
+}
+
+/* The unit a DescribeUnit names; with no job, the only job that has it. */
+static const fsdp_unit_t *find_described_unit(const fsdp_store_t *store,
+                                              const Fsdp__V1__DescribeUnitRequest *rq,
+                                              const fsdp_job_t **ret_job, fsdp_status_t *st) {
+  const fsdp_unit_t *found = NULL;
+  unsigned matches = 0;
+  for (const fsdp_job_t *j = store->jobs; j; j = j->next) {
+    if (rq->job[0] && strcmp(rq->job, j->name) != 0)
+      continue;
+    for (const fsdp_unit_t *u = j->units; u; u = u->next) {
+      if (strcmp(u->spec->unit, rq->unit) == 0) {
+        found = u;
+        *ret_job = j;
+        matches++;
+      }
+    }
+  }
+  if (matches == 1)
+    return found;
+  if (matches > 1)
+    fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                    "unit '%s' exists in %u jobs; name the job (field 'job')", rq->unit, matches);
+  else if (rq->job[0])
+    fsdp_status_set(st, FSDP_E_NOT_FOUND, "job '%s' has no unit '%s'", rq->job, rq->unit);
+  else
+    fsdp_status_set(st, FSDP_E_NOT_FOUND, "no job has a unit '%s'", rq->unit);
+  return NULL;
+}
+
+static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                   void *data) {
+  const Fsdp__V1__DescribeUnitRequest *rq = (const void *)request;
+  fsdp_daemon_t *daemon = data;
+  const fsdp_job_t *job = NULL;
+  fsdp_status_t st;
+  const fsdp_unit_t *u = find_described_unit(&daemon->store, rq, &job, &st);
+  if (!u) {
+    fail_call(call, &st);
+    return;
+  }
+  const fsdp_unit_layout_t *l = &u->layout;
+  Fsdp__V1__ShardInfo *shards = calloc(l->shards, sizeof *shards);
+  Fsdp__V1__ShardInfo **shard_ptrs = calloc(l->shards, sizeof *shard_ptrs);
+  Fsdp__V1__ParamInfo *params = calloc(l->n_params, sizeof *params);
+  Fsdp__V1__ParamInfo **param_ptrs = calloc(l->n_params, sizeof *param_ptrs);
+  collectives_storage_t *collectives = malloc(sizeof *collectives);
+  if (!shards || !shard_ptrs || !params || !param_ptrs || !collectives) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory describing a unit");
+    goto out;
+  }
+  for (unsigned s = 0; s < l->shards; s++) {
+    fsdp__v1__shard_info__init(&shards[s]);
+    shards[s].shard = s;
+    /* A shard group's hosts hold consecutive regions of local_shards shards each. */
+    const fsdp_unit_plan_t *p = &u->plan;
+    shards[s].host_rank = fsdp_host_ring_host(&p->shard_ring, s / p->local_shards);
+    shards[s].local_rank = s % p->local_shards;
+    fsdp_unit_layout_shard_range(l, s, &shards[s].begin, &shards[s].end);
+    shards[s].padding = shards[s].end > l->numel
+                            ? shards[s].end - (shards[s].begin > l->numel ? shards[s].begin : l->numel)
+                            : 0;
+    shard_ptrs[s] = &shards[s];
+  }
+  for (size_t i = 0; i < l->n_params; i++) {
+    const Fsdp__V1__ParamSpec *p = u->spec->params[i];
+    fsdp__v1__param_info__init(&params[i]);
+    params[i].name = p->name;
+    params[i].n_shape = p->n_shape;
+    params[i].shape = p->shape;
+    params[i].offset = l->offsets[i];
+    params[i].numel = l->numels[i];
+    params[i].requires_grad = p->requires_grad;
+    param_ptrs[i] = &params[i];
+  }
+  Fsdp__V1__UnitInfo info;
+  fill_unit_info(&info, job, u);
+  fill_collectives(&info, job, u, fsdp_daemon_now_ms(daemon), collectives);
+  Fsdp__V1__DescribeUnitReply reply = FSDP__V1__DESCRIBE_UNIT_REPLY__INIT;
+  reply.unit = &info;
+  reply.n_shards = l->shards;
+  reply.shards = shard_ptrs;
+  reply.n_params = l->n_params;
+  reply.params = param_ptrs;
+  fsdp_rpc_call_reply(call, &reply.base);
+out:
+  free(collectives);
+  free(shards);
+  free(shard_ptrs);
+  free(params);
+  free(param_ptrs);
+}
+
+/* Trainer and Peer calls are the work a drain refuses and waits for; the operator's calls
+ * are served while draining, so a drain can be watched and undone. */
+static const fsdp_rpc_handler_t trainer_handlers[] = {
+    {"Attach", trainer_attach, false},
+    {"Detach", trainer_detach, false},
+    {"RegisterUnit", trainer_register_unit, false},
+    {"Unshard", trainer_unshard, false},
+    {"Reshard", trainer_reshard, false},
+    {"ReduceScatter", trainer_reduce_scatter, false},
+    {"AllReduce", trainer_all_reduce, false},
+    {"KeepAlive", trainer_keepalive, false},
+};
+static const fsdp_rpc_handler_t operator_handlers[] = {
+    {"Status", operator_status, true},
+    {"ReloadConfig", operator_reload, true},
+    {"Drain", operator_drain, true},
+    {"Resume", operator_resume, true},
+    {"ListUnits", operator_list_units, true},
+    {"DescribeUnit", operator_describe_unit, true},
+};
+
+/* A trainer's hello on the memory channel: the session must be the caller's own and have no
+ * channel yet; the answer carries its job's arena, made on the job's first need. */
+static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
+                            const Fsdp__V1__ChannelHello *hello, const fsdp_peer_t *peer,
+                            fsdp_channel_welcome_t *w) {
+  fsdp_daemon_t *daemon = data;
+  fsdp_session_t *s;
+  if (fsdp_sessions_use(&daemon->sessions, hello->session_id, peer, fsdp_daemon_now_ms(daemon),
+                        &s, &w->status) < 0)
+    return;
+  if (s->channel) {
+    fsdp_status_set(&w->status, FSDP_E_ALREADY_EXISTS,
+                    "session %016llx already has its memory channel", (unsigned long long)s->id);
+    return;
+  }
+  fsdp_job_t *job;
+  if (fsdp_store_job_for(&daemon->store, s, &job, &w->status) < 0)
+    return;
+  /* Memory 0: the buffers trainers write; memory 1: the unsharded buffers, read-only. */
+  const fsdp_arena_t *arenas[2] = {job->arena, job->shared_arena};
+  static const char *const what[2] = {"arena", "unsharded buffers"};
+  for (size_t i = 0; i < 2; i++) {
+    fsdp_arena_stats_t stats;
+    fsdp_arena_get_stats(arenas[i], &stats);
+    fsdp__v1__channel_memory__init(&w->memory[i]);
+    snprintf(w->names[i], sizeof w->names[i], "job '%s' %s", job->name, what[i]);
+    w->memory[i].name = w->names[i];
+    w->memory[i].bytes = stats.capacity;
+    w->memory[i].writable = i == 0;
+    w->memories[i] = &w->memory[i];
+    w->fds[i] = fsdp_arena_peer_fd(arenas[i]);
+  }
+  w->n = 2;
+  s->channel = conn;
+  fsdp_channel_conn_set_owner(conn, s);
+  log_info("session %016llx: memory channel open, job '%s' arenas of %llu bytes",
+           (unsigned long long)s->id, job->name, (unsigned long long)w->memory[0].bytes);
+}
+
+static void channel_closed(void *data, void *owner, const char *why) {
+  fsdp_daemon_t *daemon = data;
+  fsdp_session_t *s = owner;
+  s->channel = NULL; /* already closing */
+  fsdp_daemon_end_session(daemon, s, why);
+}
+
+void fsdp_services_channel_callbacks(fsdp_daemon_t *daemon, fsdp_channel_callbacks_t *ret) {
+  *ret = (fsdp_channel_callbacks_t){.welcome = channel_welcome, .closed = channel_closed,
+                                    .data = daemon};
+}
+
+void fsdp_services_init(fsdp_daemon_t *daemon) {
+#define SERVICE(descriptor_, handlers_) \
+  ((fsdp_rpc_service_t){&(descriptor_), handlers_, sizeof handlers_ / sizeof handlers_[0], daemon})
+  daemon->services[FSDP_SERVICE_TRAINER] = SERVICE(fsdp__v1__trainer__descriptor, trainer_handlers);
+  daemon->services[FSDP_SERVICE_OPERATOR] = SERVICE(fsdp__v1__operator__descriptor, operator_handlers);
+  daemon->services[FSDP_SERVICE_PEER] = fsdp_peer_service(daemon);
+  daemon->services[FSDP_SERVICE_HEALTH] = daemon->health.service;
+#undef SERVICE
+}

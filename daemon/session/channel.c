@@ -1,0 +1,282 @@
+/* Memory channel: accept, hello, welcome with descriptors, then watch for the end. */
+#include "daemon/session/channel.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fsdp/fsdp_version.h>
+
+#include "common/fdpass.h"
+#include "common/log.h"
+#include "proto/wire.h"
+
+typedef enum conn_state { CONN_HELLO, CONN_BOUND, CONN_CLOSING } conn_state_t;
+
+struct fsdp_channel_conn {
+  fsdp_channel_t *channel;
+  uv_poll_t poll;
+  int fd;
+  fsdp_peer_t peer;
+  conn_state_t state;
+  uint64_t accepted_ms;
+  void *owner;
+  fsdp_channel_conn_t *prev, *next;
+};
+
+static void on_conn_closed(uv_handle_t *handle) {
+  fsdp_channel_conn_t *conn = handle->data;
+  close(conn->fd);
+  free(conn);
+}
+
+void fsdp_channel_conn_close(fsdp_channel_conn_t *conn) {
+  if (conn->state == CONN_CLOSING)
+    return;
+  fsdp_channel_t *channel = conn->channel;
+  if (conn->state == CONN_HELLO)
+    channel->pending--;
+  conn->state = CONN_CLOSING;
+  conn->owner = NULL;
+  if (conn->prev)
+    conn->prev->next = conn->next;
+  else
+    channel->conns = conn->next;
+  if (conn->next)
+    conn->next->prev = conn->prev;
+  uv_poll_stop(&conn->poll);
+  uv_close((uv_handle_t *)&conn->poll, on_conn_closed);
+}
+
+void fsdp_channel_conn_set_owner(fsdp_channel_conn_t *conn, void *owner) {
+  conn->owner = owner;
+}
+
+/* Sends the answer to a hello; false if the connection is to be closed. */
+static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
+  Fsdp__V1__ChannelWelcome reply = FSDP__V1__CHANNEL_WELCOME__INIT;
+  bool ok = w->status.code >= 0;
+  if (ok) {
+    reply.n_memories = w->n;
+    reply.memories = w->memories;
+  } else {
+    reply.status = (int32_t)fsdp_wire_status_from_error(w->status.code);
+    reply.message = w->status.message;
+  }
+  uint8_t frame[FSDP_CHANNEL_FRAME_BYTES];
+  int r = fsdp_wire_frame_encode(&reply.base, frame);
+  if (r == 0)
+    r = fsdp_fd_send(conn->fd, w->fds, ok ? w->n : 0, frame, sizeof frame, 1000);
+  if (r < 0) {
+    log_warning("memory channel of pid %d: cannot send the welcome: %s", (int)conn->peer.pid,
+                fsdp_strerror(r));
+    return false;
+  }
+  return ok;
+}
+
+/* Tells a connection that has not said hello why it is closed (the trainer's client reads
+ * the status of the welcome), and closes it. */
+static void refuse(fsdp_channel_conn_t *conn, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void refuse(fsdp_channel_conn_t *conn, int code, const char *fmt, ...) {
+  fsdp_channel_welcome_t w = {0};
+  va_list ap;
+  va_start(ap, fmt);
+  fsdp_status_setv(&w.status, code, fmt, ap);
+  va_end(ap);
+  log_warning("%s", w.status.message);
+  answer(conn, &w);
+  fsdp_channel_conn_close(conn);
+}
+
+static void read_hello(fsdp_channel_conn_t *conn) {
+  fsdp_channel_t *channel = conn->channel;
+  uint8_t frame[FSDP_CHANNEL_FRAME_BYTES];
+  ssize_t n = recv(conn->fd, frame, sizeof frame, MSG_DONTWAIT | MSG_TRUNC);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR))
+    return;
+  if (n <= 0) {
+    fsdp_channel_conn_close(conn); /* gone before saying hello */
+    return;
+  }
+  fsdp_channel_welcome_t w = {0};
+  ProtobufCMessage *msg = NULL;
+  if (fsdp_wire_frame_decode(&fsdp__v1__channel_hello__descriptor, frame, (size_t)n, &msg,
+                             &w.status) == 0) {
+    const Fsdp__V1__ChannelHello *hello = (const void *)msg;
+    if (hello->protocol_version != FSDP_PROTOCOL_VERSION)
+      fsdp_status_set(&w.status, FSDP_E_PROTOCOL_VERSION,
+                      "memory channel: protocol_version %u from the trainer, but this fsdpd "
+                      "speaks protocol %u",
+                      hello->protocol_version, FSDP_PROTOCOL_VERSION);
+    else
+      channel->callbacks.welcome(channel->callbacks.data, conn, hello, &conn->peer, &w);
+    protobuf_c_message_free_unpacked(msg, NULL);
+  }
+  channel->pending--;
+  conn->state = CONN_BOUND;
+  if (!answer(conn, &w)) {
+    void *owner = conn->owner;
+    fsdp_channel_conn_close(conn);
+    if (owner)
+      channel->callbacks.closed(channel->callbacks.data, owner, "its welcome could not be sent");
+  }
+}
+
+static void on_conn_event(uv_poll_t *poll, int status, int events) {
+  (void)events;
+  fsdp_channel_conn_t *conn = poll->data;
+  if (conn->state == CONN_HELLO && status == 0) {
+    read_hello(conn);
+    return;
+  }
+  if (conn->state != CONN_BOUND)
+    return;
+  /* A bound trainer never writes again: whatever happens here ends its session. */
+  char byte;
+  ssize_t n = recv(conn->fd, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR) && status == 0)
+    return;
+  const char *why = n == 0 ? "its process closed the memory channel (it exited or died)"
+                    : n > 0 ? "it sent more on the memory channel than the protocol allows"
+                            : "its memory channel failed";
+  fsdp_channel_t *channel = conn->channel;
+  void *owner = conn->owner;
+  fsdp_channel_conn_close(conn);
+  if (owner)
+    channel->callbacks.closed(channel->callbacks.data, owner, why);
+}
+
+/* Out of descriptors: accepting again at once would spin on the pending connection. */
+#define ACCEPT_RETRY_MS 100
+
+static void on_accept(uv_poll_t *poll, int status, int events);
+
+/* Connections that have not said hello are bounded per uid and in all. A trainer says hello
+ * at once, so the oldest silent connection goes first: of the new one's own uid when that
+ * uid is at its limit, else of the uid holding the most when all are taken. One user's idle
+ * connections thus cost only that user, and never lock a trainer out. */
+static void make_room(fsdp_channel_t *channel, uid_t uid) {
+  fsdp_channel_conn_t *oldest_own = NULL, *oldest_top = NULL;
+  unsigned own = 0, top = 0;
+  for (fsdp_channel_conn_t *c = channel->conns; c; c = c->next) {
+    if (c->state != CONN_HELLO)
+      continue;
+    unsigned n = 0;
+    fsdp_channel_conn_t *oldest = NULL;
+    for (fsdp_channel_conn_t *d = channel->conns; d; d = d->next)
+      if (d->state == CONN_HELLO && d->peer.uid == c->peer.uid) {
+        n++;
+        if (!oldest || d->accepted_ms <= oldest->accepted_ms)
+          oldest = d;
+      }
+    if (c->peer.uid == uid) {
+      own = n;
+      oldest_own = oldest;
+    }
+    if (n > top) {
+      top = n;
+      oldest_top = oldest;
+    }
+  }
+  fsdp_channel_conn_t *victim = own >= FSDP_CHANNEL_MAX_PENDING_PER_UID ? oldest_own
+                                : channel->pending >= FSDP_CHANNEL_MAX_PENDING ? oldest_top
+                                                                                : NULL;
+  if (victim)
+    refuse(victim, FSDP_E_RESOURCE_EXHAUSTED,
+           "memory channel: closed a connection of pid %d uid %u that sent no hello, to make "
+           "room: its uid held %u such connections (at most %d), all uids %u (at most %d)",
+           (int)victim->peer.pid, (unsigned)victim->peer.uid,
+           victim == oldest_own ? own : top, FSDP_CHANNEL_MAX_PENDING_PER_UID, channel->pending,
+           FSDP_CHANNEL_MAX_PENDING);
+}
+
+static void on_accept_retry(uv_timer_t *timer) {
+  fsdp_channel_t *channel = timer->data;
+  uv_poll_start(&channel->poll, UV_READABLE, on_accept);
+}
+
+static void on_accept(uv_poll_t *poll, int status, int events) {
+  (void)events;
+  fsdp_channel_t *channel = poll->data;
+  if (status < 0)
+    return;
+  for (;;) {
+    int fd = accept4(channel->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) {
+        uv_poll_stop(&channel->poll);
+        uv_timer_start(&channel->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
+      }
+      return; /* EAGAIN: drained */
+    }
+    fsdp_peer_t peer = {0};
+    if (fsdp_peer_credentials(fd, &peer.pid, &peer.uid, &peer.gid) < 0 ||
+        !fsdp_peer_allowed(fd, &peer)) {
+      log_warning("memory channel: refused pid %d uid %u: not the daemon's user or group",
+                  (int)peer.pid, (unsigned)peer.uid);
+      close(fd);
+      continue;
+    }
+    make_room(channel, peer.uid);
+    fsdp_channel_conn_t *conn = calloc(1, sizeof *conn);
+    if (!conn) {
+      close(fd);
+      continue;
+    }
+    *conn = (fsdp_channel_conn_t){.channel = channel, .fd = fd, .peer = peer,
+                                  .accepted_ms = uv_now(channel->loop)};
+    if (uv_poll_init(channel->loop, &conn->poll, fd) < 0) {
+      close(fd);
+      free(conn);
+      continue;
+    }
+    conn->poll.data = conn;
+    channel->pending++;
+    conn->next = channel->conns;
+    if (channel->conns)
+      channel->conns->prev = conn;
+    channel->conns = conn;
+    uv_poll_start(&conn->poll, UV_READABLE | UV_DISCONNECT, on_conn_event);
+  }
+}
+
+int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
+                       const fsdp_channel_callbacks_t *callbacks) {
+  memset(channel, 0, sizeof *channel);
+  channel->loop = loop;
+  channel->listen_fd = listen_fd;
+  channel->callbacks = *callbacks;
+  int r = uv_poll_init(loop, &channel->poll, listen_fd);
+  if (r < 0)
+    return r;
+  uv_timer_init(loop, &channel->retry);
+  channel->poll.data = channel->retry.data = channel;
+  channel->polling = true;
+  return uv_poll_start(&channel->poll, UV_READABLE, on_accept);
+}
+
+void fsdp_channel_stop(fsdp_channel_t *channel) {
+  while (channel->conns)
+    fsdp_channel_conn_close(channel->conns);
+  if (channel->polling) {
+    uv_poll_stop(&channel->poll);
+    uv_close((uv_handle_t *)&channel->poll, NULL);
+    uv_close((uv_handle_t *)&channel->retry, NULL);
+    channel->polling = false;
+  }
+}
+
+void fsdp_channel_expire(fsdp_channel_t *channel, uint64_t now_ms) {
+  for (fsdp_channel_conn_t *conn = channel->conns, *next; conn; conn = next) {
+    next = conn->next;
+    if (conn->state == CONN_HELLO && now_ms - conn->accepted_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS)
+      refuse(conn, FSDP_E_DEADLINE_EXCEEDED,
+             "memory channel of pid %d: no hello within %d ms; closed", (int)conn->peer.pid,
+             FSDP_CHANNEL_HELLO_TIMEOUT_MS);
+  }
+}

@@ -1,0 +1,172 @@
+/* The parameter store's registry: jobs and their units.
+ *
+ * A job is created by the first RegisterUnit or memory channel of any of its ranks, with
+ * its two arenas, belongs to that trainer's uid and job token (Attach lets no other in),
+ * and outlives its trainers' sessions: parameters stay in the daemon when a trainer dies,
+ * so that it can attach again and go on.
+ *
+ * Memory and slots. A job's arenas are sized once (memory.job_limit each) and every local
+ * rank holds descriptors to them, so whatever a trainer does it can make at most their
+ * capacity resident (daemon/store/arena.h): the capacities, not the bytes allocated, are what
+ * the store reserves against memory.limit, when the job is created. A job that nothing
+ * refers to any more (retained for store.job_retention after its last session) never
+ * keeps a new job out: when a new job needs a slot or memory and none is free, the
+ * retained job that went idle first is freed to make room; only jobs in use count against
+ * the limits.
+ *
+ * A unit is registered by every local rank of its job with the same spec; the first
+ * registration fixes the spec and the layout, a later one either matches it (and only
+ * records that the rank registered) or is refused naming the first differing field, both
+ * values and both ranks.
+ *
+ * Owned by the daemon, loop thread only. */
+#ifndef FSDP_STORE_H
+#define FSDP_STORE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "fsdp/v1/trainer.pb-c.h"
+
+#include "common/status.h"
+#include "daemon/session/sessions.h"
+#include "daemon/store/arena.h"
+#include "daemon/store/rank_set.h"
+#include "daemon/store/topology.h"
+#include "daemon/store/unit_layout.h"
+
+typedef struct fsdp_waiter fsdp_waiter_t; /* a parked call; daemon/dataplane/dataplane.h */
+
+/* Where a unit's buffers are (daemon/dataplane/dataplane.h moves it along). */
+typedef enum fsdp_unit_state {
+  FSDP_UNIT_NEW,        /* registered, no buffers yet */
+  FSDP_UNIT_ALLOCATING, /* buffers taken from the arena, being pre-faulted */
+  FSDP_UNIT_READY,      /* buffers ready for unshards and reductions */
+  FSDP_UNIT_FAILED,     /* buffers could not be made ready; see `error` */
+} fsdp_unit_state_t;
+
+/* One collective of the job's local ranks on a unit (the gather of a step, or the
+ * reduce-scatter of a step): who asked for which step, and by when all must have. */
+typedef struct fsdp_collection {
+  fsdp_rank_set_t submitted;
+  unsigned count;
+  uint64_t step;
+  uint64_t generation;  /* of the ranks' sessions: the job's run (rings among hosts use it) */
+  uint64_t deadline_ms; /* loop time by which every rank must have asked */
+  bool running;         /* every rank asked; the work is on the worker pool */
+} fsdp_collection_t;
+
+typedef struct fsdp_unit {
+  Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
+  fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
+  fsdp_unit_layout_t layout;
+  float pre_scale, post_scale; /* the reduction's, from the gradient divide factors */
+  fsdp_unit_state_t state;
+  fsdp_status_t error;        /* why FAILED */
+  uint64_t buffers_offset;    /* the arena block holding the read-write buffers */
+  uint64_t unsharded_offset;  /* in the job's shared arena (its own block) */
+  uint64_t master_offset;     /* these in the job's arena; master and grad: this host's */
+  uint64_t grad_offset;
+  uint64_t full_grad_offset;  /* local rank r's at + r * full_grad_stride */
+  uint64_t full_grad_stride;
+  /* Across hosts only: the host's sum of its ranks' gradients, in reduce_dtype and in fp32
+   * (the same buffer when reduce_dtype is fp32). */
+  uint64_t host_sum_offset;
+  uint64_t host_sum_fp32_offset;
+  /* The unsharded buffer holds the parameters of `gathered_step` once `gathered`: it stays
+   * valid across Reshard (the host backend keeps the buffer) until a newer step's gather. */
+  bool gathered;
+  uint64_t gathered_step;
+  fsdp_collection_t gather;
+  fsdp_collection_t reduce;
+  bool reduce_accumulate;
+  uint64_t reduced_step; /* of the last reduce-scatter that completed */
+  fsdp_waiter_t *waiters; /* calls parked until a collection or the buffers' preparation ends */
+  uint32_t first_rank;       /* the rank whose registration fixed the spec */
+  fsdp_rank_set_t registered;
+  unsigned n_registered;
+  struct fsdp_unit *next;
+} fsdp_unit_t;
+
+typedef struct fsdp_job {
+  char name[FSDP_JOB_NAME_MAX + 1];
+  uint32_t local_world_size;
+  fsdp_job_owner_t owner; /* of the session that created it: whom Attach lets in */
+  /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
+   * `shared_arena`, sealed so that trainers can only map it read-only, and every other
+   * buffer in `arena`, which trainers map read-write. */
+  fsdp_arena_t *arena;
+  fsdp_arena_t *shared_arena;
+  fsdp_unit_t *units; /* in registration order */
+  fsdp_unit_t **units_tail;
+  unsigned n_units;
+  /* Loop time since which nothing refers to it (set as its last session ends, or by the
+   * housekeeping when its work ends after that); 0 while in use. */
+  uint64_t idle_since_ms;
+  /* For each rank whose session ended and that has not attached again: the serial of the
+   * first session attached after, 0 otherwise. A session older than that (it was there when
+   * the rank went) fails a collective that needs the rank at once: the rank died under it.
+   * A newer session (a restarted trainer) waits for the rank like for any rank not there
+   * yet. */
+  uint64_t gone_before_serial[FSDP_LOCAL_WORLD_MAX];
+  struct fsdp_job *next;
+} fsdp_job_t;
+
+/* Set by the daemon: what the store cannot see itself. */
+typedef struct fsdp_store_hooks {
+  /* Whether nothing refers to the job (no session, parked call or queued work), so that it
+   * may be freed to make room for a new one. */
+  bool (*job_idle)(void *data, const fsdp_job_t *job);
+  /* Frees such a job (logging `why`), ending with fsdp_store_remove_job(). */
+  void (*free_job)(void *data, fsdp_job_t *job, const char *why);
+  void *data;
+} fsdp_store_hooks_t;
+
+typedef struct fsdp_store {
+  fsdp_job_t *jobs;
+  unsigned n_jobs;
+  /* Set by the daemon: jobs at once (session.max_sessions: jobs cost descriptors), the
+   * bytes their arenas may reserve together (memory.limit) and each arena's size
+   * (memory.job_limit). */
+  unsigned max_jobs;
+  size_t memory_limit;
+  size_t arena_capacity;
+  size_t reserved; /* the capacities of every job's arenas */
+  fsdp_store_hooks_t hooks;
+  /* Set by the daemon from cluster.*: the hosts, and the local world size every job must
+   * have when there are several (0: any). */
+  fsdp_topology_t topology;
+  uint32_t local_world_size;
+} fsdp_store_t;
+
+void fsdp_store_init(fsdp_store_t *store);
+void fsdp_store_cleanup(fsdp_store_t *store);
+
+/* Registers rq's unit for the session's rank, creating the job on first use. Returns the
+ * unit (borrowed) whose layout the reply carries. */
+int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
+                             const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
+                             fsdp_status_t *st);
+
+fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);
+fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
+bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
+
+/* The session's job, created on first use with its two arenas of store->arena_capacity
+ * bytes (no pre-fault: buffers are pre-faulted as they are allocated), freeing retained jobs
+ * to make room when needed. FAILED_PRECONDITION if it exists with another local world size,
+ * or if its local world size is not cluster.local_world_size; RESOURCE_EXHAUSTED naming the
+ * job, its arenas, what jobs in use reserve and the limit when the jobs in use leave no
+ * room. The session's rank no longer counts as gone. */
+int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
+                       fsdp_status_t *st);
+
+/* Bytes of buffers allocated over every job's arenas. */
+size_t fsdp_store_memory_used(const fsdp_store_t *store);
+
+/* Frees a job, its units and arenas. Only when nothing refers to them: no session, no parked
+ * call, no work queued (daemon/dataplane/dataplane.h says when). */
+void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job);
+
+
+#endif

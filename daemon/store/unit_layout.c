@@ -1,0 +1,302 @@
+/* FlatParameter layout and spec checks. */
+#include "daemon/store/unit_layout.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *enum_name(const ProtobufCEnumDescriptor *desc, int value) {
+  const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(desc, value);
+  return v ? v->name : "?";
+}
+
+static const char *dtype_name(Fsdp__V1__DType dtype) {
+  return enum_name(&fsdp__v1__dtype__descriptor, dtype);
+}
+
+/* "[4096,1024]" into buf; "[]" for a scalar. */
+static void format_shape(const Fsdp__V1__ParamSpec *p, char *buf, size_t size) {
+  size_t used = (size_t)snprintf(buf, size, "[");
+  for (size_t d = 0; d < p->n_shape && used < size; d++)
+    used += (size_t)snprintf(buf + used, size - used, "%s%llu", d ? "," : "",
+                             (unsigned long long)p->shape[d]);
+  if (used < size)
+    snprintf(buf + used, size - used, "]");
+}
+
+/* Element count of a parameter. The product of its nonzero dimensions must stay within
+ * FSDP_UNIT_MAX_NUMEL, so that a zero elsewhere ([0, 2^64-1]) hides no dimension that
+ * could not be: returns the index of the first dimension past the limit as -1 - d. */
+static int64_t param_numel(const Fsdp__V1__ParamSpec *p, uint64_t *ret_numel) {
+  uint64_t nonzero = 1;
+  bool empty = false;
+  for (size_t d = 0; d < p->n_shape; d++) {
+    if (p->shape[d] == 0)
+      empty = true;
+    else if (__builtin_mul_overflow(nonzero, p->shape[d], &nonzero) ||
+             nonzero > FSDP_UNIT_MAX_NUMEL)
+      return -1 - (int64_t)d;
+  }
+  *ret_numel = empty ? 0 : nonzero;
+  return 0;
+}
+
+static int compare_names(const void *a, const void *b) {
+  return strcmp((*(Fsdp__V1__ParamSpec *const *)a)->name, (*(Fsdp__V1__ParamSpec *const *)b)->name);
+}
+
+/* Duplicate parameter names, found by sorting pointers (a unit may hold 65536 of them). */
+static int check_unique_names(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
+  Fsdp__V1__ParamSpec **sorted = malloc(spec->n_params * sizeof *sorted);
+  if (!sorted)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory checking unit '%s'",
+                           spec->unit);
+  memcpy(sorted, spec->params, spec->n_params * sizeof *sorted);
+  qsort(sorted, spec->n_params, sizeof *sorted, compare_names);
+  int r = 0;
+  for (size_t i = 1; i < spec->n_params && r == 0; i++)
+    if (strcmp(sorted[i - 1]->name, sorted[i]->name) == 0)
+      r = fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                          "unit '%s': parameter name '%s' appears more than once", spec->unit,
+                          sorted[i]->name);
+  free(sorted);
+  return r;
+}
+
+/* The bounds of a gradient divide factor f, and of the product of the two: 2^-24 <= f <=
+ * 2^24. The kernels scale by 1/f in fp32 and refuse a scale that is not finite: 1e-310 is
+ * subnormal and its reciprocal overflows, and 1e308 leaves the other factor world/1e308,
+ * whose reciprocal overflows too (before these bounds every ReduceScatter of such a unit
+ * failed, as INTERNAL); the bounds keep 1/f a normal fp32. A reduce may run in fp16, the narrowest range of the three
+ * reduce types: finite magnitudes from 2^-24 to 65504 < 2^16, 40 binades (bf16 and fp32
+ * span 277). Dividing by f moves every magnitude by log2 f binades, the predivide factor
+ * on each rank's gradient and the postdivide factor on the sum; with each factor and their
+ * product within 2^24, a gradient meets three placements of fp16's range (its own, after
+ * the predivide, after both) at most 24 binades apart, so at least 16 binades of values
+ * survive every step: no factor in bounds turns every gradient into 0 or Inf, where 2^40
+ * would. FSDP's own factors lie between 1 and the data-parallel size, at most 4096 hosts
+ * x 256 ranks = 2^20. */
+#define FACTOR_MIN 0x1p-24
+#define FACTOR_MAX 0x1p24
+
+static int factor_out_of_bounds(const Fsdp__V1__RegisterUnitRequest *spec, const char *what,
+                                double v, fsdp_status_t *st) {
+  return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                         "unit '%s': %s = %g, outside [%g (2^-24), %g (2^24)] (0 asks for the "
+                         "default)",
+                         spec->unit, what, v, FACTOR_MIN, FACTOR_MAX);
+}
+
+static bool factor_in_bounds(double v) {
+  return v >= FACTOR_MIN && v <= FACTOR_MAX; /* false for NaN */
+}
+
+static int check_factors(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
+  double pre = spec->gradient_predivide_factor, post = spec->gradient_postdivide_factor;
+  if (pre != 0 && !factor_in_bounds(pre))
+    return factor_out_of_bounds(spec, "gradient_predivide_factor", pre, st);
+  if (post != 0 && !factor_in_bounds(post))
+    return factor_out_of_bounds(spec, "gradient_postdivide_factor", post, st);
+  if (pre != 0 && post != 0 && !factor_in_bounds(pre * post))
+    return factor_out_of_bounds(spec, "gradient_predivide_factor * gradient_postdivide_factor",
+                                pre * post, st);
+  return 0;
+}
+
+int fsdp_unit_gradient_scales(const Fsdp__V1__RegisterUnitRequest *spec, unsigned world,
+                              float *ret_pre, float *ret_post, fsdp_status_t *st) {
+  double pre = spec->gradient_predivide_factor, post = spec->gradient_postdivide_factor;
+  char what[160] = "";
+  if (pre == 0 && post != 0) {
+    pre = world / post;
+    snprintf(what, sizeof what,
+             "gradient_predivide_factor (0: data-parallel size %u / gradient_postdivide_factor "
+             "%g)",
+             world, post);
+  } else if (post == 0) {
+    if (pre == 0)
+      pre = 1;
+    post = world / pre;
+    snprintf(what, sizeof what,
+             "gradient_postdivide_factor (0: data-parallel size %u / gradient_predivide_factor "
+             "%g)",
+             world, pre);
+  }
+  /* The factors given were checked; a derived one is checked here, their product being the
+   * data-parallel size. */
+  if (!factor_in_bounds(pre))
+    return factor_out_of_bounds(spec, what, pre, st);
+  if (!factor_in_bounds(post))
+    return factor_out_of_bounds(spec, what, post, st);
+  *ret_pre = (float)(1 / pre);
+  *ret_post = (float)(1 / post);
+  return 0;
+}
+
+int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
+  size_t len = strlen(spec->unit);
+  if (len == 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "field 'unit' is empty");
+  if (len > FSDP_UNIT_NAME_MAX)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'unit' is %zu bytes long, more than %d", len, FSDP_UNIT_NAME_MAX);
+  if (spec->strategy == FSDP__V1__SHARDING_STRATEGY__STRATEGY_UNSPECIFIED)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "unit '%s': field 'strategy' is unspecified; expected FULL_SHARD, "
+                           "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD",
+                           spec->unit);
+  if (spec->n_params == 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "unit '%s' has no parameters", spec->unit);
+  if (spec->n_params > FSDP_UNIT_MAX_PARAMS)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "unit '%s' has %zu parameters, more than %d",
+                           spec->unit, spec->n_params, FSDP_UNIT_MAX_PARAMS);
+
+  uint64_t total = 0;
+  for (size_t i = 0; i < spec->n_params; i++) {
+    const Fsdp__V1__ParamSpec *p = spec->params[i];
+    size_t name_len = strlen(p->name);
+    if (name_len == 0 || name_len > FSDP_UNIT_NAME_MAX)
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "unit '%s': params[%zu].name is %s", spec->unit, i,
+                             name_len ? "longer than 256 bytes" : "empty");
+    if (p->dtype == FSDP__V1__DTYPE__DTYPE_UNSPECIFIED)
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "unit '%s': params[%zu].dtype of '%s' is unspecified", spec->unit, i,
+                             p->name);
+    if (p->dtype != spec->params[0]->dtype)
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "unit '%s': params[%zu] '%s' is %s but params[0] '%s' is %s; a unit "
+                             "holds one element type",
+                             spec->unit, i, p->name, dtype_name(p->dtype), spec->params[0]->name,
+                             dtype_name(spec->params[0]->dtype));
+    if (p->n_shape > FSDP_UNIT_MAX_DIMS)
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "unit '%s': params[%zu] '%s' has %zu dimensions, more than %d",
+                             spec->unit, i, p->name, p->n_shape, FSDP_UNIT_MAX_DIMS);
+    uint64_t numel;
+    int64_t bad_dim = param_numel(p, &numel);
+    if (bad_dim < 0) {
+      size_t d = (size_t)(-1 - bad_dim);
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "unit '%s': params[%zu] '%s' shape[%zu] = %llu takes the product of "
+                             "its nonzero dimensions past the limit of %llu elements",
+                             spec->unit, i, p->name, d, (unsigned long long)p->shape[d],
+                             (unsigned long long)FSDP_UNIT_MAX_NUMEL);
+    }
+    if (__builtin_add_overflow(total, numel, &total) || total > FSDP_UNIT_MAX_NUMEL) {
+      char shape[128];
+      format_shape(p, shape, sizeof shape);
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "unit '%s': params[%zu] '%s' shape %s brings the unit past %llu "
+                             "elements",
+                             spec->unit, i, p->name, shape,
+                             (unsigned long long)FSDP_UNIT_MAX_NUMEL);
+    }
+  }
+  if (total == 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "unit '%s' has no elements: every parameter has size 0", spec->unit);
+  int r = check_unique_names(spec, st);
+  if (r < 0)
+    return r;
+  return check_factors(spec, st);
+}
+
+int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUnitRequest *spec,
+                          unsigned shards, unsigned pad_multiple, fsdp_status_t *st) {
+  memset(layout, 0, sizeof *layout);
+  if (shards == 0 || pad_multiple % shards != 0)
+    return fsdp_status_set(st, -EINVAL, "unit '%s': %u shards padded to a multiple of %u",
+                           spec->unit, shards, pad_multiple);
+  layout->offsets = calloc(spec->n_params, sizeof *layout->offsets);
+  layout->numels = calloc(spec->n_params, sizeof *layout->numels);
+  if (!layout->offsets || !layout->numels) {
+    fsdp_unit_layout_cleanup(layout);
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory laying out unit '%s'",
+                           spec->unit);
+  }
+  layout->n_params = spec->n_params;
+  layout->shards = shards;
+  for (size_t i = 0; i < spec->n_params; i++) {
+    /* The spec was checked: no element count overflows. */
+    param_numel(spec->params[i], &layout->numels[i]);
+    layout->offsets[i] = layout->numel;
+    layout->numel += layout->numels[i];
+  }
+  layout->padded_numel = (layout->numel + pad_multiple - 1) / pad_multiple * pad_multiple;
+  layout->shard_numel = layout->padded_numel / shards;
+  return 0;
+}
+
+void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout) {
+  free(layout->offsets);
+  free(layout->numels);
+  layout->offsets = layout->numels = NULL;
+}
+
+void fsdp_unit_layout_shard_range(const fsdp_unit_layout_t *layout, unsigned s,
+                                  uint64_t *ret_begin, uint64_t *ret_end) {
+  *ret_begin = (uint64_t)s * layout->shard_numel;
+  *ret_end = *ret_begin + layout->shard_numel;
+}
+
+Fsdp__V1__DType fsdp_unit_spec_param_dtype(const Fsdp__V1__RegisterUnitRequest *spec) {
+  return spec->param_dtype != FSDP__V1__DTYPE__DTYPE_UNSPECIFIED ? spec->param_dtype
+                                                                  : spec->params[0]->dtype;
+}
+
+Fsdp__V1__DType fsdp_unit_spec_reduce_dtype(const Fsdp__V1__RegisterUnitRequest *spec) {
+  return spec->reduce_dtype != FSDP__V1__DTYPE__DTYPE_UNSPECIFIED ? spec->reduce_dtype
+                                                                   : fsdp_unit_spec_param_dtype(spec);
+}
+
+static bool differ(fsdp_spec_difference_t *ret, const char *field, const char *a, const char *b) {
+  if (strcmp(a, b) == 0)
+    return false;
+  snprintf(ret->field, sizeof ret->field, "%s", field);
+  snprintf(ret->a, sizeof ret->a, "%s", a);
+  snprintf(ret->b, sizeof ret->b, "%s", b);
+  return true;
+}
+
+static bool differ_number(fsdp_spec_difference_t *ret, const char *field, double a, double b) {
+  char ta[32], tb[32];
+  snprintf(ta, sizeof ta, "%.17g", a);
+  snprintf(tb, sizeof tb, "%.17g", b);
+  return differ(ret, field, ta, tb);
+}
+
+bool fsdp_unit_spec_diff(const Fsdp__V1__RegisterUnitRequest *a,
+                         const Fsdp__V1__RegisterUnitRequest *b, fsdp_spec_difference_t *ret) {
+  const ProtobufCEnumDescriptor *strategies = &fsdp__v1__sharding_strategy__descriptor;
+  if (differ(ret, "unit", a->unit, b->unit) ||
+      differ(ret, "strategy", enum_name(strategies, a->strategy), enum_name(strategies, b->strategy)) ||
+      differ(ret, "param_dtype", dtype_name(a->param_dtype), dtype_name(b->param_dtype)) ||
+      differ(ret, "reduce_dtype", dtype_name(a->reduce_dtype), dtype_name(b->reduce_dtype)) ||
+      differ_number(ret, "gradient_predivide_factor", a->gradient_predivide_factor,
+                    b->gradient_predivide_factor) ||
+      differ_number(ret, "gradient_postdivide_factor", a->gradient_postdivide_factor,
+                    b->gradient_postdivide_factor) ||
+      differ_number(ret, "params (count)", (double)a->n_params, (double)b->n_params))
+    return true;
+  for (size_t i = 0; i < a->n_params; i++) {
+    const Fsdp__V1__ParamSpec *pa = a->params[i], *pb = b->params[i];
+    char field[64], sa[128], sb[128];
+    snprintf(field, sizeof field, "params[%zu].name", i);
+    if (differ(ret, field, pa->name, pb->name))
+      return true;
+    format_shape(pa, sa, sizeof sa);
+    format_shape(pb, sb, sizeof sb);
+    snprintf(field, sizeof field, "params[%zu].shape", i);
+    if (differ(ret, field, sa, sb))
+      return true;
+    snprintf(field, sizeof field, "params[%zu].dtype", i);
+    if (differ(ret, field, dtype_name(pa->dtype), dtype_name(pb->dtype)))
+      return true;
+    snprintf(field, sizeof field, "params[%zu].requires_grad", i);
+    if (differ(ret, field, pa->requires_grad ? "true" : "false", pb->requires_grad ? "true" : "false"))
+      return true;
+  }
+  return false;
+}
