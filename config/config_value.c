@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <fsdp/fsdp_error.h>
+
 typedef struct unit {
   const char *name;
   int64_t factor;

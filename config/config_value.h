@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "config/config.h"
+#include "config/option.h"
 
 /* Checks text against opt's type and range. On success writes the number (BOOL 0/1, INT,
  * SIZE bytes, DURATION ms, ENUM index; 0 for text types) to *ret_number and returns 0. On
