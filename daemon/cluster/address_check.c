@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "daemon/cluster/fabric.h"
+#include "proto/host/formats.h"
 #include "transport/ucx.h"
 
 extern char **environ;
