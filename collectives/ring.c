@@ -709,7 +709,7 @@ void fsdp_ring_cancel(fsdp_ring_t *r) {
 }
 
 int fsdp_ring_start(fsdp_ucx_t *ucx, const fsdp_ring_args_t *args, fsdp_ring_cb cb, void *arg,
-                    fsdp_status_t *st, fsdp_ring_t **ret_ring) {
+                    fsdp_ring_t **ret_ring, fsdp_status_t *st) {
   const fsdp_ring_args_t *a = args;
   const char *kind = fsdp_ring_kind_name(a->kind);
   if (!ucx || !cb)

@@ -106,7 +106,7 @@ typedef void (*fsdp_ring_cb)(fsdp_ring_t *ring, const fsdp_status_t *status, voi
  * call), or FSDP_E_INVALID_ARGUMENT / -ENOMEM with st naming the argument and its value
  * (cb will not run). */
 int fsdp_ring_start(fsdp_ucx_t *ucx, const fsdp_ring_args_t *args, fsdp_ring_cb cb, void *arg,
-                    fsdp_status_t *st, fsdp_ring_t **ret_ring);
+                    fsdp_ring_t **ret_ring, fsdp_status_t *st);
 
 /* Ends a running collective: its neighbours are told, and cb runs with FSDP_E_CANCELLED
  * (unless it already failed for another reason) once no transfer or sum touches the memory.

@@ -219,8 +219,8 @@ int fsdp_ucx_recv(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, void *buf, size_t 
 
 /* ---- Registered memory ---- */
 
-int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_status_t *st,
-                          fsdp_ucx_mem_t **ret_mem) {
+int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_ucx_mem_t **ret_mem,
+                          fsdp_status_t *st) {
   if (!addr || len == 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "UCX memory registration of %zu bytes at %p: expected a buffer", len,
@@ -367,7 +367,7 @@ void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret
 }
 
 int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char *label,
-                     fsdp_status_t *st, fsdp_ucx_peer_t **ret_peer) {
+                     fsdp_ucx_peer_t **ret_peer, fsdp_status_t *st) {
   const unsigned char *a = address;
   if (!label)
     label = "peer";
@@ -522,8 +522,8 @@ static void destroy_ucp(fsdp_ucx_t *u) {
   u->ctx = NULL;
 }
 
-int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status_t *st,
-                 fsdp_ucx_t **ret_ucx) {
+int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_ucx_t **ret_ucx,
+                 fsdp_status_t *st) {
   fsdp_ucx_t *u = calloc(1, sizeof *u);
   if (!u)
     return fsdp_status_set(st, -ENOMEM, "UCX transport: out of memory");

@@ -84,8 +84,8 @@ struct fsdp_ucx_req {
 /* Creates the context and worker (tag matching and wakeup) on loop, which must outlive the
  * object. Returns 0 and sets *ret_ucx, or a negative code with st saying what failed;
  * nothing is left behind. options may be NULL (AUTO, no callback). */
-int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status_t *st,
-                 fsdp_ucx_t **ret_ucx);
+int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_ucx_t **ret_ucx,
+                 fsdp_status_t *st);
 
 /* The loop the object runs on. */
 uv_loop_t *fsdp_ucx_loop(const fsdp_ucx_t *ucx);
@@ -104,7 +104,7 @@ void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret
  * address of this format, or FSDP_E_UNAVAILABLE when UCX cannot reach the peer, with st
  * naming the label and why. */
 int fsdp_ucx_connect(fsdp_ucx_t *ucx, const void *address, size_t len, const char *label,
-                     fsdp_status_t *st, fsdp_ucx_peer_t **ret_peer);
+                     fsdp_ucx_peer_t **ret_peer, fsdp_status_t *st);
 
 const char *fsdp_ucx_peer_label(const fsdp_ucx_peer_t *peer);
 /* Whether peer error handling is on for this peer (see the header comment). */
@@ -126,8 +126,8 @@ void fsdp_ucx_peer_fail(fsdp_ucx_peer_t *peer, const char *reason);
  * and look up the pages of every chunk. The memory must stay mapped until the registration
  * is released. Returns 0 and sets *ret_mem, or FSDP_E_INVALID_ARGUMENT / -ENOMEM /
  * FSDP_E_UNAVAILABLE (UCX refused) with st saying why. */
-int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_status_t *st,
-                          fsdp_ucx_mem_t **ret_mem);
+int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_ucx_mem_t **ret_mem,
+                          fsdp_status_t *st);
 
 /* Releases a registration; no pending transfer may be using it. NULL is a no-op.
  * fsdp_ucx_close releases those still held, and their handles die with the object. */

@@ -609,7 +609,7 @@ static void start_run(ring_run_t *run) {
       .hook_arg = run,
   };
   fsdp_ring_t *ring;
-  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &st, &ring) < 0) {
+  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &ring, &st) < 0) {
     give_back_scratch(dp, run->scratch);
     finish_collective(u, wkind, &st);
     free(run);
