@@ -120,6 +120,11 @@ static void test_ring_frame_text_is_cut_and_terminated(void **state) {
   assert_int_equal(strlen(g.text), FSDP_RING_FRAME_TEXT - 1);
   assert_int_equal(g.culprit, FSDP_RING_FRAME_NOBODY);
   assert_int_equal(g.code, -5);
+  /* Any code a peer sends reads without overflow; the ring names what it does not know. */
+  b[4] = 0x80;
+  b[5] = b[6] = b[7] = 0;
+  assert_int_equal(fsdp_ring_frame_unpack(b, sizeof b, &g, &st), 0);
+  assert_true(g.code == INT32_MIN);
 }
 
 static void test_ring_frame_of_another_version_is_refused(void **state) {
