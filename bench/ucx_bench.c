@@ -405,7 +405,7 @@ static int member_ring(member_t *m, fsdp_ring_args_t *a, double *ret_start, doub
   ring_result_t res = {0};
   fsdp_ring_t *ring;
   double start = now_ms();
-  if (fsdp_ring_start(m->ucx, a, on_ring_done, &res, st, &ring) < 0)
+  if (fsdp_ring_start(m->ucx, a, on_ring_done, &res, &ring, st) < 0)
     return -1;
   while (!res.done)
     uv_run(&m->loop, UV_RUN_ONCE);
@@ -533,7 +533,7 @@ static void member_main(unsigned n, unsigned self, int sock, const options_t *o)
   const char *tls = getenv("UCX_TLS");
   fsdp_ucx_options_t opt = {.err_mode = !tls || strstr(tls, "tcp") ? FSDP_UCX_ERR_AUTO
                                                                     : FSDP_UCX_ERR_NONE};
-  if (fsdp_ucx_new(&m.loop, &opt, &st, &m.ucx) < 0) {
+  if (fsdp_ucx_new(&m.loop, &opt, &m.ucx, &st) < 0) {
     send_text(sock, "FAIL member %u: %s", self, st.message);
     _exit(1);
   }
@@ -550,7 +550,7 @@ static void member_main(unsigned n, unsigned self, int sock, const options_t *o)
     snprintf(m.labels[j], sizeof m.labels[j], "member %u", j);
     if (j == self)
       continue;
-    if (fsdp_ucx_connect(m.ucx, buf, got, m.labels[j], &st, &m.peers[j]) < 0) {
+    if (fsdp_ucx_connect(m.ucx, buf, got, m.labels[j], &m.peers[j], &st) < 0) {
       send_text(sock, "FAIL member %u: %s", self, st.message);
       _exit(1);
     }

@@ -222,8 +222,8 @@ static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
 
   int fds[FSDP_FD_MAX];
   size_t n_fds = 0;
-  r = fsdp_fd_recv(t->channel_fd, fds, FSDP_FD_MAX, &n_fds, frame, sizeof frame,
-                   left_ms(deadline));
+  r = fsdp_fd_recv(t->channel_fd, frame, sizeof frame, FSDP_FD_MAX, left_ms(deadline), fds,
+                   &n_fds);
   if (r < 0)
     return channel_io_error(t, path, "waiting for the welcome", r, timeout_ms);
 

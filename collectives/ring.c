@@ -11,10 +11,7 @@
  * or finalized, or wait for a produce, which depends on nothing the ring does), so the ring
  * cannot deadlock however the window is set.
  *
- * Wire format (between fsdpd transports only; the protocol version travels in the control
- * message and in the address bytes of ucx.c): data tag = op_id << 32 | step << 24 | chunk;
- * control tag = op_id << 32 | 0xff << 24 | sender << 8 | kind, with a fixed 256-byte
- * message: version, kind, sender, culprit, code (big endian), text. */
+ * The tags and the control frame between members are defined in proto/host/formats.h. */
 #include "collectives/ring.h"
 
 #include <errno.h>
@@ -23,25 +20,24 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "proto/host/formats.h"
+
 #define DEFAULT_CHUNK ((size_t)1 << 20)
 #define DEFAULT_WINDOW 8u
 /* Chunks produced at once on the thread pool: enough to keep its threads busy. */
 #define LOCAL_WINDOW 4u
 #define MAX_WINDOW 64u
-#define MAX_CHUNKS ((size_t)1 << 24)
+#define MAX_CHUNKS FSDP_RING_TAG_CHUNKS
 /* How long members waiting in a chain have to pass the name of the one they all wait for,
  * and how long transfers get to end after a failure before the neighbour is given up. */
 #define GRACE_MS 50
 #define DRAIN_MS 200
 
-#define CTRL_VERSION 1
-#define CTRL_BYTES 256
-#define CTRL_TEXT (CTRL_BYTES - 8)
 #define CTRL_SLOTS 4
-#define CTRL_STEP 0xffu
 #define NONE (-1)
-
-enum { CTRL_ABORT = 1, CTRL_TIMEOUT = 2 };
+/* Every step's tag and every member's index fit the tags and the control frame. */
+_Static_assert(2 * (FSDP_RING_MAX - 1) < FSDP_RING_TAG_STEPS, "a step outside the data tags");
+_Static_assert(FSDP_RING_MAX < FSDP_RING_FRAME_NOBODY, "a member outside the control frame");
 enum { UNIT_RECV_DONE = 1 };
 
 typedef struct xfer {
@@ -74,7 +70,7 @@ typedef struct ctrl_slot {
   fsdp_ucx_req_t req;
   fsdp_ring_t *ring;
   fsdp_ucx_peer_t *peer;
-  unsigned char msg[CTRL_BYTES];
+  uint8_t msg[FSDP_RING_FRAME_BYTES];
   bool busy;
 } ctrl_slot_t;
 
@@ -100,7 +96,7 @@ struct fsdp_ring {
   local_work_t locals[LOCAL_WINDOW];
   void *scratch_owned;
   fsdp_ucx_req_t ctrl_rx;
-  unsigned char ctrl_in[CTRL_BYTES];
+  uint8_t ctrl_in[FSDP_RING_FRAME_BYTES];
   bool ctrl_rx_busy;
   ctrl_slot_t ctrl_tx[CTRL_SLOTS];
   unsigned reqs_out, works_out;
@@ -163,11 +159,7 @@ static size_t unit_bytes(const fsdp_ring_t *r, size_t k) {
 }
 
 static uint64_t data_tag(const fsdp_ring_t *r, unsigned t, size_t k) {
-  return (uint64_t)r->a.op_id << 32 | (uint64_t)t << 24 | (uint64_t)k;
-}
-
-static uint64_t ctrl_tag(const fsdp_ring_t *r, unsigned sender, unsigned kind) {
-  return (uint64_t)r->a.op_id << 32 | (uint64_t)CTRL_STEP << 24 | (uint64_t)sender << 8 | kind;
+  return fsdp_ring_tag_data(r->a.op_id, t, (uint32_t)k);
 }
 
 static const char *label_of(const fsdp_ring_t *r, unsigned j) {
@@ -216,9 +208,9 @@ __attribute__((format(printf, 4, 5))) static void ring_fail(fsdp_ring_t *r, int 
   uv_timer_stop(&r->deadline);
   if (r->a.n > 1) {
     if ((int)r->left != from)
-      ctrl_send(r, r->left, CTRL_ABORT, NONE, code, r->status.message);
+      ctrl_send(r, r->left, FSDP_RING_FRAME_ABORT, NONE, code, r->status.message);
     if (r->right != r->left && (int)r->right != from)
-      ctrl_send(r, r->right, CTRL_ABORT, NONE, code, r->status.message);
+      ctrl_send(r, r->right, FSDP_RING_FRAME_ABORT, NONE, code, r->status.message);
   }
   cancel_all(r);
   uv_timer_stop(&r->aux);
@@ -275,22 +267,17 @@ static void ctrl_send(fsdp_ring_t *r, unsigned to, unsigned kind, int culprit, i
       s = &r->ctrl_tx[i];
   if (!s)
     return;
-  memset(s->msg, 0, sizeof s->msg);
-  s->msg[0] = CTRL_VERSION;
-  s->msg[1] = (unsigned char)kind;
-  s->msg[2] = (unsigned char)r->a.self;
-  s->msg[3] = (unsigned char)(culprit < 0 ? 0xff : culprit);
-  uint32_t c = (uint32_t)-code;
-  s->msg[4] = (unsigned char)(c >> 24);
-  s->msg[5] = (unsigned char)(c >> 16);
-  s->msg[6] = (unsigned char)(c >> 8);
-  s->msg[7] = (unsigned char)c;
-  snprintf((char *)s->msg + 8, CTRL_TEXT, "%s", text ? text : "");
+  fsdp_ring_frame_t f = {.kind = (uint8_t)kind,
+                         .sender = (uint8_t)r->a.self,
+                         .culprit = (uint8_t)(culprit < 0 ? FSDP_RING_FRAME_NOBODY : culprit),
+                         .code = code};
+  snprintf(f.text, sizeof f.text, "%s", text ? text : "");
+  fsdp_ring_frame_pack(&f, s->msg);
   s->ring = r;
   s->peer = p;
   s->req.data = s;
-  if (fsdp_ucx_send(&s->req, p, s->msg, CTRL_BYTES, NULL, ctrl_tag(r, r->a.self, kind),
-                    on_ctrl_sent) == 0) {
+  if (fsdp_ucx_send(&s->req, p, s->msg, sizeof s->msg, NULL,
+                    fsdp_ring_tag_control(r->a.op_id, r->a.self, kind), on_ctrl_sent) == 0) {
     s->busy = true;
     r->reqs_out++;
   }
@@ -302,9 +289,9 @@ static void post_ctrl_rx(fsdp_ring_t *r) {
   if (r->ctrl_rx_busy || r->failed || r->succeeded || r->a.n < 2)
     return;
   r->ctrl_rx.data = r;
-  uint64_t mask = ~(uint64_t)0 << 24;
-  int rc = fsdp_ucx_recv(&r->ctrl_rx, r->peers[r->left], r->ctrl_in, CTRL_BYTES, NULL,
-                         ctrl_tag(r, 0, 0), mask, on_ctrl);
+  int rc = fsdp_ucx_recv(&r->ctrl_rx, r->peers[r->left], r->ctrl_in, sizeof r->ctrl_in, NULL,
+                         fsdp_ring_tag_control(r->a.op_id, 0, 0), FSDP_RING_TAG_CONTROL_MASK,
+                         on_ctrl);
   if (rc == 0) {
     r->ctrl_rx_busy = true;
     r->reqs_out++;
@@ -319,36 +306,39 @@ static void on_ctrl(fsdp_ucx_req_t *req, int status) {
   r->reqs_out--;
   if (status != 0) {
     if (!(status == FSDP_E_CANCELLED && (r->failed || r->succeeded)))
-      fail_request(r, status, r->left, "control receive", 0, 0, req->received, CTRL_BYTES);
+      fail_request(r, status, r->left, "control receive", 0, 0, req->received,
+                   sizeof r->ctrl_in);
     maybe_finish(r);
     return;
   }
-  const unsigned char *m = r->ctrl_in;
-  unsigned sender = m[2], culprit = m[3];
-  if (m[0] != CTRL_VERSION || sender >= r->a.n || sender == r->a.self) {
+  fsdp_ring_frame_t f;
+  fsdp_status_t why;
+  if (fsdp_ring_frame_unpack(r->ctrl_in, sizeof r->ctrl_in, &f, &why) < 0) {
+    ring_fail(r, why.code, NONE, "%s", why.message);
+    maybe_finish(r);
+    return;
+  }
+  unsigned sender = f.sender, culprit = f.culprit;
+  if (sender >= r->a.n || sender == r->a.self) {
     ring_fail(r, FSDP_E_PROTOCOL_VERSION, NONE,
-              "control message version %u from member %u, expected version %u from a member "
-              "other than %u of %u",
-              m[0], sender, CTRL_VERSION, r->a.self, r->a.n);
+              "control message from member %u, expected one from a member other than %u of %u",
+              sender, r->a.self, r->a.n);
     maybe_finish(r);
     return;
   }
-  char text[CTRL_TEXT];
-  memcpy(text, m + 8, CTRL_TEXT);
-  text[CTRL_TEXT - 1] = '\0';
-  if (m[1] == CTRL_ABORT) {
-    int code = -(int)((uint32_t)m[4] << 24 | (uint32_t)m[5] << 16 | (uint32_t)m[6] << 8 | m[7]);
+  if (f.kind == FSDP_RING_FRAME_ABORT) {
+    int code = f.code;
     if (!fsdp_error_name(code))
       code = FSDP_E_ABORTED;
     ring_fail(r, code, (int)sender, "member %u (%s) ended it: %s", sender, label_of(r, sender),
-              text);
-  } else if (m[1] == CTRL_TIMEOUT && culprit < r->a.n && culprit != r->a.self) {
+              f.text);
+  } else if (f.kind == FSDP_RING_FRAME_TIMEOUT && culprit < r->a.n && culprit != r->a.self) {
     /* The left neighbour waits for `culprit` as well: it is the one to name, and the member
      * on the right, which waits for us, learns it from us. */
     r->reported_culprit = (int)culprit;
     if (r->timing_out && r->timeout_culprit != (int)culprit) {
       r->timeout_culprit = (int)culprit;
-      ctrl_send(r, r->right, CTRL_TIMEOUT, (int)culprit, FSDP_E_DEADLINE_EXCEEDED, "");
+      ctrl_send(r, r->right, FSDP_RING_FRAME_TIMEOUT, (int)culprit, FSDP_E_DEADLINE_EXCEEDED, "");
     }
   }
   post_ctrl_rx(r);
@@ -399,7 +389,7 @@ static void on_deadline(uv_timer_t *h) {
   }
   r->timing_out = true;
   r->timeout_culprit = culprit;
-  ctrl_send(r, r->right, CTRL_TIMEOUT, culprit, FSDP_E_DEADLINE_EXCEEDED, "");
+  ctrl_send(r, r->right, FSDP_RING_FRAME_TIMEOUT, culprit, FSDP_E_DEADLINE_EXCEEDED, "");
   uv_timer_start(&r->aux, on_aux, GRACE_MS, 0);
 }
 
@@ -719,7 +709,7 @@ void fsdp_ring_cancel(fsdp_ring_t *r) {
 }
 
 int fsdp_ring_start(fsdp_ucx_t *ucx, const fsdp_ring_args_t *args, fsdp_ring_cb cb, void *arg,
-                    fsdp_status_t *st, fsdp_ring_t **ret_ring) {
+                    fsdp_ring_t **ret_ring, fsdp_status_t *st) {
   const fsdp_ring_args_t *a = args;
   const char *kind = fsdp_ring_kind_name(a->kind);
   if (!ucx || !cb)

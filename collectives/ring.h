@@ -29,7 +29,8 @@
  * ... failed: ..."). The callback runs after every finalize returned.
  *
  * Messages. A collective's messages are tagged with its op_id (the caller's; the daemon
- * uses the unit and the step), so that collectives running at the same time never mix. An
+ * uses the unit and the step), so that collectives running at the same time never mix. The
+ * tags and the control messages between members are defined in proto/host/formats.h. An
  * op_id must not be reused while a collective with it may still be running on any member.
  *
  * Failures. The callback runs once, on the loop, with a status whose message names the
@@ -62,6 +63,7 @@
 
 #define FSDP_RING_MAX 16
 
+/* The values are part of the op id the daemons compute alike (fsdp_op_id). */
 typedef enum fsdp_ring_kind {
   FSDP_RING_ALL_GATHER = 0,
   FSDP_RING_REDUCE_SCATTER = 1,
@@ -106,7 +108,7 @@ typedef void (*fsdp_ring_cb)(fsdp_ring_t *ring, const fsdp_status_t *status, voi
  * call), or FSDP_E_INVALID_ARGUMENT / -ENOMEM with st naming the argument and its value
  * (cb will not run). */
 int fsdp_ring_start(fsdp_ucx_t *ucx, const fsdp_ring_args_t *args, fsdp_ring_cb cb, void *arg,
-                    fsdp_status_t *st, fsdp_ring_t **ret_ring);
+                    fsdp_ring_t **ret_ring, fsdp_status_t *st);
 
 /* Ends a running collective: its neighbours are told, and cb runs with FSDP_E_CANCELLED
  * (unless it already failed for another reason) once no transfer or sum touches the memory.

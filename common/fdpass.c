@@ -125,8 +125,8 @@ static bool collect_fds(struct msghdr *msg, int *got, size_t *n_got) {
   return dropped;
 }
 
-int fsdp_fd_recv(int sock, int *ret_fds, size_t max_fds, size_t *ret_n_fds, void *payload,
-                 size_t len, int timeout_ms) {
+int fsdp_fd_recv(int sock, void *payload, size_t len, size_t max_fds, int timeout_ms,
+                 int *ret_fds, size_t *ret_n_fds) {
   if (sock < 0 || max_fds > FSDP_FD_MAX || (max_fds > 0 && !ret_fds) || !payload ||
       len == 0 || timeout_ms < 0)
     return -EINVAL;

@@ -44,8 +44,8 @@ int fsdp_fd_send(int sock, const int *fds, size_t n_fds, const void *payload, si
  * complete, or reset it), -EMSGSIZE (more descriptors than max_fds arrived, or more than
  * the kernel could deliver (MSG_CTRUNC): all of them were closed and the payload was read
  * to its end, so the stream stays in step), or another -errno from recvmsg/poll. */
-int fsdp_fd_recv(int sock, int *ret_fds, size_t max_fds, size_t *ret_n_fds, void *payload,
-                 size_t len, int timeout_ms);
+int fsdp_fd_recv(int sock, void *payload, size_t len, size_t max_fds, int timeout_ms,
+                 int *ret_fds, size_t *ret_n_fds);
 
 /* The peer's credentials from SO_PEERCRED; each ret_* may be NULL. Returns 0 or -errno
  * (-ENOTSOCK, -EBADF, -ENOTCONN...). */

@@ -17,12 +17,7 @@
 
 #include <ucp/api/ucp.h>
 
-/* Address bytes: magic, format version, the UCX address length (big endian) and the UCX
- * address. */
-#define ADDR_MAGIC "FSDPUCX"
-#define ADDR_MAGIC_LEN 7
-#define ADDR_VERSION 1
-#define ADDR_HEADER (ADDR_MAGIC_LEN + 1 + 4)
+#include "proto/host/formats.h"
 
 struct fsdp_ucx_peer {
   fsdp_ucx_t *ucx;
@@ -224,8 +219,8 @@ int fsdp_ucx_recv(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, void *buf, size_t 
 
 /* ---- Registered memory ---- */
 
-int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_status_t *st,
-                          fsdp_ucx_mem_t **ret_mem) {
+int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_ucx_mem_t **ret_mem,
+                          fsdp_status_t *st) {
   if (!addr || len == 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "UCX memory registration of %zu bytes at %p: expected a buffer", len,
@@ -371,34 +366,8 @@ void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret
   *ret_len = ucx->addr_len;
 }
 
-int fsdp_ucx_address_check(const void *address, size_t len, const char *label,
-                           fsdp_status_t *st) {
-  const unsigned char *a = address;
-  if (!label)
-    label = "peer";
-  if (len > FSDP_UCX_ADDRESS_MAX)
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                           "UCX address of %s: %zu bytes, at most %d", label, len,
-                           FSDP_UCX_ADDRESS_MAX);
-  if (!a || len < ADDR_HEADER || memcmp(a, ADDR_MAGIC, ADDR_MAGIC_LEN) != 0)
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                           "UCX address of %s: %zu bytes that are not an fsdpd transport address",
-                           label, len);
-  if (a[ADDR_MAGIC_LEN] != ADDR_VERSION)
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                           "UCX address of %s: format version %u, expected %u", label,
-                           a[ADDR_MAGIC_LEN], ADDR_VERSION);
-  const unsigned char *lp = a + ADDR_MAGIC_LEN + 1;
-  size_t ucp_len = (size_t)lp[0] << 24 | (size_t)lp[1] << 16 | (size_t)lp[2] << 8 | lp[3];
-  if (ucp_len == 0 || ucp_len != len - ADDR_HEADER)
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
-                           "UCX address of %s: says %zu bytes of UCX address, has %zu", label,
-                           ucp_len, len - ADDR_HEADER);
-  return 0;
-}
-
 int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char *label,
-                     fsdp_status_t *st, fsdp_ucx_peer_t **ret_peer) {
+                     fsdp_ucx_peer_t **ret_peer, fsdp_status_t *st) {
   const unsigned char *a = address;
   if (!label)
     label = "peer";
@@ -423,7 +392,7 @@ int fsdp_ucx_connect(fsdp_ucx_t *u, const void *address, size_t len, const char 
   for (;;) {
     ucp_ep_params_t ep = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-        .address = (const ucp_address_t *)(a + ADDR_HEADER),
+        .address = (const ucp_address_t *)(a + FSDP_UCX_ADDRESS_HEADER_BYTES),
         .err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
     };
     if (peer_mode) {
@@ -553,8 +522,8 @@ static void destroy_ucp(fsdp_ucx_t *u) {
   u->ctx = NULL;
 }
 
-int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status_t *st,
-                 fsdp_ucx_t **ret_ucx) {
+int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_ucx_t **ret_ucx,
+                 fsdp_status_t *st) {
   fsdp_ucx_t *u = calloc(1, sizeof *u);
   if (!u)
     return fsdp_status_set(st, -ENOMEM, "UCX transport: out of memory");
@@ -619,21 +588,15 @@ int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status
     what = "ucp_worker_get_address";
     goto fail_ucp;
   }
-  u->addr_len = ADDR_HEADER + ua_len;
+  u->addr_len = FSDP_UCX_ADDRESS_HEADER_BYTES + ua_len;
   u->addr = malloc(u->addr_len);
   if (!u->addr) {
     ucp_worker_release_address(u->worker, ua);
     code = fsdp_status_set(st, -ENOMEM, "UCX transport: out of memory");
     goto fail;
   }
-  memcpy(u->addr, ADDR_MAGIC, ADDR_MAGIC_LEN);
-  u->addr[ADDR_MAGIC_LEN] = ADDR_VERSION;
-  unsigned char *lp = u->addr + ADDR_MAGIC_LEN + 1;
-  lp[0] = (unsigned char)(ua_len >> 24);
-  lp[1] = (unsigned char)(ua_len >> 16);
-  lp[2] = (unsigned char)(ua_len >> 8);
-  lp[3] = (unsigned char)ua_len;
-  memcpy(u->addr + ADDR_HEADER, ua, ua_len);
+  fsdp_ucx_address_pack_header(ua_len, u->addr);
+  memcpy(u->addr + FSDP_UCX_ADDRESS_HEADER_BYTES, ua, ua_len);
   ucp_worker_release_address(u->worker, ua);
 
   int efd;

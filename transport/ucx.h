@@ -84,33 +84,27 @@ struct fsdp_ucx_req {
 /* Creates the context and worker (tag matching and wakeup) on loop, which must outlive the
  * object. Returns 0 and sets *ret_ucx, or a negative code with st saying what failed;
  * nothing is left behind. options may be NULL (AUTO, no callback). */
-int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_status_t *st,
-                 fsdp_ucx_t **ret_ucx);
+int fsdp_ucx_new(uv_loop_t *loop, const fsdp_ucx_options_t *options, fsdp_ucx_t **ret_ucx,
+                 fsdp_status_t *st);
 
 /* The loop the object runs on. */
 uv_loop_t *fsdp_ucx_loop(const fsdp_ucx_t *ucx);
 
-/* This process's address bytes for a peer's fsdp_ucx_connect: a short header (format
- * version) and the worker's UCX address. Owned by the object. */
+/* This process's address bytes for a peer's fsdp_ucx_connect, in the format of
+ * proto/host/formats.h: a short header (format version) and the worker's UCX address. Owned
+ * by the object. */
 void fsdp_ucx_address(const fsdp_ucx_t *ucx, const void **ret_bytes, size_t *ret_len);
 
-/* Largest address a peer may send: UCX's are a few hundred bytes per transport. */
-#define FSDP_UCX_ADDRESS_MAX 65536
-
-/* Checks the framing of a peer's address bytes (this format's header, version and length);
- * 0, or FSDP_E_INVALID_ARGUMENT with st naming label and what is wrong. What follows the
- * header is UCX's own packed worker address, which only UCX can unpack, and which it
- * asserts on (aborting the process) when it cannot: the daemon has it unpacked by a process
- * of its own first (daemon/cluster/address_check.h). fsdp_ucx_connect runs this check too. */
-int fsdp_ucx_address_check(const void *address, size_t len, const char *label,
-                           fsdp_status_t *st);
-
 /* Connects to a peer from its address bytes. label names the peer in every message
- * ("host 1 (10.0.0.2:7100)"); it is copied. Returns 0 and sets *ret_peer, or
- * FSDP_E_INVALID_ARGUMENT for bytes that are not an address of this format, or
- * FSDP_E_UNAVAILABLE when UCX cannot reach the peer, with st naming the label and why. */
+ * ("host 1 (10.0.0.2:7100)"); it is copied. Their framing is checked first
+ * (fsdp_ucx_address_check); what follows the header is UCX's own packed worker address,
+ * which only UCX can unpack, and which it asserts on (aborting the process) when it cannot:
+ * the daemon has it unpacked by a process of its own first (daemon/cluster/address_check.h).
+ * Returns 0 and sets *ret_peer, or FSDP_E_INVALID_ARGUMENT for bytes that are not an
+ * address of this format, or FSDP_E_UNAVAILABLE when UCX cannot reach the peer, with st
+ * naming the label and why. */
 int fsdp_ucx_connect(fsdp_ucx_t *ucx, const void *address, size_t len, const char *label,
-                     fsdp_status_t *st, fsdp_ucx_peer_t **ret_peer);
+                     fsdp_ucx_peer_t **ret_peer, fsdp_status_t *st);
 
 const char *fsdp_ucx_peer_label(const fsdp_ucx_peer_t *peer);
 /* Whether peer error handling is on for this peer (see the header comment). */
@@ -132,8 +126,8 @@ void fsdp_ucx_peer_fail(fsdp_ucx_peer_t *peer, const char *reason);
  * and look up the pages of every chunk. The memory must stay mapped until the registration
  * is released. Returns 0 and sets *ret_mem, or FSDP_E_INVALID_ARGUMENT / -ENOMEM /
  * FSDP_E_UNAVAILABLE (UCX refused) with st saying why. */
-int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_status_t *st,
-                          fsdp_ucx_mem_t **ret_mem);
+int fsdp_ucx_mem_register(fsdp_ucx_t *ucx, void *addr, size_t len, fsdp_ucx_mem_t **ret_mem,
+                          fsdp_status_t *st);
 
 /* Releases a registration; no pending transfer may be using it. NULL is a no-op.
  * fsdp_ucx_close releases those still held, and their handles die with the object. */

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "daemon/cluster/fabric.h"
+#include "proto/host/formats.h"
 #include "transport/ucx.h"
 
 extern char **environ;
@@ -269,9 +270,9 @@ int fsdp_address_check_main(void) {
     fsdp_ucx_t *ucx;
     fsdp_ucx_peer_t *peer;
     fsdp_ucx_options_t options = {.err_mode = FSDP_FABRIC_UCX_ERR_MODE};
-    if (uv_loop_init(&loop) < 0 || fsdp_ucx_new(&loop, &options, &st, &ucx) < 0)
+    if (uv_loop_init(&loop) < 0 || fsdp_ucx_new(&loop, &options, &ucx, &st) < 0)
       code = CHECK_CANNOT;
-    else if (fsdp_ucx_connect(ucx, address, len, "the peer", &st, &peer) == 0)
+    else if (fsdp_ucx_connect(ucx, address, len, "the peer", &peer, &st) == 0)
       code = CHECK_TOOK;
     else if (st.code == -ENOMEM)
       code = CHECK_CANNOT;

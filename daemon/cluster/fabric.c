@@ -41,7 +41,7 @@ struct fsdp_fabric {
 static void connect_host(fsdp_fabric_t *f, fabric_host_t *h) {
   h->peer = NULL;
   fsdp_status_t st;
-  if (fsdp_ucx_connect(f->ucx, h->address, h->address_len, h->label, &st, &h->peer) < 0) {
+  if (fsdp_ucx_connect(f->ucx, h->address, h->address_len, h->label, &h->peer, &st) < 0) {
     snprintf(h->why, sizeof h->why, "%s", st.message);
     log_error("data plane: %s", st.message);
     return;
@@ -111,7 +111,7 @@ int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fa
     snprintf(hosts[i].why, sizeof hosts[i].why, "%s has not joined", hosts[i].label);
   }
   fsdp_ucx_options_t options = {.err_mode = FSDP_FABRIC_UCX_ERR_MODE};
-  int r = fsdp_ucx_new(loop, &options, st, &f->ucx);
+  int r = fsdp_ucx_new(loop, &options, &f->ucx, st);
   if (r < 0) {
     free(hosts);
     free(f);
@@ -164,7 +164,7 @@ const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size
   if (!m)
     return NULL;
   fsdp_status_t st;
-  if (fsdp_ucx_mem_register(fabric->ucx, addr, len, &st, &m->mem) < 0)
+  if (fsdp_ucx_mem_register(fabric->ucx, addr, len, &m->mem, &st) < 0)
     log_warning("data plane: transfers from and to this buffer go without a registration: %s",
                 st.message);
   m->addr = addr;

@@ -6,7 +6,7 @@
 
 #include <fsdp/fsdp_version.h>
 
-#include "transport/ucx.h"
+#include "proto/host/formats.h"
 
 /* A host rank that is one of our peers; rank names the field for the message. */
 static int check_rank(const fsdp_peer_rules_t *rules, unsigned rank, fsdp_status_t *st) {

@@ -35,8 +35,8 @@
 #include "common/log.h"
 #include "daemon/cluster/address_check.h"
 #include "daemon/cluster/peer_check.h"
+#include "proto/host/formats.h"
 #include "proto/wire.h"
-#include "transport/ucx.h"
 
 /* Join retries: from JOIN_BACKOFF_MIN_MS doubling to JOIN_BACKOFF_MAX_MS. */
 #define JOIN_BACKOFF_MIN_MS 50

@@ -7,6 +7,7 @@
 
 #include "collectives/ring.h"
 #include "common/log.h"
+#include "proto/host/formats.h"
 
 typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
 
@@ -486,21 +487,12 @@ static void give_back_scratch(fsdp_dataplane_t *dp, void *s) {
 }
 
 /* The same on every host, different for every collective that may run at once: the job,
- * its run (generation), the unit, the step and the ring (FNV-1a). A failed ring can leave
- * messages unmatched at a host (UCX matches tags worker-wide, whoever sent them); the run
- * keeps them from the rings of the job's next run, which redoes the same steps. */
+ * its run (generation), the unit, the step and the ring. A failed ring can leave messages
+ * unmatched at a host (UCX matches tags worker-wide, whoever sent them); the run keeps them
+ * from the rings of the job's next run, which redoes the same steps. */
 static uint32_t ring_op_id(const fsdp_job_t *job, const fsdp_unit_t *u,
                            const fsdp_collection_t *c, fsdp_ring_kind_t kind) {
-  uint32_t h = 2166136261u;
-  const char *parts[] = {job->name, "/", u->spec->unit};
-  for (size_t i = 0; i < 3; i++)
-    for (const char *p = parts[i]; *p; p++)
-      h = (h ^ (uint8_t)*p) * 16777619u;
-  const uint64_t words[] = {c->step, c->generation};
-  for (size_t w = 0; w < 2; w++)
-    for (unsigned i = 0; i < 8; i++)
-      h = (h ^ (uint8_t)(words[w] >> (8 * i))) * 16777619u;
-  return (h ^ (uint32_t)kind) * 16777619u;
+  return fsdp_op_id(job->name, u->spec->unit, c->step, c->generation, (uint32_t)kind);
 }
 
 static waiter_kind_t ring_waiter_kind(fsdp_ring_kind_t kind) {
@@ -617,7 +609,7 @@ static void start_run(ring_run_t *run) {
       .hook_arg = run,
   };
   fsdp_ring_t *ring;
-  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &st, &ring) < 0) {
+  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &ring, &st) < 0) {
     give_back_scratch(dp, run->scratch);
     finish_collective(u, wkind, &st);
     free(run);

@@ -13,7 +13,7 @@
 #include "fsdp/v1/peer.pb-c.h"
 #include "daemon/cluster/peer_check.h"
 #include "proto/wire.h"
-#include "transport/ucx.h"
+#include "proto/host/formats.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -17,26 +17,28 @@ import sys
 LAYERS = {
     'common': [],
     'proto': ['common'],
+    # The byte formats between the data planes, apart from gRPC and protobuf.
+    'proto/host': ['common'],
     'config': ['common', 'proto'],
     'kernels': ['common'],
-    'transport': ['common'],
-    'collectives': ['common', 'kernels', 'transport'],
+    'transport': ['common', 'proto/host'],
+    'collectives': ['common', 'proto/host', 'kernels', 'transport'],
     'client': ['common', 'proto'],
     'fsdpctl': ['common', 'proto', 'client'],
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
     'daemon/rpc': ['common', 'proto', 'config'],
     'daemon/session': ['common', 'proto', 'daemon/rpc'],
     'daemon/store': ['common', 'proto', 'config', 'daemon/session'],
-    'daemon/cluster': ['common', 'proto', 'config', 'transport', 'daemon/rpc'],
+    'daemon/cluster': ['common', 'proto', 'proto/host', 'config', 'transport', 'daemon/rpc'],
     # daemon/rpc: while the data plane still parks gRPC calls itself.
-    'daemon/dataplane': ['common', 'kernels', 'transport', 'collectives', 'daemon/rpc',
-                         'daemon/session', 'daemon/store', 'daemon/cluster'],
+    'daemon/dataplane': ['common', 'proto/host', 'kernels', 'transport', 'collectives',
+                         'daemon/rpc', 'daemon/session', 'daemon/store', 'daemon/cluster'],
     # daemon: while the handlers still take the whole daemon object.
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
                         'daemon/store', 'daemon/cluster', 'daemon/dataplane', 'daemon'],
-    'daemon': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'daemon/rpc',
-               'daemon/session', 'daemon/store', 'daemon/cluster', 'daemon/dataplane',
-               'daemon/services'],
+    'daemon': ['common', 'proto', 'proto/host', 'config', 'kernels', 'transport', 'collectives',
+               'daemon/rpc', 'daemon/session', 'daemon/store', 'daemon/cluster',
+               'daemon/dataplane', 'daemon/services'],
 }
 # Tools and tests sit on top and may use every layer, but nothing uses them.
 LAYERS['bench'] = LAYERS['tests'] = sorted(LAYERS)

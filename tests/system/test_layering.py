@@ -58,3 +58,14 @@ def test_a_folder_without_a_row_fails(tree):
     result = run_check(str(tree))
     assert result.returncode == 1
     assert 'newlayer/thing.c: its folder has no row in the layering' in result.stdout
+
+
+def test_the_host_formats_keep_apart_from_grpc(tree):
+    # The transport uses the byte formats between hosts, not the gRPC side of proto/.
+    add_line(tree / 'transport/ucx.c', '#include "proto/wire.h"')
+    add_line(tree / 'proto/host/formats.c', '#include "fsdp/v1/peer.pb-c.h"')
+    result = run_check(str(tree))
+    assert result.returncode == 1
+    assert ('transport/ucx.c: includes "proto/wire.h" from proto/, '
+            'but transport/ may only use: common, proto/host') in result.stdout
+    assert 'proto/host/formats.c: includes "fsdp/v1/peer.pb-c.h" from proto/' in result.stdout

@@ -391,7 +391,7 @@ static void trainer_child(int sock) {
   share_msg_t m;
   int fds[2];
   size_t n = 0;
-  CHILD_CHECK(fsdp_fd_recv(sock, fds, 2, &n, &m, sizeof m, 5000) == 0);
+  CHILD_CHECK(fsdp_fd_recv(sock, &m, sizeof m, 2, 5000, fds, &n) == 0);
   CHILD_CHECK(n == 2);
   int rw = fds[0], ro = fds[1];
 
@@ -436,7 +436,7 @@ static void trainer_child(int sock) {
     /* The daemon still writes through its mapping: ask for a change and see it. */
     char go = 'w';
     CHILD_CHECK(fsdp_fd_send(sock, NULL, 0, &go, 1, 5000) == 0);
-    CHILD_CHECK(fsdp_fd_recv(sock, NULL, 0, NULL, &go, 1, 5000) == 0);
+    CHILD_CHECK(fsdp_fd_recv(sock, &go, 1, 0, 5000, NULL, NULL) == 0);
     CHILD_CHECK(q[0] == 0xee && p[0] == 0xee);
   } else {
     /* The read-write descriptor: the trainer writes, the daemon reads. */
@@ -507,7 +507,7 @@ static void share_with_child(bool peers_read_only, bool hugetlb) {
   assert_int_equal(fsdp_fd_send(sv[0], fds, 2, &m, sizeof m, 5000), 0);
   close(ro); /* the child has its own */
   char go = 0;
-  assert_int_equal(fsdp_fd_recv(sv[0], NULL, 0, NULL, &go, 1, 5000), 0);
+  assert_int_equal(fsdp_fd_recv(sv[0], &go, 1, 0, 5000, NULL, NULL), 0);
   if (peers_read_only) {
     assert_int_equal(go, 'w');
     base[off] = 0xee;

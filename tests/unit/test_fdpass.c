@@ -95,7 +95,7 @@ static void test_memfd_across_fork(void **state) {
     header_t h;
     int fd = -1;
     size_t n = 0;
-    CHILD_CHECK(fsdp_fd_recv(sv[1], &fd, 1, &n, &h, sizeof h, 5000) == 0);
+    CHILD_CHECK(fsdp_fd_recv(sv[1], &h, sizeof h, 1, 5000, &fd, &n) == 0);
     CHILD_CHECK(n == 1 && h.magic == MAGIC && h.size == size);
     CHILD_CHECK(strcmp(h.text, "weights") == 0);
     CHILD_CHECK(fcntl(fd, F_GETFD) & FD_CLOEXEC);
@@ -114,7 +114,7 @@ static void test_memfd_across_fork(void **state) {
   assert_int_equal(fsdp_fd_send(sv[0], &mfd, 1, &h, sizeof h, 5000), 0);
   header_t ack;
   size_t n = 99;
-  assert_int_equal(fsdp_fd_recv(sv[0], NULL, 0, &n, &ack, sizeof ack, 5000), 0);
+  assert_int_equal(fsdp_fd_recv(sv[0], &ack, sizeof ack, 0, 5000, NULL, &n), 0);
   assert_int_equal(n, 0);
   assert_int_equal(ack.kind, 2);
   assert_int_equal(wait_child(pid), 0);
@@ -144,7 +144,7 @@ static void test_several_fds(void **state) {
   int got[8];
   size_t n = 0;
   header_t r;
-  assert_int_equal(fsdp_fd_recv(sv[1], got, 8, &n, &r, sizeof r, 1000), 0);
+  assert_int_equal(fsdp_fd_recv(sv[1], &r, sizeof r, 8, 1000, got, &n), 0);
   assert_int_equal(n, 4);
   assert_int_equal(r.kind, 4);
   for (size_t i = 0; i < n; i++) {
@@ -175,12 +175,12 @@ static void test_timeout_when_nothing_is_sent(void **state) {
   header_t h;
   int fd = -1;
   int64_t t0 = now_ms();
-  assert_int_equal(fsdp_fd_recv(sv[1], &fd, 1, NULL, &h, sizeof h, 150), -ETIMEDOUT);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 1, 150, &fd, NULL), -ETIMEDOUT);
   int64_t waited = now_ms() - t0;
   assert_true(waited >= 150);
   assert_true(waited < 2000);
   assert_int_equal(fd, -1); /* written only on success */
-  assert_int_equal(fsdp_fd_recv(sv[1], &fd, 1, NULL, &h, sizeof h, 0), -ETIMEDOUT);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 1, 0, &fd, NULL), -ETIMEDOUT);
   close(sv[0]);
   close(sv[1]);
 }
@@ -202,7 +202,7 @@ static void test_eintr_keeps_the_deadline(void **state) {
   make_pair(sv);
   header_t h;
   int64_t t0 = now_ms();
-  assert_int_equal(fsdp_fd_recv(sv[1], NULL, 0, NULL, &h, sizeof h, 200), -ETIMEDOUT);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 0, 200, NULL, NULL), -ETIMEDOUT);
   assert_true(now_ms() - t0 >= 200);
 
   struct itimerval off = {{0, 0}, {0, 0}};
@@ -219,7 +219,7 @@ static void test_peer_closed(void **state) {
   make_pair(sv);
   header_t h = {.magic = MAGIC};
   close(sv[0]);
-  assert_int_equal(fsdp_fd_recv(sv[1], NULL, 0, NULL, &h, sizeof h, 1000), -ECONNRESET);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 0, 1000, NULL, NULL), -ECONNRESET);
   /* No SIGPIPE kills the test: MSG_NOSIGNAL. */
   assert_int_equal(fsdp_fd_send(sv[1], NULL, 0, &h, sizeof h, 1000), -ECONNRESET);
   close(sv[1]);
@@ -246,7 +246,7 @@ static void test_peer_closed(void **state) {
   assert_int_equal(sendmsg(sv[0], &msg, 0), (ssize_t)sizeof half);
   close(sv[0]);
   int fd = -1;
-  assert_int_equal(fsdp_fd_recv(sv[1], &fd, 1, NULL, &h, sizeof h, 1000), -ECONNRESET);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 1, 1000, &fd, NULL), -ECONNRESET);
   assert_int_equal(fd, -1);
   assert_int_equal(count_fds(), mid - 1); /* sv[0] closed, nothing else changed */
   close(sv[1]);
@@ -291,10 +291,10 @@ static void test_surplus_and_truncated_fds_are_closed(void **state) {
   int got[2] = {-1, -1};
   size_t n = 99;
   header_t r;
-  assert_int_equal(fsdp_fd_recv(sv[1], got, 2, &n, &r, sizeof r, 1000), -EMSGSIZE);
+  assert_int_equal(fsdp_fd_recv(sv[1], &r, sizeof r, 2, 1000, got, &n), -EMSGSIZE);
   assert_int_equal(n, 99);
   assert_int_equal(count_fds(), before);
-  assert_int_equal(fsdp_fd_recv(sv[1], got, 2, &n, &r, sizeof r, 1000), 0);
+  assert_int_equal(fsdp_fd_recv(sv[1], &r, sizeof r, 2, 1000, got, &n), 0);
   assert_int_equal(r.kind, 2);
   assert_int_equal(n, 1);
   assert_true(same_file(got[0], fds[0]));
@@ -304,13 +304,13 @@ static void test_surplus_and_truncated_fds_are_closed(void **state) {
    * rest; the ones that arrived are closed. */
   h.kind = 3;
   raw_send_fds(sv[0], fds[1], FSDP_FD_MAX + 8, &h, sizeof h);
-  assert_int_equal(fsdp_fd_recv(sv[1], got, 2, &n, &r, sizeof r, 1000), -EMSGSIZE);
+  assert_int_equal(fsdp_fd_recv(sv[1], &r, sizeof r, 2, 1000, got, &n), -EMSGSIZE);
   assert_int_equal(count_fds(), before);
 
   /* A receiver expecting none closes what it did not ask for. */
   h.kind = 4;
   assert_int_equal(fsdp_fd_send(sv[0], fds, 2, &h, sizeof h, 1000), 0);
-  assert_int_equal(fsdp_fd_recv(sv[1], NULL, 0, &n, &r, sizeof r, 1000), -EMSGSIZE);
+  assert_int_equal(fsdp_fd_recv(sv[1], &r, sizeof r, 0, 1000, NULL, &n), -EMSGSIZE);
   assert_int_equal(count_fds(), before);
 
   for (int i = 0; i < 4; i++)
@@ -357,7 +357,7 @@ static void test_payload_split_across_reads(void **state) {
   header_t r;
   int fd = -1;
   size_t n = 0;
-  assert_int_equal(fsdp_fd_recv(sv[1], &fd, 1, &n, &r, sizeof r, 5000), 0);
+  assert_int_equal(fsdp_fd_recv(sv[1], &r, sizeof r, 1, 5000, &fd, &n), 0);
   assert_int_equal(n, 1);
   assert_int_equal(r.magic, MAGIC);
   assert_int_equal(r.size, 12345);
@@ -405,9 +405,9 @@ static void test_invalid_arguments(void **state) {
   assert_int_equal(fsdp_fd_send(sv[0], NULL, 0, &h, sizeof h, -1), -EINVAL);
   int bad = -1;
   assert_int_equal(fsdp_fd_send(sv[0], &bad, 1, &h, sizeof h, 100), -EINVAL);
-  assert_int_equal(fsdp_fd_recv(sv[1], NULL, 1, NULL, &h, sizeof h, 100), -EINVAL);
-  assert_int_equal(fsdp_fd_recv(sv[1], fds, FSDP_FD_MAX + 1, NULL, &h, sizeof h, 100), -EINVAL);
-  assert_int_equal(fsdp_fd_recv(sv[1], NULL, 0, NULL, &h, 0, 100), -EINVAL);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 1, 100, NULL, NULL), -EINVAL);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, FSDP_FD_MAX + 1, 100, fds, NULL), -EINVAL);
+  assert_int_equal(fsdp_fd_recv(sv[1], &h, 0, 0, 100, NULL, NULL), -EINVAL);
   /* A descriptor that is not open is the kernel's to refuse. */
   int closed = dup(sv[0]);
   close(closed);

@@ -129,7 +129,7 @@ static int member_setup(member_t *m) {
   uv_loop_init(&m->loop);
   fsdp_status_t st = FSDP_STATUS_INIT;
   fsdp_ucx_options_t opt = {.err_mode = test_err_mode()};
-  if (fsdp_ucx_new(&m->loop, &opt, &st, &m->ucx) < 0) {
+  if (fsdp_ucx_new(&m->loop, &opt, &m->ucx, &st) < 0) {
     report(m, "FAIL member %u: %s", m->self, st.message);
     return -1;
   }
@@ -146,7 +146,7 @@ static int member_setup(member_t *m) {
     snprintf(m->labels[j], sizeof m->labels[j], "host %u (test)", j);
     if (j == m->self)
       continue;
-    if (fsdp_ucx_connect(m->ucx, buf, got, m->labels[j], &st, &m->peers[j]) < 0) {
+    if (fsdp_ucx_connect(m->ucx, buf, got, m->labels[j], &m->peers[j], &st) < 0) {
       report(m, "FAIL member %u: %s", m->self, st.message);
       return -1;
     }
@@ -332,15 +332,15 @@ static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, 
       a.scratch = scratch;
       a.scratch_bytes = scratch_bytes;
     }
-    if ((total > 0 && fsdp_ucx_mem_register(m->ucx, buf, total, &st, &buf_mem) < 0) ||
-        fsdp_ucx_mem_register(m->ucx, scratch, scratch_bytes, &st, &scratch_mem) < 0) {
+    if ((total > 0 && fsdp_ucx_mem_register(m->ucx, buf, total, &buf_mem, &st) < 0) ||
+        fsdp_ucx_mem_register(m->ucx, scratch, scratch_bytes, &scratch_mem, &st) < 0) {
       report(m, "FAIL member %u: registering memory: %s", m->self, st.message);
       goto out;
     }
     a.buf_mem = buf_mem;
     a.scratch_mem = scratch_mem;
   }
-  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &st, &ring) < 0) {
+  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &ring, &st) < 0) {
     report(m, "FAIL member %u: %s %s start: %s", m->self, what, fsdp_dtype_name(t), st.message);
     goto out;
   }
@@ -408,7 +408,7 @@ static int check_produce_failure(member_t *m, uint32_t op_id) {
   fsdp_status_t st = FSDP_STATUS_INIT;
   fsdp_ring_t *ring;
   int rc = -1;
-  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &st, &ring) < 0) {
+  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &ring, &st) < 0) {
     report(m, "FAIL member %u: produce failure start: %s", m->self, st.message);
   } else if (!run_until(m, &res.done, 20000)) {
     report(m, "FAIL member %u: no callback 20 s after member 0's produce failed", m->self);
@@ -481,7 +481,7 @@ static int member_fault(member_t *m, bool victim) {
   }
   fsdp_status_t st = FSDP_STATUS_INIT;
   fsdp_ring_t *ring;
-  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &st, &ring) < 0) {
+  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &ring, &st) < 0) {
     report(m, "FAIL member %u: start: %s", m->self, st.message);
     free(buf);
     return -1;
@@ -510,7 +510,7 @@ static int member_cancel(member_t *m) {
                         .chunk_bytes = 8192, .window = 2};
   fsdp_status_t st = FSDP_STATUS_INIT;
   fsdp_ring_t *ring;
-  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &st, &ring) < 0) {
+  if (fsdp_ring_start(m->ucx, &a, on_ring_done, &res, &ring, &st) < 0) {
     report(m, "FAIL member %u: start: %s", m->self, st.message);
     free(buf);
     return -1;
@@ -765,7 +765,7 @@ static void test_single_member_and_arguments(void **state) {
   uv_loop_init(&loop);
   fsdp_status_t st = FSDP_STATUS_INIT;
   fsdp_ucx_t *ucx;
-  assert_int_equal(fsdp_ucx_new(&loop, NULL, &st, &ucx), 0);
+  assert_int_equal(fsdp_ucx_new(&loop, NULL, &ucx, &st), 0);
 
   float buf[5] = {1, 2, 3, 4, 5};
   for (int k = 0; k < 3; k++) {
@@ -774,7 +774,7 @@ static void test_single_member_and_arguments(void **state) {
                           .dtype = FSDP_DTYPE_FP32, .op_id = 5,
                           .deadline_ms = uv_now(&loop) + 1000};
     fsdp_ring_t *ring;
-    assert_int_equal(fsdp_ring_start(ucx, &a, on_single, &res, &st, &ring), 0);
+    assert_int_equal(fsdp_ring_start(ucx, &a, on_single, &res, &ring, &st), 0);
     assert_false(res.done); /* never from inside start */
     for (int i = 0; i < 100 && !res.done; i++)
       uv_run(&loop, UV_RUN_ONCE);
@@ -786,23 +786,23 @@ static void test_single_member_and_arguments(void **state) {
   result_t res = {0};
   fsdp_ring_t *ring;
   fsdp_ring_args_t bad = {.kind = FSDP_RING_ALL_GATHER, .n = 17, .buf = buf, .region_bytes = 4};
-  assert_int_equal(fsdp_ring_start(ucx, &bad, on_single, &res, &st, &ring),
+  assert_int_equal(fsdp_ring_start(ucx, &bad, on_single, &res, &ring, &st),
                    FSDP_E_INVALID_ARGUMENT);
   assert_non_null(strstr(st.message, "member 0 of 17"));
   bad.n = 2;
-  assert_int_equal(fsdp_ring_start(ucx, &bad, on_single, &res, &st, &ring),
+  assert_int_equal(fsdp_ring_start(ucx, &bad, on_single, &res, &ring, &st),
                    FSDP_E_INVALID_ARGUMENT);
   assert_non_null(strstr(st.message, "neighbours 1 and 1"));
   bad.n = 1;
   bad.dtype = FSDP_DTYPE_FP32;
   bad.region_bytes = 6;
-  assert_int_equal(fsdp_ring_start(ucx, &bad, on_single, &res, &st, &ring),
+  assert_int_equal(fsdp_ring_start(ucx, &bad, on_single, &res, &ring, &st),
                    FSDP_E_INVALID_ARGUMENT);
   assert_non_null(strstr(st.message, "region of 6 bytes"));
 
   /* Address bytes that are not ours are refused, naming the label. */
   fsdp_ucx_peer_t *peer;
-  assert_int_equal(fsdp_ucx_connect(ucx, "garbage", 7, "host 9 (x)", &st, &peer),
+  assert_int_equal(fsdp_ucx_connect(ucx, "garbage", 7, "host 9 (x)", &peer, &st),
                    FSDP_E_INVALID_ARGUMENT);
   assert_non_null(strstr(st.message, "host 9 (x)"));
   const void *addr;
@@ -811,7 +811,7 @@ static void test_single_member_and_arguments(void **state) {
   unsigned char *copy = malloc(len);
   memcpy(copy, addr, len);
   copy[7] = 9; /* format version */
-  assert_int_equal(fsdp_ucx_connect(ucx, copy, len, "host 9 (x)", &st, &peer),
+  assert_int_equal(fsdp_ucx_connect(ucx, copy, len, "host 9 (x)", &peer, &st),
                    FSDP_E_INVALID_ARGUMENT);
   assert_non_null(strstr(st.message, "format version 9, expected 1"));
   free(copy);
