@@ -157,6 +157,9 @@ static int member_setup(member_t *m) {
   uint32_t got;
   if (send_blob(m->sock, "ready", 5) < 0 || recv_blob(m->sock, go, sizeof go, &got, IO_TIMEOUT_MS) < 0)
     return -1;
+  /* The loop has not run since it was made: the collectives' deadlines (uv_now + ms) must
+   * count from now, not from before the waits above. */
+  uv_update_time(&m->loop);
   return 0;
 }
 
