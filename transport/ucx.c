@@ -285,7 +285,9 @@ static void ep_close_cb(void *request, ucs_status_t st, void *user_data) {
 
 /* Closes the endpoint without waiting for the other end, which completes every send on it
  * (UCS_ERR_CANCELED), and cancels the receives attributed to the peer. Not from inside a
- * ucp callback. */
+ * ucp callback. UCX refuses that close (UCS_ERR_INVALID_PARAM, doing nothing) for an
+ * endpoint without peer error handling, the shared-memory one: its sends queued behind the
+ * peer's full FIFO end only when the peer takes them, or with the worker. */
 static void peer_close_now(fsdp_ucx_peer_t *p) {
   fsdp_ucx_t *u = p->ucx;
   p->needs_close = false;

@@ -157,6 +157,9 @@ static int member_setup(member_t *m) {
   uint32_t got;
   if (send_blob(m->sock, "ready", 5) < 0 || recv_blob(m->sock, go, sizeof go, &got, IO_TIMEOUT_MS) < 0)
     return -1;
+  /* The loop has not run since it was made: the collectives' deadlines (uv_now + ms) must
+   * count from now, not from before the waits above. */
+  uv_update_time(&m->loop);
   return 0;
 }
 
@@ -179,6 +182,28 @@ static bool run_until(member_t *m, const bool *flag, int timeout_ms) {
   uv_close((uv_handle_t *)&guard, NULL);
   uv_run(&m->loop, UV_RUN_NOWAIT);
   return *flag;
+}
+
+static void on_parent(uv_poll_t *h, int status, int events) {
+  (void)status;
+  (void)events;
+  *(bool *)h->data = true;
+}
+
+/* Waits up to timeout_ms for the parent to write, with the loop running as a daemon's always
+ * does. Over shared memory a peer's sends that this member's worker has not taken end only
+ * when it takes them (UCX cannot close such an endpoint without waiting): a member that
+ * stopped its loop here would hold up a collective that failed on the others. */
+static bool wait_parent(member_t *m, int timeout_ms) {
+  bool readable = false;
+  uv_poll_t watch;
+  uv_poll_init(&m->loop, &watch, m->sock);
+  watch.data = &readable;
+  uv_poll_start(&watch, UV_READABLE, on_parent);
+  run_until(m, &readable, timeout_ms);
+  uv_close((uv_handle_t *)&watch, NULL);
+  uv_run(&m->loop, UV_RUN_NOWAIT);
+  return readable;
 }
 
 static int member_teardown(member_t *m) {
@@ -552,7 +577,8 @@ static void member_main(unsigned n, unsigned self, int sock, enum scenario sc,
     /* Nobody closes its transport while another may still be receiving from it. */
     char bye[8];
     uint32_t got;
-    recv_blob(sock, bye, sizeof bye, &got, REAP_TIMEOUT_MS);
+    if (wait_parent(&m, REAP_TIMEOUT_MS))
+      recv_blob(sock, bye, sizeof bye, &got, IO_TIMEOUT_MS);
     if (member_teardown(&m) < 0) {
       report(&m, "FAIL member %u: the transport did not close cleanly", self);
       rc = -1;
