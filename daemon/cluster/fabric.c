@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "daemon/cluster/address_check.h"
 
 typedef struct fabric_host {
   fsdp_ucx_peer_t *peer; /* the current connection, NULL while none */
@@ -110,7 +111,7 @@ int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fa
     snprintf(hosts[i].label, sizeof hosts[i].label, "host %u (%s)", i, info.address);
     snprintf(hosts[i].why, sizeof hosts[i].why, "%s has not joined", hosts[i].label);
   }
-  fsdp_ucx_options_t options = {.err_mode = FSDP_FABRIC_UCX_ERR_MODE};
+  fsdp_ucx_options_t options = {.err_mode = FSDP_DATA_PLANE_UCX_ERR_MODE};
   int r = fsdp_ucx_new(loop, &options, st, &f->ucx);
   if (r < 0) {
     free(hosts);

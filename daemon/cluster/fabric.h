@@ -21,10 +21,6 @@
 
 typedef struct fsdp_fabric fsdp_fabric_t;
 
-/* How the fabric's worker handles peer failures; the address check (address_check.h) makes
- * its worker the same way, so that UCX unpacks a peer's address as the fabric's would. */
-#define FSDP_FABRIC_UCX_ERR_MODE FSDP_UCX_ERR_AUTO
-
 /* Starts the worker and hands its address and the join/loss callbacks to peers (which must
  * outlive the fabric's close). *ret_fabric is NULL on one host. */
 int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fabric,
