@@ -29,21 +29,11 @@
 #include <uv.h>
 
 #include "config/config.h"
+#include "daemon/cluster/membership.h"
 #include "fsdp/v1/peer.pb-c.h"
 #include "common/status.h"
 
 typedef struct fsdp_peers fsdp_peers_t;
-
-typedef enum fsdp_peer_state {
-  FSDP_PEER_SELF,    /* this daemon's own row */
-  FSDP_PEER_JOINING, /* not yet joined both ways */
-  FSDP_PEER_JOINED,
-  FSDP_PEER_LOST,    /* no answer for peer.timeout */
-  FSDP_PEER_LEFT,    /* it sent Leave */
-  FSDP_PEER_REFUSED, /* a Join between us was refused; last_error says why */
-} fsdp_peer_state_t;
-
-const char *fsdp_peer_state_name(fsdp_peer_state_t state);
 
 /* A peer as the status shows it; pointers borrowed until the loop runs again. */
 typedef struct fsdp_peer_info {
