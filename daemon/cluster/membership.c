@@ -242,8 +242,12 @@ static void join_failed(fsdp_membership_t *m, fsdp_member_t *p, uint64_t now, bo
       log_error("peers: host %u (%s) refused: %s", p->rank, p->address, p->last_error);
       snprintf(p->logged_out_refusal, sizeof p->logged_out_refusal, "%s", p->last_error);
     }
-    if (p->state == FSDP_PEER_JOINED)
-      drop(m, p, now, FSDP_PEER_REFUSED, p->last_error);
+    if (p->state == FSDP_PEER_JOINED) {
+      /* drop() writes last_error: it must not read from it at the same time. */
+      char why[sizeof p->last_error];
+      snprintf(why, sizeof why, "%s", p->last_error);
+      drop(m, p, now, FSDP_PEER_REFUSED, why);
+    }
     p->state = FSDP_PEER_REFUSED;
   }
 }
