@@ -3,15 +3,14 @@
  * decides what each message means and what to send next; this file does the calls, the
  * checks of what peers send, the clock and the waiters.
  *
- * Calls. Each call is one batch of all six client ops, tagged with its own context. The CQ
- * thread only moves completed contexts onto a list and wakes the loop; the loop decodes the
- * reply and acts. A peer has at most one Join and one Heartbeat in flight; every call has a
+ * Calls. Each call is one batch of all six client ops, tagged with its own context, on a
+ * completion queue that the bridge (daemon/rpc/cq_bridge.h) drains onto the loop, where the
+ * reply is decoded and acted on. A peer has at most one Join and one Heartbeat in flight; every call has a
  * deadline (peer.timeout, shorter for Leave). */
 #include "daemon/cluster/peers.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +30,7 @@
 #include "daemon/cluster/address_check.h"
 #include "daemon/cluster/membership.h"
 #include "daemon/cluster/peer_check.h"
+#include "daemon/rpc/cq_bridge.h"
 #include "proto/wire.h"
 #include "transport/ucx.h"
 
@@ -60,7 +60,6 @@ typedef struct pcall {
   const char *error_string;
   bool success;
   uint64_t sent_ns;
-  struct pcall *next; /* the completed list, then the loop */
   struct pcall *all_prev, *all_next; /* every call in flight */
 } pcall_t;
 
@@ -117,14 +116,9 @@ struct fsdp_peers {
   bool started, closing, formed, deadline_passed;
   fsdp_peers_waiter_t *waiters;
 
-  grpc_completion_queue *cq;
-  pthread_t thread;
-  bool thread_started, grpc_initialized, channels_gone, handles_closing;
-  pthread_mutex_t lock;
-  pcall_t *completed; /* filled by the CQ thread */
-  bool thread_exited;
+  fsdp_cq_bridge_t *bridge; /* the client's completion queue, drained onto the loop */
+  bool grpc_initialized, channels_gone;
   pcall_t *inflight;
-  uv_async_t async;
   uv_timer_t timer, deadline_timer;
   int open_handles;
   void (*done)(void *data);
@@ -273,30 +267,6 @@ static void pcall_free(pcall_t *c) {
   free(c);
 }
 
-static void *cq_thread_main(void *arg) {
-  fsdp_peers_t *peers = arg;
-  for (;;) {
-    grpc_event ev = grpc_completion_queue_next(peers->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC),
-                                               NULL);
-    if (ev.type == GRPC_QUEUE_SHUTDOWN)
-      break;
-    if (ev.type != GRPC_OP_COMPLETE)
-      continue;
-    pcall_t *c = ev.tag;
-    c->success = ev.success;
-    pthread_mutex_lock(&peers->lock);
-    c->next = peers->completed;
-    peers->completed = c;
-    pthread_mutex_unlock(&peers->lock);
-    uv_async_send(&peers->async);
-  }
-  pthread_mutex_lock(&peers->lock);
-  peers->thread_exited = true;
-  pthread_mutex_unlock(&peers->lock);
-  uv_async_send(&peers->async);
-  return NULL;
-}
-
 static const char *method_path(call_kind_t kind) {
   switch (kind) {
   case CALL_JOIN:
@@ -327,7 +297,8 @@ static pcall_t *start_call(fsdp_peers_t *peers, peer_t *p, call_kind_t kind,
   }
   gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                        gpr_time_from_millis((int64_t)deadline_ms, GPR_TIMESPAN));
-  c->call = grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS, peers->cq,
+  c->call = grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
+                                     fsdp_cq_bridge_queue(peers->bridge),
                                      grpc_slice_from_static_string(method_path(kind)), NULL,
                                      deadline, NULL);
   grpc_op ops[6];
@@ -542,24 +513,15 @@ static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
 static void maybe_finish_close(fsdp_peers_t *peers);
 static void refuse_pending(fsdp_peers_t *peers);
 
-static void on_async(uv_async_t *handle) {
-  fsdp_peers_t *peers = handle->data;
-  pthread_mutex_lock(&peers->lock);
-  pcall_t *list = peers->completed;
-  peers->completed = NULL;
-  bool exited = peers->thread_exited;
-  pthread_mutex_unlock(&peers->lock);
-  /* The list is newest first; order does not matter between different calls. */
-  while (list) {
-    pcall_t *next = list->next;
-    on_call_done(peers, list);
-    list = next;
-  }
-  if (exited && peers->thread_started) {
-    pthread_join(peers->thread, NULL);
-    peers->thread_started = false;
-  }
-  maybe_finish_close(peers);
+/* The bridge's events: each is a call that completed. */
+static void on_call_event(void *data, void *tag, bool success) {
+  pcall_t *c = tag;
+  c->success = success;
+  on_call_done(data, c);
+}
+
+static void on_calls_drained(void *data) {
+  maybe_finish_close(data);
 }
 
 /* --- the timer --------------------------------------------------------------------------- */
@@ -686,7 +648,6 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   peers->join_deadline_ms = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_JOIN_TIMEOUT);
   peers->address_check_ms =
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_ADDRESS_CHECK_TIMEOUT);
-  pthread_mutex_init(&peers->lock, NULL);
   while (peers->incarnation == 0)
     if (getrandom(&peers->incarnation, sizeof peers->incarnation, 0) != sizeof peers->incarnation)
       peers->incarnation = uv_hrtime() ^ ((uint64_t)getpid() << 32);
@@ -752,7 +713,13 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   }
   grpc_init();
   peers->grpc_initialized = true;
-  peers->cq = grpc_completion_queue_create_for_next(NULL);
+  if (fsdp_cq_bridge_new(loop,
+                         &(fsdp_cq_bridge_ops_t){.on_event = on_call_event,
+                                                 .on_drained = on_calls_drained},
+                         peers, &peers->bridge) < 0) {
+    fsdp_peers_free(peers);
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  }
   grpc_arg args[] = {
       {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = 4 << 20}},
       {GRPC_ARG_INTEGER, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, {.integer = 100}},
@@ -789,16 +756,13 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
 int fsdp_peers_start(fsdp_peers_t *peers) {
   if (peers->n == 1)
     return 0;
-  /* The thread first: if it cannot start, there is nothing to close, only to free. Until a
-   * call is started it never touches the async handle. */
-  int r = pthread_create(&peers->thread, NULL, cq_thread_main, peers);
-  if (r != 0)
-    return -r;
-  peers->thread_started = true;
-  uv_async_init(peers->loop, &peers->async, on_async);
+  /* The bridge first: if it cannot start, there is nothing to close, only to free. */
+  int r = fsdp_cq_bridge_start(peers->bridge);
+  if (r < 0)
+    return r;
   uv_timer_init(peers->loop, &peers->timer);
   uv_timer_init(peers->loop, &peers->deadline_timer);
-  peers->async.data = peers->timer.data = peers->deadline_timer.data = peers;
+  peers->timer.data = peers->deadline_timer.data = peers;
   peers->open_handles = 3;
   peers->started = true;
   log_info("peers: host %u of %u, incarnation %016llx, joining %u peers",
@@ -858,32 +822,35 @@ void fsdp_peers_leave(fsdp_peers_t *peers, const char *why) {
   log_info("peers: leaving (%s), told %u peer%s", why, sent, sent == 1 ? "" : "s");
 }
 
-static void on_handle_closed(uv_handle_t *handle) {
-  fsdp_peers_t *peers = handle->data;
+/* The handles and the bridge close apart; the last to go ends the close. */
+static void closed_one(fsdp_peers_t *peers) {
   if (--peers->open_handles > 0)
     return;
   if (peers->done)
     peers->done(peers->done_data);
 }
 
+static void on_handle_closed(uv_handle_t *handle) {
+  closed_one(handle->data);
+}
+
+static void on_bridge_closed(void *data) {
+  fsdp_peers_t *peers = data;
+  peers->bridge = NULL;
+  closed_one(peers);
+}
+
 static void maybe_finish_close(fsdp_peers_t *peers) {
-  if (!peers->closing || peers->inflight || peers->checks)
+  if (!peers->closing || peers->inflight || peers->checks || peers->channels_gone)
     return;
-  if (!peers->channels_gone) {
-    /* Every call is back: nothing more can be queued, so the queue may shut down; the
-     * thread sees it and exits, and wakes us once more. */
-    for (unsigned i = 0; i < peers->n; i++)
-      if (peers->peers[i].channel) {
-        grpc_channel_destroy(peers->peers[i].channel);
-        peers->peers[i].channel = NULL;
-      }
-    peers->channels_gone = true;
-    grpc_completion_queue_shutdown(peers->cq);
-  }
-  if (peers->thread_started || peers->handles_closing)
-    return;
-  peers->handles_closing = true;
-  uv_close((uv_handle_t *)&peers->async, on_handle_closed);
+  /* Every call is back: nothing more can be queued, so the queue may shut down. */
+  for (unsigned i = 0; i < peers->n; i++)
+    if (peers->peers[i].channel) {
+      grpc_channel_destroy(peers->peers[i].channel);
+      peers->peers[i].channel = NULL;
+    }
+  peers->channels_gone = true;
+  fsdp_cq_bridge_close(peers->bridge, on_bridge_closed, peers);
   uv_close((uv_handle_t *)&peers->timer, on_handle_closed);
   uv_close((uv_handle_t *)&peers->deadline_timer, on_handle_closed);
 }
@@ -921,18 +888,13 @@ void fsdp_peers_free(fsdp_peers_t *peers) {
     free(peers->peers[i].checking);
     free(peers->peers[i].reply_ucx);
   }
-  if (peers->cq) {
-    if (!peers->channels_gone)
-      grpc_completion_queue_shutdown(peers->cq);
-    grpc_completion_queue_destroy(peers->cq);
-  }
+  fsdp_cq_bridge_free(peers->bridge);
   if (peers->grpc_initialized)
     grpc_shutdown();
   free_secret(&peers->auth_value);
   free(peers->peers);
   fsdp_membership_free(peers->m);
   free(peers->local_ucx);
-  pthread_mutex_destroy(&peers->lock);
   free(peers);
 }
 

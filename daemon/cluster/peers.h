@@ -10,11 +10,13 @@
  * (a difference is refused naming the key and both values) and the data plane's (UCX)
  * worker address. Joined peers get a Heartbeat every peer.heartbeat_interval; one that
  * answers nothing for peer.timeout is LOST. A graceful stop sends Leave, and the others mark
- * it LEFT at once. A lost, left or restarted peer is joined again when it answers.
+ * it LEFT at once. A lost, left or restarted peer is joined again when it answers. What each
+ * message means for a relationship, and what to send next, the membership state machine
+ * decides (membership.h); this module does the calls, the checks and the clock around it.
  *
  * Threads: everything here runs on the loop thread, callbacks included. The client calls
- * complete on a completion queue of this module's own, drained by a thread that only hands
- * the completions to the loop (uv_async_send); nothing here blocks the loop.
+ * complete on a completion queue of this module's own, which daemon/rpc/cq_bridge.h drains
+ * onto the loop; nothing here blocks the loop.
  *
  * Lifetime: fsdp_peers_new at start (one host: no thread, no channel, always ready),
  * fsdp_peers_leave when a stop begins, fsdp_peers_close to end it (async; the done callback

@@ -8,8 +8,8 @@
  * the reply and maps fsdp error codes to gRPC status codes (proto/wire.h). Unknown methods
  * get UNIMPLEMENTED naming the path; methods without a handler get UNIMPLEMENTED saying so.
  *
- * Threads: a dedicated thread drains the completion queue and hands every event to the
- * libuv loop through a queue and uv_async_send. Handlers, replies, cancellation callbacks
+ * Threads: the completion queue is drained onto the libuv loop by daemon/rpc/cq_bridge.h,
+ * whose thread only re-arms requests and counts connections. Handlers, replies, cancellation callbacks
  * and the stop callback all run on the loop thread, which owns every object here.
  *
  * Endpoints: each endpoint is its own gRPC server with its own set of services, so the
