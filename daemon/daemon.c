@@ -435,7 +435,7 @@ static int create_peer_endpoint(fsdp_daemon_t *daemon, fsdp_status_t *st) {
     return 0;
   }
   int port;
-  if ((r = fsdp_rpc_endpoint_listen(daemon->peer_endpoint, listen, &port, st)) < 0)
+  if ((r = fsdp_rpc_endpoint_listen(daemon->peer_endpoint, listen, st, &port)) < 0)
     return r;
   format_bound_address(daemon->peer_address, sizeof daemon->peer_address, listen, port);
   return 0;
@@ -609,10 +609,10 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
     goto fail_loop;
   fsdp_services_init(daemon);
-  if ((r = fsdp_peer_security_load(&daemon->config, &daemon->peer_security, st)) < 0)
+  if ((r = fsdp_peer_security_load(&daemon->config, st, &daemon->peer_security)) < 0)
     goto fail_loop;
-  if ((r = fsdp_peers_new(&daemon->loop, &daemon->config, &daemon->peer_security, NULL,
-                          &daemon->peers, st)) < 0)
+  if ((r = fsdp_peers_new(&daemon->loop, &daemon->config, &daemon->peer_security, NULL, st,
+                          &daemon->peers)) < 0)
     goto fail_loop;
   daemon->store.topology = (fsdp_topology_t){
       .hosts = fsdp_peers_host_count(daemon->peers),
@@ -622,7 +622,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   };
   daemon->store.local_world_size =
       (uint32_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE);
-  if ((r = fsdp_fabric_new(&daemon->loop, daemon->peers, &daemon->fabric, st)) < 0)
+  if ((r = fsdp_fabric_new(&daemon->loop, daemon->peers, st, &daemon->fabric)) < 0)
     goto fail_loop;
 
   if ((r = fsdp_listener_open(&daemon->listener,

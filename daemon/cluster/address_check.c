@@ -175,7 +175,7 @@ static void on_deadline(uv_timer_t *timer) {
 
 int fsdp_address_check_start(uv_loop_t *loop, const void *bytes, size_t len,
                              uint64_t timeout_ms, fsdp_address_check_fn cb, void *data,
-                             fsdp_address_check_t **ret_check, fsdp_status_t *st) {
+                             fsdp_status_t *st, fsdp_address_check_t **ret_check) {
   fsdp_address_check_t *c = calloc(1, sizeof *c);
   if (!c)
     return fsdp_status_set(st, -ENOMEM, "out of memory for an address check");

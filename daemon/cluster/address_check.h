@@ -47,7 +47,7 @@ typedef void (*fsdp_address_check_fn)(void *data, int result, const char *why);
  * never runs). */
 int fsdp_address_check_start(uv_loop_t *loop, const void *bytes, size_t len,
                              uint64_t timeout_ms, fsdp_address_check_fn cb, void *data,
-                             fsdp_address_check_t **ret_check, fsdp_status_t *st);
+                             fsdp_status_t *st, fsdp_address_check_t **ret_check);
 
 /* Kills the checking process; cb still runs, with FSDP_E_CANCELLED, once it is gone. */
 void fsdp_address_check_cancel(fsdp_address_check_t *check);

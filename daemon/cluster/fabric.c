@@ -90,12 +90,13 @@ static void on_lost(void *data, unsigned host_rank, const char *why) {
   forget_address(h);
 }
 
-int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fabric,
-                    fsdp_status_t *st) {
-  *ret_fabric = NULL;
+int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_status_t *st,
+                    fsdp_fabric_t **ret_fabric) {
   unsigned n = fsdp_peers_host_count(peers);
-  if (n == 1)
+  if (n == 1) {
+    *ret_fabric = NULL;
     return 0;
+  }
   fsdp_fabric_t *f = calloc(1, sizeof *f);
   fabric_host_t *hosts = calloc(n, sizeof *hosts);
   if (!f || !hosts) {

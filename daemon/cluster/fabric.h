@@ -23,8 +23,8 @@ typedef struct fsdp_fabric fsdp_fabric_t;
 
 /* Starts the worker and hands its address and the join/loss callbacks to peers (which must
  * outlive the fabric's close). *ret_fabric is NULL on one host. */
-int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fabric,
-                    fsdp_status_t *st);
+int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_status_t *st,
+                    fsdp_fabric_t **ret_fabric);
 
 fsdp_ucx_t *fsdp_fabric_ucx(const fsdp_fabric_t *fabric);
 

@@ -5,8 +5,8 @@
  *
  * Calls. Each call is one batch of all six client ops, tagged with its own context, on a
  * completion queue that the bridge (daemon/rpc/cq_bridge.h) drains onto the loop, where the
- * reply is decoded and acted on. A peer has at most one Join and one Heartbeat in flight; every call has a
- * deadline (peer.timeout, shorter for Leave). */
+ * reply is decoded and acted on. A peer has at most one Join and one Heartbeat in flight;
+ * every call has a deadline (peer.timeout, shorter for Leave). */
 #include "daemon/cluster/peers.h"
 
 #include <errno.h>
@@ -204,25 +204,26 @@ void fsdp_peer_security_cleanup(fsdp_peer_security_t *sec) {
   free_secret(&sec->tls_ca);
 }
 
-int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_peer_security_t *ret,
-                            fsdp_status_t *st) {
-  memset(ret, 0, sizeof *ret);
+int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_status_t *st,
+                            fsdp_peer_security_t *ret) {
+  fsdp_peer_security_t sec = {0};
   const char *token = fsdp_config_text(cfg, FSDP_OPTION_PEER_TOKEN_FILE);
   int r = 0;
-  if (token[0] && (r = read_secret_file("peer.token_file", token, true, &ret->token, st)) < 0)
+  if (token[0] && (r = read_secret_file("peer.token_file", token, true, &sec.token, st)) < 0)
     goto fail;
   const char *cert = fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CERT);
   if (cert[0]) {
-    if ((r = read_secret_file("peer.tls_cert", cert, false, &ret->tls_cert, st)) < 0 ||
+    if ((r = read_secret_file("peer.tls_cert", cert, false, &sec.tls_cert, st)) < 0 ||
         (r = read_secret_file("peer.tls_key", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_KEY),
-                              false, &ret->tls_key, st)) < 0 ||
+                              false, &sec.tls_key, st)) < 0 ||
         (r = read_secret_file("peer.tls_ca", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CA),
-                              false, &ret->tls_ca, st)) < 0)
+                              false, &sec.tls_ca, st)) < 0)
       goto fail;
   }
+  *ret = sec;
   return 0;
 fail:
-  fsdp_peer_security_cleanup(ret);
+  fsdp_peer_security_cleanup(&sec);
   return r;
 }
 
@@ -631,8 +632,8 @@ static void on_ready(void *data) {
 }
 
 int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
-                   const fsdp_peers_callbacks_t *callbacks, fsdp_peers_t **ret_peers,
-                   fsdp_status_t *st) {
+                   const fsdp_peers_callbacks_t *callbacks, fsdp_status_t *st,
+                   fsdp_peers_t **ret_peers) {
   fsdp_peers_t *peers = calloc(1, sizeof *peers);
   if (!peers)
     return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
@@ -858,7 +859,14 @@ static void maybe_finish_close(fsdp_peers_t *peers) {
 void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data) {
   run_waiters(peers, FSDP_E_CANCELLED, "fsdpd is stopping");
   if (!peers->started) {
-    done(data);
+    /* Nothing to end, but done still runs later, as after every close: a handle closed at
+     * once brings it on the loop's next turn. */
+    peers->done = done;
+    peers->done_data = data;
+    uv_timer_init(peers->loop, &peers->timer);
+    peers->timer.data = peers;
+    peers->open_handles = 1;
+    uv_close((uv_handle_t *)&peers->timer, on_handle_closed);
     return;
   }
   peers->closing = true;
@@ -1200,7 +1208,7 @@ static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, siz
   if (fsdp_address_copy(&p->checking, &p->checking_len, bytes, len) < 0)
     return fsdp_status_set(st, -ENOMEM, "out of memory to check the data-plane address");
   int r = fsdp_address_check_start(peers->loop, bytes, len, peers->address_check_ms,
-                                   on_check_done, p, &p->check, st);
+                                   on_check_done, p, st, &p->check);
   if (r < 0) {
     log_error("peers: checking the data-plane address of host %u (%s): %s", p->rank,
               p->m->address, st->message);

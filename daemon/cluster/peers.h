@@ -68,15 +68,15 @@ typedef struct fsdp_peer_security {
   char *tls_cert, *tls_key, *tls_ca; /* PEM text; all NULL: plaintext */
 } fsdp_peer_security_t;
 
-int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_peer_security_t *ret,
-                            fsdp_status_t *st);
+int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_status_t *st,
+                            fsdp_peer_security_t *ret);
 void fsdp_peer_security_cleanup(fsdp_peer_security_t *sec);
 
 /* Builds the table from cfg (cluster.*, peer.*); borrows sec (it must outlive the peers)
  * and callbacks (copied). Joining starts with fsdp_peers_start. */
 int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
-                   const fsdp_peers_callbacks_t *callbacks, fsdp_peers_t **ret_peers,
-                   fsdp_status_t *st);
+                   const fsdp_peers_callbacks_t *callbacks, fsdp_status_t *st,
+                   fsdp_peers_t **ret_peers);
 int fsdp_peers_start(fsdp_peers_t *peers);
 /* Replaces the callbacks (copied), e.g. once the data plane is up. */
 void fsdp_peers_set_callbacks(fsdp_peers_t *peers, const fsdp_peers_callbacks_t *callbacks);
@@ -90,7 +90,8 @@ int fsdp_peers_set_local_address(fsdp_peers_t *peers, const void *bytes, size_t 
 /* Sends Leave to every peer we are joined with, and stops joining and heartbeating. */
 void fsdp_peers_leave(fsdp_peers_t *peers, const char *why);
 /* Ends every call (a Leave in flight may finish within its short deadline), then the thread
- * and handles; `done` runs on the loop afterwards. Ready waiters get FSDP_E_CANCELLED. */
+ * and handles; `done` runs on the loop afterwards, never inside the call. Ready waiters get
+ * FSDP_E_CANCELLED. */
 void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data);
 /* Frees a table that was never started, or whose close has completed. NULL-safe. */
 void fsdp_peers_free(fsdp_peers_t *peers);

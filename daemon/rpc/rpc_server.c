@@ -1022,8 +1022,8 @@ fail:
   return -EINVAL;
 }
 
-int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
-                             fsdp_status_t *st) {
+int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
+                             fsdp_status_t *st, int *ret_port) {
   int port = grpc_server_add_http2_port(endpoint->grpc, address,
                                         endpoint->credentials ? endpoint->credentials
                                                               : endpoint->server->credentials);

@@ -119,8 +119,8 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
 void fsdp_rpc_endpoint_set_max_inflight(fsdp_rpc_endpoint_t *endpoint,
                                         unsigned max_inflight_calls);
 /* Listens on a TCP address "host:port" (port 0 picks one, returned). Before start. */
-int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
-                             fsdp_status_t *st);
+int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
+                             fsdp_status_t *st, int *ret_port);
 /* Hands a connected, non-blocking socket to the endpoint; takes ownership of fd. After start.
  * peer_name (copied; NULL: gRPC's "fd:N") is what fsdp_rpc_call_peer_name() gives for its
  * calls: the relay's client address, in gRPC's form ("ipv4:127.0.0.1:41234"). */

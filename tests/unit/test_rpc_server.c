@@ -203,7 +203,7 @@ static fixture_t *run(client_fn client, unsigned max_inflight, uint64_t drain_ms
       0);
   int port = 0;
   fsdp_status_t st;
-  assert_int_equal(fsdp_rpc_endpoint_listen(endpoint, "127.0.0.1:0", &port, &st), 0);
+  assert_int_equal(fsdp_rpc_endpoint_listen(endpoint, "127.0.0.1:0", &st, &port), 0);
   snprintf(f->target, sizeof f->target, "127.0.0.1:%d", port);
   assert_int_equal(fsdp_rpc_server_start(f->server), 0);
 
