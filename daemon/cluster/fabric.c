@@ -209,11 +209,6 @@ static void on_ucx_closed(void *data) {
 }
 
 void fsdp_fabric_close(fsdp_fabric_t *fabric, void (*done)(void *data), void *data) {
-  if (!fabric) {
-    if (done)
-      done(data);
-    return;
-  }
   fsdp_peers_set_callbacks(fabric->peers, &(fsdp_peers_callbacks_t){0});
   fabric->closing = true;
   fabric->done = done;

@@ -44,7 +44,7 @@ const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size
 void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr, size_t len);
 
 /* Fails every transfer (their collectives end CANCELLED), closes the worker and frees the
- * fabric; done(data) runs on the loop afterwards. NULL: done runs at once. */
+ * fabric; done(data) runs on the loop afterwards, never inside the call. */
 void fsdp_fabric_close(fsdp_fabric_t *fabric, void (*done)(void *data), void *data);
 
 #endif
