@@ -131,7 +131,8 @@ void fsdp_membership_join_unreachable(fsdp_membership_t *membership, unsigned ho
                                       uint64_t now_ms, const char *why);
 
 /* The in half: the host's Join, checked, at this incarnation and data-plane address
- * (copied). 0, or -ENOMEM with nothing changed but the incarnation. */
+ * (copied). 0, or -ENOMEM with the in half not taken (a new incarnation still ended the
+ * old relationship). */
 int fsdp_membership_join_received(fsdp_membership_t *membership, unsigned host_rank,
                                   uint64_t now_ms, uint64_t incarnation,
                                   const uint8_t *ucx_address, size_t ucx_address_len);
