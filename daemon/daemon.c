@@ -307,7 +307,10 @@ static void on_rpc_stopped(void *data) {
   daemon->rpc = NULL;
   /* Collectives among hosts still running end CANCELLED; then the peers go. */
   fsdp_dataplane_set_cluster(&daemon->dataplane, NULL, NULL, 0);
-  fsdp_fabric_close(daemon->fabric, on_fabric_closed, daemon);
+  if (daemon->fabric)
+    fsdp_fabric_close(daemon->fabric, on_fabric_closed, daemon);
+  else
+    on_fabric_closed(daemon); /* one host: there is no fabric */
   fsdp_channel_stop(&daemon->channel);
   fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_listener_close(&daemon->listener);

@@ -14,7 +14,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "daemon/cluster/fabric.h"
 #include "proto/host/formats.h"
 #include "transport/ucx.h"
 
@@ -269,7 +268,7 @@ int fsdp_address_check_main(void) {
     uv_loop_t loop;
     fsdp_ucx_t *ucx;
     fsdp_ucx_peer_t *peer;
-    fsdp_ucx_options_t options = {.err_mode = FSDP_FABRIC_UCX_ERR_MODE};
+    fsdp_ucx_options_t options = {.err_mode = FSDP_DATA_PLANE_UCX_ERR_MODE};
     if (uv_loop_init(&loop) < 0 || fsdp_ucx_new(&loop, &options, &ucx, &st) < 0)
       code = CHECK_CANNOT;
     else if (fsdp_ucx_connect(ucx, address, len, "the peer", &peer, &st) == 0)

@@ -24,6 +24,12 @@
 #include <uv.h>
 
 #include "common/status.h"
+#include "transport/ucx.h"
+
+/* How the data plane's worker handles peer failures: the fabric (fabric.h) makes its worker
+ * with it, and the check makes its own the same way, so that UCX unpacks a peer's address as
+ * the fabric's would. */
+#define FSDP_DATA_PLANE_UCX_ERR_MODE FSDP_UCX_ERR_AUTO
 
 /* argv[1] of the checking process; main() hands it to fsdp_address_check_main at once. */
 #define FSDP_ADDRESS_CHECK_FLAG "--check-peer-address"

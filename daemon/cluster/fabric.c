@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "daemon/cluster/address_check.h"
 
 typedef struct fabric_host {
   fsdp_ucx_peer_t *peer; /* the current connection, NULL while none */
@@ -91,10 +92,11 @@ static void on_lost(void *data, unsigned host_rank, const char *why) {
 
 int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fabric,
                     fsdp_status_t *st) {
-  *ret_fabric = NULL;
   unsigned n = fsdp_peers_host_count(peers);
-  if (n == 1)
+  if (n == 1) {
+    *ret_fabric = NULL;
     return 0;
+  }
   fsdp_fabric_t *f = calloc(1, sizeof *f);
   fabric_host_t *hosts = calloc(n, sizeof *hosts);
   if (!f || !hosts) {
@@ -110,7 +112,7 @@ int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fa
     snprintf(hosts[i].label, sizeof hosts[i].label, "host %u (%s)", i, info.address);
     snprintf(hosts[i].why, sizeof hosts[i].why, "%s has not joined", hosts[i].label);
   }
-  fsdp_ucx_options_t options = {.err_mode = FSDP_FABRIC_UCX_ERR_MODE};
+  fsdp_ucx_options_t options = {.err_mode = FSDP_DATA_PLANE_UCX_ERR_MODE};
   int r = fsdp_ucx_new(loop, &options, &f->ucx, st);
   if (r < 0) {
     free(hosts);
@@ -207,11 +209,6 @@ static void on_ucx_closed(void *data) {
 }
 
 void fsdp_fabric_close(fsdp_fabric_t *fabric, void (*done)(void *data), void *data) {
-  if (!fabric) {
-    if (done)
-      done(data);
-    return;
-  }
   fsdp_peers_set_callbacks(fabric->peers, &(fsdp_peers_callbacks_t){0});
   fabric->closing = true;
   fabric->done = done;

@@ -21,10 +21,6 @@
 
 typedef struct fsdp_fabric fsdp_fabric_t;
 
-/* How the fabric's worker handles peer failures; the address check (address_check.h) makes
- * its worker the same way, so that UCX unpacks a peer's address as the fabric's would. */
-#define FSDP_FABRIC_UCX_ERR_MODE FSDP_UCX_ERR_AUTO
-
 /* Starts the worker and hands its address and the join/loss callbacks to peers (which must
  * outlive the fabric's close). *ret_fabric is NULL on one host. */
 int fsdp_fabric_new(uv_loop_t *loop, fsdp_peers_t *peers, fsdp_fabric_t **ret_fabric,
@@ -48,7 +44,7 @@ const fsdp_ucx_mem_t *fsdp_fabric_memory(fsdp_fabric_t *fabric, void *addr, size
 void fsdp_fabric_forget_memory(fsdp_fabric_t *fabric, const void *addr, size_t len);
 
 /* Fails every transfer (their collectives end CANCELLED), closes the worker and frees the
- * fabric; done(data) runs on the loop afterwards. NULL: done runs at once. */
+ * fabric; done(data) runs on the loop afterwards, never inside the call. */
 void fsdp_fabric_close(fsdp_fabric_t *fabric, void (*done)(void *data), void *data);
 
 #endif

@@ -1,22 +1,16 @@
-/* The peer table and the Peer client: joins, heartbeats and leaves, as a small asynchronous
- * gRPC client on a completion queue of its own.
+/* The Peer client: joins, heartbeats and leaves, as a small asynchronous gRPC client on a
+ * completion queue of its own, driving the membership state machine (membership.h), which
+ * decides what each message means and what to send next; this file does the calls, the
+ * checks of what peers send, the clock and the waiters.
  *
- * Each peer has two halves of a relationship: `in` (it joined us: we accepted its Join at
- * its current incarnation) and `out` (we joined it: it accepted ours). JOINED is both. Any
- * sign that one half is gone (a Heartbeat refused as "not joined", a new incarnation, a
- * Leave, silence for peer.timeout) drops both, tells the data plane if the peer was JOINED,
- * and the join starts over; the other side hears the same through its own calls, so the two
- * converge without more protocol.
- *
- * Calls. Each call is one batch of all six client ops, tagged with its own context. The CQ
- * thread only moves completed contexts onto a list and wakes the loop; the loop decodes the
- * reply and acts. A peer has at most one Join and one Heartbeat in flight; every call has a
- * deadline (peer.timeout, shorter for Leave). */
+ * Calls. Each call is one batch of all six client ops, tagged with its own context, on a
+ * completion queue that the bridge (daemon/rpc/cq_bridge.h) drains onto the loop, where the
+ * reply is decoded and acted on. A peer has at most one Join and one Heartbeat in flight;
+ * every call has a deadline (peer.timeout, shorter for Leave). */
 #include "daemon/cluster/peers.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,13 +28,12 @@
 
 #include "common/log.h"
 #include "daemon/cluster/address_check.h"
+#include "daemon/cluster/membership.h"
 #include "daemon/cluster/peer_check.h"
+#include "daemon/rpc/cq_bridge.h"
 #include "proto/host/formats.h"
 #include "proto/wire.h"
 
-/* Join retries: from JOIN_BACKOFF_MIN_MS doubling to JOIN_BACKOFF_MAX_MS. */
-#define JOIN_BACKOFF_MIN_MS 50
-#define JOIN_BACKOFF_MAX_MS 1000
 /* A Leave must not hold up a stop. */
 #define LEAVE_DEADLINE_MAX_MS 1000
 /* Joins of one host held at once while its address or incarnation is being checked. */
@@ -67,27 +60,15 @@ typedef struct pcall {
   const char *error_string;
   bool success;
   uint64_t sent_ns;
-  struct pcall *next; /* the completed list, then the loop */
   struct pcall *all_prev, *all_next; /* every call in flight */
 } pcall_t;
 
+/* What the client keeps of a host beside its membership row. */
 struct peer {
   fsdp_peers_t *owner;
   unsigned rank;
-  char address[320];
+  const fsdp_member_t *m; /* its row in the membership */
   grpc_channel *channel;
-  fsdp_peer_state_t state;
-  bool in, out;
-  bool announced; /* the data plane was told joined, and not yet lost */
-  bool rejoin;    /* send Join again although out (the local address changed) */
-  uint64_t incarnation;
-  uint64_t last_heard_ms; /* 0: never */
-  uint64_t rtt_us;
-  char last_error[512];
-  /* The refusals last logged each way, so that a retry every second logs nothing new. */
-  char logged_in_refusal[512], logged_out_refusal[512];
-  uint8_t *ucx; /* the data-plane address in use, which passed its check */
-  size_t ucx_len;
   /* The last address that passed a check, and the one being checked (one at a time). */
   uint8_t *verified, *checking;
   size_t verified_len, checking_len;
@@ -95,13 +76,9 @@ struct peer {
   /* The address of the reply to our Join, held while it is checked. */
   uint8_t *reply_ucx;
   size_t reply_ucx_len;
-  bool out_waits;
   fsdp_peers_join_t *pending; /* its Joins being checked */
   unsigned n_pending;
   uint64_t logged_impostor; /* the incarnation last refused as another daemon's */
-  pcall_t *join_call, *heartbeat_call;
-  uint64_t next_join_ms, next_heartbeat_ms;
-  unsigned backoff_ms;
 };
 
 /* A peer's Join held while its address is checked or its incarnation confirmed. */
@@ -121,6 +98,7 @@ struct fsdp_peers_join {
 struct fsdp_peers {
   uv_loop_t *loop;
   unsigned n, self;
+  fsdp_membership_t *m;
   peer_t *peers; /* n of them; peers[self] is this daemon */
   uint64_t incarnation;
   uint64_t heartbeat_ms, timeout_ms, join_deadline_ms, address_check_ms;
@@ -135,40 +113,17 @@ struct fsdp_peers {
   size_t local_ucx_len;
 
   /* formed: the cluster had been ready; from then on a waiter waits peer.timeout. */
-  bool started, leaving, closing, ready, formed, deadline_passed;
+  bool started, closing, formed, deadline_passed;
   fsdp_peers_waiter_t *waiters;
 
-  grpc_completion_queue *cq;
-  pthread_t thread;
-  bool thread_started, grpc_initialized, channels_gone, handles_closing;
-  pthread_mutex_t lock;
-  pcall_t *completed; /* filled by the CQ thread */
-  bool thread_exited;
+  fsdp_cq_bridge_t *bridge; /* the client's completion queue, drained onto the loop */
+  bool grpc_initialized, channels_gone;
   pcall_t *inflight;
-  uv_async_t async;
   uv_timer_t timer, deadline_timer;
   int open_handles;
   void (*done)(void *data);
   void *done_data;
 };
-
-const char *fsdp_peer_state_name(fsdp_peer_state_t state) {
-  switch (state) {
-  case FSDP_PEER_SELF:
-    return "SELF";
-  case FSDP_PEER_JOINING:
-    return "JOINING";
-  case FSDP_PEER_JOINED:
-    return "JOINED";
-  case FSDP_PEER_LOST:
-    return "LOST";
-  case FSDP_PEER_LEFT:
-    return "LEFT";
-  case FSDP_PEER_REFUSED:
-    return "REFUSED";
-  }
-  return "UNKNOWN";
-}
 
 static const char *const status_names[] = {
     "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
@@ -251,45 +206,35 @@ void fsdp_peer_security_cleanup(fsdp_peer_security_t *sec) {
 
 int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_peer_security_t *ret,
                             fsdp_status_t *st) {
-  memset(ret, 0, sizeof *ret);
+  fsdp_peer_security_t sec = {0};
   const char *token = fsdp_config_text(cfg, FSDP_OPTION_PEER_TOKEN_FILE);
   int r = 0;
-  if (token[0] && (r = read_secret_file("peer.token_file", token, true, &ret->token, st)) < 0)
+  if (token[0] && (r = read_secret_file("peer.token_file", token, true, &sec.token, st)) < 0)
     goto fail;
   const char *cert = fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CERT);
   if (cert[0]) {
-    if ((r = read_secret_file("peer.tls_cert", cert, false, &ret->tls_cert, st)) < 0 ||
+    if ((r = read_secret_file("peer.tls_cert", cert, false, &sec.tls_cert, st)) < 0 ||
         (r = read_secret_file("peer.tls_key", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_KEY),
-                              false, &ret->tls_key, st)) < 0 ||
+                              false, &sec.tls_key, st)) < 0 ||
         (r = read_secret_file("peer.tls_ca", fsdp_config_text(cfg, FSDP_OPTION_PEER_TLS_CA),
-                              false, &ret->tls_ca, st)) < 0)
+                              false, &sec.tls_ca, st)) < 0)
       goto fail;
   }
+  *ret = sec;
   return 0;
 fail:
-  fsdp_peer_security_cleanup(ret);
+  fsdp_peer_security_cleanup(&sec);
   return r;
 }
 
-/* --- state changes --------------------------------------------------------------------- */
+/* --- helpers --------------------------------------------------------------------------- */
 
 static uint64_t now_ms(const fsdp_peers_t *peers) {
   return uv_now(peers->loop);
 }
 
-static void set_error(peer_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void set_error(peer_t *p, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(p->last_error, sizeof p->last_error, fmt, ap);
-  va_end(ap);
-}
-
-static bool all_joined(const fsdp_peers_t *peers) {
-  for (unsigned i = 0; i < peers->n; i++)
-    if (i != peers->self && peers->peers[i].state != FSDP_PEER_JOINED)
-      return false;
-  return true;
+static bool leaving(const fsdp_peers_t *peers) {
+  return fsdp_membership_leaving(peers->m);
 }
 
 static void run_waiters(fsdp_peers_t *peers, int status, const char *why) {
@@ -301,89 +246,10 @@ static void run_waiters(fsdp_peers_t *peers, int status, const char *why) {
   }
 }
 
-static void check_ready(fsdp_peers_t *peers) {
-  bool ready = all_joined(peers);
-  if (ready && !peers->ready) {
-    log_info("peers: all %u hosts joined; the cluster is ready", peers->n);
-    peers->ready = peers->formed = true;
-    run_waiters(peers, 0, "");
-  } else if (!ready) {
-    peers->ready = false;
-  }
-}
-
-/* Both halves are gone; tells the data plane if the peer was JOINED. */
-static void drop(fsdp_peers_t *peers, peer_t *p, fsdp_peer_state_t state, const char *why) {
-  bool was_joined = p->state == FSDP_PEER_JOINED;
-  p->in = p->out = false;
-  p->rejoin = false;
-  p->state = state;
-  snprintf(p->last_error, sizeof p->last_error, "%s", why);
-  p->next_join_ms = now_ms(peers);
-  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
-  if (was_joined)
-    log_warning("peers: host %u (%s) is %s: %s", p->rank, p->address,
-                fsdp_peer_state_name(state), why);
-  if (p->announced) {
-    p->announced = false;
-    char msg[700];
-    snprintf(msg, sizeof msg, "host %u (%s) %s: %s", p->rank, p->address,
-             state == FSDP_PEER_LEFT ? "left" : "lost", why);
-    if (peers->cb.lost)
-      peers->cb.lost(peers->cb.data, p->rank, msg);
-  }
-  check_ready(peers);
-}
-
-static void maybe_joined(fsdp_peers_t *peers, peer_t *p) {
-  if (!p->in || !p->out || p->state == FSDP_PEER_JOINED)
-    return;
-  p->state = FSDP_PEER_JOINED;
-  p->last_error[0] = p->logged_in_refusal[0] = p->logged_out_refusal[0] = '\0';
-  p->next_heartbeat_ms = now_ms(peers);
-  log_info("peers: host %u (%s) joined, incarnation %016llx, data-plane address of %zu bytes",
-           p->rank, p->address, (unsigned long long)p->incarnation, p->ucx_len);
-  p->announced = true;
-  if (peers->cb.joined)
-    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
-  check_ready(peers);
-}
-
-/* A peer answered with, or joined as, another incarnation than the one we knew. */
-static void check_incarnation(fsdp_peers_t *peers, peer_t *p, uint64_t incarnation) {
-  if (p->incarnation == incarnation)
-    return;
-  if (p->incarnation && (p->in || p->out)) {
-    char why[128];
-    snprintf(why, sizeof why, "restarted (incarnation %016llx, before %016llx)",
-             (unsigned long long)incarnation, (unsigned long long)p->incarnation);
-    drop(peers, p, FSDP_PEER_JOINING, why);
-  }
-  p->incarnation = incarnation;
-}
-
-static bool same_bytes(const uint8_t *a, size_t a_len, const uint8_t *b, size_t b_len) {
-  return a_len == b_len && (a_len == 0 || memcmp(a, b, a_len) == 0);
-}
-
-/* *dst becomes a copy of [bytes, len); 1 if that changed it, 0 if not, -ENOMEM. */
-static int copy_bytes(uint8_t **dst, size_t *dst_len, const uint8_t *bytes, size_t len) {
-  if (*dst && same_bytes(*dst, *dst_len, bytes, len))
-    return 0;
-  uint8_t *copy = malloc(len ? len : 1);
-  if (!copy)
-    return -ENOMEM;
-  if (len)
-    memcpy(copy, bytes, len);
-  free(*dst);
-  *dst = copy;
-  *dst_len = len;
-  return 1;
-}
-
 /* An address nothing in UCX needs to unpack (none at all), or the one that last passed. */
 static bool address_verified(const peer_t *p, const uint8_t *bytes, size_t len) {
-  return len == 0 || (p->verified && same_bytes(p->verified, p->verified_len, bytes, len));
+  return len == 0 ||
+         (p->verified && fsdp_address_equal(p->verified, p->verified_len, bytes, len));
 }
 
 /* --- the client -------------------------------------------------------------------------- */
@@ -400,30 +266,6 @@ static void pcall_free(pcall_t *c) {
   grpc_slice_unref(c->details);
   gpr_free((void *)c->error_string);
   free(c);
-}
-
-static void *cq_thread_main(void *arg) {
-  fsdp_peers_t *peers = arg;
-  for (;;) {
-    grpc_event ev = grpc_completion_queue_next(peers->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC),
-                                               NULL);
-    if (ev.type == GRPC_QUEUE_SHUTDOWN)
-      break;
-    if (ev.type != GRPC_OP_COMPLETE)
-      continue;
-    pcall_t *c = ev.tag;
-    c->success = ev.success;
-    pthread_mutex_lock(&peers->lock);
-    c->next = peers->completed;
-    peers->completed = c;
-    pthread_mutex_unlock(&peers->lock);
-    uv_async_send(&peers->async);
-  }
-  pthread_mutex_lock(&peers->lock);
-  peers->thread_exited = true;
-  pthread_mutex_unlock(&peers->lock);
-  uv_async_send(&peers->async);
-  return NULL;
 }
 
 static const char *method_path(call_kind_t kind) {
@@ -456,7 +298,8 @@ static pcall_t *start_call(fsdp_peers_t *peers, peer_t *p, call_kind_t kind,
   }
   gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                        gpr_time_from_millis((int64_t)deadline_ms, GPR_TIMESPAN));
-  c->call = grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS, peers->cq,
+  c->call = grpc_channel_create_call(p->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
+                                     fsdp_cq_bridge_queue(peers->bridge),
                                      grpc_slice_from_static_string(method_path(kind)), NULL,
                                      deadline, NULL);
   grpc_op ops[6];
@@ -493,7 +336,9 @@ static pcall_t *start_call(fsdp_peers_t *peers, peer_t *p, call_kind_t kind,
   return c;
 }
 
-static void send_join(fsdp_peers_t *peers, peer_t *p) {
+/* The membership's actions: a Join or a Heartbeat to a host. */
+static bool send_join(void *data, unsigned host_rank) {
+  fsdp_peers_t *peers = data;
   Fsdp__V1__JoinRequest rq = FSDP__V1__JOIN_REQUEST__INIT;
   Fsdp__V1__Setting *settings[N_SETTINGS];
   for (size_t i = 0; i < N_SETTINGS; i++)
@@ -505,62 +350,41 @@ static void send_join(fsdp_peers_t *peers, peer_t *p) {
   rq.ucx_worker_address.data = peers->local_ucx;
   rq.ucx_worker_address.len = peers->local_ucx_len;
   rq.incarnation = peers->incarnation;
-  p->rejoin = false;
-  p->join_call = start_call(peers, p, CALL_JOIN, &rq.base, peers->timeout_ms);
-  if (!p->join_call)
-    p->next_join_ms = now_ms(peers) + p->backoff_ms;
+  return start_call(peers, &peers->peers[host_rank], CALL_JOIN, &rq.base, peers->timeout_ms) !=
+         NULL;
 }
 
-static void send_heartbeat(fsdp_peers_t *peers, peer_t *p) {
+static bool send_heartbeat(void *data, unsigned host_rank) {
+  fsdp_peers_t *peers = data;
   Fsdp__V1__HeartbeatRequest rq = FSDP__V1__HEARTBEAT_REQUEST__INIT;
   rq.host_rank = peers->self;
   rq.incarnation = peers->incarnation;
   rq.sent_ns = uv_hrtime();
-  p->next_heartbeat_ms = now_ms(peers) + peers->heartbeat_ms;
-  p->heartbeat_call = start_call(peers, p, CALL_HEARTBEAT, &rq.base, peers->timeout_ms);
-  if (p->heartbeat_call)
-    p->heartbeat_call->sent_ns = rq.sent_ns;
+  pcall_t *c = start_call(peers, &peers->peers[host_rank], CALL_HEARTBEAT, &rq.base,
+                          peers->timeout_ms);
+  if (c)
+    c->sent_ns = rq.sent_ns;
+  return c != NULL;
 }
 
-static void join_failed(fsdp_peers_t *peers, peer_t *p, bool refused) {
-  p->next_join_ms = now_ms(peers) + p->backoff_ms;
-  p->backoff_ms = p->backoff_ms * 2 > JOIN_BACKOFF_MAX_MS ? JOIN_BACKOFF_MAX_MS : p->backoff_ms * 2;
-  if (refused) {
-    if (strcmp(p->logged_out_refusal, p->last_error) != 0) {
-      log_error("peers: host %u (%s) refused: %s", p->rank, p->address, p->last_error);
-      snprintf(p->logged_out_refusal, sizeof p->logged_out_refusal, "%s", p->last_error);
-    }
-    if (p->state == FSDP_PEER_JOINED)
-      drop(peers, p, FSDP_PEER_REFUSED, p->last_error);
-    p->state = FSDP_PEER_REFUSED;
-  }
-}
-
-/* A Join's or Heartbeat's failure in words: "Join: UNAVAILABLE: <details>". */
-static void record_failure(peer_t *p, const pcall_t *c, const char *what) {
+/* A call's failure in words: "Join: UNAVAILABLE: <details>". */
+static void describe_failure(const pcall_t *c, char *buf, size_t size) {
   const char *name = c->kind == CALL_JOIN ? "Join" : c->kind == CALL_HEARTBEAT ? "Heartbeat" : "Leave";
   int len = (int)GRPC_SLICE_LENGTH(c->details);
-  set_error(p, "%s: %s: %.*s%s", name, status_name(c->status), len,
-            (const char *)GRPC_SLICE_START_PTR(c->details), what);
+  snprintf(buf, size, "%s: %s: %.*s", name, status_name(c->status), len,
+           (const char *)GRPC_SLICE_START_PTR(c->details));
 }
 
-/* The out half: the host at its own address accepted our Join, and its data-plane address
- * passed its check. */
-static void complete_out(fsdp_peers_t *peers, peer_t *p) {
-  int r = copy_bytes(&p->ucx, &p->ucx_len, p->reply_ucx, p->reply_ucx_len);
-  if (r < 0) {
-    set_error(p, "Join: out of memory for its data-plane address");
-    join_failed(peers, p, false);
-    return;
-  }
-  p->out = true;
-  p->last_heard_ms = now_ms(peers);
-  p->backoff_ms = JOIN_BACKOFF_MIN_MS;
-  if (p->state == FSDP_PEER_REFUSED)
-    p->state = FSDP_PEER_JOINING;
-  if (p->state == FSDP_PEER_JOINED && r > 0 && peers->cb.joined)
-    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
-  maybe_joined(peers, p);
+/* Our Join failed (refused: by the host, or its reply did not pass), with why in words. */
+static void join_failed(fsdp_peers_t *peers, peer_t *p, bool refused, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void join_failed(fsdp_peers_t *peers, peer_t *p, bool refused, const char *fmt, ...) {
+  char why[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  fsdp_membership_join_failed(peers->m, p->rank, now_ms(peers), refused, why);
 }
 
 static void check_reply_address(fsdp_peers_t *peers, peer_t *p);
@@ -572,28 +396,26 @@ static bool take_join_reply(fsdp_peers_t *peers, peer_t *p, const pcall_t *c) {
   ProtobufCMessage *msg;
   fsdp_status_t st;
   if (fsdp_wire_decode(&fsdp__v1__join_reply__descriptor, c->recv, &msg, &st) < 0) {
-    set_error(p, "Join: bad reply: %s", st.message);
-    join_failed(peers, p, true);
+    join_failed(peers, p, true, "Join: bad reply: %s", st.message);
     return false;
   }
   const Fsdp__V1__JoinReply *reply = (const void *)msg;
-  if (fsdp_peer_check_join_reply(&peers->rules, p->rank, p->address, reply, &st) < 0) {
-    set_error(p, "Join: %s", st.message);
+  if (fsdp_peer_check_join_reply(&peers->rules, p->rank, p->m->address, reply, &st) < 0) {
     protobuf_c_message_free_unpacked(msg, NULL);
-    join_failed(peers, p, true);
+    join_failed(peers, p, true, "Join: %s", st.message);
     return false;
   }
-  check_incarnation(peers, p, reply->incarnation);
-  int r = copy_bytes(&p->reply_ucx, &p->reply_ucx_len, reply->ucx_worker_address.data,
-                     reply->ucx_worker_address.len);
+  fsdp_membership_join_replied(peers->m, p->rank, now_ms(peers), reply->incarnation);
+  int r = fsdp_address_copy(&p->reply_ucx, &p->reply_ucx_len, reply->ucx_worker_address.data,
+                            reply->ucx_worker_address.len);
   protobuf_c_message_free_unpacked(msg, NULL);
   if (r < 0) {
-    set_error(p, "Join: out of memory for its data-plane address");
-    join_failed(peers, p, false);
+    join_failed(peers, p, false, "Join: out of memory for its data-plane address");
     return false;
   }
   if (address_verified(p, p->reply_ucx, p->reply_ucx_len)) {
-    complete_out(peers, p);
+    fsdp_membership_join_accepted(peers->m, p->rank, now_ms(peers), p->reply_ucx,
+                                  p->reply_ucx_len);
     return true;
   }
   /* Joined once its address passed (on_check_done); no other Join meanwhile. */
@@ -602,8 +424,7 @@ static bool take_join_reply(fsdp_peers_t *peers, peer_t *p, const pcall_t *c) {
 }
 
 static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
-  p->join_call = NULL;
-  if (peers->leaving)
+  if (leaving(peers))
     return;
   if (c->status != GRPC_STATUS_OK) {
     bool refused = c->status == GRPC_STATUS_FAILED_PRECONDITION ||
@@ -611,11 +432,12 @@ static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
                    c->status == GRPC_STATUS_PERMISSION_DENIED ||
                    c->status == GRPC_STATUS_INVALID_ARGUMENT ||
                    c->status == GRPC_STATUS_ALREADY_EXISTS;
-    /* Why a peer was lost, left or refused says more than that it is still unreachable. */
-    if (refused || (p->state != FSDP_PEER_LOST && p->state != FSDP_PEER_LEFT &&
-                    p->state != FSDP_PEER_REFUSED))
-      record_failure(p, c, "");
-    join_failed(peers, p, refused);
+    char failure[512];
+    describe_failure(c, failure, sizeof failure);
+    if (refused)
+      fsdp_membership_join_failed(peers->m, p->rank, now_ms(peers), true, failure);
+    else
+      fsdp_membership_join_unreachable(peers->m, p->rank, now_ms(peers), failure);
     char why[700];
     int len = (int)GRPC_SLICE_LENGTH(c->details);
     snprintf(why, sizeof why, "%s %.*s", status_name(c->status), len,
@@ -624,30 +446,30 @@ static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
     return;
   }
   bool ok = take_join_reply(peers, p, c);
-  confirmations_done(peers, p, ok ? NULL : p->last_error);
+  confirmations_done(peers, p, ok ? NULL : p->m->last_error);
 }
 
 static void on_heartbeat_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
-  p->heartbeat_call = NULL;
-  if (peers->leaving || !p->out)
-    return;
   if (c->status == GRPC_STATUS_FAILED_PRECONDITION) {
     /* It no longer counts us as joined (it restarted, or lost us): join again. */
     char why[600];
     int len = (int)GRPC_SLICE_LENGTH(c->details);
     snprintf(why, sizeof why, "it no longer counts this host as joined: %.*s", len,
              (const char *)GRPC_SLICE_START_PTR(c->details));
-    drop(peers, p, FSDP_PEER_JOINING, why);
+    fsdp_membership_heartbeat_refused(peers->m, p->rank, now_ms(peers), why);
     return;
   }
+  char why[600];
   if (c->status != GRPC_STATUS_OK) {
-    record_failure(p, c, "");
+    describe_failure(c, why, sizeof why);
+    fsdp_membership_heartbeat_failed(peers->m, p->rank, why);
     return;
   }
   ProtobufCMessage *msg;
   fsdp_status_t st;
   if (fsdp_wire_decode(&fsdp__v1__heartbeat_reply__descriptor, c->recv, &msg, &st) < 0) {
-    set_error(p, "Heartbeat: bad reply: %s", st.message);
+    snprintf(why, sizeof why, "Heartbeat: bad reply: %s", st.message);
+    fsdp_membership_heartbeat_failed(peers->m, p->rank, why);
     return;
   }
   const Fsdp__V1__HeartbeatReply *reply = (const void *)msg;
@@ -655,14 +477,12 @@ static void on_heartbeat_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
   uint64_t incarnation = reply->incarnation;
   protobuf_c_message_free_unpacked(msg, NULL);
   if (r < 0) {
-    set_error(p, "Heartbeat: %s", st.message);
+    snprintf(why, sizeof why, "Heartbeat: %s", st.message);
+    fsdp_membership_heartbeat_failed(peers->m, p->rank, why);
     return;
   }
-  check_incarnation(peers, p, incarnation);
-  if (!p->out)
-    return;
-  p->last_heard_ms = now_ms(peers);
-  p->rtt_us = (uv_hrtime() - c->sent_ns) / 1000;
+  fsdp_membership_heartbeat_answered(peers->m, p->rank, now_ms(peers), incarnation,
+                                     (uv_hrtime() - c->sent_ns) / 1000);
 }
 
 static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
@@ -684,7 +504,7 @@ static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
     break;
   case CALL_LEAVE:
     if (c->status != GRPC_STATUS_OK)
-      log_warning("peers: Leave to host %u (%s): %s", p->rank, p->address,
+      log_warning("peers: Leave to host %u (%s): %s", p->rank, p->m->address,
                   status_name(c->status));
     break;
   }
@@ -694,24 +514,15 @@ static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
 static void maybe_finish_close(fsdp_peers_t *peers);
 static void refuse_pending(fsdp_peers_t *peers);
 
-static void on_async(uv_async_t *handle) {
-  fsdp_peers_t *peers = handle->data;
-  pthread_mutex_lock(&peers->lock);
-  pcall_t *list = peers->completed;
-  peers->completed = NULL;
-  bool exited = peers->thread_exited;
-  pthread_mutex_unlock(&peers->lock);
-  /* The list is newest first; order does not matter between different calls. */
-  while (list) {
-    pcall_t *next = list->next;
-    on_call_done(peers, list);
-    list = next;
-  }
-  if (exited && peers->thread_started) {
-    pthread_join(peers->thread, NULL);
-    peers->thread_started = false;
-  }
-  maybe_finish_close(peers);
+/* The bridge's events: each is a call that completed. */
+static void on_call_event(void *data, void *tag, bool success) {
+  pcall_t *c = tag;
+  c->success = success;
+  on_call_done(data, c);
+}
+
+static void on_calls_drained(void *data) {
+  maybe_finish_close(data);
 }
 
 /* --- the timer --------------------------------------------------------------------------- */
@@ -720,26 +531,11 @@ static void expire_waiters(fsdp_peers_t *peers, uint64_t now);
 
 static void on_tick(uv_timer_t *timer) {
   fsdp_peers_t *peers = timer->data;
-  if (peers->leaving || peers->closing)
+  if (leaving(peers) || peers->closing)
     return;
   uint64_t now = now_ms(peers);
   expire_waiters(peers, now);
-  for (unsigned i = 0; i < peers->n; i++) {
-    peer_t *p = &peers->peers[i];
-    if (i == peers->self)
-      continue;
-    if ((p->in || p->out) && p->last_heard_ms && now - p->last_heard_ms >= peers->timeout_ms) {
-      char why[160];
-      snprintf(why, sizeof why, "no answer for %llu ms (peer.timeout %llu ms)",
-               (unsigned long long)(now - p->last_heard_ms),
-               (unsigned long long)peers->timeout_ms);
-      drop(peers, p, FSDP_PEER_LOST, why);
-    }
-    if ((!p->out || p->rejoin) && !p->join_call && !p->out_waits && now >= p->next_join_ms)
-      send_join(peers, p);
-    if (p->out && !p->heartbeat_call && now >= p->next_heartbeat_ms)
-      send_heartbeat(peers, p);
-  }
+  fsdp_membership_tick(peers->m, now);
 }
 
 static uint64_t tick_ms(const fsdp_peers_t *peers) {
@@ -749,20 +545,6 @@ static uint64_t tick_ms(const fsdp_peers_t *peers) {
   if (t > 100)
     t = 100;
   return t < 5 ? 5 : t;
-}
-
-/* The hosts that have not joined, with their last errors. */
-static void describe_missing(const fsdp_peers_t *peers, char *buf, size_t size) {
-  size_t used = 0;
-  buf[0] = '\0';
-  for (unsigned i = 0; i < peers->n && used < size; i++) {
-    const peer_t *p = &peers->peers[i];
-    if (i == peers->self || p->state == FSDP_PEER_JOINED)
-      continue;
-    used += (size_t)snprintf(buf + used, size - used, "%shost %u (%s) %s%s%s", used ? "; " : "",
-                             p->rank, p->address, fsdp_peer_state_name(p->state),
-                             p->last_error[0] ? ": " : "", p->last_error);
-  }
 }
 
 /* Fails the waiters whose time is up: those waiting for the cluster to form once
@@ -789,7 +571,7 @@ static void expire_waiters(fsdp_peers_t *peers, uint64_t now) {
   if (!due)
     return;
   char missing[2048], why[2300];
-  describe_missing(peers, missing, sizeof missing);
+  fsdp_membership_describe_missing(peers->m, missing, sizeof missing);
   snprintf(why, sizeof why, "%s; not back within peer.timeout (%llu ms)", missing,
            (unsigned long long)peers->timeout_ms);
   fail_waiters(peers, false, now, why);
@@ -798,10 +580,10 @@ static void expire_waiters(fsdp_peers_t *peers, uint64_t now) {
 static void on_join_deadline(uv_timer_t *timer) {
   fsdp_peers_t *peers = timer->data;
   peers->deadline_passed = true;
-  if (peers->ready || peers->formed)
+  if (fsdp_membership_ready(peers->m) || peers->formed)
     return;
   char missing[2048], why[2300];
-  describe_missing(peers, missing, sizeof missing);
+  fsdp_membership_describe_missing(peers->m, missing, sizeof missing);
   snprintf(why, sizeof why, "the cluster is not ready %llu ms after start (peer.join_timeout): %s",
            (unsigned long long)peers->join_deadline_ms, missing);
   log_error("peers: %s", why);
@@ -824,6 +606,29 @@ static void canonical_hosts(const fsdp_config_t *cfg, char *buf, size_t size) {
 static void set_timing(fsdp_peers_t *peers, uint64_t heartbeat_ms, uint64_t timeout_ms) {
   peers->heartbeat_ms = heartbeat_ms;
   peers->timeout_ms = timeout_ms;
+  if (peers->m)
+    fsdp_membership_set_timing(peers->m, heartbeat_ms, timeout_ms);
+}
+
+/* The membership's word that a peer joined or was lost goes to the data plane; that the
+ * cluster is ready, to the waiters. */
+static void on_member_joined(void *data, unsigned host_rank, uint64_t incarnation,
+                             const uint8_t *ucx_address, size_t ucx_address_len) {
+  fsdp_peers_t *peers = data;
+  if (peers->cb.joined)
+    peers->cb.joined(peers->cb.data, host_rank, incarnation, ucx_address, ucx_address_len);
+}
+
+static void on_member_lost(void *data, unsigned host_rank, const char *why) {
+  fsdp_peers_t *peers = data;
+  if (peers->cb.lost)
+    peers->cb.lost(peers->cb.data, host_rank, why);
+}
+
+static void on_ready(void *data) {
+  fsdp_peers_t *peers = data;
+  peers->formed = true;
+  run_waiters(peers, 0, "");
 }
 
 int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
@@ -844,7 +649,6 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   peers->join_deadline_ms = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_JOIN_TIMEOUT);
   peers->address_check_ms =
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_ADDRESS_CHECK_TIMEOUT);
-  pthread_mutex_init(&peers->lock, NULL);
   while (peers->incarnation == 0)
     if (getrandom(&peers->incarnation, sizeof peers->incarnation, 0) != sizeof peers->incarnation)
       peers->incarnation = uv_hrtime() ^ ((uint64_t)getpid() << 32);
@@ -865,7 +669,27 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
                                      .settings = peers->settings, .n_settings = N_SETTINGS};
 
   peers->peers = calloc(peers->n, sizeof *peers->peers);
-  if (!peers->peers) {
+  char(*addresses)[320] = calloc(peers->n, sizeof *addresses);
+  const char **names = calloc(peers->n, sizeof *names);
+  int r = peers->peers && addresses && names ? 0 : -ENOMEM;
+  for (unsigned i = 0; r == 0 && i < peers->n; i++) {
+    if (n)
+      fsdp_config_host(cfg, i, addresses[i], sizeof addresses[i]);
+    names[i] = addresses[i];
+  }
+  if (r == 0) {
+    fsdp_membership_options_t options = {
+        .n_hosts = peers->n, .self = peers->self, .incarnation = peers->incarnation,
+        .addresses = names, .heartbeat_interval_ms = peers->heartbeat_ms,
+        .timeout_ms = peers->timeout_ms,
+        .listener = {.send_join = send_join, .send_heartbeat = send_heartbeat,
+                     .joined = on_member_joined, .lost = on_member_lost, .ready = on_ready,
+                     .data = peers}};
+    r = fsdp_membership_new(&options, &peers->m);
+  }
+  free(addresses);
+  free(names);
+  if (r < 0) {
     fsdp_peers_free(peers);
     return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
   }
@@ -873,13 +697,8 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
     peer_t *p = &peers->peers[i];
     p->owner = peers;
     p->rank = i;
-    if (n)
-      fsdp_config_host(cfg, i, p->address, sizeof p->address);
-    p->state = i == peers->self ? FSDP_PEER_SELF : FSDP_PEER_JOINING;
-    p->backoff_ms = JOIN_BACKOFF_MIN_MS;
+    p->m = fsdp_membership_member(peers->m, i);
   }
-  peers->peers[peers->self].incarnation = peers->incarnation;
-  peers->ready = peers->n == 1;
   if (peers->n == 1) {
     *ret_peers = peers;
     return 0;
@@ -895,7 +714,13 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   }
   grpc_init();
   peers->grpc_initialized = true;
-  peers->cq = grpc_completion_queue_create_for_next(NULL);
+  if (fsdp_cq_bridge_new(loop,
+                         &(fsdp_cq_bridge_ops_t){.on_event = on_call_event,
+                                                 .on_drained = on_calls_drained},
+                         peers, &peers->bridge) < 0) {
+    fsdp_peers_free(peers);
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  }
   grpc_arg args[] = {
       {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = 4 << 20}},
       {GRPC_ARG_INTEGER, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, {.integer = 100}},
@@ -916,12 +741,13 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
     } else {
       creds = grpc_insecure_credentials_create();
     }
-    peers->peers[i].channel = grpc_channel_create(peers->peers[i].address, creds, &channel_args);
+    peers->peers[i].channel = grpc_channel_create(peers->peers[i].m->address, creds,
+                                                  &channel_args);
     grpc_channel_credentials_release(creds);
     if (!peers->peers[i].channel) {
       fsdp_peers_free(peers);
       return fsdp_status_set(st, FSDP_E_CONFIG, "key 'cluster.hosts': cannot make a channel to "
-                                                "'%s'", peers->peers[i].address);
+                                                "'%s'", peers->peers[i].m->address);
     }
   }
   *ret_peers = peers;
@@ -931,16 +757,13 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
 int fsdp_peers_start(fsdp_peers_t *peers) {
   if (peers->n == 1)
     return 0;
-  /* The thread first: if it cannot start, there is nothing to close, only to free. Until a
-   * call is started it never touches the async handle. */
-  int r = pthread_create(&peers->thread, NULL, cq_thread_main, peers);
-  if (r != 0)
-    return -r;
-  peers->thread_started = true;
-  uv_async_init(peers->loop, &peers->async, on_async);
+  /* The bridge first: if it cannot start, there is nothing to close, only to free. */
+  int r = fsdp_cq_bridge_start(peers->bridge);
+  if (r < 0)
+    return r;
   uv_timer_init(peers->loop, &peers->timer);
   uv_timer_init(peers->loop, &peers->deadline_timer);
-  peers->async.data = peers->timer.data = peers->deadline_timer.data = peers;
+  peers->timer.data = peers->deadline_timer.data = peers;
   peers->open_handles = 3;
   peers->started = true;
   log_info("peers: host %u of %u, incarnation %016llx, joining %u peers",
@@ -974,16 +797,14 @@ int fsdp_peers_set_local_address(fsdp_peers_t *peers, const void *bytes, size_t 
   free(peers->local_ucx);
   peers->local_ucx = copy;
   peers->local_ucx_len = len;
-  for (unsigned i = 0; i < peers->n; i++)
-    if (peers->peers[i].out)
-      peers->peers[i].rejoin = true;
+  fsdp_membership_rejoin_all(peers->m);
   return 0;
 }
 
 void fsdp_peers_leave(fsdp_peers_t *peers, const char *why) {
-  if (!peers || !peers->started || peers->leaving)
+  if (!peers || !peers->started || leaving(peers))
     return;
-  peers->leaving = true;
+  fsdp_membership_leave(peers->m);
   refuse_pending(peers);
   Fsdp__V1__LeaveRequest rq = FSDP__V1__LEAVE_REQUEST__INIT;
   rq.host_rank = peers->self;
@@ -994,7 +815,7 @@ void fsdp_peers_leave(fsdp_peers_t *peers, const char *why) {
   unsigned sent = 0;
   for (unsigned i = 0; i < peers->n; i++) {
     peer_t *p = &peers->peers[i];
-    if (i == peers->self || !(p->in || p->out))
+    if (i == peers->self || !(p->m->in || p->m->out))
       continue;
     if (start_call(peers, p, CALL_LEAVE, &rq.base, deadline))
       sent++;
@@ -1002,32 +823,35 @@ void fsdp_peers_leave(fsdp_peers_t *peers, const char *why) {
   log_info("peers: leaving (%s), told %u peer%s", why, sent, sent == 1 ? "" : "s");
 }
 
-static void on_handle_closed(uv_handle_t *handle) {
-  fsdp_peers_t *peers = handle->data;
+/* The handles and the bridge close apart; the last to go ends the close. */
+static void closed_one(fsdp_peers_t *peers) {
   if (--peers->open_handles > 0)
     return;
   if (peers->done)
     peers->done(peers->done_data);
 }
 
+static void on_handle_closed(uv_handle_t *handle) {
+  closed_one(handle->data);
+}
+
+static void on_bridge_closed(void *data) {
+  fsdp_peers_t *peers = data;
+  peers->bridge = NULL;
+  closed_one(peers);
+}
+
 static void maybe_finish_close(fsdp_peers_t *peers) {
-  if (!peers->closing || peers->inflight || peers->checks)
+  if (!peers->closing || peers->inflight || peers->checks || peers->channels_gone)
     return;
-  if (!peers->channels_gone) {
-    /* Every call is back: nothing more can be queued, so the queue may shut down; the
-     * thread sees it and exits, and wakes us once more. */
-    for (unsigned i = 0; i < peers->n; i++)
-      if (peers->peers[i].channel) {
-        grpc_channel_destroy(peers->peers[i].channel);
-        peers->peers[i].channel = NULL;
-      }
-    peers->channels_gone = true;
-    grpc_completion_queue_shutdown(peers->cq);
-  }
-  if (peers->thread_started || peers->handles_closing)
-    return;
-  peers->handles_closing = true;
-  uv_close((uv_handle_t *)&peers->async, on_handle_closed);
+  /* Every call is back: nothing more can be queued, so the queue may shut down. */
+  for (unsigned i = 0; i < peers->n; i++)
+    if (peers->peers[i].channel) {
+      grpc_channel_destroy(peers->peers[i].channel);
+      peers->peers[i].channel = NULL;
+    }
+  peers->channels_gone = true;
+  fsdp_cq_bridge_close(peers->bridge, on_bridge_closed, peers);
   uv_close((uv_handle_t *)&peers->timer, on_handle_closed);
   uv_close((uv_handle_t *)&peers->deadline_timer, on_handle_closed);
 }
@@ -1035,11 +859,18 @@ static void maybe_finish_close(fsdp_peers_t *peers) {
 void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data) {
   run_waiters(peers, FSDP_E_CANCELLED, "fsdpd is stopping");
   if (!peers->started) {
-    done(data);
+    /* Nothing to end, but done still runs later, as after every close: a handle closed at
+     * once brings it on the loop's next turn. */
+    peers->done = done;
+    peers->done_data = data;
+    uv_timer_init(peers->loop, &peers->timer);
+    peers->timer.data = peers;
+    peers->open_handles = 1;
+    uv_close((uv_handle_t *)&peers->timer, on_handle_closed);
     return;
   }
   peers->closing = true;
-  peers->leaving = true;
+  fsdp_membership_leave(peers->m);
   refuse_pending(peers);
   for (unsigned i = 0; i < peers->n; i++)
     if (peers->peers[i].check)
@@ -1061,22 +892,17 @@ void fsdp_peers_free(fsdp_peers_t *peers) {
   for (unsigned i = 0; peers->peers && i < peers->n; i++) {
     if (peers->peers[i].channel)
       grpc_channel_destroy(peers->peers[i].channel);
-    free(peers->peers[i].ucx);
     free(peers->peers[i].verified);
     free(peers->peers[i].checking);
     free(peers->peers[i].reply_ucx);
   }
-  if (peers->cq) {
-    if (!peers->channels_gone)
-      grpc_completion_queue_shutdown(peers->cq);
-    grpc_completion_queue_destroy(peers->cq);
-  }
+  fsdp_cq_bridge_free(peers->bridge);
   if (peers->grpc_initialized)
     grpc_shutdown();
   free_secret(&peers->auth_value);
   free(peers->peers);
+  fsdp_membership_free(peers->m);
   free(peers->local_ucx);
-  pthread_mutex_destroy(&peers->lock);
   free(peers);
 }
 
@@ -1093,11 +919,12 @@ uint64_t fsdp_peers_incarnation(const fsdp_peers_t *peers) {
 }
 
 bool fsdp_peers_ready(const fsdp_peers_t *peers) {
-  return peers->ready;
+  return fsdp_membership_ready(peers->m);
 }
 
 void fsdp_peers_get(const fsdp_peers_t *peers, unsigned host_rank, fsdp_peer_info_t *ret) {
-  const peer_t *p = &peers->peers[host_rank < peers->n ? host_rank : peers->self];
+  const fsdp_member_t *p =
+      fsdp_membership_member(peers->m, host_rank < peers->n ? host_rank : peers->self);
   uint64_t now = now_ms(peers);
   *ret = (fsdp_peer_info_t){
       .host_rank = p->rank,
@@ -1122,17 +949,17 @@ void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
   /* Once the cluster had been ready, a host missing was lost or left: whoever needs it
    * waits peer.timeout for it to be back, not what is left of the join deadline. */
   waiter->deadline_ms = peers->formed ? now_ms(peers) + peers->timeout_ms : 0;
-  if (peers->ready) {
+  if (fsdp_membership_ready(peers->m)) {
     cb(data, 0, "");
     return;
   }
-  if (peers->closing || peers->leaving) {
+  if (peers->closing || leaving(peers)) {
     cb(data, FSDP_E_CANCELLED, "fsdpd is stopping");
     return;
   }
   if (peers->deadline_passed && !peers->formed) {
     char missing[2048], why[2300];
-    describe_missing(peers, missing, sizeof missing);
+    fsdp_membership_describe_missing(peers->m, missing, sizeof missing);
     snprintf(why, sizeof why, "the cluster is not ready (peer.join_timeout %llu ms passed): %s",
              (unsigned long long)peers->join_deadline_ms, missing);
     cb(data, FSDP_E_UNAVAILABLE, why);
@@ -1169,17 +996,18 @@ static void park_join(peer_t *p, fsdp_peers_join_t *j) {
 /* Whether j would change the live relationship with p: another incarnation, or another
  * data-plane address than the one in use. */
 static bool changes_relationship(const peer_t *p, const fsdp_peers_join_t *j) {
-  if (!(p->in || p->out) || !p->incarnation)
+  const fsdp_member_t *m = p->m;
+  if (!(m->in || m->out) || !m->incarnation)
     return false;
-  if (j->incarnation != p->incarnation)
+  if (j->incarnation != m->incarnation)
     return true;
-  return p->ucx && !same_bytes(p->ucx, p->ucx_len, j->ucx, j->ucx_len);
+  return m->ucx && !fsdp_address_equal(m->ucx, m->ucx_len, j->ucx, j->ucx_len);
 }
 
 /* The host's own address answered our Join as j says it is. */
 static bool confirms(const peer_t *p, const fsdp_peers_join_t *j) {
-  return j->incarnation == p->incarnation && p->reply_ucx &&
-         same_bytes(p->reply_ucx, p->reply_ucx_len, j->ucx, j->ucx_len);
+  return j->incarnation == p->m->incarnation && p->reply_ucx &&
+         fsdp_address_equal(p->reply_ucx, p->reply_ucx_len, j->ucx, j->ucx_len);
 }
 
 /* Another daemon claims p's host rank while p lives at its own address. */
@@ -1190,42 +1018,31 @@ static void refuse_claim(fsdp_peers_join_t *j) {
                   "host %u is %s at incarnation %016llx%s, as its own address %s confirmed; "
                   "this Join as host %u, incarnation %016llx, came from %s: another daemon "
                   "claims the host's rank",
-                  p->rank, fsdp_peer_state_name(p->state), (unsigned long long)p->incarnation,
-                  j->incarnation == p->incarnation ? " with another data-plane address" : "",
-                  p->address, p->rank, (unsigned long long)j->incarnation, j->from);
+                  p->rank, fsdp_peer_state_name(p->m->state),
+                  (unsigned long long)p->m->incarnation,
+                  j->incarnation == p->m->incarnation ? " with another data-plane address" : "",
+                  p->m->address, p->rank, (unsigned long long)j->incarnation, j->from);
   if (p->logged_impostor != j->incarnation) {
     log_error("peers: refused a Join: %s", st.message);
     p->logged_impostor = j->incarnation;
   }
-  set_error(p, "refused a Join as this host: %s", st.message);
+  char why[600];
+  snprintf(why, sizeof why, "refused a Join as this host: %s", st.message);
+  fsdp_membership_set_error(p->owner->m, p->rank, why);
   answer_join(p, j, &st, NULL);
 }
 
 /* The Join is valid and p's relationship may take it: the in half. */
 static void apply_join(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
   peer_t *p = j->p;
-  check_incarnation(peers, p, j->incarnation);
-  int r = copy_bytes(&p->ucx, &p->ucx_len, j->ucx, j->ucx_len);
-  if (r < 0) {
+  if (fsdp_membership_join_received(peers->m, p->rank, now_ms(peers), j->incarnation, j->ucx,
+                                    j->ucx_len) < 0) {
     fsdp_status_t st;
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
                     "out of memory for the data-plane address of host %u", p->rank);
     answer_join(p, j, &st, NULL);
     return;
   }
-  p->in = true;
-  p->last_heard_ms = now_ms(peers);
-  if (p->state == FSDP_PEER_REFUSED)
-    p->state = FSDP_PEER_JOINING;
-  if (!p->out && !p->join_call && !p->out_waits) {
-    /* It is up: join it now rather than at the end of a backoff. */
-    p->next_join_ms = now_ms(peers);
-    p->backoff_ms = JOIN_BACKOFF_MIN_MS;
-  }
-  if (p->state == FSDP_PEER_JOINED && r > 0 && peers->cb.joined)
-    peers->cb.joined(peers->cb.data, p->rank, p->incarnation, p->ucx, p->ucx_len);
-  maybe_joined(peers, p);
-
   Fsdp__V1__JoinReply reply = FSDP__V1__JOIN_REPLY__INIT;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
   reply.host_rank = peers->self;
@@ -1243,7 +1060,7 @@ static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, siz
 static bool join_step(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
   peer_t *p = j->p;
   fsdp_status_t st;
-  if (peers->leaving) {
+  if (leaving(peers)) {
     fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "host %u is leaving", peers->self);
     answer_join(p, j, &st, NULL);
     return true;
@@ -1256,13 +1073,11 @@ static bool join_step(fsdp_peers_t *peers, fsdp_peers_join_t *j) {
     }
     if (!j->confirming) {
       j->confirming = true;
-      if (!p->join_call)
-        send_join(peers, p);
-      if (!p->join_call) {
+      if (!fsdp_membership_send_join(peers->m, p->rank, now_ms(peers))) {
         fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
                         "cannot ask host %u's own address %s to confirm incarnation %016llx; "
                         "retry",
-                        p->rank, p->address, (unsigned long long)j->incarnation);
+                        p->rank, p->m->address, (unsigned long long)j->incarnation);
         answer_join(p, j, &st, NULL);
         return true;
       }
@@ -1317,8 +1132,8 @@ static void confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failu
       fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
                       "host %u is %s at incarnation %016llx; its own address %s could not "
                       "confirm incarnation %016llx from %s: %s",
-                      p->rank, fsdp_peer_state_name(p->state),
-                      (unsigned long long)p->incarnation, p->address,
+                      p->rank, fsdp_peer_state_name(p->m->state),
+                      (unsigned long long)p->m->incarnation, p->m->address,
                       (unsigned long long)j->incarnation, j->from, failure);
       answer_join(p, j, &st, NULL);
       continue;
@@ -1345,25 +1160,22 @@ static void on_check_done(void *data, int result, const char *why) {
     free(p->verified);
     p->verified = bytes;
     p->verified_len = len;
-  } else if (result != FSDP_E_CANCELLED && strcmp(p->logged_in_refusal, why) != 0) {
+  } else if (result != FSDP_E_CANCELLED && fsdp_membership_first_refusal(peers->m, p->rank, why)) {
     log_error("peers: the data-plane address of host %u (%s), %zu bytes, is refused: %s",
-              p->rank, p->address, len, why);
-    snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", why);
+              p->rank, p->m->address, len, why);
   }
-  if (p->out_waits && same_bytes(p->reply_ucx, p->reply_ucx_len, bytes, len)) {
-    p->out_waits = false;
-    if (result == 0 && !peers->leaving) {
-      complete_out(peers, p);
-    } else if (result != 0 && !peers->leaving) {
-      set_error(p, "Join: its data-plane address (%zu bytes) is refused: %s", len, why);
-      join_failed(peers, p, result == FSDP_E_INVALID_ARGUMENT);
-    }
+  if (p->m->join_checking && fsdp_address_equal(p->reply_ucx, p->reply_ucx_len, bytes, len)) {
+    if (result == 0)
+      fsdp_membership_join_accepted(peers->m, p->rank, now_ms(peers), bytes, len);
+    else
+      join_failed(peers, p, result == FSDP_E_INVALID_ARGUMENT,
+                  "Join: its data-plane address (%zu bytes) is refused: %s", len, why);
   }
   /* Joins with the address just refused get why; the others go on (one may start the
    * next check). */
   fsdp_peers_join_t *list = take_pending(p), *j;
   while ((j = pop_join(&list))) {
-    if (result != 0 && same_bytes(j->ucx, j->ucx_len, bytes, len)) {
+    if (result != 0 && fsdp_address_equal(j->ucx, j->ucx_len, bytes, len)) {
       fsdp_status_t st;
       fsdp_status_set(&st, result == FSDP_E_INVALID_ARGUMENT ? result : FSDP_E_UNAVAILABLE,
                       "field 'ucx_worker_address' (%zu bytes) of host %u: %s%s", len, p->rank,
@@ -1380,7 +1192,7 @@ static void on_check_done(void *data, int result, const char *why) {
     return;
   }
   run_pending(peers, p);
-  if (p->out_waits && !p->check)
+  if (p->m->join_checking && !p->check)
     check_reply_address(peers, p);
 }
 
@@ -1393,13 +1205,13 @@ static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, siz
     return 0;
   if (peers->closing)
     return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "host %u is stopping", peers->self);
-  if (copy_bytes(&p->checking, &p->checking_len, bytes, len) < 0)
+  if (fsdp_address_copy(&p->checking, &p->checking_len, bytes, len) < 0)
     return fsdp_status_set(st, -ENOMEM, "out of memory to check the data-plane address");
   int r = fsdp_address_check_start(peers->loop, bytes, len, peers->address_check_ms,
                                    on_check_done, p, &p->check, st);
   if (r < 0) {
     log_error("peers: checking the data-plane address of host %u (%s): %s", p->rank,
-              p->address, st->message);
+              p->m->address, st->message);
     return r;
   }
   peers->checks++;
@@ -1409,39 +1221,17 @@ static int start_check(fsdp_peers_t *peers, peer_t *p, const uint8_t *bytes, siz
 /* Our Join's reply waits for its address's check (on_check_done); none could start. */
 static void check_reply_address(fsdp_peers_t *peers, peer_t *p) {
   fsdp_status_t st;
-  p->out_waits = true;
-  if (start_check(peers, p, p->reply_ucx, p->reply_ucx_len, &st) < 0) {
-    p->out_waits = false;
-    set_error(p, "Join: %s", st.message);
-    join_failed(peers, p, false);
-  }
-}
-
-/* A Join refused by the checks: logged once, and shown on the host's row; a relationship
- * with the host stays as it is. */
-static void refused_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq, const char *from,
-                         const fsdp_status_t *st) {
-  if (peers->n == 1 || rq->host_rank >= peers->n || rq->host_rank == peers->self)
-    return;
-  peer_t *p = &peers->peers[rq->host_rank];
-  if (strcmp(p->logged_in_refusal, st->message) != 0) {
-    log_error("peers: refused the Join of host %u (%s) from %s: %s", p->rank, p->address, from,
-              st->message);
-    snprintf(p->logged_in_refusal, sizeof p->logged_in_refusal, "%s", st->message);
-  }
-  if (p->in || p->out) {
-    set_error(p, "refused a Join as this host from %s: %s", from, st->message);
-    return;
-  }
-  p->state = FSDP_PEER_REFUSED;
-  set_error(p, "refused its Join: %s", st->message);
+  if (start_check(peers, p, p->reply_ucx, p->reply_ucx_len, &st) < 0)
+    join_failed(peers, p, false, "Join: %s", st.message);
 }
 
 fsdp_peers_join_t *fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__JoinRequest *rq,
                                           const char *from, fsdp_peers_join_fn cb, void *data) {
   fsdp_status_t st;
   if (fsdp_peer_check_join(&peers->rules, rq, &st) < 0) {
-    refused_join(peers, rq, from, &st);
+    /* A relationship with the host, if it names one, stays as it is. */
+    if (rq->host_rank < peers->n && rq->host_rank != peers->self)
+      fsdp_membership_join_refused(peers->m, rq->host_rank, from, st.message);
     cb(data, &st, NULL);
     return NULL;
   }
@@ -1454,8 +1244,8 @@ fsdp_peers_join_t *fsdp_peers_accept_join(fsdp_peers_t *peers, const Fsdp__V1__J
     return NULL;
   }
   fsdp_peers_join_t *j = calloc(1, sizeof *j);
-  if (!j || copy_bytes(&j->ucx, &j->ucx_len, rq->ucx_worker_address.data,
-                       rq->ucx_worker_address.len) < 0) {
+  if (!j || fsdp_address_copy(&j->ucx, &j->ucx_len, rq->ucx_worker_address.data,
+                              rq->ucx_worker_address.len) < 0) {
     free(j);
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for the Join of host %u",
                     rq->host_rank);
@@ -1495,12 +1285,9 @@ int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRe
   int r = fsdp_peer_check_heartbeat(&peers->rules, rq, st);
   if (r < 0)
     return r;
-  peer_t *p = &peers->peers[rq->host_rank];
-  if (!p->in || rq->incarnation != p->incarnation)
-    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "host %u (incarnation %016llx) has not joined host %u; Join first",
-                           rq->host_rank, (unsigned long long)rq->incarnation, peers->self);
-  p->last_heard_ms = now_ms(peers);
+  if ((r = fsdp_membership_heartbeat_received(peers->m, rq->host_rank, now_ms(peers),
+                                              rq->incarnation, st)) < 0)
+    return r;
   reply->sent_ns = rq->sent_ns;
   reply->incarnation = peers->incarnation;
   return 0;
@@ -1511,12 +1298,7 @@ int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *r
   int r = fsdp_peer_check_leave(&peers->rules, rq, st);
   if (r < 0)
     return r;
-  peer_t *p = &peers->peers[rq->host_rank];
-  /* A Leave from an incarnation we no longer know is old news. */
-  if (rq->incarnation != p->incarnation)
-    return 0;
-  char why[300];
-  snprintf(why, sizeof why, "left: %s", rq->reason[0] ? rq->reason : "no reason given");
-  drop(peers, p, FSDP_PEER_LEFT, why);
+  fsdp_membership_leave_received(peers->m, rq->host_rank, now_ms(peers), rq->incarnation,
+                                 rq->reason);
   return 0;
 }

@@ -10,11 +10,13 @@
  * (a difference is refused naming the key and both values) and the data plane's (UCX)
  * worker address. Joined peers get a Heartbeat every peer.heartbeat_interval; one that
  * answers nothing for peer.timeout is LOST. A graceful stop sends Leave, and the others mark
- * it LEFT at once. A lost, left or restarted peer is joined again when it answers.
+ * it LEFT at once. A lost, left or restarted peer is joined again when it answers. What each
+ * message means for a relationship, and what to send next, the membership state machine
+ * decides (membership.h); this module does the calls, the checks and the clock around it.
  *
  * Threads: everything here runs on the loop thread, callbacks included. The client calls
- * complete on a completion queue of this module's own, drained by a thread that only hands
- * the completions to the loop (uv_async_send); nothing here blocks the loop.
+ * complete on a completion queue of this module's own, which daemon/rpc/cq_bridge.h drains
+ * onto the loop; nothing here blocks the loop.
  *
  * Lifetime: fsdp_peers_new at start (one host: no thread, no channel, always ready),
  * fsdp_peers_leave when a stop begins, fsdp_peers_close to end it (async; the done callback
@@ -29,21 +31,11 @@
 #include <uv.h>
 
 #include "config/config.h"
+#include "daemon/cluster/membership.h"
 #include "fsdp/v1/peer.pb-c.h"
 #include "common/status.h"
 
 typedef struct fsdp_peers fsdp_peers_t;
-
-typedef enum fsdp_peer_state {
-  FSDP_PEER_SELF,    /* this daemon's own row */
-  FSDP_PEER_JOINING, /* not yet joined both ways */
-  FSDP_PEER_JOINED,
-  FSDP_PEER_LOST,    /* no answer for peer.timeout */
-  FSDP_PEER_LEFT,    /* it sent Leave */
-  FSDP_PEER_REFUSED, /* a Join between us was refused; last_error says why */
-} fsdp_peer_state_t;
-
-const char *fsdp_peer_state_name(fsdp_peer_state_t state);
 
 /* A peer as the status shows it; pointers borrowed until the loop runs again. */
 typedef struct fsdp_peer_info {
@@ -98,7 +90,8 @@ int fsdp_peers_set_local_address(fsdp_peers_t *peers, const void *bytes, size_t 
 /* Sends Leave to every peer we are joined with, and stops joining and heartbeating. */
 void fsdp_peers_leave(fsdp_peers_t *peers, const char *why);
 /* Ends every call (a Leave in flight may finish within its short deadline), then the thread
- * and handles; `done` runs on the loop afterwards. Ready waiters get FSDP_E_CANCELLED. */
+ * and handles; `done` runs on the loop afterwards, never inside the call. Ready waiters get
+ * FSDP_E_CANCELLED. */
 void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data);
 /* Frees a table that was never started, or whose close has completed. NULL-safe. */
 void fsdp_peers_free(fsdp_peers_t *peers);

@@ -1,5 +1,6 @@
-/* Generic gRPC server adapter: completion-queue thread, hand-off to the libuv loop, dispatch
- * by method table, streaming replies and graceful stop.
+/* Generic gRPC server adapter: dispatch by method table, streaming replies and graceful
+ * stop, on a completion queue drained onto the loop by daemon/rpc/cq_bridge.h (whose thread
+ * also re-arms requests as they arrive).
  *
  * Call lifetime. A call context is reference-counted: one reference per outstanding gRPC tag
  * (the request, RECV_CLOSE_ON_SERVER, a send batch), one per queued hand-off event, and one
@@ -11,12 +12,10 @@
  * shuts a server down and cancels its calls may destroy it, and only after the shutdown tag
  * has come back. The loop thread does all three: shutdown_and_notify, cancel_all_calls after
  * a short grace for final replies, and destroy once every endpoint's tag is back and no call
- * context is left. Then the completion queue is
- * shut down, the thread sees GRPC_QUEUE_SHUTDOWN and exits, and the loop joins it. */
+ * context is left. Then the bridge closes the completion queue. */
 #include "daemon/rpc/rpc_server.h"
 
 #include <errno.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -37,6 +36,7 @@
 #include <fsdp/fsdp_version.h>
 
 #include "common/log.h"
+#include "daemon/rpc/cq_bridge.h"
 #include "proto/wire.h"
 
 /* Requests kept outstanding per method, so that bursts do not wait for a re-arm. */
@@ -163,38 +163,20 @@ typedef struct conn_slot {
   char *name;        /* loop thread only: the client's address, when the adopter knew it */
 } conn_slot_t;
 
-typedef enum event_kind { EV_ARRIVED, EV_CANCELLED, EV_SENT, EV_SHUTDOWN, EV_THREAD_EXIT } event_kind_t;
-
-typedef struct event {
-  event_kind_t kind;
-  bool success;
-  fsdp_rpc_call_t *call;
-  fsdp_rpc_endpoint_t *endpoint;
-  struct event *next;
-} event_t;
-
 typedef enum server_state {
   SERVER_NEW,
   SERVER_RUNNING,
   SERVER_STOP_DRAINING, /* stop called: waiting for held work to end */
   SERVER_SHUTTING_DOWN, /* gRPC shut down: waiting for tags and call contexts */
-  SERVER_CLOSING,       /* gRPC destroyed: waiting for the thread, then the handles */
+  SERVER_CLOSING,       /* gRPC destroyed: waiting for the bridge, then the timer */
 } server_state_t;
 
 struct fsdp_rpc_server {
   uv_loop_t *loop;
   fsdp_rpc_server_options_t options;
-  grpc_completion_queue *cq;
+  fsdp_cq_bridge_t *bridge; /* NULL once closed */
   grpc_server_credentials *credentials;
   fsdp_rpc_endpoint_t *endpoints;
-  pthread_t thread;
-  bool thread_started;
-
-  /* The hand-off queue: filled by the CQ thread, drained by the loop. Nodes are separate
-   * allocations because one call can be queued twice (arrival, then cancellation). */
-  pthread_mutex_t lock;
-  event_t *head, *tail;
-  uv_async_t async;
   uv_timer_t drain_timer;
   int open_handles;
 
@@ -215,23 +197,13 @@ struct fsdp_rpc_server {
   void *done_data;
 };
 
-static void post(fsdp_rpc_server_t *server, event_kind_t kind, fsdp_rpc_call_t *call,
-                 fsdp_rpc_endpoint_t *endpoint, bool success) {
-  event_t *ev = calloc(1, sizeof *ev);
-  if (!ev) {
-    /* Losing an event would leak a call or hang the stop; there is no way to go on. */
-    log_error("out of memory handing an RPC event to the loop");
-    abort();
-  }
-  *ev = (event_t){.kind = kind, .success = success, .call = call, .endpoint = endpoint};
-  pthread_mutex_lock(&server->lock);
-  if (server->tail)
-    server->tail->next = ev;
-  else
-    server->head = ev;
-  server->tail = ev;
-  pthread_mutex_unlock(&server->lock);
-  uv_async_send(&server->async);
+/* Hands a completed tag to the loop (on_event). */
+static void post(fsdp_rpc_server_t *server, tag_t *tag, bool success) {
+  fsdp_cq_bridge_post(server->bridge, tag, success);
+}
+
+static grpc_completion_queue *queue(const fsdp_rpc_server_t *server) {
+  return fsdp_cq_bridge_queue(server->bridge);
 }
 
 static void call_ref(fsdp_rpc_call_t *call) {
@@ -261,7 +233,7 @@ static void call_unref(fsdp_rpc_call_t *call) {
   free(call);
   /* The last context gone may be what a stopping server waits for. */
   if (atomic_fetch_sub(&server->alive, 1) == 1 && atomic_load(&server->stopping))
-    uv_async_send(&server->async);
+    fsdp_cq_bridge_wake(server->bridge);
 }
 
 /* Keeps one more request outstanding for `method` (NULL: unregistered paths). */
@@ -290,11 +262,11 @@ static void request_call(fsdp_rpc_endpoint_t *endpoint, method_t *method) {
   if (method)
     e = grpc_server_request_registered_call(endpoint->grpc, method->registration, &call->call,
                                             &call->deadline, &call->request_metadata,
-                                            &call->request_payload, server->cq, server->cq,
+                                            &call->request_payload, queue(server), queue(server),
                                             &call->request_tag);
   else
     e = grpc_server_request_call(endpoint->grpc, &call->call, &call->details,
-                                 &call->request_metadata, server->cq, server->cq,
+                                 &call->request_metadata, queue(server), queue(server),
                                  &call->request_tag);
   if (e != GRPC_CALL_OK) {
     log_error("cannot request calls for %s: gRPC error %d", method ? method->path : "*", e);
@@ -354,40 +326,30 @@ static void on_request(fsdp_rpc_call_t *call, bool success) {
   call_ref(call);
   if (grpc_call_start_batch(call->call, &op, 1, &call->close_tag, NULL) != GRPC_CALL_OK)
     call_unref(call);
-  post(call->server, EV_ARRIVED, call, NULL, true); /* takes over the request's reference */
+  post(call->server, &call->request_tag, true); /* takes over the request's reference */
 }
 
-static void *cq_thread_main(void *arg) {
-  fsdp_rpc_server_t *server = arg;
-  for (;;) {
-    grpc_event ev =
-        grpc_completion_queue_next(server->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-    if (ev.type == GRPC_QUEUE_SHUTDOWN)
-      break;
-    if (ev.type != GRPC_OP_COMPLETE)
-      continue;
-    tag_t *tag = ev.tag;
-    fsdp_rpc_call_t *call = tag->owner;
-    switch (tag->kind) {
-    case TAG_REQUEST:
-      on_request(call, ev.success);
-      break;
-    case TAG_RECV_CLOSE:
-      if (call->cancelled)
-        post(server, EV_CANCELLED, call, NULL, true);
-      else
-        call_unref(call);
-      break;
-    case TAG_SEND:
-      post(server, EV_SENT, call, NULL, ev.success);
-      break;
-    case TAG_SHUTDOWN:
-      post(server, EV_SHUTDOWN, NULL, tag->owner, true);
-      break;
-    }
+/* The queue's thread: what must happen there (the re-arm of a request, the count of
+ * connections), and what the loop must see is posted to it. */
+static void on_cq_event(void *data, void *t, bool success) {
+  fsdp_rpc_server_t *server = data;
+  tag_t *tag = t;
+  fsdp_rpc_call_t *call = tag->owner;
+  switch (tag->kind) {
+  case TAG_REQUEST:
+    on_request(call, success);
+    break;
+  case TAG_RECV_CLOSE:
+    if (call->cancelled)
+      post(server, tag, true);
+    else
+      call_unref(call);
+    break;
+  case TAG_SEND:
+  case TAG_SHUTDOWN:
+    post(server, tag, success);
+    break;
   }
-  post(server, EV_THREAD_EXIT, NULL, NULL, true);
-  return NULL;
 }
 
 /* Loop: starts the next send batch of a call if one is due and none is in flight. */
@@ -426,7 +388,7 @@ static void pump(fsdp_rpc_call_t *call) {
   if (e != GRPC_CALL_OK) {
     /* Only misuse of the API fails here; treat it as a failed send so the call still ends. */
     log_error("%s: cannot start a send batch: gRPC error %d", call->path, e);
-    post(call->server, EV_SENT, call, NULL, false);
+    post(call->server, &call->send_tag, false);
   }
 }
 
@@ -770,40 +732,32 @@ static void on_sent(fsdp_rpc_call_t *call, bool success) {
 static void maybe_close(fsdp_rpc_server_t *server);
 static void endpoint_free(fsdp_rpc_endpoint_t *ep);
 
-static void on_async(uv_async_t *handle) {
-  fsdp_rpc_server_t *server = handle->data;
-  pthread_mutex_lock(&server->lock);
-  event_t *ev = server->head;
-  server->head = server->tail = NULL;
-  pthread_mutex_unlock(&server->lock);
-
-  while (ev) {
-    event_t *next = ev->next;
-    switch (ev->kind) {
-    case EV_ARRIVED:
-      dispatch(ev->call);
-      break; /* the event's reference becomes the loop's */
-    case EV_CANCELLED:
-      ev->call->cancel_seen = true;
-      cancel_call(ev->call, GRPC_STATUS_CANCELLED, "cancelled: the client went away or its deadline passed");
-      call_unref(ev->call);
-      break;
-    case EV_SENT:
-      on_sent(ev->call, ev->success);
-      call_unref(ev->call);
-      break;
-    case EV_SHUTDOWN:
-      ev->endpoint->shutdown_done = true;
-      break;
-    case EV_THREAD_EXIT:
-      pthread_join(server->thread, NULL);
-      server->thread_started = false;
-      break;
-    }
-    free(ev);
-    ev = next;
+/* The loop's side of on_cq_event. */
+static void on_event(void *data, void *t, bool success) {
+  (void)data;
+  tag_t *tag = t;
+  fsdp_rpc_call_t *call = tag->owner;
+  switch (tag->kind) {
+  case TAG_REQUEST:
+    dispatch(call); /* the event's reference becomes the loop's */
+    break;
+  case TAG_RECV_CLOSE:
+    call->cancel_seen = true;
+    cancel_call(call, GRPC_STATUS_CANCELLED, "cancelled: the client went away or its deadline passed");
+    call_unref(call);
+    break;
+  case TAG_SEND:
+    on_sent(call, success);
+    call_unref(call);
+    break;
+  case TAG_SHUTDOWN:
+    ((fsdp_rpc_endpoint_t *)tag->owner)->shutdown_done = true;
+    break;
   }
-  maybe_close(server);
+}
+
+static void on_drained(void *data) {
+  maybe_close(data);
 }
 
 static void on_handle_closed(uv_handle_t *handle) {
@@ -814,6 +768,12 @@ static void on_handle_closed(uv_handle_t *handle) {
     server->done(server->done_data);
   else
     free(server); /* fsdp_rpc_server_free() of a server that never ran */
+}
+
+static void on_bridge_closed(void *data) {
+  fsdp_rpc_server_t *server = data;
+  server->bridge = NULL;
+  uv_close((uv_handle_t *)&server->drain_timer, on_handle_closed);
 }
 
 static void destroy_grpc(fsdp_rpc_server_t *server) {
@@ -836,7 +796,7 @@ static void shut_down_grpc(fsdp_rpc_server_t *server) {
   server->state = SERVER_SHUTTING_DOWN;
   atomic_store(&server->stopping, true);
   for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next)
-    grpc_server_shutdown_and_notify(ep->grpc, server->cq, &ep->shutdown_tag);
+    grpc_server_shutdown_and_notify(ep->grpc, queue(server), &ep->shutdown_tag);
   uv_timer_start(&server->drain_timer, on_final_grace, server->final_grace_ms, 0);
 }
 
@@ -866,14 +826,8 @@ static void maybe_close(fsdp_rpc_server_t *server) {
       return;
     uv_timer_stop(&server->drain_timer);
     destroy_grpc(server);
-    grpc_completion_queue_shutdown(server->cq);
     server->state = SERVER_CLOSING;
-  }
-  if (server->state == SERVER_CLOSING && !server->thread_started && server->cq) {
-    grpc_completion_queue_destroy(server->cq);
-    server->cq = NULL;
-    uv_close((uv_handle_t *)&server->async, on_handle_closed);
-    uv_close((uv_handle_t *)&server->drain_timer, on_handle_closed);
+    fsdp_cq_bridge_close(server->bridge, on_bridge_closed, server);
   }
 }
 
@@ -894,15 +848,22 @@ int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *option
   }
   server->loop = loop;
   server->options = *options;
-  pthread_mutex_init(&server->lock, NULL);
   atomic_init(&server->stopping, false);
   atomic_init(&server->alive, 0);
-  uv_async_init(loop, &server->async, on_async);
-  uv_timer_init(loop, &server->drain_timer);
-  server->async.data = server->drain_timer.data = server;
-  server->open_handles = 2;
   grpc_init();
-  server->cq = grpc_completion_queue_create_for_next(NULL);
+  if (fsdp_cq_bridge_new(loop,
+                         &(fsdp_cq_bridge_ops_t){.on_event = on_event,
+                                                 .on_drained = on_drained,
+                                                 .on_cq_event = on_cq_event},
+                         server, &server->bridge) < 0) {
+    grpc_shutdown();
+    free(server->conns);
+    free(server);
+    return -ENOMEM;
+  }
+  uv_timer_init(loop, &server->drain_timer);
+  server->drain_timer.data = server;
+  server->open_handles = 1;
   server->credentials = grpc_insecure_server_credentials_create();
   *ret_server = server;
   return 0;
@@ -917,22 +878,17 @@ void fsdp_rpc_server_free(fsdp_rpc_server_t *server) {
     endpoint_free(ep);
   }
   server->endpoints = NULL;
-  if (server->cq) {
-    grpc_completion_queue_shutdown(server->cq);
-    grpc_completion_queue_destroy(server->cq);
-    server->cq = NULL;
-  }
+  fsdp_cq_bridge_free(server->bridge);
+  server->bridge = NULL;
   grpc_server_credentials_release(server->credentials);
-  pthread_mutex_destroy(&server->lock);
   for (size_t i = 0; i < server->n_conns; i++)
     free(server->conns[i].name);
   free(server->conns);
   server->conns = NULL;
   grpc_shutdown();
   if (server->open_handles > 0) {
-    /* Never started: close the handles here; the last close callback frees the server. */
+    /* Never started: close the timer here; its close callback frees the server. */
     server->done = NULL;
-    uv_close((uv_handle_t *)&server->async, on_handle_closed);
     uv_close((uv_handle_t *)&server->drain_timer, on_handle_closed);
   } else {
     free(server);
@@ -1022,7 +978,7 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
   };
   grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
   ep->grpc = grpc_server_create(&channel_args, NULL);
-  grpc_server_register_completion_queue(ep->grpc, server->cq, NULL);
+  grpc_server_register_completion_queue(ep->grpc, queue(server), NULL);
 
   size_t k = 0;
   for (size_t s = 0; s < n_services; s++) {
@@ -1066,8 +1022,8 @@ fail:
   return -EINVAL;
 }
 
-int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
-                             fsdp_status_t *st) {
+int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
+                             int *ret_port, fsdp_status_t *st) {
   int port = grpc_server_add_http2_port(endpoint->grpc, address,
                                         endpoint->credentials ? endpoint->credentials
                                                               : endpoint->server->credentials);
@@ -1124,12 +1080,11 @@ bool fsdp_rpc_endpoint_connection_trusted(const fsdp_rpc_endpoint_t *endpoint, i
 }
 
 int fsdp_rpc_server_start(fsdp_rpc_server_t *server) {
-  /* The thread first: if it cannot start, no gRPC server has started either, and the
+  /* The bridge first: if it cannot start, no gRPC server has started either, and the
    * server can still simply be freed. */
-  int r = pthread_create(&server->thread, NULL, cq_thread_main, server);
-  if (r != 0)
-    return -r;
-  server->thread_started = true;
+  int r = fsdp_cq_bridge_start(server->bridge);
+  if (r < 0)
+    return r;
   server->state = SERVER_RUNNING;
   for (fsdp_rpc_endpoint_t *ep = server->endpoints; ep; ep = ep->next) {
     grpc_server_start(ep->grpc);

@@ -8,8 +8,8 @@
  * the reply and maps fsdp error codes to gRPC status codes (proto/wire.h). Unknown methods
  * get UNIMPLEMENTED naming the path; methods without a handler get UNIMPLEMENTED saying so.
  *
- * Threads: a dedicated thread drains the completion queue and hands every event to the
- * libuv loop through a queue and uv_async_send. Handlers, replies, cancellation callbacks
+ * Threads: the completion queue is drained onto the libuv loop by daemon/rpc/cq_bridge.h,
+ * whose thread only re-arms requests and counts connections. Handlers, replies, cancellation callbacks
  * and the stop callback all run on the loop thread, which owns every object here.
  *
  * Endpoints: each endpoint is its own gRPC server with its own set of services, so the
@@ -119,8 +119,8 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
 void fsdp_rpc_endpoint_set_max_inflight(fsdp_rpc_endpoint_t *endpoint,
                                         unsigned max_inflight_calls);
 /* Listens on a TCP address "host:port" (port 0 picks one, returned). Before start. */
-int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address, int *ret_port,
-                             fsdp_status_t *st);
+int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
+                             int *ret_port, fsdp_status_t *st);
 /* Hands a connected, non-blocking socket to the endpoint; takes ownership of fd. After start.
  * peer_name (copied; NULL: gRPC's "fd:N") is what fsdp_rpc_call_peer_name() gives for its
  * calls: the relay's client address, in gRPC's form ("ipv4:127.0.0.1:41234"). */
