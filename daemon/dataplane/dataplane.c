@@ -44,12 +44,12 @@ struct fsdp_dataplane_work {
 static const char *const work_names[] = {"preparing its buffers", "the gather",
                                          "the reduce-scatter"};
 
-/* The proto's element types, as the kernels name them. */
-static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
+/* A unit's element types, as the kernels name them. */
+static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
   switch (dtype) {
-  case FSDP__V1__DTYPE__DTYPE_BF16:
+  case FSDP_UNIT_DTYPE_BF16:
     return FSDP_DTYPE_BF16;
-  case FSDP__V1__DTYPE__DTYPE_FP16:
+  case FSDP_UNIT_DTYPE_FP16:
     return FSDP_DTYPE_FP16;
   default:
     return FSDP_DTYPE_FP32;

@@ -38,6 +38,8 @@
 
 #include <uv.h>
 
+#include "fsdp/v1/trainer.pb-c.h"
+
 #include "common/status.h"
 #include "daemon/cluster/fabric.h"
 #include "daemon/cluster/peers.h"

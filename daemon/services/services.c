@@ -16,6 +16,7 @@
 
 #include "common/log.h"
 #include "daemon/services/peer_service.h"
+#include "daemon/services/unit_spec.h"
 
 /* Refuses a peer speaking another protocol version; returns false after failing the call. */
 static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who) {
@@ -112,9 +113,17 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
   fsdp_session_t *s = use_session(call, daemon, rq->session_id);
   if (!s)
     return;
+  fsdp_unit_spec_t spec;
+  if (fsdp_unit_spec_init_from_proto(&spec, rq) < 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory registering unit '%s'",
+                       fsdp_rpc_call_method(call), rq->unit);
+    return;
+  }
   fsdp_unit_t *u;
   fsdp_status_t st;
-  if (fsdp_store_register_unit(&daemon->store, s, rq, &u, &st) < 0) {
+  int r = fsdp_store_register_unit(&daemon->store, s, &spec, &u, &st);
+  fsdp_unit_spec_cleanup(&spec);
+  if (r < 0) {
     fail_call(call, &st);
     return;
   }
@@ -167,7 +176,7 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
   fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
   if (!u)
     return;
-  bool no_shard = u->spec->strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD;
+  bool no_shard = u->spec->strategy == FSDP_UNIT_NO_SHARD;
   if (no_shard != all_reduce) {
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
                        "%s: unit '%s' is %s: use %s", fsdp_rpc_call_method(call), rq->unit,
@@ -533,10 +542,10 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   fsdp__v1__unit_info__init(info);
   info->job = (char *)job->name;
   info->unit = u->spec->unit;
-  info->strategy = u->spec->strategy;
-  info->dtype = u->spec->params[0]->dtype;
-  info->param_dtype = fsdp_unit_spec_param_dtype(u->spec);
-  info->reduce_dtype = fsdp_unit_spec_reduce_dtype(u->spec);
+  info->strategy = (Fsdp__V1__ShardingStrategy)u->spec->strategy;
+  info->dtype = (Fsdp__V1__DType)u->spec->params[0].dtype;
+  info->param_dtype = (Fsdp__V1__DType)fsdp_unit_spec_param_dtype(u->spec);
+  info->reduce_dtype = (Fsdp__V1__DType)fsdp_unit_spec_reduce_dtype(u->spec);
   info->numel = u->layout.numel;
   info->padded_numel = u->layout.padded_numel;
   info->shard_numel = u->layout.shard_numel;
@@ -652,7 +661,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
     shard_ptrs[s] = &shards[s];
   }
   for (size_t i = 0; i < l->n_params; i++) {
-    const Fsdp__V1__ParamSpec *p = u->spec->params[i];
+    const fsdp_param_spec_t *p = &u->spec->params[i];
     fsdp__v1__param_info__init(&params[i]);
     params[i].name = p->name;
     params[i].n_shape = p->n_shape;

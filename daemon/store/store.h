@@ -26,8 +26,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "fsdp/v1/trainer.pb-c.h"
-
 #include "common/status.h"
 #include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
@@ -57,7 +55,7 @@ typedef struct fsdp_collection {
 } fsdp_collection_t;
 
 typedef struct fsdp_unit {
-  Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
+  fsdp_unit_spec_t *spec; /* private copy; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
   float pre_scale, post_scale; /* the reduction's, from the gradient divide factors */
@@ -142,10 +140,10 @@ typedef struct fsdp_store {
 void fsdp_store_init(fsdp_store_t *store);
 void fsdp_store_cleanup(fsdp_store_t *store);
 
-/* Registers rq's unit for the session's rank, creating the job on first use. Returns the
+/* Registers spec's unit for the session's rank, creating the job on first use. Returns the
  * unit (borrowed) whose layout the reply carries. */
 int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
-                             const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
+                             const fsdp_unit_spec_t *spec, fsdp_unit_t **ret_unit,
                              fsdp_status_t *st);
 
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);

@@ -26,10 +26,10 @@ LAYERS = {
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
     'daemon/rpc': ['common', 'proto', 'config'],
     'daemon/session': ['common', 'proto', 'daemon/rpc'],
-    'daemon/store': ['common', 'proto', 'config', 'daemon/session'],
+    'daemon/store': ['common', 'config', 'daemon/session'],
     'daemon/cluster': ['common', 'proto', 'config', 'transport', 'daemon/rpc'],
-    # daemon/rpc: while the data plane still parks gRPC calls itself.
-    'daemon/dataplane': ['common', 'kernels', 'transport', 'collectives', 'daemon/rpc',
+    # proto and daemon/rpc: while the data plane still parks gRPC calls itself.
+    'daemon/dataplane': ['common', 'proto', 'kernels', 'transport', 'collectives', 'daemon/rpc',
                          'daemon/session', 'daemon/store', 'daemon/cluster'],
     # daemon: while the handlers still take the whole daemon object.
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
