@@ -140,7 +140,8 @@ static void release_session(fsdp_daemon_t *daemon, fsdp_session_t *session,
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
   if (!job)
     return;
-  fsdp_dataplane_release_session(job, session, why, daemon->sessions.attaches);
+  fsdp_dataplane_release_session(job, session->local_rank, session->id, why,
+                                 daemon->sessions.attaches);
   /* Its retention counts from its last session's end, and the job idle longest is the
    * first to give way to a new one (fsdp_store_job_for). */
   if (!job_has_session(daemon, job, session))

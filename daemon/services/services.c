@@ -106,6 +106,93 @@ static void trainer_detach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+/* A trainer call waiting in the data plane: answered when the data plane calls back, or
+ * ended by the adapter when its client gives up. It keeps its session alive until then. */
+typedef struct parked_call {
+  fsdp_rpc_call_t *call;
+  fsdp_daemon_t *daemon;
+  fsdp_session_t *session;
+  fsdp_dataplane_op_t op;
+} parked_call_t;
+
+static void unpark(parked_call_t *p) {
+  fsdp_session_call_ended(p->session, uv_now(&p->daemon->loop));
+  free(p);
+}
+
+static void on_parked_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  parked_call_t *p = data;
+  fsdp_dataplane_cancel(&p->op);
+  unpark(p);
+}
+
+/* Parks a call for the data plane, or fails it and returns NULL. */
+static parked_call_t *park_call(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
+                                fsdp_session_t *session) {
+  parked_call_t *p = calloc(1, sizeof *p);
+  if (!p) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory parking a call");
+    return NULL;
+  }
+  *p = (parked_call_t){.call = call, .daemon = daemon, .session = session};
+  fsdp_session_call_parked(session);
+  fsdp_rpc_call_on_cancel(call, on_parked_cancel, p);
+  return p;
+}
+
+/* The data plane called back: no cancel may follow. Returns false after failing the call
+ * with st. */
+static bool take_parked(parked_call_t *p, const fsdp_status_t *st) {
+  fsdp_rpc_call_on_cancel(p->call, NULL, NULL);
+  if (st->code >= 0)
+    return true;
+  fail_call(p->call, st);
+  return false;
+}
+
+/* The session's rank as the data plane knows it. */
+static fsdp_dataplane_rank_t rank_of(const fsdp_session_t *s) {
+  return (fsdp_dataplane_rank_t){.local_rank = s->local_rank, .session_id = s->id,
+                                 .serial = s->serial, .generation = s->generation};
+}
+
+static void on_registered(void *data, const fsdp_status_t *st) {
+  parked_call_t *p = data;
+  if (take_parked(p, st)) {
+    const fsdp_unit_t *u = p->op.unit;
+    fsdp_dataplane_buffers_t b;
+    fsdp_dataplane_buffers(u, p->session->local_rank, &b);
+    Fsdp__V1__RegisterUnitReply reply = FSDP__V1__REGISTER_UNIT_REPLY__INIT;
+    reply.numel = u->layout.numel;
+    reply.padded_numel = u->layout.padded_numel;
+    reply.shard_numel = u->layout.shard_numel;
+    reply.n_param_offsets = u->layout.n_params;
+    reply.param_offsets = u->layout.offsets;
+    reply.unsharded_offset = b.unsharded_offset;
+    reply.master_offset = b.master_offset;
+    reply.grad_offset = b.grad_offset;
+    reply.full_grad_offset = b.full_grad_offset;
+    reply.shard = b.shard;
+    reply.gathered_step = b.gathered_step;
+    reply.reduced_step = b.reduced_step;
+    reply.replica = b.replica;
+    reply.host_first_shard = b.host_first_shard;
+    reply.host_shards = b.host_shards;
+    fsdp_rpc_call_reply(p->call, &reply.base);
+  }
+  unpark(p);
+}
+
+static void on_unit_op_done(void *data, const fsdp_status_t *st) {
+  parked_call_t *p = data;
+  if (take_parked(p, st)) {
+    Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+    fsdp_rpc_call_reply(p->call, &reply.base);
+  }
+  unpark(p);
+}
+
 static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                   void *data) {
   fsdp_daemon_t *daemon = data;
@@ -127,8 +214,12 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
     fail_call(call, &st);
     return;
   }
-  fsdp_dataplane_register(&daemon->dataplane, call, fsdp_store_find_job(&daemon->store, s->job),
-                          u, s);
+  parked_call_t *p = park_call(call, daemon, s);
+  if (!p)
+    return;
+  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_register(&daemon->dataplane, fsdp_store_find_job(&daemon->store, s->job), u,
+                          &who, &p->op, on_registered, p);
 }
 
 /* The session and unit a UnitOp names, the unit registered by the session's rank; fails
@@ -164,8 +255,12 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_session_t *s;
   fsdp_job_t *job;
   fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
-  if (u)
-    fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
+  parked_call_t *p = u ? park_call(call, daemon, s) : NULL;
+  if (!p)
+    return;
+  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_unshard(&daemon->dataplane, job, u, &who, rq->step, collective_deadline(daemon),
+                         &p->op, on_unit_op_done, p);
 }
 
 /* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
@@ -183,7 +278,12 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
                        no_shard ? "NO_SHARD" : "sharded", no_shard ? "AllReduce" : "ReduceScatter");
     return;
   }
-  fsdp_dataplane_reduce(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
+  parked_call_t *p = park_call(call, daemon, s);
+  if (!p)
+    return;
+  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_reduce(&daemon->dataplane, job, u, &who, rq->step, rq->accumulate,
+                        collective_deadline(daemon), &p->op, on_unit_op_done, p);
 }
 
 static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -202,8 +302,15 @@ static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_session_t *s;
   fsdp_job_t *job;
   fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
-  if (u)
-    fsdp_dataplane_reshard(call, u);
+  if (!u)
+    return;
+  fsdp_status_t st;
+  if (fsdp_dataplane_reshard(u, &st) < 0) {
+    fail_call(call, &st);
+    return;
+  }
+  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
 }
 
 static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {

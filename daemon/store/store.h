@@ -33,7 +33,8 @@
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
 
-typedef struct fsdp_waiter fsdp_waiter_t; /* a parked call; daemon/dataplane/dataplane.h */
+/* An operation waiting on a unit (daemon/dataplane/dataplane.h). */
+typedef struct fsdp_dataplane_op fsdp_dataplane_op_t;
 
 /* Where a unit's buffers are (daemon/dataplane/dataplane.h moves it along). */
 typedef enum fsdp_unit_state {
@@ -79,7 +80,8 @@ typedef struct fsdp_unit {
   fsdp_collection_t reduce;
   bool reduce_accumulate;
   uint64_t reduced_step; /* of the last reduce-scatter that completed */
-  fsdp_waiter_t *waiters; /* calls parked until a collection or the buffers' preparation ends */
+  /* Operations waiting until a collection or the buffers' preparation ends. */
+  fsdp_dataplane_op_t *waiters;
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
   fsdp_rank_set_t registered;
   unsigned n_registered;
@@ -162,8 +164,8 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
 /* Bytes of buffers allocated over every job's arenas. */
 size_t fsdp_store_memory_used(const fsdp_store_t *store);
 
-/* Frees a job, its units and arenas. Only when nothing refers to them: no session, no parked
- * call, no work queued (daemon/dataplane/dataplane.h says when). */
+/* Frees a job, its units and arenas. Only when nothing refers to them: no session, no waiting
+ * operation, no work queued (daemon/dataplane/dataplane.h says when). */
 void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job);
 
 

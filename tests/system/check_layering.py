@@ -28,9 +28,8 @@ LAYERS = {
     'daemon/session': ['common', 'proto', 'daemon/rpc'],
     'daemon/store': ['common', 'config', 'daemon/session'],
     'daemon/cluster': ['common', 'proto', 'config', 'transport', 'daemon/rpc'],
-    # proto and daemon/rpc: while the data plane still parks gRPC calls itself.
-    'daemon/dataplane': ['common', 'proto', 'kernels', 'transport', 'collectives', 'daemon/rpc',
-                         'daemon/session', 'daemon/store', 'daemon/cluster'],
+    'daemon/dataplane': ['common', 'kernels', 'transport', 'collectives', 'daemon/store',
+                         'daemon/cluster'],
     # daemon: while the handlers still take the whole daemon object.
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
                         'daemon/store', 'daemon/cluster', 'daemon/dataplane', 'daemon'],
