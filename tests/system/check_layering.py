@@ -30,9 +30,8 @@ LAYERS = {
     'daemon/cluster': ['common', 'proto', 'config', 'transport', 'daemon/rpc'],
     'daemon/dataplane': ['common', 'kernels', 'transport', 'collectives', 'daemon/store',
                          'daemon/cluster'],
-    # daemon: while the handlers still take the whole daemon object.
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
-                        'daemon/store', 'daemon/cluster', 'daemon/dataplane', 'daemon'],
+                        'daemon/store', 'daemon/cluster', 'daemon/dataplane'],
     'daemon': ['common', 'proto', 'config', 'kernels', 'transport', 'collectives', 'daemon/rpc',
                'daemon/session', 'daemon/store', 'daemon/cluster', 'daemon/dataplane',
                'daemon/services'],
