@@ -775,7 +775,7 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
   }
   fsdp_collection_t *c = &unit->gather;
   if (fsdp_rank_set_has(&c->submitted, rank) && step == c->step) {
-    park(op); /* a second call of the rank shares its request */
+    park(op); /* a second operation of the rank shares its request */
     return;
   }
   if (c->running) {

@@ -265,6 +265,16 @@ static void test_steps_in_order(void **state) {
   expect(&results[0], 0, "");
   expect(&results[1], 0, "");
 
+  /* The ranks of a reduce-scatter agree on accumulating, or it ends for everyone. */
+  memset(results, 0, sizeof results);
+  reduce(&f, 1, 2, true, &ops[1], &results[1]);
+  reduce(&f, 0, 2, false, &ops[0], &results[0]);
+  const char *accumulate = "unit 'u' step 2: local rank 0 submitted with accumulate false while "
+                           "the other ranks submitted with accumulate true";
+  expect(&results[0], FSDP_E_FAILED_PRECONDITION, accumulate);
+  expect(&results[1], FSDP_E_FAILED_PRECONDITION, accumulate);
+  assert_int_equal(f.unit->reduce.count, 0);
+
   /* Ranks of two runs of the job never meet in a collective. */
   memset(results, 0, sizeof results);
   f.ranks[1].generation = 1;
