@@ -935,6 +935,8 @@ void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_
 }
 
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
+  if (!dp)
+    return;
   while (dp->free_scratch) {
     void *s = dp->free_scratch;
     memcpy(&dp->free_scratch, s, sizeof(void *));

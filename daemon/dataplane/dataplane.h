@@ -113,7 +113,7 @@ typedef struct fsdp_dataplane_buffers {
 /* threads: the worker pool's size, the calling pool thread included. */
 int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
                         fsdp_status_t *st);
-/* Once the loop has ended: no work is in flight then. */
+/* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
 
 /* The other hosts: peers (borrowed; one host: no fabric) and the deadline of a collective

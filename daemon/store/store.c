@@ -265,6 +265,8 @@ void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job) {
 }
 
 void fsdp_store_cleanup(fsdp_store_t *store) {
+  if (!store)
+    return;
   while (store->jobs) {
     fsdp_job_t *job = store->jobs;
     store->jobs = job->next;

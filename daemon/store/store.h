@@ -140,6 +140,7 @@ typedef struct fsdp_store {
 } fsdp_store_t;
 
 void fsdp_store_init(fsdp_store_t *store);
+/* Frees every job (NULL-safe). */
 void fsdp_store_cleanup(fsdp_store_t *store);
 
 /* Registers spec's unit for the session's rank, creating the job on first use. Returns the

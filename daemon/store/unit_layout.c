@@ -277,6 +277,8 @@ int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *sp
 }
 
 void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout) {
+  if (!layout)
+    return;
   free(layout->offsets);
   free(layout->numels);
   layout->offsets = layout->numels = NULL;

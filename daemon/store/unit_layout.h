@@ -101,7 +101,7 @@ int fsdp_unit_gradient_scales(const fsdp_unit_spec_t *spec, unsigned world,
  * of pad_multiple (a multiple of shards; daemon/store/topology.h says why it may be larger). */
 int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *spec,
                           unsigned shards, unsigned pad_multiple, fsdp_status_t *st);
-void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout);
+void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout); /* NULL-safe */
 
 /* The element range [*ret_begin, *ret_end) of shard s within the flat buffer, padding
  * included. */

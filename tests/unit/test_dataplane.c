@@ -93,6 +93,8 @@ static void fixture_cleanup(fixture_t *f) {
   fsdp_dataplane_cleanup(&f->dp);
   fsdp_store_cleanup(&f->store);
   assert_int_equal(uv_loop_close(&f->loop), 0);
+  fsdp_dataplane_cleanup(NULL);
+  fsdp_store_cleanup(NULL);
 }
 
 static void unshard(fixture_t *f, unsigned rank, uint64_t step, uint64_t deadline_ms,

@@ -402,6 +402,7 @@ static void test_spec_from_a_request_and_its_copy(void **state) {
   fsdp_unit_spec_free(copy);
   fsdp_unit_spec_free(NULL);
   fsdp_unit_spec_cleanup(NULL);
+  fsdp_unit_layout_cleanup(NULL);
 }
 
 int main(void) {
