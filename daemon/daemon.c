@@ -33,13 +33,10 @@
 #define PEER_CONNECTIONS_PER_HOST 2
 #define PEER_CONNECTIONS_EXTRA 16
 
-uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon) {
+/* The loop's clock in milliseconds (monotonic), as sessions and deadlines use it. */
+static uint64_t now_ms(fsdp_daemon_t *daemon) {
   uv_update_time(&daemon->loop);
   return uv_now(&daemon->loop);
-}
-
-uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon) {
-  return fsdp_daemon_now_ms(daemon) - daemon->started_ms;
 }
 
 /* Values that take effect without a restart; called at start and after a reload. */
@@ -113,7 +110,10 @@ static int resolve_operator_group(const fsdp_config_t *cfg, bool *ret_has, gid_t
   return 0;
 }
 
-bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd, const fsdp_peer_t *peer) {
+/* The handlers' lifecycle actions (daemon/services/context.h says what each does). */
+
+static bool is_operator(void *data, int fd, const fsdp_peer_t *peer) {
+  const fsdp_daemon_t *daemon = data;
   return peer->uid == 0 || peer->uid == geteuid() ||
          (daemon->has_operator_group && fsdp_peer_in_group(fd, peer, daemon->operator_gid));
 }
@@ -140,14 +140,16 @@ static void release_session(fsdp_daemon_t *daemon, fsdp_session_t *session,
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
   if (!job)
     return;
-  fsdp_dataplane_release_session(job, session, why, daemon->sessions.attaches);
+  fsdp_dataplane_release_session(job, session->local_rank, session->id, why,
+                                 daemon->sessions.attaches);
   /* Its retention counts from its last session's end, and the job idle longest is the
    * first to give way to a new one (fsdp_store_job_for). */
   if (!job_has_session(daemon, job, session))
-    job->idle_since_ms = fsdp_daemon_now_ms(daemon);
+    job->idle_since_ms = now_ms(daemon);
 }
 
-void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why) {
+static void end_session(void *data, fsdp_session_t *session, const char *why) {
+  fsdp_daemon_t *daemon = data;
   log_session_end(session, why);
   release_session(daemon, session, why);
   fsdp_sessions_end(&daemon->sessions, session);
@@ -213,8 +215,10 @@ static void on_housekeeping(uv_timer_t *timer) {
   retire_idle_jobs(daemon, uv_now(&daemon->loop));
 }
 
-int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,
-                       fsdp_status_t *st) {
+/* Re-reads the config with the original precedence. All or nothing: on any error, or if a
+ * value that cannot change at run time differs, the running config stays and st says why. */
+static int reload(void *data, fsdp_option_id_t *ret_changed, size_t *ret_n, fsdp_status_t *st) {
+  fsdp_daemon_t *daemon = data;
   fsdp_config_t next;
   int r = fsdp_args_build_config(daemon->args, daemon->envp, &next, st);
   if (r < 0) {
@@ -260,7 +264,7 @@ static void reload_from_signal(fsdp_daemon_t *daemon) {
   fsdp_option_id_t changed[FSDP_OPTION_COUNT];
   size_t n = 0;
   fsdp_status_t st;
-  if (fsdp_daemon_reload(daemon, changed, &n, &st) < 0) {
+  if (reload(daemon, changed, &n, &st) < 0) {
     log_error("reload failed, keeping the running config: %s", st.message);
   } else {
     log_info("config reloaded: %zu value%s changed", n, n == 1 ? "" : "s");
@@ -291,7 +295,7 @@ static void close_handles(fsdp_daemon_t *daemon) {
 static void on_peers_closed(void *data) {
   fsdp_daemon_t *daemon = data;
   fsdp_peers_free(daemon->peers);
-  daemon->peers = NULL;
+  daemon->peers = daemon->handlers.peers = NULL;
   fsdp_peer_security_cleanup(&daemon->peer_security);
 }
 
@@ -304,7 +308,7 @@ static void on_fabric_closed(void *data) {
 static void on_rpc_stopped(void *data) {
   fsdp_daemon_t *daemon = data;
   fsdp_rpc_server_free(daemon->rpc);
-  daemon->rpc = NULL;
+  daemon->rpc = daemon->handlers.rpc = NULL;
   /* Collectives among hosts still running end CANCELLED; then the peers go. */
   fsdp_dataplane_set_cluster(&daemon->dataplane, NULL, NULL, 0);
   if (daemon->fabric)
@@ -335,7 +339,10 @@ void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why) {
   fsdp_rpc_server_stop(daemon->rpc, drain_ms, on_rpc_stopped, daemon);
 }
 
-int fsdp_daemon_set_draining(fsdp_daemon_t *daemon, bool draining, fsdp_status_t *st) {
+/* With draining, health turns NOT_SERVING and new work is refused while the daemon keeps
+ * running; without, it serves again. */
+static int set_draining(void *data, bool draining, fsdp_status_t *st) {
+  fsdp_daemon_t *daemon = data;
   if (daemon->state != FSDP_DAEMON_SERVING && daemon->state != FSDP_DAEMON_DRAINING)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION, "fsdpd is stopping");
   if (draining == (daemon->state == FSDP_DAEMON_DRAINING))
@@ -346,6 +353,21 @@ int fsdp_daemon_set_draining(fsdp_daemon_t *daemon, bool draining, fsdp_status_t
   sd_notify(0, draining ? "STATUS=draining on request" : "STATUS=serving");
   log_info("%s", draining ? "draining on request: new work is refused" : "resumed serving");
   return 0;
+}
+
+static fsdp_services_state_t serving_state(void *data) {
+  const fsdp_daemon_t *daemon = data;
+  switch (daemon->state) {
+  case FSDP_DAEMON_SERVING:
+    return FSDP_SERVICES_SERVING;
+  case FSDP_DAEMON_DRAINING:
+    return FSDP_SERVICES_DRAINING;
+  case FSDP_DAEMON_STARTING:
+  case FSDP_DAEMON_STOPPING:
+  case FSDP_DAEMON_STOPPED:
+    break;
+  }
+  return FSDP_SERVICES_STOPPING;
 }
 
 static void on_signal(uv_signal_t *handle, int signum) {
@@ -611,12 +633,27 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   if ((r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
     goto fail_loop;
-  fsdp_services_init(daemon);
+  daemon->handlers = (fsdp_services_context_t){
+      .loop = &daemon->loop,
+      .started_ms = daemon->started_ms,
+      .config = &daemon->config,
+      .listener = &daemon->listener,
+      .sessions = &daemon->sessions,
+      .store = &daemon->store,
+      .dataplane = &daemon->dataplane,
+      .services = daemon->services,
+      .health_address = daemon->health_address,
+      .peer_address = daemon->peer_address,
+      .lifecycle = {.reload = reload, .set_draining = set_draining, .end_session = end_session,
+                    .is_operator = is_operator, .state = serving_state, .data = daemon},
+  };
+  fsdp_services_tables(&daemon->handlers, &daemon->health.service, daemon->services);
   if ((r = fsdp_peer_security_load(&daemon->config, &daemon->peer_security, st)) < 0)
     goto fail_loop;
   if ((r = fsdp_peers_new(&daemon->loop, &daemon->config, &daemon->peer_security, NULL,
                           &daemon->peers, st)) < 0)
     goto fail_loop;
+  daemon->handlers.peers = daemon->peers;
   daemon->store.topology = (fsdp_topology_t){
       .hosts = fsdp_peers_host_count(daemon->peers),
       .host_rank = fsdp_peers_host_rank(daemon->peers),
@@ -633,6 +670,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
     goto fail_loop;
   if ((r = create_rpc(daemon, st)) < 0)
     goto fail_rpc;
+  daemon->handlers.rpc = daemon->rpc;
   /* Nothing is accepted before the loop runs, so the listener may start before the server. */
   if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint,
                                 daemon->refused_endpoint)) < 0) {
@@ -641,7 +679,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
     goto fail_rpc;
   }
   fsdp_channel_callbacks_t callbacks;
-  fsdp_services_channel_callbacks(daemon, &callbacks);
+  fsdp_services_channel_callbacks(&daemon->handlers, &callbacks);
   if ((r = fsdp_channel_start(&daemon->channel, &daemon->loop, daemon->listener.channel_fd,
                               &callbacks)) < 0) {
     fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.channel_path,

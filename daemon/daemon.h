@@ -20,6 +20,7 @@
 #include "daemon/dataplane/dataplane.h"
 #include "daemon/rpc/listener.h"
 #include "daemon/rpc/rpc_server.h"
+#include "daemon/services/context.h"
 #include "daemon/services/health.h"
 #include "daemon/session/channel.h"
 #include "daemon/session/sessions.h"
@@ -32,17 +33,6 @@ typedef enum fsdp_daemon_state {
   FSDP_DAEMON_STOPPING, /* SIGTERM/SIGINT: draining, then exit */
   FSDP_DAEMON_STOPPED,
 } fsdp_daemon_state_t;
-
-/* Service tables. The unix socket serves the first FSDP_SERVICE_LOCAL_COUNT, the health
- * port only HEALTH, the peer port (TCP, token and TLS as configured) HEALTH and PEER. */
-enum {
-  FSDP_SERVICE_TRAINER,
-  FSDP_SERVICE_OPERATOR,
-  FSDP_SERVICE_HEALTH,
-  FSDP_SERVICE_PEER,
-  FSDP_SERVICE_COUNT,
-  FSDP_SERVICE_LOCAL_COUNT = FSDP_SERVICE_PEER,
-};
 
 typedef struct fsdp_daemon {
   uv_loop_t loop;
@@ -58,6 +48,7 @@ typedef struct fsdp_daemon {
   fsdp_store_t store;
   fsdp_channel_t channel;
   fsdp_dataplane_t dataplane;
+  fsdp_services_context_t handlers; /* what the handlers work on; borrowed by them */
   fsdp_rpc_service_t services[FSDP_SERVICE_COUNT]; /* borrowed by the RPC server */
   fsdp_rpc_server_t *rpc;
   fsdp_rpc_endpoint_t *local_endpoint;
@@ -92,27 +83,5 @@ int fsdp_daemon_run(fsdp_daemon_t *daemon);
 /* Health NOT_SERVING at once, new work refused, in-flight work drained within
  * daemon.drain_timeout, then everything is released and the loop ends. Idempotent. */
 void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why);
-
-/* Operator.Drain and Resume: with draining, health turns NOT_SERVING and new work is refused
- * while the daemon keeps running; without, it serves again. Fails while stopping. */
-int fsdp_daemon_set_draining(fsdp_daemon_t *daemon, bool draining, fsdp_status_t *st);
-
-/* Re-reads the config with the original precedence. All or nothing: on any error, or if a
- * value that cannot change at run time differs, the running config stays and st says why.
- * ret_changed receives the ids of changed options (room for FSDP_OPTION_COUNT). */
-int fsdp_daemon_reload(fsdp_daemon_t *daemon, fsdp_option_id_t *ret_changed, size_t *ret_n,
-                       fsdp_status_t *st);
-
-uint64_t fsdp_daemon_uptime_ms(fsdp_daemon_t *daemon);
-
-/* The loop's clock in milliseconds (monotonic), as sessions and deadlines use it. */
-uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon);
-
-/* Whether the caller on connected socket fd may change the daemon's state (Drain, Resume,
- * ReloadConfig): root, the daemon's own uid, or a member of daemon.operator_group. */
-bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd, const fsdp_peer_t *peer);
-
-/* Ends a session for `why` (logged): closes its memory channel and releases it. */
-void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why);
 
 #endif

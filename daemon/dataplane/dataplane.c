@@ -2,6 +2,8 @@
 #include "daemon/dataplane/dataplane.h"
 
 #include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,17 +12,6 @@
 #include "proto/host/formats.h"
 
 typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
-
-/* A parked call. It counts in its session's liveness until it ends, and it never outlives
- * its session: a session that ends fails its parked calls (fsdp_dataplane_release_session). */
-struct fsdp_waiter {
-  fsdp_rpc_call_t *call;
-  fsdp_unit_t *unit;
-  fsdp_session_t *session;
-  uv_loop_t *loop; /* whose clock says when the call ended */
-  waiter_kind_t kind;
-  fsdp_waiter_t *prev, *next;
-};
 
 /* Work on the thread pool. A gather casts this host's master shards into the unsharded
  * buffer, then (across hosts) an all-gather fills in the other hosts' regions. A reduce on
@@ -45,12 +36,12 @@ struct fsdp_dataplane_work {
 static const char *const work_names[] = {"preparing its buffers", "the gather",
                                          "the reduce-scatter"};
 
-/* The proto's element types, as the kernels name them. */
-static fsdp_dtype_t kernel_dtype(Fsdp__V1__DType dtype) {
+/* A unit's element types, as the kernels name them. */
+static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
   switch (dtype) {
-  case FSDP__V1__DTYPE__DTYPE_BF16:
+  case FSDP_UNIT_DTYPE_BF16:
     return FSDP_DTYPE_BF16;
-  case FSDP__V1__DTYPE__DTYPE_FP16:
+  case FSDP_UNIT_DTYPE_FP16:
     return FSDP_DTYPE_FP16;
   default:
     return FSDP_DTYPE_FP32;
@@ -67,123 +58,108 @@ static void collection_reset(fsdp_collection_t *c) {
   *c = (fsdp_collection_t){0};
 }
 
-static void waiter_unlink(fsdp_waiter_t *w) {
-  if (w->prev)
-    w->prev->next = w->next;
+static void op_init(fsdp_dataplane_op_t *op, fsdp_unit_t *unit, const fsdp_dataplane_rank_t *who,
+                    waiter_kind_t kind, fsdp_dataplane_done_fn done, void *data) {
+  *op = (fsdp_dataplane_op_t){.unit = unit, .who = *who, .kind = kind, .done = done,
+                              .data = data};
+}
+
+/* Calls the operation back, with OK or with err (< 0) and the message. The caller may reuse
+ * its storage from then on, so nothing touches op after. */
+static void op_ok(fsdp_dataplane_op_t *op) {
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  op->done(op->data, &st);
+}
+
+__attribute__((format(printf, 3, 4))) static void op_fail(fsdp_dataplane_op_t *op, int err,
+                                                         const char *fmt, ...) {
+  fsdp_status_t st;
+  va_list ap;
+  va_start(ap, fmt);
+  fsdp_status_setv(&st, err, fmt, ap);
+  va_end(ap);
+  op->done(op->data, &st);
+}
+
+static void op_unlink(fsdp_dataplane_op_t *op) {
+  if (op->prev)
+    op->prev->next = op->next;
   else
-    w->unit->waiters = w->next;
-  if (w->next)
-    w->next->prev = w->prev;
-}
-
-/* A waiter is answered: its session's lease counts from now again. */
-static void waiter_free(fsdp_waiter_t *w) {
-  fsdp_session_call_ended(w->session, uv_now(w->loop));
-  free(w);
-}
-
-/* Unlinks a waiter whose call is about to be answered, so that no cancel follows. */
-static void waiter_take(fsdp_waiter_t *w) {
-  waiter_unlink(w);
-  fsdp_rpc_call_on_cancel(w->call, NULL, NULL);
+    op->unit->waiters = op->next;
+  if (op->next)
+    op->next->prev = op->prev;
 }
 
 static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) {
-  for (const fsdp_waiter_t *w = u->waiters; w; w = w->next)
-    if (w->session->local_rank == rank && w->kind == kind)
+  for (const fsdp_dataplane_op_t *w = u->waiters; w; w = w->next)
+    if (w->who.local_rank == rank && w->kind == (int)kind)
       return true;
   return false;
 }
 
-/* A parked call's client gave up (its deadline, or it went away): unless the collection
- * already runs, the rank no longer counts in it, so that it is not gathered or reduced for
- * a rank that no longer waits (and asks again). */
-static void on_waiter_cancel(fsdp_rpc_call_t *call, void *data) {
-  (void)call;
-  fsdp_waiter_t *w = data;
-  fsdp_unit_t *u = w->unit;
-  uint32_t rank = w->session->local_rank;
-  waiter_unlink(w);
-  if (w->kind != WAIT_REGISTER) {
-    fsdp_collection_t *c = collection_of(u, w->kind);
-    if (!c->running && fsdp_rank_set_has(&c->submitted, rank) && !rank_waits(u, rank, w->kind)) {
+void fsdp_dataplane_cancel(fsdp_dataplane_op_t *op) {
+  fsdp_unit_t *u = op->unit;
+  uint32_t rank = op->who.local_rank;
+  op_unlink(op);
+  if (op->kind != WAIT_REGISTER) {
+    fsdp_collection_t *c = collection_of(u, (waiter_kind_t)op->kind);
+    if (!c->running && fsdp_rank_set_has(&c->submitted, rank) &&
+        !rank_waits(u, rank, (waiter_kind_t)op->kind)) {
       fsdp_rank_set_put(&c->submitted, rank, false);
       c->count--;
     }
   }
-  waiter_free(w);
 }
 
-static void park(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_unit_t *unit,
-                 fsdp_session_t *session, waiter_kind_t kind) {
-  fsdp_waiter_t *w = calloc(1, sizeof *w);
-  if (!w) {
-    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory parking a call");
-    return;
-  }
-  *w = (fsdp_waiter_t){.call = call, .unit = unit, .session = session, .loop = dp->loop,
-                       .kind = kind};
-  fsdp_session_call_parked(session);
-  w->next = unit->waiters;
+/* The operation waits in its unit until it is called back or cancelled. */
+static void park(fsdp_dataplane_op_t *op) {
+  fsdp_unit_t *unit = op->unit;
+  op->prev = NULL;
+  op->next = unit->waiters;
   if (unit->waiters)
-    unit->waiters->prev = w;
-  unit->waiters = w;
-  fsdp_rpc_call_on_cancel(call, on_waiter_cancel, w);
+    unit->waiters->prev = op;
+  unit->waiters = op;
 }
 
-static void reply_registered(fsdp_rpc_call_t *call, const fsdp_unit_t *u, uint32_t rank) {
-  Fsdp__V1__RegisterUnitReply reply = FSDP__V1__REGISTER_UNIT_REPLY__INIT;
-  reply.numel = u->layout.numel;
-  reply.padded_numel = u->layout.padded_numel;
-  reply.shard_numel = u->layout.shard_numel;
-  reply.n_param_offsets = u->layout.n_params;
-  reply.param_offsets = u->layout.offsets;
-  reply.unsharded_offset = u->unsharded_offset;
-  reply.master_offset = u->master_offset;
-  reply.grad_offset = u->grad_offset;
-  reply.full_grad_offset = u->full_grad_offset + rank * u->full_grad_stride;
-  reply.shard = u->plan.first_shard + (u->plan.local_shards == 1 ? 0 : rank);
-  reply.gathered_step = u->gathered ? u->gathered_step : 0;
-  reply.reduced_step = u->reduced_step;
-  reply.replica = fsdp_unit_plan_replica(&u->plan, rank);
-  reply.host_first_shard = u->plan.first_shard;
-  reply.host_shards = u->plan.local_shards;
-  fsdp_rpc_call_reply(call, &reply.base);
+void fsdp_dataplane_buffers(const fsdp_unit_t *u, uint32_t rank,
+                            fsdp_dataplane_buffers_t *ret_buffers) {
+  *ret_buffers = (fsdp_dataplane_buffers_t){
+      .unsharded_offset = u->unsharded_offset,
+      .master_offset = u->master_offset,
+      .grad_offset = u->grad_offset,
+      .full_grad_offset = u->full_grad_offset + rank * u->full_grad_stride,
+      .shard = u->plan.first_shard + (u->plan.local_shards == 1 ? 0 : rank),
+      .replica = fsdp_unit_plan_replica(&u->plan, rank),
+      .host_first_shard = u->plan.first_shard,
+      .host_shards = u->plan.local_shards,
+      .gathered_step = u->gathered ? u->gathered_step : 0,
+      .reduced_step = u->reduced_step,
+  };
 }
 
-static void reply_unit_op(fsdp_rpc_call_t *call) {
-  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
-  fsdp_rpc_call_reply(call, &reply.base);
-}
-
-/* Answers every waiter of `kind`: with the result, or with the unit's error once it
+/* Calls back every waiter of `kind`: with the result, or with the unit's error once it
  * failed. */
 static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
-  for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+  for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
     next = w->next;
-    if (w->kind != kind)
+    if (w->kind != (int)kind)
       continue;
-    waiter_take(w);
+    op_unlink(w);
     if (u->state == FSDP_UNIT_FAILED)
-      fsdp_rpc_call_fail(w->call, u->error.code, "%s: %s", fsdp_rpc_call_method(w->call),
-                         u->error.message);
-    else if (kind == WAIT_REGISTER)
-      reply_registered(w->call, u, w->session->local_rank);
+      op_fail(w, u->error.code, "%s", u->error.message);
     else
-      reply_unit_op(w->call);
-    waiter_free(w);
+      op_ok(w);
   }
 }
 
 /* Ends the collection of `kind` being gathered: every waiter gets err and the message. */
 static void abort_collection(fsdp_unit_t *u, waiter_kind_t kind, int err, const char *message) {
-  for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+  for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
     next = w->next;
-    if (w->kind != kind)
+    if (w->kind != (int)kind)
       continue;
-    waiter_take(w);
-    fsdp_rpc_call_fail(w->call, err, "%s: %s", fsdp_rpc_call_method(w->call), message);
-    waiter_free(w);
+    op_unlink(w);
+    op_fail(w, err, "%s", message);
   }
   collection_reset(collection_of(u, kind));
 }
@@ -193,18 +169,18 @@ static const char *collection_verb(waiter_kind_t kind) {
   return kind == WAIT_UNSHARD ? "unshard" : "reduce-scatter";
 }
 
-/* Parks the call as rank's part of the unit's collection of `kind` for `step` and returns
- * whether it completed the collection (every local rank has asked). A rank asking for
- * another step than the one being collected aborts the collection for everyone: nobody
- * could complete it. */
-static bool collect(fsdp_dataplane_t *dp, fsdp_unit_t *u, waiter_kind_t kind,
-                    fsdp_rpc_call_t *call, const fsdp_job_t *job, fsdp_session_t *session,
-                    uint64_t step, uint64_t deadline_ms) {
-  uint32_t rank = session->local_rank;
+/* Parks op as its rank's part of the unit's collection of `kind` for `step`; returns
+ * whether it completed the collection (every local rank has asked), or -1 when op was
+ * answered instead. A rank asking for another step than the one being collected aborts the
+ * collection for everyone: nobody could complete it. */
+static int collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
+                   const fsdp_job_t *job, uint64_t step, uint64_t deadline_ms) {
+  const fsdp_dataplane_rank_t *who = &op->who;
+  uint32_t rank = who->local_rank;
   fsdp_collection_t *c = collection_of(u, kind);
   fsdp_rank_set_t died = {0};
   for (uint32_t r = 0; r < job->local_world_size; r++)
-    if (session->serial < job->gone_before_serial[r])
+    if (who->serial < job->gone_before_serial[r])
       fsdp_rank_set_put(&died, r, true);
   char gone[128];
   fsdp_rank_set_format(&died, true, job->local_world_size, gone, sizeof gone);
@@ -215,26 +191,24 @@ static bool collect(fsdp_dataplane_t *dp, fsdp_unit_t *u, waiter_kind_t kind,
              "not attached again; the %s cannot complete without them",
              u->spec->unit, (unsigned long long)step, gone, job->name, collection_verb(kind));
     abort_collection(u, kind, FSDP_E_ABORTED, message);
-    fsdp_rpc_call_fail(call, FSDP_E_ABORTED, "%s: %s", fsdp_rpc_call_method(call), message);
-    return false;
+    op_fail(op, FSDP_E_ABORTED, "%s", message);
+    return -1;
   }
   if (c->count == 0) {
     c->step = step;
-    c->generation = session->generation;
+    c->generation = who->generation;
     c->deadline_ms = deadline_ms;
-  } else if (session->generation != c->generation) {
+  } else if (who->generation != c->generation) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
              "unit '%s' step %llu: local rank %u attached with generation %llu while the other "
              "ranks attached with generation %llu: ranks of two runs of job '%s' cannot %s "
              "together",
-             u->spec->unit, (unsigned long long)step, rank,
-             (unsigned long long)session->generation, (unsigned long long)c->generation,
-             job->name, collection_verb(kind));
+             u->spec->unit, (unsigned long long)step, rank, (unsigned long long)who->generation,
+             (unsigned long long)c->generation, job->name, collection_verb(kind));
     abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", fsdp_rpc_call_method(call),
-                       message);
-    return false;
+    op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
+    return -1;
   } else if (step != c->step) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
@@ -243,13 +217,12 @@ static bool collect(fsdp_dataplane_t *dp, fsdp_unit_t *u, waiter_kind_t kind,
              u->spec->unit, rank, collection_verb(kind), (unsigned long long)step,
              (unsigned long long)c->step);
     abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", fsdp_rpc_call_method(call),
-                       message);
-    return false;
+    op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
+    return -1;
   }
   fsdp_rank_set_put(&c->submitted, rank, true);
   c->count++;
-  park(dp, call, u, session, kind);
+  park(op);
   return c->count == job->local_world_size;
 }
 
@@ -717,89 +690,93 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   return 0;
 }
 
-void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                             fsdp_unit_t *unit, fsdp_session_t *session) {
+void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                             const fsdp_dataplane_rank_t *who, fsdp_dataplane_op_t *op,
+                             fsdp_dataplane_done_fn done, void *data) {
+  op_init(op, unit, who, WAIT_REGISTER, done, data);
   fsdp_status_t st;
   switch (unit->state) {
   case FSDP_UNIT_NEW:
     if (allocate(job, unit, &st) < 0) {
-      fsdp_rpc_call_fail(call, st.code, "%s: %s", fsdp_rpc_call_method(call), st.message);
+      op_fail(op, st.code, "%s", st.message);
       return;
     }
     int r = queue(dp, WORK_PREFAULT, job, unit);
     if (r < 0) {
       fsdp_arena_release(job->arena, unit->buffers_offset);
       fsdp_arena_release(job->shared_arena, unit->unsharded_offset);
-      fsdp_rpc_call_fail(call, r, "%s: cannot queue the buffers' preparation",
-                         fsdp_rpc_call_method(call));
+      op_fail(op, r, "cannot queue the buffers' preparation");
       return;
     }
     unit->state = FSDP_UNIT_ALLOCATING;
-    park(dp, call, unit, session, WAIT_REGISTER);
+    park(op);
     return;
   case FSDP_UNIT_ALLOCATING:
-    park(dp, call, unit, session, WAIT_REGISTER);
+    park(op);
     return;
   case FSDP_UNIT_FAILED:
-    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
-                       unit->error.message);
+    op_fail(op, unit->error.code, "%s", unit->error.message);
     return;
   default:
-    reply_registered(call, unit, session->local_rank);
+    op_ok(op);
   }
 }
 
-/* Whether the unit's buffers are there to work on; fails the call otherwise. */
-static bool ready(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
+int fsdp_dataplane_reshard(const fsdp_unit_t *unit, fsdp_status_t *st) {
   switch (unit->state) {
   case FSDP_UNIT_FAILED:
-    fsdp_rpc_call_fail(call, unit->error.code, "%s: %s", fsdp_rpc_call_method(call),
-                       unit->error.message);
-    return false;
+    return fsdp_status_set(st, unit->error.code, "%s", unit->error.message);
   case FSDP_UNIT_NEW:
   case FSDP_UNIT_ALLOCATING:
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "%s: unit '%s' has no buffers yet: its RegisterUnit has not succeeded",
-                       fsdp_rpc_call_method(call), unit->spec->unit);
-    return false;
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "unit '%s' has no buffers yet: its RegisterUnit has not succeeded",
+                           unit->spec->unit);
   default:
-    return true;
+    return 0;
   }
 }
 
-void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                            fsdp_unit_t *unit, fsdp_session_t *session,
-                            const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
-  uint32_t rank = session->local_rank;
-  const char *method = fsdp_rpc_call_method(call);
-  if (!ready(call, unit))
+/* Whether the unit's buffers are there to work on; fails op otherwise. */
+static bool ready(fsdp_dataplane_op_t *op) {
+  fsdp_status_t st;
+  if (fsdp_dataplane_reshard(op->unit, &st) == 0)
+    return true;
+  op->done(op->data, &st);
+  return false;
+}
+
+void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                            const fsdp_dataplane_rank_t *who, uint64_t step,
+                            uint64_t deadline_ms, fsdp_dataplane_op_t *op,
+                            fsdp_dataplane_done_fn done, void *data) {
+  uint32_t rank = who->local_rank;
+  op_init(op, unit, who, WAIT_UNSHARD, done, data);
+  if (!ready(op))
     return;
-  if (unit->gathered && rq->step == unit->gathered_step) {
-    reply_unit_op(call); /* the fast path: this step's copy is there */
+  if (unit->gathered && step == unit->gathered_step) {
+    op_ok(op); /* the fast path: this step's copy is there */
     return;
   }
-  if (unit->gathered && rq->step < unit->gathered_step) {
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "%s: unit '%s': local rank %u asked for step %llu, but the unsharded "
-                       "copy already holds step %llu",
-                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
-                       (unsigned long long)unit->gathered_step);
+  if (unit->gathered && step < unit->gathered_step) {
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s': local rank %u asked for step %llu, but the unsharded copy already "
+            "holds step %llu",
+            unit->spec->unit, rank, (unsigned long long)step,
+            (unsigned long long)unit->gathered_step);
     return;
   }
   fsdp_collection_t *c = &unit->gather;
-  if (fsdp_rank_set_has(&c->submitted, rank) && rq->step == c->step) {
-    park(dp, call, unit, session, WAIT_UNSHARD); /* a second call of the rank shares its request */
+  if (fsdp_rank_set_has(&c->submitted, rank) && step == c->step) {
+    park(op); /* a second operation of the rank shares its request */
     return;
   }
   if (c->running) {
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "%s: unit '%s': local rank %u asked for step %llu while step %llu is "
-                       "being gathered",
-                       method, unit->spec->unit, rank, (unsigned long long)rq->step,
-                       (unsigned long long)c->step);
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s': local rank %u asked for step %llu while step %llu is being gathered",
+            unit->spec->unit, rank, (unsigned long long)step, (unsigned long long)c->step);
     return;
   }
-  if (!collect(dp, unit, WAIT_UNSHARD, call, job, session, rq->step, deadline_ms))
+  if (collect(unit, WAIT_UNSHARD, op, job, step, deadline_ms) <= 0)
     return;
   unit->gathered = false; /* the buffer is overwritten from now on */
   c->running = true;
@@ -808,40 +785,35 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_jo
     abort_collection(unit, WAIT_UNSHARD, r, "cannot queue the gather");
 }
 
-void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit) {
-  if (!ready(call, unit))
-    return;
-  reply_unit_op(call);
-}
-
-void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                           fsdp_unit_t *unit, fsdp_session_t *session,
-                           const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms) {
-  uint32_t rank = session->local_rank;
-  const char *method = fsdp_rpc_call_method(call);
-  if (!ready(call, unit))
+void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                           const fsdp_dataplane_rank_t *who, uint64_t step, bool accumulate,
+                           uint64_t deadline_ms, fsdp_dataplane_op_t *op,
+                           fsdp_dataplane_done_fn done, void *data) {
+  uint32_t rank = who->local_rank;
+  op_init(op, unit, who, WAIT_REDUCE, done, data);
+  if (!ready(op))
     return;
   fsdp_collection_t *c = &unit->reduce;
   if (c->running || fsdp_rank_set_has(&c->submitted, rank)) {
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "%s: unit '%s' step %llu: local rank %u already submitted its gradient",
-                       method, unit->spec->unit, (unsigned long long)c->step, rank);
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s' step %llu: local rank %u already submitted its gradient",
+            unit->spec->unit, (unsigned long long)c->step, rank);
     return;
   }
   if (c->count == 0) {
-    unit->reduce_accumulate = rq->accumulate;
-  } else if (rq->step == c->step && rq->accumulate != unit->reduce_accumulate) {
+    unit->reduce_accumulate = accumulate;
+  } else if (step == c->step && accumulate != unit->reduce_accumulate) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
              "unit '%s' step %llu: local rank %u submitted with accumulate %s while the other "
              "ranks submitted with accumulate %s",
-             unit->spec->unit, (unsigned long long)rq->step, rank,
-             rq->accumulate ? "true" : "false", unit->reduce_accumulate ? "true" : "false");
+             unit->spec->unit, (unsigned long long)step, rank, accumulate ? "true" : "false",
+             unit->reduce_accumulate ? "true" : "false");
     abort_collection(unit, WAIT_REDUCE, FSDP_E_FAILED_PRECONDITION, message);
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION, "%s: %s", method, message);
+    op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
     return;
   }
-  if (!collect(dp, unit, WAIT_REDUCE, call, job, session, rq->step, deadline_ms))
+  if (collect(unit, WAIT_REDUCE, op, job, step, deadline_ms) <= 0)
     return;
   c->running = true;
   if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
@@ -883,24 +855,20 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
   }
 }
 
-void fsdp_dataplane_release_session(fsdp_job_t *job, fsdp_session_t *session, const char *why,
-                                    uint64_t next_serial) {
-  uint32_t rank = session->local_rank;
+void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t session_id,
+                                    const char *why, uint64_t next_serial) {
   job->gone_before_serial[rank] = next_serial;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    /* Its own parked calls end first, whatever they wait for (a running collective too):
-     * an answer after this would be an answer to a session that no longer exists. */
-    for (fsdp_waiter_t *w = u->waiters, *next; w; w = next) {
+    /* Its own operations end first, whatever they wait for (a running collective too): an
+     * answer after this would be an answer to a session that no longer exists. */
+    for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
       next = w->next;
-      if (w->session != session)
+      if (w->who.session_id != session_id)
         continue;
-      waiter_take(w);
-      fsdp_rpc_call_fail(w->call, FSDP_E_ABORTED,
-                         "%s: session %016llx (job '%s' local rank %u) ended while the call "
-                         "waited: %s",
-                         fsdp_rpc_call_method(w->call), (unsigned long long)session->id,
-                         job->name, rank, why);
-      waiter_free(w);
+      op_unlink(w);
+      op_fail(w, FSDP_E_ABORTED,
+              "session %016llx (job '%s' local rank %u) ended while the call waited: %s",
+              (unsigned long long)session_id, job->name, rank, why);
     }
     /* The others would wait for a rank that is gone: tell them now, naming it. */
     for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
@@ -959,6 +927,8 @@ void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_
 }
 
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
+  if (!dp)
+    return;
   while (dp->free_scratch) {
     void *s = dp->free_scratch;
     memcpy(&dp->free_scratch, s, sizeof(void *));

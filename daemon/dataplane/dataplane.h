@@ -1,11 +1,20 @@
 /* The host backend's data path: a registered unit's buffers in its job's arena, and the
- * operations on them.
+ * operations on them. It knows no RPC: the service layer (daemon/services/services.c) hands
+ * it an operation with a completion callback, and builds the reply when it is called back.
+ *
+ * Operations. Each takes the rank that asks (fsdp_dataplane_rank_t), caller-owned storage
+ * for it (fsdp_dataplane_op_t) and a done callback, which is called exactly once with the
+ * result (st->code 0, or an fsdp error and its message), unless the caller cancels the
+ * operation first (fsdp_dataplane_cancel). An answer known at once (a refusal, a copy already
+ * there) calls back before the operation's function returns; otherwise the operation waits
+ * in the unit (its storage linked there) until its collective or its buffers' preparation
+ * ends, and the storage must stay valid until then.
  *
  * Blocking work (pre-faulting new buffers, the casts of an unshard) runs on libuv's thread
- * pool, one item at a time in arrival order, spread over the collectives worker pool; the
- * calls that wait for it are parked (daemon/rpc/rpc_server.h) and answered when it is done. Work
- * never runs on the loop thread, and a unit's memory is never freed while the daemon runs,
- * so a work item's pointers stay valid until its completion runs on the loop.
+ * pool, one item at a time in arrival order, spread over the kernels' worker pool; the
+ * operations that wait for it are called back when it is done. Work never runs on the loop
+ * thread, and a unit's memory is never freed while the daemon runs, so a work item's
+ * pointers stay valid until its completion runs on the loop.
  *
  * Unshard is a collective of the job's local ranks, like FSDP's all-gather: a rank asking
  * for step s says its master shards are final for s. Once every local rank has asked for s,
@@ -27,8 +36,7 @@
  * A collective names one step; a rank asking for another step than the others aborts it
  * for all. Ranks that do not ask within the deadline of the first (store.collective_timeout)
  * are named in the ABORTED every waiter gets (fsdp_dataplane_expire), and so is a rank whose
- * session ends (fsdp_dataplane_release_session). A parked call keeps its session alive
- * (fsdp_session_call_parked) until it is answered.
+ * session ends (fsdp_dataplane_release_session).
  *
  * Loop thread only, except inside work items. */
 #ifndef FSDP_DATAPLANE_H
@@ -41,8 +49,6 @@
 #include "common/status.h"
 #include "daemon/cluster/fabric.h"
 #include "daemon/cluster/peers.h"
-#include "daemon/rpc/rpc_server.h"
-#include "daemon/session/sessions.h"
 #include "daemon/store/store.h"
 #include "kernels/workers.h"
 
@@ -67,10 +73,47 @@ typedef struct fsdp_dataplane {
   void *free_scratch; /* the rings' staging buffers not in use, linked through their start */
 } fsdp_dataplane_t;
 
+/* Who asks: a local rank, as one of its sessions (daemon/session/sessions.h). */
+typedef struct fsdp_dataplane_rank {
+  uint32_t local_rank;
+  uint64_t session_id; /* whose operations fsdp_dataplane_release_session ends */
+  uint64_t serial;     /* the session's: one older than a rank's end finds the rank gone */
+  uint64_t generation; /* the job's run: the ranks of one collective all have the same */
+} fsdp_dataplane_rank_t;
+
+/* How an operation ended: st->code is 0, or an fsdp error that st->message explains. */
+typedef void (*fsdp_dataplane_done_fn)(void *data, const fsdp_status_t *st);
+
+/* An operation's storage, the caller's; its fields are the data plane's. */
+struct fsdp_dataplane_op {
+  fsdp_unit_t *unit;
+  fsdp_dataplane_rank_t who;
+  int kind;
+  fsdp_dataplane_done_fn done;
+  void *data;
+  fsdp_dataplane_op_t *prev, *next; /* in unit->waiters while it waits */
+};
+
+/* Where a rank finds a registered unit's buffers (byte offsets in the job's arenas:
+ * unsharded in shared_arena, the rest in arena), which shards it holds, and where the
+ * unit's steps stand (0 before the first). */
+typedef struct fsdp_dataplane_buffers {
+  uint64_t unsharded_offset;
+  uint64_t master_offset;
+  uint64_t grad_offset;
+  uint64_t full_grad_offset; /* the rank's own */
+  uint32_t shard;            /* the rank's */
+  uint32_t replica;          /* fsdp_unit_plan_replica */
+  uint32_t host_first_shard;
+  uint32_t host_shards;
+  uint64_t gathered_step;
+  uint64_t reduced_step;
+} fsdp_dataplane_buffers_t;
+
 /* threads: the worker pool's size, the calling pool thread included. */
 int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
                         fsdp_status_t *st);
-/* Once the loop has ended: no work is in flight then. */
+/* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
 
 /* The other hosts: peers (borrowed; one host: no fabric) and the deadline of a collective
@@ -78,45 +121,57 @@ void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
 void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
                                 uint64_t collective_timeout_ms);
 
-/* Answers a RegisterUnit the store accepted for `session`'s rank: with the layout and the
- * buffers' offsets once the unit's buffers are ready. The first registration takes them from
- * the job's arenas (reserved against memory.limit as a whole when the job was made) and
+/* Registration of a unit the store accepted for who's rank: done once the unit's buffers are
+ * ready (fsdp_dataplane_buffers says where). The first registration takes them from the
+ * job's arenas (reserved against memory.limit as a whole when the job was made) and
  * pre-faults them. */
-void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                             fsdp_unit_t *unit, fsdp_session_t *session);
+void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                             const fsdp_dataplane_rank_t *who, fsdp_dataplane_op_t *op,
+                             fsdp_dataplane_done_fn done, void *data);
 
-/* Unshard of `unit` for the session's rank at rq->step; deadline_ms: loop time by which
- * every local rank must have asked, if this call starts the collective. */
-void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                            fsdp_unit_t *unit, fsdp_session_t *session,
-                            const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms);
+/* Unshard of `unit` for who's rank at `step`; deadline_ms: loop time by which every local
+ * rank must have asked, if this operation starts the collective. */
+void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                            const fsdp_dataplane_rank_t *who, uint64_t step,
+                            uint64_t deadline_ms, fsdp_dataplane_op_t *op,
+                            fsdp_dataplane_done_fn done, void *data);
 
-/* Reshard: answered at once once the unit has buffers. */
-void fsdp_dataplane_reshard(fsdp_rpc_call_t *call, const fsdp_unit_t *unit);
+/* ReduceScatter (and AllReduce of a NO_SHARD unit) for who's rank at `step`, adding to the
+ * gradient shards with `accumulate`; deadline_ms as for Unshard. */
+void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                           const fsdp_dataplane_rank_t *who, uint64_t step, bool accumulate,
+                           uint64_t deadline_ms, fsdp_dataplane_op_t *op,
+                           fsdp_dataplane_done_fn done, void *data);
 
-/* ReduceScatter (and AllReduce of a NO_SHARD unit) for the session's rank at rq->step, with
- * rq->accumulate; deadline_ms as for Unshard. */
-void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_rpc_call_t *call, fsdp_job_t *job,
-                           fsdp_unit_t *unit, fsdp_session_t *session,
-                           const Fsdp__V1__UnitOpRequest *rq, uint64_t deadline_ms);
+/* Reshard: fails (st says why) unless the unit has buffers. */
+int fsdp_dataplane_reshard(const fsdp_unit_t *unit, fsdp_status_t *st);
+
+/* A waiting operation's caller gave up (its client went away, its deadline passed): it is
+ * not called back. Unless its collective already runs, its rank no longer counts in it, so
+ * that nothing is gathered or reduced for a rank that no longer waits (and asks again). */
+void fsdp_dataplane_cancel(fsdp_dataplane_op_t *op);
+
+/* Where rank finds a unit's buffers once its registration is done. */
+void fsdp_dataplane_buffers(const fsdp_unit_t *unit, uint32_t rank,
+                            fsdp_dataplane_buffers_t *ret_buffers);
 
 /* Ends collectives whose deadline passed; from the housekeeping timer. */
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
 
-/* Whether any queued or running work, or any parked call, refers to the job. */
+/* Whether any queued or running work, or any waiting operation, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
 
 /* Before the job's memory goes (nothing may use it: fsdp_dataplane_uses_job is false):
  * releases its registrations with the transport. */
 void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job);
 
-/* A session of `job` ended (why: for the messages), before it is freed; next_serial: the
- * serial the next session will get. Its own parked calls end with ABORTED naming it, even in
- * a collective already running, so that no call is answered OK for a session that ended.
- * Collectives waiting for its rank end with ABORTED naming it, and so do those that sessions
- * older than its end start until the rank attaches again (its session reaches the store:
- * fsdp_store_job_for). */
-void fsdp_dataplane_release_session(fsdp_job_t *job, fsdp_session_t *session, const char *why,
-                                    uint64_t next_serial);
+/* A session of `job` (session_id, of local rank `rank`) ended (why: for the messages);
+ * next_serial: the serial the next session will get. Its own waiting operations end with
+ * ABORTED naming it, even in a collective already running, so that nothing is answered OK
+ * for a session that ended. Collectives waiting for its rank end with ABORTED naming it, and
+ * so do those that sessions older than its end start until the rank attaches again (its
+ * session reaches the store: fsdp_store_job_for). */
+void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t session_id,
+                                    const char *why, uint64_t next_serial);
 
 #endif

@@ -31,20 +31,20 @@ static void on_join_cancel(fsdp_rpc_call_t *call, void *data) {
 /* A Join may be answered later: while its data-plane address is checked, or its host's own
  * address asked to confirm it (peers.h). */
 static void peer_join(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   char from[96];
   fsdp_rpc_call_peer_name(call, from, sizeof from);
-  fsdp_peers_join_t *join = fsdp_peers_accept_join(daemon->peers, (const void *)request, from,
+  fsdp_peers_join_t *join = fsdp_peers_accept_join(ctx->peers, (const void *)request, from,
                                                    on_join_answer, call);
   if (join)
     fsdp_rpc_call_on_cancel(call, on_join_cancel, join);
 }
 
 static void peer_heartbeat(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   Fsdp__V1__HeartbeatReply reply = FSDP__V1__HEARTBEAT_REPLY__INIT;
   fsdp_status_t st;
-  if (fsdp_peers_accept_heartbeat(daemon->peers, (const void *)request, &reply, &st) < 0) {
+  if (fsdp_peers_accept_heartbeat(ctx->peers, (const void *)request, &reply, &st) < 0) {
     fail_call(call, &st);
     return;
   }
@@ -52,10 +52,10 @@ static void peer_heartbeat(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
 }
 
 static void peer_leave(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   Fsdp__V1__LeaveReply reply = FSDP__V1__LEAVE_REPLY__INIT;
   fsdp_status_t st;
-  if (fsdp_peers_accept_leave(daemon->peers, (const void *)request, &st) < 0) {
+  if (fsdp_peers_accept_leave(ctx->peers, (const void *)request, &st) < 0) {
     fail_call(call, &st);
     return;
   }
@@ -71,9 +71,9 @@ static const fsdp_rpc_handler_t peer_handlers[] = {
     {"Leave", peer_leave, true},
 };
 
-fsdp_rpc_service_t fsdp_peer_service(fsdp_daemon_t *daemon) {
+fsdp_rpc_service_t fsdp_peer_service(fsdp_services_context_t *ctx) {
   return (fsdp_rpc_service_t){&fsdp__v1__peer__descriptor, peer_handlers,
-                              sizeof peer_handlers / sizeof peer_handlers[0], daemon};
+                              sizeof peer_handlers / sizeof peer_handlers[0], ctx};
 }
 
 struct fsdp_peer_status {
@@ -99,9 +99,9 @@ static Fsdp__V1__PeerState state_to_proto(fsdp_peer_state_t state) {
   return FSDP__V1__PEER_STATE__PEER_STATE_UNSPECIFIED;
 }
 
-int fsdp_peer_status_fill(fsdp_daemon_t *daemon, Fsdp__V1__Topology *topology,
+int fsdp_peer_status_fill(fsdp_services_context_t *ctx, Fsdp__V1__Topology *topology,
                           Fsdp__V1__StatusReply *reply, fsdp_peer_status_t **ret_storage) {
-  const fsdp_peers_t *peers = daemon->peers;
+  const fsdp_peers_t *peers = ctx->peers;
   fsdp_peer_status_t *s = calloc(1, sizeof *s);
   *ret_storage = s;
   if (!s)
@@ -110,9 +110,9 @@ int fsdp_peer_status_fill(fsdp_daemon_t *daemon, Fsdp__V1__Topology *topology,
   topology->host_rank = fsdp_peers_host_rank(peers);
   topology->hosts = n;
   topology->local_world_size =
-      (uint32_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE);
+      (uint32_t)fsdp_config_number(ctx->config, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE);
   topology->shard_group_hosts =
-      (uint32_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS);
+      (uint32_t)fsdp_config_number(ctx->config, FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS);
   topology->peers_ready = fsdp_peers_ready(peers);
   topology->incarnation = fsdp_peers_incarnation(peers);
   if (n == 1)

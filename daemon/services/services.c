@@ -16,6 +16,13 @@
 
 #include "common/log.h"
 #include "daemon/services/peer_service.h"
+#include "daemon/services/unit_spec.h"
+
+/* The loop's clock in milliseconds, brought up to date: sessions and deadlines count in it. */
+static uint64_t now_ms(fsdp_services_context_t *ctx) {
+  uv_update_time(ctx->loop);
+  return uv_now(ctx->loop);
+}
 
 /* Refuses a peer speaking another protocol version; returns false after failing the call. */
 static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who) {
@@ -34,24 +41,24 @@ static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
 }
 
 /* The credentials of the calling process, or NULL when it did not come through our listener. */
-static const fsdp_peer_t *caller(fsdp_daemon_t *daemon, fsdp_rpc_call_t *call,
+static const fsdp_peer_t *caller(fsdp_services_context_t *ctx, fsdp_rpc_call_t *call,
                                  fsdp_peer_t *ret_peer) {
-  return fsdp_listener_peer(&daemon->listener, fsdp_rpc_call_peer_fd(call), ret_peer) == 0
+  return fsdp_listener_peer(ctx->listener, fsdp_rpc_call_peer_fd(call), ret_peer) == 0
              ? ret_peer
              : NULL;
 }
 
-static uint64_t lease_ms(fsdp_daemon_t *daemon) {
-  return (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE);
+static uint64_t lease_ms(fsdp_services_context_t *ctx) {
+  return (uint64_t)fsdp_config_number(ctx->config, FSDP_OPTION_SESSION_LEASE);
 }
 
 static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   const Fsdp__V1__AttachRequest *rq = (const void *)request;
   if (!protocol_ok(call, rq->protocol_version, "trainer"))
     return;
   /* A job's units outlive its sessions, and their layout depends on the local world size. */
-  const fsdp_job_t *job = fsdp_store_find_job(&daemon->store, rq->job);
+  const fsdp_job_t *job = fsdp_store_find_job(ctx->store, rq->job);
   if (job && job->local_world_size != rq->local_world_size) {
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
                        "%s: job '%s' holds units laid out for local_world_size %u, not %u",
@@ -62,9 +69,9 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   fsdp_peer_t peer;
   fsdp_session_t *s;
   fsdp_status_t st;
-  if (fsdp_sessions_attach(&daemon->sessions, rq, caller(daemon, call, &peer),
-                           job ? &job->owner : NULL, fsdp_daemon_now_ms(daemon),
-                           (unsigned)fsdp_config_number(&daemon->config, FSDP_OPTION_MAX_SESSIONS),
+  if (fsdp_sessions_attach(ctx->sessions, rq, caller(ctx, call, &peer),
+                           job ? &job->owner : NULL, now_ms(ctx),
+                           (unsigned)fsdp_config_number(ctx->config, FSDP_OPTION_MAX_SESSIONS),
                            &s, &st) < 0) {
     fail_call(call, &st);
     return;
@@ -76,18 +83,18 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   Fsdp__V1__AttachReply reply = FSDP__V1__ATTACH_REPLY__INIT;
   reply.session_id = s->id;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
-  reply.lease_ms = lease_ms(daemon);
-  reply.memory_socket = daemon->listener.channel_path;
+  reply.lease_ms = lease_ms(ctx);
+  reply.memory_socket = ctx->listener->channel_path;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
 /* The session a request names, its lease renewed; fails the call if there is none. */
-static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, uint64_t id) {
+static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
+                                   uint64_t id) {
   fsdp_session_t *s;
   fsdp_status_t st;
   fsdp_peer_t peer;
-  if (fsdp_sessions_use(&daemon->sessions, id, caller(daemon, call, &peer),
-                        fsdp_daemon_now_ms(daemon), &s, &st) < 0) {
+  if (fsdp_sessions_use(ctx->sessions, id, caller(ctx, call, &peer), now_ms(ctx), &s, &st) < 0) {
     fail_call(call, &st);
     return NULL;
   }
@@ -95,42 +102,141 @@ static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
 }
 
 static void trainer_detach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   const Fsdp__V1__DetachRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
   if (!s)
     return;
-  fsdp_daemon_end_session(daemon, s, "detached");
+  ctx->lifecycle.end_session(ctx->lifecycle.data, s, "detached");
   Fsdp__V1__DetachReply reply = FSDP__V1__DETACH_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+/* A trainer call waiting in the data plane: answered when the data plane calls back, or
+ * ended by the adapter when its client gives up. It keeps its session alive until then. */
+typedef struct parked_call {
+  fsdp_rpc_call_t *call;
+  fsdp_services_context_t *ctx;
+  fsdp_session_t *session;
+  fsdp_dataplane_op_t op;
+} parked_call_t;
+
+static void unpark(parked_call_t *p) {
+  fsdp_session_call_ended(p->session, uv_now(p->ctx->loop));
+  free(p);
+}
+
+static void on_parked_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  parked_call_t *p = data;
+  fsdp_dataplane_cancel(&p->op);
+  unpark(p);
+}
+
+/* Parks a call for the data plane, or fails it and returns NULL. */
+static parked_call_t *park_call(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
+                                fsdp_session_t *session) {
+  parked_call_t *p = calloc(1, sizeof *p);
+  if (!p) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory parking a call");
+    return NULL;
+  }
+  *p = (parked_call_t){.call = call, .ctx = ctx, .session = session};
+  fsdp_session_call_parked(session);
+  fsdp_rpc_call_on_cancel(call, on_parked_cancel, p);
+  return p;
+}
+
+/* The data plane called back: no cancel may follow. Returns false after failing the call
+ * with st. */
+static bool take_parked(parked_call_t *p, const fsdp_status_t *st) {
+  fsdp_rpc_call_on_cancel(p->call, NULL, NULL);
+  if (st->code >= 0)
+    return true;
+  fail_call(p->call, st);
+  return false;
+}
+
+/* The session's rank as the data plane knows it. */
+static fsdp_dataplane_rank_t rank_of(const fsdp_session_t *s) {
+  return (fsdp_dataplane_rank_t){.local_rank = s->local_rank, .session_id = s->id,
+                                 .serial = s->serial, .generation = s->generation};
+}
+
+static void on_registered(void *data, const fsdp_status_t *st) {
+  parked_call_t *p = data;
+  if (take_parked(p, st)) {
+    const fsdp_unit_t *u = p->op.unit;
+    fsdp_dataplane_buffers_t b;
+    fsdp_dataplane_buffers(u, p->session->local_rank, &b);
+    Fsdp__V1__RegisterUnitReply reply = FSDP__V1__REGISTER_UNIT_REPLY__INIT;
+    reply.numel = u->layout.numel;
+    reply.padded_numel = u->layout.padded_numel;
+    reply.shard_numel = u->layout.shard_numel;
+    reply.n_param_offsets = u->layout.n_params;
+    reply.param_offsets = u->layout.offsets;
+    reply.unsharded_offset = b.unsharded_offset;
+    reply.master_offset = b.master_offset;
+    reply.grad_offset = b.grad_offset;
+    reply.full_grad_offset = b.full_grad_offset;
+    reply.shard = b.shard;
+    reply.gathered_step = b.gathered_step;
+    reply.reduced_step = b.reduced_step;
+    reply.replica = b.replica;
+    reply.host_first_shard = b.host_first_shard;
+    reply.host_shards = b.host_shards;
+    fsdp_rpc_call_reply(p->call, &reply.base);
+  }
+  unpark(p);
+}
+
+static void on_unit_op_done(void *data, const fsdp_status_t *st) {
+  parked_call_t *p = data;
+  if (take_parked(p, st)) {
+    Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+    fsdp_rpc_call_reply(p->call, &reply.base);
+  }
+  unpark(p);
+}
+
 static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                   void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   const Fsdp__V1__RegisterUnitRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
   if (!s)
     return;
+  fsdp_unit_spec_t spec;
+  if (fsdp_unit_spec_init_from_proto(&spec, rq) < 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory registering unit '%s'",
+                       fsdp_rpc_call_method(call), rq->unit);
+    return;
+  }
   fsdp_unit_t *u;
   fsdp_status_t st;
-  if (fsdp_store_register_unit(&daemon->store, s, rq, &u, &st) < 0) {
+  int r = fsdp_store_register_unit(ctx->store, s, &spec, &u, &st);
+  fsdp_unit_spec_cleanup(&spec);
+  if (r < 0) {
     fail_call(call, &st);
     return;
   }
-  fsdp_dataplane_register(&daemon->dataplane, call, fsdp_store_find_job(&daemon->store, s->job),
-                          u, s);
+  parked_call_t *p = park_call(call, ctx, s);
+  if (!p)
+    return;
+  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_register(ctx->dataplane, fsdp_store_find_job(ctx->store, s->job), u,
+                          &who, &p->op, on_registered, p);
 }
 
 /* The session and unit a UnitOp names, the unit registered by the session's rank; fails
  * the call and returns NULL otherwise. */
-static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
+static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
                             const Fsdp__V1__UnitOpRequest *rq, fsdp_session_t **ret_session,
                             fsdp_job_t **ret_job) {
-  fsdp_session_t *s = use_session(call, daemon, rq->session_id);
+  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
   if (!s)
     return NULL;
-  fsdp_job_t *job = fsdp_store_find_job(&daemon->store, s->job);
+  fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
   fsdp_unit_t *u = job ? fsdp_store_find_unit(job, rq->unit) : NULL;
   if (!u || !fsdp_store_unit_registered_by(u, s->local_rank)) {
     fsdp_rpc_call_fail(call, u ? FSDP_E_FAILED_PRECONDITION : FSDP_E_NOT_FOUND,
@@ -144,37 +250,46 @@ static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
 }
 
 /* When every local rank must have joined a collective that a call starts now. */
-static uint64_t collective_deadline(fsdp_daemon_t *daemon) {
-  return fsdp_daemon_now_ms(daemon) +
-         (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_COLLECTIVE_TIMEOUT);
+static uint64_t collective_deadline(fsdp_services_context_t *ctx) {
+  return now_ms(ctx) +
+         (uint64_t)fsdp_config_number(ctx->config, FSDP_OPTION_COLLECTIVE_TIMEOUT);
 }
 
 static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
   fsdp_session_t *s;
   fsdp_job_t *job;
-  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
-  if (u)
-    fsdp_dataplane_unshard(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
+  fsdp_unit_t *u = op_unit(call, ctx, rq, &s, &job);
+  parked_call_t *p = u ? park_call(call, ctx, s) : NULL;
+  if (!p)
+    return;
+  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_unshard(ctx->dataplane, job, u, &who, rq->step, collective_deadline(ctx),
+                         &p->op, on_unit_op_done, p);
 }
 
 /* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
-static void reduce(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon,
+static void reduce(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
                    const Fsdp__V1__UnitOpRequest *rq, bool all_reduce) {
   fsdp_session_t *s;
   fsdp_job_t *job;
-  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
+  fsdp_unit_t *u = op_unit(call, ctx, rq, &s, &job);
   if (!u)
     return;
-  bool no_shard = u->spec->strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD;
+  bool no_shard = u->spec->strategy == FSDP_UNIT_NO_SHARD;
   if (no_shard != all_reduce) {
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
                        "%s: unit '%s' is %s: use %s", fsdp_rpc_call_method(call), rq->unit,
                        no_shard ? "NO_SHARD" : "sharded", no_shard ? "AllReduce" : "ReduceScatter");
     return;
   }
-  fsdp_dataplane_reduce(&daemon->dataplane, call, job, u, s, rq, collective_deadline(daemon));
+  parked_call_t *p = park_call(call, ctx, s);
+  if (!p)
+    return;
+  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, rq->accumulate,
+                        collective_deadline(ctx), &p->op, on_unit_op_done, p);
 }
 
 static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -188,22 +303,29 @@ static void trainer_all_reduce(fsdp_rpc_call_t *call, const ProtobufCMessage *re
 }
 
 static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   const Fsdp__V1__UnitOpRequest *rq = (const void *)request;
   fsdp_session_t *s;
   fsdp_job_t *job;
-  fsdp_unit_t *u = op_unit(call, daemon, rq, &s, &job);
-  if (u)
-    fsdp_dataplane_reshard(call, u);
+  fsdp_unit_t *u = op_unit(call, ctx, rq, &s, &job);
+  if (!u)
+    return;
+  fsdp_status_t st;
+  if (fsdp_dataplane_reshard(u, &st) < 0) {
+    fail_call(call, &st);
+    return;
+  }
+  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
 }
 
 static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   const Fsdp__V1__KeepAliveRequest *rq = (const void *)request;
-  if (!use_session(call, daemon, rq->session_id))
+  if (!use_session(call, ctx, rq->session_id))
     return;
   Fsdp__V1__KeepAliveReply reply = FSDP__V1__KEEP_ALIVE_REPLY__INIT;
-  reply.lease_ms = lease_ms(daemon);
+  reply.lease_ms = lease_ms(ctx);
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
@@ -243,16 +365,16 @@ typedef struct status_storage {
 } status_storage_t;
 
 /* Per-job memory; returns the bytes in use over all jobs, or -ENOMEM. */
-static int64_t fill_jobs(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *reply,
                          status_storage_t *s) {
-  unsigned n = daemon->store.n_jobs;
+  unsigned n = ctx->store->n_jobs;
   s->jobs = calloc(n ? n : 1, sizeof *s->jobs);
   s->job_ptrs = calloc(n ? n : 1, sizeof *s->job_ptrs);
   if (!s->jobs || !s->job_ptrs)
     return -ENOMEM;
   int64_t in_use = 0;
   size_t i = 0;
-  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next, i++) {
+  for (const fsdp_job_t *j = ctx->store->jobs; j; j = j->next, i++) {
     Fsdp__V1__JobMemory *m = &s->jobs[i];
     fsdp__v1__job_memory__init(m);
     m->job = (char *)j->name;
@@ -273,16 +395,16 @@ static int64_t fill_jobs(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
   return in_use;
 }
 
-static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+static int fill_sessions(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *reply,
                          status_storage_t *s) {
-  unsigned n = daemon->sessions.count;
+  unsigned n = ctx->sessions->count;
   s->sessions = calloc(n ? n : 1, sizeof *s->sessions);
   s->session_ptrs = calloc(n ? n : 1, sizeof *s->session_ptrs);
   if (!s->sessions || !s->session_ptrs)
     return -ENOMEM;
-  uint64_t now = fsdp_daemon_now_ms(daemon);
+  uint64_t now = now_ms(ctx);
   size_t i = 0;
-  for (const fsdp_session_t *ses = daemon->sessions.head; ses; ses = ses->next, i++) {
+  for (const fsdp_session_t *ses = ctx->sessions->head; ses; ses = ses->next, i++) {
     Fsdp__V1__Session *out = &s->sessions[i];
     fsdp__v1__session__init(out);
     out->session_id = ses->id;
@@ -301,13 +423,14 @@ static int fill_sessions(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
   return 0;
 }
 
-static void fill_config(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply, status_storage_t *s) {
+static void fill_config(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *reply,
+                        status_storage_t *s) {
   for (int id = 0; id < FSDP_OPTION_COUNT; id++) {
     const fsdp_option_t *opt = fsdp_option_get((fsdp_option_id_t)id);
-    const fsdp_config_value_t *v = &daemon->config.values[id];
+    const fsdp_config_value_t *v = &ctx->config->values[id];
     Fsdp__V1__ConfigEntry *e = &s->entries[id];
     fsdp__v1__config_entry__init(e);
-    fsdp_config_format(&daemon->config, (fsdp_option_id_t)id, s->values[id], sizeof s->values[id]);
+    fsdp_config_format(ctx->config, (fsdp_option_id_t)id, s->values[id], sizeof s->values[id]);
     e->key = (char *)opt->key;
     e->value = s->values[id];
     /* The table spells defaults canonically (a config test holds it to that). */
@@ -323,31 +446,31 @@ static void fill_config(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply, sta
   reply->config = s->entry_ptrs;
 }
 
-static void fill_listeners(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
+static void fill_listeners(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *reply,
                            status_storage_t *s) {
   size_t n = 0;
   for (int i = 0; i < FSDP_SERVICE_LOCAL_COUNT; i++)
-    s->local_services[i] = (char *)daemon->services[i].descriptor->name;
-  s->health_services[0] = (char *)daemon->services[FSDP_SERVICE_HEALTH].descriptor->name;
+    s->local_services[i] = (char *)ctx->services[i].descriptor->name;
+  s->health_services[0] = (char *)ctx->services[FSDP_SERVICE_HEALTH].descriptor->name;
 
   fsdp__v1__listener__init(&s->listeners[n]);
-  snprintf(s->addresses[n], sizeof s->addresses[n], "unix:%s", daemon->listener.socket_path);
+  snprintf(s->addresses[n], sizeof s->addresses[n], "unix:%s", ctx->listener->socket_path);
   s->listeners[n].address = s->addresses[n];
   s->listeners[n].n_services = FSDP_SERVICE_LOCAL_COUNT;
   s->listeners[n].services = s->local_services;
   n++;
-  if (daemon->health_endpoint) {
+  if (ctx->health_address[0]) {
     fsdp__v1__listener__init(&s->listeners[n]);
-    s->listeners[n].address = daemon->health_address;
+    s->listeners[n].address = (char *)ctx->health_address;
     s->listeners[n].n_services = 1;
     s->listeners[n].services = s->health_services;
     n++;
   }
-  if (daemon->peer_endpoint) {
-    s->peer_services[0] = (char *)daemon->services[FSDP_SERVICE_PEER].descriptor->name;
+  if (ctx->peer_address[0]) {
+    s->peer_services[0] = (char *)ctx->services[FSDP_SERVICE_PEER].descriptor->name;
     s->peer_services[1] = s->health_services[0];
     fsdp__v1__listener__init(&s->listeners[n]);
-    s->listeners[n].address = daemon->peer_address;
+    s->listeners[n].address = (char *)ctx->peer_address;
     s->listeners[n].n_services = 2;
     s->listeners[n].services = s->peer_services;
     n++;
@@ -358,15 +481,13 @@ static void fill_listeners(fsdp_daemon_t *daemon, Fsdp__V1__StatusReply *reply,
   reply->listeners = s->listener_ptrs;
 }
 
-static Fsdp__V1__ServingState serving_state(fsdp_daemon_state_t state) {
+static Fsdp__V1__ServingState serving_state(fsdp_services_state_t state) {
   switch (state) {
-  case FSDP_DAEMON_SERVING:
+  case FSDP_SERVICES_SERVING:
     return FSDP__V1__SERVING_STATE__SERVING_STATE_SERVING;
-  case FSDP_DAEMON_DRAINING:
+  case FSDP_SERVICES_DRAINING:
     return FSDP__V1__SERVING_STATE__SERVING_STATE_DRAINING;
-  case FSDP_DAEMON_STARTING:
-  case FSDP_DAEMON_STOPPING:
-  case FSDP_DAEMON_STOPPED:
+  case FSDP_SERVICES_STOPPING:
     break;
   }
   return FSDP__V1__SERVING_STATE__SERVING_STATE_STOPPING;
@@ -374,7 +495,7 @@ static Fsdp__V1__ServingState serving_state(fsdp_daemon_state_t state) {
 
 static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   status_storage_t *s = calloc(1, sizeof *s);
   if (!s) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
@@ -383,32 +504,32 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   Fsdp__V1__StatusReply reply = FSDP__V1__STATUS_REPLY__INIT;
   reply.version = FSDP_VERSION_STRING;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
-  reply.uptime_ms = fsdp_daemon_uptime_ms(daemon);
+  reply.uptime_ms = now_ms(ctx) - ctx->started_ms;
   reply.pid = (int32_t)getpid();
-  reply.config_file = daemon->config.file ? daemon->config.file : "";
-  fill_config(daemon, &reply, s);
-  fill_listeners(daemon, &reply, s);
+  reply.config_file = ctx->config->file ? ctx->config->file : "";
+  fill_config(ctx, &reply, s);
+  fill_listeners(ctx, &reply, s);
   reply.backend = "host";
   fsdp__v1__topology__init(&s->topology);
   reply.topology = &s->topology;
-  if (fsdp_peer_status_fill(daemon, &s->topology, &reply, &s->peers) < 0 ||
-      fill_sessions(daemon, &reply, s) < 0) {
+  if (fsdp_peer_status_fill(ctx, &s->topology, &reply, &s->peers) < 0 ||
+      fill_sessions(ctx, &reply, s) < 0) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
     goto out;
   }
-  int64_t in_use = fill_jobs(daemon, &reply, s);
+  int64_t in_use = fill_jobs(ctx, &reply, s);
   if (in_use < 0) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory building the status");
     goto out;
   }
   fsdp__v1__memory__init(&s->memory);
   s->memory.in_use_bytes = (uint64_t)in_use;
-  s->memory.reserved_bytes = daemon->store.reserved;
-  s->memory.limit_bytes = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_MEMORY_LIMIT);
+  s->memory.reserved_bytes = ctx->store->reserved;
+  s->memory.limit_bytes = (uint64_t)fsdp_config_number(ctx->config, FSDP_OPTION_MEMORY_LIMIT);
   reply.memory = &s->memory;
-  reply.state = serving_state(daemon->state);
+  reply.state = serving_state(ctx->lifecycle.state(ctx->lifecycle.data));
   fsdp_rpc_stats_t stats;
-  fsdp_rpc_server_get_stats(daemon->rpc, &stats);
+  fsdp_rpc_server_get_stats(ctx->rpc, &stats);
   reply.rpc_calls_total = stats.calls_total;
   reply.rpc_calls_failed = stats.calls_failed;
   reply.rpc_calls_inflight = stats.calls_inflight;
@@ -426,12 +547,12 @@ out:
 /* Operator methods that change the daemon's state are for its operators only (root, the
  * daemon's uid, daemon.operator_group); the socket lets in the whole group, trainers
  * included. Returns false after failing the call. */
-static bool operator_only(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon) {
+static bool operator_only(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx) {
   fsdp_peer_t peer;
-  const fsdp_peer_t *who = caller(daemon, call, &peer);
-  if (who && fsdp_daemon_is_operator(daemon, fsdp_rpc_call_peer_fd(call), who))
+  const fsdp_peer_t *who = caller(ctx, call, &peer);
+  if (who && ctx->lifecycle.is_operator(ctx->lifecycle.data, fsdp_rpc_call_peer_fd(call), who))
     return true;
-  const char *group = fsdp_config_text(&daemon->config, FSDP_OPTION_OPERATOR_GROUP);
+  const char *group = fsdp_config_text(ctx->config, FSDP_OPTION_OPERATOR_GROUP);
   fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED,
                      "%s: uid %u may not call it: it changes the daemon's state, which needs "
                      "root, the daemon's uid %u or a member of daemon.operator_group%s%s%s",
@@ -443,13 +564,13 @@ static bool operator_only(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon) {
 
 static void operator_reload(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
-  fsdp_daemon_t *daemon = data;
-  if (!operator_only(call, daemon))
+  fsdp_services_context_t *ctx = data;
+  if (!operator_only(call, ctx))
     return;
   fsdp_option_id_t changed[FSDP_OPTION_COUNT];
   size_t n = 0;
   fsdp_status_t st;
-  if (fsdp_daemon_reload(daemon, changed, &n, &st) < 0) {
+  if (ctx->lifecycle.reload(ctx->lifecycle.data, changed, &n, &st) < 0) {
     log_error("reload requested over RPC failed, keeping the running config: %s", st.message);
     fsdp_rpc_call_fail(call, st.code, "%s; the running config is unchanged", st.message);
     return;
@@ -465,9 +586,9 @@ static void operator_reload(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
 }
 
 /* Drain and Resume; false after failing the call (the daemon is stopping). */
-static bool set_draining(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, bool draining) {
+static bool set_draining(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx, bool draining) {
   fsdp_status_t st;
-  if (fsdp_daemon_set_draining(daemon, draining, &st) < 0) {
+  if (ctx->lifecycle.set_draining(ctx->lifecycle.data, draining, &st) < 0) {
     fsdp_rpc_call_fail_status(call, &st);
     return false;
   }
@@ -476,11 +597,11 @@ static bool set_draining(fsdp_rpc_call_t *call, fsdp_daemon_t *daemon, bool drai
 
 static void operator_drain(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   (void)request;
-  fsdp_daemon_t *daemon = data;
-  if (!operator_only(call, daemon) || !set_draining(call, daemon, true))
+  fsdp_services_context_t *ctx = data;
+  if (!operator_only(call, ctx) || !set_draining(call, ctx, true))
     return;
   fsdp_rpc_stats_t stats;
-  fsdp_rpc_server_get_stats(daemon->rpc, &stats);
+  fsdp_rpc_server_get_stats(ctx->rpc, &stats);
   Fsdp__V1__DrainReply reply = FSDP__V1__DRAIN_REPLY__INIT;
   reply.work_inflight = stats.work_inflight;
   fsdp_rpc_call_reply(call, &reply.base);
@@ -533,10 +654,10 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   fsdp__v1__unit_info__init(info);
   info->job = (char *)job->name;
   info->unit = u->spec->unit;
-  info->strategy = u->spec->strategy;
-  info->dtype = u->spec->params[0]->dtype;
-  info->param_dtype = fsdp_unit_spec_param_dtype(u->spec);
-  info->reduce_dtype = fsdp_unit_spec_reduce_dtype(u->spec);
+  info->strategy = (Fsdp__V1__ShardingStrategy)u->spec->strategy;
+  info->dtype = (Fsdp__V1__DType)u->spec->params[0].dtype;
+  info->param_dtype = (Fsdp__V1__DType)fsdp_unit_spec_param_dtype(u->spec);
+  info->reduce_dtype = (Fsdp__V1__DType)fsdp_unit_spec_reduce_dtype(u->spec);
   info->numel = u->layout.numel;
   info->padded_numel = u->layout.padded_numel;
   info->shard_numel = u->layout.shard_numel;
@@ -551,25 +672,25 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
 static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                 void *data) {
   const Fsdp__V1__ListUnitsRequest *rq = (const void *)request;
-  fsdp_daemon_t *daemon = data;
-  if (rq->job[0] && !fsdp_store_find_job(&daemon->store, rq->job)) {
+  fsdp_services_context_t *ctx = data;
+  if (rq->job[0] && !fsdp_store_find_job(ctx->store, rq->job)) {
     fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "%s: no job '%s' holds units",
                        fsdp_rpc_call_method(call), rq->job);
     return;
   }
   size_t n = 0;
-  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next)
+  for (const fsdp_job_t *j = ctx->store->jobs; j; j = j->next)
     n += j->n_units;
   Fsdp__V1__UnitInfo *infos = calloc(n ? n : 1, sizeof *infos);
   Fsdp__V1__UnitInfo **ptrs = calloc(n ? n : 1, sizeof *ptrs);
   collectives_storage_t *collectives = calloc(n ? n : 1, sizeof *collectives);
-  uint64_t now = fsdp_daemon_now_ms(daemon);
+  uint64_t now = now_ms(ctx);
   if (!infos || !ptrs || !collectives) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory listing units");
     goto out;
   }
   size_t k = 0;
-  for (const fsdp_job_t *j = daemon->store.jobs; j; j = j->next) {
+  for (const fsdp_job_t *j = ctx->store->jobs; j; j = j->next) {
     if (rq->job[0] && strcmp(rq->job, j->name) != 0)
       continue;
     for (const fsdp_unit_t *u = j->units; u; u = u->next, k++) {
@@ -620,10 +741,10 @@ static const fsdp_unit_t *find_described_unit(const fsdp_store_t *store,
 static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                    void *data) {
   const Fsdp__V1__DescribeUnitRequest *rq = (const void *)request;
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   const fsdp_job_t *job = NULL;
   fsdp_status_t st;
-  const fsdp_unit_t *u = find_described_unit(&daemon->store, rq, &job, &st);
+  const fsdp_unit_t *u = find_described_unit(ctx->store, rq, &job, &st);
   if (!u) {
     fail_call(call, &st);
     return;
@@ -652,7 +773,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
     shard_ptrs[s] = &shards[s];
   }
   for (size_t i = 0; i < l->n_params; i++) {
-    const Fsdp__V1__ParamSpec *p = u->spec->params[i];
+    const fsdp_param_spec_t *p = &u->spec->params[i];
     fsdp__v1__param_info__init(&params[i]);
     params[i].name = p->name;
     params[i].n_shape = p->n_shape;
@@ -664,7 +785,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   }
   Fsdp__V1__UnitInfo info;
   fill_unit_info(&info, job, u);
-  fill_collectives(&info, job, u, fsdp_daemon_now_ms(daemon), collectives);
+  fill_collectives(&info, job, u, now_ms(ctx), collectives);
   Fsdp__V1__DescribeUnitReply reply = FSDP__V1__DESCRIBE_UNIT_REPLY__INIT;
   reply.unit = &info;
   reply.n_shards = l->shards;
@@ -706,9 +827,9 @@ static const fsdp_rpc_handler_t operator_handlers[] = {
 static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
                             const Fsdp__V1__ChannelHello *hello, const fsdp_peer_t *peer,
                             fsdp_channel_welcome_t *w) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   fsdp_session_t *s;
-  if (fsdp_sessions_use(&daemon->sessions, hello->session_id, peer, fsdp_daemon_now_ms(daemon),
+  if (fsdp_sessions_use(ctx->sessions, hello->session_id, peer, now_ms(ctx),
                         &s, &w->status) < 0)
     return;
   if (s->channel) {
@@ -717,7 +838,7 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
     return;
   }
   fsdp_job_t *job;
-  if (fsdp_store_job_for(&daemon->store, s, &job, &w->status) < 0)
+  if (fsdp_store_job_for(ctx->store, s, &job, &w->status) < 0)
     return;
   /* Memory 0: the buffers trainers write; memory 1: the unsharded buffers, read-only. */
   const fsdp_arena_t *arenas[2] = {job->arena, job->shared_arena};
@@ -741,23 +862,25 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
 }
 
 static void channel_closed(void *data, void *owner, const char *why) {
-  fsdp_daemon_t *daemon = data;
+  fsdp_services_context_t *ctx = data;
   fsdp_session_t *s = owner;
   s->channel = NULL; /* already closing */
-  fsdp_daemon_end_session(daemon, s, why);
+  ctx->lifecycle.end_session(ctx->lifecycle.data, s, why);
 }
 
-void fsdp_services_channel_callbacks(fsdp_daemon_t *daemon, fsdp_channel_callbacks_t *ret) {
-  *ret = (fsdp_channel_callbacks_t){.welcome = channel_welcome, .closed = channel_closed,
-                                    .data = daemon};
+void fsdp_services_channel_callbacks(fsdp_services_context_t *ctx,
+                                     fsdp_channel_callbacks_t *ret_callbacks) {
+  *ret_callbacks = (fsdp_channel_callbacks_t){.welcome = channel_welcome,
+                                              .closed = channel_closed, .data = ctx};
 }
 
-void fsdp_services_init(fsdp_daemon_t *daemon) {
+void fsdp_services_tables(fsdp_services_context_t *ctx, const fsdp_rpc_service_t *health,
+                          fsdp_rpc_service_t ret_services[FSDP_SERVICE_COUNT]) {
 #define SERVICE(descriptor_, handlers_) \
-  ((fsdp_rpc_service_t){&(descriptor_), handlers_, sizeof handlers_ / sizeof handlers_[0], daemon})
-  daemon->services[FSDP_SERVICE_TRAINER] = SERVICE(fsdp__v1__trainer__descriptor, trainer_handlers);
-  daemon->services[FSDP_SERVICE_OPERATOR] = SERVICE(fsdp__v1__operator__descriptor, operator_handlers);
-  daemon->services[FSDP_SERVICE_PEER] = fsdp_peer_service(daemon);
-  daemon->services[FSDP_SERVICE_HEALTH] = daemon->health.service;
+  ((fsdp_rpc_service_t){&(descriptor_), handlers_, sizeof handlers_ / sizeof handlers_[0], ctx})
+  ret_services[FSDP_SERVICE_TRAINER] = SERVICE(fsdp__v1__trainer__descriptor, trainer_handlers);
+  ret_services[FSDP_SERVICE_OPERATOR] = SERVICE(fsdp__v1__operator__descriptor, operator_handlers);
+  ret_services[FSDP_SERVICE_PEER] = fsdp_peer_service(ctx);
+  ret_services[FSDP_SERVICE_HEALTH] = *health;
 #undef SERVICE
 }

@@ -7,6 +7,8 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include "fsdp/v1/trainer.pb-c.h"
+
 static bool job_name_valid(const char *job) {
   size_t len = strlen(job);
   if (len == 0 || len > FSDP_JOB_NAME_MAX)

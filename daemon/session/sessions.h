@@ -21,8 +21,6 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "fsdp/v1/trainer.pb-c.h"
-
 #include "common/status.h"
 #include "daemon/rpc/listener.h"
 
@@ -56,6 +54,10 @@ typedef struct fsdp_session {
   struct fsdp_session *next;
 } fsdp_session_t;
 
+/* fsdp.v1.AttachRequest (fsdp/v1/trainer.pb-c.h), named only here: the store and the data
+ * plane use sessions without the protocol's headers. */
+struct Fsdp__V1__AttachRequest;
+
 typedef struct fsdp_sessions {
   fsdp_session_t *head;
   unsigned count;
@@ -69,7 +71,7 @@ void fsdp_sessions_cleanup(fsdp_sessions_t *sessions);
 /* Opens a session for rq from the process `peer` (NULL: unknown, which is refused).
  * job_owner: whom the job belongs to while the store keeps it (its units outlive its
  * sessions), NULL when the store does not know the job; then its sessions say. */
-int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachRequest *rq,
+int fsdp_sessions_attach(fsdp_sessions_t *sessions, const struct Fsdp__V1__AttachRequest *rq,
                          const fsdp_peer_t *peer, const fsdp_job_owner_t *job_owner,
                          uint64_t now_ms, unsigned max_sessions, fsdp_session_t **ret_session,
                          fsdp_status_t *st);

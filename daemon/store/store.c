@@ -26,26 +26,11 @@ fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name) {
   return NULL;
 }
 
-/* A deep copy through the wire format, which protobuf-c gives for free. */
-static Fsdp__V1__RegisterUnitRequest *copy_spec(const Fsdp__V1__RegisterUnitRequest *rq) {
-  Fsdp__V1__RegisterUnitRequest tmp = *rq;
-  tmp.session_id = 0;
-  size_t len = protobuf_c_message_get_packed_size(&tmp.base);
-  uint8_t *bytes = malloc(len ? len : 1);
-  if (!bytes)
-    return NULL;
-  protobuf_c_message_pack(&tmp.base, bytes);
-  Fsdp__V1__RegisterUnitRequest *copy = fsdp__v1__register_unit_request__unpack(NULL, len, bytes);
-  free(bytes);
-  return copy;
-}
-
 static void unit_free(fsdp_unit_t *u) {
   if (!u)
     return;
   fsdp_unit_layout_cleanup(&u->layout);
-  if (u->spec)
-    fsdp__v1__register_unit_request__free_unpacked(u->spec, NULL);
+  fsdp_unit_spec_free(u->spec);
   free(u);
 }
 
@@ -55,10 +40,9 @@ static void mark_registered(fsdp_unit_t *u, uint32_t rank) {
 }
 
 static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_session_t *session,
-                    const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
-                    fsdp_status_t *st) {
+                    const fsdp_unit_spec_t *rq, fsdp_unit_t **ret_unit, fsdp_status_t *st) {
   fsdp_unit_t *u = calloc(1, sizeof *u);
-  if (!u || !(u->spec = copy_spec(rq))) {
+  if (!u || fsdp_unit_spec_copy(rq, &u->spec) < 0) {
     unit_free(u);
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
                            rq->unit);
@@ -232,7 +216,7 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
 }
 
 int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
-                             const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
+                             const fsdp_unit_spec_t *rq, fsdp_unit_t **ret_unit,
                              fsdp_status_t *st) {
   int r = fsdp_unit_spec_check(rq, st);
   if (r < 0)
@@ -281,6 +265,8 @@ void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job) {
 }
 
 void fsdp_store_cleanup(fsdp_store_t *store) {
+  if (!store)
+    return;
   while (store->jobs) {
     fsdp_job_t *job = store->jobs;
     store->jobs = job->next;

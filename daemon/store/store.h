@@ -26,8 +26,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "fsdp/v1/trainer.pb-c.h"
-
 #include "common/status.h"
 #include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
@@ -35,7 +33,8 @@
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
 
-typedef struct fsdp_waiter fsdp_waiter_t; /* a parked call; daemon/dataplane/dataplane.h */
+/* An operation waiting on a unit (daemon/dataplane/dataplane.h). */
+typedef struct fsdp_dataplane_op fsdp_dataplane_op_t;
 
 /* Where a unit's buffers are (daemon/dataplane/dataplane.h moves it along). */
 typedef enum fsdp_unit_state {
@@ -57,7 +56,7 @@ typedef struct fsdp_collection {
 } fsdp_collection_t;
 
 typedef struct fsdp_unit {
-  Fsdp__V1__RegisterUnitRequest *spec; /* private copy, session_id cleared; owned */
+  fsdp_unit_spec_t *spec; /* private copy; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
   float pre_scale, post_scale; /* the reduction's, from the gradient divide factors */
@@ -81,7 +80,8 @@ typedef struct fsdp_unit {
   fsdp_collection_t reduce;
   bool reduce_accumulate;
   uint64_t reduced_step; /* of the last reduce-scatter that completed */
-  fsdp_waiter_t *waiters; /* calls parked until a collection or the buffers' preparation ends */
+  /* Operations waiting until a collection or the buffers' preparation ends. */
+  fsdp_dataplane_op_t *waiters;
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
   fsdp_rank_set_t registered;
   unsigned n_registered;
@@ -140,12 +140,13 @@ typedef struct fsdp_store {
 } fsdp_store_t;
 
 void fsdp_store_init(fsdp_store_t *store);
+/* Frees every job (NULL-safe). */
 void fsdp_store_cleanup(fsdp_store_t *store);
 
-/* Registers rq's unit for the session's rank, creating the job on first use. Returns the
+/* Registers spec's unit for the session's rank, creating the job on first use. Returns the
  * unit (borrowed) whose layout the reply carries. */
 int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
-                             const Fsdp__V1__RegisterUnitRequest *rq, fsdp_unit_t **ret_unit,
+                             const fsdp_unit_spec_t *spec, fsdp_unit_t **ret_unit,
                              fsdp_status_t *st);
 
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);
@@ -164,8 +165,8 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
 /* Bytes of buffers allocated over every job's arenas. */
 size_t fsdp_store_memory_used(const fsdp_store_t *store);
 
-/* Frees a job, its units and arenas. Only when nothing refers to them: no session, no parked
- * call, no work queued (daemon/dataplane/dataplane.h says when). */
+/* Frees a job, its units and arenas. Only when nothing refers to them: no session, no waiting
+ * operation, no work queued (daemon/dataplane/dataplane.h says when). */
 void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job);
 
 

@@ -6,18 +6,18 @@ static fsdp_host_ring_t ring(unsigned first, unsigned stride, unsigned members,
   return (fsdp_host_ring_t){.first = first, .stride = stride, .members = members, .self = self};
 }
 
-void fsdp_unit_plan(const fsdp_topology_t *topology, Fsdp__V1__ShardingStrategy strategy,
+void fsdp_unit_plan(const fsdp_topology_t *topology, fsdp_unit_strategy_t strategy,
                     unsigned local_world_size, fsdp_unit_plan_t *ret_plan) {
   unsigned hosts = topology->hosts, h = topology->host_rank, l = local_world_size;
   unsigned g = topology->shard_group_hosts;
   fsdp_unit_plan_t p = {.data_parallel_size = hosts * l};
   switch (strategy) {
-  case FSDP__V1__SHARDING_STRATEGY__NO_SHARD:
+  case FSDP_UNIT_NO_SHARD:
     p.shards = p.local_shards = 1;
     p.shard_ring = ring(h, 1, 1, 0);
     p.replica_ring = ring(0, 1, hosts, h);
     break;
-  case FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD:
+  case FSDP_UNIT_HYBRID_SHARD:
     p.shards = g * l;
     p.local_shards = l;
     p.first_shard = h % g * l;

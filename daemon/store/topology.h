@@ -22,7 +22,7 @@
 
 #include <stdbool.h>
 
-#include "fsdp/v1/common.pb-c.h"
+#include "daemon/store/unit_layout.h"
 
 typedef struct fsdp_topology {
   unsigned hosts;             /* H >= 1 */
@@ -46,7 +46,7 @@ typedef struct fsdp_unit_plan {
 } fsdp_unit_plan_t;
 
 /* The plan of a unit with `strategy` on a host of `topology` with L local ranks. */
-void fsdp_unit_plan(const fsdp_topology_t *topology, Fsdp__V1__ShardingStrategy strategy,
+void fsdp_unit_plan(const fsdp_topology_t *topology, fsdp_unit_strategy_t strategy,
                     unsigned local_world_size, fsdp_unit_plan_t *ret_plan);
 
 /* The host rank of a ring's member i. */

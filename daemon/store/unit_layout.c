@@ -6,17 +6,62 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *enum_name(const ProtobufCEnumDescriptor *desc, int value) {
-  const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(desc, value);
-  return v ? v->name : "?";
+const char *fsdp_unit_dtype_name(fsdp_unit_dtype_t dtype) {
+  static const char *const names[] = {"DTYPE_UNSPECIFIED", "DTYPE_FP32", "DTYPE_BF16",
+                                      "DTYPE_FP16"};
+  return (unsigned)dtype < sizeof names / sizeof names[0] ? names[dtype] : "?";
 }
 
-static const char *dtype_name(Fsdp__V1__DType dtype) {
-  return enum_name(&fsdp__v1__dtype__descriptor, dtype);
+const char *fsdp_unit_strategy_name(fsdp_unit_strategy_t strategy) {
+  static const char *const names[] = {"STRATEGY_UNSPECIFIED", "FULL_SHARD", "SHARD_GRAD_OP",
+                                      "HYBRID_SHARD", "NO_SHARD"};
+  return (unsigned)strategy < sizeof names / sizeof names[0] ? names[strategy] : "?";
+}
+
+static size_t align8(size_t n) {
+  return (n + 7) / 8 * 8;
+}
+
+int fsdp_unit_spec_copy(const fsdp_unit_spec_t *spec, fsdp_unit_spec_t **ret_copy) {
+  /* The struct, the parameters, their shapes, then every string. */
+  size_t size = align8(sizeof *spec) + align8(spec->n_params * sizeof *spec->params);
+  for (size_t i = 0; i < spec->n_params; i++)
+    size += spec->params[i].n_shape * sizeof(uint64_t);
+  size += strlen(spec->unit) + 1;
+  for (size_t i = 0; i < spec->n_params; i++)
+    size += strlen(spec->params[i].name) + 1;
+  char *block = malloc(size);
+  if (!block)
+    return -ENOMEM;
+  fsdp_unit_spec_t *copy = (fsdp_unit_spec_t *)(void *)block;
+  *copy = *spec;
+  char *next = block + align8(sizeof *spec);
+  copy->params = (fsdp_param_spec_t *)(void *)next;
+  next += align8(spec->n_params * sizeof *spec->params);
+  for (size_t i = 0; i < spec->n_params; i++) {
+    const fsdp_param_spec_t *p = &spec->params[i];
+    copy->params[i] = *p;
+    copy->params[i].shape = (uint64_t *)(void *)next;
+    if (p->n_shape)
+      memcpy(next, p->shape, p->n_shape * sizeof(uint64_t));
+    next += p->n_shape * sizeof(uint64_t);
+  }
+  copy->unit = strcpy(next, spec->unit);
+  next += strlen(spec->unit) + 1;
+  for (size_t i = 0; i < spec->n_params; i++) {
+    copy->params[i].name = strcpy(next, spec->params[i].name);
+    next += strlen(next) + 1;
+  }
+  *ret_copy = copy;
+  return 0;
+}
+
+void fsdp_unit_spec_free(fsdp_unit_spec_t *spec) {
+  free(spec);
 }
 
 /* "[4096,1024]" into buf; "[]" for a scalar. */
-static void format_shape(const Fsdp__V1__ParamSpec *p, char *buf, size_t size) {
+static void format_shape(const fsdp_param_spec_t *p, char *buf, size_t size) {
   size_t used = (size_t)snprintf(buf, size, "[");
   for (size_t d = 0; d < p->n_shape && used < size; d++)
     used += (size_t)snprintf(buf + used, size - used, "%s%llu", d ? "," : "",
@@ -28,7 +73,7 @@ static void format_shape(const Fsdp__V1__ParamSpec *p, char *buf, size_t size) {
 /* Element count of a parameter. The product of its nonzero dimensions must stay within
  * FSDP_UNIT_MAX_NUMEL, so that a zero elsewhere ([0, 2^64-1]) hides no dimension that
  * could not be: returns the index of the first dimension past the limit as -1 - d. */
-static int64_t param_numel(const Fsdp__V1__ParamSpec *p, uint64_t *ret_numel) {
+static int64_t param_numel(const fsdp_param_spec_t *p, uint64_t *ret_numel) {
   uint64_t nonzero = 1;
   bool empty = false;
   for (size_t d = 0; d < p->n_shape; d++) {
@@ -43,16 +88,18 @@ static int64_t param_numel(const Fsdp__V1__ParamSpec *p, uint64_t *ret_numel) {
 }
 
 static int compare_names(const void *a, const void *b) {
-  return strcmp((*(Fsdp__V1__ParamSpec *const *)a)->name, (*(Fsdp__V1__ParamSpec *const *)b)->name);
+  return strcmp((*(const fsdp_param_spec_t *const *)a)->name,
+                (*(const fsdp_param_spec_t *const *)b)->name);
 }
 
 /* Duplicate parameter names, found by sorting pointers (a unit may hold 65536 of them). */
-static int check_unique_names(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
-  Fsdp__V1__ParamSpec **sorted = malloc(spec->n_params * sizeof *sorted);
+static int check_unique_names(const fsdp_unit_spec_t *spec, fsdp_status_t *st) {
+  const fsdp_param_spec_t **sorted = malloc(spec->n_params * sizeof *sorted);
   if (!sorted)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory checking unit '%s'",
                            spec->unit);
-  memcpy(sorted, spec->params, spec->n_params * sizeof *sorted);
+  for (size_t i = 0; i < spec->n_params; i++)
+    sorted[i] = &spec->params[i];
   qsort(sorted, spec->n_params, sizeof *sorted, compare_names);
   int r = 0;
   for (size_t i = 1; i < spec->n_params && r == 0; i++)
@@ -80,7 +127,7 @@ static int check_unique_names(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_st
 #define FACTOR_MIN 0x1p-24
 #define FACTOR_MAX 0x1p24
 
-static int factor_out_of_bounds(const Fsdp__V1__RegisterUnitRequest *spec, const char *what,
+static int factor_out_of_bounds(const fsdp_unit_spec_t *spec, const char *what,
                                 double v, fsdp_status_t *st) {
   return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                          "unit '%s': %s = %g, outside [%g (2^-24), %g (2^24)] (0 asks for the "
@@ -92,7 +139,7 @@ static bool factor_in_bounds(double v) {
   return v >= FACTOR_MIN && v <= FACTOR_MAX; /* false for NaN */
 }
 
-static int check_factors(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
+static int check_factors(const fsdp_unit_spec_t *spec, fsdp_status_t *st) {
   double pre = spec->gradient_predivide_factor, post = spec->gradient_postdivide_factor;
   if (pre != 0 && !factor_in_bounds(pre))
     return factor_out_of_bounds(spec, "gradient_predivide_factor", pre, st);
@@ -104,7 +151,7 @@ static int check_factors(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_
   return 0;
 }
 
-int fsdp_unit_gradient_scales(const Fsdp__V1__RegisterUnitRequest *spec, unsigned world,
+int fsdp_unit_gradient_scales(const fsdp_unit_spec_t *spec, unsigned world,
                               float *ret_pre, float *ret_post, fsdp_status_t *st) {
   double pre = spec->gradient_predivide_factor, post = spec->gradient_postdivide_factor;
   char what[160] = "";
@@ -134,14 +181,14 @@ int fsdp_unit_gradient_scales(const Fsdp__V1__RegisterUnitRequest *spec, unsigne
   return 0;
 }
 
-int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st) {
+int fsdp_unit_spec_check(const fsdp_unit_spec_t *spec, fsdp_status_t *st) {
   size_t len = strlen(spec->unit);
   if (len == 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "field 'unit' is empty");
   if (len > FSDP_UNIT_NAME_MAX)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "field 'unit' is %zu bytes long, more than %d", len, FSDP_UNIT_NAME_MAX);
-  if (spec->strategy == FSDP__V1__SHARDING_STRATEGY__STRATEGY_UNSPECIFIED)
+  if (spec->strategy == FSDP_UNIT_STRATEGY_UNSPECIFIED)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "unit '%s': field 'strategy' is unspecified; expected FULL_SHARD, "
                            "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD",
@@ -154,22 +201,22 @@ int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_
 
   uint64_t total = 0;
   for (size_t i = 0; i < spec->n_params; i++) {
-    const Fsdp__V1__ParamSpec *p = spec->params[i];
+    const fsdp_param_spec_t *p = &spec->params[i];
     size_t name_len = strlen(p->name);
     if (name_len == 0 || name_len > FSDP_UNIT_NAME_MAX)
       return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                              "unit '%s': params[%zu].name is %s", spec->unit, i,
                              name_len ? "longer than 256 bytes" : "empty");
-    if (p->dtype == FSDP__V1__DTYPE__DTYPE_UNSPECIFIED)
+    if (p->dtype == FSDP_UNIT_DTYPE_UNSPECIFIED)
       return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                              "unit '%s': params[%zu].dtype of '%s' is unspecified", spec->unit, i,
                              p->name);
-    if (p->dtype != spec->params[0]->dtype)
+    if (p->dtype != spec->params[0].dtype)
       return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                              "unit '%s': params[%zu] '%s' is %s but params[0] '%s' is %s; a unit "
                              "holds one element type",
-                             spec->unit, i, p->name, dtype_name(p->dtype), spec->params[0]->name,
-                             dtype_name(spec->params[0]->dtype));
+                             spec->unit, i, p->name, fsdp_unit_dtype_name(p->dtype),
+                             spec->params[0].name, fsdp_unit_dtype_name(spec->params[0].dtype));
     if (p->n_shape > FSDP_UNIT_MAX_DIMS)
       return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                              "unit '%s': params[%zu] '%s' has %zu dimensions, more than %d",
@@ -203,7 +250,7 @@ int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_
   return check_factors(spec, st);
 }
 
-int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUnitRequest *spec,
+int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *spec,
                           unsigned shards, unsigned pad_multiple, fsdp_status_t *st) {
   memset(layout, 0, sizeof *layout);
   if (shards == 0 || pad_multiple % shards != 0)
@@ -220,7 +267,7 @@ int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUn
   layout->shards = shards;
   for (size_t i = 0; i < spec->n_params; i++) {
     /* The spec was checked: no element count overflows. */
-    param_numel(spec->params[i], &layout->numels[i]);
+    param_numel(&spec->params[i], &layout->numels[i]);
     layout->offsets[i] = layout->numel;
     layout->numel += layout->numels[i];
   }
@@ -230,6 +277,8 @@ int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUn
 }
 
 void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout) {
+  if (!layout)
+    return;
   free(layout->offsets);
   free(layout->numels);
   layout->offsets = layout->numels = NULL;
@@ -241,14 +290,14 @@ void fsdp_unit_layout_shard_range(const fsdp_unit_layout_t *layout, unsigned s,
   *ret_end = *ret_begin + layout->shard_numel;
 }
 
-Fsdp__V1__DType fsdp_unit_spec_param_dtype(const Fsdp__V1__RegisterUnitRequest *spec) {
-  return spec->param_dtype != FSDP__V1__DTYPE__DTYPE_UNSPECIFIED ? spec->param_dtype
-                                                                  : spec->params[0]->dtype;
+fsdp_unit_dtype_t fsdp_unit_spec_param_dtype(const fsdp_unit_spec_t *spec) {
+  return spec->param_dtype != FSDP_UNIT_DTYPE_UNSPECIFIED ? spec->param_dtype
+                                                          : spec->params[0].dtype;
 }
 
-Fsdp__V1__DType fsdp_unit_spec_reduce_dtype(const Fsdp__V1__RegisterUnitRequest *spec) {
-  return spec->reduce_dtype != FSDP__V1__DTYPE__DTYPE_UNSPECIFIED ? spec->reduce_dtype
-                                                                   : fsdp_unit_spec_param_dtype(spec);
+fsdp_unit_dtype_t fsdp_unit_spec_reduce_dtype(const fsdp_unit_spec_t *spec) {
+  return spec->reduce_dtype != FSDP_UNIT_DTYPE_UNSPECIFIED ? spec->reduce_dtype
+                                                           : fsdp_unit_spec_param_dtype(spec);
 }
 
 static bool differ(fsdp_spec_difference_t *ret, const char *field, const char *a, const char *b) {
@@ -267,13 +316,15 @@ static bool differ_number(fsdp_spec_difference_t *ret, const char *field, double
   return differ(ret, field, ta, tb);
 }
 
-bool fsdp_unit_spec_diff(const Fsdp__V1__RegisterUnitRequest *a,
-                         const Fsdp__V1__RegisterUnitRequest *b, fsdp_spec_difference_t *ret) {
-  const ProtobufCEnumDescriptor *strategies = &fsdp__v1__sharding_strategy__descriptor;
+bool fsdp_unit_spec_diff(const fsdp_unit_spec_t *a,
+                         const fsdp_unit_spec_t *b, fsdp_spec_difference_t *ret) {
   if (differ(ret, "unit", a->unit, b->unit) ||
-      differ(ret, "strategy", enum_name(strategies, a->strategy), enum_name(strategies, b->strategy)) ||
-      differ(ret, "param_dtype", dtype_name(a->param_dtype), dtype_name(b->param_dtype)) ||
-      differ(ret, "reduce_dtype", dtype_name(a->reduce_dtype), dtype_name(b->reduce_dtype)) ||
+      differ(ret, "strategy", fsdp_unit_strategy_name(a->strategy),
+             fsdp_unit_strategy_name(b->strategy)) ||
+      differ(ret, "param_dtype", fsdp_unit_dtype_name(a->param_dtype),
+             fsdp_unit_dtype_name(b->param_dtype)) ||
+      differ(ret, "reduce_dtype", fsdp_unit_dtype_name(a->reduce_dtype),
+             fsdp_unit_dtype_name(b->reduce_dtype)) ||
       differ_number(ret, "gradient_predivide_factor", a->gradient_predivide_factor,
                     b->gradient_predivide_factor) ||
       differ_number(ret, "gradient_postdivide_factor", a->gradient_postdivide_factor,
@@ -281,7 +332,7 @@ bool fsdp_unit_spec_diff(const Fsdp__V1__RegisterUnitRequest *a,
       differ_number(ret, "params (count)", (double)a->n_params, (double)b->n_params))
     return true;
   for (size_t i = 0; i < a->n_params; i++) {
-    const Fsdp__V1__ParamSpec *pa = a->params[i], *pb = b->params[i];
+    const fsdp_param_spec_t *pa = &a->params[i], *pb = &b->params[i];
     char field[64], sa[128], sb[128];
     snprintf(field, sizeof field, "params[%zu].name", i);
     if (differ(ret, field, pa->name, pb->name))
@@ -292,7 +343,7 @@ bool fsdp_unit_spec_diff(const Fsdp__V1__RegisterUnitRequest *a,
     if (differ(ret, field, sa, sb))
       return true;
     snprintf(field, sizeof field, "params[%zu].dtype", i);
-    if (differ(ret, field, dtype_name(pa->dtype), dtype_name(pb->dtype)))
+    if (differ(ret, field, fsdp_unit_dtype_name(pa->dtype), fsdp_unit_dtype_name(pb->dtype)))
       return true;
     snprintf(field, sizeof field, "params[%zu].requires_grad", i);
     if (differ(ret, field, pa->requires_grad ? "true" : "false", pb->requires_grad ? "true" : "false"))

@@ -6,9 +6,10 @@
  * split into S equal shards: shard s holds elements [s * shard_numel, (s + 1) * shard_numel)
  * of the flat buffer, and the padding sits at the end of the last shards.
  *
- * Every rank of a host registers the same spec; fsdp_unit_spec_diff() names the first field
- * where two specs differ, so the daemon can say which rank disagrees and how. The session id
- * is not part of the spec.
+ * A spec is the project's own struct: the service layer makes one from a RegisterUnit request
+ * (daemon/services/unit_spec.h), keeping its field names, which the messages here use. Every
+ * rank of a host registers the same spec; fsdp_unit_spec_diff() names the first field where
+ * two specs differ, so the daemon can say which rank disagrees and how.
  *
  * Pure functions on caller-owned data; any thread. */
 #ifndef FSDP_UNIT_LAYOUT_H
@@ -18,8 +19,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "fsdp/v1/trainer.pb-c.h"
-
 #include "common/status.h"
 
 /* Limits on what one RegisterUnit may ask for. */
@@ -27,6 +26,52 @@
 #define FSDP_UNIT_MAX_PARAMS 65536         /* parameters in one unit */
 #define FSDP_UNIT_MAX_DIMS 64              /* dimensions of one parameter */
 #define FSDP_UNIT_MAX_NUMEL (1ull << 40)   /* elements in one unit */
+
+/* Element types, with fsdp.v1.DType's values. */
+typedef enum fsdp_unit_dtype {
+  FSDP_UNIT_DTYPE_UNSPECIFIED = 0,
+  FSDP_UNIT_DTYPE_FP32 = 1,
+  FSDP_UNIT_DTYPE_BF16 = 2,
+  FSDP_UNIT_DTYPE_FP16 = 3,
+} fsdp_unit_dtype_t;
+
+/* Sharding strategies, with fsdp.v1.ShardingStrategy's values. */
+typedef enum fsdp_unit_strategy {
+  FSDP_UNIT_STRATEGY_UNSPECIFIED = 0,
+  FSDP_UNIT_FULL_SHARD = 1,
+  FSDP_UNIT_SHARD_GRAD_OP = 2,
+  FSDP_UNIT_HYBRID_SHARD = 3,
+  FSDP_UNIT_NO_SHARD = 4,
+} fsdp_unit_strategy_t;
+
+typedef struct fsdp_param_spec {
+  char *name;
+  uint64_t *shape;
+  size_t n_shape;
+  fsdp_unit_dtype_t dtype;
+  bool requires_grad;
+} fsdp_param_spec_t;
+
+/* What RegisterUnit asks for, the session aside. Factors of 0 ask for the default. */
+typedef struct fsdp_unit_spec {
+  char *unit;
+  fsdp_param_spec_t *params;
+  size_t n_params;
+  fsdp_unit_strategy_t strategy;
+  fsdp_unit_dtype_t param_dtype; /* UNSPECIFIED: the parameters' own */
+  fsdp_unit_dtype_t reduce_dtype; /* UNSPECIFIED: param_dtype */
+  double gradient_predivide_factor;
+  double gradient_postdivide_factor;
+} fsdp_unit_spec_t;
+
+/* A deep copy of spec in one allocation, freed with fsdp_unit_spec_free() (NULL-safe). */
+int fsdp_unit_spec_copy(const fsdp_unit_spec_t *spec, fsdp_unit_spec_t **ret_copy);
+void fsdp_unit_spec_free(fsdp_unit_spec_t *spec);
+
+/* The names the messages give a dtype ("DTYPE_BF16") and a strategy ("FULL_SHARD"), as in
+ * the .proto; "?" for another value. */
+const char *fsdp_unit_dtype_name(fsdp_unit_dtype_t dtype);
+const char *fsdp_unit_strategy_name(fsdp_unit_strategy_t strategy);
 
 typedef struct fsdp_unit_layout {
   uint64_t numel;        /* the parameters' elements, without padding */
@@ -43,20 +88,20 @@ typedef struct fsdp_unit_layout {
  * dimension bounded, a zero one included); one element type for all parameters; a strategy;
  * divide factors (0: default) from 2^-24 to 2^24, their product too (unit_layout.c says
  * why). st names the field and the value. */
-int fsdp_unit_spec_check(const Fsdp__V1__RegisterUnitRequest *spec, fsdp_status_t *st);
+int fsdp_unit_spec_check(const fsdp_unit_spec_t *spec, fsdp_status_t *st);
 
 /* The fp32 scales a reduction multiplies by (1 / the gradient divide factors) for a checked
  * spec averaged over `world` ranks: a factor left 0 is world over the other (the
  * predivide 1 when both are). INVALID_ARGUMENT when a factor so derived is out of bounds,
  * naming it and how it was derived; *ret_* are then unset. */
-int fsdp_unit_gradient_scales(const Fsdp__V1__RegisterUnitRequest *spec, unsigned world,
+int fsdp_unit_gradient_scales(const fsdp_unit_spec_t *spec, unsigned world,
                               float *ret_pre, float *ret_post, fsdp_status_t *st);
 
 /* The layout of a checked spec over `shards` shards (1 for NO_SHARD), padded to a multiple
  * of pad_multiple (a multiple of shards; daemon/store/topology.h says why it may be larger). */
-int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const Fsdp__V1__RegisterUnitRequest *spec,
+int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *spec,
                           unsigned shards, unsigned pad_multiple, fsdp_status_t *st);
-void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout);
+void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout); /* NULL-safe */
 
 /* The element range [*ret_begin, *ret_end) of shard s within the flat buffer, padding
  * included. */
@@ -65,8 +110,8 @@ void fsdp_unit_layout_shard_range(const fsdp_unit_layout_t *layout, unsigned s,
 
 /* The unsharded element type (param_dtype, defaulting to the parameters' own type) and the
  * reduction type (reduce_dtype, defaulting to the unsharded type) of a checked spec. */
-Fsdp__V1__DType fsdp_unit_spec_param_dtype(const Fsdp__V1__RegisterUnitRequest *spec);
-Fsdp__V1__DType fsdp_unit_spec_reduce_dtype(const Fsdp__V1__RegisterUnitRequest *spec);
+fsdp_unit_dtype_t fsdp_unit_spec_param_dtype(const fsdp_unit_spec_t *spec);
+fsdp_unit_dtype_t fsdp_unit_spec_reduce_dtype(const fsdp_unit_spec_t *spec);
 
 /* Whether two specs differ; if so, the first differing field ("params[1].shape") and both
  * values as text ("[4096,1023]", "[4096,1024]"), each truncated to its buffer. */
@@ -76,7 +121,7 @@ typedef struct fsdp_spec_difference {
   char b[128];
 } fsdp_spec_difference_t;
 
-bool fsdp_unit_spec_diff(const Fsdp__V1__RegisterUnitRequest *a,
-                         const Fsdp__V1__RegisterUnitRequest *b, fsdp_spec_difference_t *ret);
+bool fsdp_unit_spec_diff(const fsdp_unit_spec_t *a,
+                         const fsdp_unit_spec_t *b, fsdp_spec_difference_t *ret);
 
 #endif

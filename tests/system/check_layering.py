@@ -28,14 +28,12 @@ LAYERS = {
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
     'daemon/rpc': ['common', 'proto', 'config'],
     'daemon/session': ['common', 'proto', 'daemon/rpc'],
-    'daemon/store': ['common', 'proto', 'config', 'daemon/session'],
+    'daemon/store': ['common', 'config', 'daemon/session'],
     'daemon/cluster': ['common', 'proto', 'proto/host', 'config', 'transport', 'daemon/rpc'],
-    # daemon/rpc: while the data plane still parks gRPC calls itself.
     'daemon/dataplane': ['common', 'proto/host', 'kernels', 'transport', 'collectives',
-                         'daemon/rpc', 'daemon/session', 'daemon/store', 'daemon/cluster'],
-    # daemon: while the handlers still take the whole daemon object.
+                         'daemon/store', 'daemon/cluster'],
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
-                        'daemon/store', 'daemon/cluster', 'daemon/dataplane', 'daemon'],
+                        'daemon/store', 'daemon/cluster', 'daemon/dataplane'],
     'daemon': ['common', 'proto', 'proto/host', 'config', 'kernels', 'transport', 'collectives',
                'daemon/rpc', 'daemon/session', 'daemon/store', 'daemon/cluster',
                'daemon/dataplane', 'daemon/services'],

@@ -9,34 +9,31 @@
 
 #include <cmocka.h>
 
+#include "daemon/services/unit_spec.h"
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
 
 /* A spec with up to 4 parameters, all fp32, FULL_SHARD. */
 typedef struct spec_storage {
-  Fsdp__V1__RegisterUnitRequest spec;
-  Fsdp__V1__ParamSpec params[4];
-  Fsdp__V1__ParamSpec *ptrs[4];
+  fsdp_unit_spec_t spec;
+  fsdp_param_spec_t params[4];
   uint64_t shapes[4][4];
 } spec_storage_t;
 
 static void make_spec(spec_storage_t *s, const char *unit, size_t n, const char *const *names,
                       const uint64_t (*shapes)[4], const size_t *ndims) {
   memset(s, 0, sizeof *s);
-  fsdp__v1__register_unit_request__init(&s->spec);
   s->spec.unit = (char *)unit;
-  s->spec.strategy = FSDP__V1__SHARDING_STRATEGY__FULL_SHARD;
+  s->spec.strategy = FSDP_UNIT_FULL_SHARD;
   for (size_t i = 0; i < n; i++) {
-    fsdp__v1__param_spec__init(&s->params[i]);
     s->params[i].name = (char *)names[i];
-    s->params[i].dtype = FSDP__V1__DTYPE__DTYPE_FP32;
+    s->params[i].dtype = FSDP_UNIT_DTYPE_FP32;
     s->params[i].requires_grad = true;
     memcpy(s->shapes[i], shapes[i], sizeof s->shapes[i]);
     s->params[i].shape = s->shapes[i];
     s->params[i].n_shape = ndims[i];
-    s->ptrs[i] = &s->params[i];
   }
-  s->spec.params = s->ptrs;
+  s->spec.params = s->params;
   s->spec.n_params = n;
 }
 
@@ -81,7 +78,7 @@ static void test_layout_pads_to_a_multiple_of_the_shards(void **state) {
  * rings agree between their members, and padding lets a host's region split among its
  * replicas. */
 static void check_plans(unsigned hosts, unsigned group, unsigned l,
-                        Fsdp__V1__ShardingStrategy strategy) {
+                        fsdp_unit_strategy_t strategy) {
   unsigned owners[64] = {0};
   uint64_t replicas[64] = {0}; /* bit k: some rank holds the shard as copy k */
   unsigned holders[64] = {0};
@@ -93,7 +90,7 @@ static void check_plans(unsigned hosts, unsigned group, unsigned l,
     assert_int_equal(p.pad_multiple % p.shards, 0);
     assert_int_equal(p.pad_multiple % (p.shards * p.replica_ring.members), 0);
     assert_int_equal(p.shard_ring.members * p.replica_ring.members * p.local_shards,
-                     strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD ? hosts : hosts * l);
+                     strategy == FSDP_UNIT_NO_SHARD ? hosts : hosts * l);
     assert_int_equal(fsdp_host_ring_host(&p.shard_ring, p.shard_ring.self), h);
     assert_int_equal(fsdp_host_ring_host(&p.replica_ring, p.replica_ring.self), h);
     for (unsigned s = 0; s < p.local_shards; s++)
@@ -117,8 +114,8 @@ static void check_plans(unsigned hosts, unsigned group, unsigned l,
       assert_int_equal(pi.shard_ring.self, i);
     }
   }
-  unsigned groups = strategy == FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD ? hosts / group
-                    : strategy == FSDP__V1__SHARDING_STRATEGY__NO_SHARD   ? hosts
+  unsigned groups = strategy == FSDP_UNIT_HYBRID_SHARD ? hosts / group
+                    : strategy == FSDP_UNIT_NO_SHARD   ? hosts
                                                                           : 1;
   fsdp_topology_t t0 = {.hosts = hosts, .host_rank = 0, .shard_group_hosts = group};
   fsdp_unit_plan_t p0;
@@ -132,9 +129,9 @@ static void check_plans(unsigned hosts, unsigned group, unsigned l,
 
 static void test_plans_across_hosts(void **state) {
   (void)state;
-  static const Fsdp__V1__ShardingStrategy all[] = {
-      FSDP__V1__SHARDING_STRATEGY__FULL_SHARD, FSDP__V1__SHARDING_STRATEGY__SHARD_GRAD_OP,
-      FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD, FSDP__V1__SHARDING_STRATEGY__NO_SHARD};
+  static const fsdp_unit_strategy_t all[] = {
+      FSDP_UNIT_FULL_SHARD, FSDP_UNIT_SHARD_GRAD_OP,
+      FSDP_UNIT_HYBRID_SHARD, FSDP_UNIT_NO_SHARD};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
     check_plans(1, 1, 4, all[i]);
     check_plans(2, 1, 2, all[i]);
@@ -146,7 +143,7 @@ static void test_plans_across_hosts(void **state) {
    * reduce each host's region, so the padding goes to a multiple of 4. */
   fsdp_topology_t t = {.hosts = 2, .host_rank = 1, .shard_group_hosts = 1};
   fsdp_unit_plan_t p;
-  fsdp_unit_plan(&t, FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD, 2, &p);
+  fsdp_unit_plan(&t, FSDP_UNIT_HYBRID_SHARD, 2, &p);
   assert_int_equal(p.shards, 2);
   assert_int_equal(p.first_shard, 0);
   assert_int_equal(p.pad_multiple, 4);
@@ -155,7 +152,7 @@ static void test_plans_across_hosts(void **state) {
   assert_int_equal(p.shard_ring.members, 1);
   /* One host: the layout of the single-host store. */
   t = (fsdp_topology_t){.hosts = 1, .host_rank = 0, .shard_group_hosts = 1};
-  fsdp_unit_plan(&t, FSDP__V1__SHARDING_STRATEGY__FULL_SHARD, 3, &p);
+  fsdp_unit_plan(&t, FSDP_UNIT_FULL_SHARD, 3, &p);
   assert_int_equal(p.shards, 3);
   assert_int_equal(p.pad_multiple, 3);
   assert_false(fsdp_unit_plan_spans_hosts(&p));
@@ -181,7 +178,7 @@ static void test_scalars_and_zero_size_parameters(void **state) {
   fsdp_unit_layout_cleanup(&l);
 }
 
-static void expect_refusal(const Fsdp__V1__RegisterUnitRequest *spec, const char *message) {
+static void expect_refusal(const fsdp_unit_spec_t *spec, const char *message) {
   fsdp_status_t st;
   assert_int_equal(fsdp_unit_spec_check(spec, &st), FSDP_E_INVALID_ARGUMENT);
   assert_string_equal(st.message, message);
@@ -194,7 +191,7 @@ static void test_refusals_name_the_field_and_value(void **state) {
   expect_refusal(&s.spec, "field 'unit' is empty");
 
   make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
-  s.spec.strategy = FSDP__V1__SHARDING_STRATEGY__STRATEGY_UNSPECIFIED;
+  s.spec.strategy = FSDP_UNIT_STRATEGY_UNSPECIFIED;
   expect_refusal(&s.spec, "unit 'layer1': field 'strategy' is unspecified; expected FULL_SHARD, "
                           "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD");
 
@@ -212,10 +209,10 @@ static void test_refusals_name_the_field_and_value(void **state) {
   expect_refusal(&s.spec, "unit 'layer1': params[1].name is empty");
 
   make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
-  s.params[1].dtype = FSDP__V1__DTYPE__DTYPE_BF16;
+  s.params[1].dtype = FSDP_UNIT_DTYPE_BF16;
   expect_refusal(&s.spec, "unit 'layer1': params[1] 'bias' is DTYPE_BF16 but params[0] 'weight' "
                           "is DTYPE_FP32; a unit holds one element type");
-  s.params[1].dtype = FSDP__V1__DTYPE__DTYPE_UNSPECIFIED;
+  s.params[1].dtype = FSDP_UNIT_DTYPE_UNSPECIFIED;
   expect_refusal(&s.spec, "unit 'layer1': params[1].dtype of 'bias' is unspecified");
 
   static const uint64_t zeros[4][4] = {{0}, {4, 0}, {0}, {0}};
@@ -313,7 +310,6 @@ static void test_diff_names_the_first_differing_field(void **state) {
   spec_storage_t a, b;
   make_spec(&a, "layer3", 2, wb, shapes_4096x1023, ndims_2_1);
   make_spec(&b, "layer3", 2, wb, shapes_4096x1023, ndims_2_1);
-  b.spec.session_id = 99; /* not part of the spec */
   fsdp_spec_difference_t d;
   assert_false(fsdp_unit_spec_diff(&a.spec, &b.spec, &d));
 
@@ -323,7 +319,7 @@ static void test_diff_names_the_first_differing_field(void **state) {
   assert_string_equal(d.a, "[4096,1023]");
   assert_string_equal(d.b, "[4096,1024]");
 
-  b.spec.param_dtype = FSDP__V1__DTYPE__DTYPE_BF16; /* earlier in the order than the shapes */
+  b.spec.param_dtype = FSDP_UNIT_DTYPE_BF16; /* earlier in the order than the shapes */
   assert_true(fsdp_unit_spec_diff(&a.spec, &b.spec, &d));
   assert_string_equal(d.field, "param_dtype");
   assert_string_equal(d.a, "DTYPE_UNSPECIFIED");
@@ -345,12 +341,68 @@ static void test_dtype_defaults(void **state) {
   (void)state;
   spec_storage_t s;
   make_spec(&s, "layer0", 2, wb, shapes_4096x1023, ndims_2_1);
-  assert_int_equal(fsdp_unit_spec_param_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_FP32);
-  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_FP32);
-  s.spec.param_dtype = FSDP__V1__DTYPE__DTYPE_BF16;
-  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_BF16);
-  s.spec.reduce_dtype = FSDP__V1__DTYPE__DTYPE_FP32;
-  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP__V1__DTYPE__DTYPE_FP32);
+  assert_int_equal(fsdp_unit_spec_param_dtype(&s.spec), FSDP_UNIT_DTYPE_FP32);
+  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP_UNIT_DTYPE_FP32);
+  s.spec.param_dtype = FSDP_UNIT_DTYPE_BF16;
+  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP_UNIT_DTYPE_BF16);
+  s.spec.reduce_dtype = FSDP_UNIT_DTYPE_FP32;
+  assert_int_equal(fsdp_unit_spec_reduce_dtype(&s.spec), FSDP_UNIT_DTYPE_FP32);
+}
+
+/* The service layer's conversion keeps every field of the request, and the store's copy
+ * every field of the spec: neither differs from the spec built by hand. */
+static void test_spec_from_a_request_and_its_copy(void **state) {
+  (void)state;
+  uint64_t weight_shape[] = {4096, 1023}, bias_shape[] = {1023};
+  Fsdp__V1__ParamSpec params[2] = {FSDP__V1__PARAM_SPEC__INIT, FSDP__V1__PARAM_SPEC__INIT};
+  Fsdp__V1__ParamSpec *ptrs[2] = {&params[0], &params[1]};
+  for (size_t i = 0; i < 2; i++) {
+    params[i].name = (char *)wb[i];
+    params[i].dtype = FSDP__V1__DTYPE__DTYPE_BF16;
+    params[i].requires_grad = i == 0;
+  }
+  params[0].shape = weight_shape;
+  params[0].n_shape = 2;
+  params[1].shape = bias_shape;
+  params[1].n_shape = 1;
+  Fsdp__V1__RegisterUnitRequest rq = FSDP__V1__REGISTER_UNIT_REQUEST__INIT;
+  rq.session_id = 99;
+  rq.unit = "layer3";
+  rq.params = ptrs;
+  rq.n_params = 2;
+  rq.strategy = FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD;
+  rq.param_dtype = FSDP__V1__DTYPE__DTYPE_FP16;
+  rq.reduce_dtype = FSDP__V1__DTYPE__DTYPE_FP32;
+  rq.gradient_predivide_factor = 2;
+  rq.gradient_postdivide_factor = 0.5;
+
+  spec_storage_t want;
+  make_spec(&want, "layer3", 2, wb, shapes_4096x1023, ndims_2_1);
+  want.spec.strategy = FSDP_UNIT_HYBRID_SHARD;
+  want.spec.param_dtype = FSDP_UNIT_DTYPE_FP16;
+  want.spec.reduce_dtype = FSDP_UNIT_DTYPE_FP32;
+  want.spec.gradient_predivide_factor = 2;
+  want.spec.gradient_postdivide_factor = 0.5;
+  want.params[0].dtype = want.params[1].dtype = FSDP_UNIT_DTYPE_BF16;
+  want.params[1].requires_grad = false;
+
+  fsdp_unit_spec_t spec;
+  assert_int_equal(fsdp_unit_spec_init_from_proto(&spec, &rq), 0);
+  fsdp_spec_difference_t d;
+  assert_false(fsdp_unit_spec_diff(&spec, &want.spec, &d));
+  fsdp_unit_spec_t *copy;
+  assert_int_equal(fsdp_unit_spec_copy(&spec, &copy), 0);
+  fsdp_unit_spec_cleanup(&spec);
+  assert_null(spec.params);
+  weight_shape[1] = 1024; /* the copy holds its own shapes and names */
+  params[0].name = "other";
+  assert_false(fsdp_unit_spec_diff(copy, &want.spec, &d));
+  assert_string_equal(fsdp_unit_strategy_name(copy->strategy), "HYBRID_SHARD");
+  assert_string_equal(fsdp_unit_dtype_name(copy->params[0].dtype), "DTYPE_BF16");
+  fsdp_unit_spec_free(copy);
+  fsdp_unit_spec_free(NULL);
+  fsdp_unit_spec_cleanup(NULL);
+  fsdp_unit_layout_cleanup(NULL);
 }
 
 int main(void) {
@@ -363,6 +415,7 @@ int main(void) {
       cmocka_unit_test(test_gradient_factors_within_bounds),
       cmocka_unit_test(test_diff_names_the_first_differing_field),
       cmocka_unit_test(test_dtype_defaults),
+      cmocka_unit_test(test_spec_from_a_request_and_its_copy),
   };
   return cmocka_run_group_tests_name("unit_layout", tests, NULL, NULL);
 }

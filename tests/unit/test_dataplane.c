@@ -1,0 +1,440 @@
+/* The data plane driven through its header on a real libuv loop, with no daemon, no RPC and
+ * no socket: the rendezvous of the local ranks and the results it computes, the order of a
+ * rank's steps, the deadline of a rank that never asks, the loss of a rank's session, a
+ * cancelled operation, and every refusal with the message the daemon gives. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "daemon/dataplane/dataplane.h"
+
+#define NUMEL 1000 /* not a multiple of the ranks: the last shard holds padding */
+#define MAX_RANKS 4
+
+/* What one operation's callback heard. */
+typedef struct result {
+  unsigned calls;
+  int code;
+  char message[FSDP_STATUS_MESSAGE_MAX];
+} result_t;
+
+static void on_done(void *data, const fsdp_status_t *st) {
+  result_t *r = data;
+  r->calls++;
+  r->code = st->code;
+  snprintf(r->message, sizeof r->message, "%s", st->message);
+}
+
+/* One job "j" of `world` local ranks with one registered unit "u" of NUMEL fp32 parameters,
+ * FULL_SHARD, unsharded in param_dtype. */
+typedef struct fixture {
+  uv_loop_t loop;
+  fsdp_store_t store;
+  fsdp_dataplane_t dp;
+  fsdp_session_t sessions[MAX_RANKS];
+  fsdp_dataplane_rank_t ranks[MAX_RANKS];
+  unsigned world;
+  fsdp_job_t *job;
+  fsdp_unit_t *unit;
+} fixture_t;
+
+static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_dtype) {
+  memset(f, 0, sizeof *f);
+  f->world = world;
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  fsdp_store_init(&f->store);
+  f->store.max_jobs = 1;
+  f->store.arena_capacity = 4 << 20;
+  f->store.memory_limit = 64 << 20;
+  f->store.topology = (fsdp_topology_t){.hosts = 1, .host_rank = 0, .shard_group_hosts = 1};
+  fsdp_status_t st;
+  assert_int_equal(fsdp_dataplane_init(&f->dp, &f->loop, 2, &st), 0);
+
+  uint64_t shape[] = {NUMEL};
+  fsdp_param_spec_t param = {.name = "weight", .shape = shape, .n_shape = 1,
+                             .dtype = FSDP_UNIT_DTYPE_FP32, .requires_grad = true};
+  fsdp_unit_spec_t spec = {.unit = "u", .params = &param, .n_params = 1,
+                           .strategy = FSDP_UNIT_FULL_SHARD, .param_dtype = param_dtype};
+  result_t registered[MAX_RANKS] = {0};
+  fsdp_dataplane_op_t ops[MAX_RANKS];
+  for (unsigned r = 0; r < world; r++) {
+    fsdp_session_t *s = &f->sessions[r];
+    snprintf(s->job, sizeof s->job, "j");
+    s->id = 10 + r;
+    s->serial = r;
+    s->local_rank = r;
+    s->local_world_size = world;
+    s->owner.uid = getuid();
+    f->ranks[r] = (fsdp_dataplane_rank_t){.local_rank = r, .session_id = s->id,
+                                          .serial = s->serial};
+    assert_int_equal(fsdp_store_register_unit(&f->store, s, &spec, &f->unit, &st), 0);
+    f->job = fsdp_store_find_job(&f->store, "j");
+    fsdp_dataplane_register(&f->dp, f->job, f->unit, &f->ranks[r], &ops[r], on_done,
+                            &registered[r]);
+  }
+  /* The first registration pre-faults the buffers on the thread pool; all wait for it. */
+  assert_int_equal(registered[0].calls, 0);
+  uv_run(&f->loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < world; r++) {
+    assert_int_equal(registered[r].calls, 1);
+    assert_int_equal(registered[r].code, 0);
+  }
+  assert_int_equal(f->unit->state, FSDP_UNIT_READY);
+}
+
+static void fixture_cleanup(fixture_t *f) {
+  assert_false(fsdp_dataplane_uses_job(&f->dp, f->job));
+  fsdp_dataplane_cleanup(&f->dp);
+  fsdp_store_cleanup(&f->store);
+  assert_int_equal(uv_loop_close(&f->loop), 0);
+  fsdp_dataplane_cleanup(NULL);
+  fsdp_store_cleanup(NULL);
+}
+
+static void unshard(fixture_t *f, unsigned rank, uint64_t step, uint64_t deadline_ms,
+                    fsdp_dataplane_op_t *op, result_t *result) {
+  fsdp_dataplane_unshard(&f->dp, f->job, f->unit, &f->ranks[rank], step, deadline_ms, op,
+                         on_done, result);
+}
+
+static void reduce(fixture_t *f, unsigned rank, uint64_t step, bool accumulate,
+                   fsdp_dataplane_op_t *op, result_t *result) {
+  fsdp_dataplane_reduce(&f->dp, f->job, f->unit, &f->ranks[rank], step, accumulate,
+                        UINT64_MAX, op, on_done, result);
+}
+
+static void expect(const result_t *r, int code, const char *message) {
+  assert_int_equal(r->calls, 1);
+  assert_int_equal(r->code, code);
+  assert_string_equal(r->message, message);
+}
+
+static char *arena(const fixture_t *f) {
+  return fsdp_arena_base(f->job->arena);
+}
+
+static void test_buffers_of_each_rank(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 3, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  const fsdp_unit_layout_t *l = &f.unit->layout;
+  assert_int_equal(l->padded_numel, 1002);
+  assert_int_equal(l->shard_numel, 334);
+  fsdp_dataplane_buffers_t b[3];
+  for (unsigned r = 0; r < 3; r++) {
+    fsdp_dataplane_buffers(f.unit, r, &b[r]);
+    assert_int_equal(b[r].shard, r);
+    assert_int_equal(b[r].host_first_shard, 0);
+    assert_int_equal(b[r].host_shards, 3);
+    assert_int_equal(b[r].gathered_step, 0);
+    assert_int_equal(b[r].reduced_step, 0);
+    assert_int_equal(b[r].master_offset, b[0].master_offset);
+    /* Each rank writes a full gradient of its own, none overlapping the shards. */
+    assert_true(b[r].full_grad_offset >= b[r].grad_offset + 1002 * 4);
+    if (r > 0)
+      assert_true(b[r].full_grad_offset >= b[r - 1].full_grad_offset + 1002 * 4);
+  }
+  fixture_cleanup(&f);
+}
+
+/* The gather runs once every rank has asked, and casts the fp32 masters into bf16. */
+static void test_unshard_waits_for_every_rank(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 3, FSDP_UNIT_DTYPE_BF16);
+  float *master = (float *)(void *)(arena(&f) + f.unit->master_offset);
+  for (unsigned i = 0; i < NUMEL; i++)
+    master[i] = (float)(i % 256) - 128; /* exact in bf16 */
+
+  fsdp_dataplane_op_t ops[3];
+  result_t results[3] = {0};
+  unshard(&f, 2, 1, UINT64_MAX, &ops[2], &results[2]);
+  unshard(&f, 0, 1, UINT64_MAX, &ops[0], &results[0]);
+  uv_run(&f.loop, UV_RUN_DEFAULT); /* nothing to run: rank 1 has not asked */
+  assert_int_equal(results[0].calls + results[2].calls, 0);
+  assert_int_equal(f.unit->gather.count, 2);
+  unshard(&f, 1, 1, UINT64_MAX, &ops[1], &results[1]);
+  assert_int_equal(results[1].calls, 0); /* the gather is on the thread pool */
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < 3; r++)
+    expect(&results[r], 0, "");
+
+  const uint16_t *unsharded =
+      (const uint16_t *)(const void *)((char *)fsdp_arena_base(f.job->shared_arena) +
+                                       f.unit->unsharded_offset);
+  for (unsigned i = 0; i < NUMEL; i++) {
+    uint32_t bits;
+    memcpy(&bits, &master[i], sizeof bits);
+    assert_int_equal(unsharded[i], bits >> 16);
+  }
+  fsdp_dataplane_buffers_t b;
+  fsdp_dataplane_buffers(f.unit, 0, &b);
+  assert_int_equal(b.gathered_step, 1);
+
+  /* The step's copy is there: answered before the call returns, with no collective. */
+  result_t again = {0};
+  unshard(&f, 1, 1, UINT64_MAX, &ops[1], &again);
+  expect(&again, 0, "");
+  assert_int_equal(f.unit->gather.count, 0);
+  fixture_cleanup(&f);
+}
+
+/* Every rank's full gradient, averaged over the ranks (the default factors), lands in the
+ * fp32 gradient shards; with accumulate the next step's adds to them. */
+static void test_reduce_scatter_averages_the_ranks(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  for (unsigned r = 0; r < 2; r++) {
+    fsdp_dataplane_buffers_t b;
+    fsdp_dataplane_buffers(f.unit, r, &b);
+    float *full = (float *)(void *)(arena(&f) + b.full_grad_offset);
+    for (unsigned i = 0; i < NUMEL; i++)
+      full[i] = (float)((r + 1) * i);
+  }
+  fsdp_dataplane_op_t ops[2];
+  result_t results[2] = {0};
+  reduce(&f, 0, 1, false, &ops[0], &results[0]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_int_equal(results[0].calls, 0);
+  reduce(&f, 1, 1, false, &ops[1], &results[1]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&results[0], 0, "");
+  expect(&results[1], 0, "");
+  const float *grad = (const float *)(const void *)(arena(&f) + f.unit->grad_offset);
+  for (unsigned i = 0; i < NUMEL; i++)
+    assert_true(grad[i] == 1.5f * (float)i);
+
+  memset(results, 0, sizeof results);
+  reduce(&f, 1, 2, true, &ops[1], &results[1]);
+  reduce(&f, 0, 2, true, &ops[0], &results[0]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&results[0], 0, "");
+  expect(&results[1], 0, "");
+  for (unsigned i = 0; i < NUMEL; i++)
+    assert_true(grad[i] == 3.0f * (float)i);
+  fsdp_dataplane_buffers_t b;
+  fsdp_dataplane_buffers(f.unit, 1, &b);
+  assert_int_equal(b.reduced_step, 2);
+  fixture_cleanup(&f);
+}
+
+/* A rank's steps go forward: an older step than the copy holds, a step other than the one
+ * the other ranks asked for, and a second submission of a gradient are refused. */
+static void test_steps_in_order(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_dataplane_op_t ops[2];
+  result_t results[2] = {0};
+  unshard(&f, 0, 5, UINT64_MAX, &ops[0], &results[0]);
+  unshard(&f, 1, 5, UINT64_MAX, &ops[1], &results[1]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&results[0], 0, "");
+
+  result_t older = {0};
+  unshard(&f, 0, 4, UINT64_MAX, &ops[0], &older);
+  expect(&older, FSDP_E_FAILED_PRECONDITION,
+         "unit 'u': local rank 0 asked for step 4, but the unsharded copy already holds step 5");
+
+  /* Another step than the others': the collective ends for everyone. */
+  memset(results, 0, sizeof results);
+  unshard(&f, 0, 6, UINT64_MAX, &ops[0], &results[0]);
+  unshard(&f, 1, 7, UINT64_MAX, &ops[1], &results[1]);
+  const char *mismatch = "unit 'u': local rank 1 asked to unshard step 7 while the other ranks "
+                         "asked for step 6";
+  expect(&results[0], FSDP_E_FAILED_PRECONDITION, mismatch);
+  expect(&results[1], FSDP_E_FAILED_PRECONDITION, mismatch);
+  assert_int_equal(f.unit->gather.count, 0);
+
+  /* A repeated submission of a gradient. */
+  memset(results, 0, sizeof results);
+  fsdp_dataplane_op_t again;
+  result_t repeated = {0};
+  reduce(&f, 0, 1, false, &ops[0], &results[0]);
+  reduce(&f, 0, 1, false, &again, &repeated);
+  expect(&repeated, FSDP_E_FAILED_PRECONDITION,
+         "unit 'u' step 1: local rank 0 already submitted its gradient");
+  assert_int_equal(results[0].calls, 0); /* the first still waits */
+  reduce(&f, 1, 1, false, &ops[1], &results[1]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&results[0], 0, "");
+  expect(&results[1], 0, "");
+
+  /* The ranks of a reduce-scatter agree on accumulating, or it ends for everyone. */
+  memset(results, 0, sizeof results);
+  reduce(&f, 1, 2, true, &ops[1], &results[1]);
+  reduce(&f, 0, 2, false, &ops[0], &results[0]);
+  const char *accumulate = "unit 'u' step 2: local rank 0 submitted with accumulate false while "
+                           "the other ranks submitted with accumulate true";
+  expect(&results[0], FSDP_E_FAILED_PRECONDITION, accumulate);
+  expect(&results[1], FSDP_E_FAILED_PRECONDITION, accumulate);
+  assert_int_equal(f.unit->reduce.count, 0);
+
+  /* Ranks of two runs of the job never meet in a collective. */
+  memset(results, 0, sizeof results);
+  f.ranks[1].generation = 1;
+  unshard(&f, 0, 8, UINT64_MAX, &ops[0], &results[0]);
+  unshard(&f, 1, 8, UINT64_MAX, &ops[1], &results[1]);
+  const char *runs = "unit 'u' step 8: local rank 1 attached with generation 1 while the other "
+                     "ranks attached with generation 0: ranks of two runs of job 'j' cannot "
+                     "unshard together";
+  expect(&results[0], FSDP_E_FAILED_PRECONDITION, runs);
+  expect(&results[1], FSDP_E_FAILED_PRECONDITION, runs);
+  fixture_cleanup(&f);
+}
+
+typedef struct expiry {
+  fsdp_store_t *store;
+  const result_t *waiting;
+} expiry_t;
+
+/* The daemon's housekeeping, as often as a test wants: ends what is past its deadline. */
+static void on_housekeeping(uv_timer_t *timer) {
+  expiry_t *e = timer->data;
+  fsdp_dataplane_expire(e->store, uv_now(timer->loop));
+  if (e->waiting->calls)
+    uv_close((uv_handle_t *)timer, NULL);
+}
+
+/* A rank that never asks: the others hear ABORTED naming it once the deadline passes. */
+static void test_deadline_names_the_missing_rank(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 3, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_dataplane_op_t ops[2];
+  result_t results[2] = {0};
+  uint64_t deadline = uv_now(&f.loop) + 20;
+  unshard(&f, 0, 1, deadline, &ops[0], &results[0]);
+  unshard(&f, 2, 1, UINT64_MAX, &ops[1], &results[1]); /* the first one's deadline holds */
+  fsdp_dataplane_expire(&f.store, deadline - 1);
+  assert_int_equal(results[0].calls + results[1].calls, 0);
+
+  expiry_t e = {&f.store, &results[0]};
+  uv_timer_t timer;
+  uv_timer_init(&f.loop, &timer);
+  timer.data = &e;
+  uv_timer_start(&timer, on_housekeeping, 5, 5);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  const char *late = "unit 'u' step 1: local rank(s) 1 of job 'j' did not ask to unshard in time "
+                     "(store.collective_timeout)";
+  expect(&results[0], FSDP_E_ABORTED, late);
+  expect(&results[1], FSDP_E_ABORTED, late);
+  assert_int_equal(f.unit->gather.count, 0);
+  fixture_cleanup(&f);
+}
+
+/* A rank's session ends: its own waiting operation, and those of the ranks waiting for it,
+ * end ABORTED; a session older than the rank's end finds it gone until it attaches again. */
+static void test_lost_session(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 3, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_dataplane_op_t ops[3];
+  result_t results[3] = {0};
+  unshard(&f, 0, 1, UINT64_MAX, &ops[0], &results[0]);
+  unshard(&f, 1, 1, UINT64_MAX, &ops[1], &results[1]);
+  fsdp_dataplane_release_session(f.job, 1, f.ranks[1].session_id, "detached", 3);
+  expect(&results[1], FSDP_E_ABORTED,
+         "session 000000000000000b (job 'j' local rank 1) ended while the call waited: detached");
+  expect(&results[0], FSDP_E_ABORTED,
+         "unit 'u' step 1: local rank 1 of job 'j' is gone (detached) before its unshard");
+
+  /* Rank 2's session (serial 2) was there when rank 1 went. */
+  unshard(&f, 2, 2, UINT64_MAX, &ops[2], &results[2]);
+  expect(&results[2], FSDP_E_ABORTED,
+         "unit 'u' step 2: local rank(s) 1 of job 'j' ended their session and have not "
+         "attached again; the unshard cannot complete without them");
+
+  /* Rank 1 attaches again (serial 3): the collective waits for it like for any rank. */
+  fsdp_session_t back = f.sessions[1];
+  back.id = 21;
+  back.serial = 3;
+  fsdp_job_t *job;
+  fsdp_status_t st;
+  assert_int_equal(fsdp_store_job_for(&f.store, &back, &job, &st), 0);
+  f.ranks[1].session_id = back.id;
+  f.ranks[1].serial = back.serial;
+  memset(results, 0, sizeof results);
+  for (unsigned r = 0; r < 3; r++)
+    unshard(&f, r, 2, UINT64_MAX, &ops[r], &results[r]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < 3; r++)
+    expect(&results[r], 0, "");
+
+  /* A session ending while its collective runs still ends its own operation ABORTED. */
+  memset(results, 0, sizeof results);
+  for (unsigned r = 0; r < 3; r++)
+    unshard(&f, r, 3, UINT64_MAX, &ops[r], &results[r]);
+  assert_true(f.unit->gather.running);
+  fsdp_dataplane_release_session(f.job, 0, f.ranks[0].session_id, "no call for 5000 ms", 4);
+  expect(&results[0], FSDP_E_ABORTED,
+         "session 000000000000000a (job 'j' local rank 0) ended while the call waited: no call "
+         "for 5000 ms");
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&results[1], 0, "");
+  expect(&results[2], 0, "");
+  fixture_cleanup(&f);
+}
+
+/* A cancelled operation is not called back, and its rank no longer counts: the collective
+ * waits for it to ask again. */
+static void test_cancel_withdraws_the_rank(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_dataplane_op_t ops[2];
+  result_t results[2] = {0};
+  unshard(&f, 0, 1, UINT64_MAX, &ops[0], &results[0]);
+  fsdp_dataplane_cancel(&ops[0]);
+  assert_int_equal(f.unit->gather.count, 0);
+  unshard(&f, 1, 1, UINT64_MAX, &ops[1], &results[1]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_int_equal(results[0].calls + results[1].calls, 0);
+  result_t again = {0};
+  unshard(&f, 0, 1, UINT64_MAX, &ops[0], &again);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&again, 0, "");
+  expect(&results[1], 0, "");
+  assert_int_equal(results[0].calls, 0);
+  fixture_cleanup(&f);
+}
+
+/* Operations on a unit whose RegisterUnit has not completed are refused at once. */
+static void test_no_buffers_yet(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 1, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  f.unit->state = FSDP_UNIT_ALLOCATING;
+  const char *message = "unit 'u' has no buffers yet: its RegisterUnit has not succeeded";
+  fsdp_status_t st;
+  assert_int_equal(fsdp_dataplane_reshard(f.unit, &st), FSDP_E_FAILED_PRECONDITION);
+  assert_string_equal(st.message, message);
+  fsdp_dataplane_op_t op;
+  result_t result = {0};
+  reduce(&f, 0, 1, false, &op, &result);
+  expect(&result, FSDP_E_FAILED_PRECONDITION, message);
+  f.unit->state = FSDP_UNIT_READY;
+  assert_int_equal(fsdp_dataplane_reshard(f.unit, &st), 0);
+  fixture_cleanup(&f);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_buffers_of_each_rank),
+      cmocka_unit_test(test_unshard_waits_for_every_rank),
+      cmocka_unit_test(test_reduce_scatter_averages_the_ranks),
+      cmocka_unit_test(test_steps_in_order),
+      cmocka_unit_test(test_deadline_names_the_missing_rank),
+      cmocka_unit_test(test_lost_session),
+      cmocka_unit_test(test_cancel_withdraws_the_rank),
+      cmocka_unit_test(test_no_buffers_yet),
+  };
+  return cmocka_run_group_tests_name("dataplane", tests, NULL, NULL);
+}
