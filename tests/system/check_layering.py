@@ -4,7 +4,8 @@
 Every C file belongs to the deepest folder of LAYERS that holds it, and may include headers
 of the folders its row names (its own among them); every folder holding C files has a row.
 Generated protocol headers (fsdp/v1/, grpc/health/v1/) belong to proto/, and public headers
-(<fsdp/...>) to everyone.
+(<fsdp/...>) to everyone. No module (a .c and its .h) may reach itself through the includes
+of the modules it includes.
 
 Usage: check_layering.py [ROOT]   (default: $FSDP_SOURCE_DIR)
 """
@@ -60,9 +61,41 @@ def sources(root):
     return [f for f in out if not f.startswith('include/') and os.path.exists(os.path.join(root, f))]
 
 
+def cycles(graph):
+    """The strongly connected components of graph (module -> modules) with more than one module."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
 def check(root):
     problems = []
     files = sources(root)
+    modules = {}
     for f in files:
         home = folder_of(f)
         if home is None:
@@ -75,12 +108,18 @@ def check(root):
                 target = 'proto'
             elif os.path.exists(os.path.join(root, header)):
                 target = folder_of(header)
+                if f.endswith('.c') or header != f:
+                    modules.setdefault(f[:-2], set()).add(header[:-2])
             else:
                 problems.append(f'{f}: includes "{header}", which is not a path from the project root')
                 continue
             if target != home and target not in LAYERS[home]:
                 problems.append(f'{f}: includes "{header}" from {target}/, '
                                 f'but {home}/ may only use: {", ".join(LAYERS[home]) or "nothing"}')
+    for module in modules:
+        modules[module].discard(module)
+    for component in cycles(modules):
+        problems.append('include cycle among: ' + ', '.join(component))
     return problems
 
 
@@ -93,7 +132,7 @@ def main():
         print(p)
     if problems:
         return 1
-    print('include graph follows the layering')
+    print('include graph follows the layering, with no cycle')
     return 0
 
 

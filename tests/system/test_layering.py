@@ -69,3 +69,11 @@ def test_the_host_formats_keep_apart_from_grpc(tree):
     assert ('transport/ucx.c: includes "proto/wire.h" from proto/, '
             'but transport/ may only use: common, proto/host') in result.stdout
     assert 'proto/host/formats.c: includes "fsdp/v1/peer.pb-c.h" from proto/' in result.stdout
+
+
+def test_an_include_cycle_fails(tree):
+    add_line(tree / 'common/status.c', '#include "common/fdpass.h"')
+    add_line(tree / 'common/fdpass.c', '#include "common/status.h"')
+    result = run_check(str(tree))
+    assert result.returncode == 1
+    assert 'include cycle among: common/fdpass, common/status' in result.stdout
