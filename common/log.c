@@ -8,8 +8,6 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 
-#include <grpc/support/log.h>
-
 static _Atomic int log_level = FSDP_LOG_INFO;
 static bool log_to_journal;
 
@@ -28,22 +26,12 @@ static bool stderr_is_journal(void) {
   return sb.st_dev == dev && sb.st_ino == ino;
 }
 
-static void grpc_log_sink(gpr_log_func_args *args) {
-  fsdp_log_level_t level = args->severity == GPR_LOG_SEVERITY_ERROR ? FSDP_LOG_WARNING
-                                                                    : FSDP_LOG_DEBUG;
-  fsdp_log(level, "grpc: %s", args->message);
-}
-
 void fsdp_log_init(void) {
   log_to_journal = stderr_is_journal();
-  gpr_set_log_function(grpc_log_sink);
-  gpr_set_log_verbosity(GPR_LOG_SEVERITY_ERROR);
 }
 
 void fsdp_log_set_level(fsdp_log_level_t level) {
   atomic_store(&log_level, level);
-  /* gRPC's debug chatter is only worth formatting when someone will read it. */
-  gpr_set_log_verbosity(level >= FSDP_LOG_DEBUG ? GPR_LOG_SEVERITY_INFO : GPR_LOG_SEVERITY_ERROR);
 }
 
 fsdp_log_level_t fsdp_log_get_level(void) {

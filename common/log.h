@@ -14,7 +14,7 @@ typedef enum fsdp_log_level {
   FSDP_LOG_DEBUG,
 } fsdp_log_level_t;
 
-/* Reads JOURNAL_STREAM and routes gRPC's own log lines through ours. Call once at start. */
+/* Reads JOURNAL_STREAM. Call once at start. (gRPC's own lines: fsdp_rpc_route_log.) */
 void fsdp_log_init(void);
 void fsdp_log_set_level(fsdp_log_level_t level);
 fsdp_log_level_t fsdp_log_get_level(void);

@@ -39,10 +39,16 @@ static uint64_t now_ms(fsdp_daemon_t *daemon) {
   return uv_now(&daemon->loop);
 }
 
+static void set_log_level(const fsdp_config_t *cfg) {
+  fsdp_log_level_t level = (fsdp_log_level_t)fsdp_config_number(cfg, FSDP_OPTION_LOG_LEVEL);
+  fsdp_log_set_level(level);
+  fsdp_rpc_route_log(level);
+}
+
 /* Values that take effect without a restart; called at start and after a reload. */
 static void apply_config(fsdp_daemon_t *daemon) {
   const fsdp_config_t *cfg = &daemon->config;
-  fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(cfg, FSDP_OPTION_LOG_LEVEL));
+  set_log_level(cfg);
   daemon->store.max_jobs = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_SESSIONS);
   daemon->store.memory_limit = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MEMORY_LIMIT);
   daemon->store.arena_capacity = (size_t)fsdp_config_number(cfg, FSDP_OPTION_JOB_MEMORY);
@@ -604,7 +610,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   daemon->config = *config;
   memset(config, 0, sizeof *config);
   daemon->listener.lock_fd = daemon->listener.socket_fd = -1;
-  fsdp_log_set_level((fsdp_log_level_t)fsdp_config_number(&daemon->config, FSDP_OPTION_LOG_LEVEL));
+  set_log_level(&daemon->config);
   raise_descriptor_limit(&daemon->config);
 
   int r;

@@ -31,6 +31,7 @@
 #include <grpc/grpc_posix.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
+#include <grpc/support/log.h>
 #include <grpc/support/time.h>
 
 #include <fsdp/fsdp_version.h>
@@ -1129,4 +1130,15 @@ void fsdp_rpc_server_get_stats(const fsdp_rpc_server_t *server, fsdp_rpc_stats_t
                                   .calls_failed = server->calls_failed,
                                   .calls_inflight = server->inflight,
                                   .work_inflight = server->work};
+}
+
+static void grpc_log_sink(gpr_log_func_args *args) {
+  fsdp_log_level_t level = args->severity == GPR_LOG_SEVERITY_ERROR ? FSDP_LOG_WARNING
+                                                                    : FSDP_LOG_DEBUG;
+  fsdp_log(level, "grpc: %s", args->message);
+}
+
+void fsdp_rpc_route_log(fsdp_log_level_t level) {
+  gpr_set_log_function(grpc_log_sink);
+  gpr_set_log_verbosity(level >= FSDP_LOG_DEBUG ? GPR_LOG_SEVERITY_INFO : GPR_LOG_SEVERITY_ERROR);
 }

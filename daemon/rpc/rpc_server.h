@@ -33,6 +33,7 @@
 #include <protobuf-c/protobuf-c.h>
 #include <uv.h>
 
+#include "common/log.h"
 #include "common/status.h"
 
 typedef struct fsdp_rpc_server fsdp_rpc_server_t;
@@ -173,6 +174,10 @@ int fsdp_rpc_call_peer_fd(const fsdp_rpc_call_t *call);
 /* The caller's name into buf, for messages: its TCP address ("ipv4:127.0.0.1:41234") on
  * a port gRPC accepted or the listener relayed, "fd:12" on the unix socket. */
 void fsdp_rpc_call_peer_name(const fsdp_rpc_call_t *call, char *buf, size_t size);
+
+/* Routes gRPC's own log lines through the daemon's log; its debug chatter is formatted only
+ * at level debug, when someone will read it. Call at start and whenever the level changes. */
+void fsdp_rpc_route_log(fsdp_log_level_t level);
 /* Milliseconds until the client's deadline (<= 0 if passed); INT64_MAX without one. */
 int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call);
 
