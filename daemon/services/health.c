@@ -128,6 +128,8 @@ bool fsdp_health_is_serving(const fsdp_health_t *health) {
 }
 
 void fsdp_health_cleanup(fsdp_health_t *health) {
+  if (!health)
+    return;
   health->closed = true;
   while (health->watches) {
     fsdp_health_watch_t *w = health->watches;

@@ -53,7 +53,7 @@ void fsdp_sessions_init(fsdp_sessions_t *sessions) {
 }
 
 void fsdp_sessions_cleanup(fsdp_sessions_t *sessions) {
-  while (sessions->head)
+  while (sessions && sessions->head)
     fsdp_sessions_end(sessions, sessions->head);
 }
 
