@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "fsdp/v1/operator.pb-c.h"
 #include "proto/wire.h"
 
@@ -38,18 +39,6 @@ void bench_catch_signals(void) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
-}
-
-double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 void sleep_ms(long ms) {
@@ -146,7 +135,7 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
   }
   d->pid = pid;
 
-  d->ready_deadline = now_s() + SPAWN_READY_MS / 1e3;
+  d->ready_deadline = fsdp_clock_now_s() + SPAWN_READY_MS / 1e3;
   for (;;) {
     struct stat sb;
     if (stat(d->socket_path, &sb) == 0 && S_ISSOCK(sb.st_mode))
@@ -159,7 +148,7 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
     }
     if (bench_interrupted)
       return set_error(err, err_size, "bench_interrupted while waiting for fsdpd");
-    if (now_s() > d->ready_deadline)
+    if (fsdp_clock_now_s() > d->ready_deadline)
       return set_error(err, err_size, "fsdpd made no socket %s within %d ms", d->socket_path,
                        SPAWN_READY_MS);
     sleep_ms(5);
@@ -184,7 +173,7 @@ int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double de
     }
     if (bench_interrupted)
       return set_error(err, err_size, "bench_interrupted while waiting for fsdpd");
-    if (now_s() > deadline) {
+    if (fsdp_clock_now_s() > deadline) {
       if (r < 0)
         return set_error(err, err_size, "fsdpd did not answer within %d ms: health.Check(\"\"): "
                          "%s: %s", SPAWN_READY_MS, fsdp_strerror(r),
@@ -250,7 +239,7 @@ int bench_daemon_wait_peers(daemon_proc_t *d, fsdp_client_t *client, double dead
     }
     if (bench_interrupted)
       return set_error(err, err_size, "bench_interrupted while waiting for the peers");
-    if (now_s() > deadline)
+    if (fsdp_clock_now_s() > deadline)
       return set_error(err, err_size, "fsdpd (%s): peers not ready in time: %s", d->run_dir,
                        last);
     sleep_ms(20);
@@ -320,8 +309,8 @@ int bench_daemon_stop(daemon_proc_t *d, char *err, size_t err_size) {
   int rc = 0;
   if (d->pid > 0 && !d->reaped) {
     bench_daemon_terminate(d);
-    double deadline = now_s() + STOP_WAIT_MS / 1e3;
-    while (!daemon_exited(d) && now_s() < deadline)
+    double deadline = fsdp_clock_now_s() + STOP_WAIT_MS / 1e3;
+    while (!daemon_exited(d) && fsdp_clock_now_s() < deadline)
       sleep_ms(5);
     if (!d->reaped) {
       kill(d->pid, SIGKILL);

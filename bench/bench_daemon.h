@@ -1,6 +1,6 @@
 /* Benchmarks' handling of a throw-away fsdpd: start the one built next to the bench in a
  * fresh run dir, wait until it serves, stop it with SIGTERM and insist on a clean exit,
- * remove the run dir. Also the small clock and error helpers the benches share.
+ * remove the run dir. Also the small sleep and error helpers the benches share.
  *
  * gRPC forbids fork() once it has threads: bench_daemon_spawn() must run before the process
  * makes any gRPC client, and so must any fork of the bench's own workers. */
@@ -24,8 +24,6 @@
 extern volatile sig_atomic_t bench_interrupted;
 void bench_catch_signals(void);
 
-double now_s(void);
-uint64_t now_ns(void);
 void sleep_ms(long ms);
 /* Formats into buf and returns -1, for `return set_error(...)`. */
 __attribute__((format(printf, 3, 4))) int set_error(char *buf, size_t size, const char *fmt, ...);
@@ -38,19 +36,20 @@ typedef struct daemon_proc {
   bool reaped;
   bool term_sent;        /* SIGTERM sent: never twice (see bench_daemon_terminate) */
   int exit_status;       /* waitpid status once reaped */
-  double ready_deadline; /* monotonic seconds: SPAWN_READY_MS after the start */
+  double ready_deadline; /* fsdp_clock_now_s(): SPAWN_READY_MS after the start */
 } daemon_proc_t;
 
 /* Starts fsdpd (with extra_args, a NULL-terminated list, after the bench's own) in a fresh
  * run dir named after `name`, and waits until its socket exists. */
 int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *extra_args,
                        char *err, size_t err_size);
-/* Waits until the daemon answers health.Check with SERVING, by `deadline` (now_s() time). */
+/* Waits until the daemon answers health.Check with SERVING, by `deadline`
+ * (fsdp_clock_now_s() time). */
 int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double deadline,
                               char *err, size_t err_size);
 /* Waits until the daemon's Operator.Status says every peer joined both ways (topology
- * peers_ready; always true on one host), by `deadline` (now_s() time). On a timeout the
- * message names the peers that are not JOINED, their state and last error. */
+ * peers_ready; always true on one host), by `deadline` (fsdp_clock_now_s() time). On a
+ * timeout the message names the peers that are not JOINED, their state and last error. */
 int bench_daemon_wait_peers(daemon_proc_t *d, fsdp_client_t *client, double deadline,
                             char *err, size_t err_size);
 /* Sends SIGTERM, once: fsdpd closes its signal handlers when its drain is over, so a second

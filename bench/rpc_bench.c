@@ -15,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <json-c/json.h>
@@ -26,6 +25,7 @@
 
 #include "bench/bench_daemon.h"
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "fsdp/v1/operator.pb-c.h"
 #include "proto/wire.h"
 
@@ -143,17 +143,17 @@ static void *worker_main(void *arg) {
   while (!run->go)
     pthread_cond_wait(&run->cond, &run->lock);
   pthread_mutex_unlock(&run->lock);
-  w->start_ns = now_ns();
+  w->start_ns = fsdp_clock_now_ns();
   for (unsigned long i = 0; i < w->calls && !should_stop(run); i++) {
-    uint64_t t0 = now_ns();
+    uint64_t t0 = fsdp_clock_now_ns();
     int r = run->op->call(w->client, run->status_path, &w->reply_bytes, w->err, sizeof w->err);
-    w->samples_ns[i] = now_ns() - t0;
+    w->samples_ns[i] = fsdp_clock_now_ns() - t0;
     if (r < 0) {
       worker_fail(w);
       break;
     }
   }
-  w->end_ns = now_ns();
+  w->end_ns = fsdp_clock_now_ns();
   return NULL;
 }
 

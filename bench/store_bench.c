@@ -46,6 +46,7 @@
 #include <fsdp/fsdp_trainer.h>
 
 #include "bench/bench_daemon.h"
+#include "common/clock.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 
@@ -227,7 +228,7 @@ static int64_t rank_iterate(const options_t *o, fsdp_client_t *client, fsdp_trai
   if (o->op == OP_UNSHARD) {
     if ((r = fsdp_trainer_unshard(t, unit, step)) < 0)
       return fail(client, rank, "unshard", r);
-    int64_t end = (int64_t)now_ns();
+    int64_t end = (int64_t)fsdp_clock_now_ns();
     if (o->hosts > 1 && (bad = check_unshard(o, fsdp_unit_view(unit), rank)) < 0)
       return bad;
     /* Let go, so that the next iteration gathers again. */
@@ -237,7 +238,7 @@ static int64_t rank_iterate(const options_t *o, fsdp_client_t *client, fsdp_trai
   }
   if ((r = fsdp_trainer_reduce_scatter(t, unit, step, false)) < 0)
     return fail(client, rank, "reduce_scatter", r);
-  int64_t end = (int64_t)now_ns();
+  int64_t end = (int64_t)fsdp_clock_now_ns();
   if (o->hosts > 1 && (bad = check_reduce_scatter(fsdp_unit_view(unit), rank)) < 0)
     return bad;
   return end;
@@ -287,12 +288,12 @@ static int fork_ranks(const options_t *o, rank_proc_t *ranks, char *err, size_t 
   return 0;
 }
 
-/* Reads len bytes unless the deadline (now_s() time) passes first: 0, -1 (the writer is
+/* Reads len bytes unless the deadline (fsdp_clock_now_s() time) passes first: 0, -1 (the writer is
  * gone) or -2 (timed out). */
 static int read_by(int fd, void *buf, size_t len, double deadline) {
   char *p = buf;
   while (len > 0) {
-    double left = deadline - now_s();
+    double left = deadline - fsdp_clock_now_s();
     if (left <= 0)
       return -2;
     struct pollfd pfd = {.fd = fd, .events = POLLIN};
@@ -335,7 +336,7 @@ static int round_trip(const options_t *o, rank_proc_t *ranks, char cmd,
       return set_error(err, err_size, "%s is gone", who);
     }
   int64_t latest = 0;
-  double deadline = now_s() + timeout_s;
+  double deadline = fsdp_clock_now_s() + timeout_s;
   for (unsigned r = 0; r < n; r++) {
     int64_t v;
     int got = read_by(ranks[r].result_fd, &v, sizeof v, deadline);
@@ -366,12 +367,12 @@ static void stop_ranks(const options_t *o, rank_proc_t *ranks) {
     close(ranks[r].cmd_fd);
     close(ranks[r].result_fd);
   }
-  double deadline = now_s() + RANK_EXIT_S;
+  double deadline = fsdp_clock_now_s() + RANK_EXIT_S;
   for (unsigned r = 0; r < n; r++) {
     if (ranks[r].pid <= 0)
       continue;
     while (waitpid(ranks[r].pid, NULL, WNOHANG) == 0) {
-      if (now_s() > deadline) {
+      if (fsdp_clock_now_s() > deadline) {
         kill(ranks[r].pid, SIGKILL);
         waitpid(ranks[r].pid, NULL, 0);
         break;
@@ -419,12 +420,12 @@ static int time_memcpy(size_t size, double *ret_ms) {
   for (int run = 0; run <= MEMCPY_RUNS; run++) { /* run 0 warms up */
     size_t half = size / 2 / 64 * 64;
     copy_job_t jobs[2] = {{dst, src, half}, {dst + half, src + half, size - half}};
-    uint64_t t0 = now_ns();
+    uint64_t t0 = fsdp_clock_now_ns();
     pthread_t other;
     pthread_create(&other, NULL, copy_half, &jobs[1]);
     copy_half(&jobs[0]);
     pthread_join(other, NULL);
-    times[run] = (double)(now_ns() - t0) / 1e6;
+    times[run] = (double)(fsdp_clock_now_ns() - t0) / 1e6;
   }
   *ret_ms = median(times + 1, MEMCPY_RUNS);
   munmap(src, size);
@@ -482,11 +483,11 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
   char *text = malloc(PEER_OUTPUT_MAX);
   size_t len = 0;
   bool timed_out = false;
-  double deadline = now_s() + RING_PEER_TIMEOUT_S;
+  double deadline = fsdp_clock_now_s() + RING_PEER_TIMEOUT_S;
   for (;;) {
     char chunk[4096];
     int got = -1;
-    double left = deadline - now_s();
+    double left = deadline - fsdp_clock_now_s();
     if (left <= 0 || bench_interrupted) {
       timed_out = true;
       break;
@@ -520,9 +521,9 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
   int status = 0;
   if (timed_out) {
     kill(pid, SIGTERM);
-    double grace = now_s() + 2.0;
+    double grace = fsdp_clock_now_s() + 2.0;
     while (waitpid(pid, &status, WNOHANG) == 0) {
-      if (now_s() > grace) {
+      if (fsdp_clock_now_s() > grace) {
         kill(-pid, SIGKILL);
         waitpid(pid, &status, 0);
         break;
@@ -530,9 +531,9 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
       sleep_ms(10);
     }
   } else {
-    double bound = now_s() + 5.0; /* output closed: it is exiting */
+    double bound = fsdp_clock_now_s() + 5.0; /* output closed: it is exiting */
     while (waitpid(pid, &status, WNOHANG) == 0) {
-      if (now_s() > bound) {
+      if (fsdp_clock_now_s() > bound) {
         kill(-pid, SIGKILL);
         waitpid(pid, &status, 0);
         break;
@@ -689,7 +690,7 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
     snprintf(paths[h], sizeof paths[h], "%s", d[h].socket_path);
   }
   if (o->hosts > 1) {
-    double deadline = now_s() + PEERS_READY_S;
+    double deadline = fsdp_clock_now_s() + PEERS_READY_S;
     for (unsigned h = 0; h < o->hosts; h++)
       if (bench_daemon_wait_peers(&d[h], probe[h], deadline, err, err_size) < 0)
         goto out;
@@ -702,7 +703,7 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
   if (!times)
     goto out;
   for (unsigned i = 0; i < o->warmup + o->runs && !bench_interrupted; i++) {
-    int64_t go = (int64_t)now_ns(), end;
+    int64_t go = (int64_t)fsdp_clock_now_ns(), end;
     if (round_trip(o, ranks, CMD_ITERATE, NULL, ITERATION_TIMEOUT_S, &end, err, err_size) < 0) {
       free(times);
       goto out;

@@ -9,13 +9,13 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <fsdp/fsdp_trainer.h>
 #include <fsdp/fsdp_version.h>
 
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "common/fdpass.h"
 #include "fsdp/v1/channel.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
@@ -51,18 +51,6 @@ struct fsdp_trainer {
   fsdp_unit_handle_t **units;
   size_t n_units, units_cap;
 };
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-/* Milliseconds left until deadline; 0 once it has passed (the fd calls then try once). */
-static int left_ms(int64_t deadline) {
-  int64_t left = deadline - now_ms();
-  return left > 0 ? (int)left : 0;
-}
 
 static size_t scalar_bytes(fsdp_scalar_t type) {
   return type == FSDP_SCALAR_BF16 || type == FSDP_SCALAR_FP16 ? 2 : 4;
@@ -124,13 +112,13 @@ static int channel_connect(fsdp_trainer_t *t, const char *path, int64_t deadline
     int e = errno;
     if (e == EINTR)
       continue;
-    if (e == EAGAIN && left_ms(deadline) > 0) {
+    if (e == EAGAIN && fsdp_clock_left_ms(deadline) > 0) {
       poll(NULL, 0, 1);
       continue;
     }
     if (e == EINPROGRESS) {
       struct pollfd p = {.fd = fd, .events = POLLOUT};
-      int n = poll(&p, 1, left_ms(deadline));
+      int n = poll(&p, 1, fsdp_clock_left_ms(deadline));
       socklen_t elen = sizeof e;
       if (n == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &elen) == 0 && e == 0)
         break;
@@ -204,7 +192,7 @@ static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Channe
  * failure: ALREADY_EXISTS means another trainer of this process holds it with its channel. */
 static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
   int timeout_ms = fsdp_client_default_timeout_ms(t->client);
-  int64_t deadline = now_ms() + timeout_ms;
+  int64_t deadline = fsdp_clock_deadline_ms(timeout_ms);
   *ret_detach = true;
   int r = channel_connect(t, path, deadline);
   if (r < 0)
@@ -217,13 +205,14 @@ static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
   if ((r = fsdp_wire_frame_encode(&hello.base, frame)) < 0)
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
                                       "memory channel: could not encode the hello (%d)", r);
-  if ((r = fsdp_fd_send(t->channel_fd, NULL, 0, frame, sizeof frame, left_ms(deadline))) < 0)
+  if ((r = fsdp_fd_send(t->channel_fd, NULL, 0, frame, sizeof frame,
+                        fsdp_clock_left_ms(deadline))) < 0)
     return channel_io_error(t, path, "sending the hello", r, timeout_ms);
 
   int fds[FSDP_FD_MAX];
   size_t n_fds = 0;
   r = fsdp_fd_recv(t->channel_fd, fds, FSDP_FD_MAX, &n_fds, frame, sizeof frame,
-                   left_ms(deadline));
+                   fsdp_clock_left_ms(deadline));
   if (r < 0)
     return channel_io_error(t, path, "waiting for the welcome", r, timeout_ms);
 
