@@ -272,10 +272,10 @@ static int fork_ranks(const options_t *o, rank_proc_t *ranks, char *err, size_t 
   for (unsigned r = 0; r < o->hosts * o->ranks; r++) {
     int down[2], up[2];
     if (pipe2(down, O_CLOEXEC) < 0 || pipe2(up, O_CLOEXEC) < 0)
-      return set_error(err, err_size, "pipe: %s", strerror(errno));
+      return bench_set_error(err, err_size, "pipe: %s", strerror(errno));
     pid_t pid = fork();
     if (pid < 0)
-      return set_error(err, err_size, "fork: %s", strerror(errno));
+      return bench_set_error(err, err_size, "fork: %s", strerror(errno));
     if (pid == 0) {
       close(down[1]);
       close(up[0]);
@@ -333,7 +333,7 @@ static int round_trip(const options_t *o, rank_proc_t *ranks, char cmd,
     if (write_all(ranks[r].cmd_fd, &cmd, 1) < 0 ||
         (paths && write_all(ranks[r].cmd_fd, paths[r / o->ranks], SOCKET_PATH_MAX) < 0)) {
       name_rank(o, r, who, sizeof who);
-      return set_error(err, err_size, "%s is gone", who);
+      return bench_set_error(err, err_size, "%s is gone", who);
     }
   int64_t latest = 0;
   double deadline = fsdp_clock_now_s() + timeout_s;
@@ -342,11 +342,11 @@ static int round_trip(const options_t *o, rank_proc_t *ranks, char cmd,
     int got = read_by(ranks[r].result_fd, &v, sizeof v, deadline);
     name_rank(o, r, who, sizeof who);
     if (got == -2)
-      return set_error(err, err_size, "%s did not answer within %.0f s", who, timeout_s);
+      return bench_set_error(err, err_size, "%s did not answer within %.0f s", who, timeout_s);
     if (got < 0)
-      return set_error(err, err_size, "%s died (see its message above)", who);
+      return bench_set_error(err, err_size, "%s died (see its message above)", who);
     if (v < 0)
-      return set_error(err, err_size, "%s failed: %s", who, fsdp_strerror((int)v));
+      return bench_set_error(err, err_size, "%s failed: %s", who, fsdp_strerror((int)v));
     if (v > latest)
       latest = v;
   }
@@ -377,7 +377,7 @@ static void stop_ranks(const options_t *o, rank_proc_t *ranks) {
         waitpid(ranks[r].pid, NULL, 0);
         break;
       }
-      sleep_ms(5);
+      bench_sleep_ms(5);
     }
     ranks[r].pid = 0;
   }
@@ -448,7 +448,7 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
     return -1;
   const char *tls = getenv("UCX_TLS");
   if (!tls || !tls[0])
-    return set_error(why, why_size, "UCX_TLS is unset");
+    return bench_set_error(why, why_size, "UCX_TLS is unset");
   char members[16], sizes[32], iters[16], warmup[16];
   snprintf(members, sizeof members, "%u", o->hosts);
   snprintf(sizes, sizeof sizes, "%zu", mib);
@@ -459,14 +459,14 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
                   "--warmup", warmup, "--no-p2p", "--no-mpi", NULL};
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) < 0)
-    return set_error(why, why_size, "pipe: %s", strerror(errno));
+    return bench_set_error(why, why_size, "pipe: %s", strerror(errno));
   fflush(NULL);
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) {
     close(fds[0]);
     close(fds[1]);
-    return set_error(why, why_size, "fork: %s", strerror(errno));
+    return bench_set_error(why, why_size, "fork: %s", strerror(errno));
   }
   if (pid == 0) {
     /* Its own group, as fsdp-ucx-bench gives its members theirs; SIGTERM makes it kill them. */
@@ -528,7 +528,7 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
         waitpid(pid, &status, 0);
         break;
       }
-      sleep_ms(10);
+      bench_sleep_ms(10);
     }
   } else {
     double bound = fsdp_clock_now_s() + 5.0; /* output closed: it is exiting */
@@ -538,11 +538,11 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
         waitpid(pid, &status, 0);
         break;
       }
-      sleep_ms(5);
+      bench_sleep_ms(5);
     }
   }
   if (!text)
-    return set_error(why, why_size, "out of memory for fsdp-ucx-bench's output");
+    return bench_set_error(why, why_size, "out of memory for fsdp-ucx-bench's output");
   text[len] = '\0';
   *ret_ag_ms = *ret_rs_ms = 0;
   for (char *line = text; line && *line;) {
@@ -564,8 +564,8 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
   if (timed_out || !WIFEXITED(status) || WEXITSTATUS(status) != 0 ||
       (want_ag && *ret_ag_ms <= 0) || (want_rs && *ret_rs_ms <= 0)) {
     const char *tail = len > 300 ? text + len - 300 : text;
-    rc = set_error(why, why_size, "fsdp-ucx-bench %s: ...%s",
-                   timed_out ? "ran past its time" : "gave no figures", tail);
+    rc = bench_set_error(why, why_size, "fsdp-ucx-bench %s: ...%s",
+                         timed_out ? "ran past its time" : "gave no figures", tail);
   }
   free(text);
   return rc;
@@ -608,19 +608,19 @@ static void plan_rings(const options_t *o, result_t *res, const char **ret_ops) 
 
 static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
   rank_proc_t ranks[MAX_HOSTS * MAX_RANKS] = {0};
-  daemon_proc_t d[MAX_HOSTS];
+  bench_daemon_t d[MAX_HOSTS];
   fsdp_client_t *probe[MAX_HOSTS] = {0};
   char paths[MAX_HOSTS][SOCKET_PATH_MAX];
   unsigned short ports[MAX_HOSTS];
   int rc = -1;
   for (unsigned h = 0; h < MAX_HOSTS; h++)
-    d[h] = (daemon_proc_t){.pid = -1};
+    d[h] = (bench_daemon_t){.pid = -1};
   size_t numel = o->size / 4, dsize = scalar_size(o->dtype);
   if (o->hosts == 1) {
     /* The peer first, on a quiet machine (after the run, the kernel is still reclaiming the
      * daemon's memory), and unmapped before the trainers are forked. */
     if (time_memcpy(o->size, &res->memcpy_ms) < 0)
-      return set_error(err, err_size, "cannot map two buffers of %zu bytes", o->size);
+      return bench_set_error(err, err_size, "cannot map two buffers of %zu bytes", o->size);
   } else {
     /* The ring alone first, for the same reason, and before any gRPC client exists. */
     const char *ops;
@@ -713,7 +713,7 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
   }
   if (bench_interrupted) {
     free(times);
-    set_error(err, err_size, "interrupted");
+    bench_set_error(err, err_size, "interrupted");
     goto out;
   }
   res->median_ms = median(times, o->runs);
@@ -726,7 +726,7 @@ out:
   for (unsigned h = 0; h < o->hosts; h++)
     fsdp_client_close(probe[h]);
   /* SIGTERM every daemon before waiting for any, so that none waits for a peer being
-   * stopped after it; bench_daemon_stop then reaps each (SIGKILL past STOP_WAIT_MS). */
+   * stopped after it; bench_daemon_stop then reaps each (SIGKILL past BENCH_STOP_WAIT_MS). */
   for (unsigned h = 0; h < o->hosts; h++)
     bench_daemon_terminate(&d[h]);
   for (unsigned h = 0; h < o->hosts; h++) {
