@@ -113,9 +113,10 @@ static int resolve_operator_group(const fsdp_config_t *cfg, bool *ret_has, gid_t
   return 0;
 }
 
-bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd, const fsdp_peer_t *peer) {
-  return peer->uid == 0 || peer->uid == geteuid() ||
-         (daemon->has_operator_group && fsdp_peer_in_group(fd, peer, daemon->operator_gid));
+bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd,
+                             const fsdp_credentials_t *cred) {
+  return cred->uid == 0 || cred->uid == geteuid() ||
+         (daemon->has_operator_group && fsdp_credentials_in_group(fd, cred, daemon->operator_gid));
 }
 
 static void log_session_end(const fsdp_session_t *s, const char *why) {

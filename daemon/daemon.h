@@ -110,7 +110,8 @@ uint64_t fsdp_daemon_now_ms(fsdp_daemon_t *daemon);
 
 /* Whether the caller on connected socket fd may change the daemon's state (Drain, Resume,
  * ReloadConfig): root, the daemon's own uid, or a member of daemon.operator_group. */
-bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd, const fsdp_peer_t *peer);
+bool fsdp_daemon_is_operator(const fsdp_daemon_t *daemon, int fd,
+                             const fsdp_credentials_t *cred);
 
 /* Ends a session for `why` (logged): closes its memory channel and releases it. */
 void fsdp_daemon_end_session(fsdp_daemon_t *daemon, fsdp_session_t *session, const char *why);

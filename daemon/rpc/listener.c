@@ -142,35 +142,6 @@ int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_stat
   return r;
 }
 
-/* Whether the peer of a connected socket had gid among its supplementary groups when it
- * connected (SO_PEERGROUPS: the kernel's record, immune to pid reuse). */
-static bool peer_in_supplementary_group(int fd, gid_t gid) {
-  gid_t small[64], *groups = small;
-  socklen_t len = sizeof small;
-  bool found = false;
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0) {
-    if (errno != ERANGE || !(groups = malloc(len)))
-      return false;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0)
-      goto out;
-  }
-  for (size_t i = 0; i < len / sizeof *groups; i++)
-    if (groups[i] == gid)
-      found = true;
-out:
-  if (groups != small)
-    free(groups);
-  return found;
-}
-
-bool fsdp_peer_in_group(int fd, const fsdp_peer_t *peer, gid_t gid) {
-  return peer->gid == gid || peer_in_supplementary_group(fd, gid);
-}
-
-bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer) {
-  return peer->uid == 0 || peer->uid == geteuid() || fsdp_peer_in_group(fd, peer, getegid());
-}
-
 /* Out of descriptors: accepting again at once would spin on the pending connection. */
 #define ACCEPT_RETRY_MS 100
 
@@ -278,17 +249,18 @@ static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid
 }
 
 /* Records the credentials of an accepted unix connection by descriptor. */
-static bool record_peer(fsdp_listener_t *listener, int fd, const fsdp_peer_t *cred) {
-  if ((size_t)fd >= listener->n_peers) {
+static bool record_caller(fsdp_listener_t *listener, int fd, const fsdp_credentials_t *cred,
+                          bool refused) {
+  if ((size_t)fd >= listener->n_callers) {
     size_t n = (size_t)fd * 2 + 16;
-    fsdp_peer_t *grown = realloc(listener->peers, n * sizeof *grown);
+    fsdp_listener_caller_t *grown = realloc(listener->callers, n * sizeof *grown);
     if (!grown)
       return false;
-    memset(grown + listener->n_peers, 0, (n - listener->n_peers) * sizeof *grown);
-    listener->peers = grown;
-    listener->n_peers = n;
+    memset(grown + listener->n_callers, 0, (n - listener->n_callers) * sizeof *grown);
+    listener->callers = grown;
+    listener->n_callers = n;
   }
-  listener->peers[fd] = *cred;
+  listener->callers[fd] = (fsdp_listener_caller_t){.cred = *cred, .refused = refused};
   return true;
 }
 
@@ -317,17 +289,16 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       log_info("accepting on %s again", ls->name);
       ls->starved = false;
     }
-    fsdp_peer_t cred = {0};
+    fsdp_credentials_t cred = {0};
     if (!ls->tcp && (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
-                     !fsdp_peer_allowed(fd, &cred))) {
+                     !fsdp_credentials_allowed(fd, &cred))) {
       log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
                   (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
       listener->refused++;
-      cred.refused = true;
       /* A gRPC client shows only "broken pipe" for a closed connection: let it in where
        * every call hears PERMISSION_DENIED and why, under the same per-uid limit. */
       fsdp_listener_conn_t *conn = ls->refused ? admit(ls, fd, cred.uid) : NULL;
-      if (!conn || !record_peer(listener, fd, &cred)) {
+      if (!conn || !record_caller(listener, fd, &cred, true)) {
         if (conn)
           conn_remove(ls, conn);
         close(fd);
@@ -359,7 +330,7 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       }
       continue;
     }
-    if (!record_peer(listener, fd, &cred)) {
+    if (!record_caller(listener, fd, &cred, false)) {
       log_warning("out of memory recording a connection; closing it");
       conn_remove(ls, conn);
       close(fd);
@@ -433,15 +404,15 @@ static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls) {
 
 void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
   fsdp_listener_t *listener = data;
-  if (fd < 0 || (size_t)fd >= listener->n_peers || !listener->peers[fd].refused) {
+  if (fd < 0 || (size_t)fd >= listener->n_callers || !listener->callers[fd].refused) {
     snprintf(buf, size, "this connection may not use fsdpd");
     return;
   }
-  const fsdp_peer_t peer = listener->peers[fd];
+  const fsdp_credentials_t cred = listener->callers[fd].cred;
   snprintf(buf, size,
            "uid %u (pid %ld, gid %u) may not use fsdpd: only root, uid %u and members of group "
            "%u (primary or supplementary) may connect to %s",
-           (unsigned)peer.uid, (long)peer.pid, (unsigned)peer.gid, (unsigned)geteuid(),
+           (unsigned)cred.uid, (long)cred.pid, (unsigned)cred.gid, (unsigned)geteuid(),
            (unsigned)getegid(), listener->socket_path);
 }
 
@@ -477,11 +448,12 @@ static void stop_socket(fsdp_listener_socket_t *ls) {
   }
 }
 
-int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer) {
-  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0 ||
-      listener->peers[fd].refused)
+int fsdp_listener_credentials(const fsdp_listener_t *listener, int fd,
+                              fsdp_credentials_t *ret_cred) {
+  if (fd < 0 || (size_t)fd >= listener->n_callers || listener->callers[fd].cred.pid == 0 ||
+      listener->callers[fd].refused)
     return -ENOENT;
-  *ret_peer = listener->peers[fd];
+  *ret_cred = listener->callers[fd].cred;
   return 0;
 }
 
@@ -494,9 +466,9 @@ void fsdp_listener_close(fsdp_listener_t *listener) {
       close(ls->fd);
     ls->fd = -1;
   }
-  free(listener->peers);
-  listener->peers = NULL;
-  listener->n_peers = 0;
+  free(listener->callers);
+  listener->callers = NULL;
+  listener->n_callers = 0;
   if (listener->socket_fd >= 0) {
     unlink(listener->socket_path);
     close(listener->socket_fd);

@@ -25,7 +25,7 @@ LAYERS = {
     'fsdpctl': ['common', 'proto', 'client'],
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
     'daemon/rpc': ['common', 'proto', 'config'],
-    'daemon/session': ['common', 'proto', 'daemon/rpc'],
+    'daemon/session': ['common', 'proto'],
     'daemon/store': ['common', 'proto', 'config', 'daemon/session'],
     'daemon/cluster': ['common', 'proto', 'config', 'transport', 'daemon/rpc'],
     # daemon/rpc: while the data plane still parks gRPC calls itself.
