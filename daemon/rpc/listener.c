@@ -125,6 +125,10 @@ static int bind_socket(const fsdp_listener_t *listener, const char *name, int ty
 
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
   memset(listener, 0, sizeof *listener);
+  /* Every socket's list is valid from here, so that fsdp_listener_close may walk them. */
+  fsdp_list_init(&listener->local.conns);
+  for (int i = 0; i < FSDP_LISTENER_PORTS; i++)
+    fsdp_list_init(&listener->tcp[i].conns);
   listener->lock_fd = listener->socket_fd = listener->channel_fd = -1;
   int r = prepare_run_dir(listener, run_dir, st);
   if (r < 0)
@@ -152,13 +156,9 @@ static void on_accept_retry(uv_timer_t *timer) {
   uv_poll_start(&ls->poll, UV_READABLE, on_readable);
 }
 
-static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) {
-  for (fsdp_listener_conn_t **p = &ls->conns; *p; p = &(*p)->next)
-    if (*p == conn) {
-      *p = conn->next;
-      free(conn);
-      return;
-    }
+static void conn_remove(fsdp_listener_conn_t *conn) {
+  fsdp_list_remove(&conn->link);
+  free(conn);
 }
 
 /* Drops the connections that gRPC has closed from the list and returns how many of those
@@ -172,16 +172,15 @@ static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
   unsigned n = 0;
   bool idle_proven = false;
   *ret_idle = NULL;
-  for (fsdp_listener_conn_t **p = &ls->conns, *c; (c = *p);) {
+  fsdp_listener_conn_t *c, *next;
+  fsdp_list_for_each_safe(c, next, &ls->conns, link) {
     bool other = c->closing || (!ls->tcp && c->uid != uid);
     struct stat sb;
     if (!c->relay &&
         (c->fd == fd || (!other && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)))) {
-      *p = c->next;
-      free(c);
+      conn_remove(c);
       continue;
     }
-    p = &c->next;
     if (other)
       continue;
     n++;
@@ -206,8 +205,7 @@ static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
 /* A relayed connection ended, whoever ended it. */
 static void on_relay_closed(fsdp_relay_t *relay, void *data) {
   (void)relay;
-  fsdp_listener_conn_t *conn = data;
-  conn_remove(conn->socket, conn);
+  conn_remove(data);
 }
 
 /* Makes room for a connection of uid under its limit and records it; NULL if it must be
@@ -233,7 +231,7 @@ static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid
     } else {
       /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
       shutdown(idle->fd, SHUT_RDWR);
-      conn_remove(ls, idle);
+      conn_remove(idle);
     }
   }
   struct stat sb;
@@ -242,9 +240,9 @@ static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid
     free(c);
     return NULL;
   }
-  *c = (fsdp_listener_conn_t){.socket = ls, .fd = fd, .ino = sb.st_ino, .uid = uid,
-                              .since_ms = uv_now(listener->loop), .next = ls->conns};
-  ls->conns = c;
+  *c = (fsdp_listener_conn_t){.fd = fd, .ino = sb.st_ino, .uid = uid,
+                              .since_ms = uv_now(listener->loop)};
+  fsdp_list_push_front(&ls->conns, &c->link);
   return c;
 }
 
@@ -300,7 +298,7 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       fsdp_listener_conn_t *conn = ls->refused ? admit(ls, fd, cred.uid) : NULL;
       if (!conn || !record_caller(listener, fd, &cred, true)) {
         if (conn)
-          conn_remove(ls, conn);
+          conn_remove(conn);
         close(fd);
         continue;
       }
@@ -326,13 +324,13 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
                                conn, &conn->relay);
       if (r < 0) {
         log_warning("%s: cannot relay a connection: %s", ls->name, strerror(-r));
-        conn_remove(ls, conn);
+        conn_remove(conn);
       }
       continue;
     }
     if (!record_caller(listener, fd, &cred, false)) {
       log_warning("out of memory recording a connection; closing it");
-      conn_remove(ls, conn);
+      conn_remove(conn);
       close(fd);
       continue;
     }
@@ -381,6 +379,7 @@ int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t por
                                  .endpoint = options->endpoint,
                                  .max_conns = options->max_connections,
                                  .limit_name = options->limit_name};
+  fsdp_list_init(&ls->conns);
   snprintf(ls->address, sizeof ls->address, "%.*s:%u", (int)(colon - address), address,
            ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                             : ((struct sockaddr_in *)&bound)->sin_port));
@@ -422,6 +421,7 @@ int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_end
   listener->local = (fsdp_listener_socket_t){.listener = listener, .fd = listener->socket_fd,
                                              .name = listener->socket_path, .endpoint = local,
                                              .refused = refused};
+  fsdp_list_init(&listener->local.conns);
   int r = start_socket(listener, &listener->local);
   for (int i = 0; r == 0 && i < FSDP_LISTENER_PORTS; i++)
     if (listener->tcp[i].tcp)
@@ -436,15 +436,14 @@ static void stop_socket(fsdp_listener_socket_t *ls) {
     uv_close((uv_handle_t *)&ls->retry, NULL);
     ls->polling = false;
   }
-  while (ls->conns) {
-    fsdp_listener_conn_t *c = ls->conns;
-    ls->conns = c->next;
+  fsdp_listener_conn_t *c, *next;
+  fsdp_list_for_each_safe(c, next, &ls->conns, link) {
     if (c->relay) {
       /* The relay outlives the list: it must not reach for its entry when it closes. */
       fsdp_relay_forget(c->relay);
       fsdp_relay_close(c->relay);
     }
-    free(c);
+    conn_remove(c);
   }
 }
 

@@ -32,6 +32,7 @@
 #include <uv.h>
 
 #include "common/credentials.h"
+#include "common/list.h"
 #include "common/status.h"
 #include "daemon/rpc/relay.h"
 #include "daemon/rpc/rpc_server.h"
@@ -51,14 +52,13 @@ typedef struct fsdp_listener fsdp_listener_t;
 
 /* One accepted connection, while the listener counts it against a limit. */
 typedef struct fsdp_listener_conn {
-  struct fsdp_listener_socket *socket;
   int fd;
   ino_t ino; /* the socket's inode: the same number with another inode is another file */
   uid_t uid;           /* unix socket only */
   fsdp_relay_t *relay; /* TCP only: the connection's relay, which says when it ends */
   bool closing;
   uint64_t since_ms;
-  struct fsdp_listener_conn *next;
+  fsdp_list_t link; /* in its socket's conns */
 } fsdp_listener_conn_t;
 
 /* A listening socket and what its connections go to. */
@@ -73,7 +73,7 @@ typedef struct fsdp_listener_socket {
   const char *name; /* for messages: the path or the address */
   fsdp_rpc_endpoint_t *endpoint;
   fsdp_rpc_endpoint_t *refused; /* unix socket: where refused uids hear why */
-  fsdp_listener_conn_t *conns;
+  fsdp_list_t conns; /* fsdp_listener_conn_t, newest first */
   /* TCP only. */
   char address[320];       /* as configured, with the bound port */
   char port[16];           /* "health port" */

@@ -24,7 +24,7 @@ struct fsdp_channel_conn {
   conn_state_t state;
   uint64_t accepted_ms;
   void *owner;
-  fsdp_channel_conn_t *prev, *next;
+  fsdp_list_t link; /* in the channel's conns until it closes */
 };
 
 static void on_conn_closed(uv_handle_t *handle) {
@@ -41,12 +41,7 @@ void fsdp_channel_conn_close(fsdp_channel_conn_t *conn) {
     channel->pending--;
   conn->state = CONN_CLOSING;
   conn->owner = NULL;
-  if (conn->prev)
-    conn->prev->next = conn->next;
-  else
-    channel->conns = conn->next;
-  if (conn->next)
-    conn->next->prev = conn->prev;
+  fsdp_list_remove(&conn->link);
   uv_poll_stop(&conn->poll);
   uv_close((uv_handle_t *)&conn->poll, on_conn_closed);
 }
@@ -163,12 +158,13 @@ static void on_accept(uv_poll_t *poll, int status, int events);
 static void make_room(fsdp_channel_t *channel, uid_t uid) {
   fsdp_channel_conn_t *oldest_own = NULL, *oldest_top = NULL;
   unsigned own = 0, top = 0;
-  for (fsdp_channel_conn_t *c = channel->conns; c; c = c->next) {
+  fsdp_channel_conn_t *c, *d;
+  fsdp_list_for_each(c, &channel->conns, link) {
     if (c->state != CONN_HELLO)
       continue;
     unsigned n = 0;
     fsdp_channel_conn_t *oldest = NULL;
-    for (fsdp_channel_conn_t *d = channel->conns; d; d = d->next)
+    fsdp_list_for_each(d, &channel->conns, link)
       if (d->state == CONN_HELLO && d->cred.uid == c->cred.uid) {
         n++;
         if (!oldest || d->accepted_ms <= oldest->accepted_ms)
@@ -237,10 +233,7 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
     }
     conn->poll.data = conn;
     channel->pending++;
-    conn->next = channel->conns;
-    if (channel->conns)
-      channel->conns->prev = conn;
-    channel->conns = conn;
+    fsdp_list_push_front(&channel->conns, &conn->link);
     uv_poll_start(&conn->poll, UV_READABLE | UV_DISCONNECT, on_conn_event);
   }
 }
@@ -248,6 +241,7 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
 int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
                        const fsdp_channel_callbacks_t *callbacks) {
   memset(channel, 0, sizeof *channel);
+  fsdp_list_init(&channel->conns);
   channel->loop = loop;
   channel->listen_fd = listen_fd;
   channel->callbacks = *callbacks;
@@ -261,8 +255,8 @@ int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
 }
 
 void fsdp_channel_stop(fsdp_channel_t *channel) {
-  while (channel->conns)
-    fsdp_channel_conn_close(channel->conns);
+  while (!fsdp_list_empty(&channel->conns))
+    fsdp_channel_conn_close(fsdp_list_first(&channel->conns, fsdp_channel_conn_t, link));
   if (channel->polling) {
     uv_poll_stop(&channel->poll);
     uv_close((uv_handle_t *)&channel->poll, NULL);
@@ -272,8 +266,8 @@ void fsdp_channel_stop(fsdp_channel_t *channel) {
 }
 
 void fsdp_channel_expire(fsdp_channel_t *channel, uint64_t now_ms) {
-  for (fsdp_channel_conn_t *conn = channel->conns, *next; conn; conn = next) {
-    next = conn->next;
+  fsdp_channel_conn_t *conn, *next;
+  fsdp_list_for_each_safe(conn, next, &channel->conns, link) {
     if (conn->state == CONN_HELLO && now_ms - conn->accepted_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS)
       refuse(conn, FSDP_E_DEADLINE_EXCEEDED,
              "memory channel of pid %d: no hello within %d ms; closed", (int)conn->cred.pid,

@@ -19,6 +19,7 @@
 #include "fsdp/v1/channel.pb-c.h"
 
 #include "common/credentials.h"
+#include "common/list.h"
 #include "common/status.h"
 
 #define FSDP_CHANNEL_HELLO_TIMEOUT_MS 5000
@@ -62,7 +63,7 @@ typedef struct fsdp_channel {
   unsigned pending; /* connections in the hello state */
   int listen_fd; /* borrowed from the listener */
   fsdp_channel_callbacks_t callbacks;
-  fsdp_channel_conn_t *conns;
+  fsdp_list_t conns; /* fsdp_channel_conn_t, newest first */
 } fsdp_channel_t;
 
 int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
