@@ -20,12 +20,8 @@
 #include "client/client_rpc.h"
 #include "common/clock.h"
 #include "fsdp/v1/operator.pb-c.h"
+#include "proto/limits.h"
 #include "proto/wire.h"
-
-/* The daemon's socket inside its run dir: FSDP_SOCKET_NAME of daemon/rpc/listener.h, repeated
- * because that header drags in libuv and the daemon's internals; the spawn fails loudly (no
- * socket appears) if the two ever drift. */
-#define DAEMON_SOCKET_NAME "fsdpd.sock"
 
 volatile sig_atomic_t bench_interrupted;
 
@@ -106,7 +102,7 @@ int bench_daemon_spawn(bench_daemon_t *d, const char *name, const char *const *e
   if (chmod(d->run_dir, 0750) < 0)
     return bench_set_error(err, err_size, "cannot set mode 0750 on '%s': %s", d->run_dir,
                            strerror(errno));
-  snprintf(d->socket_path, sizeof d->socket_path, "%s/%s", d->run_dir, DAEMON_SOCKET_NAME);
+  snprintf(d->socket_path, sizeof d->socket_path, "%s/%s", d->run_dir, FSDP_SOCKET_NAME);
 
   char *argv[32] = {fsdpd,         "--run-dir",   d->run_dir, "--health-listen",
                     "127.0.0.1:0", "--log-level", "warning"};

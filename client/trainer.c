@@ -19,15 +19,10 @@
 #include "common/fdpass.h"
 #include "fsdp/v1/channel.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
+#include "proto/limits.h"
 #include "proto/wire.h"
 
 #define TRAINER_PATH(method) "/fsdp.v1.Trainer/" method
-
-/* The daemon's limits on a unit (daemon/store/unit_layout.h), checked here too so that a descriptor
- * that cannot be right fails with -EINVAL before anything is encoded. The daemon checks the
- * whole spec again and is the authority. */
-#define UNIT_MAX_PARAMS 65536
-#define UNIT_MAX_DIMS 64
 
 struct fsdp_unit_handle {
   fsdp_trainer_t *trainer; /* the owner: a handle of another trainer is a bad argument */
@@ -343,15 +338,18 @@ int fsdp_trainer_keepalive(fsdp_trainer_t *trainer) {
   return r;
 }
 
+/* The daemon's limits on a unit (proto/limits.h), checked here too so that a descriptor that
+ * cannot be right fails with -EINVAL before anything is encoded. The daemon checks the whole
+ * spec again and is the authority. */
 static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
   if (!d->name || !*d->name)
     return fsdp_client_set_last_error(client, -EINVAL, "fsdp_trainer_register_unit: the unit "
                                                        "name is empty");
-  if (d->n_params == 0 || d->n_params > UNIT_MAX_PARAMS || !d->params)
+  if (d->n_params == 0 || d->n_params > FSDP_UNIT_MAX_PARAMS || !d->params)
     return fsdp_client_set_last_error(client, -EINVAL,
                                       "fsdp_trainer_register_unit: unit '%.256s' has %zu "
                                       "parameters, expected 1 to %d",
-                                      d->name, d->params ? d->n_params : 0, UNIT_MAX_PARAMS);
+                                      d->name, d->params ? d->n_params : 0, FSDP_UNIT_MAX_PARAMS);
   if (d->strategy < FSDP_FULL_SHARD || d->strategy > FSDP_NO_SHARD ||
       d->param_type < FSDP_SCALAR_DEFAULT || d->param_type > FSDP_SCALAR_FP16 ||
       d->reduce_type < FSDP_SCALAR_DEFAULT || d->reduce_type > FSDP_SCALAR_FP16)
@@ -362,11 +360,11 @@ static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
                                       (int)d->reduce_type);
   for (size_t i = 0; i < d->n_params; i++) {
     const fsdp_param_desc_t *p = &d->params[i];
-    if (!p->name || (p->ndim && !p->shape) || p->ndim > UNIT_MAX_DIMS)
+    if (!p->name || (p->ndim && !p->shape) || p->ndim > FSDP_UNIT_MAX_DIMS)
       return fsdp_client_set_last_error(client, -EINVAL,
                                         "fsdp_trainer_register_unit: unit '%.256s' params[%zu]: "
                                         "a name, and a shape of 0 to %d sizes, are required",
-                                        d->name, i, UNIT_MAX_DIMS);
+                                        d->name, i, FSDP_UNIT_MAX_DIMS);
   }
   return 0;
 }

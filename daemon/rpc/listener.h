@@ -36,10 +36,7 @@
 #include "common/status.h"
 #include "daemon/rpc/relay.h"
 #include "daemon/rpc/rpc_server.h"
-
-#define FSDP_SOCKET_NAME "fsdpd.sock"
-#define FSDP_CHANNEL_SOCKET_NAME "fsdpd.mem.sock"
-#define FSDP_LOCK_NAME "fsdpd.lock"
+#include "proto/limits.h" /* the run directory's names */
 
 /* What the listener keeps of an accepted unix connection: its credentials (SO_PEERCRED at
  * accept) and whether it was let in. */

@@ -25,10 +25,7 @@
 
 #include "common/credentials.h"
 #include "common/status.h"
-
-#define FSDP_JOB_NAME_MAX 64
-#define FSDP_LOCAL_WORLD_MAX 256
-#define FSDP_JOB_TOKEN_MAX 256
+#include "proto/limits.h" /* FSDP_JOB_NAME_MAX, FSDP_LOCAL_WORLD_MAX, FSDP_JOB_TOKEN_MAX */
 
 /* Whom a job belongs to: the uid of the trainer that attached it first, and the job token
  * that trainer gave (AttachRequest.job_token; none: empty). Only that uid, with that token,

@@ -21,6 +21,7 @@ from . import _lib
 
 __all__ = ["Error", "Client", "Unit", "DEFAULT_SOCKET"]
 
+# FSDP_DEFAULT_SOCKET of proto/limits.h: daemon.run_dir's default and the socket's name.
 DEFAULT_SOCKET = "./run/fsdpd.sock"
 
 try:  # Optional: without torch the buffers are memoryviews.
