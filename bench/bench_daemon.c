@@ -18,13 +18,10 @@
 #include <unistd.h>
 
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "fsdp/v1/operator.pb-c.h"
+#include "proto/limits.h"
 #include "proto/wire.h"
-
-/* The daemon's socket inside its run dir: FSDP_SOCKET_NAME of daemon/rpc/listener.h, repeated
- * because that header drags in libuv and the daemon's internals; the spawn fails loudly (no
- * socket appears) if the two ever drift. */
-#define DAEMON_SOCKET_NAME "fsdpd.sock"
 
 volatile sig_atomic_t bench_interrupted;
 
@@ -40,24 +37,12 @@ void bench_catch_signals(void) {
   sigaction(SIGTERM, &sa, NULL);
 }
 
-double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-void sleep_ms(long ms) {
+void bench_sleep_ms(long ms) {
   struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
   nanosleep(&ts, NULL);
 }
 
-int set_error(char *buf, size_t size, const char *fmt, ...) {
+int bench_set_error(char *buf, size_t size, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, size, fmt, ap);
@@ -70,16 +55,17 @@ int bench_find_program(const char *name, char *buf, size_t size, char *err, size
   char self[PATH_MAX];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   if (n < 0)
-    return set_error(err, err_size, "cannot read /proc/self/exe: %s", strerror(errno));
+    return bench_set_error(err, err_size, "cannot read /proc/self/exe: %s", strerror(errno));
   self[n] = '\0';
   char *slash = strrchr(self, '/');
   if (slash)
     *slash = '\0';
   if ((size_t)snprintf(buf, size, "%s/%s", self, name) >= size)
-    return set_error(err, err_size, "path of %s next to '%s' is too long", name, self);
+    return bench_set_error(err, err_size, "path of %s next to '%s' is too long", name, self);
   if (access(buf, X_OK) < 0)
-    return set_error(err, err_size, "cannot run '%s' (%s is looked for next to the bench): %s",
-                     buf, name, strerror(errno));
+    return bench_set_error(err, err_size,
+                           "cannot run '%s' (%s is looked for next to the bench): %s", buf, name,
+                           strerror(errno));
   return 0;
 }
 
@@ -94,7 +80,7 @@ static void describe_exit(int status, char *buf, size_t size) {
 }
 
 /* Reaps the daemon if it has exited; true if it has. */
-static bool daemon_exited(daemon_proc_t *d) {
+static bool daemon_exited(bench_daemon_t *d) {
   if (d->reaped)
     return true;
   if (waitpid(d->pid, &d->exit_status, WNOHANG) == d->pid)
@@ -102,7 +88,7 @@ static bool daemon_exited(daemon_proc_t *d) {
   return d->reaped;
 }
 
-int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *extra_args,
+int bench_daemon_spawn(bench_daemon_t *d, const char *name, const char *const *extra_args,
                        char *err, size_t err_size) {
   char fsdpd[PATH_MAX];
   if (bench_find_program("fsdpd", fsdpd, sizeof fsdpd, err, err_size) < 0)
@@ -110,13 +96,13 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
   snprintf(d->run_dir, sizeof d->run_dir, "/tmp/%s.XXXXXX", name);
   if (!mkdtemp(d->run_dir)) {
     d->run_dir[0] = '\0';
-    return set_error(err, err_size, "cannot make a run dir under /tmp: %s", strerror(errno));
+    return bench_set_error(err, err_size, "cannot make a run dir under /tmp: %s", strerror(errno));
   }
   /* mkdtemp makes 0700; fsdpd wants its run dir 0750 and would warn and fix it. */
   if (chmod(d->run_dir, 0750) < 0)
-    return set_error(err, err_size, "cannot set mode 0750 on '%s': %s", d->run_dir,
-                     strerror(errno));
-  snprintf(d->socket_path, sizeof d->socket_path, "%s/%s", d->run_dir, DAEMON_SOCKET_NAME);
+    return bench_set_error(err, err_size, "cannot set mode 0750 on '%s': %s", d->run_dir,
+                           strerror(errno));
+  snprintf(d->socket_path, sizeof d->socket_path, "%s/%s", d->run_dir, FSDP_SOCKET_NAME);
 
   char *argv[32] = {fsdpd,         "--run-dir",   d->run_dir, "--health-listen",
                     "127.0.0.1:0", "--log-level", "warning"};
@@ -127,7 +113,7 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0)
-    return set_error(err, err_size, "cannot fork for fsdpd: %s", strerror(errno));
+    return bench_set_error(err, err_size, "cannot fork for fsdpd: %s", strerror(errno));
   if (pid == 0) {
     /* Its own process group keeps a terminal's ^C away from it, so that the bench decides
      * when it stops; PDEATHSIG stops it if the bench dies without cleaning up. */
@@ -146,7 +132,7 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
   }
   d->pid = pid;
 
-  d->ready_deadline = now_s() + SPAWN_READY_MS / 1e3;
+  d->ready_deadline = fsdp_clock_now_s() + BENCH_SPAWN_READY_MS / 1e3;
   for (;;) {
     struct stat sb;
     if (stat(d->socket_path, &sb) == 0 && S_ISSOCK(sb.st_mode))
@@ -154,15 +140,15 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
     if (daemon_exited(d)) {
       char how[96];
       describe_exit(d->exit_status, how, sizeof how);
-      return set_error(err, err_size, "fsdpd %s before its socket %s appeared", how,
-                       d->socket_path);
+      return bench_set_error(err, err_size, "fsdpd %s before its socket %s appeared", how,
+                             d->socket_path);
     }
     if (bench_interrupted)
-      return set_error(err, err_size, "bench_interrupted while waiting for fsdpd");
-    if (now_s() > d->ready_deadline)
-      return set_error(err, err_size, "fsdpd made no socket %s within %d ms", d->socket_path,
-                       SPAWN_READY_MS);
-    sleep_ms(5);
+      return bench_set_error(err, err_size, "bench_interrupted while waiting for fsdpd");
+    if (fsdp_clock_now_s() > d->ready_deadline)
+      return bench_set_error(err, err_size, "fsdpd made no socket %s within %d ms", d->socket_path,
+                             BENCH_SPAWN_READY_MS);
+    bench_sleep_ms(5);
   }
 }
 
@@ -170,8 +156,8 @@ int bench_daemon_spawn(daemon_proc_t *d, const char *name, const char *const *ex
  * process's last gRPC user when closed, and a full gRPC shutdown and re-init, with the
  * channels sharing one subchannel to the same socket, is a race we do not want to measure.
  * The client fails fast while it cannot connect, so it retries. */
-int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double deadline,
-                              char *err, size_t err_size) {
+int bench_daemon_wait_serving(bench_daemon_t *d, fsdp_client_t *client, double deadline, char *err,
+                              size_t err_size) {
   for (;;) {
     fsdp_health_status_t hs = FSDP_HEALTH_UNKNOWN;
     int r = fsdp_client_health_check(client, "", 1000, &hs);
@@ -180,19 +166,22 @@ int bench_daemon_wait_serving(daemon_proc_t *d, fsdp_client_t *client, double de
     if (daemon_exited(d)) {
       char how[96];
       describe_exit(d->exit_status, how, sizeof how);
-      return set_error(err, err_size, "fsdpd %s before it answered health.Check", how);
+      return bench_set_error(err, err_size, "fsdpd %s before it answered health.Check", how);
     }
     if (bench_interrupted)
-      return set_error(err, err_size, "bench_interrupted while waiting for fsdpd");
-    if (now_s() > deadline) {
+      return bench_set_error(err, err_size, "bench_interrupted while waiting for fsdpd");
+    if (fsdp_clock_now_s() > deadline) {
       if (r < 0)
-        return set_error(err, err_size, "fsdpd did not answer within %d ms: health.Check(\"\"): "
-                         "%s: %s", SPAWN_READY_MS, fsdp_strerror(r),
-                         fsdp_client_last_error(client));
-      return set_error(err, err_size, "fsdpd did not become SERVING within %d ms (health: %s)",
-                       SPAWN_READY_MS, fsdp_health_status_name(hs));
+        return bench_set_error(err, err_size,
+                               "fsdpd did not answer within %d ms: health.Check(\"\"): "
+                               "%s: %s",
+                               BENCH_SPAWN_READY_MS, fsdp_strerror(r),
+                               fsdp_client_last_error(client));
+      return bench_set_error(err, err_size,
+                             "fsdpd did not become SERVING within %d ms (health: %s)",
+                             BENCH_SPAWN_READY_MS, fsdp_health_status_name(hs));
     }
-    sleep_ms(20);
+    bench_sleep_ms(20);
   }
 }
 
@@ -216,14 +205,14 @@ static void describe_unjoined(const Fsdp__V1__StatusReply *s, char *buf, size_t 
   }
 }
 
-int bench_daemon_wait_peers(daemon_proc_t *d, fsdp_client_t *client, double deadline,
-                            char *err, size_t err_size) {
+int bench_daemon_wait_peers(bench_daemon_t *d, fsdp_client_t *client, double deadline, char *err,
+                            size_t err_size) {
   char path[FSDP_WIRE_PATH_MAX];
   const ProtobufCServiceDescriptor *sd = &fsdp__v1__operator__descriptor;
   const ProtobufCMethodDescriptor *md =
       protobuf_c_service_descriptor_get_method_by_name(sd, "Status");
   if (!md || fsdp_wire_method_path(sd, (unsigned)(md - sd->methods), path, sizeof path) < 0)
-    return set_error(err, err_size, "%s", "fsdp.v1.Operator has no method Status");
+    return bench_set_error(err, err_size, "%s", "fsdp.v1.Operator has no method Status");
   char last[512] = "no answer yet";
   for (;;) {
     Fsdp__V1__StatusRequest request = FSDP__V1__STATUS_REQUEST__INIT;
@@ -245,15 +234,15 @@ int bench_daemon_wait_peers(daemon_proc_t *d, fsdp_client_t *client, double dead
     if (daemon_exited(d)) {
       char how[96];
       describe_exit(d->exit_status, how, sizeof how);
-      return set_error(err, err_size, "fsdpd (%s) %s while waiting for its peers", d->run_dir,
-                       how);
+      return bench_set_error(err, err_size, "fsdpd (%s) %s while waiting for its peers", d->run_dir,
+                             how);
     }
     if (bench_interrupted)
-      return set_error(err, err_size, "bench_interrupted while waiting for the peers");
-    if (now_s() > deadline)
-      return set_error(err, err_size, "fsdpd (%s): peers not ready in time: %s", d->run_dir,
-                       last);
-    sleep_ms(20);
+      return bench_set_error(err, err_size, "bench_interrupted while waiting for the peers");
+    if (fsdp_clock_now_s() > deadline)
+      return bench_set_error(err, err_size, "fsdpd (%s): peers not ready in time: %s", d->run_dir,
+                             last);
+    bench_sleep_ms(20);
   }
 }
 
@@ -263,11 +252,11 @@ int bench_free_tcp_ports(unsigned n, unsigned short *ret_ports, char *err, size_
   unsigned open_fds = 0;
   int rc = 0;
   if (n > 64)
-    return set_error(err, err_size, "%u ports asked for, at most 64", n);
+    return bench_set_error(err, err_size, "%u ports asked for, at most 64", n);
   for (; open_fds < n; open_fds++) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
-      rc = set_error(err, err_size, "socket: %s", strerror(errno));
+      rc = bench_set_error(err, err_size, "socket: %s", strerror(errno));
       break;
     }
     fds[open_fds] = fd;
@@ -275,7 +264,8 @@ int bench_free_tcp_ports(unsigned n, unsigned short *ret_ports, char *err, size_
     socklen_t alen = sizeof a;
     if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 ||
         getsockname(fd, (struct sockaddr *)&a, &alen) < 0) {
-      rc = set_error(err, err_size, "cannot bind a TCP port on 127.0.0.1: %s", strerror(errno));
+      rc = bench_set_error(err, err_size, "cannot bind a TCP port on 127.0.0.1: %s",
+                           strerror(errno));
       close(fd);
       break;
     }
@@ -308,7 +298,7 @@ static void remove_run_dir(const char *dir) {
     fprintf(stderr, "bench: cannot remove run dir '%s': %s\n", dir, strerror(errno));
 }
 
-void bench_daemon_terminate(daemon_proc_t *d) {
+void bench_daemon_terminate(bench_daemon_t *d) {
   if (d->pid > 0 && !d->reaped && !d->term_sent) {
     kill(d->pid, SIGTERM);
     d->term_sent = true;
@@ -316,28 +306,27 @@ void bench_daemon_terminate(daemon_proc_t *d) {
 }
 
 /* A bench run must not hide a daemon that crashes on drain: a stop other than exit 0 fails. */
-int bench_daemon_stop(daemon_proc_t *d, char *err, size_t err_size) {
+int bench_daemon_stop(bench_daemon_t *d, char *err, size_t err_size) {
   int rc = 0;
   if (d->pid > 0 && !d->reaped) {
     bench_daemon_terminate(d);
-    double deadline = now_s() + STOP_WAIT_MS / 1e3;
-    while (!daemon_exited(d) && now_s() < deadline)
-      sleep_ms(5);
+    double deadline = fsdp_clock_now_s() + BENCH_STOP_WAIT_MS / 1e3;
+    while (!daemon_exited(d) && fsdp_clock_now_s() < deadline)
+      bench_sleep_ms(5);
     if (!d->reaped) {
       kill(d->pid, SIGKILL);
       waitpid(d->pid, &d->exit_status, 0);
       d->reaped = true;
-      rc = set_error(err, err_size, "fsdpd (pid %ld) did not stop within %d ms of SIGTERM",
-                     (long)d->pid, STOP_WAIT_MS);
+      rc = bench_set_error(err, err_size, "fsdpd (pid %ld) did not stop within %d ms of SIGTERM",
+                           (long)d->pid, BENCH_STOP_WAIT_MS);
     } else if (!WIFEXITED(d->exit_status) || WEXITSTATUS(d->exit_status) != 0) {
       char how[96];
       describe_exit(d->exit_status, how, sizeof how);
-      rc = set_error(err, err_size, "fsdpd (pid %ld) %s on SIGTERM, expected a clean stop",
-                     (long)d->pid, how);
+      rc = bench_set_error(err, err_size, "fsdpd (pid %ld) %s on SIGTERM, expected a clean stop",
+                           (long)d->pid, how);
     }
   }
   if (d->run_dir[0])
     remove_run_dir(d->run_dir);
   return rc;
 }
-

@@ -23,6 +23,7 @@
 
 #include <json-c/json.h>
 
+#include "common/clock.h"
 #include "kernels/kernels.h"
 #include "kernels/workers.h"
 
@@ -84,12 +85,6 @@ typedef struct {
   float *dst32;
   uint16_t *dst16;
 } buffers_t;
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -200,9 +195,9 @@ static int time_op(fsdp_workers_t *pool, const op_t *op, buffers_t *b, const opt
   if (r < 0)
     return r;
   for (unsigned i = 0; i < o->runs; i++) {
-    double t0 = now_ms();
+    uint64_t t0 = fsdp_clock_now_ns();
     r = run_op(pool, op, b, o->reduce_scale);
-    t[i] = now_ms() - t0;
+    t[i] = (double)(fsdp_clock_now_ns() - t0) / 1e6;
     if (r < 0)
       return r;
   }
@@ -240,12 +235,12 @@ static double time_pool_calls(fsdp_workers_t *pool, size_t n_items, bool meet, b
     atomic_init(&arrived, 0);
     if (cold)
       nanosleep(&(struct timespec){0, 2000000}, NULL);
-    double t0 = now_ms();
+    uint64_t t0 = fsdp_clock_now_ns();
     if (meet)
       fsdp_workers_for(pool, 2, 1, meet_chunk, &arrived);
     else
       fsdp_workers_for(pool, n_items, 1, nop_chunk, NULL);
-    t[i] = (now_ms() - t0) * 1e3;
+    t[i] = (double)(fsdp_clock_now_ns() - t0) / 1e3;
   }
   qsort(t, calls, sizeof t[0], cmp_double);
   return t[calls / 2];

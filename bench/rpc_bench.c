@@ -15,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <json-c/json.h>
@@ -26,6 +25,7 @@
 
 #include "bench/bench_daemon.h"
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "fsdp/v1/operator.pb-c.h"
 #include "proto/wire.h"
 
@@ -53,11 +53,11 @@ static int call_health_check(fsdp_client_t *client, const char *status_path,
   fsdp_health_status_t hs;
   int r = fsdp_client_health_check(client, "", 0, &hs);
   if (r < 0)
-    return set_error(err, err_size, "health.Check(\"\"): %s: %s", fsdp_strerror(r),
-                     fsdp_client_last_error(client));
+    return bench_set_error(err, err_size, "health.Check(\"\"): %s: %s", fsdp_strerror(r),
+                           fsdp_client_last_error(client));
   if (hs != FSDP_HEALTH_SERVING)
-    return set_error(err, err_size, "health.Check(\"\") returned %s, expected SERVING",
-                     fsdp_health_status_name(hs));
+    return bench_set_error(err, err_size, "health.Check(\"\") returned %s, expected SERVING",
+                           fsdp_health_status_name(hs));
   /* HealthCheckResponse{status: SERVING}: one tag byte and one varint byte. */
   *ret_reply_bytes = 2;
   return 0;
@@ -70,16 +70,16 @@ static int call_operator_status(fsdp_client_t *client, const char *status_path,
   int r = fsdp_client_call(client, status_path, &request.base, &fsdp__v1__status_reply__descriptor,
                            0, &reply);
   if (r < 0)
-    return set_error(err, err_size, "Operator.Status: %s: %s", fsdp_strerror(r),
-                     fsdp_client_last_error(client));
+    return bench_set_error(err, err_size, "Operator.Status: %s: %s", fsdp_strerror(r),
+                           fsdp_client_last_error(client));
   const Fsdp__V1__StatusReply *s = (const Fsdp__V1__StatusReply *)reply;
   if (!s->version || strcmp(s->version, FSDP_VERSION_STRING) != 0 ||
       s->protocol_version != FSDP_PROTOCOL_VERSION) {
-    set_error(err, err_size,
-              "Operator.Status returned version '%s' protocol %" PRIu32
-              ", expected '%s' protocol %u",
-              s->version ? s->version : "", s->protocol_version, FSDP_VERSION_STRING,
-              FSDP_PROTOCOL_VERSION);
+    bench_set_error(err, err_size,
+                    "Operator.Status returned version '%s' protocol %" PRIu32
+                    ", expected '%s' protocol %u",
+                    s->version ? s->version : "", s->protocol_version, FSDP_VERSION_STRING,
+                    FSDP_PROTOCOL_VERSION);
     protobuf_c_message_free_unpacked(reply, NULL);
     return -1;
   }
@@ -143,17 +143,17 @@ static void *worker_main(void *arg) {
   while (!run->go)
     pthread_cond_wait(&run->cond, &run->lock);
   pthread_mutex_unlock(&run->lock);
-  w->start_ns = now_ns();
+  w->start_ns = fsdp_clock_now_ns();
   for (unsigned long i = 0; i < w->calls && !should_stop(run); i++) {
-    uint64_t t0 = now_ns();
+    uint64_t t0 = fsdp_clock_now_ns();
     int r = run->op->call(w->client, run->status_path, &w->reply_bytes, w->err, sizeof w->err);
-    w->samples_ns[i] = now_ns() - t0;
+    w->samples_ns[i] = fsdp_clock_now_ns() - t0;
     if (r < 0) {
       worker_fail(w);
       break;
     }
   }
-  w->end_ns = now_ns();
+  w->end_ns = fsdp_clock_now_ns();
   return NULL;
 }
 
@@ -189,7 +189,7 @@ static int measure(const op_t *op, const char *status_path, fsdp_client_t **clie
   atomic_init(&run.stop, false);
   unsigned started = 0;
   if (!samples || !workers) {
-    set_error(err, err_size, "out of memory for %lu samples", calls);
+    bench_set_error(err, err_size, "out of memory for %lu samples", calls);
     goto free_buffers;
   }
   pthread_mutex_init(&run.lock, NULL);
@@ -206,7 +206,7 @@ static int measure(const op_t *op, const char *status_path, fsdp_client_t **clie
   for (; started < nclients; started++) {
     int r = pthread_create(&workers[started].thread, NULL, worker_main, &workers[started]);
     if (r != 0) {
-      set_error(err, err_size, "cannot start client thread %u: %s", started, strerror(r));
+      bench_set_error(err, err_size, "cannot start client thread %u: %s", started, strerror(r));
       atomic_store(&run.stop, true);
       break;
     }
@@ -227,12 +227,12 @@ static int measure(const op_t *op, const char *status_path, fsdp_client_t **clie
     goto free_buffers;
   for (unsigned i = 0; i < nclients; i++) {
     if (workers[i].failed) {
-      set_error(err, err_size, "%s (client %u of %u)", workers[i].err, i + 1, nclients);
+      bench_set_error(err, err_size, "%s (client %u of %u)", workers[i].err, i + 1, nclients);
       goto free_buffers;
     }
   }
   if (bench_interrupted) {
-    set_error(err, err_size, "bench_interrupted");
+    bench_set_error(err, err_size, "bench_interrupted");
     goto free_buffers;
   }
 
@@ -431,7 +431,7 @@ int main(int argc, char **argv) {
   int rc = EXIT_FAILED;
   char err[ERROR_MAX] = "";
   char target[PATH_MAX + 16];
-  daemon_proc_t d = {.pid = -1};
+  bench_daemon_t d = {.pid = -1};
   fsdp_client_t **clients = NULL;
   result_t results[2 * (sizeof ops / sizeof ops[0])];
   size_t nresults = 0;
@@ -451,19 +451,20 @@ int main(int argc, char **argv) {
   const ProtobufCMethodDescriptor *md = protobuf_c_service_descriptor_get_method_by_name(sd, "Status");
   if (!md || fsdp_wire_method_path(sd, (unsigned)(md - sd->methods), status_path,
                                    sizeof status_path) < 0) {
-    set_error(err, sizeof err, "%s", "fsdp.v1.Operator has no method Status");
+    bench_set_error(err, sizeof err, "%s", "fsdp.v1.Operator has no method Status");
     goto stop_daemon;
   }
 
   clients = calloc(o.clients, sizeof *clients);
   if (!clients) {
-    set_error(err, sizeof err, "%s", "out of memory");
+    bench_set_error(err, sizeof err, "%s", "out of memory");
     goto stop_daemon;
   }
   for (unsigned i = 0; i < o.clients; i++) {
     int r = fsdp_client_connect(target, NULL, &clients[i]);
     if (r < 0) {
-      set_error(err, sizeof err, "cannot make client %u for %s: %s", i, target, fsdp_strerror(r));
+      bench_set_error(err, sizeof err, "cannot make client %u for %s: %s", i, target,
+                      fsdp_strerror(r));
       goto close_clients;
     }
   }

@@ -46,6 +46,7 @@
 #include <fsdp/fsdp_trainer.h>
 
 #include "bench/bench_daemon.h"
+#include "common/clock.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 
@@ -227,7 +228,7 @@ static int64_t rank_iterate(const options_t *o, fsdp_client_t *client, fsdp_trai
   if (o->op == OP_UNSHARD) {
     if ((r = fsdp_trainer_unshard(t, unit, step)) < 0)
       return fail(client, rank, "unshard", r);
-    int64_t end = (int64_t)now_ns();
+    int64_t end = (int64_t)fsdp_clock_now_ns();
     if (o->hosts > 1 && (bad = check_unshard(o, fsdp_unit_view(unit), rank)) < 0)
       return bad;
     /* Let go, so that the next iteration gathers again. */
@@ -237,7 +238,7 @@ static int64_t rank_iterate(const options_t *o, fsdp_client_t *client, fsdp_trai
   }
   if ((r = fsdp_trainer_reduce_scatter(t, unit, step, false)) < 0)
     return fail(client, rank, "reduce_scatter", r);
-  int64_t end = (int64_t)now_ns();
+  int64_t end = (int64_t)fsdp_clock_now_ns();
   if (o->hosts > 1 && (bad = check_reduce_scatter(fsdp_unit_view(unit), rank)) < 0)
     return bad;
   return end;
@@ -271,10 +272,10 @@ static int fork_ranks(const options_t *o, rank_proc_t *ranks, char *err, size_t 
   for (unsigned r = 0; r < o->hosts * o->ranks; r++) {
     int down[2], up[2];
     if (pipe2(down, O_CLOEXEC) < 0 || pipe2(up, O_CLOEXEC) < 0)
-      return set_error(err, err_size, "pipe: %s", strerror(errno));
+      return bench_set_error(err, err_size, "pipe: %s", strerror(errno));
     pid_t pid = fork();
     if (pid < 0)
-      return set_error(err, err_size, "fork: %s", strerror(errno));
+      return bench_set_error(err, err_size, "fork: %s", strerror(errno));
     if (pid == 0) {
       close(down[1]);
       close(up[0]);
@@ -287,12 +288,12 @@ static int fork_ranks(const options_t *o, rank_proc_t *ranks, char *err, size_t 
   return 0;
 }
 
-/* Reads len bytes unless the deadline (now_s() time) passes first: 0, -1 (the writer is
+/* Reads len bytes unless the deadline (fsdp_clock_now_s() time) passes first: 0, -1 (the writer is
  * gone) or -2 (timed out). */
 static int read_by(int fd, void *buf, size_t len, double deadline) {
   char *p = buf;
   while (len > 0) {
-    double left = deadline - now_s();
+    double left = deadline - fsdp_clock_now_s();
     if (left <= 0)
       return -2;
     struct pollfd pfd = {.fd = fd, .events = POLLIN};
@@ -332,20 +333,20 @@ static int round_trip(const options_t *o, rank_proc_t *ranks, char cmd,
     if (write_all(ranks[r].cmd_fd, &cmd, 1) < 0 ||
         (paths && write_all(ranks[r].cmd_fd, paths[r / o->ranks], SOCKET_PATH_MAX) < 0)) {
       name_rank(o, r, who, sizeof who);
-      return set_error(err, err_size, "%s is gone", who);
+      return bench_set_error(err, err_size, "%s is gone", who);
     }
   int64_t latest = 0;
-  double deadline = now_s() + timeout_s;
+  double deadline = fsdp_clock_now_s() + timeout_s;
   for (unsigned r = 0; r < n; r++) {
     int64_t v;
     int got = read_by(ranks[r].result_fd, &v, sizeof v, deadline);
     name_rank(o, r, who, sizeof who);
     if (got == -2)
-      return set_error(err, err_size, "%s did not answer within %.0f s", who, timeout_s);
+      return bench_set_error(err, err_size, "%s did not answer within %.0f s", who, timeout_s);
     if (got < 0)
-      return set_error(err, err_size, "%s died (see its message above)", who);
+      return bench_set_error(err, err_size, "%s died (see its message above)", who);
     if (v < 0)
-      return set_error(err, err_size, "%s failed: %s", who, fsdp_strerror((int)v));
+      return bench_set_error(err, err_size, "%s failed: %s", who, fsdp_strerror((int)v));
     if (v > latest)
       latest = v;
   }
@@ -366,17 +367,17 @@ static void stop_ranks(const options_t *o, rank_proc_t *ranks) {
     close(ranks[r].cmd_fd);
     close(ranks[r].result_fd);
   }
-  double deadline = now_s() + RANK_EXIT_S;
+  double deadline = fsdp_clock_now_s() + RANK_EXIT_S;
   for (unsigned r = 0; r < n; r++) {
     if (ranks[r].pid <= 0)
       continue;
     while (waitpid(ranks[r].pid, NULL, WNOHANG) == 0) {
-      if (now_s() > deadline) {
+      if (fsdp_clock_now_s() > deadline) {
         kill(ranks[r].pid, SIGKILL);
         waitpid(ranks[r].pid, NULL, 0);
         break;
       }
-      sleep_ms(5);
+      bench_sleep_ms(5);
     }
     ranks[r].pid = 0;
   }
@@ -419,12 +420,12 @@ static int time_memcpy(size_t size, double *ret_ms) {
   for (int run = 0; run <= MEMCPY_RUNS; run++) { /* run 0 warms up */
     size_t half = size / 2 / 64 * 64;
     copy_job_t jobs[2] = {{dst, src, half}, {dst + half, src + half, size - half}};
-    uint64_t t0 = now_ns();
+    uint64_t t0 = fsdp_clock_now_ns();
     pthread_t other;
     pthread_create(&other, NULL, copy_half, &jobs[1]);
     copy_half(&jobs[0]);
     pthread_join(other, NULL);
-    times[run] = (double)(now_ns() - t0) / 1e6;
+    times[run] = (double)(fsdp_clock_now_ns() - t0) / 1e6;
   }
   *ret_ms = median(times + 1, MEMCPY_RUNS);
   munmap(src, size);
@@ -447,7 +448,7 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
     return -1;
   const char *tls = getenv("UCX_TLS");
   if (!tls || !tls[0])
-    return set_error(why, why_size, "UCX_TLS is unset");
+    return bench_set_error(why, why_size, "UCX_TLS is unset");
   char members[16], sizes[32], iters[16], warmup[16];
   snprintf(members, sizeof members, "%u", o->hosts);
   snprintf(sizes, sizeof sizes, "%zu", mib);
@@ -458,14 +459,14 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
                   "--warmup", warmup, "--no-p2p", "--no-mpi", NULL};
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) < 0)
-    return set_error(why, why_size, "pipe: %s", strerror(errno));
+    return bench_set_error(why, why_size, "pipe: %s", strerror(errno));
   fflush(NULL);
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) {
     close(fds[0]);
     close(fds[1]);
-    return set_error(why, why_size, "fork: %s", strerror(errno));
+    return bench_set_error(why, why_size, "fork: %s", strerror(errno));
   }
   if (pid == 0) {
     /* Its own group, as fsdp-ucx-bench gives its members theirs; SIGTERM makes it kill them. */
@@ -482,11 +483,11 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
   char *text = malloc(PEER_OUTPUT_MAX);
   size_t len = 0;
   bool timed_out = false;
-  double deadline = now_s() + RING_PEER_TIMEOUT_S;
+  double deadline = fsdp_clock_now_s() + RING_PEER_TIMEOUT_S;
   for (;;) {
     char chunk[4096];
     int got = -1;
-    double left = deadline - now_s();
+    double left = deadline - fsdp_clock_now_s();
     if (left <= 0 || bench_interrupted) {
       timed_out = true;
       break;
@@ -520,28 +521,28 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
   int status = 0;
   if (timed_out) {
     kill(pid, SIGTERM);
-    double grace = now_s() + 2.0;
+    double grace = fsdp_clock_now_s() + 2.0;
     while (waitpid(pid, &status, WNOHANG) == 0) {
-      if (now_s() > grace) {
+      if (fsdp_clock_now_s() > grace) {
         kill(-pid, SIGKILL);
         waitpid(pid, &status, 0);
         break;
       }
-      sleep_ms(10);
+      bench_sleep_ms(10);
     }
   } else {
-    double bound = now_s() + 5.0; /* output closed: it is exiting */
+    double bound = fsdp_clock_now_s() + 5.0; /* output closed: it is exiting */
     while (waitpid(pid, &status, WNOHANG) == 0) {
-      if (now_s() > bound) {
+      if (fsdp_clock_now_s() > bound) {
         kill(-pid, SIGKILL);
         waitpid(pid, &status, 0);
         break;
       }
-      sleep_ms(5);
+      bench_sleep_ms(5);
     }
   }
   if (!text)
-    return set_error(why, why_size, "out of memory for fsdp-ucx-bench's output");
+    return bench_set_error(why, why_size, "out of memory for fsdp-ucx-bench's output");
   text[len] = '\0';
   *ret_ag_ms = *ret_rs_ms = 0;
   for (char *line = text; line && *line;) {
@@ -563,8 +564,8 @@ static int run_ring_peer(const options_t *o, const char *ops, size_t mib, double
   if (timed_out || !WIFEXITED(status) || WEXITSTATUS(status) != 0 ||
       (want_ag && *ret_ag_ms <= 0) || (want_rs && *ret_rs_ms <= 0)) {
     const char *tail = len > 300 ? text + len - 300 : text;
-    rc = set_error(why, why_size, "fsdp-ucx-bench %s: ...%s",
-                   timed_out ? "ran past its time" : "gave no figures", tail);
+    rc = bench_set_error(why, why_size, "fsdp-ucx-bench %s: ...%s",
+                         timed_out ? "ran past its time" : "gave no figures", tail);
   }
   free(text);
   return rc;
@@ -607,19 +608,19 @@ static void plan_rings(const options_t *o, result_t *res, const char **ret_ops) 
 
 static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
   rank_proc_t ranks[MAX_HOSTS * MAX_RANKS] = {0};
-  daemon_proc_t d[MAX_HOSTS];
+  bench_daemon_t d[MAX_HOSTS];
   fsdp_client_t *probe[MAX_HOSTS] = {0};
   char paths[MAX_HOSTS][SOCKET_PATH_MAX];
   unsigned short ports[MAX_HOSTS];
   int rc = -1;
   for (unsigned h = 0; h < MAX_HOSTS; h++)
-    d[h] = (daemon_proc_t){.pid = -1};
+    d[h] = (bench_daemon_t){.pid = -1};
   size_t numel = o->size / 4, dsize = scalar_size(o->dtype);
   if (o->hosts == 1) {
     /* The peer first, on a quiet machine (after the run, the kernel is still reclaiming the
      * daemon's memory), and unmapped before the trainers are forked. */
     if (time_memcpy(o->size, &res->memcpy_ms) < 0)
-      return set_error(err, err_size, "cannot map two buffers of %zu bytes", o->size);
+      return bench_set_error(err, err_size, "cannot map two buffers of %zu bytes", o->size);
   } else {
     /* The ring alone first, for the same reason, and before any gRPC client exists. */
     const char *ops;
@@ -689,7 +690,7 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
     snprintf(paths[h], sizeof paths[h], "%s", d[h].socket_path);
   }
   if (o->hosts > 1) {
-    double deadline = now_s() + PEERS_READY_S;
+    double deadline = fsdp_clock_now_s() + PEERS_READY_S;
     for (unsigned h = 0; h < o->hosts; h++)
       if (bench_daemon_wait_peers(&d[h], probe[h], deadline, err, err_size) < 0)
         goto out;
@@ -702,7 +703,7 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
   if (!times)
     goto out;
   for (unsigned i = 0; i < o->warmup + o->runs && !bench_interrupted; i++) {
-    int64_t go = (int64_t)now_ns(), end;
+    int64_t go = (int64_t)fsdp_clock_now_ns(), end;
     if (round_trip(o, ranks, CMD_ITERATE, NULL, ITERATION_TIMEOUT_S, &end, err, err_size) < 0) {
       free(times);
       goto out;
@@ -712,7 +713,7 @@ static int run(const options_t *o, result_t *res, char *err, size_t err_size) {
   }
   if (bench_interrupted) {
     free(times);
-    set_error(err, err_size, "interrupted");
+    bench_set_error(err, err_size, "interrupted");
     goto out;
   }
   res->median_ms = median(times, o->runs);
@@ -725,7 +726,7 @@ out:
   for (unsigned h = 0; h < o->hosts; h++)
     fsdp_client_close(probe[h]);
   /* SIGTERM every daemon before waiting for any, so that none waits for a peer being
-   * stopped after it; bench_daemon_stop then reaps each (SIGKILL past STOP_WAIT_MS). */
+   * stopped after it; bench_daemon_stop then reaps each (SIGKILL past BENCH_STOP_WAIT_MS). */
   for (unsigned h = 0; h < o->hosts; h++)
     bench_daemon_terminate(&d[h]);
   for (unsigned h = 0; h < o->hosts; h++) {

@@ -45,12 +45,12 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <uv.h>
 
 #include "collectives/ring.h"
+#include "common/clock.h"
 #include "kernels/kernels.h"
 #include "transport/ucx.h"
 
@@ -98,12 +98,6 @@ static const fsdp_ring_kind_t OP_KIND[N_OPS] = {FSDP_RING_ALL_GATHER, FSDP_RING_
 
 /* ---- Time, small I/O ---- */
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
@@ -114,14 +108,14 @@ static double median(double *v, unsigned n) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-static int io_full(int fd, void *buf, size_t len, bool writing, double deadline) {
+static int io_full(int fd, void *buf, size_t len, bool writing, int64_t deadline) {
   char *p = buf;
   while (len > 0) {
     struct pollfd pfd = {.fd = fd, .events = writing ? POLLOUT : POLLIN};
-    double left = deadline - now_ms();
-    if (left <= 0)
+    int left = fsdp_clock_left_ms(deadline);
+    if (left == 0)
       return -ETIMEDOUT;
-    int pr = poll(&pfd, 1, (int)left + 1);
+    int pr = poll(&pfd, 1, left);
     if (pr < 0 && errno == EINTR)
       continue;
     if (pr <= 0)
@@ -141,14 +135,14 @@ static int io_full(int fd, void *buf, size_t len, bool writing, double deadline)
 }
 
 static int send_blob(int fd, const void *p, uint32_t len, int timeout_ms) {
-  double deadline = now_ms() + timeout_ms;
+  int64_t deadline = fsdp_clock_deadline_ms(timeout_ms);
   int r = io_full(fd, &len, sizeof len, true, deadline);
   return r < 0 ? r : io_full(fd, (void *)p, len, true, deadline);
 }
 
 /* One blob into buf (cap bytes, NUL-terminated: at most cap - 1 bytes of text). */
 static int recv_blob(int fd, void *buf, uint32_t cap, uint32_t *ret_len, int timeout_ms) {
-  double deadline = now_ms() + timeout_ms;
+  int64_t deadline = fsdp_clock_deadline_ms(timeout_ms);
   uint32_t len;
   int r = io_full(fd, &len, sizeof len, false, deadline);
   if (r < 0)
@@ -229,10 +223,10 @@ static bool has_exited(pid_t pid) {
 /* Waits for a child until the deadline, then kills its group: SIGTERM, a second's grace
  * (mpirun takes its ranks down on SIGTERM), SIGKILL. Returns the wait status, or -1 when it
  * had to be killed. */
-static int reap(pid_t pid, double deadline) {
+static int reap(pid_t pid, int64_t deadline) {
   int status = 0;
   pid_t r;
-  while ((r = waitpid(pid, &status, WNOHANG)) == 0 && now_ms() < deadline)
+  while ((r = waitpid(pid, &status, WNOHANG)) == 0 && fsdp_clock_now_ms() < deadline)
     usleep(2000);
   if (r == pid) {
     child_untrack(pid);
@@ -243,8 +237,8 @@ static int reap(pid_t pid, double deadline) {
     return -1;
   }
   kill(-pid, SIGTERM);
-  double grace = now_ms() + 1000;
-  while ((r = waitpid(pid, &status, WNOHANG)) == 0 && now_ms() < grace)
+  int64_t grace = fsdp_clock_deadline_ms(1000);
+  while ((r = waitpid(pid, &status, WNOHANG)) == 0 && fsdp_clock_now_ms() < grace)
     usleep(2000);
   if (r == 0) {
     kill(-pid, SIGKILL);
@@ -308,17 +302,17 @@ static int proc_spawn(proc_t *p, char *const argv[], const char *ucx_tls, unsign
 }
 
 /* Reads its output until needle appears (NULL: until EOF) or the deadline. */
-static bool proc_read(proc_t *p, const char *needle, double deadline) {
+static bool proc_read(proc_t *p, const char *needle, int64_t deadline) {
   for (;;) {
     if (needle && strstr(p->text, needle))
       return true;
     if (p->out < 0)
       return needle == NULL;
-    double left = deadline - now_ms();
-    if (left <= 0)
+    int left = fsdp_clock_left_ms(deadline);
+    if (left == 0)
       return false;
     struct pollfd pfd = {.fd = p->out, .events = POLLIN};
-    if (poll(&pfd, 1, (int)left + 1) <= 0)
+    if (poll(&pfd, 1, left) <= 0)
       continue;
     if (p->cap - p->len < 4096) {
       p->cap *= 2;
@@ -339,7 +333,7 @@ static bool proc_read(proc_t *p, const char *needle, double deadline) {
 
 /* Reads to EOF and reaps, within the deadline. Returns the exit code, or -1 when it was
  * killed (timed out) or died of a signal. */
-static int proc_finish(proc_t *p, double deadline) {
+static int proc_finish(proc_t *p, int64_t deadline) {
   proc_read(p, NULL, deadline);
   int status = reap(p->pid, deadline);
   if (p->out >= 0) {
@@ -380,21 +374,21 @@ typedef struct {
 
 typedef struct {
   bool done;
-  double end_ms;
+  uint64_t end_ns;
   fsdp_status_t st;
 } ring_result_t;
 
 static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *st, void *arg) {
   (void)ring;
   ring_result_t *res = arg;
-  res->end_ms = now_ms();
+  res->end_ns = fsdp_clock_now_ns();
   res->st = *st;
   res->done = true;
 }
 
 /* Runs one collective to its callback; the ring's own deadline bounds the wait. Returns 0,
  * or -1 with *st saying why. */
-static int member_ring(member_t *m, fsdp_ring_args_t *a, double *ret_start, double *ret_end,
+static int member_ring(member_t *m, fsdp_ring_args_t *a, uint64_t *ret_start, uint64_t *ret_end,
                        fsdp_status_t *st) {
   uv_update_time(&m->loop);
   a->n = m->n;
@@ -404,7 +398,7 @@ static int member_ring(member_t *m, fsdp_ring_args_t *a, double *ret_start, doub
   a->deadline_ms = uv_now(&m->loop) + (uint64_t)m->timeout_s * 1000;
   ring_result_t res = {0};
   fsdp_ring_t *ring;
-  double start = now_ms();
+  uint64_t start = fsdp_clock_now_ns();
   if (fsdp_ring_start(m->ucx, a, on_ring_done, &res, &ring, st) < 0)
     return -1;
   while (!res.done)
@@ -416,7 +410,7 @@ static int member_ring(member_t *m, fsdp_ring_args_t *a, double *ret_start, doub
   if (ret_start)
     *ret_start = start;
   if (ret_end)
-    *ret_end = res.end_ms;
+    *ret_end = res.end_ns;
   return 0;
 }
 
@@ -473,12 +467,12 @@ static void member_run(member_t *m, const char *cmd) {
     fsdp_ring_args_t a = {.kind = (fsdp_ring_kind_t)kind, .buf = buf, .region_bytes = region,
                           .dtype = FSDP_DTYPE_FP32, .chunk_bytes = chunk, .window = window,
                           .scratch = scratch, .scratch_bytes = scratch ? scratch_bytes : 0};
-    double t0, t1;
+    uint64_t t0, t1;
     if (member_barrier(m, &st) < 0 || member_ring(m, &a, &t0, &t1, &st) < 0) {
       send_text(m->sock, "FAIL member %u, iteration %u: %s", m->self, it, st.message);
       goto out;
     }
-    times[it] = t1 - t0;
+    times[it] = (double)(t1 - t0) / 1e6;
     /* The check, outside the clock. */
     size_t lo = kind == FSDP_RING_ALL_GATHER ? 0 : m->self * region_elems;
     size_t hi = kind == FSDP_RING_ALL_GATHER ? n * region_elems : lo + region_elems;
@@ -574,8 +568,8 @@ static void member_main(unsigned n, unsigned self, int sock, const options_t *o)
   uv_timer_t guard;
   uv_timer_init(&m.loop, &guard);
   uv_timer_start(&guard, on_guard, 50, 50);
-  double end = now_ms() + 5000;
-  while (!closed && now_ms() < end)
+  int64_t end = fsdp_clock_deadline_ms(5000);
+  while (!closed && fsdp_clock_now_ms() < end)
     uv_run(&m.loop, UV_RUN_ONCE);
   uv_close((uv_handle_t *)&guard, NULL);
   uv_run(&m.loop, UV_RUN_DEFAULT);
@@ -595,7 +589,7 @@ static void group_stop(group_t *g) {
   for (unsigned i = 0; i < g->n; i++)
     if (g->sock[i] >= 0)
       send_blob(g->sock[i], "exit", 4, 1000);
-  double deadline = now_ms() + 10000;
+  int64_t deadline = fsdp_clock_deadline_ms(10000);
   for (unsigned i = 0; i < g->n; i++) {
     if (g->pid[i] > 0)
       reap(g->pid[i], deadline);
@@ -824,7 +818,7 @@ static double run_perftest(const options_t *o, const char *ucx_tls, size_t bytes
     snprintf(size_s, sizeof size_s, "%zu", bytes);
     snprintf(iters_s, sizeof iters_s, "%u", o->p2p_iters);
     snprintf(warm_s, sizeof warm_s, "%u", o->p2p_iters / 5 + 1);
-    double deadline = now_ms() + o->timeout_s * 1000.0;
+    int64_t deadline = fsdp_clock_deadline_ms((int64_t)o->timeout_s * 1000);
     unsigned started = 0;
     bool retry = false;
     why[0] = '\0';
@@ -842,11 +836,12 @@ static double run_perftest(const options_t *o, const char *ucx_tls, size_t bytes
         snprintf(why, why_len, "cannot start ucx_perftest: %s", strerror(errno));
         break;
       }
-      double listen_deadline = now_ms() + 10000;
-      while (!port_listening(port[i]) && now_ms() < listen_deadline && !has_exited(srv[i].pid))
+      int64_t listen_deadline = fsdp_clock_deadline_ms(10000);
+      while (!port_listening(port[i]) && fsdp_clock_now_ms() < listen_deadline &&
+             !has_exited(srv[i].pid))
         usleep(5000);
       if (!port_listening(port[i])) {
-        int code = proc_finish(&srv[i], now_ms() + 2000);
+        int code = proc_finish(&srv[i], fsdp_clock_deadline_ms(2000));
         snprintf(why, why_len, "ucx_perftest server on port %d did not start (exit %d): %s",
                  port[i], code, tail_of(srv[i].text));
         retry = strstr(srv[i].text, "in use") != NULL; /* taken since we looked: again */
@@ -869,7 +864,8 @@ static double run_perftest(const options_t *o, const char *ucx_tls, size_t bytes
     double sum = 0;
     for (unsigned i = 0; i < started; i++) {
       int cli_code = i < clients ? proc_finish(&cli[i], deadline) : -1;
-      int srv_code = proc_finish(&srv[i], cli_code == 0 ? now_ms() + 5000 : now_ms());
+      int srv_code =
+          proc_finish(&srv[i], cli_code == 0 ? fsdp_clock_deadline_ms(5000) : fsdp_clock_now_ms());
       double bw = cli_code == 0 ? parse_perftest(cli[i].text) : -1;
       if (bw <= 0 && !why[0])
         snprintf(why, why_len, "ucx_perftest client %u of %u %s (server %s): %s", i, streams,
@@ -916,7 +912,7 @@ static int run_mpi(const options_t *o, const char *btl, unsigned size_index,
     snprintf(why, why_len, "cannot start mpirun: %s", strerror(errno));
     return -1;
   }
-  int code = proc_finish(&p, now_ms() + o->timeout_s * 1000.0);
+  int code = proc_finish(&p, fsdp_clock_deadline_ms((int64_t)o->timeout_s * 1000));
   int found = 0;
   for (const char *line = p.text; line && *line;) {
     char opname[32];

@@ -9,25 +9,20 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <fsdp/fsdp_trainer.h>
 #include <fsdp/fsdp_version.h>
 
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "common/fdpass.h"
 #include "fsdp/v1/channel.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
+#include "proto/limits.h"
 #include "proto/wire.h"
 
 #define TRAINER_PATH(method) "/fsdp.v1.Trainer/" method
-
-/* The daemon's limits on a unit (daemon/store/unit_layout.h), checked here too so that a descriptor
- * that cannot be right fails with -EINVAL before anything is encoded. The daemon checks the
- * whole spec again and is the authority. */
-#define UNIT_MAX_PARAMS 65536
-#define UNIT_MAX_DIMS 64
 
 struct fsdp_unit_handle {
   fsdp_trainer_t *trainer; /* the owner: a handle of another trainer is a bad argument */
@@ -51,18 +46,6 @@ struct fsdp_trainer {
   fsdp_unit_handle_t **units;
   size_t n_units, units_cap;
 };
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-/* Milliseconds left until deadline; 0 once it has passed (the fd calls then try once). */
-static int left_ms(int64_t deadline) {
-  int64_t left = deadline - now_ms();
-  return left > 0 ? (int)left : 0;
-}
 
 static size_t scalar_bytes(fsdp_scalar_t type) {
   return type == FSDP_SCALAR_BF16 || type == FSDP_SCALAR_FP16 ? 2 : 4;
@@ -124,13 +107,13 @@ static int channel_connect(fsdp_trainer_t *t, const char *path, int64_t deadline
     int e = errno;
     if (e == EINTR)
       continue;
-    if (e == EAGAIN && left_ms(deadline) > 0) {
+    if (e == EAGAIN && fsdp_clock_left_ms(deadline) > 0) {
       poll(NULL, 0, 1);
       continue;
     }
     if (e == EINPROGRESS) {
       struct pollfd p = {.fd = fd, .events = POLLOUT};
-      int n = poll(&p, 1, left_ms(deadline));
+      int n = poll(&p, 1, fsdp_clock_left_ms(deadline));
       socklen_t elen = sizeof e;
       if (n == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &elen) == 0 && e == 0)
         break;
@@ -204,7 +187,7 @@ static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Channe
  * failure: ALREADY_EXISTS means another trainer of this process holds it with its channel. */
 static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
   int timeout_ms = fsdp_client_default_timeout_ms(t->client);
-  int64_t deadline = now_ms() + timeout_ms;
+  int64_t deadline = fsdp_clock_deadline_ms(timeout_ms);
   *ret_detach = true;
   int r = channel_connect(t, path, deadline);
   if (r < 0)
@@ -217,13 +200,14 @@ static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
   if ((r = fsdp_wire_frame_encode(&hello.base, frame)) < 0)
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
                                       "memory channel: could not encode the hello (%d)", r);
-  if ((r = fsdp_fd_send(t->channel_fd, NULL, 0, frame, sizeof frame, left_ms(deadline))) < 0)
+  if ((r = fsdp_fd_send(t->channel_fd, NULL, 0, frame, sizeof frame,
+                        fsdp_clock_left_ms(deadline))) < 0)
     return channel_io_error(t, path, "sending the hello", r, timeout_ms);
 
   int fds[FSDP_FD_MAX];
   size_t n_fds = 0;
-  r = fsdp_fd_recv(t->channel_fd, frame, sizeof frame, FSDP_FD_MAX, left_ms(deadline), fds,
-                   &n_fds);
+  r = fsdp_fd_recv(t->channel_fd, frame, sizeof frame, FSDP_FD_MAX,
+                   fsdp_clock_left_ms(deadline), fds, &n_fds);
   if (r < 0)
     return channel_io_error(t, path, "waiting for the welcome", r, timeout_ms);
 
@@ -354,15 +338,18 @@ int fsdp_trainer_keepalive(fsdp_trainer_t *trainer) {
   return r;
 }
 
+/* The daemon's limits on a unit (proto/limits.h), checked here too so that a descriptor that
+ * cannot be right fails with -EINVAL before anything is encoded. The daemon checks the whole
+ * spec again and is the authority. */
 static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
   if (!d->name || !*d->name)
     return fsdp_client_set_last_error(client, -EINVAL, "fsdp_trainer_register_unit: the unit "
                                                        "name is empty");
-  if (d->n_params == 0 || d->n_params > UNIT_MAX_PARAMS || !d->params)
+  if (d->n_params == 0 || d->n_params > FSDP_UNIT_MAX_PARAMS || !d->params)
     return fsdp_client_set_last_error(client, -EINVAL,
                                       "fsdp_trainer_register_unit: unit '%.256s' has %zu "
                                       "parameters, expected 1 to %d",
-                                      d->name, d->params ? d->n_params : 0, UNIT_MAX_PARAMS);
+                                      d->name, d->params ? d->n_params : 0, FSDP_UNIT_MAX_PARAMS);
   if (d->strategy < FSDP_FULL_SHARD || d->strategy > FSDP_NO_SHARD ||
       d->param_type < FSDP_SCALAR_DEFAULT || d->param_type > FSDP_SCALAR_FP16 ||
       d->reduce_type < FSDP_SCALAR_DEFAULT || d->reduce_type > FSDP_SCALAR_FP16)
@@ -373,11 +360,11 @@ static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
                                       (int)d->reduce_type);
   for (size_t i = 0; i < d->n_params; i++) {
     const fsdp_param_desc_t *p = &d->params[i];
-    if (!p->name || (p->ndim && !p->shape) || p->ndim > UNIT_MAX_DIMS)
+    if (!p->name || (p->ndim && !p->shape) || p->ndim > FSDP_UNIT_MAX_DIMS)
       return fsdp_client_set_last_error(client, -EINVAL,
                                         "fsdp_trainer_register_unit: unit '%.256s' params[%zu]: "
                                         "a name, and a shape of 0 to %d sizes, are required",
-                                        d->name, i, UNIT_MAX_DIMS);
+                                        d->name, i, FSDP_UNIT_MAX_DIMS);
   }
   return 0;
 }

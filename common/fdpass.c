@@ -11,24 +11,19 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
+#include "common/clock.h"
 
 /* Waits until sock is ready for events or the deadline passes: 0 ready (or hung up: the
  * next call reports how), -ETIMEDOUT, or -errno. */
 static int wait_ready(int sock, short events, int64_t deadline) {
   for (;;) {
-    int64_t left = deadline - now_ms();
-    if (left <= 0)
+    int left = fsdp_clock_left_ms(deadline);
+    if (left == 0)
       return -ETIMEDOUT;
     struct pollfd pfd = {.fd = sock, .events = events};
-    int r = poll(&pfd, 1, left > INT32_MAX ? INT32_MAX : (int)left);
+    int r = poll(&pfd, 1, left);
     if (r > 0) {
       if (pfd.revents & POLLNVAL)
         return -EBADF;
@@ -56,7 +51,7 @@ int fsdp_fd_send(int sock, const int *fds, size_t n_fds, const void *payload, si
   } control;
   memset(&control, 0, sizeof control);
 
-  int64_t deadline = now_ms() + timeout_ms;
+  int64_t deadline = fsdp_clock_deadline_ms(timeout_ms);
   const char *p = payload;
   size_t sent = 0;
   bool fds_sent = n_fds == 0;
@@ -139,7 +134,7 @@ int fsdp_fd_recv(int sock, void *payload, size_t len, size_t max_fds, int timeou
   int got[FSDP_FD_MAX];
   size_t n_got = 0;
   bool truncated = false;
-  int64_t deadline = now_ms() + timeout_ms;
+  int64_t deadline = fsdp_clock_deadline_ms(timeout_ms);
   char *p = payload;
   size_t have = 0;
   int r = 0;

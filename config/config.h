@@ -20,6 +20,7 @@
 
 #include "common/status.h"
 #include "config/option.h"
+#include "proto/limits.h" /* FSDP_DEFAULT_RUN_DIR */
 
 /* Exit status for a configuration error (sysexits.h EX_CONFIG). */
 #define FSDP_EXIT_CONFIG 78
@@ -27,7 +28,8 @@
 /* X(id, key, type, default, min, max, choices, unit, reloadable, flag, help)
  * min/max apply to INT, SIZE and DURATION; choices is "a|b|c" for ENUM, else NULL. */
 #define FSDP_OPTIONS(X)                                                                         \
-  X(RUN_DIR, "daemon.run_dir", FSDP_OPT_PATH, "./run", 0, 0, NULL, NULL, false, "--run-dir",    \
+  X(RUN_DIR, "daemon.run_dir", FSDP_OPT_PATH, FSDP_DEFAULT_RUN_DIR, 0, 0, NULL, NULL, false,     \
+    "--run-dir",                                                                                \
     "Directory for the unix socket and the lock file; created with mode 0750.")                  \
   X(LOG_LEVEL, "daemon.log_level", FSDP_OPT_ENUM, "info", 0, 0, "error|warning|info|debug",     \
     NULL, true, "--log-level", "Least severe message the daemon logs.")                          \

@@ -118,10 +118,10 @@ static int resolve_operator_group(const fsdp_config_t *cfg, bool *ret_has, gid_t
 
 /* The handlers' lifecycle actions (daemon/services/context.h says what each does). */
 
-static bool is_operator(void *data, int fd, const fsdp_peer_t *peer) {
+static bool is_operator(void *data, int fd, const fsdp_credentials_t *cred) {
   const fsdp_daemon_t *daemon = data;
-  return peer->uid == 0 || peer->uid == geteuid() ||
-         (daemon->has_operator_group && fsdp_peer_in_group(fd, peer, daemon->operator_gid));
+  return cred->uid == 0 || cred->uid == geteuid() ||
+         (daemon->has_operator_group && fsdp_credentials_in_group(fd, cred, daemon->operator_gid));
 }
 
 static void log_session_end(const fsdp_session_t *s, const char *why) {

@@ -20,6 +20,7 @@
 
 #include "client/client_rpc.h"
 #include "fsdp/v1/operator.pb-c.h"
+#include "proto/limits.h"
 #include "proto/wire.h"
 
 enum {
@@ -29,7 +30,6 @@ enum {
   EXIT_NOT_SERVING = 3, /* health not SERVING, or the daemon is DRAINING */
 };
 
-#define DEFAULT_SOCKET "./run/fsdpd.sock"
 #define DEFAULT_TIMEOUT_MS 5000
 /* Longer deadlines are surely a typo; they also keep milliseconds inside an int. */
 #define MAX_TIMEOUT_MS (24 * 3600 * 1000)
@@ -972,7 +972,7 @@ static void usage(FILE *out) {
   }
   fputs("\noptions:\n"
         "  -s, --socket PATH        the daemon's unix socket (default: $FSDPD_SOCKET,\n"
-        "                           else " DEFAULT_SOCKET ")\n"
+        "                           else " FSDP_DEFAULT_SOCKET ")\n"
         "  -a, --address HOST:PORT  use TCP instead; fsdpd serves only health there\n"
         "  -j, --json               print one JSON object (field names as in operator.proto)\n"
         "  -v, --verbose            config show: one block per key with default, unit, help\n"
@@ -1113,7 +1113,7 @@ int main(int argc, char **argv) {
     const char *path = ctl.socket;
     const char *env = getenv("FSDPD_SOCKET");
     if (!path)
-      path = env && *env ? env : DEFAULT_SOCKET;
+      path = env && *env ? env : FSDP_DEFAULT_SOCKET;
     ctl.target = socket_target(path);
   }
   if (!ctl.target) {

@@ -23,7 +23,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
+
+#include "common/clock.h"
 
 /* Chunks per thread when splitting a range: more than one so that a thread that wakes late
  * or is descheduled leaves its share to the others, few enough that claiming is free. */
@@ -71,12 +72,6 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Polls until done(pool, arg) or SPIN_NS have passed; returns done's last answer. */
 static bool spin_until(bool (*done)(fsdp_workers_t *, uint64_t), fsdp_workers_t *pool,
                        uint64_t arg) {
@@ -86,7 +81,7 @@ static bool spin_until(bool (*done)(fsdp_workers_t *, uint64_t), fsdp_workers_t 
       return true;
     cpu_relax();
     if (i % 64 == 63) {
-      uint64_t t = now_ns();
+      uint64_t t = fsdp_clock_now_ns();
       if (deadline == 0)
         deadline = t + SPIN_NS;
       else if (t >= deadline)

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <fsdp/fsdp_error.h>
+
 #include "fsdp/v1/operator.pb-c.h"
 
 int fsdp_wire_method_path(const ProtobufCServiceDescriptor *service, unsigned method, char *buf,
@@ -445,6 +447,19 @@ int fsdp_wire_error_from_status(grpc_status_code code) {
     if (status_table[i].status == code)
       return status_table[i].error;
   return FSDP_E_UNKNOWN;
+}
+
+const char *fsdp_wire_status_name(grpc_status_code code) {
+  static const char *const names[] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  return (unsigned)code < sizeof names / sizeof names[0] ? names[code] : "UNKNOWN";
+}
+
+const char *fsdp_error_status_name(int err) {
+  return fsdp_wire_status_name(fsdp_wire_status_from_error(err));
 }
 
 const char *fsdp_wire_peer_state_name(int state) {

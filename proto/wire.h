@@ -78,6 +78,10 @@ int fsdp_wire_frame_decode(const ProtobufCMessageDescriptor *desc, const uint8_t
 /* The status table. Unknown or positive errors map to INTERNAL / OK. */
 grpc_status_code fsdp_wire_status_from_error(int err);
 int fsdp_wire_error_from_status(grpc_status_code code);
+/* A gRPC status code's name as gRPC spells it ("NOT_FOUND"); "UNKNOWN" for a value gRPC
+ * does not define. fsdp_error_status_name (include/fsdp/fsdp_error.h) is the table and this
+ * together, for libfsdp's users. */
+const char *fsdp_wire_status_name(grpc_status_code code);
 
 /* A peer's state as operators read it: "JOINED" for PEER_STATE_JOINED; "UNSPECIFIED" for a
  * value the enum does not have. */

@@ -125,6 +125,10 @@ static int bind_socket(const fsdp_listener_t *listener, const char *name, int ty
 
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
   memset(listener, 0, sizeof *listener);
+  /* Every socket's list is valid from here, so that fsdp_listener_close may walk them. */
+  fsdp_list_init(&listener->local.conns);
+  for (int i = 0; i < FSDP_LISTENER_PORTS; i++)
+    fsdp_list_init(&listener->tcp[i].conns);
   listener->lock_fd = listener->socket_fd = listener->channel_fd = -1;
   int r = prepare_run_dir(listener, run_dir, st);
   if (r < 0)
@@ -142,35 +146,6 @@ int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_stat
   return r;
 }
 
-/* Whether the peer of a connected socket had gid among its supplementary groups when it
- * connected (SO_PEERGROUPS: the kernel's record, immune to pid reuse). */
-static bool peer_in_supplementary_group(int fd, gid_t gid) {
-  gid_t small[64], *groups = small;
-  socklen_t len = sizeof small;
-  bool found = false;
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0) {
-    if (errno != ERANGE || !(groups = malloc(len)))
-      return false;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) < 0)
-      goto out;
-  }
-  for (size_t i = 0; i < len / sizeof *groups; i++)
-    if (groups[i] == gid)
-      found = true;
-out:
-  if (groups != small)
-    free(groups);
-  return found;
-}
-
-bool fsdp_peer_in_group(int fd, const fsdp_peer_t *peer, gid_t gid) {
-  return peer->gid == gid || peer_in_supplementary_group(fd, gid);
-}
-
-bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer) {
-  return peer->uid == 0 || peer->uid == geteuid() || fsdp_peer_in_group(fd, peer, getegid());
-}
-
 /* Out of descriptors: accepting again at once would spin on the pending connection. */
 #define ACCEPT_RETRY_MS 100
 
@@ -181,13 +156,9 @@ static void on_accept_retry(uv_timer_t *timer) {
   uv_poll_start(&ls->poll, UV_READABLE, on_readable);
 }
 
-static void conn_remove(fsdp_listener_socket_t *ls, fsdp_listener_conn_t *conn) {
-  for (fsdp_listener_conn_t **p = &ls->conns; *p; p = &(*p)->next)
-    if (*p == conn) {
-      *p = conn->next;
-      free(conn);
-      return;
-    }
+static void conn_remove(fsdp_listener_conn_t *conn) {
+  fsdp_list_remove(&conn->link);
+  free(conn);
 }
 
 /* Drops the connections that gRPC has closed from the list and returns how many of those
@@ -201,16 +172,15 @@ static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
   unsigned n = 0;
   bool idle_proven = false;
   *ret_idle = NULL;
-  for (fsdp_listener_conn_t **p = &ls->conns, *c; (c = *p);) {
+  fsdp_listener_conn_t *c, *next;
+  fsdp_list_for_each_safe(c, next, &ls->conns, link) {
     bool other = c->closing || (!ls->tcp && c->uid != uid);
     struct stat sb;
     if (!c->relay &&
         (c->fd == fd || (!other && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)))) {
-      *p = c->next;
-      free(c);
+      conn_remove(c);
       continue;
     }
-    p = &c->next;
     if (other)
       continue;
     n++;
@@ -235,8 +205,7 @@ static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
 /* A relayed connection ended, whoever ended it. */
 static void on_relay_closed(fsdp_relay_t *relay, void *data) {
   (void)relay;
-  fsdp_listener_conn_t *conn = data;
-  conn_remove(conn->socket, conn);
+  conn_remove(data);
 }
 
 /* Makes room for a connection of uid under its limit and records it; NULL if it must be
@@ -262,7 +231,7 @@ static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid
     } else {
       /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
       shutdown(idle->fd, SHUT_RDWR);
-      conn_remove(ls, idle);
+      conn_remove(idle);
     }
   }
   struct stat sb;
@@ -271,24 +240,25 @@ static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid
     free(c);
     return NULL;
   }
-  *c = (fsdp_listener_conn_t){.socket = ls, .fd = fd, .ino = sb.st_ino, .uid = uid,
-                              .since_ms = uv_now(listener->loop), .next = ls->conns};
-  ls->conns = c;
+  *c = (fsdp_listener_conn_t){.fd = fd, .ino = sb.st_ino, .uid = uid,
+                              .since_ms = uv_now(listener->loop)};
+  fsdp_list_push_front(&ls->conns, &c->link);
   return c;
 }
 
 /* Records the credentials of an accepted unix connection by descriptor. */
-static bool record_peer(fsdp_listener_t *listener, int fd, const fsdp_peer_t *cred) {
-  if ((size_t)fd >= listener->n_peers) {
+static bool record_caller(fsdp_listener_t *listener, int fd, const fsdp_credentials_t *cred,
+                          bool refused) {
+  if ((size_t)fd >= listener->n_callers) {
     size_t n = (size_t)fd * 2 + 16;
-    fsdp_peer_t *grown = realloc(listener->peers, n * sizeof *grown);
+    fsdp_listener_caller_t *grown = realloc(listener->callers, n * sizeof *grown);
     if (!grown)
       return false;
-    memset(grown + listener->n_peers, 0, (n - listener->n_peers) * sizeof *grown);
-    listener->peers = grown;
-    listener->n_peers = n;
+    memset(grown + listener->n_callers, 0, (n - listener->n_callers) * sizeof *grown);
+    listener->callers = grown;
+    listener->n_callers = n;
   }
-  listener->peers[fd] = *cred;
+  listener->callers[fd] = (fsdp_listener_caller_t){.cred = *cred, .refused = refused};
   return true;
 }
 
@@ -317,19 +287,18 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
       log_info("accepting on %s again", ls->name);
       ls->starved = false;
     }
-    fsdp_peer_t cred = {0};
+    fsdp_credentials_t cred = {0};
     if (!ls->tcp && (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
-                     !fsdp_peer_allowed(fd, &cred))) {
+                     !fsdp_credentials_allowed(fd, &cred))) {
       log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
                   (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
       listener->refused++;
-      cred.refused = true;
       /* A gRPC client shows only "broken pipe" for a closed connection: let it in where
        * every call hears PERMISSION_DENIED and why, under the same per-uid limit. */
       fsdp_listener_conn_t *conn = ls->refused ? admit(ls, fd, cred.uid) : NULL;
-      if (!conn || !record_peer(listener, fd, &cred)) {
+      if (!conn || !record_caller(listener, fd, &cred, true)) {
         if (conn)
-          conn_remove(ls, conn);
+          conn_remove(conn);
         close(fd);
         continue;
       }
@@ -355,13 +324,13 @@ static void on_readable(uv_poll_t *poll, int status, int events) {
                                conn, &conn->relay);
       if (r < 0) {
         log_warning("%s: cannot relay a connection: %s", ls->name, strerror(-r));
-        conn_remove(ls, conn);
+        conn_remove(conn);
       }
       continue;
     }
-    if (!record_peer(listener, fd, &cred)) {
+    if (!record_caller(listener, fd, &cred, false)) {
       log_warning("out of memory recording a connection; closing it");
-      conn_remove(ls, conn);
+      conn_remove(conn);
       close(fd);
       continue;
     }
@@ -410,6 +379,7 @@ int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t por
                                  .endpoint = options->endpoint,
                                  .max_conns = options->max_connections,
                                  .limit_name = options->limit_name};
+  fsdp_list_init(&ls->conns);
   snprintf(ls->address, sizeof ls->address, "%.*s:%u", (int)(colon - address), address,
            ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                             : ((struct sockaddr_in *)&bound)->sin_port));
@@ -433,15 +403,15 @@ static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls) {
 
 void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
   fsdp_listener_t *listener = data;
-  if (fd < 0 || (size_t)fd >= listener->n_peers || !listener->peers[fd].refused) {
+  if (fd < 0 || (size_t)fd >= listener->n_callers || !listener->callers[fd].refused) {
     snprintf(buf, size, "this connection may not use fsdpd");
     return;
   }
-  const fsdp_peer_t peer = listener->peers[fd];
+  const fsdp_credentials_t cred = listener->callers[fd].cred;
   snprintf(buf, size,
            "uid %u (pid %ld, gid %u) may not use fsdpd: only root, uid %u and members of group "
            "%u (primary or supplementary) may connect to %s",
-           (unsigned)peer.uid, (long)peer.pid, (unsigned)peer.gid, (unsigned)geteuid(),
+           (unsigned)cred.uid, (long)cred.pid, (unsigned)cred.gid, (unsigned)geteuid(),
            (unsigned)getegid(), listener->socket_path);
 }
 
@@ -451,6 +421,7 @@ int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_end
   listener->local = (fsdp_listener_socket_t){.listener = listener, .fd = listener->socket_fd,
                                              .name = listener->socket_path, .endpoint = local,
                                              .refused = refused};
+  fsdp_list_init(&listener->local.conns);
   int r = start_socket(listener, &listener->local);
   for (int i = 0; r == 0 && i < FSDP_LISTENER_PORTS; i++)
     if (listener->tcp[i].tcp)
@@ -465,23 +436,23 @@ static void stop_socket(fsdp_listener_socket_t *ls) {
     uv_close((uv_handle_t *)&ls->retry, NULL);
     ls->polling = false;
   }
-  while (ls->conns) {
-    fsdp_listener_conn_t *c = ls->conns;
-    ls->conns = c->next;
+  fsdp_listener_conn_t *c, *next;
+  fsdp_list_for_each_safe(c, next, &ls->conns, link) {
     if (c->relay) {
       /* The relay outlives the list: it must not reach for its entry when it closes. */
       fsdp_relay_forget(c->relay);
       fsdp_relay_close(c->relay);
     }
-    free(c);
+    conn_remove(c);
   }
 }
 
-int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer) {
-  if (fd < 0 || (size_t)fd >= listener->n_peers || listener->peers[fd].pid == 0 ||
-      listener->peers[fd].refused)
+int fsdp_listener_credentials(const fsdp_listener_t *listener, int fd,
+                              fsdp_credentials_t *ret_cred) {
+  if (fd < 0 || (size_t)fd >= listener->n_callers || listener->callers[fd].cred.pid == 0 ||
+      listener->callers[fd].refused)
     return -ENOENT;
-  *ret_peer = listener->peers[fd];
+  *ret_cred = listener->callers[fd].cred;
   return 0;
 }
 
@@ -494,9 +465,9 @@ void fsdp_listener_close(fsdp_listener_t *listener) {
       close(ls->fd);
     ls->fd = -1;
   }
-  free(listener->peers);
-  listener->peers = NULL;
-  listener->n_peers = 0;
+  free(listener->callers);
+  listener->callers = NULL;
+  listener->n_callers = 0;
   if (listener->socket_fd >= 0) {
     unlink(listener->socket_path);
     close(listener->socket_fd);

@@ -3,7 +3,7 @@
  *
  * The daemon binds and accepts the socket itself instead of letting gRPC do it, for three
  * reasons: gRPC would unlink and re-bind a path that another live daemon is serving; the
- * socket's mode must be 0660 from the start; and every connection's peer credentials
+ * socket's mode must be 0660 from the start; and every connection's credentials
  * (SO_PEERCRED) are checked before gRPC sees a byte. Accepted connections are handed to an
  * RPC endpoint. The TCP ports are accepted here too, and their connections reach gRPC
  * through a relay (daemon/rpc/relay.h) that cuts a client resetting streams faster than a probe
@@ -31,34 +31,31 @@
 
 #include <uv.h>
 
+#include "common/credentials.h"
+#include "common/list.h"
 #include "common/status.h"
 #include "daemon/rpc/relay.h"
 #include "daemon/rpc/rpc_server.h"
+#include "proto/limits.h" /* the run directory's names */
 
-#define FSDP_SOCKET_NAME "fsdpd.sock"
-#define FSDP_CHANNEL_SOCKET_NAME "fsdpd.mem.sock"
-#define FSDP_LOCK_NAME "fsdpd.lock"
-
-/* Credentials of a connection, from SO_PEERCRED at accept. */
-typedef struct fsdp_peer {
-  pid_t pid;
-  uid_t uid;
-  gid_t gid;
+/* What the listener keeps of an accepted unix connection: its credentials (SO_PEERCRED at
+ * accept) and whether it was let in. */
+typedef struct fsdp_listener_caller {
+  fsdp_credentials_t cred;
   bool refused; /* not let in: its calls only hear why */
-} fsdp_peer_t;
+} fsdp_listener_caller_t;
 
 typedef struct fsdp_listener fsdp_listener_t;
 
 /* One accepted connection, while the listener counts it against a limit. */
 typedef struct fsdp_listener_conn {
-  struct fsdp_listener_socket *socket;
   int fd;
   ino_t ino; /* the socket's inode: the same number with another inode is another file */
   uid_t uid;           /* unix socket only */
   fsdp_relay_t *relay; /* TCP only: the connection's relay, which says when it ends */
   bool closing;
   uint64_t since_ms;
-  struct fsdp_listener_conn *next;
+  fsdp_list_t link; /* in its socket's conns */
 } fsdp_listener_conn_t;
 
 /* A listening socket and what its connections go to. */
@@ -73,7 +70,7 @@ typedef struct fsdp_listener_socket {
   const char *name; /* for messages: the path or the address */
   fsdp_rpc_endpoint_t *endpoint;
   fsdp_rpc_endpoint_t *refused; /* unix socket: where refused uids hear why */
-  fsdp_listener_conn_t *conns;
+  fsdp_list_t conns; /* fsdp_listener_conn_t, newest first */
   /* TCP only. */
   char address[320];       /* as configured, with the bound port */
   char port[16];           /* "health port" */
@@ -114,8 +111,8 @@ struct fsdp_listener {
   /* Credentials by file descriptor of the accepted connection. A closed connection's entry
    * stays until its number is reused by the next accept: no call can come from it, because
    * gRPC keeps a connection's descriptor open while any of its calls is held. */
-  fsdp_peer_t *peers;
-  size_t n_peers;
+  fsdp_listener_caller_t *callers;
+  size_t n_callers;
 };
 
 /* Prepares the run dir, takes its lock and binds the sockets (mode 0660): the gRPC one, and
@@ -145,17 +142,9 @@ void fsdp_listener_refusal(void *listener, int fd, char *buf, size_t size);
  * apart from the poll handle's own close, which this starts. */
 void fsdp_listener_close(fsdp_listener_t *listener);
 
-/* The credentials of the connection on file descriptor fd; -ENOENT if none was accepted
+/* The credentials of the connection on file descriptor fd; -ENOENT if none was let in
  * there. */
-int fsdp_listener_peer(const fsdp_listener_t *listener, int fd, fsdp_peer_t *ret_peer);
-
-/* Whether the peer on connected socket fd, with these credentials, was a member of group gid
- * when it connected: its primary group, or a supplementary one (SO_PEERGROUPS). */
-bool fsdp_peer_in_group(int fd, const fsdp_peer_t *peer, gid_t gid);
-
-/* Whether the peer on connected socket fd, with these credentials, may use the daemon: root,
- * the daemon's user, or a member of the daemon's group (primary, or supplementary as
- * SO_PEERGROUPS recorded it at connect time). */
-bool fsdp_peer_allowed(int fd, const fsdp_peer_t *peer);
+int fsdp_listener_credentials(const fsdp_listener_t *listener, int fd,
+                              fsdp_credentials_t *ret_cred);
 
 #endif

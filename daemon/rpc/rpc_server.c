@@ -36,6 +36,7 @@
 
 #include <fsdp/fsdp_version.h>
 
+#include "common/list.h"
 #include "common/log.h"
 #include "daemon/rpc/cq_bridge.h"
 #include "proto/wire.h"
@@ -125,7 +126,7 @@ struct fsdp_rpc_call {
   int cancelled;
 
   /* Loop thread only. */
-  fsdp_rpc_call_t *prev, *next; /* the server's list of active calls */
+  fsdp_list_t active; /* in the server's list of active calls */
   char path[FSDP_WIRE_PATH_MAX];
   budget_t budget;
   bool is_work; /* a call of a method not served while draining: a stop waits for it */
@@ -190,7 +191,7 @@ struct fsdp_rpc_server {
   server_state_t state;
   bool draining;
   uint64_t final_grace_ms;
-  fsdp_rpc_call_t *active;
+  fsdp_list_t active; /* fsdp_rpc_call_t, newest first */
   unsigned inflight;
   unsigned work; /* active calls with is_work */
   uint64_t calls_total, calls_failed;
@@ -249,6 +250,7 @@ static void request_call(fsdp_rpc_endpoint_t *endpoint, method_t *method) {
   call->server = server;
   call->endpoint = endpoint;
   call->method = method;
+  fsdp_list_init(&call->active);
   atomic_init(&call->refs, 1);
   call->request_tag = (tag_t){TAG_REQUEST, call};
   call->close_tag = (tag_t){TAG_RECV_CLOSE, call};
@@ -502,10 +504,7 @@ int64_t fsdp_rpc_call_deadline_ms(const fsdp_rpc_call_t *call) {
 }
 
 static void active_link(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
-  call->next = server->active;
-  if (server->active)
-    server->active->prev = call;
-  server->active = call;
+  fsdp_list_push_front(&server->active, &call->active);
   server->inflight++;
   call->endpoint->inflight++;
   call->endpoint->held[call->budget]++;
@@ -517,13 +516,7 @@ static void count_work(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
 }
 
 static void active_unlink(fsdp_rpc_server_t *server, fsdp_rpc_call_t *call) {
-  if (call->prev)
-    call->prev->next = call->next;
-  else
-    server->active = call->next;
-  if (call->next)
-    call->next->prev = call->prev;
-  call->prev = call->next = NULL;
+  fsdp_list_remove(&call->active);
   server->inflight--;
   call->endpoint->inflight--;
   call->endpoint->held[call->budget]--;
@@ -807,7 +800,8 @@ static void on_drain_deadline(uv_timer_t *timer) {
   fsdp_rpc_server_t *server = timer->data;
   if (server->work)
     log_warning("drain time is up; ending %u calls still in flight", server->work);
-  for (fsdp_rpc_call_t *call = server->active; call; call = call->next)
+  fsdp_rpc_call_t *call;
+  fsdp_list_for_each(call, &server->active, active)
     if (call->is_work)
       cancel_call(call, GRPC_STATUS_UNAVAILABLE, "fsdpd is shutting down");
   shut_down_grpc(server);
@@ -849,6 +843,7 @@ int fsdp_rpc_server_new(uv_loop_t *loop, const fsdp_rpc_server_options_t *option
   }
   server->loop = loop;
   server->options = *options;
+  fsdp_list_init(&server->active);
   atomic_init(&server->stopping, false);
   atomic_init(&server->alive, 0);
   grpc_init();

@@ -49,7 +49,7 @@ typedef struct fsdp_services_lifecycle {
   /* Ends a session for `why` (Detach, its memory channel closed) and releases it. */
   void (*end_session)(void *data, fsdp_session_t *session, const char *why);
   /* Whether the caller on connected socket fd may change the daemon's state. */
-  bool (*is_operator)(void *data, int fd, const fsdp_peer_t *peer);
+  bool (*is_operator)(void *data, int fd, const fsdp_credentials_t *cred);
   fsdp_services_state_t (*state)(void *data);
   void *data;
 } fsdp_services_lifecycle_t;

@@ -41,10 +41,10 @@ static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
 }
 
 /* The credentials of the calling process, or NULL when it did not come through our listener. */
-static const fsdp_peer_t *caller(fsdp_services_context_t *ctx, fsdp_rpc_call_t *call,
-                                 fsdp_peer_t *ret_peer) {
-  return fsdp_listener_peer(ctx->listener, fsdp_rpc_call_peer_fd(call), ret_peer) == 0
-             ? ret_peer
+static const fsdp_credentials_t *caller(fsdp_services_context_t *ctx, fsdp_rpc_call_t *call,
+                                        fsdp_credentials_t *ret_cred) {
+  return fsdp_listener_credentials(ctx->listener, fsdp_rpc_call_peer_fd(call), ret_cred) == 0
+             ? ret_cred
              : NULL;
 }
 
@@ -66,10 +66,10 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
                        rq->local_world_size);
     return;
   }
-  fsdp_peer_t peer;
+  fsdp_credentials_t cred;
   fsdp_session_t *s;
   fsdp_status_t st;
-  if (fsdp_sessions_attach(ctx->sessions, rq, caller(ctx, call, &peer),
+  if (fsdp_sessions_attach(ctx->sessions, rq, caller(ctx, call, &cred),
                            job ? &job->owner : NULL, now_ms(ctx),
                            (unsigned)fsdp_config_number(ctx->config, FSDP_OPTION_MAX_SESSIONS),
                            &s, &st) < 0) {
@@ -93,8 +93,8 @@ static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_services_context_
                                    uint64_t id) {
   fsdp_session_t *s;
   fsdp_status_t st;
-  fsdp_peer_t peer;
-  if (fsdp_sessions_use(ctx->sessions, id, caller(ctx, call, &peer), now_ms(ctx), &s, &st) < 0) {
+  fsdp_credentials_t cred;
+  if (fsdp_sessions_use(ctx->sessions, id, caller(ctx, call, &cred), now_ms(ctx), &s, &st) < 0) {
     fail_call(call, &st);
     return NULL;
   }
@@ -548,8 +548,8 @@ out:
  * daemon's uid, daemon.operator_group); the socket lets in the whole group, trainers
  * included. Returns false after failing the call. */
 static bool operator_only(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx) {
-  fsdp_peer_t peer;
-  const fsdp_peer_t *who = caller(ctx, call, &peer);
+  fsdp_credentials_t cred;
+  const fsdp_credentials_t *who = caller(ctx, call, &cred);
   if (who && ctx->lifecycle.is_operator(ctx->lifecycle.data, fsdp_rpc_call_peer_fd(call), who))
     return true;
   const char *group = fsdp_config_text(ctx->config, FSDP_OPTION_OPERATOR_GROUP);
@@ -825,11 +825,11 @@ static const fsdp_rpc_handler_t operator_handlers[] = {
 /* A trainer's hello on the memory channel: the session must be the caller's own and have no
  * channel yet; the answer carries its job's arena, made on the job's first need. */
 static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
-                            const Fsdp__V1__ChannelHello *hello, const fsdp_peer_t *peer,
+                            const Fsdp__V1__ChannelHello *hello, const fsdp_credentials_t *cred,
                             fsdp_channel_welcome_t *w) {
   fsdp_services_context_t *ctx = data;
   fsdp_session_t *s;
-  if (fsdp_sessions_use(ctx->sessions, hello->session_id, peer, now_ms(ctx),
+  if (fsdp_sessions_use(ctx->sessions, hello->session_id, cred, now_ms(ctx),
                         &s, &w->status) < 0)
     return;
   if (s->channel) {

@@ -20,11 +20,11 @@ struct fsdp_channel_conn {
   fsdp_channel_t *channel;
   uv_poll_t poll;
   int fd;
-  fsdp_peer_t peer;
+  fsdp_credentials_t cred;
   conn_state_t state;
   uint64_t accepted_ms;
   void *owner;
-  fsdp_channel_conn_t *prev, *next;
+  fsdp_list_t link; /* in the channel's conns until it closes */
 };
 
 static void on_conn_closed(uv_handle_t *handle) {
@@ -41,12 +41,7 @@ void fsdp_channel_conn_close(fsdp_channel_conn_t *conn) {
     channel->pending--;
   conn->state = CONN_CLOSING;
   conn->owner = NULL;
-  if (conn->prev)
-    conn->prev->next = conn->next;
-  else
-    channel->conns = conn->next;
-  if (conn->next)
-    conn->next->prev = conn->prev;
+  fsdp_list_remove(&conn->link);
   uv_poll_stop(&conn->poll);
   uv_close((uv_handle_t *)&conn->poll, on_conn_closed);
 }
@@ -71,7 +66,7 @@ static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
   if (r == 0)
     r = fsdp_fd_send(conn->fd, w->fds, ok ? w->n : 0, frame, sizeof frame, 1000);
   if (r < 0) {
-    log_warning("memory channel of pid %d: cannot send the welcome: %s", (int)conn->peer.pid,
+    log_warning("memory channel of pid %d: cannot send the welcome: %s", (int)conn->cred.pid,
                 fsdp_strerror(r));
     return false;
   }
@@ -114,7 +109,7 @@ static void read_hello(fsdp_channel_conn_t *conn) {
                       "speaks protocol %u",
                       hello->protocol_version, FSDP_PROTOCOL_VERSION);
     else
-      channel->callbacks.welcome(channel->callbacks.data, conn, hello, &conn->peer, &w);
+      channel->callbacks.welcome(channel->callbacks.data, conn, hello, &conn->cred, &w);
     protobuf_c_message_free_unpacked(msg, NULL);
   }
   channel->pending--;
@@ -163,18 +158,19 @@ static void on_accept(uv_poll_t *poll, int status, int events);
 static void make_room(fsdp_channel_t *channel, uid_t uid) {
   fsdp_channel_conn_t *oldest_own = NULL, *oldest_top = NULL;
   unsigned own = 0, top = 0;
-  for (fsdp_channel_conn_t *c = channel->conns; c; c = c->next) {
+  fsdp_channel_conn_t *c, *d;
+  fsdp_list_for_each(c, &channel->conns, link) {
     if (c->state != CONN_HELLO)
       continue;
     unsigned n = 0;
     fsdp_channel_conn_t *oldest = NULL;
-    for (fsdp_channel_conn_t *d = channel->conns; d; d = d->next)
-      if (d->state == CONN_HELLO && d->peer.uid == c->peer.uid) {
+    fsdp_list_for_each(d, &channel->conns, link)
+      if (d->state == CONN_HELLO && d->cred.uid == c->cred.uid) {
         n++;
         if (!oldest || d->accepted_ms <= oldest->accepted_ms)
           oldest = d;
       }
-    if (c->peer.uid == uid) {
+    if (c->cred.uid == uid) {
       own = n;
       oldest_own = oldest;
     }
@@ -190,7 +186,7 @@ static void make_room(fsdp_channel_t *channel, uid_t uid) {
     refuse(victim, FSDP_E_RESOURCE_EXHAUSTED,
            "memory channel: closed a connection of pid %d uid %u that sent no hello, to make "
            "room: its uid held %u such connections (at most %d), all uids %u (at most %d)",
-           (int)victim->peer.pid, (unsigned)victim->peer.uid,
+           (int)victim->cred.pid, (unsigned)victim->cred.uid,
            victim == oldest_own ? own : top, FSDP_CHANNEL_MAX_PENDING_PER_UID, channel->pending,
            FSDP_CHANNEL_MAX_PENDING);
 }
@@ -214,21 +210,21 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
       }
       return; /* EAGAIN: drained */
     }
-    fsdp_peer_t peer = {0};
-    if (fsdp_peer_credentials(fd, &peer.pid, &peer.uid, &peer.gid) < 0 ||
-        !fsdp_peer_allowed(fd, &peer)) {
+    fsdp_credentials_t cred = {0};
+    if (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
+        !fsdp_credentials_allowed(fd, &cred)) {
       log_warning("memory channel: refused pid %d uid %u: not the daemon's user or group",
-                  (int)peer.pid, (unsigned)peer.uid);
+                  (int)cred.pid, (unsigned)cred.uid);
       close(fd);
       continue;
     }
-    make_room(channel, peer.uid);
+    make_room(channel, cred.uid);
     fsdp_channel_conn_t *conn = calloc(1, sizeof *conn);
     if (!conn) {
       close(fd);
       continue;
     }
-    *conn = (fsdp_channel_conn_t){.channel = channel, .fd = fd, .peer = peer,
+    *conn = (fsdp_channel_conn_t){.channel = channel, .fd = fd, .cred = cred,
                                   .accepted_ms = uv_now(channel->loop)};
     if (uv_poll_init(channel->loop, &conn->poll, fd) < 0) {
       close(fd);
@@ -237,10 +233,7 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
     }
     conn->poll.data = conn;
     channel->pending++;
-    conn->next = channel->conns;
-    if (channel->conns)
-      channel->conns->prev = conn;
-    channel->conns = conn;
+    fsdp_list_push_front(&channel->conns, &conn->link);
     uv_poll_start(&conn->poll, UV_READABLE | UV_DISCONNECT, on_conn_event);
   }
 }
@@ -248,6 +241,7 @@ static void on_accept(uv_poll_t *poll, int status, int events) {
 int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
                        const fsdp_channel_callbacks_t *callbacks) {
   memset(channel, 0, sizeof *channel);
+  fsdp_list_init(&channel->conns);
   channel->loop = loop;
   channel->listen_fd = listen_fd;
   channel->callbacks = *callbacks;
@@ -261,8 +255,8 @@ int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
 }
 
 void fsdp_channel_stop(fsdp_channel_t *channel) {
-  while (channel->conns)
-    fsdp_channel_conn_close(channel->conns);
+  while (!fsdp_list_empty(&channel->conns))
+    fsdp_channel_conn_close(fsdp_list_first(&channel->conns, fsdp_channel_conn_t, link));
   if (channel->polling) {
     uv_poll_stop(&channel->poll);
     uv_close((uv_handle_t *)&channel->poll, NULL);
@@ -272,11 +266,11 @@ void fsdp_channel_stop(fsdp_channel_t *channel) {
 }
 
 void fsdp_channel_expire(fsdp_channel_t *channel, uint64_t now_ms) {
-  for (fsdp_channel_conn_t *conn = channel->conns, *next; conn; conn = next) {
-    next = conn->next;
+  fsdp_channel_conn_t *conn, *next;
+  fsdp_list_for_each_safe(conn, next, &channel->conns, link) {
     if (conn->state == CONN_HELLO && now_ms - conn->accepted_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS)
       refuse(conn, FSDP_E_DEADLINE_EXCEEDED,
-             "memory channel of pid %d: no hello within %d ms; closed", (int)conn->peer.pid,
+             "memory channel of pid %d: no hello within %d ms; closed", (int)conn->cred.pid,
              FSDP_CHANNEL_HELLO_TIMEOUT_MS);
   }
 }

@@ -18,8 +18,9 @@
 
 #include "fsdp/v1/channel.pb-c.h"
 
+#include "common/credentials.h"
+#include "common/list.h"
 #include "common/status.h"
-#include "daemon/rpc/listener.h"
 
 #define FSDP_CHANNEL_HELLO_TIMEOUT_MS 5000
 #define FSDP_CHANNEL_MAX_FDS 8
@@ -43,10 +44,11 @@ typedef struct fsdp_channel_welcome {
 } fsdp_channel_welcome_t;
 
 typedef struct fsdp_channel_callbacks {
-  /* A valid hello arrived on conn from peer: fill *ret. On success the connection is bound
-   * (fsdp_channel_conn_set_owner), else it is closed after the answer. */
+  /* A valid hello arrived on conn from the process with credentials cred: fill *ret. On
+   * success the connection is bound (fsdp_channel_conn_set_owner), else it is closed after
+   * the answer. */
   void (*welcome)(void *data, fsdp_channel_conn_t *conn, const Fsdp__V1__ChannelHello *hello,
-                  const fsdp_peer_t *peer, fsdp_channel_welcome_t *ret);
+                  const fsdp_credentials_t *cred, fsdp_channel_welcome_t *ret);
   /* A bound connection ended from the trainer's side; `why` says how. The connection is
    * already closing: the owner (fsdp_channel_conn_set_owner) drops its pointer to it. */
   void (*closed)(void *data, void *owner, const char *why);
@@ -61,7 +63,7 @@ typedef struct fsdp_channel {
   unsigned pending; /* connections in the hello state */
   int listen_fd; /* borrowed from the listener */
   fsdp_channel_callbacks_t callbacks;
-  fsdp_channel_conn_t *conns;
+  fsdp_list_t conns; /* fsdp_channel_conn_t, newest first */
 } fsdp_channel_t;
 
 int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,

@@ -81,7 +81,7 @@ static bool is_pid_of(pid_t peer_pid, pid_t pid) {
   return found;
 }
 
-static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_peer_t *peer,
+static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_credentials_t *cred,
                          fsdp_status_t *st) {
   if (!job_name_valid(rq->job))
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
@@ -102,13 +102,13 @@ static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_peer_t *p
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "field 'job_token' is %zu bytes, more than %d", strlen(rq->job_token),
                            FSDP_JOB_TOKEN_MAX);
-  if (!peer)
+  if (!cred)
     return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
                            "cannot identify the calling process: attach over the unix socket");
-  if (!is_pid_of(peer->pid, rq->pid))
+  if (!is_pid_of(cred->pid, rq->pid))
     return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
                            "field 'pid' = %d, but the connection belongs to pid %d", rq->pid,
-                           (int)peer->pid);
+                           (int)cred->pid);
   return 0;
 }
 
@@ -126,12 +126,12 @@ static bool token_is(const fsdp_job_owner_t *owner, const char *token) {
  * job gathers next. Root gets no exception: the rule keeps two jobs apart, and a trainer run
  * as root under another's job name is a clash to refuse, not a wish to honour. */
 static int check_owner(const fsdp_job_owner_t *owner, const Fsdp__V1__AttachRequest *rq,
-                       const fsdp_peer_t *peer, fsdp_status_t *st) {
-  if (owner->uid != peer->uid)
+                       const fsdp_credentials_t *cred, fsdp_status_t *st) {
+  if (owner->uid != cred->uid)
     return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
                            "job '%s' belongs to uid %u (whose trainer attached it first), not "
                            "to the calling uid %u; every trainer of a job runs as its owner",
-                           rq->job, (unsigned)owner->uid, (unsigned)peer->uid);
+                           rq->job, (unsigned)owner->uid, (unsigned)cred->uid);
   if (!token_is(owner, rq->job_token))
     return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
                            "field 'job_token' is not the job token job '%s' was first attached "
@@ -142,10 +142,10 @@ static int check_owner(const fsdp_job_owner_t *owner, const Fsdp__V1__AttachRequ
 }
 
 int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachRequest *rq,
-                         const fsdp_peer_t *peer, const fsdp_job_owner_t *job_owner,
+                         const fsdp_credentials_t *cred, const fsdp_job_owner_t *job_owner,
                          uint64_t now_ms, unsigned max_sessions, fsdp_session_t **ret_session,
                          fsdp_status_t *st) {
-  int r = check_request(rq, peer, st);
+  int r = check_request(rq, cred, st);
   if (r < 0)
     return r;
   /* The store knows the owner as long as the job's units live; before, its sessions do (they
@@ -154,7 +154,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
     const fsdp_session_t *first = find_job(sessions, rq->job);
     job_owner = first ? &first->owner : NULL;
   }
-  if (job_owner && (r = check_owner(job_owner, rq, peer, st)) < 0)
+  if (job_owner && (r = check_owner(job_owner, rq, cred, st)) < 0)
     return r;
   for (fsdp_session_t *s = sessions->head; s; s = s->next) {
     if (strcmp(s->job, rq->job) != 0)
@@ -164,7 +164,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
                              "job '%s' has local_world_size %u (local rank %u attached with it), "
                              "not %u",
                              rq->job, s->local_world_size, s->local_rank, rq->local_world_size);
-    if (s->local_rank == rq->local_rank && s->pid == peer->pid && !s->channel) {
+    if (s->local_rank == rq->local_rank && s->pid == cred->pid && !s->channel) {
       /* The same process again before it opened the memory channel: its earlier reply was
        * lost, or it retries. With the channel open, it is a second trainer for the rank. */
       s->last_call_ms = now_ms;
@@ -191,8 +191,8 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   s->local_rank = rq->local_rank;
   s->local_world_size = rq->local_world_size;
   s->generation = rq->generation;
-  s->pid = peer->pid; /* the daemon's view, which later calls are checked against */
-  s->owner.uid = peer->uid;
+  s->pid = cred->pid; /* the daemon's view, which later calls are checked against */
+  s->owner.uid = cred->uid;
   s->owner.token_len = strlen(rq->job_token);
   memcpy(s->owner.token, rq->job_token, s->owner.token_len);
   s->attached_ms = s->last_call_ms = now_ms;
@@ -204,7 +204,7 @@ int fsdp_sessions_attach(fsdp_sessions_t *sessions, const Fsdp__V1__AttachReques
   return 0;
 }
 
-int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t *caller,
+int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_credentials_t *caller,
                       uint64_t now_ms, fsdp_session_t **ret_session, fsdp_status_t *st) {
   fsdp_session_t *s = find_id(sessions, id);
   if (!s)

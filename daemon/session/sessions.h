@@ -21,12 +21,9 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "common/credentials.h"
 #include "common/status.h"
-#include "daemon/rpc/listener.h"
-
-#define FSDP_JOB_NAME_MAX 64
-#define FSDP_LOCAL_WORLD_MAX 256
-#define FSDP_JOB_TOKEN_MAX 256
+#include "proto/limits.h" /* FSDP_JOB_NAME_MAX, FSDP_LOCAL_WORLD_MAX, FSDP_JOB_TOKEN_MAX */
 
 /* Whom a job belongs to: the uid of the trainer that attached it first, and the job token
  * that trainer gave (AttachRequest.job_token; none: empty). Only that uid, with that token,
@@ -68,17 +65,18 @@ void fsdp_sessions_init(fsdp_sessions_t *sessions);
 /* Ends every session. */
 void fsdp_sessions_cleanup(fsdp_sessions_t *sessions);
 
-/* Opens a session for rq from the process `peer` (NULL: unknown, which is refused).
+/* Opens a session for rq from the process with credentials `cred` (NULL: unknown, which is
+ * refused).
  * job_owner: whom the job belongs to while the store keeps it (its units outlive its
  * sessions), NULL when the store does not know the job; then its sessions say. */
 int fsdp_sessions_attach(fsdp_sessions_t *sessions, const struct Fsdp__V1__AttachRequest *rq,
-                         const fsdp_peer_t *peer, const fsdp_job_owner_t *job_owner,
+                         const fsdp_credentials_t *cred, const fsdp_job_owner_t *job_owner,
                          uint64_t now_ms, unsigned max_sessions, fsdp_session_t **ret_session,
                          fsdp_status_t *st);
 
 /* The session with this id, its lease renewed, if `caller` (NULL: unknown) is its process;
  * NOT_FOUND or PERMISSION_DENIED naming the id otherwise. */
-int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_peer_t *caller,
+int fsdp_sessions_use(fsdp_sessions_t *sessions, uint64_t id, const fsdp_credentials_t *caller,
                       uint64_t now_ms, fsdp_session_t **ret_session, fsdp_status_t *st);
 
 /* Ends one session (Detach, its channel closed) and frees it: its parked calls must have

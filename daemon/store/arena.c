@@ -24,8 +24,9 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
+
+#include "common/clock.h"
 
 #ifndef MFD_HUGE_2MB
 #define MFD_HUGE_2MB (21U << 26) /* MFD_HUGE_SHIFT 26, log2(2 MiB) = 21 */
@@ -67,12 +68,6 @@ struct fsdp_arena {
   size_t used;
   size_t n_allocated;
 };
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static uint64_t align_up(uint64_t v, uint64_t align) {
   return (v + align - 1) & ~(align - 1);
@@ -162,7 +157,7 @@ static int map_memfd(fsdp_arena_t *arena, size_t capacity, bool huge,
   fsdp_arena_prefault_t method = opt->prefault;
   if (method == FSDP_ARENA_PREFAULT_AUTO)
     method = FSDP_ARENA_PREFAULT_POPULATE_WRITE;
-  uint64_t t0 = now_ns();
+  uint64_t t0 = fsdp_clock_now_ns();
   int mmap_flags = MAP_SHARED | (method == FSDP_ARENA_PREFAULT_MAP_POPULATE ? MAP_POPULATE : 0);
   /* A hugetlb mapping reserves its pages here, so a missing reservation fails now with
    * ENOMEM rather than later with SIGBUS on a fault. */
@@ -184,7 +179,7 @@ static int map_memfd(fsdp_arena_t *arena, size_t capacity, bool huge,
   if (method == FSDP_ARENA_PREFAULT_TOUCH)
     touch_pages(arena->base, size, page);
   arena->prefault = method;
-  arena->prefault_ns = now_ns() - t0;
+  arena->prefault_ns = fsdp_clock_now_ns() - t0;
 
   unsigned seals = F_SEAL_SEAL; /* and no one adds seals later (F_SEAL_WRITE would block us) */
   if (opt->peers_read_only)

@@ -20,12 +20,7 @@
 #include <stdint.h>
 
 #include "common/status.h"
-
-/* Limits on what one RegisterUnit may ask for. */
-#define FSDP_UNIT_NAME_MAX 256             /* bytes in a unit or parameter name */
-#define FSDP_UNIT_MAX_PARAMS 65536         /* parameters in one unit */
-#define FSDP_UNIT_MAX_DIMS 64              /* dimensions of one parameter */
-#define FSDP_UNIT_MAX_NUMEL (1ull << 40)   /* elements in one unit */
+#include "proto/limits.h" /* what one RegisterUnit may ask for: FSDP_UNIT_* */
 
 /* Element types, with fsdp.v1.DType's values. */
 typedef enum fsdp_unit_dtype {

@@ -45,6 +45,11 @@ const char *fsdp_strerror(int err);
 /* The name of a domain code ("FSDP_E_NOT_FOUND"), or NULL for anything else. */
 const char *fsdp_error_name(int err);
 
+/* The gRPC status err travels as between daemon and client, by name ("NOT_FOUND"; "OK" for
+ * err >= 0, "INTERNAL" for an error the RPC layer's table does not map): the table itself,
+ * for bindings that would otherwise keep a copy of it. Static, never NULL. */
+const char *fsdp_error_status_name(int err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -21,6 +21,7 @@ from . import _lib
 
 __all__ = ["Error", "Client", "Unit", "DEFAULT_SOCKET"]
 
+# FSDP_DEFAULT_SOCKET of proto/limits.h: daemon.run_dir's default and the socket's name.
 DEFAULT_SOCKET = "./run/fsdpd.sock"
 
 try:  # Optional: without torch the buffers are memoryviews.
@@ -28,37 +29,22 @@ try:  # Optional: without torch the buffers are memoryviews.
 except ImportError:  # pragma: no cover - depends on the machine
     _torch = None
 
-# Codes whose gRPC status is not their own name (proto/wire.c's status table).
-_STATUS_OF_CODE = {"FSDP_E_PROTOCOL_VERSION": "FAILED_PRECONDITION",
-                   "FSDP_E_CONFIG": "INVALID_ARGUMENT"}
-_STATUS_OF_ERRNO = {
-    errno.EINVAL: "INVALID_ARGUMENT", errno.ERANGE: "OUT_OF_RANGE",
-    errno.EOVERFLOW: "OUT_OF_RANGE", errno.ENOENT: "NOT_FOUND", errno.EEXIST: "ALREADY_EXISTS",
-    errno.EPERM: "PERMISSION_DENIED", errno.EACCES: "PERMISSION_DENIED",
-    errno.ENOMEM: "RESOURCE_EXHAUSTED", errno.ENOSPC: "RESOURCE_EXHAUSTED",
-    errno.EMFILE: "RESOURCE_EXHAUSTED", errno.ETIMEDOUT: "DEADLINE_EXCEEDED",
-    errno.ECANCELED: "CANCELLED", errno.ENOSYS: "UNIMPLEMENTED", errno.EAGAIN: "UNAVAILABLE",
-    errno.ECONNREFUSED: "UNAVAILABLE", errno.ECONNRESET: "UNAVAILABLE",
-}
-
-
 class Error(Exception):
     """A failed fsdpd call.
 
     rc: the library's negative return value. code: its name, "FSDP_E_NOT_FOUND" for a
     domain code, the errno name ("EINVAL", "EBUSY") for -errno. status: the gRPC status name
-    the code travels as ("NOT_FOUND"; "INTERNAL" for an errno the RPC table does not map).
-    message: the daemon's message (or the library's, for a failure on this side)."""
+    the code travels as, from libfsdp's table ("NOT_FOUND"; "INTERNAL" for an errno the RPC
+    table does not map). message: the daemon's message (or the library's, for a failure on this side)."""
 
     def __init__(self, rc, message="", what=None):
         self.rc = rc
         name = _lib.lib().fsdp_error_name(rc)
         if name is not None:
             self.code = name.decode()
-            self.status = _STATUS_OF_CODE.get(self.code, self.code[len("FSDP_E_"):])
         else:
             self.code = errno.errorcode.get(-rc, f"E{-rc}")
-            self.status = _STATUS_OF_ERRNO.get(-rc, "INTERNAL")
+        self.status = _lib.lib().fsdp_error_status_name(rc).decode()
         self.message = message
         self.description = _lib.lib().fsdp_strerror(rc).decode()
         text = f"{self.code} ({self.description})"

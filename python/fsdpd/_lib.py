@@ -55,6 +55,7 @@ _SIGNATURES = {
     # name: (restype, argtypes)
     "fsdp_strerror": (ctypes.c_char_p, [ctypes.c_int]),
     "fsdp_error_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "fsdp_error_status_name": (ctypes.c_char_p, [ctypes.c_int]),
     "fsdp_client_connect": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ClientOptions),
                                            ctypes.POINTER(_p)]),
     "fsdp_client_close": (None, [_p]),

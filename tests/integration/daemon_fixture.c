@@ -18,6 +18,8 @@
 
 #include <fsdp/fsdp_client.h>
 
+#include "common/clock.h"
+
 extern char **environ;
 
 #define START_TIMEOUT_MS 10000
@@ -26,9 +28,7 @@ extern char **environ;
 #define MAX_EXTRA_ARGS 16
 
 int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+  return fsdp_clock_now_ms();
 }
 
 static void dump_log(const daemon_fixture_t *d) {

@@ -24,6 +24,7 @@
 
 #include <cmocka.h>
 
+#include "common/clock.h"
 #include "common/fdpass.h"
 #include "daemon/store/arena.h"
 #include "tests/unit/fd_count.h"
@@ -70,12 +71,6 @@ static long minor_faults(void) {
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
   return ru.ru_minflt;
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* A 4 KiB-page arena; pre-faulted unless the test only places blocks. */
@@ -693,12 +688,12 @@ static void test_prefault_speed(void **state) {
       opt.prefault = methods[m];
       fsdp_arena_t *arena = NULL;
       fsdp_status_t st = FSDP_STATUS_INIT;
-      double t0 = now_s();
+      double t0 = fsdp_clock_now_s();
       if (fsdp_arena_new("bench", size, &opt, &arena, &st) < 0)
         fail_msg("%s", st.message);
-      double t1 = now_s();
+      double t1 = fsdp_clock_now_s();
       memset(fsdp_arena_base(arena), 1, size);
-      double t2 = now_s();
+      double t2 = fsdp_clock_now_s();
       used[m] = stats(arena).prefault;
       if (run >= 0) {
         create[m][run] = t1 - t0;

@@ -26,16 +26,11 @@
 #include <fsdp/fsdp_client.h>
 
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "proto/wire.h"
 
 #define HEALTH_CHECK "/grpc.health.v1.Health/Check"
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 /* The fake server: one thread, one call at a time, which is all a single client makes. */
 typedef struct fake_server {
@@ -282,18 +277,18 @@ static void test_unreachable_fails_fast(void **state) {
   fsdp_client_t *client = NULL;
   assert_int_equal(fsdp_client_connect(target, NULL, &client), 0);
   fsdp_health_status_t hs = (fsdp_health_status_t)99;
-  double t0 = now_ms();
+  int64_t t0 = fsdp_clock_now_ms();
   int r = fsdp_client_health_check(client, "", 2000, &hs);
-  double elapsed = now_ms() - t0;
+  int64_t elapsed = fsdp_clock_now_ms() - t0;
   assert_int_equal(r, FSDP_E_UNAVAILABLE);
   assert_true(elapsed < 2000);
   assert_int_equal(hs, 99); /* untouched on failure */
   const char *message = fsdp_client_last_error(client);
   assert_non_null(strstr(message, target));
   /* A second call on the same channel fails the same way, and as fast. */
-  t0 = now_ms();
+  t0 = fsdp_clock_now_ms();
   assert_int_equal(fsdp_client_health_check(client, "", 2000, &hs), FSDP_E_UNAVAILABLE);
-  assert_true(now_ms() - t0 < 2000);
+  assert_true(fsdp_clock_now_ms() - t0 < 2000);
   assert_string_not_equal(fsdp_client_last_error(client), "");
   fsdp_client_close(client);
 }
@@ -306,9 +301,9 @@ static void test_unreachable_wait_for_ready_hits_deadline(void **state) {
   fsdp_client_t *client = NULL;
   assert_int_equal(fsdp_client_connect("unix:/tmp/test_client_missing/x.sock", &opts, &client), 0);
   fsdp_health_status_t hs;
-  double t0 = now_ms();
+  int64_t t0 = fsdp_clock_now_ms();
   assert_int_equal(fsdp_client_health_check(client, NULL, 0, &hs), FSDP_E_DEADLINE_EXCEEDED);
-  double elapsed = now_ms() - t0;
+  int64_t elapsed = fsdp_clock_now_ms() - t0;
   assert_true(elapsed >= 250 && elapsed < 2300);
   assert_non_null(strstr(fsdp_client_last_error(client), "300 ms"));
   fsdp_client_close(client);
@@ -331,9 +326,9 @@ static void test_slow_handshake_is_not_unavailable(void **state) {
   fsdp_client_t *client = NULL;
   assert_int_equal(fsdp_client_connect(target, NULL, &client), 0);
   fsdp_health_status_t hs;
-  double t0 = now_ms();
+  int64_t t0 = fsdp_clock_now_ms();
   int r = fsdp_client_health_check(client, "", 700, &hs);
-  double elapsed = now_ms() - t0;
+  int64_t elapsed = fsdp_clock_now_ms() - t0;
   assert_int_equal(r, FSDP_E_DEADLINE_EXCEEDED);
   assert_true(elapsed >= 650 && elapsed < 3000);
   assert_non_null(strstr(fsdp_client_last_error(client), "700 ms"));
@@ -433,10 +428,10 @@ static void test_deadline(void **state) {
   assert_int_equal(fsdp_client_connect(fs->target, NULL, &client), 0);
   uint8_t *reply = NULL;
   size_t len = 0;
-  double t0 = now_ms();
+  int64_t t0 = fsdp_clock_now_ms();
   assert_int_equal(fsdp_client_call_raw(client, "/test/Slow", "", 0, 200, &reply, &len),
                    FSDP_E_DEADLINE_EXCEEDED);
-  double elapsed = now_ms() - t0;
+  int64_t elapsed = fsdp_clock_now_ms() - t0;
   assert_true(elapsed >= 190 && elapsed < 2000);
   assert_non_null(strstr(fsdp_client_last_error(client), "200 ms"));
   /* The client is still usable afterwards. */

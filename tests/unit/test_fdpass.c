@@ -22,6 +22,7 @@
 
 #include <cmocka.h>
 
+#include "common/clock.h"
 #include "common/fdpass.h"
 #include "tests/unit/fd_count.h"
 
@@ -43,12 +44,6 @@ typedef struct header {
       _exit(1);                                                                        \
     }                                                                                  \
   } while (0)
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static void make_pair(int sv[2]) {
   assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
@@ -174,9 +169,9 @@ static void test_timeout_when_nothing_is_sent(void **state) {
   make_pair(sv);
   header_t h;
   int fd = -1;
-  int64_t t0 = now_ms();
+  int64_t t0 = fsdp_clock_now_ms();
   assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 1, 150, &fd, NULL), -ETIMEDOUT);
-  int64_t waited = now_ms() - t0;
+  int64_t waited = fsdp_clock_now_ms() - t0;
   assert_true(waited >= 150);
   assert_true(waited < 2000);
   assert_int_equal(fd, -1); /* written only on success */
@@ -201,9 +196,9 @@ static void test_eintr_keeps_the_deadline(void **state) {
   int sv[2];
   make_pair(sv);
   header_t h;
-  int64_t t0 = now_ms();
+  int64_t t0 = fsdp_clock_now_ms();
   assert_int_equal(fsdp_fd_recv(sv[1], &h, sizeof h, 0, 200, NULL, NULL), -ETIMEDOUT);
-  assert_true(now_ms() - t0 >= 200);
+  assert_true(fsdp_clock_now_ms() - t0 >= 200);
 
   struct itimerval off = {{0, 0}, {0, 0}};
   setitimer(ITIMER_REAL, &off, NULL);
@@ -384,9 +379,9 @@ static void test_send_timeout_when_peer_does_not_read(void **state) {
   assert_true(errno == EAGAIN || errno == EWOULDBLOCK);
   assert_int_equal(fcntl(sv[0], F_SETFL, fl), 0); /* blocking again: still no hang */
   header_t h = {.magic = MAGIC};
-  int64_t t0 = now_ms();
+  int64_t t0 = fsdp_clock_now_ms();
   assert_int_equal(fsdp_fd_send(sv[0], NULL, 0, &h, sizeof h, 100), -ETIMEDOUT);
-  assert_true(now_ms() - t0 >= 100);
+  assert_true(fsdp_clock_now_ms() - t0 >= 100);
   close(sv[0]);
   close(sv[1]);
 }

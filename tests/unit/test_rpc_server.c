@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -22,6 +21,7 @@
 #include "fsdp/v1/operator.pb-c.h"
 
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "daemon/rpc/rpc_server.h"
 
 typedef struct result {
@@ -335,13 +335,12 @@ static void parked_through_stop(fixture_t *f) {
     return;
   Fsdp__V1__StatusRequest rq = FSDP__V1__STATUS_REQUEST__INIT;
   ProtobufCMessage *reply = NULL;
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int64_t t0 = fsdp_clock_now_ms();
   int code = fsdp_client_call(client, "/fsdp.v1.Operator/Drain", &rq.base,
                               &fsdp__v1__status_reply__descriptor, 10000, &reply);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
+  int64_t t1 = fsdp_clock_now_ms();
   record(&f->results[0], client, code, reply);
-  f->results[1].code = (int)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000);
+  f->results[1].code = (int)(t1 - t0);
   fsdp_client_close(client);
 }
 
@@ -359,21 +358,17 @@ static void test_stop_cancels_parked_calls_after_drain(void **state) {
 }
 
 static void work_done_during_stop(fixture_t *f) {
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int64_t t0 = fsdp_clock_now_ms();
   call(f, "/fsdp.v1.Operator/Resume", 10000, &f->results[0]);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  f->results[1].code = (int)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000);
+  f->results[1].code = (int)(fsdp_clock_now_ms() - t0);
 }
 
 static void test_stop_ends_as_soon_as_work_is_done(void **state) {
   (void)state;
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int64_t t0 = fsdp_clock_now_ms();
   /* A 5 s drain; the deferred reply comes after 30 ms and the stop follows it at once. */
   fixture_t *f = run(work_done_during_stop, 16, 5000, true);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  long elapsed_ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+  int64_t elapsed_ms = fsdp_clock_now_ms() - t0;
   assert_int_equal(f->results[0].code, 0);
   assert_string_equal(f->results[0].version, "deferred");
   assert_in_range(elapsed_ms, 0, 2000);

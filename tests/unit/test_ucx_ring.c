@@ -37,6 +37,7 @@
 #include <cmocka.h>
 
 #include "collectives/ring.h"
+#include "common/clock.h"
 #include "kernels/kernels.h"
 #include "transport/ucx.h"
 
@@ -46,18 +47,12 @@
 
 /* ---- Small bounded I/O between parent and members ---- */
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static int io_full(int fd, void *buf, size_t len, bool writing, int timeout_ms) {
   char *p = buf;
-  int64_t end = now_ms() + timeout_ms;
+  int64_t end = fsdp_clock_now_ms() + timeout_ms;
   while (len > 0) {
     struct pollfd pfd = {.fd = fd, .events = writing ? POLLOUT : POLLIN};
-    int left = (int)(end - now_ms());
+    int left = (int)(end - fsdp_clock_now_ms());
     if (left <= 0 || poll(&pfd, 1, left) <= 0)
       return -ETIMEDOUT;
     ssize_t n = writing ? write(fd, p, len) : read(fd, p, len);
@@ -176,8 +171,8 @@ static bool run_until(member_t *m, const bool *flag, int timeout_ms) {
   uv_timer_t guard;
   uv_timer_init(&m->loop, &guard);
   uv_timer_start(&guard, on_guard, 50, 50);
-  int64_t end = now_ms() + timeout_ms;
-  while (!*flag && now_ms() < end)
+  int64_t end = fsdp_clock_now_ms() + timeout_ms;
+  while (!*flag && fsdp_clock_now_ms() < end)
     uv_run(&m->loop, UV_RUN_ONCE);
   uv_close((uv_handle_t *)&guard, NULL);
   uv_run(&m->loop, UV_RUN_NOWAIT);
@@ -269,7 +264,7 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *st, void *arg) 
   (void)ring;
   result_t *res = arg;
   res->st = *st;
-  res->elapsed_ms = now_ms() - res->start_ms;
+  res->elapsed_ms = fsdp_clock_now_ms() - res->start_ms;
   res->done = true;
 }
 
@@ -335,7 +330,7 @@ static int check_collective(member_t *m, fsdp_ring_kind_t kind, fsdp_dtype_t t, 
     else if (kind == FSDP_RING_ALL_REDUCE || r == m->self)
       ring_sum(want + r * rb, t, m->n, r, sh.elems, op_id);
   }
-  result_t res = {.start_ms = now_ms()};
+  result_t res = {.start_ms = fsdp_clock_now_ms()};
   fsdp_ring_args_t a = {.kind = kind, .n = m->n, .self = m->self, .peers = m->peers,
                         .buf = buf, .region_bytes = rb, .dtype = t, .op_id = op_id,
                         .deadline_ms = uv_now(&m->loop) + 15000,
@@ -424,7 +419,7 @@ static int check_produce_failure(member_t *m, uint32_t op_id) {
   hooks_t h = {.m = m, .kind = FSDP_RING_REDUCE_SCATTER, .t = FSDP_DTYPE_FP32, .rb = rb,
                .seed = op_id, .buf = buf, .out = out, .finalized = fin,
                .fail_region = m->self == 0 ? m->n - 1 : FSDP_RING_MAX};
-  result_t res = {.start_ms = now_ms()};
+  result_t res = {.start_ms = fsdp_clock_now_ms()};
   fsdp_ring_args_t a = {.kind = FSDP_RING_REDUCE_SCATTER, .n = m->n, .self = m->self,
                         .peers = m->peers, .buf = buf, .region_bytes = rb,
                         .dtype = FSDP_DTYPE_FP32, .op_id = op_id,
@@ -492,7 +487,7 @@ static void on_slow(uv_prepare_t *h) {
 static int member_fault(member_t *m, bool victim) {
   size_t rb = FAULT_ELEMS * 4;
   float *buf = calloc(FAULT_ELEMS * m->n, 4);
-  result_t res = {.start_ms = now_ms()};
+  result_t res = {.start_ms = fsdp_clock_now_ms()};
   fsdp_ring_args_t a = {.kind = FSDP_RING_ALL_REDUCE, .n = m->n, .self = m->self,
                         .peers = m->peers, .buf = buf, .region_bytes = rb,
                         .dtype = FSDP_DTYPE_FP32, .op_id = 77,
@@ -527,7 +522,7 @@ static int member_fault(member_t *m, bool victim) {
 static int member_cancel(member_t *m) {
   size_t rb = FAULT_ELEMS * 4;
   float *buf = calloc(FAULT_ELEMS * m->n, 4);
-  result_t res = {.start_ms = now_ms()};
+  result_t res = {.start_ms = fsdp_clock_now_ms()};
   fsdp_ring_args_t a = {.kind = FSDP_RING_ALL_REDUCE, .n = m->n, .self = m->self,
                         .peers = m->peers, .buf = buf, .region_bytes = rb,
                         .dtype = FSDP_DTYPE_FP32, .op_id = 99,
@@ -650,11 +645,11 @@ static unsigned group_reap(group_t *g) {
   unsigned ok = 0;
   for (unsigned i = 0; i < g->n; i++)
     send_blob(g->sock[i], "bye", 3);
-  int64_t end = now_ms() + REAP_TIMEOUT_MS;
+  int64_t end = fsdp_clock_now_ms() + REAP_TIMEOUT_MS;
   for (unsigned i = 0; i < g->n; i++) {
     int status = 0;
     pid_t r;
-    while ((r = waitpid(g->pid[i], &status, WNOHANG)) == 0 && now_ms() < end)
+    while ((r = waitpid(g->pid[i], &status, WNOHANG)) == 0 && fsdp_clock_now_ms() < end)
       usleep(2000);
     if (r == 0) {
       kill(g->pid[i], SIGKILL);

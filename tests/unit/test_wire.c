@@ -65,6 +65,28 @@ static void test_specific_mappings(void **state) {
   assert_null(fsdp_error_name(-ENOENT));
 }
 
+/* The names libfsdp gives bindings (Python's fsdpd.Error.status): a domain code named after
+ * a gRPC status travels as that status, the other two as the table says, an errno by the
+ * table or as INTERNAL. */
+static void test_error_status_names(void **state) {
+  (void)state;
+  static const char prefix[] = "FSDP_E_";
+  for (size_t i = 0; i < N_DOMAIN_CODES; i++) {
+    int err = domain_codes[i];
+    if (err == FSDP_E_PROTOCOL_VERSION || err == FSDP_E_CONFIG)
+      continue;
+    assert_string_equal(fsdp_error_status_name(err), fsdp_error_name(err) + sizeof prefix - 1);
+  }
+  assert_string_equal(fsdp_error_status_name(FSDP_E_PROTOCOL_VERSION), "FAILED_PRECONDITION");
+  assert_string_equal(fsdp_error_status_name(FSDP_E_CONFIG), "INVALID_ARGUMENT");
+  assert_string_equal(fsdp_error_status_name(-ENOENT), "NOT_FOUND");
+  assert_string_equal(fsdp_error_status_name(-EAGAIN), "UNAVAILABLE");
+  assert_string_equal(fsdp_error_status_name(-EXDEV), "INTERNAL");
+  assert_string_equal(fsdp_error_status_name(0), "OK");
+  assert_string_equal(fsdp_wire_status_name(GRPC_STATUS_UNAUTHENTICATED), "UNAUTHENTICATED");
+  assert_string_equal(fsdp_wire_status_name((grpc_status_code)99), "UNKNOWN");
+}
+
 static void test_method_paths_and_streaming(void **state) {
   (void)state;
   char path[FSDP_WIRE_PATH_MAX];
@@ -342,6 +364,7 @@ int main(void) {
       cmocka_unit_test(test_every_domain_code_has_a_status_and_text),
       cmocka_unit_test(test_every_grpc_status_round_trips),
       cmocka_unit_test(test_specific_mappings),
+      cmocka_unit_test(test_error_status_names),
       cmocka_unit_test(test_method_paths_and_streaming),
       cmocka_unit_test(test_round_trip_with_nested_messages),
       cmocka_unit_test(test_missing_payload_is_an_empty_message),

@@ -1,0 +1,33 @@
+/* The limits and names the trainers' side (libfsdp, fsdpctl, python/fsdpd) and the daemon
+ * must agree on, in one place: a client that checks a request before sending it checks it
+ * against the daemon's own numbers, and finds the daemon's sockets by the daemon's own names.
+ *
+ * They belong to the protocol (FSDP_PROTOCOL_VERSION in include/fsdp/fsdp_version.h): lowering
+ * a limit, or renaming a socket, breaks clients built against the old value, so it comes with
+ * a new protocol version. The public headers repeat some of them in prose (fsdp_trainer.h);
+ * python/fsdpd says where it repeats one. */
+#ifndef FSDP_PROTO_LIMITS_H
+#define FSDP_PROTO_LIMITS_H
+
+/* The run directory (daemon.run_dir): the gRPC socket trainers and operators connect to,
+ * the memory channel's socket (proto/fsdp/v1/channel.proto; AttachReply names its path),
+ * and the lock file that says which daemon owns the directory. */
+#define FSDP_SOCKET_NAME "fsdpd.sock"
+#define FSDP_CHANNEL_SOCKET_NAME "fsdpd.mem.sock"
+#define FSDP_LOCK_NAME "fsdpd.lock"
+/* daemon.run_dir's default, and so where the tools look for the socket without being told. */
+#define FSDP_DEFAULT_RUN_DIR "./run"
+#define FSDP_DEFAULT_SOCKET FSDP_DEFAULT_RUN_DIR "/" FSDP_SOCKET_NAME
+
+/* Trainer.Attach. */
+#define FSDP_JOB_NAME_MAX 64      /* bytes of a job name, of [A-Za-z0-9._-] */
+#define FSDP_LOCAL_WORLD_MAX 256  /* a job's local ranks on one host */
+#define FSDP_JOB_TOKEN_MAX 256    /* bytes of a job token */
+
+/* Trainer.RegisterUnit. */
+#define FSDP_UNIT_NAME_MAX 256           /* bytes in a unit or parameter name */
+#define FSDP_UNIT_MAX_PARAMS 65536       /* parameters in one unit */
+#define FSDP_UNIT_MAX_DIMS 64            /* dimensions of one parameter */
+#define FSDP_UNIT_MAX_NUMEL (1ull << 40) /* elements in one unit */
+
+#endif
