@@ -125,17 +125,6 @@ struct fsdp_peers {
   void *done_data;
 };
 
-static const char *const status_names[] = {
-    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-    "UNAUTHENTICATED"};
-
-static const char *status_name(grpc_status_code code) {
-  return (unsigned)code < sizeof status_names / sizeof status_names[0] ? status_names[code]
-                                                                        : "UNKNOWN";
-}
-
 /* --- secrets -------------------------------------------------------------------------- */
 
 static int read_secret_file(const char *key, const char *path, bool trim, char **ret,
@@ -371,7 +360,7 @@ static bool send_heartbeat(void *data, unsigned host_rank) {
 static void describe_failure(const pcall_t *c, char *buf, size_t size) {
   const char *name = c->kind == CALL_JOIN ? "Join" : c->kind == CALL_HEARTBEAT ? "Heartbeat" : "Leave";
   int len = (int)GRPC_SLICE_LENGTH(c->details);
-  snprintf(buf, size, "%s: %s: %.*s", name, status_name(c->status), len,
+  snprintf(buf, size, "%s: %s: %.*s", name, fsdp_wire_status_name(c->status), len,
            (const char *)GRPC_SLICE_START_PTR(c->details));
 }
 
@@ -440,7 +429,7 @@ static void on_join_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
       fsdp_membership_join_unreachable(peers->m, p->rank, now_ms(peers), failure);
     char why[700];
     int len = (int)GRPC_SLICE_LENGTH(c->details);
-    snprintf(why, sizeof why, "%s %.*s", status_name(c->status), len,
+    snprintf(why, sizeof why, "%s %.*s", fsdp_wire_status_name(c->status), len,
              (const char *)GRPC_SLICE_START_PTR(c->details));
     confirmations_done(peers, p, why);
     return;
@@ -505,7 +494,7 @@ static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
   case CALL_LEAVE:
     if (c->status != GRPC_STATUS_OK)
       log_warning("peers: Leave to host %u (%s): %s", p->rank, p->m->address,
-                  status_name(c->status));
+                  fsdp_wire_status_name(c->status));
     break;
   }
   pcall_free(c);
