@@ -11,6 +11,7 @@
 #include "transport/ucx.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,16 @@ struct fsdp_ucx_peer {
   bool needs_notify;
   char label[FSDP_UCX_LABEL_MAX];
   char error[160];
+};
+
+/* A send's copy of the caller's data, for a peer without peer error handling: UCX holds it
+ * until it lets go of the send, which after fsdp_ucx_peer_fail may be long after the
+ * caller's request has ended, or never (then it goes with the worker). */
+struct fsdp_ucx_bounce {
+  fsdp_ucx_t *ucx;
+  fsdp_ucx_req_t *req; /* NULL once the request ended without it */
+  fsdp_ucx_bounce_t *prev, *next; /* in ucx->bounces */
+  max_align_t data[];
 };
 
 struct fsdp_ucx_mem {
@@ -54,6 +65,7 @@ struct fsdp_ucx {
   bool driving, again;
   fsdp_ucx_peer_t *peers;
   fsdp_ucx_mem_t *mems;
+  fsdp_ucx_bounce_t *bounces;
   fsdp_ucx_req_t *done_head, *done_tail;
   unsigned ep_closes; /* ucp_ep_close_nbx requests not completed yet */
   bool closing, destroyed;
@@ -89,12 +101,28 @@ static void pending_unlink(fsdp_ucx_req_t *r) {
   r->prev = r->next = NULL;
 }
 
-/* Records the outcome of a request and queues its callback; safe inside ucp callbacks. */
+static void bounce_free(fsdp_ucx_bounce_t *b) {
+  fsdp_ucx_t *u = b->ucx;
+  if (b->prev)
+    b->prev->next = b->next;
+  else
+    u->bounces = b->next;
+  if (b->next)
+    b->next->prev = b->prev;
+  free(b);
+}
+
+/* Records the outcome of a request and queues its callback; safe inside ucp callbacks. A
+ * send from a copy leaves the copy to UCX. */
 static void complete(fsdp_ucx_req_t *r, int status) {
   if (r->done)
     return;
   r->done = true;
   r->ucp_req = NULL;
+  if (r->bounce) {
+    r->bounce->req = NULL;
+    r->bounce = NULL;
+  }
   r->status = status;
   pending_unlink(r);
   fsdp_ucx_t *u = r->ucx;
@@ -134,6 +162,17 @@ static void send_cb(void *request, ucs_status_t st, void *user_data) {
   fsdp_ucx_req_t *r = user_data;
   ucp_request_free(request);
   complete(r, status_of(r, st));
+}
+
+static void bounce_send_cb(void *request, ucs_status_t st, void *user_data) {
+  fsdp_ucx_bounce_t *b = user_data;
+  fsdp_ucx_req_t *r = b->req;
+  ucp_request_free(request);
+  bounce_free(b);
+  if (r) {
+    r->bounce = NULL;
+    complete(r, status_of(r, st));
+  }
 }
 
 static void recv_cb(void *request, ucs_status_t st, const ucp_tag_recv_info_t *info,
@@ -194,11 +233,48 @@ static ucp_request_param_t transfer_params(fsdp_ucx_req_t *req, const fsdp_ucx_m
   return rp;
 }
 
+/* A send to a peer without peer error handling, from a copy of buf: UCX cannot end a send
+ * to such a peer (see peer_close_now), so the copy is what stays with UCX when the peer
+ * fails, and the caller's request ends at once. */
+static void send_bounced(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf,
+                         size_t len, uint64_t tag) {
+  fsdp_ucx_t *u = peer->ucx;
+  fsdp_ucx_bounce_t *b = malloc(sizeof *b + len);
+  if (!b) {
+    complete(req, -ENOMEM);
+    schedule(u);
+    return;
+  }
+  b->ucx = u;
+  b->req = req;
+  b->prev = NULL;
+  b->next = u->bounces;
+  if (u->bounces)
+    u->bounces->prev = b;
+  u->bounces = b;
+  if (len)
+    memcpy(b->data, buf, len);
+  req->bounce = b;
+  ucp_request_param_t rp = transfer_params(req, NULL, b->data, len);
+  rp.user_data = b;
+  rp.cb.send = bounce_send_cb;
+  ucs_status_ptr_t sp = ucp_tag_send_nbx(peer->ep, b->data, len, tag, &rp);
+  if (!UCS_PTR_IS_PTR(sp)) { /* done or failed in the call, without the callback */
+    req->bounce = NULL;
+    bounce_free(b);
+  }
+  req_started(req, sp);
+}
+
 int fsdp_ucx_send(fsdp_ucx_req_t *req, fsdp_ucx_peer_t *peer, const void *buf, size_t len,
                   const fsdp_ucx_mem_t *mem, uint64_t tag, fsdp_ucx_req_cb cb) {
   if (peer->failed || !peer->ep)
     return FSDP_E_UNAVAILABLE;
   req_start(req, peer, cb, len, false);
+  if (!peer->err_handling) {
+    send_bounced(req, peer, buf, len, tag);
+    return 0;
+  }
   ucp_request_param_t rp = transfer_params(req, mem, buf, len);
   rp.cb.send = send_cb;
   req_started(req, ucp_tag_send_nbx(peer->ep, buf, len, tag, &rp));
@@ -287,7 +363,8 @@ static void ep_close_cb(void *request, ucs_status_t st, void *user_data) {
  * (UCS_ERR_CANCELED), and cancels the receives attributed to the peer. Not from inside a
  * ucp callback. UCX refuses that close (UCS_ERR_INVALID_PARAM, doing nothing) for an
  * endpoint without peer error handling, the shared-memory one: its sends queued behind the
- * peer's full FIFO end only when the peer takes them, or with the worker. */
+ * peer's full FIFO end only when the peer takes them, or with the worker. Those sends are
+ * from copies (send_bounced), so their requests end here at once and UCX keeps the copies. */
 static void peer_close_now(fsdp_ucx_peer_t *p) {
   fsdp_ucx_t *u = p->ucx;
   p->needs_close = false;
@@ -304,6 +381,12 @@ static void peer_close_now(fsdp_ucx_peer_t *p) {
     ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
     if (UCS_PTR_IS_PTR(sp))
       u->ep_closes++;
+  }
+  int status = u->closing ? FSDP_E_CANCELLED : FSDP_E_UNAVAILABLE;
+  for (fsdp_ucx_req_t *r = p->pending, *next; r; r = next) {
+    next = r->next;
+    if (r->bounce)
+      complete(r, status);
   }
   /* Each cancel may complete (and unlink) that request only, so walk from the head again
    * after each one; requests already asked are skipped through their flag. */
@@ -659,6 +742,8 @@ static void finish_close(fsdp_ucx_t *u) {
     for (fsdp_ucx_req_t *r = p->pending; r; r = r->next)
       r->ucp_req = NULL; /* freed with the worker */
   destroy_ucp(u);
+  while (u->bounces) /* the copies of sends UCX never let go of */
+    bounce_free(u->bounces);
   for (fsdp_ucx_peer_t *p = u->peers; p; p = p->next)
     while (p->pending) {
       fsdp_ucx_req_t *r = p->pending;

@@ -45,6 +45,7 @@ typedef struct fsdp_ucx fsdp_ucx_t;
 typedef struct fsdp_ucx_peer fsdp_ucx_peer_t;
 typedef struct fsdp_ucx_req fsdp_ucx_req_t;
 typedef struct fsdp_ucx_mem fsdp_ucx_mem_t;
+typedef struct fsdp_ucx_bounce fsdp_ucx_bounce_t;
 
 /* Longest peer label kept (longer ones are cut). */
 #define FSDP_UCX_LABEL_MAX 96
@@ -74,6 +75,7 @@ struct fsdp_ucx_req {
   fsdp_ucx_t *ucx;
   fsdp_ucx_peer_t *peer;
   void *ucp_req;
+  fsdp_ucx_bounce_t *bounce; /* the copy a send to a peer without error handling is from */
   fsdp_ucx_req_cb cb;
   fsdp_ucx_req_t *prev, *next; /* in the peer's pending list, then in the completed queue */
   size_t expected, received;
