@@ -144,6 +144,31 @@ static int64_t fail(fsdp_client_t *client, unsigned rank, const char *what, int 
 }
 
 /* Attaches, registers the unit and fills this rank's master shard and full gradient. */
+/* Before a timed ReduceScatter of step: the backward's Unshard lends this rank its gradient
+ * buffer (the copy it also lends goes back at once), which is then written: across hosts with
+ * gradients of 1 everywhere, whose mean over all ranks is 1; else with finite values. */
+static int64_t lend_gradient(const options_t *o, fsdp_client_t *client, fsdp_trainer_t *t,
+                             fsdp_unit_handle_t *unit, unsigned rank, uint64_t step) {
+  int r;
+  if ((r = fsdp_trainer_unshard(t, unit, step, FSDP_PASS_BACKWARD)) < 0)
+    return fail(client, rank, "unshard for the backward", r);
+  if ((r = fsdp_trainer_reshard(t, unit, step)) < 0)
+    return fail(client, rank, "reshard", r);
+  const fsdp_unit_view_t *v = fsdp_unit_view(unit);
+  if (o->hosts == 1) {
+    memset(v->full_grad, 0x3c, v->padded_numel * scalar_size(o->dtype));
+  } else if (o->dtype == FSDP_SCALAR_FP32) {
+    float *g = v->full_grad;
+    for (uint64_t i = 0; i < v->padded_numel; i++)
+      g[i] = 1.0f;
+  } else {
+    uint16_t *g = v->full_grad;
+    for (uint64_t i = 0; i < v->padded_numel; i++)
+      g[i] = 0x3f80; /* 1.0 in bf16 */
+  }
+  return 0;
+}
+
 static int64_t rank_setup(const options_t *o, unsigned rank, const char *socket_path,
                           fsdp_client_t **ret_client, fsdp_trainer_t **ret_trainer,
                           fsdp_unit_handle_t **ret_unit) {
@@ -166,26 +191,13 @@ static int64_t rank_setup(const options_t *o, unsigned rank, const char *socket_
     return fail(*ret_client, rank, "register_unit", r);
   const fsdp_unit_view_t *v = fsdp_unit_view(*ret_unit);
   float *shard = v->master + (uint64_t)(v->shard - v->host_first_shard) * v->shard_numel;
-  if (o->hosts == 1) {
-    for (uint64_t i = 0; i < v->shard_numel; i++)
-      shard[i] = (float)((i + v->shard) % 1000) * 0.001f;
-    memset(v->full_grad, 0x3c, v->padded_numel * scalar_size(o->dtype)); /* finite values */
-    return 0;
-  }
-  /* Across hosts every rank checks what came back: masters whose values are exact in bf16,
-   * and gradients of 1 everywhere, whose mean over all ranks is 1. */
+  /* Across hosts every rank checks what comes back: masters whose values are exact in bf16. */
   for (uint64_t i = 0; i < v->shard_numel; i++)
-    shard[i] = master_value(v->shard * v->shard_numel + i);
-  if (o->dtype == FSDP_SCALAR_FP32) {
-    float *g = v->full_grad;
-    for (uint64_t i = 0; i < v->padded_numel; i++)
-      g[i] = 1.0f;
-  } else {
-    uint16_t *g = v->full_grad;
-    for (uint64_t i = 0; i < v->padded_numel; i++)
-      g[i] = 0x3f80; /* 1.0 in bf16 */
-  }
-  return 0;
+    shard[i] = o->hosts == 1 ? (float)((i + v->shard) % 1000) * 0.001f
+                             : master_value(v->shard * v->shard_numel + i);
+  return o->op == OP_REDUCE_SCATTER ? lend_gradient(o, *ret_client, *ret_trainer, *ret_unit,
+                                                    rank, 1)
+                                    : 0;
 }
 
 /* Samples of every shard of the unsharded copy (17 each, the first and last included) against
@@ -226,7 +238,7 @@ static int64_t rank_iterate(const options_t *o, fsdp_client_t *client, fsdp_trai
   int r;
   int64_t bad;
   if (o->op == OP_UNSHARD) {
-    if ((r = fsdp_trainer_unshard(t, unit, step)) < 0)
+    if ((r = fsdp_trainer_unshard(t, unit, step, FSDP_PASS_FORWARD)) < 0)
       return fail(client, rank, "unshard", r);
     int64_t end = (int64_t)fsdp_clock_now_ns();
     if (o->hosts > 1 && (bad = check_unshard(o, fsdp_unit_view(unit), rank)) < 0)
@@ -240,6 +252,9 @@ static int64_t rank_iterate(const options_t *o, fsdp_client_t *client, fsdp_trai
     return fail(client, rank, "reduce_scatter", r);
   int64_t end = (int64_t)fsdp_clock_now_ns();
   if (o->hosts > 1 && (bad = check_reduce_scatter(fsdp_unit_view(unit), rank)) < 0)
+    return bad;
+  /* The next iteration's gradient buffer, outside the timed call. */
+  if ((bad = lend_gradient(o, client, t, unit, rank, step + 1)) < 0)
     return bad;
   return end;
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -29,8 +30,19 @@ struct fsdp_unit_handle {
   char *name;
   fsdp_strategy_t strategy;
   uint64_t *param_offsets;
+  size_t param_size; /* bytes of a param_type element */
   fsdp_unit_view_t view;
-  fsdp_client_started_t *started; /* the Unshard of fsdp_trainer_unshard_start, until waited */
+  /* Where the lent buffers appear: address ranges reserved for the unit's life (area_bytes
+   * each, PROT_NONE while nothing is lent), onto which the buffer the daemon lends is mapped
+   * at each Unshard. A pointer taken once (a tensor autograd saved in the forward) thus
+   * stays valid across a Reshard and the backward's Unshard, whichever pool buffer that
+   * lends, and reading after a Reshard faults instead of reading another unit's data. */
+  uint8_t *unsharded_area, *grad_area;
+  size_t area_bytes;
+  /* The operation of fsdp_trainer_unshard_start or fsdp_trainer_reduce_scatter_start, until
+   * waited for. */
+  fsdp_client_started_t *started;
+  const char *started_op; /* "Unshard" or "ReduceScatter", for messages */
   uint64_t started_step;
 };
 
@@ -43,6 +55,8 @@ struct fsdp_trainer {
   size_t memory_size;
   const void *shared;  /* its unsharded buffers (memory 1, read-only), or NULL */
   size_t shared_size;
+  int memory_fd, shared_fd; /* kept to map lent buffers into the units' areas */
+  size_t page_bytes;        /* the larger of the two memories' pages */
   fsdp_unit_handle_t **units;
   size_t n_units, units_cap;
 };
@@ -55,6 +69,10 @@ static void unit_free(fsdp_unit_handle_t *unit) {
   if (!unit)
     return;
   fsdp_client_call_cancel(unit->trainer->client, unit->started);
+  if (unit->unsharded_area)
+    munmap(unit->unsharded_area, unit->area_bytes);
+  if (unit->grad_area)
+    munmap(unit->grad_area, unit->area_bytes);
   free(unit->param_offsets);
   free(unit->name);
   free(unit);
@@ -70,6 +88,10 @@ static void trainer_free(fsdp_trainer_t *t) {
     munmap(t->memory, t->memory_size);
   if (t->shared)
     munmap((void *)t->shared, t->shared_size);
+  if (t->memory_fd >= 0)
+    close(t->memory_fd);
+  if (t->shared_fd >= 0)
+    close(t->shared_fd);
   free(t);
 }
 
@@ -179,7 +201,19 @@ static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Channe
   int r = map_memory(t, path, w, fds, 0, true, &t->memory, &t->memory_size);
   if (r == 0 && (r = map_memory(t, path, w, fds, 1, false, &shared, &t->shared_size)) == 0)
     t->shared = shared;
-  return r;
+  if (r < 0)
+    return r;
+  /* Lent buffers start on their arena's pages (hugetlb ones are 2 MiB): the block size a
+   * memfd reports. */
+  t->page_bytes = (size_t)sysconf(_SC_PAGESIZE);
+  for (size_t i = 0; i < 2; i++) {
+    struct stat sb;
+    if (fstat(fds[i], &sb) == 0 && (size_t)sb.st_blksize > t->page_bytes)
+      t->page_bytes = (size_t)sb.st_blksize;
+  }
+  t->memory_fd = fds[0];
+  t->shared_fd = fds[1];
+  return 0;
 }
 
 /* The memory channel (proto/fsdp/v1/channel.proto): hello, welcome with the arena's
@@ -225,9 +259,10 @@ static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
   } else {
     r = map_arena(t, path, w, fds, n_fds);
   }
-  /* The mapping holds the memory; the descriptors are not needed any more. */
+  /* The trainer keeps the two it maps lent buffers from. */
   for (size_t i = 0; i < n_fds; i++)
-    close(fds[i]);
+    if (fds[i] != t->memory_fd && fds[i] != t->shared_fd)
+      close(fds[i]);
   if (w)
     protobuf_c_message_free_unpacked(&w->base, NULL);
   return r;
@@ -253,7 +288,7 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
     return fsdp_client_set_last_error(client, -ENOMEM, "fsdp_trainer_attach: out of memory");
   t->client = client;
   t->local_rank = opts->local_rank;
-  t->channel_fd = -1;
+  t->channel_fd = t->memory_fd = t->shared_fd = -1;
   bool detach = true;
 
   /* The daemon checks the job name, so that its message (and its one rule) is what users see. */
@@ -371,17 +406,16 @@ static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
 
 /* A buffer of the reply must lie inside its mapping (of `size` bytes), aligned for its
  * elements: the views hand out typed pointers into it. */
-static int check_buffer(fsdp_trainer_t *t, const char *unit, const char *what, uint64_t offset,
-                        uint64_t numel, size_t elem, size_t size) {
+static int check_buffer(fsdp_trainer_t *t, const char *call, const char *unit, const char *what,
+                        uint64_t offset, uint64_t numel, size_t elem, size_t size) {
   uint64_t bytes;
   if (offset % elem == 0 && !__builtin_mul_overflow(numel, (uint64_t)elem, &bytes) &&
       offset <= size && bytes <= size - offset)
     return 0;
   return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
-                                    "RegisterUnit of unit '%.256s': the %s buffer at offset %llu, "
-                                    "%llu elements of %zu bytes, does not fit the %zu-byte "
-                                    "mapping",
-                                    unit, what, (unsigned long long)offset,
+                                    "%s of unit '%.256s': the %s buffer at offset %llu, %llu "
+                                    "elements of %zu bytes, does not fit the %zu-byte mapping",
+                                    call, unit, what, (unsigned long long)offset,
                                     (unsigned long long)numel, elem, size);
 }
 
@@ -407,15 +441,12 @@ static int check_layout(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
                                         "%llu, past the unit's %llu",
                                         d->name, i, (unsigned long long)l->param_offsets[i],
                                         (unsigned long long)l->numel);
-  size_t elem = scalar_bytes(d->param_type);
   uint64_t host_numel = (uint64_t)l->host_shards * l->shard_numel;
   int r;
   size_t rw = t->memory_size;
-  if ((r = check_buffer(t, d->name, "unsharded", l->unsharded_offset, l->padded_numel, elem,
-                        t->shared_size)) < 0 ||
-      (r = check_buffer(t, d->name, "master", l->master_offset, host_numel, 4, rw)) < 0 ||
-      (r = check_buffer(t, d->name, "grad", l->grad_offset, host_numel, 4, rw)) < 0 ||
-      (r = check_buffer(t, d->name, "full_grad", l->full_grad_offset, l->padded_numel, elem,
+  if ((r = check_buffer(t, "RegisterUnit", d->name, "master", l->master_offset, host_numel, 4,
+                        rw)) < 0 ||
+      (r = check_buffer(t, "RegisterUnit", d->name, "grad", l->grad_offset, host_numel, 4,
                         rw)) < 0)
     return r;
   return 0;
@@ -426,6 +457,20 @@ static fsdp_unit_handle_t *find_unit(const fsdp_trainer_t *t, const char *name) 
     if (strcmp(t->units[i]->name, name) == 0)
       return t->units[i];
   return NULL;
+}
+
+/* An address range of `bytes` (whole pages) starting on a page, with nothing mapped there;
+ * NULL when the address space is exhausted. */
+static uint8_t *reserve_area(size_t bytes, size_t page) {
+  size_t span = bytes + page;
+  uint8_t *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    return NULL;
+  uint8_t *start = (uint8_t *)(((uintptr_t)p + page - 1) & ~(uintptr_t)(page - 1));
+  if (start > p)
+    munmap(p, (size_t)(start - p));
+  munmap(start + bytes, (size_t)(p + span - (start + bytes)));
+  return start;
 }
 
 /* A new handle for a confirmed layout, filed in the trainer. */
@@ -444,6 +489,7 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
     goto err_nomem;
   u->trainer = t;
   u->strategy = d->strategy;
+  u->param_size = scalar_bytes(d->param_type);
   u->name = strdup(d->name);
   u->param_offsets = malloc(l->n_param_offsets * sizeof *u->param_offsets);
   if (!u->name || !u->param_offsets) {
@@ -451,6 +497,13 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
     goto err_nomem;
   }
   memcpy(u->param_offsets, l->param_offsets, l->n_param_offsets * sizeof *u->param_offsets);
+  size_t bytes = (size_t)l->padded_numel * u->param_size;
+  u->area_bytes = (bytes + t->page_bytes - 1) / t->page_bytes * t->page_bytes;
+  if (!(u->unsharded_area = reserve_area(u->area_bytes, t->page_bytes)) ||
+      !(u->grad_area = reserve_area(u->area_bytes, t->page_bytes))) {
+    unit_free(u);
+    goto err_nomem;
+  }
   uint8_t *base = t->memory;
   u->view = (fsdp_unit_view_t){
       .numel = l->numel,
@@ -459,12 +512,10 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
       .shard = l->shard,
       .param_offsets = u->param_offsets,
       .n_params = l->n_param_offsets,
-      .unsharded = (const uint8_t *)t->shared + l->unsharded_offset,
       .master = (float *)(void *)(base + l->master_offset),
       .grad = (float *)(void *)(base + l->grad_offset),
       .host_first_shard = l->host_first_shard,
       .host_shards = l->host_shards,
-      .full_grad = base + l->full_grad_offset,
       .gathered_step = l->gathered_step,
       .reduced_step = l->reduced_step,
       .replica = l->replica,
@@ -560,46 +611,134 @@ static int check_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op) {
                                         : "the unit is required");
   if (u->started)
     return fsdp_client_set_last_error(t->client, -EBUSY,
-                                      "fsdp_trainer_%s: unit '%.256s' has an Unshard of step "
-                                      "%llu started; wait for it first",
-                                      op, u->name, (unsigned long long)u->started_step);
+                                      "fsdp_trainer_%s: unit '%.256s' has a %s of step %llu "
+                                      "started; wait for it first",
+                                      op, u->name, u->started_op,
+                                      (unsigned long long)u->started_step);
   return 0;
 }
 
-static int unit_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *path, uint64_t step,
-                   bool accumulate) {
-  Fsdp__V1__UnitOpRequest rq = FSDP__V1__UNIT_OP_REQUEST__INIT;
-  rq.session_id = t->session_id;
-  rq.unit = u->name;
-  rq.step = step;
-  rq.accumulate = accumulate;
-  ProtobufCMessage *reply = NULL;
-  int r = fsdp_client_call(t->client, path, &rq.base, &fsdp__v1__unit_op_reply__descriptor, 0,
-                           &reply);
-  if (r == 0)
+/* The gradient step of a unit: a NO_SHARD unit keeps one whole copy, so it is an all-reduce. */
+static const char *reduce_path(const fsdp_unit_handle_t *u) {
+  return u->strategy == FSDP_NO_SHARD ? TRAINER_PATH("AllReduce") : TRAINER_PATH("ReduceScatter");
+}
+
+static void fill_request(const fsdp_trainer_t *t, const fsdp_unit_handle_t *u, uint64_t step,
+                         Fsdp__V1__UnitOpRequest *rq) {
+  fsdp__v1__unit_op_request__init(rq);
+  rq->session_id = t->session_id;
+  rq->unit = u->name;
+  rq->step = step;
+}
+
+/* Maps the lent buffer at `offset` of memory fd (of `size` bytes) onto a unit's area. */
+static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, uint8_t *area,
+                    int fd, size_t size, uint64_t offset, bool writable) {
+  if (offset % t->page_bytes != 0 || offset > size || u->area_bytes > size - offset)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "Unshard of unit '%.256s': the lent %s buffer at offset "
+                                      "%llu (%zu bytes) is not on a %zu-byte page inside the "
+                                      "%zu-byte memory",
+                                      u->name, what, (unsigned long long)offset, u->area_bytes,
+                                      t->page_bytes, size);
+  if (mmap(area, u->area_bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+           MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, (off_t)offset) == MAP_FAILED)
+    return fsdp_client_set_last_error(t->client, -errno,
+                                      "Unshard of unit '%.256s': mapping the lent %s buffer: %s",
+                                      u->name, what, strerror(errno));
+  return 0;
+}
+
+/* Takes a lent buffer off a unit's area: a read there faults from now on. */
+static void unmap_lent(const fsdp_unit_handle_t *u, uint8_t *area) {
+  /* Replacing a mapping with a fresh reserved one cannot fail but for lack of memory for the
+   * kernel's own bookkeeping; the old mapping then stays, which is harmless. */
+  (void)mmap(area, u->area_bytes, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+}
+
+/* Points the view at what an operation's outcome lends: after an Unshard the copy (in the
+ * read-only copies, or the masters themselves) and, for the backward, the full-gradient
+ * buffer. A Reshard, a failed Unshard (the rank let go of its older copy when it asked) and
+ * any end of a ReduceScatter (which gives the gradient buffer back) take them off. */
+static int apply_outcome(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op, int r,
+                         const Fsdp__V1__UnitOpReply *reply) {
+  fsdp_unit_view_t *v = &u->view;
+  bool unshard = strcmp(op, "Unshard") == 0;
+  if (strcmp(op, "ReduceScatter") == 0) {
+    unmap_lent(u, u->grad_area);
+    v->full_grad = NULL;
+    return r;
+  }
+  if (!unshard || r < 0) {
+    unmap_lent(u, u->unsharded_area);
+    v->unsharded = NULL;
+    return r;
+  }
+  bool masters = reply->unsharded_memory == 0;
+  if ((r = map_lent(t, u, "unsharded", u->unsharded_area, masters ? t->memory_fd : t->shared_fd,
+                    masters ? t->memory_size : t->shared_size, reply->unsharded_offset,
+                    false)) < 0) {
+    v->unsharded = NULL;
+    return r;
+  }
+  v->unsharded = u->unsharded_area;
+  if (reply->full_grad_bytes) {
+    if ((r = map_lent(t, u, "full_grad", u->grad_area, t->memory_fd, t->memory_size,
+                      reply->full_grad_offset, true)) < 0)
+      return r;
+    v->full_grad = u->grad_area;
+  }
+  return 0;
+}
+
+/* Ends a call: applies its outcome to the view and frees the reply. */
+static int finish(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op, int r,
+                  ProtobufCMessage *reply) {
+  r = apply_outcome(t, u, op, r, (const Fsdp__V1__UnitOpReply *)reply);
+  if (reply)
     protobuf_c_message_free_unpacked(reply, NULL);
   return r;
 }
 
-int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step) {
+static int unit_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op, const char *path,
+                   Fsdp__V1__UnitOpRequest *rq) {
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(t->client, path, &rq->base, &fsdp__v1__unit_op_reply__descriptor, 0,
+                           &reply);
+  return finish(t, u, op, r, reply);
+}
+
+static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op, const char *path,
+                 Fsdp__V1__UnitOpRequest *rq) {
+  int r = fsdp_client_call_start(t->client, path, &rq->base, 0, &u->started);
+  if (r == 0) {
+    u->started_op = op;
+    u->started_step = rq->step;
+  }
+  return r;
+}
+
+int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step,
+                         fsdp_pass_t pass) {
   int r = check_op(trainer, unit, "unshard");
-  return r < 0 ? r : unit_op(trainer, unit, TRAINER_PATH("Unshard"), step, false);
+  if (r < 0)
+    return r;
+  Fsdp__V1__UnitOpRequest rq;
+  fill_request(trainer, unit, step, &rq);
+  rq.backward = pass == FSDP_PASS_BACKWARD;
+  return unit_op(trainer, unit, "Unshard", TRAINER_PATH("Unshard"), &rq);
 }
 
 int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
-                               uint64_t step) {
+                               uint64_t step, fsdp_pass_t pass) {
   int r = check_op(trainer, unit, "unshard_start");
   if (r < 0)
     return r;
-  Fsdp__V1__UnitOpRequest rq = FSDP__V1__UNIT_OP_REQUEST__INIT;
-  rq.session_id = trainer->session_id;
-  rq.unit = unit->name;
-  rq.step = step;
-  r = fsdp_client_call_start(trainer->client, TRAINER_PATH("Unshard"), &rq.base, 0,
-                             &unit->started);
-  if (r == 0)
-    unit->started_step = step;
-  return r;
+  Fsdp__V1__UnitOpRequest rq;
+  fill_request(trainer, unit, step, &rq);
+  rq.backward = pass == FSDP_PASS_BACKWARD;
+  return start(trainer, unit, "Unshard", TRAINER_PATH("Unshard"), &rq);
 }
 
 int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms) {
@@ -617,14 +756,16 @@ int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int tim
   ProtobufCMessage *reply = NULL;
   int r = fsdp_client_call_finish(trainer->client, started, &fsdp__v1__unit_op_reply__descriptor,
                                   timeout_ms, &reply);
-  if (r == 0)
-    protobuf_c_message_free_unpacked(reply, NULL);
-  return r;
+  return finish(trainer, unit, unit->started_op, r, reply);
 }
 
 int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step) {
   int r = check_op(trainer, unit, "reshard");
-  return r < 0 ? r : unit_op(trainer, unit, TRAINER_PATH("Reshard"), step, false);
+  if (r < 0)
+    return r;
+  Fsdp__V1__UnitOpRequest rq;
+  fill_request(trainer, unit, step, &rq);
+  return unit_op(trainer, unit, "Reshard", TRAINER_PATH("Reshard"), &rq);
 }
 
 int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
@@ -632,8 +773,65 @@ int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *uni
   int r = check_op(trainer, unit, "reduce_scatter");
   if (r < 0)
     return r;
-  /* A NO_SHARD unit keeps one whole copy: its gradient step is an all-reduce. */
-  const char *path = unit->strategy == FSDP_NO_SHARD ? TRAINER_PATH("AllReduce")
-                                                     : TRAINER_PATH("ReduceScatter");
-  return unit_op(trainer, unit, path, step, accumulate);
+  Fsdp__V1__UnitOpRequest rq;
+  fill_request(trainer, unit, step, &rq);
+  rq.accumulate = accumulate;
+  return unit_op(trainer, unit, "ReduceScatter", reduce_path(unit), &rq);
+}
+
+int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
+                                      uint64_t step, bool accumulate) {
+  int r = check_op(trainer, unit, "reduce_scatter_start");
+  if (r < 0)
+    return r;
+  Fsdp__V1__UnitOpRequest rq;
+  fill_request(trainer, unit, step, &rq);
+  rq.accumulate = accumulate;
+  return start(trainer, unit, "ReduceScatter", reduce_path(unit), &rq);
+}
+
+int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule) {
+  if (!trainer)
+    return -EINVAL;
+  if (!schedule || (schedule->n_units && !schedule->units))
+    return fsdp_client_set_last_error(trainer->client, -EINVAL,
+                                      "fsdp_trainer_set_schedule: a schedule, and its units when "
+                                      "it counts some, are required");
+  for (size_t i = 0; i < schedule->n_units; i++) {
+    const fsdp_unit_handle_t *u = schedule->units[i].unit;
+    if (!u || u->trainer != trainer)
+      return fsdp_client_set_last_error(trainer->client, -EINVAL,
+                                        "fsdp_trainer_set_schedule: units[%zu]: %s", i,
+                                        u ? "the unit belongs to another trainer"
+                                          : "the unit is required");
+  }
+  Fsdp__V1__UnitSchedule *units = calloc(schedule->n_units, sizeof *units);
+  Fsdp__V1__UnitSchedule **unit_ptrs = calloc(schedule->n_units, sizeof *unit_ptrs);
+  int r;
+  if (schedule->n_units && (!units || !unit_ptrs)) {
+    r = fsdp_client_set_last_error(trainer->client, -ENOMEM,
+                                   "fsdp_trainer_set_schedule: out of memory for %zu units",
+                                   schedule->n_units);
+    goto out;
+  }
+  for (size_t i = 0; i < schedule->n_units; i++) {
+    fsdp__v1__unit_schedule__init(&units[i]);
+    units[i].unit = schedule->units[i].unit->name;
+    units[i].reshard_after_forward = schedule->units[i].reshard_after_forward;
+    unit_ptrs[i] = &units[i];
+  }
+  Fsdp__V1__SetScheduleRequest rq = FSDP__V1__SET_SCHEDULE_REQUEST__INIT;
+  rq.session_id = trainer->session_id;
+  rq.max_inflight = schedule->max_inflight;
+  rq.n_units = schedule->n_units;
+  rq.units = unit_ptrs;
+  ProtobufCMessage *reply = NULL;
+  r = fsdp_client_call(trainer->client, TRAINER_PATH("SetSchedule"), &rq.base,
+                       &fsdp__v1__set_schedule_reply__descriptor, 0, &reply);
+  if (r == 0)
+    protobuf_c_message_free_unpacked(reply, NULL);
+out:
+  free(unit_ptrs);
+  free(units);
+  return r;
 }

@@ -85,6 +85,11 @@
     "How long a collective (the gather of a new step, a ReduceScatter) waits for every local "  \
     "rank to ask, naming in every waiter's ABORTED the ranks that did not; also the deadline "  \
     "of each ring among hosts once it starts.")                                                  \
+  X(MAX_INFLIGHT, "store.max_inflight", FSDP_OPT_INT, "2", 1, 64, NULL, NULL, true, NULL,        \
+    "How many units' unsharded copies a job's local ranks hold at once (being computed or "     \
+    "prefetched), and how many full-gradient buffers each rank holds: FSDP's "                  \
+    "limit_all_gathers. A gather past it waits for a copy to be let go (under "                 \
+    "store.collective_timeout). A job's SetSchedule may set its own.")                          \
   X(JOB_RETENTION, "store.job_retention", FSDP_OPT_DURATION, "10m", 100, 604800000, NULL, "ms",  \
     true, NULL,                                                                                  \
     "How long a job's units and memory outlive its last session, so that trainers can attach "  \

@@ -27,8 +27,8 @@ struct fsdp_dataplane_work {
   work_kind_t kind;
   fsdp_job_t *job;
   fsdp_unit_t *unit;
-  /* WORK_PREFAULT: the blocks' lengths, read on the loop: the block lists are the loop's. */
-  size_t rw_bytes, shared_bytes;
+  /* WORK_PREFAULT: the block's length, read on the loop: the block list is the loop's. */
+  size_t bytes;
   int result;
   fsdp_dataplane_work_t *next;
 };
@@ -62,6 +62,7 @@ static void op_init(fsdp_dataplane_op_t *op, fsdp_unit_t *unit, const fsdp_datap
                     waiter_kind_t kind, fsdp_dataplane_done_fn done, void *data) {
   *op = (fsdp_dataplane_op_t){.unit = unit, .who = *who, .kind = kind, .done = done,
                               .data = data};
+  fsdp_list_init(&op->grad_waiter.link);
 }
 
 /* Calls the operation back, with OK or with err (< 0) and the message. The caller may reuse
@@ -98,6 +99,10 @@ static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) 
 }
 
 void fsdp_dataplane_cancel(fsdp_dataplane_op_t *op) {
+  if (!fsdp_list_empty(&op->grad_waiter.link)) { /* waiting for its gradient buffer */
+    fsdp_pool_cancel(&op->grad_waiter);
+    return;
+  }
   fsdp_unit_t *u = op->unit;
   uint32_t rank = op->who.local_rank;
   op_unlink(op);
@@ -124,15 +129,13 @@ static void park(fsdp_dataplane_op_t *op) {
 void fsdp_dataplane_buffers(const fsdp_unit_t *u, uint32_t rank,
                             fsdp_dataplane_buffers_t *ret_buffers) {
   *ret_buffers = (fsdp_dataplane_buffers_t){
-      .unsharded_offset = u->unsharded_offset,
       .master_offset = u->master_offset,
       .grad_offset = u->grad_offset,
-      .full_grad_offset = u->full_grad_offset + rank * u->full_grad_stride,
       .shard = u->plan.first_shard + (u->plan.local_shards == 1 ? 0 : rank),
       .replica = fsdp_unit_plan_replica(&u->plan, rank),
       .host_first_shard = u->plan.first_shard,
       .host_shards = u->plan.local_shards,
-      .gathered_step = u->gathered ? u->gathered_step : 0,
+      .gathered_step = u->gathered_step,
       .reduced_step = u->reduced_step,
   };
 }
@@ -152,8 +155,15 @@ static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
   }
 }
 
-/* Ends the collection of `kind` being gathered: every waiter gets err and the message. */
-static void abort_collection(fsdp_unit_t *u, waiter_kind_t kind, int err, const char *message) {
+static void give_back_grads(fsdp_job_t *job, fsdp_unit_t *u, const fsdp_rank_set_t *ranks);
+static void give_back_copy(fsdp_job_t *job, fsdp_unit_t *u);
+
+/* Ends the collection of `kind`: every waiter gets err and the message. What it held goes
+ * back: the gradient buffers of the ranks that submitted to a reduce, and the copy a gather
+ * was writing. */
+static void abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind, int err,
+                             const char *message) {
+  fsdp_collection_t *c = collection_of(u, kind);
   for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
     next = w->next;
     if (w->kind != (int)kind)
@@ -161,10 +171,21 @@ static void abort_collection(fsdp_unit_t *u, waiter_kind_t kind, int err, const 
     op_unlink(w);
     op_fail(w, err, "%s", message);
   }
-  collection_reset(collection_of(u, kind));
+  if (kind == WAIT_REDUCE) {
+    give_back_grads(job, u, &c->submitted);
+  } else if (c->running) {
+    fsdp_pool_cancel(&u->copy_waiter);
+    give_back_copy(job, u);
+  }
+  collection_reset(c);
 }
 
 /* What a collection's ranks are asked for, in messages. */
+/* How a message names a step's second gather, the one for its backward. */
+static const char *again_text(bool again) {
+  return again ? " (its backward)" : "";
+}
+
 static const char *collection_verb(waiter_kind_t kind) {
   return kind == WAIT_UNSHARD ? "unshard" : "reduce-scatter";
 }
@@ -174,7 +195,7 @@ static const char *collection_verb(waiter_kind_t kind) {
  * answered instead. A rank asking for another step than the one being collected aborts the
  * collection for everyone: nobody could complete it. */
 static int collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
-                   const fsdp_job_t *job, uint64_t step, uint64_t deadline_ms) {
+                   fsdp_job_t *job, uint64_t step, bool regather, uint64_t deadline_ms) {
   const fsdp_dataplane_rank_t *who = &op->who;
   uint32_t rank = who->local_rank;
   fsdp_collection_t *c = collection_of(u, kind);
@@ -190,12 +211,13 @@ static int collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
              "unit '%s' step %llu: local rank(s) %s of job '%s' ended their session and have "
              "not attached again; the %s cannot complete without them",
              u->spec->unit, (unsigned long long)step, gone, job->name, collection_verb(kind));
-    abort_collection(u, kind, FSDP_E_ABORTED, message);
+    abort_collection(job, u, kind, FSDP_E_ABORTED, message);
     op_fail(op, FSDP_E_ABORTED, "%s", message);
     return -1;
   }
   if (c->count == 0) {
     c->step = step;
+    c->regather = regather;
     c->generation = who->generation;
     c->deadline_ms = deadline_ms;
   } else if (who->generation != c->generation) {
@@ -206,17 +228,17 @@ static int collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
              "together",
              u->spec->unit, (unsigned long long)step, rank, (unsigned long long)who->generation,
              (unsigned long long)c->generation, job->name, collection_verb(kind));
-    abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
+    abort_collection(job, u, kind, FSDP_E_FAILED_PRECONDITION, message);
     op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
     return -1;
-  } else if (step != c->step) {
+  } else if (step != c->step || regather != c->regather) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
-             "unit '%s': local rank %u asked to %s step %llu while the other ranks asked for "
-             "step %llu",
+             "unit '%s': local rank %u asked to %s step %llu%s while the other ranks asked for "
+             "step %llu%s",
              u->spec->unit, rank, collection_verb(kind), (unsigned long long)step,
-             (unsigned long long)c->step);
-    abort_collection(u, kind, FSDP_E_FAILED_PRECONDITION, message);
+             again_text(regather), (unsigned long long)c->step, again_text(c->regather));
+    abort_collection(job, u, kind, FSDP_E_FAILED_PRECONDITION, message);
     op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
     return -1;
   }
@@ -254,12 +276,12 @@ static float *host_sum_fp32(const fsdp_job_t *job, const fsdp_unit_t *u) {
   return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->host_sum_fp32_offset);
 }
 
-/* The local ranks' full gradients, in local rank order. */
+/* The local ranks' lent full gradients, in local rank order. */
 static void full_grads(const fsdp_job_t *job, const fsdp_unit_t *u,
                        const void *srcs[FSDP_LOCAL_WORLD_MAX]) {
   const char *base = fsdp_arena_base(job->arena);
   for (unsigned r = 0; r < job->local_world_size; r++)
-    srcs[r] = base + u->full_grad_offset + r * u->full_grad_stride;
+    srcs[r] = base + u->full_grad_offsets[r];
 }
 
 /* The work queue: one item at a time on libuv's thread pool. */
@@ -277,15 +299,12 @@ static void run_work(uv_work_t *req) {
   uint64_t first = host_first(u), n = host_numel(u);
   switch (w->kind) {
   case WORK_PREFAULT:
-    w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->rw_bytes);
-    if (w->result == 0)
-      w->result =
-          fsdp_arena_prefault_range(w->job->shared_arena, u->unsharded_offset, w->shared_bytes);
+    w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->bytes);
     break;
   case WORK_GATHER: {
     /* This host's shards: its region of the fp32 masters cast into param_dtype. */
     fsdp_dtype_t pt = param_dtype(u);
-    char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->unsharded_offset;
+    char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->copy_offset;
     w->result = fsdp_cast_parallel(dp->workers, unsharded + first * fsdp_dtype_size(pt), pt,
                                    base + u->master_offset, FSDP_DTYPE_FP32, n);
     break;
@@ -301,21 +320,30 @@ static void run_work(uv_work_t *req) {
   }
 }
 
+static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u);
+
 /* A collective of `kind` ended for the local ranks (st: NULL or OK when it succeeded):
- * every waiter hears the result. */
-static void finish_collective(fsdp_unit_t *u, waiter_kind_t kind, const fsdp_status_t *st) {
+ * every waiter hears the result. A gather lends its copy to every rank that asked; a
+ * reduce gives the ranks' gradient buffers back. */
+static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind,
+                              const fsdp_status_t *st) {
   fsdp_collection_t *c = collection_of(u, kind);
   if (st && st->code < 0) {
     log_error("%s", st->message);
-    abort_collection(u, kind, st->code, st->message);
+    abort_collection(job, u, kind, st->code, st->message);
     return;
   }
   if (kind == WAIT_UNSHARD) {
     u->gathered = true;
     u->gathered_step = c->step;
-  } else {
-    u->reduced_step = c->step;
+    u->gathered_again = c->regather;
+    u->holders = c->submitted;
+    collection_reset(c);
+    wake_unshards(job, u);
+    return;
   }
+  u->reduced_step = c->step;
+  give_back_grads(job, u, &c->submitted);
   wake(u, kind);
   collection_reset(c);
 }
@@ -333,11 +361,11 @@ static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, in
   if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
     start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
   else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER)
-    finish_collective(u, WAIT_UNSHARD, NULL);
+    finish_collective(job, u, WAIT_UNSHARD, NULL);
   else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1)
     start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
   else
-    finish_collective(u, WAIT_REDUCE, NULL);
+    finish_collective(job, u, WAIT_REDUCE, NULL);
 }
 
 static void work_done(uv_work_t *req, int status) {
@@ -365,7 +393,7 @@ static void work_done(uv_work_t *req, int status) {
                     w->job->name, u->spec->unit,
                     (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
                     fsdp_strerror(r));
-    finish_collective(u, kind, &st);
+    finish_collective(w->job, u, kind, &st);
   } else {
     next_stage(dp, w->job, u, (int)w->kind, -1);
   }
@@ -460,12 +488,15 @@ static void give_back_scratch(fsdp_dataplane_t *dp, void *s) {
 }
 
 /* The same on every host, different for every collective that may run at once: the job,
- * its run (generation), the unit, the step and the ring. A failed ring can leave messages
+ * its run (generation), the unit, the step (and whether this is its second gather) and the
+ * ring. A failed ring can leave messages
  * unmatched at a host (UCX matches tags worker-wide, whoever sent them); the run keeps them
  * from the rings of the job's next run, which redoes the same steps. */
 static uint32_t ring_op_id(const fsdp_job_t *job, const fsdp_unit_t *u,
                            const fsdp_collection_t *c, fsdp_ring_kind_t kind) {
-  return fsdp_op_id(job->name, u->spec->unit, c->step, c->generation, (uint32_t)kind);
+  uint32_t op_kind = kind == FSDP_RING_ALL_GATHER && c->regather ? FSDP_OP_KIND_REGATHER
+                                                                   : (uint32_t)kind;
+  return fsdp_op_id(job->name, u->spec->unit, c->step, c->generation, op_kind);
 }
 
 static waiter_kind_t ring_waiter_kind(fsdp_ring_kind_t kind) {
@@ -483,7 +514,7 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
                     u->spec->unit,
                     (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step,
                     status->message);
-    finish_collective(u, ring_waiter_kind(run->kind), &st);
+    finish_collective(run->job, u, ring_waiter_kind(run->kind), &st);
   } else {
     next_stage(run->dp, run->job, u, -1, (int)run->kind);
   }
@@ -528,7 +559,7 @@ static void start_run(ring_run_t *run) {
                     "job '%s' unit '%s' step %llu: the %s needs host %u: %s", run->job->name,
                     u->spec->unit, (unsigned long long)step, fsdp_ring_kind_name(run->kind),
                     host, why);
-    finish_collective(u, wkind, &st);
+    finish_collective(run->job, u, wkind, &st);
     free(run);
     return;
   }
@@ -543,7 +574,7 @@ static void start_run(ring_run_t *run) {
   /* The unit's buffer the rings move (its unsharded copy or its host sum) is registered
    * with UCX once, on its first ring, and stays so until its job goes; only that, since
    * registering pins memory on RDMA transports, and an arena is mostly not in use. */
-  char *whole = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->unsharded_offset
+  char *whole = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->copy_offset
                        : host_sum(run->job, u);
   const fsdp_ucx_mem_t *whole_mem =
       fsdp_fabric_memory(dp->fabric, whole, u->layout.padded_numel * run->elem_size);
@@ -556,7 +587,7 @@ static void start_run(ring_run_t *run) {
                     "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
                     run->job->name, u->spec->unit, (unsigned long long)step,
                     fsdp_ring_kind_name(run->kind));
-    finish_collective(u, wkind, &st);
+    finish_collective(run->job, u, wkind, &st);
     free(run);
     return;
   }
@@ -584,7 +615,7 @@ static void start_run(ring_run_t *run) {
   fsdp_ring_t *ring;
   if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &ring, &st) < 0) {
     give_back_scratch(dp, run->scratch);
-    finish_collective(u, wkind, &st);
+    finish_collective(run->job, u, wkind, &st);
     free(run);
   }
 }
@@ -593,7 +624,7 @@ static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                        fsdp_ring_kind_t kind) {
   ring_run_t *run = calloc(1, sizeof *run);
   if (!run) {
-    abort_collection(u, ring_waiter_kind(kind), FSDP_E_RESOURCE_EXHAUSTED,
+    abort_collection(job, u, ring_waiter_kind(kind), FSDP_E_RESOURCE_EXHAUSTED,
                      "out of memory starting a collective among hosts");
     return;
   }
@@ -619,7 +650,7 @@ static void on_cluster_ready(void *data, int status, const char *why) {
     fsdp_status_set(&st, status, "job '%s' unit '%s' step %llu: the hosts did not all join: %s",
                     run->job->name, u->spec->unit,
                     (unsigned long long)collection_of(u, kind)->step, why);
-    finish_collective(u, kind, &st);
+    finish_collective(run->job, u, kind, &st);
     free(run);
   }
 }
@@ -639,10 +670,8 @@ static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_u
   if (!w)
     return -ENOMEM;
   *w = (fsdp_dataplane_work_t){.kind = kind, .job = job, .unit = unit};
-  if (kind == WORK_PREFAULT) {
-    w->rw_bytes = fsdp_arena_block_size(job->arena, unit->buffers_offset);
-    w->shared_bytes = fsdp_arena_block_size(job->shared_arena, unit->unsharded_offset);
-  }
+  if (kind == WORK_PREFAULT)
+    w->bytes = fsdp_arena_block_size(job->arena, unit->buffers_offset);
   if (dp->tail)
     dp->tail->next = w;
   else
@@ -658,35 +687,29 @@ static size_t round64(size_t n) {
   return (n + 63) / 64 * 64;
 }
 
-/* Takes the unit's buffers: the unsharded one from the shared (read-only to trainers)
- * arena, and from the arena one block with the master shards, the gradient shards, one
- * full-gradient buffer per local rank and, across hosts, the host sums. */
+/* Takes the unit's persistent buffers from the arena, in one block: the master shards, the
+ * gradient shards and, across hosts, the host sums. The block starts on a page, so that a
+ * trainer can map the masters as the unit's copy. */
 static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   size_t padded = (size_t)u->layout.padded_numel;
-  size_t param_size = fsdp_dtype_size(param_dtype(u));
-  size_t unsharded = round64(padded * param_size), fp32 = round64(padded * 4);
+  size_t fp32 = round64(padded * 4);
   size_t host_fp32 = round64((size_t)host_numel(u) * 4); /* this host's shards only */
   size_t reduce_size = fsdp_dtype_size(reduce_dtype(u));
   /* Across hosts: the host sum in fp32, and in reduce_dtype when that is narrower. */
   size_t sums = !fsdp_unit_plan_spans_hosts(&u->plan) ? 0
                 : reduce_size == 4                     ? fp32
                                                        : fp32 + round64(padded * reduce_size);
-  size_t total = 2 * host_fp32 + (size_t)job->local_world_size * unsharded + sums;
-  uint64_t base, shared;
-  int r = fsdp_arena_alloc(job->arena, total, 0, &base, st);
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(job->arena, &stats);
+  uint64_t base;
+  int r = fsdp_arena_alloc(job->arena, 2 * host_fp32 + sums, stats.page_size, &base, st);
   if (r < 0)
     return r;
-  if ((r = fsdp_arena_alloc(job->shared_arena, unsharded, 0, &shared, st)) < 0) {
-    fsdp_arena_release(job->arena, base);
-    return r;
-  }
-  u->unsharded_offset = shared;
   u->buffers_offset = u->master_offset = base;
   u->grad_offset = u->master_offset + host_fp32;
-  u->full_grad_offset = u->grad_offset + host_fp32;
-  u->full_grad_stride = unsharded;
-  u->host_sum_fp32_offset = u->full_grad_offset + (size_t)job->local_world_size * unsharded;
+  u->host_sum_fp32_offset = u->grad_offset + host_fp32;
   u->host_sum_offset = u->host_sum_fp32_offset + (reduce_size == 4 ? 0 : fp32);
+  u->copy_in_masters = param_dtype(u) == FSDP_DTYPE_FP32 && host_numel(u) == padded;
   return 0;
 }
 
@@ -704,7 +727,6 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
     int r = queue(dp, WORK_PREFAULT, job, unit);
     if (r < 0) {
       fsdp_arena_release(job->arena, unit->buffers_offset);
-      fsdp_arena_release(job->shared_arena, unit->unsharded_offset);
       op_fail(op, r, "cannot queue the buffers' preparation");
       return;
     }
@@ -722,7 +744,8 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   }
 }
 
-int fsdp_dataplane_reshard(const fsdp_unit_t *unit, fsdp_status_t *st) {
+/* Whether the unit's buffers are there to work on; st says why not. */
+static int check_ready(const fsdp_unit_t *unit, fsdp_status_t *st) {
   switch (unit->state) {
   case FSDP_UNIT_FAILED:
     return fsdp_status_set(st, unit->error.code, "%s", unit->error.message);
@@ -739,50 +762,215 @@ int fsdp_dataplane_reshard(const fsdp_unit_t *unit, fsdp_status_t *st) {
 /* Whether the unit's buffers are there to work on; fails op otherwise. */
 static bool ready(fsdp_dataplane_op_t *op) {
   fsdp_status_t st;
-  if (fsdp_dataplane_reshard(op->unit, &st) == 0)
+  if (check_ready(op->unit, &st) == 0)
     return true;
   op->done(op->data, &st);
   return false;
 }
 
+/* Lending. */
+
+static size_t copy_bytes(const fsdp_unit_t *u) {
+  return (size_t)u->layout.padded_numel * fsdp_dtype_size(param_dtype(u));
+}
+
+/* The unit's copy goes back: to the pool (which may lend it to a gather waiting there at
+ * once), or to the arena. */
+static void give_back_copy(fsdp_job_t *job, fsdp_unit_t *u) {
+  if (!u->has_copy)
+    return;
+  u->has_copy = false;
+  u->gathered = false;
+  if (u->copy_pooled)
+    fsdp_pool_give(&job->copies, u->copy_offset);
+  else
+    fsdp_arena_release(job->shared_arena, u->copy_offset);
+}
+
+/* rank lets go of the unit's copy; the last holder's letting go gives it back. */
+static void let_go(fsdp_job_t *job, fsdp_unit_t *u, uint32_t rank) {
+  if (!fsdp_rank_set_put(&u->holders, rank, false))
+    return;
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (fsdp_rank_set_has(&u->holders, r))
+      return;
+  give_back_copy(job, u);
+}
+
+static void give_back_grads(fsdp_job_t *job, fsdp_unit_t *u, const fsdp_rank_set_t *ranks) {
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (fsdp_rank_set_has(ranks, r) && fsdp_rank_set_put(&u->grads_lent, r, false))
+      fsdp_pool_give(&job->grad_pools[r], u->full_grad_offsets[r]);
+}
+
+/* Answers an Unshard whose rank now holds the copy, with what it lends. */
+static void answer_unshard(fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
+  uint32_t rank = op->who.local_rank;
+  op->lent.unsharded_in_masters = u->copy_in_masters;
+  op->lent.unsharded_offset = u->copy_in_masters ? u->master_offset : u->copy_offset;
+  if (fsdp_rank_set_has(&u->grads_lent, rank)) {
+    op->lent.full_grad_offset = u->full_grad_offsets[rank];
+    op->lent.full_grad_bytes = copy_bytes(u);
+  }
+  op_ok(op);
+}
+
+static void on_grad_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st);
+
+/* Lends op's rank the copy and, for a backward, its gradient buffer (waiting for one while
+ * the rank holds max_inflight); answers op, now or when the buffer comes. */
+static void lend(fsdp_job_t *job, fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
+  uint32_t rank = op->who.local_rank;
+  fsdp_rank_set_put(&u->holders, rank, true);
+  if (!op->backward || fsdp_rank_set_has(&u->grads_lent, rank)) {
+    answer_unshard(u, op);
+    return;
+  }
+  uint64_t offset = 0;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  int r = fsdp_pool_take(&job->grad_pools[rank], copy_bytes(u), &op->grad_waiter, on_grad_ready,
+                         &offset, &st);
+  if (r == 1)
+    return; /* on_grad_ready answers it */
+  on_grad_ready(&op->grad_waiter, r == 0 ? offset : 0, &st);
+}
+
+static void on_grad_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st) {
+  fsdp_dataplane_op_t *op = (fsdp_dataplane_op_t *)((char *)waiter -
+                                                    offsetof(fsdp_dataplane_op_t, grad_waiter));
+  fsdp_unit_t *u = op->unit;
+  if (st->code < 0) {
+    op_fail(op, st->code, "unit '%s' step %llu: no full-gradient buffer for local rank %u: %s",
+            u->spec->unit, (unsigned long long)u->gathered_step, op->who.local_rank,
+            st->message);
+    return;
+  }
+  u->full_grad_offsets[op->who.local_rank] = offset;
+  fsdp_rank_set_put(&u->grads_lent, op->who.local_rank, true);
+  answer_unshard(u, op);
+}
+
+/* Every Unshard waiting for the gather that just ended gets the copy. */
+static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
+  for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
+    next = w->next;
+    if (w->kind != WAIT_UNSHARD)
+      continue;
+    op_unlink(w);
+    lend(job, u, w);
+  }
+}
+
+/* The gather of a collection every rank joined: into the masters (nothing to do), a copy
+ * of the unit's own, or one from the job's pool, which may have to wait for one. */
+static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st);
+
+static void start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
+  u->gather.running = true;
+  u->copy_waiter.data = dp;
+  if (u->copy_in_masters) {
+    finish_collective(job, u, WAIT_UNSHARD, NULL);
+    return;
+  }
+  uint64_t offset = 0;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  int r;
+  u->copy_pooled = u->reshard_after_forward;
+  if (u->copy_pooled) {
+    r = fsdp_pool_take(&job->copies, copy_bytes(u), &u->copy_waiter, on_copy_ready, &offset,
+                       &st);
+    if (r == 1)
+      return; /* on_copy_ready goes on */
+  } else {
+    fsdp_arena_stats_t stats;
+    fsdp_arena_get_stats(job->shared_arena, &stats);
+    r = fsdp_arena_alloc(job->shared_arena, copy_bytes(u), stats.page_size, &offset, &st);
+  }
+  if (r < 0)
+    fsdp_status_set(&st, r, "unit '%s' step %llu: no unsharded copy: %s", u->spec->unit,
+                    (unsigned long long)u->gather.step, st.message);
+  on_copy_ready(&u->copy_waiter, offset, &st);
+}
+
+static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st) {
+  fsdp_unit_t *u = (fsdp_unit_t *)((char *)waiter - offsetof(fsdp_unit_t, copy_waiter));
+  fsdp_job_t *job = u->job;
+  if (st->code < 0) {
+    finish_collective(job, u, WAIT_UNSHARD, st);
+    return;
+  }
+  u->has_copy = true;
+  u->copy_offset = offset;
+  int r = queue(waiter->data, WORK_GATHER, job, u);
+  if (r < 0)
+    abort_collection(job, u, WAIT_UNSHARD, r, "cannot queue the gather");
+}
+
+int fsdp_dataplane_reshard(fsdp_job_t *job, fsdp_unit_t *unit, const fsdp_dataplane_rank_t *who,
+                           fsdp_status_t *st) {
+  int r = check_ready(unit, st);
+  if (r < 0)
+    return r;
+  let_go(job, unit, who->local_rank);
+  return 0;
+}
+
+/* Which gather a request joins: the step's, or, for the backward of a unit resharded after
+ * its forward, the step's second (every host runs the same gathers, whichever of its ranks
+ * still held the forward's copy). In order: step, then the second after the first. */
+static uint64_t gather_round(uint64_t step, bool again) {
+  return 2 * step + again;
+}
+
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
-                            const fsdp_dataplane_rank_t *who, uint64_t step,
+                            const fsdp_dataplane_rank_t *who, uint64_t step, bool backward,
                             uint64_t deadline_ms, fsdp_dataplane_op_t *op,
                             fsdp_dataplane_done_fn done, void *data) {
   uint32_t rank = who->local_rank;
   op_init(op, unit, who, WAIT_UNSHARD, done, data);
+  op->backward = backward;
+  op->deadline_ms = deadline_ms;
   if (!ready(op))
     return;
-  if (unit->gathered && step == unit->gathered_step) {
-    op_ok(op); /* the fast path: this step's copy is there */
-    return;
-  }
-  if (unit->gathered && step < unit->gathered_step) {
-    op_fail(op, FSDP_E_FAILED_PRECONDITION,
-            "unit '%s': local rank %u asked for step %llu, but the unsharded copy already "
-            "holds step %llu",
-            unit->spec->unit, rank, (unsigned long long)step,
-            (unsigned long long)unit->gathered_step);
-    return;
-  }
+  bool again = backward && unit->reshard_after_forward;
   fsdp_collection_t *c = &unit->gather;
-  if (fsdp_rank_set_has(&c->submitted, rank) && step == c->step) {
-    park(op); /* a second operation of the rank shares its request */
+  if (fsdp_rank_set_has(&c->submitted, rank)) {
+    if (step == c->step && again == c->regather) {
+      park(op); /* a second operation of the rank shares its request */
+      return;
+    }
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s': local rank %u asked for step %llu%s while its request for step %llu%s "
+            "waits",
+            unit->spec->unit, rank, (unsigned long long)step, again_text(again),
+            (unsigned long long)c->step, again_text(c->regather));
+    return;
+  }
+  uint64_t round = gather_round(step, again);
+  uint64_t held = gather_round(unit->gathered_step, unit->gathered_again);
+  if (unit->gathered && round == held) {
+    lend(job, unit, op); /* the fast path: this step's copy is there */
+    return;
+  }
+  if (round < held) {
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s': local rank %u asked for step %llu%s, but the unsharded copy already "
+            "holds step %llu%s",
+            unit->spec->unit, rank, (unsigned long long)step, again_text(again),
+            (unsigned long long)unit->gathered_step, again_text(unit->gathered_again));
     return;
   }
   if (c->running) {
     op_fail(op, FSDP_E_FAILED_PRECONDITION,
-            "unit '%s': local rank %u asked for step %llu while step %llu is being gathered",
-            unit->spec->unit, rank, (unsigned long long)step, (unsigned long long)c->step);
+            "unit '%s': local rank %u asked for step %llu%s while step %llu%s is being gathered",
+            unit->spec->unit, rank, (unsigned long long)step, again_text(again),
+            (unsigned long long)c->step, again_text(c->regather));
     return;
   }
-  if (collect(unit, WAIT_UNSHARD, op, job, step, deadline_ms) <= 0)
+  let_go(job, unit, rank); /* asking for a newer step lets go of the older copy */
+  if (collect(unit, WAIT_UNSHARD, op, job, step, again, deadline_ms) <= 0)
     return;
-  unit->gathered = false; /* the buffer is overwritten from now on */
-  c->running = true;
-  int r = queue(dp, WORK_GATHER, job, unit);
-  if (r < 0)
-    abort_collection(unit, WAIT_UNSHARD, r, "cannot queue the gather");
+  start_gather(dp, job, unit);
 }
 
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
@@ -800,6 +988,13 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
             unit->spec->unit, (unsigned long long)c->step, rank);
     return;
   }
+  if (!fsdp_rank_set_has(&unit->grads_lent, rank)) {
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s' step %llu: local rank %u holds no full-gradient buffer to reduce: the "
+            "Unshard for the unit's backward lends it",
+            unit->spec->unit, (unsigned long long)step, rank);
+    return;
+  }
   if (c->count == 0) {
     unit->reduce_accumulate = accumulate;
   } else if (step == c->step && accumulate != unit->reduce_accumulate) {
@@ -809,11 +1004,11 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
              "ranks submitted with accumulate %s",
              unit->spec->unit, (unsigned long long)step, rank, accumulate ? "true" : "false",
              unit->reduce_accumulate ? "true" : "false");
-    abort_collection(unit, WAIT_REDUCE, FSDP_E_FAILED_PRECONDITION, message);
+    abort_collection(job, unit, WAIT_REDUCE, FSDP_E_FAILED_PRECONDITION, message);
     op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
     return;
   }
-  if (collect(unit, WAIT_REDUCE, op, job, step, deadline_ms) <= 0)
+  if (collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms) <= 0)
     return;
   c->running = true;
   if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
@@ -823,7 +1018,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   }
   int r = queue(dp, WORK_REDUCE, job, unit);
   if (r < 0)
-    abort_collection(unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
+    abort_collection(job, unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
 }
 
 static bool collecting(const fsdp_collection_t *c) {
@@ -831,6 +1026,61 @@ static bool collecting(const fsdp_collection_t *c) {
 }
 
 static const waiter_kind_t collective_kinds[] = {WAIT_UNSHARD, WAIT_REDUCE};
+
+/* "'a' (ranks 0, 1), 'b' (rank 1)": the units whose pooled copies are lent, and to whom. */
+void fsdp_dataplane_set_max_inflight(fsdp_job_t *job, unsigned max_inflight) {
+  job->max_inflight = max_inflight;
+  fsdp_pool_set_capacity(&job->copies, max_inflight);
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    fsdp_pool_set_capacity(&job->grad_pools[r], max_inflight);
+}
+
+static void format_copy_holders(const fsdp_job_t *job, char *buf, size_t size) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (const fsdp_unit_t *u = job->units; u && used < size; u = u->next) {
+    if (!u->has_copy || !u->copy_pooled)
+      continue;
+    char ranks[96];
+    fsdp_rank_set_format(&u->holders, true, job->local_world_size, ranks, sizeof ranks);
+    used += (size_t)snprintf(buf + used, size - used, "%s'%s' (ranks %s)", used ? ", " : "",
+                             u->spec->unit, ranks[0] ? ranks : "none");
+  }
+}
+
+/* Gathers and gradient lends that waited for a pool buffer past their deadline. */
+static void expire_pool_waits(fsdp_job_t *job, uint64_t now_ms) {
+  char message[FSDP_STATUS_MESSAGE_MAX], holders[256];
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (!u->gather.running || fsdp_list_empty(&u->copy_waiter.link) ||
+        now_ms < u->gather.deadline_ms)
+      continue;
+    format_copy_holders(job, holders, sizeof holders);
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: no unsharded copy of job '%s' came free in time "
+             "(store.collective_timeout): its %u (max_inflight) are held by %s",
+             u->spec->unit, (unsigned long long)u->gather.step, job->name, job->max_inflight,
+             holders);
+    log_warning("%s", message);
+    abort_collection(job, u, WAIT_UNSHARD, FSDP_E_ABORTED, message);
+  }
+  for (uint32_t r = 0; r < job->local_world_size; r++) {
+    fsdp_pool_waiter_t *w, *tmp;
+    fsdp_list_for_each_safe(w, tmp, &job->grad_pools[r].waiters, link) {
+      fsdp_dataplane_op_t *op =
+          (fsdp_dataplane_op_t *)((char *)w - offsetof(fsdp_dataplane_op_t, grad_waiter));
+      if (now_ms < op->deadline_ms)
+        continue;
+      fsdp_pool_cancel(w);
+      op_fail(op, FSDP_E_ABORTED,
+              "unit '%s' step %llu: local rank %u of job '%s' waited in vain for a "
+              "full-gradient buffer (store.collective_timeout): it holds %u (max_inflight) "
+              "whose reduce has not ended",
+              op->unit->spec->unit, (unsigned long long)op->unit->gathered_step, r, job->name,
+              job->max_inflight);
+    }
+  }
+}
 
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
   for (fsdp_job_t *job = store->jobs; job; job = job->next) {
@@ -849,18 +1099,30 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
                  u->spec->unit, (unsigned long long)c->step, missing, job->name,
                  collection_verb(kind));
         log_warning("%s", message);
-        abort_collection(u, kind, FSDP_E_ABORTED, message);
+        abort_collection(job, u, kind, FSDP_E_ABORTED, message);
       }
     }
+    expire_pool_waits(job, now_ms);
   }
 }
 
 void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t session_id,
                                     const char *why, uint64_t next_serial) {
   job->gone_before_serial[rank] = next_serial;
+  /* Its own operations end first, whatever they wait for (a running collective, a pool
+   * buffer): an answer after this would be an answer to a session that no longer exists. */
+  fsdp_pool_waiter_t *pw, *tmp;
+  fsdp_list_for_each_safe(pw, tmp, &job->grad_pools[rank].waiters, link) {
+    fsdp_dataplane_op_t *op =
+        (fsdp_dataplane_op_t *)((char *)pw - offsetof(fsdp_dataplane_op_t, grad_waiter));
+    if (op->who.session_id != session_id)
+      continue;
+    fsdp_pool_cancel(pw);
+    op_fail(op, FSDP_E_ABORTED,
+            "session %016llx (job '%s' local rank %u) ended while the call waited: %s",
+            (unsigned long long)session_id, job->name, rank, why);
+  }
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    /* Its own operations end first, whatever they wait for (a running collective too): an
-     * answer after this would be an answer to a session that no longer exists. */
     for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
       next = w->next;
       if (w->who.session_id != session_id)
@@ -881,7 +1143,14 @@ void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t ses
                "unit '%s' step %llu: local rank %u of job '%s' is gone (%s) before its %s",
                u->spec->unit, (unsigned long long)c->step, rank, job->name, why,
                collection_verb(kind));
-      abort_collection(u, kind, FSDP_E_ABORTED, message);
+      abort_collection(job, u, kind, FSDP_E_ABORTED, message);
+    }
+    /* What it was lent comes back; a running reduce gives its buffer back when it ends. */
+    let_go(job, u, rank);
+    if (!(u->reduce.running && fsdp_rank_set_has(&u->reduce.submitted, rank))) {
+      fsdp_rank_set_t just_rank = {0};
+      fsdp_rank_set_put(&just_rank, rank, true);
+      give_back_grads(job, u, &just_rank);
     }
   }
 }
@@ -900,6 +1169,9 @@ bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) 
       return true;
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
     if (u->waiters || u->gather.running || u->reduce.running)
+      return true;
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (!fsdp_list_empty(&job->grad_pools[r].waiters))
       return true;
   return false;
 }

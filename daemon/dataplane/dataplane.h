@@ -16,17 +16,23 @@
  * thread, and a unit's memory is never freed while the daemon runs, so a work item's
  * pointers stay valid until its completion runs on the loop.
  *
- * Unshard is a collective of the job's local ranks, like FSDP's all-gather: a rank asking
- * for step s says its master shards are final for s. Once every local rank has asked for s,
- * one gather (the fp32 master shards cast into the unsharded buffer in param_dtype) runs and
- * answers them all. The buffer then holds step s until the gather of a newer step, so an
- * Unshard of s after a Reshard (FULL_SHARD's backward) is answered at once; an older step
- * is refused. Reshard only checks the unit: the host backend keeps the buffer.
+ * Memory, as FSDP holds it: a unit's fp32 master and gradient shards are its own for the
+ * job's life; its unsharded copy and the full-gradient buffers are lent from the job's
+ * bounded pools (daemon/store/pool.h, job->max_inflight each) only while the unit is in
+ * flight, so that memory grows with the units in flight, not with the model.
  *
- * ReduceScatter is the same kind of collective: each rank submits once its full-gradient
- * buffer is written; the last submission queues one reduce of the L buffers (in
- * reduce_dtype, scaled by the gradient factors) into the fp32 gradient shards, and every
- * waiter is answered when it is done.
+ * Unshard is a collective of the job's local ranks, like FSDP's all-gather: a rank asking
+ * for step s says its master shards are final for s (and lets go of any older copy it
+ * held). Once every local rank has asked for s, one gather (the fp32 master shards cast into
+ * the copy in param_dtype) runs and answers them all, lending each the copy until it
+ * reshards. The copy of a unit that reshards after forward comes from the job's pool of
+ * copies, and a gather that finds the pool's buffers all lent waits for one; any other
+ * unit's copy is a block of its own. The copy goes back when its last holder lets go, so
+ * FULL_SHARD's backward gathers again. An Unshard of s while the copy of s is there is
+ * answered at once; an older step is refused. When the param dtype is fp32 and this host
+ * holds every shard, the masters themselves are the copy: nothing is gathered or held.
+ * An Unshard for the backward also lends the rank a full-gradient buffer from its own pool
+ * (waiting while the rank holds max_inflight of them), until the unit's reduce ends.
  *
  * Across hosts, the cast of a gather is followed by an all-gather among the hosts; a reduce
  * is rings among the hosts (see dataplane.c) that do its local work chunk by chunk on the
@@ -36,7 +42,8 @@
  * A collective names one step; a rank asking for another step than the others aborts it
  * for all. Ranks that do not ask within the deadline of the first (store.collective_timeout)
  * are named in the ABORTED every waiter gets (fsdp_dataplane_expire), and so is a rank whose
- * session ends (fsdp_dataplane_release_session).
+ * session ends (fsdp_dataplane_release_session), whose lent buffers go back then. A wait for
+ * a pool buffer has the same deadline.
  *
  * Loop thread only, except inside work items. */
 #ifndef FSDP_DATAPLANE_H
@@ -84,24 +91,36 @@ typedef struct fsdp_dataplane_rank {
 /* How an operation ended: st->code is 0, or an fsdp error that st->message explains. */
 typedef void (*fsdp_dataplane_done_fn)(void *data, const fsdp_status_t *st);
 
-/* An operation's storage, the caller's; its fields are the data plane's. */
+/* What an Unshard that succeeded lends the rank: its copy at unsharded_offset of the shared
+ * arena, or of the arena when unsharded_in_masters; with the backward, its full-gradient
+ * buffer (full_grad_bytes > 0) at full_grad_offset of the arena. */
+typedef struct fsdp_dataplane_lent {
+  uint64_t unsharded_offset;
+  bool unsharded_in_masters;
+  uint64_t full_grad_offset;
+  uint64_t full_grad_bytes;
+} fsdp_dataplane_lent_t;
+
+/* An operation's storage, the caller's; its fields are the data plane's but `lent`, which
+ * the done callback of an Unshard reads. */
 struct fsdp_dataplane_op {
   fsdp_unit_t *unit;
   fsdp_dataplane_rank_t who;
   int kind;
+  bool backward;        /* an Unshard for the backward: lends a gradient buffer too */
+  uint64_t deadline_ms; /* of a wait for a pool buffer */
   fsdp_dataplane_done_fn done;
   void *data;
   fsdp_dataplane_op_t *prev, *next; /* in unit->waiters while it waits */
+  fsdp_pool_waiter_t grad_waiter;   /* waiting for its rank's gradient buffer */
+  fsdp_dataplane_lent_t lent;
 };
 
-/* Where a rank finds a registered unit's buffers (byte offsets in the job's arenas:
- * unsharded in shared_arena, the rest in arena), which shards it holds, and where the
- * unit's steps stand (0 before the first). */
+/* Where a rank finds a registered unit's persistent buffers (byte offsets in the job's
+ * arena), which shards it holds, and where the unit's steps stand (0 before the first). */
 typedef struct fsdp_dataplane_buffers {
-  uint64_t unsharded_offset;
   uint64_t master_offset;
   uint64_t grad_offset;
-  uint64_t full_grad_offset; /* the rank's own */
   uint32_t shard;            /* the rank's */
   uint32_t replica;          /* fsdp_unit_plan_replica */
   uint32_t host_first_shard;
@@ -121,18 +140,19 @@ void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
 void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
                                 uint64_t collective_timeout_ms);
 
-/* Registration of a unit the store accepted for who's rank: done once the unit's buffers are
- * ready (fsdp_dataplane_buffers says where). The first registration takes them from the
- * job's arenas (reserved against memory.limit as a whole when the job was made) and
+/* Registration of a unit the store accepted for who's rank: done once the unit's persistent
+ * buffers are ready (fsdp_dataplane_buffers says where). The first registration takes them
+ * from the job's arena (reserved against memory.limit as a whole when the job was made) and
  * pre-faults them. */
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                              const fsdp_dataplane_rank_t *who, fsdp_dataplane_op_t *op,
                              fsdp_dataplane_done_fn done, void *data);
 
-/* Unshard of `unit` for who's rank at `step`; deadline_ms: loop time by which every local
- * rank must have asked, if this operation starts the collective. */
+/* Unshard of `unit` for who's rank at `step`, for the backward or the forward; deadline_ms:
+ * loop time by which every local rank must have asked, if this operation starts the
+ * collective, and by which a wait for a pool buffer ends. op->lent says what it lent. */
 void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
-                            const fsdp_dataplane_rank_t *who, uint64_t step,
+                            const fsdp_dataplane_rank_t *who, uint64_t step, bool backward,
                             uint64_t deadline_ms, fsdp_dataplane_op_t *op,
                             fsdp_dataplane_done_fn done, void *data);
 
@@ -143,8 +163,10 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
                            uint64_t deadline_ms, fsdp_dataplane_op_t *op,
                            fsdp_dataplane_done_fn done, void *data);
 
-/* Reshard: fails (st says why) unless the unit has buffers. */
-int fsdp_dataplane_reshard(const fsdp_unit_t *unit, fsdp_status_t *st);
+/* Reshard: who's rank lets go of the unit's copy, which goes back when no rank holds it.
+ * Fails (st says why) unless the unit has buffers. */
+int fsdp_dataplane_reshard(fsdp_job_t *job, fsdp_unit_t *unit, const fsdp_dataplane_rank_t *who,
+                           fsdp_status_t *st);
 
 /* A waiting operation's caller gave up (its client went away, its deadline passed): it is
  * not called back. Unless its collective already runs, its rank no longer counts in it, so
@@ -154,6 +176,10 @@ void fsdp_dataplane_cancel(fsdp_dataplane_op_t *op);
 /* Where rank finds a unit's buffers once its registration is done. */
 void fsdp_dataplane_buffers(const fsdp_unit_t *unit, uint32_t rank,
                             fsdp_dataplane_buffers_t *ret_buffers);
+
+/* The job's in-flight cap (SetSchedule): its pools lend at most max_inflight buffers each
+ * (in [1, FSDP_POOL_CAPACITY_MAX]); a higher cap serves waiting gathers at once. */
+void fsdp_dataplane_set_max_inflight(fsdp_job_t *job, unsigned max_inflight);
 
 /* Ends collectives whose deadline passed; from the housekeeping timer. */
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);

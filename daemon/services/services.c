@@ -175,10 +175,8 @@ static void on_registered(void *data, const fsdp_status_t *st) {
     reply.shard_numel = u->layout.shard_numel;
     reply.n_param_offsets = u->layout.n_params;
     reply.param_offsets = u->layout.offsets;
-    reply.unsharded_offset = b.unsharded_offset;
     reply.master_offset = b.master_offset;
     reply.grad_offset = b.grad_offset;
-    reply.full_grad_offset = b.full_grad_offset;
     reply.shard = b.shard;
     reply.gathered_step = b.gathered_step;
     reply.reduced_step = b.reduced_step;
@@ -193,7 +191,12 @@ static void on_registered(void *data, const fsdp_status_t *st) {
 static void on_unit_op_done(void *data, const fsdp_status_t *st) {
   parked_call_t *p = data;
   if (take_parked(p, st)) {
+    const fsdp_dataplane_lent_t *lent = &p->op.lent;
     Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+    reply.unsharded_offset = lent->unsharded_offset;
+    reply.unsharded_memory = lent->unsharded_in_masters ? 0 : 1;
+    reply.full_grad_offset = lent->full_grad_offset;
+    reply.full_grad_bytes = lent->full_grad_bytes;
     fsdp_rpc_call_reply(p->call, &reply.base);
   }
   unpark(p);
@@ -265,8 +268,8 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   if (!p)
     return;
   fsdp_dataplane_rank_t who = rank_of(s);
-  fsdp_dataplane_unshard(ctx->dataplane, job, u, &who, rq->step, collective_deadline(ctx),
-                         &p->op, on_unit_op_done, p);
+  fsdp_dataplane_unshard(ctx->dataplane, job, u, &who, rq->step, rq->backward,
+                         collective_deadline(ctx), &p->op, on_unit_op_done, p);
 }
 
 /* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
@@ -311,11 +314,48 @@ static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   if (!u)
     return;
   fsdp_status_t st;
-  if (fsdp_dataplane_reshard(u, &st) < 0) {
+  fsdp_dataplane_rank_t who = rank_of(s);
+  if (fsdp_dataplane_reshard(job, u, &who, &st) < 0) {
     fail_call(call, &st);
     return;
   }
   Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+/* The job's schedule: checked whole before any of it applies. */
+static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                 void *data) {
+  fsdp_services_context_t *ctx = data;
+  const Fsdp__V1__SetScheduleRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+  if (!s)
+    return;
+  fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
+  if (!job) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "SetSchedule: job '%s' has no units yet: register them first", s->job);
+    return;
+  }
+  if (rq->max_inflight > FSDP_POOL_CAPACITY_MAX) {
+    fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
+                       "SetSchedule: max_inflight %u is outside [1, %d] (0 keeps the job's %u)",
+                       rq->max_inflight, FSDP_POOL_CAPACITY_MAX, job->max_inflight);
+    return;
+  }
+  for (size_t i = 0; i < rq->n_units; i++)
+    if (!fsdp_store_find_unit(job, rq->units[i]->unit)) {
+      fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
+                         "SetSchedule: units[%zu].unit '%s' is not registered in job '%s'", i,
+                         rq->units[i]->unit, job->name);
+      return;
+    }
+  if (rq->max_inflight)
+    fsdp_dataplane_set_max_inflight(job, rq->max_inflight);
+  for (size_t i = 0; i < rq->n_units; i++)
+    fsdp_store_find_unit(job, rq->units[i]->unit)->reshard_after_forward =
+        rq->units[i]->reshard_after_forward;
+  Fsdp__V1__SetScheduleReply reply = FSDP__V1__SET_SCHEDULE_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
@@ -811,6 +851,7 @@ static const fsdp_rpc_handler_t trainer_handlers[] = {
     {"Reshard", trainer_reshard, false},
     {"ReduceScatter", trainer_reduce_scatter, false},
     {"AllReduce", trainer_all_reduce, false},
+    {"SetSchedule", trainer_set_schedule, false},
     {"KeepAlive", trainer_keepalive, false},
 };
 static const fsdp_rpc_handler_t operator_handlers[] = {

@@ -5,7 +5,9 @@
 
 void fsdp_pool_init(fsdp_pool_t *pool, fsdp_arena_t *arena, unsigned capacity) {
   assert(capacity >= 1 && capacity <= FSDP_POOL_CAPACITY_MAX);
-  *pool = (fsdp_pool_t){.arena = arena, .capacity = capacity};
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(arena, &stats);
+  *pool = (fsdp_pool_t){.arena = arena, .capacity = capacity, .page = stats.page_size};
   fsdp_list_init(&pool->waiters);
 }
 
@@ -17,7 +19,7 @@ static void unmake(fsdp_pool_t *pool, unsigned i) {
 void fsdp_pool_cleanup(fsdp_pool_t *pool) {
   if (!pool)
     return;
-  assert(pool->n_lent == 0 && fsdp_list_empty(&pool->waiters));
+  assert(fsdp_list_empty(&pool->waiters));
   while (pool->n_buffers > 0)
     unmake(pool, pool->n_buffers - 1);
 }
@@ -53,8 +55,9 @@ static int try_lend(fsdp_pool_t *pool, size_t bytes, uint64_t *ret_offset, fsdp_
   else if (pool->n_buffers >= pool->capacity)
     return 1;
   size_t make = bytes > pool->largest ? bytes : pool->largest;
+  make = (make + pool->page - 1) / pool->page * pool->page;
   uint64_t offset;
-  int r = fsdp_arena_alloc(pool->arena, make, 0, &offset, st);
+  int r = fsdp_arena_alloc(pool->arena, make, pool->page, &offset, st);
   if (r < 0)
     return r;
   pool->largest = make;

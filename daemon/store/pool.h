@@ -10,7 +10,8 @@
  * gives them back to the kernel), so a pool costs its high-water mark, which is at most
  * capacity buffers. Every buffer is made the size of the largest take so far, so that units
  * of different sizes reuse each other's buffers instead of churning the arena; a free buffer
- * smaller than a take is remade at the new size.
+ * smaller than a take is remade at the new size. A buffer is whole pages of the arena,
+ * starting on one, so that a trainer can map it alone.
  *
  * Loop thread only, like the arena. */
 #ifndef FSDP_POOL_H
@@ -34,11 +35,12 @@ typedef struct fsdp_pool_waiter fsdp_pool_waiter_t;
 typedef void (*fsdp_pool_ready_fn)(fsdp_pool_waiter_t *waiter, uint64_t offset,
                                    const fsdp_status_t *st);
 
-/* A take's storage while it waits, the caller's. */
+/* A take's storage while it waits, the caller's; data is the caller's too. */
 struct fsdp_pool_waiter {
   fsdp_list_t link;
   size_t bytes;
   fsdp_pool_ready_fn ready;
+  void *data;
 };
 
 typedef struct fsdp_pool_buffer {
@@ -49,6 +51,7 @@ typedef struct fsdp_pool_buffer {
 
 typedef struct fsdp_pool {
   fsdp_arena_t *arena; /* borrowed */
+  size_t page;         /* the arena's */
   unsigned capacity;
   size_t largest; /* the largest take so far: the size new buffers are made */
   fsdp_pool_buffer_t buffers[FSDP_POOL_CAPACITY_MAX];
@@ -61,7 +64,8 @@ typedef struct fsdp_pool {
 
 /* capacity in [1, FSDP_POOL_CAPACITY_MAX]; no buffer is made yet. */
 void fsdp_pool_init(fsdp_pool_t *pool, fsdp_arena_t *arena, unsigned capacity);
-/* Gives the buffers back to the arena; nothing may be lent or waiting. NULL-safe. */
+/* Gives every buffer back to the arena, lent ones too (their users must be gone); nothing may
+ * wait. NULL-safe. */
 void fsdp_pool_cleanup(fsdp_pool_t *pool);
 
 /* Lends a buffer of at least `bytes`: returns 0 with its offset in *ret_offset; 1 when every

@@ -31,6 +31,7 @@ static void unit_free(fsdp_unit_t *u) {
     return;
   fsdp_unit_layout_cleanup(&u->layout);
   fsdp_unit_spec_free(u->spec);
+  free(u->full_grad_offsets);
   free(u);
 }
 
@@ -42,11 +43,19 @@ static void mark_registered(fsdp_unit_t *u, uint32_t rank) {
 static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_session_t *session,
                     const fsdp_unit_spec_t *rq, fsdp_unit_t **ret_unit, fsdp_status_t *st) {
   fsdp_unit_t *u = calloc(1, sizeof *u);
-  if (!u || fsdp_unit_spec_copy(rq, &u->spec) < 0) {
+  if (u)
+    u->full_grad_offsets = calloc(job->local_world_size, sizeof *u->full_grad_offsets);
+  if (!u || !u->full_grad_offsets || fsdp_unit_spec_copy(rq, &u->spec) < 0) {
     unit_free(u);
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
                            rq->unit);
   }
+  u->job = job;
+  fsdp_list_init(&u->copy_waiter.link);
+  /* FSDP's default: FULL_SHARD and HYBRID_SHARD free the copy after the forward; the others
+   * hold theirs until the backward. */
+  u->reshard_after_forward =
+      rq->strategy == FSDP_UNIT_FULL_SHARD || rq->strategy == FSDP_UNIT_HYBRID_SHARD;
   fsdp_unit_plan(&store->topology, rq->strategy, job->local_world_size, &u->plan);
   int r = fsdp_unit_gradient_scales(u->spec, u->plan.data_parallel_size, &u->pre_scale,
                                     &u->post_scale, st);
@@ -83,10 +92,29 @@ static int make_arenas(fsdp_job_t *job, size_t capacity, fsdp_status_t *st) {
   return 0;
 }
 
+/* The job's pools over its arenas, capped at max_inflight. */
+static int make_pools(fsdp_job_t *job, unsigned max_inflight, fsdp_status_t *st) {
+  job->grad_pools = calloc(job->local_world_size, sizeof *job->grad_pools);
+  if (!job->grad_pools)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s'",
+                           job->name);
+  job->max_inflight = max_inflight;
+  fsdp_pool_init(&job->copies, job->shared_arena, max_inflight);
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    fsdp_pool_init(&job->grad_pools[r], job->arena, max_inflight);
+  return 0;
+}
+
 static void job_free(fsdp_job_t *job) {
   for (fsdp_unit_t *u = job->units, *next; u; u = next) {
     next = u->next;
     unit_free(u);
+  }
+  if (job->grad_pools) {
+    fsdp_pool_cleanup(&job->copies);
+    for (uint32_t r = 0; r < job->local_world_size; r++)
+      fsdp_pool_cleanup(&job->grad_pools[r]);
+    free(job->grad_pools);
   }
   fsdp_arena_free(job->arena);
   fsdp_arena_free(job->shared_arena);
@@ -203,7 +231,8 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
   job->local_world_size = session->local_world_size;
   job->owner = session->owner;
   job->units_tail = &job->units;
-  if ((r = make_arenas(job, store->arena_capacity, st)) < 0) {
+  if ((r = make_arenas(job, store->arena_capacity, st)) < 0 ||
+      (r = make_pools(job, store->max_inflight, st)) < 0) {
     job_free(job);
     return r;
   }

@@ -29,6 +29,7 @@
 #include "common/status.h"
 #include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
+#include "daemon/store/pool.h"
 #include "daemon/store/rank_set.h"
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
@@ -50,32 +51,49 @@ typedef struct fsdp_collection {
   fsdp_rank_set_t submitted;
   unsigned count;
   uint64_t step;
+  bool regather; /* a gather: the step's second, for the backward of a unit resharded
+                    after its forward */
   uint64_t generation;  /* of the ranks' sessions: the job's run (rings among hosts use it) */
   uint64_t deadline_ms; /* loop time by which every rank must have asked */
   bool running;         /* every rank asked; the work is on the worker pool */
 } fsdp_collection_t;
 
 typedef struct fsdp_unit {
+  struct fsdp_job *job;   /* the owner */
   fsdp_unit_spec_t *spec; /* private copy; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
   float pre_scale, post_scale; /* the reduction's, from the gradient divide factors */
   fsdp_unit_state_t state;
   fsdp_status_t error;        /* why FAILED */
-  uint64_t buffers_offset;    /* the arena block holding the read-write buffers */
-  uint64_t unsharded_offset;  /* in the job's shared arena (its own block) */
+  uint64_t buffers_offset;    /* the arena block holding the persistent buffers */
   uint64_t master_offset;     /* these in the job's arena; master and grad: this host's */
   uint64_t grad_offset;
-  uint64_t full_grad_offset;  /* local rank r's at + r * full_grad_stride */
-  uint64_t full_grad_stride;
   /* Across hosts only: the host's sum of its ranks' gradients, in reduce_dtype and in fp32
    * (the same buffer when reduce_dtype is fp32). */
   uint64_t host_sum_offset;
   uint64_t host_sum_fp32_offset;
-  /* The unsharded buffer holds the parameters of `gathered_step` once `gathered`: it stays
-   * valid across Reshard (the host backend keeps the buffer) until a newer step's gather. */
+  /* The unsharded copy, lent to the ranks in `holders` (daemon/dataplane/dataplane.h).
+   * copy_in_masters: the param dtype is fp32 and this host holds every shard, so the masters
+   * themselves are the copy: nothing is gathered or held. Otherwise, while has_copy, the
+   * copy is at copy_offset of the shared arena: from the job's pool (copy_pooled) when it
+   * was gathered for a unit that reshards after forward, else a block of its own; it holds
+   * `gathered_step` once `gathered` (`gathered_again`: the step's second gather, for the
+   * backward), and goes back when the last holder lets go. */
+  bool copy_in_masters;
+  bool reshard_after_forward; /* the schedule's (SetSchedule), or the strategy's default */
+  bool copy_pooled;
+  bool has_copy;
+  uint64_t copy_offset;
+  fsdp_pool_waiter_t copy_waiter; /* a gather waiting for a pool buffer; data: the data plane */
+  fsdp_rank_set_t holders;
   bool gathered;
+  bool gathered_again;
   uint64_t gathered_step;
+  /* Each local rank's full-gradient buffer (arena offsets), lent from its pool by the
+   * backward's Unshard until the unit's ReduceScatter ends; local_world_size of them. */
+  uint64_t *full_grad_offsets;
+  fsdp_rank_set_t grads_lent;
   fsdp_collection_t gather;
   fsdp_collection_t reduce;
   bool reduce_accumulate;
@@ -91,6 +109,12 @@ typedef struct fsdp_unit {
 typedef struct fsdp_job {
   char name[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_world_size;
+  /* The bounded pools (daemon/store/pool.h), capped at max_inflight: the unsharded copies
+   * of units that reshard after forward, in shared_arena, and each local rank's
+   * full-gradient buffers (local_world_size pools), in arena. */
+  unsigned max_inflight;
+  fsdp_pool_t copies;
+  fsdp_pool_t *grad_pools;
   fsdp_job_owner_t owner; /* of the session that created it: whom Attach lets in */
   /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
    * `shared_arena`, sealed so that trainers can only map it read-only, and every other
@@ -131,6 +155,7 @@ typedef struct fsdp_store {
   unsigned max_jobs;
   size_t memory_limit;
   size_t arena_capacity;
+  unsigned max_inflight; /* a new job's (store.max_inflight) */
   size_t reserved; /* the capacities of every job's arenas */
   fsdp_store_hooks_t hooks;
   /* Set by the daemon from cluster.*: the hosts, and the local world size every job must

@@ -10,10 +10,13 @@
  * the session's life: if the process dies, the daemon ends the session at once.
  *
  * Units are registered with their parameters; every local rank must register the same spec.
- * The returned view points into the mapping: the unsharded buffer (read it between Unshard
- * and Reshard), the fp32 master shards (write your own shard: initial values, optimizer
- * steps), the fp32 gradient shards (ReduceScatter writes them) and this rank's full-gradient
- * buffer (write it before ReduceScatter).
+ * The returned view points into the mapping: the fp32 master shards (write your own shard:
+ * initial values, optimizer steps) and the fp32 gradient shards (ReduceScatter writes them).
+ * The daemon lends the rest from bounded pools, per operation, and the view follows: the
+ * unsharded copy from Unshard until Reshard (or the Unshard of a newer step), and, from an
+ * Unshard for the backward until the unit's ReduceScatter completes, this rank's
+ * full-gradient buffer (write it before ReduceScatter). Pointers into a lent buffer are
+ * valid only while it is lent: the pool gives it to another unit after.
  *
  * Threads: a trainer is used by one thread at a time, like its client; the client must
  * outlive the trainer. Every call has a deadline (the client's default unless given).
@@ -84,6 +87,12 @@ typedef struct fsdp_unit_desc {
   double gradient_postdivide_factor; /* 0: default */
 } fsdp_unit_desc_t;
 
+/* Which pass an Unshard serves: the backward's also lends the rank a full-gradient buffer. */
+typedef enum fsdp_pass {
+  FSDP_PASS_FORWARD = 0,
+  FSDP_PASS_BACKWARD = 1,
+} fsdp_pass_t;
+
 /* Where a registered unit lives in this process. Element counts; pointers into the mapping. */
 typedef struct fsdp_unit_view {
   uint64_t numel;        /* the parameters' elements */
@@ -92,7 +101,7 @@ typedef struct fsdp_unit_view {
   unsigned shard;        /* the shard this rank holds */
   const uint64_t *param_offsets; /* element offset of each parameter in the flat buffer */
   size_t n_params;
-  /* padded_numel of param_type: from Unshard until the gather of a newer step */
+  /* padded_numel of param_type, lent from Unshard until Reshard; NULL otherwise */
   const void *unsharded;
   /* The fp32 master and gradient shards of this host: host_shards shards, shard s at
    * master + (s - host_first_shard) * shard_numel. On one host, host_first_shard is 0 and
@@ -101,7 +110,9 @@ typedef struct fsdp_unit_view {
   float *grad;
   unsigned host_first_shard;
   unsigned host_shards;
-  void *full_grad; /* this rank's padded_numel of param_type */
+  /* this rank's padded_numel of param_type, lent from an Unshard for the backward until
+   * the unit's ReduceScatter completes; NULL otherwise */
+  void *full_grad;
   /* As of registration: the newest step whose gather / reduce-scatter completed on the
    * unit, 0 before the first (a trainer that attaches again finds its masters trained). */
   uint64_t gathered_step;
@@ -110,6 +121,26 @@ typedef struct fsdp_unit_view {
    * replicas, NO_SHARD's every rank); 0 for the first. */
   unsigned replica;
 } fsdp_unit_view_t;
+
+/* How the daemon runs the job's units (Trainer.SetSchedule); every local rank sets the same,
+ * and the last one set is the job's. */
+typedef struct fsdp_unit_schedule {
+  const fsdp_unit_handle_t *unit;
+  /* Whether the unit lets go of its copy after its forward (FSDP's reshard_after_forward),
+   * so that its copies come from the job's pool, under max_inflight; a unit that keeps its
+   * copy until its backward (the root) has one of its own. Default: FULL_SHARD and
+   * HYBRID_SHARD units do. */
+  bool reshard_after_forward;
+} fsdp_unit_schedule_t;
+
+typedef struct fsdp_schedule {
+  /* The copies of units that reshard after forward the job's ranks hold at once, and the
+   * full-gradient buffers each rank holds (FSDP's limit_all_gathers), 1 to 64; 0 keeps the
+   * job's (the daemon's store.max_inflight when it was made). */
+  unsigned max_inflight;
+  const fsdp_unit_schedule_t *units; /* registered units; the others keep their default */
+  size_t n_units;
+} fsdp_schedule_t;
 
 /* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.
  * client is borrowed and must outlive the trainer. */
@@ -138,24 +169,34 @@ int fsdp_trainer_register_unit(fsdp_trainer_t *trainer, const fsdp_unit_desc_t *
 /* The view of a registered unit; valid while the trainer lives. */
 const fsdp_unit_view_t *fsdp_unit_view(const fsdp_unit_handle_t *unit);
 
-/* Gathers the unit into its unsharded buffer; returns once it is there. */
-int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step);
+/* Gathers the unit for this rank; returns once view->unsharded holds the step (and, for the
+ * backward pass, view->full_grad is lent). */
+int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step,
+                         fsdp_pass_t pass);
 
-/* The same, started now and waited for later (prefetch): at most one started operation per
- * unit; fsdp_trainer_wait() returns its result (timeout_ms <= 0: the client's default).
- * Until then other operations on the unit fail with -EBUSY; a wait that runs out cancels
- * the operation (FSDP_E_DEADLINE_EXCEEDED), and detach cancels one still started. */
-int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
-                               uint64_t step);
-int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms);
-
-/* Lets go of the unsharded buffer. */
+/* Lets go of the unsharded copy (view->unsharded becomes NULL). */
 int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step);
 
-/* Submits this rank's full gradient and returns once every local rank's is reduced into the
- * gradient shards (AllReduce for NO_SHARD units). accumulate adds instead of writing. */
+/* Submits this rank's full gradient (view->full_grad, lent by an Unshard for the backward)
+ * and returns once every local rank's is reduced into the gradient shards (AllReduce for
+ * NO_SHARD units); the buffer goes back to the pool (view->full_grad becomes NULL).
+ * accumulate adds instead of writing. */
 int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
                                 uint64_t step, bool accumulate);
+
+/* Sets the job's schedule. */
+int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule);
+
+/* Unshard and ReduceScatter started now and waited for later (prefetch; a reduce that does
+ * not hold up the backward): at most one started operation per unit; fsdp_trainer_wait()
+ * returns its result and updates the view (timeout_ms <= 0: the client's default). Until
+ * then other operations on the unit fail with -EBUSY; a wait that runs out cancels the
+ * operation (FSDP_E_DEADLINE_EXCEEDED), and detach cancels one still started. */
+int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
+                               uint64_t step, fsdp_pass_t pass);
+int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
+                                      uint64_t step, bool accumulate);
+int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms);
 
 #ifdef __cplusplus
 }

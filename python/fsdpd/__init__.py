@@ -124,8 +124,13 @@ class Unit:
       master, master_shard   fp32, this host's shards (host_shards of them from
                              host_first_shard; on one host every shard) / this rank's
       grad, grad_shard       fp32, the same layout, written by reduce_scatter()
-      full_grad              param dtype, this rank's gradient: write it before reduce_scatter
-      unsharded              param dtype, READ-ONLY memory: valid between unshard and reshard
+    Lent per operation from the daemon's bounded pools (None while not lent):
+      unsharded              param dtype, READ-ONLY memory: from unshard() until reshard()
+                             (or the unshard of a newer step)
+      full_grad              param dtype, this rank's gradient: lent by unshard(backward=True),
+                             written by the trainer, consumed by reduce_scatter()
+    A view of a lent buffer must not be used after it goes back: the pool lends the same
+    memory to another unit.
     """
 
     def __init__(self, client, handle, name, params, param_type):
@@ -149,8 +154,11 @@ class Unit:
         self.master_shard = _view(v.master, start, self.shard_numel, _lib.SCALAR_FP32, True)
         self.grad = _view(v.grad, 0, host, _lib.SCALAR_FP32, True)
         self.grad_shard = _view(v.grad, start, self.shard_numel, _lib.SCALAR_FP32, True)
-        self.full_grad = _view(v.full_grad, 0, n, param_type, True)
-        self.unsharded = _view(v.unsharded, 0, n, param_type, False)
+        self.unsharded = self.full_grad = None
+        self._lent = (None, None)  # the addresses they view
+        # The element type of unsharded and full_grad (a torch dtype, or a struct format).
+        fmt, torch_name, _ = _SCALARS[param_type]
+        self.dtype = getattr(_torch, torch_name) if _torch else fmt
 
     def __repr__(self):
         return (f"<fsdpd.Unit {self.name!r} numel={self.numel} padded={self.padded_numel} "
@@ -162,32 +170,57 @@ class Unit:
         rc = fn(c._trainer, self._handle, *args)
         if rc < 0:
             raise c._error(rc, f"{what} of unit '{self.name}'")
+        self._follow_view()
         return rc
 
-    def unshard(self, step=0):
-        """Gathers the unit into `unsharded`; returns once it is there."""
-        self._call(_lib.lib().fsdp_trainer_unshard, "unshard", step)
+    def _follow_view(self):
+        """Points unsharded and full_grad at what the daemon lends now."""
+        v = _lib.lib().fsdp_unit_view(self._handle).contents
+        n = self.padded_numel
+        if v.unsharded != self._lent[0]:
+            self.unsharded = _view(v.unsharded, 0, n, self.param_type, False) \
+                if v.unsharded else None
+        if v.full_grad != self._lent[1]:
+            self.full_grad = _view(v.full_grad, 0, n, self.param_type, True) \
+                if v.full_grad else None
+        self._lent = (v.unsharded, v.full_grad)
 
-    def unshard_async(self, step=0):
+    def unshard(self, step=0, backward=False):
+        """Gathers the unit for this rank; returns once `unsharded` holds it. For the
+        backward pass it also lends `full_grad`."""
+        self._call(_lib.lib().fsdp_trainer_unshard, "unshard", step, _pass(backward))
+
+    def unshard_async(self, step=0, backward=False):
         """Starts the Unshard (prefetch); wait() returns its result. Until then other
         operations on this unit fail with EBUSY."""
-        self._call(_lib.lib().fsdp_trainer_unshard_start, "unshard_async", step)
+        self._call(_lib.lib().fsdp_trainer_unshard_start, "unshard_async", step,
+                   _pass(backward))
 
     def wait(self, timeout=None):
-        """Waits for the started Unshard, at most timeout seconds (None: the client's
-        deadline); running out cancels it (FSDP_E_DEADLINE_EXCEEDED)."""
+        """Waits for the started Unshard or ReduceScatter, at most timeout seconds (None: the
+        client's deadline); running out cancels it (FSDP_E_DEADLINE_EXCEEDED)."""
         ms = 0 if timeout is None else max(1, int(timeout * 1000))
         self._call(_lib.lib().fsdp_trainer_wait, "wait", ms)
 
     def reshard(self, step=0):
-        """Lets go of the unsharded buffer."""
+        """Lets go of the unsharded copy."""
         self._call(_lib.lib().fsdp_trainer_reshard, "reshard", step)
 
     def reduce_scatter(self, step=0, accumulate=False):
         """Submits full_grad; returns once every local rank's is reduced into the gradient
-        shards (the mean by default; accumulate adds to them instead)."""
+        shards (the mean by default; accumulate adds to them instead). full_grad goes back to
+        the daemon."""
         self._call(_lib.lib().fsdp_trainer_reduce_scatter, "reduce_scatter", step,
                    bool(accumulate))
+
+    def reduce_scatter_async(self, step=0, accumulate=False):
+        """Starts the ReduceScatter; wait() returns its result."""
+        self._call(_lib.lib().fsdp_trainer_reduce_scatter_start, "reduce_scatter_async", step,
+                   bool(accumulate))
+
+
+def _pass(backward):
+    return _lib.PASS_BACKWARD if backward else _lib.PASS_FORWARD
 
 
 class Client:
@@ -313,6 +346,23 @@ class Client:
             unit = Unit(self, handle, str(name), params, resolved)
             self._units[handle.value] = unit
         return unit
+
+    def set_schedule(self, max_inflight=0, reshard_after_forward=None):
+        """Sets how the daemon runs the job's units (every local rank sets the same).
+        max_inflight: the unsharded copies of units that reshard after forward the ranks hold
+        at once, and the full-gradient buffers each rank holds (FSDP's limit_all_gathers),
+        1 to 64; 0 keeps the job's. reshard_after_forward: {Unit: bool} for units whose
+        copy is (or is not) let go after their forward; the others keep their strategy's
+        default (FULL_SHARD and HYBRID_SHARD: True)."""
+        self._check_open()
+        units = list((reshard_after_forward or {}).items())
+        entries = (_lib.UnitSchedule * max(1, len(units)))()
+        for i, (unit, reshard) in enumerate(units):
+            entries[i] = _lib.UnitSchedule(unit._handle.value, bool(reshard))
+        schedule = _lib.Schedule(int(max_inflight), entries, len(units))
+        rc = _lib.lib().fsdp_trainer_set_schedule(self._trainer, ctypes.byref(schedule))
+        if rc < 0:
+            raise self._error(rc, "set schedule")
 
     def close(self):
         """Detaches (the daemon keeps the job's units and memory) and closes the connection.

@@ -13,6 +13,7 @@ from pathlib import Path
 
 SCALAR_DEFAULT, SCALAR_FP32, SCALAR_BF16, SCALAR_FP16 = 0, 1, 2, 3
 STRATEGIES = {"FULL_SHARD": 1, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "NO_SHARD": 4}
+PASS_FORWARD, PASS_BACKWARD = 0, 1
 
 
 class ClientOptions(ctypes.Structure):
@@ -50,6 +51,15 @@ class UnitView(ctypes.Structure):
                 ("reduced_step", ctypes.c_uint64), ("replica", ctypes.c_uint)]
 
 
+class UnitSchedule(ctypes.Structure):
+    _fields_ = [("unit", ctypes.c_void_p), ("reshard_after_forward", ctypes.c_bool)]
+
+
+class Schedule(ctypes.Structure):
+    _fields_ = [("max_inflight", ctypes.c_uint), ("units", ctypes.POINTER(UnitSchedule)),
+                ("n_units", ctypes.c_size_t)]
+
+
 _p = ctypes.c_void_p
 _SIGNATURES = {
     # name: (restype, argtypes)
@@ -68,11 +78,14 @@ _SIGNATURES = {
     "fsdp_trainer_register_unit": (ctypes.c_int, [_p, ctypes.POINTER(UnitDesc),
                                                   ctypes.POINTER(_p)]),
     "fsdp_unit_view": (ctypes.POINTER(UnitView), [_p]),
-    "fsdp_trainer_unshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
-    "fsdp_trainer_unshard_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
+    "fsdp_trainer_unshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_int]),
+    "fsdp_trainer_unshard_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_int]),
     "fsdp_trainer_wait": (ctypes.c_int, [_p, _p, ctypes.c_int]),
+    "fsdp_trainer_set_schedule": (ctypes.c_int, [_p, ctypes.POINTER(Schedule)]),
     "fsdp_trainer_reshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
     "fsdp_trainer_reduce_scatter": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_bool]),
+    "fsdp_trainer_reduce_scatter_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64,
+                                                         ctypes.c_bool]),
 }
 
 _lock = threading.Lock()

@@ -12,11 +12,15 @@ unit, the root unit takes the parameters left over. A parameter shared by severa
 parameters (requires_grad=False) go into a unit of their own per wrapped module, which is
 gathered but never reduced; buffers are never sharded.
 
-Memory. A unit's fp32 master shards, fp32 gradient shards, full-gradient buffers and its
-unsharded copy (param_dtype) live in the daemon; the module's parameters point at views of
-the unsharded copy while the unit is unsharded, and at empty tensors otherwise; in a
-training step their .grad are views of the rank's full-gradient buffer, into which autograd
-accumulates in place (no gradient is allocated or copied in the trainer).
+Memory. A unit's fp32 master shards and fp32 gradient shards live in the daemon for the
+job's life; its unsharded copy (param_dtype) and this rank's full-gradient buffer are lent
+from the daemon's bounded pools only while the unit is in flight, as FSDP holds them. The
+module's parameters point at views of the copy while the unit is unsharded, and at empty
+tensors otherwise; in the backward their .grad are views of the lent full-gradient buffer,
+into which autograd accumulates in place (no gradient is allocated or copied in the
+trainer). A lent buffer always appears at the same address of this process (the library
+maps it there), so the tensors autograd saved in the forward stay valid when the backward
+gathers the unit again into another pool buffer.
 `model.parameters()` yields one Parameter per trainable unit: this rank's master shard, whose
 .grad is its gradient shard, so torch.optim works unchanged and its state is sharded too.
 
@@ -25,12 +29,13 @@ step; the daemon's gather of a new step is a collective of the local ranks (it w
 every rank's Unshard of that step, so no rank reads a shard before its owner's optimizer step
 is done). With forward prefetch the next unit in the recorded order is requested while the
 current one computes. FULL_SHARD (and HYBRID_SHARD) reshards every unit but the root after its
-forward, pointing its parameters at empty tensors, and unshards it again when its backward
-starts; the daemon keeps the step's copy until every rank asks for a newer step, so that takes
-no call (nor does a reshard: the host backend keeps the buffer). SHARD_GRAD_OP keeps the
-parameters until the unit's backward. After a unit's backward its gradients are reduce-scattered (averaged over the
-ranks, summed in reduce_dtype) into the gradient shards, written or, when the shard's .grad
-was kept (zero_grad(set_to_none=False)), added.
+forward, and unshards it again when its backward starts (a second gather, as FSDP);
+SHARD_GRAD_OP keeps the copy until the unit's backward. The backward's Unshard also lends the
+gradient buffer; with backward prefetch the previous unit's is requested as the backward of
+a unit starts. When a unit's backward is done it reshards, and its gradients are
+reduce-scattered (averaged over the ranks, summed in reduce_dtype) into the gradient shards
+while the backward goes on, written or, when the shard's .grad was kept
+(zero_grad(set_to_none=False), no_sync), added; the end of the backward waits for them.
 
 Restarts. The masters live in the daemon: a trainer process that dies and starts again
 attaches, registers the same model, and finds its units trained (`model.resumed`); it does
@@ -99,14 +104,16 @@ class _FlatUnit:
         self.offsets = u.param_offsets
         self.sizes = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
-        self.empty_data = _torch.empty(0, dtype=u.unsharded.dtype)
+        self.empty_data = _torch.empty(0, dtype=u.dtype)
         # This rank's master shard as an optimizer parameter (shares the mapped memory).
         self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
-        # The step of the daemon's copy this rank was last given: it stays valid until this
-        # rank asks for a newer step (the gather of a step waits for every rank), so the
-        # unit's backward needs no call to point at it again. 0: none.
+        # What the daemon lends this rank now: the copy of step copy_step (0: none), which
+        # stays until this rank reshards, and the full-gradient buffer (grad_lent) from the
+        # backward's Unshard until the unit's ReduceScatter ends.
         self.copy_step = 0
+        self.grad_lent = False
         self.prefetched = 0      # the step of an unshard_async under way, 0: none
+        self.reducing = False    # a reduce_scatter_async under way
         self.accumulators = [None] * len(self.params)  # the hooked autograd nodes
         self.ran_step = 0        # the step in which the unit last ran forward
         self.pending = 0         # gradients still to come in this backward
@@ -122,17 +129,15 @@ class _FlatUnit:
         lo = u.shard * u.shard_numel
         u.master_shard.copy_(flat[lo:lo + u.shard_numel])
 
-    def point_params(self, flat, grads=False):
-        """The parameters as views of a flat buffer (the unsharded copy, or a full copy); with
-        grads, their .grad as views of the rank's full-gradient buffer, which autograd then
-        accumulates into in place (no gradient is allocated or copied), and a hook on each
-        one's gradient accumulator, which runs once autograd has added the gradient."""
-        for i, (off, n, shape, p) in enumerate(zip(self.offsets, self.sizes, self.shapes,
-                                                   self.params)):
+    def point_params(self, flat):
+        """The parameters as views of a flat buffer (the unsharded copy, or a full copy)."""
+        for off, n, shape, p in zip(self.offsets, self.sizes, self.shapes, self.params):
             p.data = flat[off:off + n].view(shape)
-            if not grads:
-                continue
-            p.grad = self.unit.full_grad[off:off + n].view(shape)
+
+    def hook_accumulators(self):
+        """A hook on each parameter's gradient accumulator, which runs once autograd has added
+        the parameter's gradient."""
+        for i, p in enumerate(self.params):
             # An accumulator is made for the parameter's shape of the moment: the first is
             # taken while the parameter is whole, and kept (so it stays the parameter's), and
             # hooked once; a graph still alive from an earlier step holds the same one.
@@ -142,35 +147,70 @@ class _FlatUnit:
                 node.register_hook(self.owner._grad_done(self))
                 self.accumulators[i] = node
 
+    def point_grads(self):
+        """The parameters' .grad as views of the lent full-gradient buffer, zeroed: autograd
+        then accumulates into it in place (no gradient is allocated or copied)."""
+        full = self.unit.full_grad
+        full.zero_()
+        for off, n, shape, p in zip(self.offsets, self.sizes, self.shapes, self.params):
+            p.grad = full[off:off + n].view(shape)
+
     def detach_params(self):
         for p in self.params:
             p.grad = None
             p.data = self.empty_data
 
-    def prefetch(self, step):
-        if self.copy_step != step and not self.prefetched:
-            self.unit.unshard_async(step)
+    def _needs_call(self, step, backward):
+        return self.copy_step != step or (backward and self.trainable and not self.grad_lent)
+
+    def _took(self, step):
+        self.copy_step = step
+        self.grad_lent = self.unit.full_grad is not None
+
+    def prefetch(self, step, backward=False):
+        if not self.prefetched and not self.reducing and self._needs_call(step, backward):
+            self.unit.unshard_async(step, backward=backward)
             self.prefetched = step
 
     def settle(self):
-        """Ends a prefetch under way (its copy is then this rank's)."""
+        """Ends an operation under way: a prefetch (its copy is then this rank's), or a
+        reduce (its gradient buffer then went back)."""
         if self.prefetched:
             step, self.prefetched = self.prefetched, 0
             self.unit.wait()
-            self.copy_step = step
+            self._took(step)
+        elif self.reducing:
+            self.reducing = False
+            self.unit.wait()
+            self.grad_lent = False
 
-    def unshard(self, step, grads=False):
+    def unshard(self, step, backward=False):
+        """The copy of step for the forward, or for the backward with the gradient buffer
+        (zeroed, and the parameters' .grad pointed at it)."""
+        lent = self.grad_lent  # before a prefetch's end, which may lend it
         self.settle()
-        if self.copy_step != step:
-            self.unit.unshard(step)
-            self.copy_step = step
-        self.point_params(self.unit.unsharded, grads)
+        if self._needs_call(step, backward):
+            self.unit.unshard(step, backward=backward)
+            self._took(step)
+        self.point_params(self.unit.unsharded)
+        if backward and self.grad_lent and not lent:
+            self.point_grads()
 
     def reshard(self):
-        """Lets go of the copy: the parameters point at empty tensors. The host backend keeps
-        the unsharded buffer (its Reshard only checks the unit), so no call is needed."""
+        """Lets go of the copy, so that the daemon's pool can lend it to another unit; the
+        parameters point at empty tensors (their gradients stay until the reduce ends)."""
         self.settle()
-        self.detach_params()
+        for p in self.params:
+            p.data = self.empty_data
+        if self.copy_step:
+            self.unit.reshard(self.copy_step)
+            self.copy_step = 0
+
+    def reduce_async(self, step, accumulate):
+        """Starts the reduce of the gradient buffer; the backward goes on meanwhile."""
+        self.settle()
+        self.unit.reduce_scatter_async(step, accumulate=accumulate)
+        self.reducing = True
 
 
 class ShardedModel(_nn.Module):
@@ -178,7 +218,7 @@ class ShardedModel(_nn.Module):
     `self.module`; parameters()/named_parameters() yield the rank's master shards."""
 
     def __init__(self, module, client, wrap, strategy, param_dtype, reduce_dtype,
-                 forward_prefetch, backward_prefetch):
+                 forward_prefetch, backward_prefetch, max_inflight):
         super().__init__()
         strategy = str(strategy).upper()
         if strategy == "NO_SHARD":
@@ -197,13 +237,16 @@ class ShardedModel(_nn.Module):
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
         self.step = 0
-        self._sync_grads = True
         self._sync_count = 0
         self._callback_queued = False
         self._order = []        # units in the order the first forward ran them
         self._recording = True
         self._units = self._make_units(wrap)
-        self._root = next((fu for fu in self._units if fu.module is module), None)
+        # The root module's units keep their copy from the forward to the backward, as FSDP's
+        # root does, so they never hold up the pool of the units in flight.
+        self._root_units = [fu for fu in self._units if fu.module is module]
+        client.set_schedule(max_inflight=max_inflight or 0, reshard_after_forward={
+            fu.unit: False for fu in self._root_units})
         self._sync = self._summing_unit(_SYNC_UNIT, 1)
         self._gather = None  # the scratch unit of _full_masters, made on first need
 
@@ -295,7 +338,7 @@ class ShardedModel(_nn.Module):
         def hook(module, inputs):
             if self._recording and fu not in self._order:
                 self._order.append(fu)
-            fu.unshard(self.step, grads=fu.trainable and _torch.is_grad_enabled())
+            fu.unshard(self.step)
             if self.forward_prefetch and not self._recording:
                 nxt = self._next_in_order(fu, 1)
                 if nxt is not None:
@@ -303,9 +346,9 @@ class ShardedModel(_nn.Module):
             if not _torch.is_grad_enabled():
                 return
             fu.backward_started = False
+            if fu.trainable:
+                fu.hook_accumulators()
             if fu.ran_step != self.step and fu.trainable:
-                if fu.reduced:  # not carrying gradients from no_sync steps
-                    fu.unit.full_grad.zero_()
                 fu.ran_step = self.step
                 fu.pending = len(fu.params)
                 fu.reduced = False
@@ -316,7 +359,7 @@ class ShardedModel(_nn.Module):
             if not _torch.is_grad_enabled():
                 fu.reshard()
                 return None
-            if self.strategy in _RESHARD_AFTER_FORWARD and fu is not self._root:
+            if self.strategy in _RESHARD_AFTER_FORWARD and fu not in self._root_units:
                 fu.reshard()
             for t in _tensors(output):
                 if t.requires_grad:
@@ -329,11 +372,11 @@ class ShardedModel(_nn.Module):
             self._queue_finish()
             if not fu.backward_started:
                 fu.backward_started = True
-                fu.unshard(self.step, grads=fu.trainable and fu.ran_step == self.step)
+                fu.unshard(self.step, backward=fu.ran_step == self.step)
                 if self.backward_prefetch:
                     prev = self._next_in_order(fu, -1)
                     if prev is not None:
-                        prev.prefetch(self.step)
+                        prev.prefetch(self.step, backward=prev.ran_step == self.step)
             return None
         return hook
 
@@ -351,41 +394,43 @@ class ShardedModel(_nn.Module):
         return hook
 
     def _reduce(self, fu):
-        if fu.reduced or not self._sync_grads:
+        """The unit's backward is done: its copy goes back, and its gradients are reduced
+        while the backward goes on (into the gradient shards, or added to them when the
+        shard's .grad was kept: zero_grad(set_to_none=False), or no_sync)."""
+        if fu.reduced:
             return
-        fu.settle()  # a backward prefetch for a unit whose backward never came
-        keep = fu.shard_param.grad is not None
-        fu.unit.reduce_scatter(fu.ran_step, accumulate=keep)
         fu.reduced = True
+        if not fu.grad_lent:  # a unit whose backward never came: its gradients count as 0
+            fu.unshard(fu.ran_step, backward=True)
+        fu.reshard()
+        keep = fu.shard_param.grad is not None
+        fu.reduce_async(fu.ran_step, accumulate=keep)
         if not keep:
             fu.shard_param.grad = fu.unit.grad_shard
-        # The parameters keep pointing at the copy and the buffer until the end of
-        # backward.
 
     def _finish_backward(self):
         """End of backward: units whose parameters did not all get a gradient are reduced
-        now (the missing ones count as zero), so no rank waits for one; every unit lets go
+        now (the missing ones count as zero), so no rank waits for one; every reduce is
+        waited for (the optimizer reads the gradient shards next), and every unit lets go
         of its copy."""
         for fu in self._units:
             if fu.trainable and fu.ran_step == self.step:
                 self._reduce(fu)
         for fu in self._units:
             fu.reshard()
-        if self._sync_grads:
-            reduced = [fu.unit for fu in self._units if fu.trainable]
-            if all(fu.reduced for fu in self._units if fu.trainable) and reduced:
-                self.completed_steps = self.step
+            fu.detach_params()
+        if all(fu.reduced for fu in self._units if fu.trainable) and \
+                any(fu.trainable for fu in self._units):
+            self.completed_steps = self.step
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate the gradients locally (in this rank's
-        full-gradient buffers) without reducing them; the first backward outside reduces the
-        sum."""
-        self._sync_grads = False
-        try:
-            yield
-        finally:
-            self._sync_grads = True
+        """For gradient accumulation: inside, backward passes add their gradients to the
+        gradient shards (each unit reduces with accumulate, as FSDP2 does with HSDP's
+        set_requires_all_reduce(False)), so the first backward outside adds the last
+        micro-batch; the optimizer steps after it. The daemon lends full-gradient buffers
+        per unit and backward, so none is kept between micro-batches."""
+        yield
 
     # --- collectives of the whole model --------------------------------------------------
     def _summing_unit(self, name, numel):
@@ -394,12 +439,19 @@ class ShardedModel(_nn.Module):
                                          gradient_predivide_factor=1.0,
                                          gradient_postdivide_factor=1.0)
 
-    def _all_reduce(self, unit):
+    def _lend(self, unit):
+        """The summing unit's buffer for the next all-reduce, zeroed."""
         self._sync_count += 1
+        unit.unshard(self._sync_count, backward=True)
+        unit.reshard(self._sync_count)
+        unit.full_grad.zero_()
+
+    def _all_reduce(self, unit):
         unit.reduce_scatter(self._sync_count)
 
     def _all_reduce_scalar(self, value):
         """The sum of value over every rank; also a barrier."""
+        self._lend(self._sync)
         self._sync.full_grad[0] = value
         self._all_reduce(self._sync)
         return float(self._sync.grad[0])
@@ -414,7 +466,7 @@ class ShardedModel(_nn.Module):
             size = max(f.unit.padded_numel for f in self._units)
             self._gather = self._summing_unit(_GATHER_UNIT, size)
         g = self._gather
-        g.full_grad.zero_()
+        self._lend(g)
         if u.replica == 0:  # each shard once: adding zeros elsewhere is exact
             lo = u.shard * u.shard_numel
             g.full_grad[lo:lo + u.shard_numel].copy_(u.master_shard)
@@ -496,7 +548,8 @@ class ShardedModel(_nn.Module):
 
 
 def shard_model(model, client, wrap=None, strategy="FULL_SHARD", param_dtype=None,
-                reduce_dtype=None, forward_prefetch=True, backward_prefetch=True):
+                reduce_dtype=None, forward_prefetch=True, backward_prefetch=True,
+                max_inflight=None):
     """Shards model's parameters through client's daemon and returns the model to train.
 
     wrap: a set of module classes whose instances each become a unit (like
@@ -504,7 +557,10 @@ def shard_model(model, client, wrap=None, strategy="FULL_SHARD", param_dtype=Non
     takes the rest. strategy: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the
     same as FULL_SHARD). param_dtype: the unsharded parameters' dtype, in which forward and
     backward compute (floating inputs are cast to it); reduce_dtype: the gradient reduction's
-    (default param_dtype); masters stay float32. Every local rank calls this with the same
-    model (same definition, same seed) and takes its own slice of the initial values."""
+    (default param_dtype); masters stay float32. max_inflight: how many units' unsharded
+    copies (of those resharded after forward) and full-gradient buffers per rank the daemon
+    lends at once, FSDP's limit_all_gathers (None: the daemon's store.max_inflight, 2 by
+    default). Every local rank calls this with the same model (same definition, same seed)
+    and takes its own slice of the initial values."""
     return ShardedModel(model, client, wrap, strategy, param_dtype, reduce_dtype,
-                        forward_prefetch, backward_prefetch)
+                        forward_prefetch, backward_prefetch, max_inflight)

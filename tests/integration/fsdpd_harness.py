@@ -47,6 +47,11 @@ for _p in (PYTHON_GEN, PYTHON_GEN / "grpc" / "health" / "v1"):
 import health_pb2  # noqa: E402
 from fsdp.v1 import common_pb2, operator_pb2, peer_pb2, trainer_pb2  # noqa: E402,F401
 
+# The wire protocol's version, as the daemon was built with it.
+PROTOCOL_VERSION = int(re.search(
+    r"#define FSDP_PROTOCOL_VERSION (\d+)u",
+    (SOURCE_DIR / "include" / "fsdp" / "fsdp_version.h.in").read_text()).group(1))
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from fsdpd_harness import (SERVING, fsdpd, operator_pb2, peer_pb2, poll,  # noqa: F401
-                           run_fsdpd, trainer_pb2)
+from fsdpd_harness import (PROTOCOL_VERSION, SERVING, fsdpd, operator_pb2, peer_pb2,  # noqa: F401
+                           poll, run_fsdpd, trainer_pb2)
 
 
 # --- hand encoding, for bytes a well-behaved protobuf library refuses to produce ---------
@@ -61,7 +61,7 @@ STATUS = "/fsdp.v1.Operator/Status"
 
 def test_truncated_protobuf(fsdpd):
     d = fsdpd()
-    whole = trainer_pb2.AttachRequest(protocol_version=1, job="job-0", local_rank=3)
+    whole = trainer_pb2.AttachRequest(protocol_version=PROTOCOL_VERSION, job="job-0", local_rank=3)
     data = whole.SerializeToString()[:-3]  # the job string's length now runs past the end
     expect_error(d, ATTACH, data, grpc.StatusCode.INVALID_ARGUMENT,
                  ATTACH, "malformed fsdp.v1.AttachRequest", f"{len(data)} bytes")
@@ -94,7 +94,7 @@ def test_invalid_enum_value(fsdpd):
                          ids=["bad-continuation", "ff-fe", "surrogate", "overlong"])
 def test_invalid_utf8_in_string_field(fsdpd, bad):
     d = fsdpd()
-    data = field_varint(1, 1) + field_bytes(2, b"job-" + bad)
+    data = field_varint(1, PROTOCOL_VERSION) + field_bytes(2, b"job-" + bad)
     expect_error(d, ATTACH, data, grpc.StatusCode.INVALID_ARGUMENT,
                  ATTACH, "'job'", "UTF-8")
 
@@ -117,7 +117,7 @@ def test_nul_byte_in_string_field(fsdpd, tcp):
 
 def oversized_attach(total):
     """An AttachRequest of exactly `total` bytes on the wire (valid in every other way)."""
-    head = field_varint(1, 1)
+    head = field_varint(1, PROTOCOL_VERSION)
     for k in range(1, 11):  # k: the size of the string's length prefix
         n = total - len(head) - 1 - k
         if len(varint(n)) == k:
@@ -165,8 +165,7 @@ def test_unknown_method_or_service(fsdpd, path, tcp):
                  tcp=tcp)
 
 
-@pytest.mark.parametrize("path", ["/fsdp.v1.Trainer/SetSchedule",
-                                  "/fsdp.v1.Operator/SaveCheckpoint",
+@pytest.mark.parametrize("path", ["/fsdp.v1.Operator/SaveCheckpoint",
                                   "/fsdp.v1.Operator/LoadCheckpoint"])
 def test_later_methods_say_not_implemented(fsdpd, path):
     d = fsdpd()
@@ -176,19 +175,21 @@ def test_later_methods_say_not_implemented(fsdpd, path):
 # --- protocol versions -------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,request_,who", [
-    (ATTACH, trainer_pb2.AttachRequest(protocol_version=2, job="j"), "trainer"),
+    (ATTACH, trainer_pb2.AttachRequest(protocol_version=PROTOCOL_VERSION + 1, job="j"),
+     "trainer"),
     (ATTACH, trainer_pb2.AttachRequest(job="j"), "trainer"),
-], ids=["attach-2", "attach-0"])
+], ids=["attach-newer", "attach-0"])
 def test_wrong_protocol_version(fsdpd, path, request_, who):
     d = fsdpd()
     details = expect_error(d, path, request_.SerializeToString(),
                            grpc.StatusCode.FAILED_PRECONDITION,
-                           f"protocol_version {request_.protocol_version}", "protocol 1", who)
+                           f"protocol_version {request_.protocol_version}",
+                           f"protocol {PROTOCOL_VERSION}", who)
     assert path in details
 
 
 @pytest.mark.parametrize("path,request_,code,text", [
-    (ATTACH, trainer_pb2.AttachRequest(protocol_version=1, job="j"),
+    (ATTACH, trainer_pb2.AttachRequest(protocol_version=PROTOCOL_VERSION, job="j"),
      grpc.StatusCode.INVALID_ARGUMENT, "field 'local_world_size' = 0 is outside [1, 256]"),
 ], ids=["attach"])
 def test_right_protocol_version_gets_past_the_gate(fsdpd, path, request_, code, text):
@@ -203,7 +204,8 @@ def test_peer_service_is_not_on_the_unix_socket(fsdpd, path):
     take a Join from anyone in the socket's group. The peer port's own checks, the protocol
     version gate included, are in test_peers."""
     d = fsdpd()
-    expect_error(d, path, peer_pb2.JoinRequest(protocol_version=1).SerializeToString(),
+    join = peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION)
+    expect_error(d, path, join.SerializeToString(),
                  grpc.StatusCode.UNIMPLEMENTED, f"unknown method '{path}' on the local endpoint")
 
 
@@ -329,7 +331,7 @@ def test_watches_on_the_unix_socket_do_not_lock_out_trainers(fsdpd):
         for w in watches:
             assert next(w).status == SERVING
         reply = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
-            protocol_version=1, job="watched", local_rank=0, local_world_size=1,
+            protocol_version=PROTOCOL_VERSION, job="watched", local_rank=0, local_world_size=1,
             pid=os.getpid()), trainer_pb2.AttachReply)
         assert reply.session_id
         assert d.check("") == SERVING

@@ -95,11 +95,12 @@ def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
     for r, x in zip(flat, [x for h in layouts for x in h]):
         assert r.unsharded(x, dtype) == encode(values, dtype), f"host rank {r.d.log_path.name}"
 
-    # ReduceScatter: the mean over every rank of every host, each rank's shard of it.
+    # ReduceScatter: the mean over every rank of every host, each rank's shard of it. The
+    # backward's Unshard (the ranks still hold the copy: no gather) lends the buffers.
+    assert on_all(flat, "Unshard", step=step, backward=True) == [None] * len(flat)
     grads = [grad_values(lay.padded_numel, g) for g in range(len(flat))]
-    for g, (r, x) in enumerate(zip(flat, [x for h in layouts for x in h])):
-        r.memory[x.full_grad_offset:x.full_grad_offset + lay.padded_numel * SIZE[dtype]] = \
-            encode(grads[g], dtype)
+    for g, r in enumerate(flat):
+        r.write_full_grad(grads[g], dtype)
     assert on_all(flat, "ReduceScatter" if strategy != "NO_SHARD" else "AllReduce",
                   step=step) == [None] * len(flat)
     want = reference(grads, dtype, 1, len(flat))
@@ -155,8 +156,10 @@ def test_a_restarted_job_meets_none_of_the_messages_its_failed_run_left(fsdpd):
         flat = [(r, x) for host, lays in zip(hosts, layouts) for r, x in zip(host, lays)]
         n = layouts[0][0].padded_numel
         grads = [grad_values(n, g + offset) for g in range(len(flat))]
+        assert on_all([r for r, _ in flat], "Unshard", step=1, backward=True) == \
+            [None] * len(flat)
         for g, (r, x) in enumerate(flat):
-            r.memory[x.full_grad_offset:x.full_grad_offset + n * 4] = encode(grads[g], FP32)
+            r.write_full_grad(grads[g], FP32)
         return flat, grads
 
     hosts = attach(c)
@@ -204,6 +207,8 @@ def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how, tls):
     for host in hosts:
         for r in host:
             r.register(shapes=SHAPES)
+    everyone = [r for host in hosts for r in host]
+    assert on_all(everyone, "Unshard", step=1, backward=True) == [None] * len(everyone)
     victim = c.daemons[2]
     survivors = hosts[0] + hosts[1]
     box = {}

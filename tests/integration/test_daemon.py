@@ -14,8 +14,8 @@ import time
 import grpc
 import pytest
 
-from fsdpd_harness import (FSDPD, HEALTH_SERVICES, NOT_SERVING, SERVICE_UNKNOWN, SERVING,
-                           clean_env, fsdpd, operator_pb2, trainer_pb2)  # noqa: F401 (fixture)
+from fsdpd_harness import (FSDPD, HEALTH_SERVICES, NOT_SERVING, PROTOCOL_VERSION,  # noqa: F401
+                           SERVICE_UNKNOWN, SERVING, clean_env, fsdpd, operator_pb2, trainer_pb2)
 
 
 def daemon_version():
@@ -108,7 +108,7 @@ def test_status_over_unix(fsdpd):
     d = fsdpd()
     s = d.status()
     assert s.version == daemon_version()
-    assert s.protocol_version == 1
+    assert s.protocol_version == PROTOCOL_VERSION
     assert s.pid == d.pid
     assert s.state == operator_pb2.SERVING_STATE_SERVING
     assert s.config_file == ""
@@ -141,7 +141,7 @@ def test_status_over_unix(fsdpd):
 @pytest.mark.parametrize("path,request_", [
     ("/fsdp.v1.Operator/Status", operator_pb2.StatusRequest()),
     ("/fsdp.v1.Operator/ReloadConfig", operator_pb2.ReloadConfigRequest()),
-    ("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(protocol_version=1)),
+    ("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(protocol_version=PROTOCOL_VERSION)),
 ], ids=["Status", "ReloadConfig", "Attach"])
 def test_operator_and_trainer_not_reachable_over_tcp(fsdpd, path, request_):
     d = fsdpd()

@@ -10,8 +10,8 @@ import pytest
 
 import grpc
 
-from fsdpd_harness import (NOT_SERVING, SERVING, fsdpd, run_fsdpctl,  # noqa: F401
-                           status_code_and_details, trainer_pb2)
+from fsdpd_harness import (NOT_SERVING, PROTOCOL_VERSION, SERVING, fsdpd,  # noqa: F401
+                           run_fsdpctl, status_code_and_details, trainer_pb2)
 
 OK, ERROR, USAGE, NOT_SERVING_EXIT = 0, 1, 2, 3
 
@@ -42,7 +42,7 @@ def test_status_json(fsdpd):
     s = as_json(d.fsdpctl("--json", "status"))
     assert s["state"] == "SERVING"
     assert s["pid"] == d.pid
-    assert s["protocol_version"] == 1
+    assert s["protocol_version"] == PROTOCOL_VERSION
     assert s["version"] == d.status().version
     assert isinstance(s["uptime_ms"], int) and s["uptime_ms"] >= 0
     assert s["backend"] == "host"
@@ -113,10 +113,10 @@ def test_version(fsdpd):
     d = fsdpd()
     out = ok(d.fsdpctl("version"))
     lines = out.splitlines()
-    assert lines[0].startswith("fsdpctl") and "(protocol 1)" in lines[0]
+    assert lines[0].startswith("fsdpctl") and f"(protocol {PROTOCOL_VERSION})" in lines[0]
     assert lines[1].startswith("fsdpd") and d.unix_target in lines[1]
     v = as_json(d.fsdpctl("--json", "version"))
-    assert v["fsdpctl"]["protocol_version"] == v["fsdpd"]["protocol_version"] == 1
+    assert v["fsdpctl"]["protocol_version"] == v["fsdpd"]["protocol_version"] == PROTOCOL_VERSION
     assert v["fsdpd"]["version"] == d.status().version
     assert v["fsdpd"]["target"] == d.unix_target
 
@@ -240,7 +240,8 @@ def test_drain_and_resume(fsdpd):
     assert r.returncode == NOT_SERVING_EXIT, r.stdout + r.stderr
     assert json.loads(r.stdout)["state"] == "DRAINING"
     with pytest.raises(grpc.RpcError) as excinfo:
-        d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(protocol_version=1),
+        d.call("/fsdp.v1.Trainer/Attach",
+               trainer_pb2.AttachRequest(protocol_version=PROTOCOL_VERSION),
                trainer_pb2.AttachReply)
     code, details = status_code_and_details(excinfo)
     assert code == grpc.StatusCode.UNAVAILABLE

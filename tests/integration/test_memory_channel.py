@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from fsdpd_harness import PYTHON_GEN, fsdpd, poll, trainer_pb2  # noqa: F401
+from fsdpd_harness import PROTOCOL_VERSION, PYTHON_GEN, fsdpd, poll, trainer_pb2  # noqa: F401
 from fsdp.v1 import channel_pb2
 
 FRAME = 4096
@@ -28,7 +28,8 @@ DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 4, 8
 
 def attach(d, rank=0, world=2, job="j"):
     return d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
-        protocol_version=1, job=job, local_rank=rank, local_world_size=world, pid=os.getpid()),
+        protocol_version=PROTOCOL_VERSION, job=job, local_rank=rank, local_world_size=world,
+        pid=os.getpid()),
         trainer_pb2.AttachReply)
 
 
@@ -37,7 +38,7 @@ def frame(message_bytes):
         b"\0" * (FRAME - 4 - len(message_bytes))
 
 
-def hello(path, session_id, version=1, raw=None):
+def hello(path, session_id, version=PROTOCOL_VERSION, raw=None):
     """Connects, says hello, returns (socket, ChannelWelcome, fds)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(5)
@@ -105,16 +106,16 @@ from fsdp.v1 import trainer_pb2 as t, channel_pb2 as c
 ch = grpc.insecure_channel("unix:" + sys.argv[1])
 r = ch.unary_unary("/fsdp.v1.Trainer/Attach", request_serializer=t.AttachRequest.SerializeToString,
                    response_deserializer=t.AttachReply.FromString)(
-    t.AttachRequest(protocol_version=1, job="victim", local_rank=0, local_world_size=1,
-                    pid=os.getpid()), timeout=5)
+    t.AttachRequest(protocol_version=PROTOCOL_VERSION, job="victim", local_rank=0,
+                    local_world_size=1, pid=os.getpid()), timeout=5)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(r.memory_socket)
-h = c.ChannelHello(protocol_version=1, session_id=r.session_id).SerializeToString()
+h = c.ChannelHello(protocol_version=PROTOCOL_VERSION, session_id=r.session_id).SerializeToString()
 s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
 socket.recv_fds(s, 4096, 4)
 print(r.session_id, flush=True)
 time.sleep(60)
-"""
+""".replace("PROTOCOL_VERSION", str(PROTOCOL_VERSION))
 
 
 def test_a_killed_trainer_loses_its_session_at_once(fsdpd):
@@ -172,12 +173,13 @@ import socket, struct, sys
 sys.path.append(sys.argv[3])
 from fsdp.v1 import channel_pb2 as c
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect(sys.argv[1])
-h = c.ChannelHello(protocol_version=1, session_id=int(sys.argv[2])).SerializeToString()
+h = c.ChannelHello(protocol_version=PROTOCOL_VERSION,
+                   session_id=int(sys.argv[2])).SerializeToString()
 s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
 msg, fds, _, _ = socket.recv_fds(s, 4096, 4)
 w = c.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
 print(w.status, len(fds), w.message)
-"""
+""".replace("PROTOCOL_VERSION", str(PROTOCOL_VERSION))
     r = subprocess.run([sys.executable, "-c", code, a.memory_socket, str(a.session_id),
                         str(PYTHON_GEN)], capture_output=True, text=True, timeout=30)
     status, n_fds, message = r.stdout.strip().split(" ", 2)
@@ -253,11 +255,11 @@ from fsdp.v1 import trainer_pb2 as t, channel_pb2 as c
 ch = grpc.insecure_channel("unix:" + sys.argv[1])
 r = ch.unary_unary("/fsdp.v1.Trainer/Attach", request_serializer=t.AttachRequest.SerializeToString,
                    response_deserializer=t.AttachReply.FromString)(
-    t.AttachRequest(protocol_version=1, job="hog", local_rank=int(sys.argv[3]),
+    t.AttachRequest(protocol_version=PROTOCOL_VERSION, job="hog", local_rank=int(sys.argv[3]),
                     local_world_size=3, pid=os.getpid()), timeout=5)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(r.memory_socket)
-h = c.ChannelHello(protocol_version=1, session_id=r.session_id).SerializeToString()
+h = c.ChannelHello(protocol_version=PROTOCOL_VERSION, session_id=r.session_id).SerializeToString()
 s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
 msg, (rw, ro), _, _ = socket.recv_fds(s, 4096, 4)
 w = c.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
@@ -285,7 +287,7 @@ out["inodes"] = [os.fstat(fd).st_ino for fd in (rw, ro)]
 out["bytes"] = [os.fstat(fd).st_blocks * 512 for fd in (rw, ro)]
 print(json.dumps(out), flush=True)
 sys.stdin.readline()
-"""
+""".replace("PROTOCOL_VERSION", str(PROTOCOL_VERSION))
 
 
 def test_memory_limit_bounds_what_trainers_can_make_resident(fsdpd):

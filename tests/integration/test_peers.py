@@ -17,7 +17,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from fsdpd_harness import (CHANNEL_OPTIONS, fsdpd, peer_pb2, poll,  # noqa: F401
+from fsdpd_harness import (CHANNEL_OPTIONS, PROTOCOL_VERSION, fsdpd, peer_pb2, poll,  # noqa: F401
                            run_fsdpd)
 
 HEARTBEAT = "100ms"
@@ -220,11 +220,12 @@ def test_settings_mismatch_is_refused_naming_the_key(fsdpd):
     assert peers(d0)["ready"] is False
 
     # The same refusal as a client sees it, with both values.
-    req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=7, settings=[
-        peer_pb2.Setting(key="cluster.hosts", value=c.hosts),
-        peer_pb2.Setting(key="cluster.local_world_size", value="8"),
-        peer_pb2.Setting(key="cluster.shard_group_hosts", value="1"),
-        peer_pb2.Setting(key="daemon.backend", value="host")])
+    req = peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1, incarnation=7,
+                               settings=[
+                                   peer_pb2.Setting(key="cluster.hosts", value=c.hosts),
+                                   peer_pb2.Setting(key="cluster.local_world_size", value="8"),
+                                   peer_pb2.Setting(key="cluster.shard_group_hosts", value="1"),
+                                   peer_pb2.Setting(key="daemon.backend", value="host")])
     with grpc.insecure_channel(f"127.0.0.1:{c.ports[0]}", options=CHANNEL_OPTIONS) as ch:
         with pytest.raises(grpc.RpcError) as e:
             ch.unary_unary(JOIN, request_serializer=req.SerializeToString,
@@ -248,15 +249,16 @@ def test_peer_port_refuses_bad_joins(fsdpd):
     c = Cluster(fsdpd, 2)
     port = c.ports[0]
     cases = [
-        (peer_pb2.JoinRequest(protocol_version=2, host_rank=1), grpc.StatusCode.FAILED_PRECONDITION,
-         "protocol_version 2 from the peer daemon"),
-        (peer_pb2.JoinRequest(protocol_version=1, host_rank=5, incarnation=1),
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION + 1, host_rank=1),
+         grpc.StatusCode.FAILED_PRECONDITION,
+         f"protocol_version {PROTOCOL_VERSION + 1} from the peer daemon"),
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=5, incarnation=1),
          grpc.StatusCode.INVALID_ARGUMENT, "field 'host_rank' = 5 is not a peer"),
-        (peer_pb2.JoinRequest(protocol_version=1, host_rank=0, incarnation=1),
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=0, incarnation=1),
          grpc.StatusCode.INVALID_ARGUMENT, "field 'host_rank' = 0 is not a peer"),
-        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1),
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1),
          grpc.StatusCode.INVALID_ARGUMENT, "field 'incarnation' = 0"),
-        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=3),
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1, incarnation=3),
          grpc.StatusCode.FAILED_PRECONDITION, "field 'settings' lacks 'cluster.hosts'"),
     ]
     for req, code, text in cases:
@@ -283,7 +285,7 @@ def test_token(fsdpd, tmp_path):
     c = Cluster(fsdpd, 2, extra=["--set", f"peer.token_file={good}"])
     wait_all_joined(c)
     port = c.ports[0]
-    req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=5)
+    req = peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1, incarnation=5)
     for metadata, text in ((None, "the call carried none"),
                            ((("authorization", "Bearer wrong"),), "does not carry the token")):
         with pytest.raises(grpc.RpcError) as e:
@@ -349,7 +351,7 @@ class FakePeer:
 
         def join(request, context):
             self.joins += 1
-            return peer_pb2.JoinReply(protocol_version=1, host_rank=rank,
+            return peer_pb2.JoinReply(protocol_version=PROTOCOL_VERSION, host_rank=rank,
                                       incarnation=incarnation, ucx_worker_address=ucx)
 
         def heartbeat(request, context):
@@ -381,8 +383,9 @@ def test_a_ucx_address_ucx_aborts_on_never_reaches_the_daemons_worker(fsdpd, tmp
     fake = FakePeer(c.ports[1], 1, 0x77, UCX_ABORTS)
     try:
         d0 = c.start(0)
-        req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=0x77,
-                                   settings=settings(c), ucx_worker_address=UCX_ABORTS)
+        req = peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1,
+                                   incarnation=0x77, settings=settings(c),
+                                   ucx_worker_address=UCX_ABORTS)
         with pytest.raises(grpc.RpcError) as e:
             join_call(c.ports[0], req, metadata=BEARER)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
@@ -418,14 +421,15 @@ def test_an_invalid_join_changes_nothing_of_a_live_relationship(fsdpd, tmp_path)
     inc1 = peers(d1)["incarnation"]
     assert row(d0, 1)["incarnation"] == inc1
     cases = [
-        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=int(inc1, 16),
-                              settings=settings(c, lws=8)),
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1,
+                              incarnation=int(inc1, 16), settings=settings(c, lws=8)),
          grpc.StatusCode.FAILED_PRECONDITION, "setting 'cluster.local_world_size' differs"),
-        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=int(inc1, 16),
-                              settings=settings(c), ucx_worker_address=b"not an address"),
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1,
+                              incarnation=int(inc1, 16), settings=settings(c),
+                              ucx_worker_address=b"not an address"),
          grpc.StatusCode.INVALID_ARGUMENT, "field 'ucx_worker_address': UCX address of host 1: "
          "14 bytes that are not an fsdpd transport address"),
-        (peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=0x1234,
+        (peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1, incarnation=0x1234,
                               settings=settings(c)),
          grpc.StatusCode.ALREADY_EXISTS,
          f"host 1 is JOINED at incarnation {inc1}, as its own address 127.0.0.1:{c.ports[1]} "
@@ -487,7 +491,7 @@ def test_mutual_tls(fsdpd, tmp_path):
     wait_all_joined(c)
     port = c.ports[0]
     read = lambda n: (tmp_path / n).read_bytes()  # noqa: E731
-    req = peer_pb2.JoinRequest(protocol_version=1, host_rank=1, incarnation=5)
+    req = peer_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, host_rank=1, incarnation=5)
 
     # A client certificate from our CA gets through TLS (to the settings check) ...
     ours = grpc.ssl_channel_credentials(read("ca.pem"), read("d2.key"), read("d2.pem"))

@@ -99,10 +99,17 @@ WORKER = textwrap.dedent(r'''
         else:
             unsharded_ok = torch.equal(unit.unsharded, whole.to(torch.bfloat16))
         assert torch.equal(unit.master, whole)  # every rank sees every shard
+        unsharded_dtype = str(unit.unsharded.dtype)
         unit.reshard(step=1)
+        assert unit.unsharded is None and unit.full_grad is None  # not lent now
 
+        unit.unshard(step=1, backward=True)  # lends full_grad too
+        full_grad_dtype = str(unit.full_grad.dtype)
         unit.full_grad.copy_(grads(rank).to(unit.full_grad.dtype))
-        unit.reduce_scatter(step=1)
+        unit.reshard(step=1)
+        unit.reduce_scatter_async(step=1)
+        unit.wait()
+        assert unit.full_grad is None  # the reduce took it back
         lo, hi = unit.shard * unit.shard_numel, (unit.shard + 1) * unit.shard_numel
         if dtype == "float32":
             mean = (grads(0) + grads(1)) / 2
@@ -114,8 +121,8 @@ WORKER = textwrap.dedent(r'''
             grad_ok = torch.equal(unit.grad_shard, mean[lo:hi])
         out = {"rank": rank, "shard": unit.shard, "numel": unit.numel,
                "padded_numel": unit.padded_numel, "shard_numel": unit.shard_numel,
-               "param_offsets": unit.param_offsets, "unsharded_dtype": str(unit.unsharded.dtype),
-               "full_grad_dtype": str(unit.full_grad.dtype), "unsharded_ok": unsharded_ok,
+               "param_offsets": unit.param_offsets, "unsharded_dtype": unsharded_dtype,
+               "full_grad_dtype": full_grad_dtype, "unsharded_ok": unsharded_ok,
                "grad_ok": grad_ok, "session_id": client.session_id, "job": client.job,
                "grad_max_err": float((unit.grad_shard - mean[lo:hi]).abs().max())}
         client.close()

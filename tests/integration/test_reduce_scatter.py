@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from fsdpd_harness import common_pb2, fsdpd, poll, status_code_and_details  # noqa: F401
-from test_unshard import BF16, FP16, FP32, SIZE, Rank, bf16_bits, encode
+from test_unshard import BF16, FP16, FP32, SIZE, Rank, bf16_bits, encode, on_all
 
 FULL_SHARD, NO_SHARD = common_pb2.FULL_SHARD, common_pb2.NO_SHARD
 
@@ -92,9 +92,15 @@ def submit_all(ranks, unit, step, accumulate=False, method="ReduceScatter"):
     return results
 
 
-def write_full_grad(rank, layout, values, dtype):
-    data = encode(values, dtype)
-    rank.memory[layout.full_grad_offset:layout.full_grad_offset + len(data)] = data
+def lend(ranks, unit, step):
+    """Every rank's Unshard for the backward of step: each is lent its full-gradient buffer
+    (and lets go of the copy, which the tests here do not read)."""
+    assert on_all(ranks, "Unshard", unit=unit, step=step, backward=True) == [None] * len(ranks)
+    assert on_all(ranks, "Reshard", unit=unit, step=step) == [None] * len(ranks)
+
+
+def write_full_grad(rank, layout, values, dtype, unit="u"):
+    rank.write_full_grad(values, dtype, unit)
 
 
 def grad_shards(rank, layout):
@@ -113,12 +119,16 @@ def test_reduce_scatter_matches_the_reference(fsdpd, world, param_dtype, reduce_
     n = layouts[0].padded_numel
     R = rounder(param_dtype)
     grads = [[R(((i * 31 + 7 * r) % 101 - 50) * 0.173) for i in range(n)] for r in range(world)]
+    lend(ranks, "u", 1)
     for r, lay in zip(ranks, layouts):
         write_full_grad(r, lay, grads[r.rank], param_dtype)
     assert submit_all(ranks, "u", step=1) == ["OK"] * world
     expected = reference(grads, reduce_dtype, 1, world)
     assert grad_shards(ranks[0], layouts[0]) == expected
     # A no_sync-style step adds to the shards instead.
+    lend(ranks, "u", 2)
+    for r, lay in zip(ranks, layouts):
+        write_full_grad(r, lay, grads[r.rank], param_dtype)
     assert submit_all(ranks, "u", step=2, accumulate=True) == ["OK"] * world
     assert grad_shards(ranks[-1], layouts[0]) == reference(grads, reduce_dtype, 1, world, expected)
     assert register(ranks[0], "u", param_dtype, reduce_dtype).reduced_step == 2
@@ -139,6 +149,7 @@ def test_divide_factors_at_their_bounds_reduce_in_fp16(fsdpd, pre, post):
     n = lay.padded_numel
     R = rounder(FP16)
     grads = [[R(2.0 ** (i % 40 - 24) * (1 + i % 3)) for i in range(n)]]
+    lend(ranks, "u", 1)
     write_full_grad(ranks[0], lay, grads[0], FP16)
     assert submit_all(ranks, "u", step=1) == ["OK"]
     got = grad_shards(ranks[0], lay)
@@ -153,15 +164,17 @@ def test_divide_factors_and_all_reduce(fsdpd):
                         gradient_postdivide_factor=4.0) for r in ranks]
     n = layouts[0].padded_numel
     grads = [[f32(i * 0.5 + r) for i in range(n)] for r in range(2)]
+    lend(ranks, "f", 7)
     for r, lay in zip(ranks, layouts):
-        write_full_grad(r, lay, grads[r.rank], FP32)
+        write_full_grad(r, lay, grads[r.rank], FP32, unit="f")
     assert submit_all(ranks, "f", step=7) == ["OK", "OK"]
     assert grad_shards(ranks[0], layouts[0]) == reference(grads, FP32, 2.0, 4.0)
     # NO_SHARD: one whole gradient every rank reads, through AllReduce.
     layouts = [register(r, "rep", FP32, FP32, strategy=NO_SHARD) for r in ranks]
     assert layouts[0].shard_numel == layouts[0].padded_numel
+    lend(ranks, "rep", 1)
     for r, lay in zip(ranks, layouts):
-        write_full_grad(r, lay, grads[r.rank][:lay.padded_numel], FP32)
+        write_full_grad(r, lay, grads[r.rank][:lay.padded_numel], FP32, unit="rep")
     results = submit_all(ranks, "rep", step=1)
     assert all(isinstance(x, grpc.RpcError) for x in results)
     assert "unit 'rep' is NO_SHARD: use AllReduce" in results[0].details()
@@ -176,6 +189,7 @@ def test_a_missing_rank_aborts_every_waiter_naming_it(fsdpd):
     ranks = [Rank(d, r, 3) for r in range(3)]
     for r in ranks:
         register(r, "u", FP32, FP32)
+    lend(ranks, "u", 41)
     t0 = time.monotonic()
     results = submit_all(ranks[:2], "u", step=41)  # rank 2 never submits
     elapsed = time.monotonic() - t0
@@ -185,7 +199,9 @@ def test_a_missing_rank_aborts_every_waiter_naming_it(fsdpd):
         assert details.endswith("unit 'u' step 41: local rank(s) 2 of job 'j' did not ask to "
                                 "reduce-scatter in time (store.collective_timeout)")
     assert 0.25 < elapsed < 2, elapsed
-    # The unit is usable again: all three submit the next step.
+    # The unit is usable again: all three submit the next step. The aborted reduce gave the
+    # submitters' buffers back; rank 2 still holds its own.
+    lend(ranks, "u", 42)
     assert submit_all(ranks, "u", step=42) == ["OK"] * 3
 
 
@@ -194,6 +210,7 @@ def test_a_dying_rank_aborts_the_others_at_once(fsdpd):
     ranks = [Rank(d, r, 2) for r in range(2)]
     for r in ranks:
         register(r, "u", FP32, FP32)
+    lend(ranks, "u", 5)
     box = {}
 
     def wait():
@@ -211,12 +228,13 @@ def test_a_dying_rank_aborts_the_others_at_once(fsdpd):
            "channel" in e.details()
     assert elapsed < 3, elapsed
     # A rank that is gone fails the next collectives at once too, until it attaches again.
-    e = submit_all(ranks[:1], "u", step=6)[0]
+    (e,) = on_all(ranks[:1], "Unshard", step=6, backward=True)
     assert e.code() == grpc.StatusCode.ABORTED
     assert ("unit 'u' step 6: local rank(s) 1 of job 'j' ended their session and have not "
-            "attached again; the reduce-scatter cannot complete without them") in e.details()
+            "attached again; the unshard cannot complete without them") in e.details()
     again = Rank(d, 1, 2)
     register(again, "u", FP32, FP32)
+    lend([ranks[0], again], "u", 6)
     assert submit_all([ranks[0], again], "u", step=6) == ["OK", "OK"]
     d.assert_serving()
 
@@ -233,15 +251,17 @@ def test_restarted_ranks_wait_for_each_other(fsdpd):
     again = [Rank(d, 0, 2)]
     register(again[0], "u", FP32, FP32)
     box = {}
-    waiter = threading.Thread(target=lambda: box.update(r=submit_all(again, "u", step=1)))
+    waiter = threading.Thread(target=lambda: box.update(
+        r=on_all(again, "Unshard", step=1, backward=True)))
     waiter.start()
     poll(lambda: d.status().rpc_work_inflight >= 1 or box, 5, what="rank 0 to be waiting")
     assert not box, box["r"][0].details()
     again.append(Rank(d, 1, 2))
     register(again[1], "u", FP32, FP32)
-    assert submit_all(again[1:], "u", step=1) == ["OK"]
+    assert on_all(again[1:], "Unshard", step=1, backward=True) == [None]
     waiter.join(10)
-    assert box["r"] == ["OK"]
+    assert box["r"] == [None]
+    assert submit_all(again, "u", step=1) == ["OK", "OK"]
 
 
 def test_mismatched_steps_abort_the_collection_at_once(fsdpd):
@@ -250,6 +270,7 @@ def test_mismatched_steps_abort_the_collection_at_once(fsdpd):
     for r in ranks:
         register(r, "u", FP32, FP32)
     from fsdpd_harness import trainer_pb2
+    lend(ranks, "u", 3)
     box = {}
     t = threading.Thread(target=lambda: box.update(r=submit_all(ranks[:1], "u", step=3)))
     t.start()
@@ -264,7 +285,9 @@ def test_mismatched_steps_abort_the_collection_at_once(fsdpd):
     t.join(5)  # rank 0 hears at once, not after store.collective_timeout
     e = box["r"][0]
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and message in e.details()
-    # The same step, but one rank accumulates (no_sync) and the other does not.
+    # The same step, but one rank accumulates (no_sync) and the other does not. The aborted
+    # reduce gave rank 0's buffer back (rank 1's, refused, it keeps).
+    lend(ranks, "u", 4)
     t = threading.Thread(target=lambda: box.update(r=submit_all(ranks[:1], "u", step=4)))
     t.start()
     poll(lambda: d.status().rpc_work_inflight >= 1, 5, what="rank 0 to be waiting")
@@ -278,6 +301,7 @@ def test_mismatched_steps_abort_the_collection_at_once(fsdpd):
                "ranks submitted with accumulate false")
     assert code == grpc.StatusCode.FAILED_PRECONDITION and message in details
     assert message in box["r"][0].details()
+    lend(ranks, "u", 5)
     assert submit_all(ranks, "u", step=5) == ["OK", "OK"]
 
 
@@ -288,6 +312,7 @@ def test_a_cancelled_submission_is_withdrawn(fsdpd):
     for r in ranks:
         register(r, "u", FP32, FP32)
     from fsdpd_harness import trainer_pb2
+    lend(ranks, "u", 1)
     with pytest.raises(grpc.RpcError) as excinfo:
         d.call("/fsdp.v1.Trainer/ReduceScatter", trainer_pb2.UnitOpRequest(
             session_id=ranks[0].session, unit="u", step=1), trainer_pb2.UnitOpReply,

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from fsdpd_harness import (PYTHON_GEN, fsdpd, operator_pb2, poll,  # noqa: F401
+from fsdpd_harness import (PROTOCOL_VERSION, PYTHON_GEN, fsdpd, operator_pb2, poll,  # noqa: F401
                            status_code_and_details, trainer_pb2)
 from test_unshard import Rank, values_for
 
@@ -21,7 +21,7 @@ DETACH = "/fsdp.v1.Trainer/Detach"
 KEEPALIVE = "/fsdp.v1.Trainer/KeepAlive"
 
 
-def attach(d, job="job-1", rank=0, world=2, pid=None, version=1):
+def attach(d, job="job-1", rank=0, world=2, pid=None, version=PROTOCOL_VERSION):
     return d.call(ATTACH, trainer_pb2.AttachRequest(
         protocol_version=version, job=job, local_rank=rank, local_world_size=world,
         pid=os.getpid() if pid is None else pid), trainer_pb2.AttachReply)
@@ -42,7 +42,7 @@ def test_attach_keepalive_detach(fsdpd):
     a = attach(d, rank=0)
     b = attach(d, rank=1)
     assert a.session_id != b.session_id and 0 not in (a.session_id, b.session_id)
-    assert (a.protocol_version, a.lease_ms) == (1, 30000)
+    assert (a.protocol_version, a.lease_ms) == (PROTOCOL_VERSION, 30000)
     s = sessions(d)
     assert set(s) == {("job-1", 0), ("job-1", 1)}
     assert s[("job-1", 0)].session_id == a.session_id
@@ -108,8 +108,9 @@ try:
         call = ch.unary_unary("/fsdp.v1.Trainer/Attach",
                               request_serializer=t.AttachRequest.SerializeToString,
                               response_deserializer=t.AttachReply.FromString)
-        r = call(t.AttachRequest(protocol_version=1, job=sys.argv[4], local_rank=int(sys.argv[5]),
-                                 local_world_size=int(sys.argv[6]), pid=os.getpid()), timeout=5)
+        r = call(t.AttachRequest(protocol_version=PROTOCOL_VERSION, job=sys.argv[4],
+                                 local_rank=int(sys.argv[5]), local_world_size=int(sys.argv[6]),
+                                 pid=os.getpid()), timeout=5)
         print("OK", r.session_id)
     else:
         call = ch.unary_unary("/fsdp.v1.Trainer/" + what,
@@ -119,7 +120,7 @@ try:
         print("OK")
 except grpc.RpcError as e:
     print(e.code().name, e.details())
-"""
+""".replace("PROTOCOL_VERSION", str(PROTOCOL_VERSION))
 
 
 def other_process(d, *args):

@@ -185,12 +185,14 @@ static int rank_child(const char *target, const char *job, unsigned rank, const 
   EXPECT(barrier() == 0, "barrier");
 
   if (rank == 1) {
-    EXPECT_OK(fsdp_trainer_unshard_start(trainer, unit, 1), client);
-    EXPECT(fsdp_trainer_unshard_start(trainer, unit, 1) == -EBUSY, "second start");
+    EXPECT_OK(fsdp_trainer_unshard_start(trainer, unit, 1, FSDP_PASS_FORWARD), client);
+    EXPECT(fsdp_trainer_unshard_start(trainer, unit, 1, FSDP_PASS_FORWARD) == -EBUSY,
+           "second start");
     EXPECT_OK(fsdp_trainer_wait(trainer, unit, 0), client);
   } else {
-    EXPECT_OK(fsdp_trainer_unshard(trainer, unit, 1), client);
+    EXPECT_OK(fsdp_trainer_unshard(trainer, unit, 1, FSDP_PASS_FORWARD), client);
   }
+  EXPECT(v->unsharded && !v->full_grad, "a forward Unshard lends the copy alone");
   for (uint64_t i = 0; i < padded; i++) {
     float want = master_value(i, numel);
     if (c->param_type == FSDP_SCALAR_BF16) {
@@ -203,8 +205,14 @@ static int rank_child(const char *target, const char *job, unsigned rank, const 
              (unsigned long long)i, got, want);
     }
   }
+  const void *copy = v->unsharded;
   EXPECT_OK(fsdp_trainer_reshard(trainer, unit, 1), client);
+  EXPECT(!v->unsharded, "a Reshard takes the copy off the view");
 
+  /* The backward's Unshard gathers again into the same address, and lends the gradient
+   * buffer, which the ReduceScatter takes back. */
+  EXPECT_OK(fsdp_trainer_unshard(trainer, unit, 1, FSDP_PASS_BACKWARD), client);
+  EXPECT(v->unsharded == copy && v->full_grad, "a backward Unshard lends copy and gradient");
   for (uint64_t i = 0; i < padded; i++) {
     float g = grad_value(i, numel, rank);
     if (c->param_type == FSDP_SCALAR_BF16)
@@ -213,6 +221,8 @@ static int rank_child(const char *target, const char *job, unsigned rank, const 
       ((float *)v->full_grad)[i] = g;
   }
   EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, unit, 1, false), client);
+  EXPECT(!v->full_grad, "the ReduceScatter takes the gradient buffer back");
+  EXPECT_OK(fsdp_trainer_reshard(trainer, unit, 1), client);
   for (uint64_t i = lo; i < lo + v->shard_numel; i++) {
     float want = (as_param(grad_value(i, numel, 0), c->param_type) +
                   as_param(grad_value(i, numel, 1), c->param_type)) *
@@ -220,8 +230,17 @@ static int rank_child(const char *target, const char *job, unsigned rank, const 
     EXPECT(v->grad[i] == want, "grad[%llu] = %.9g, expected %.9g", (unsigned long long)i,
            v->grad[i], want);
   }
-  /* A no_sync step adds to the shards. */
+  /* A no_sync step adds to the shards; a lent gradient buffer is stale until written. */
+  EXPECT_OK(fsdp_trainer_unshard(trainer, unit, 2, FSDP_PASS_BACKWARD), client);
+  for (uint64_t i = 0; i < padded; i++) {
+    float g = grad_value(i, numel, rank);
+    if (c->param_type == FSDP_SCALAR_BF16)
+      ((uint16_t *)v->full_grad)[i] = bf16_rne(g);
+    else
+      ((float *)v->full_grad)[i] = g;
+  }
   EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, unit, 2, true), client);
+  EXPECT_OK(fsdp_trainer_reshard(trainer, unit, 2), client);
   for (uint64_t i = lo; i < lo + v->shard_numel; i++) {
     float mean = (as_param(grad_value(i, numel, 0), c->param_type) +
                   as_param(grad_value(i, numel, 1), c->param_type)) *
@@ -239,6 +258,7 @@ static int rank_child(const char *target, const char *job, unsigned rank, const 
   EXPECT_OK(fsdp_trainer_register_unit(trainer, &rep, &ru), client);
   const fsdp_unit_view_t *rv = fsdp_unit_view(ru);
   EXPECT(rv->shard_numel == rv->padded_numel && rv->padded_numel == 9, "NO_SHARD view");
+  EXPECT_OK(fsdp_trainer_unshard(trainer, ru, 1, FSDP_PASS_BACKWARD), client);
   for (uint64_t i = 0; i < 9; i++)
     ((float *)rv->full_grad)[i] = grad_value(i, 9, rank);
   EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, ru, 1, false), client);
@@ -489,17 +509,17 @@ static void test_unit_errors(void **state) {
   assert_int_equal(fsdp_unit_view(u)->numel, 32);
 
   /* Unit operations: arguments, and one started operation per unit. */
-  assert_int_equal(fsdp_trainer_unshard(NULL, u, 1), -EINVAL);
-  assert_int_equal(fsdp_trainer_unshard(t, NULL, 1), -EINVAL);
+  assert_int_equal(fsdp_trainer_unshard(NULL, u, 1, FSDP_PASS_FORWARD), -EINVAL);
+  assert_int_equal(fsdp_trainer_unshard(t, NULL, 1, FSDP_PASS_FORWARD), -EINVAL);
   assert_int_equal(fsdp_trainer_reshard(t, NULL, 1), -EINVAL);
   assert_int_equal(fsdp_trainer_reduce_scatter(t, NULL, 1, false), -EINVAL);
-  assert_int_equal(fsdp_trainer_unshard_start(t, NULL, 1), -EINVAL);
+  assert_int_equal(fsdp_trainer_unshard_start(t, NULL, 1, FSDP_PASS_FORWARD), -EINVAL);
   assert_int_equal(fsdp_trainer_wait(t, u, 0), -EINVAL);
   assert_non_null(strstr(fsdp_client_last_error(client), "no started operation"));
-  assert_int_equal(fsdp_trainer_unshard_start(t, u, 1), 0);
-  assert_int_equal(fsdp_trainer_unshard_start(t, u, 1), -EBUSY);
+  assert_int_equal(fsdp_trainer_unshard_start(t, u, 1, FSDP_PASS_FORWARD), 0);
+  assert_int_equal(fsdp_trainer_unshard_start(t, u, 1, FSDP_PASS_FORWARD), -EBUSY);
   assert_int_equal(fsdp_trainer_reshard(t, u, 1), -EBUSY);
-  assert_int_equal(fsdp_trainer_unshard(t, u, 1), -EBUSY);
+  assert_int_equal(fsdp_trainer_unshard(t, u, 1, FSDP_PASS_FORWARD), -EBUSY);
   assert_int_equal(fsdp_trainer_keepalive(t), 0); /* other calls go on meanwhile */
   assert_int_equal(fsdp_trainer_wait(t, u, 2000), 0);
   assert_int_equal(fsdp_trainer_wait(t, u, 0), -EINVAL);
@@ -507,18 +527,18 @@ static void test_unit_errors(void **state) {
 
   /* A handle of another trainer is not this one's. */
   fsdp_trainer_t *t2 = attach(client, "solo2", 0, 1);
-  assert_int_equal(fsdp_trainer_unshard(t2, u, 1), -EINVAL);
+  assert_int_equal(fsdp_trainer_unshard(t2, u, 1, FSDP_PASS_FORWARD), -EINVAL);
   assert_non_null(strstr(fsdp_client_last_error(client), "belongs to another trainer"));
   assert_int_equal(fsdp_trainer_detach(t2), 0);
 
   /* Detaching with a started operation in flight ends it first. */
-  assert_int_equal(fsdp_trainer_unshard_start(t, u, 2), 0);
+  assert_int_equal(fsdp_trainer_unshard_start(t, u, 2, FSDP_PASS_FORWARD), 0);
   assert_int_equal(fsdp_trainer_detach(t), 0);
   fsdp_client_close(client);
 }
 
-/* A started call's wait is bounded: a ReduceScatter that waits for a rank that never comes
- * is cancelled when the wait runs out, and the client goes on. */
+/* A started call's wait is bounded: an Unshard that waits for a rank that never comes is
+ * cancelled when the wait runs out, and the client goes on. */
 static void test_started_call_wait_runs_out(void **state) {
   (void)state;
   fsdp_client_t *client = connect_daemon();
@@ -535,8 +555,8 @@ static void test_started_call_wait_runs_out(void **state) {
   rq.unit = "u";
   rq.step = 1;
   fsdp_client_started_t *started = NULL;
-  assert_int_equal(fsdp_client_call_start(client, "/fsdp.v1.Trainer/ReduceScatter", &rq.base,
-                                          0, &started),
+  assert_int_equal(fsdp_client_call_start(client, "/fsdp.v1.Trainer/Unshard", &rq.base, 0,
+                                          &started),
                    0);
   ProtobufCMessage *reply = NULL;
   int64_t t0 = now_ms();
@@ -550,8 +570,8 @@ static void test_started_call_wait_runs_out(void **state) {
 
   /* And one cancelled outright. */
   started = NULL;
-  assert_int_equal(fsdp_client_call_start(client, "/fsdp.v1.Trainer/ReduceScatter", &rq.base,
-                                          0, &started),
+  assert_int_equal(fsdp_client_call_start(client, "/fsdp.v1.Trainer/Unshard", &rq.base, 0,
+                                          &started),
                    0);
   fsdp_client_call_cancel(client, started);
   assert_int_equal(fsdp_trainer_keepalive(t), 0);

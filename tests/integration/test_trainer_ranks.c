@@ -357,27 +357,34 @@ static int rank_step(fsdp_client_t *client, fsdp_trainer_t *trainer, unsigned wo
    * in the order of use. */
   for (size_t j = 0; j < N_UNITS; j++)
     if ((g_rank + j) % 2 == 1) {
-      EXPECT_OK(fsdp_trainer_unshard_start(trainer, units[j].handle, 1), client);
+      EXPECT_OK(fsdp_trainer_unshard_start(trainer, units[j].handle, 1, FSDP_PASS_FORWARD),
+                client);
       units[j].started = true;
     }
   for (size_t j = 0; j < N_UNITS; j++) {
     if (units[j].started)
       EXPECT_OK(fsdp_trainer_wait(trainer, units[j].handle, 0), client);
     else
-      EXPECT_OK(fsdp_trainer_unshard(trainer, units[j].handle, 1), client);
+      EXPECT_OK(fsdp_trainer_unshard(trainer, units[j].handle, 1, FSDP_PASS_FORWARD), client);
     EXPECT(check_unsharded(&units[j]) == 0, "unsharded");
     EXPECT_OK(fsdp_trainer_reshard(trainer, units[j].handle, 1), client);
   }
 
+  /* The backward: each unit gathered again with its gradient buffer lent, written, reduced. */
   for (size_t j = 0; j < N_UNITS; j++) {
+    EXPECT_OK(fsdp_trainer_unshard(trainer, units[j].handle, 1, FSDP_PASS_BACKWARD), client);
+    EXPECT(check_unsharded(&units[j]) == 0, "unsharded for the backward");
     write_full_grad(&units[j], 1);
     EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, units[j].handle, 1, false), client);
+    EXPECT_OK(fsdp_trainer_reshard(trainer, units[j].handle, 1), client);
     EXPECT(check_grad(&units[j], world, 1, 0) == 0, "reduce-scatter");
   }
   /* A no_sync step: the new mean adds to the shards. */
   for (size_t j = 0; j < N_UNITS; j++) {
+    EXPECT_OK(fsdp_trainer_unshard(trainer, units[j].handle, 2, FSDP_PASS_BACKWARD), client);
     write_full_grad(&units[j], 2);
     EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, units[j].handle, 2, true), client);
+    EXPECT_OK(fsdp_trainer_reshard(trainer, units[j].handle, 2), client);
     EXPECT(check_grad(&units[j], world, 2, 1) == 0, "accumulating reduce-scatter");
   }
   return 0;
@@ -394,6 +401,7 @@ static int rank_kill(fsdp_client_t *client, fsdp_trainer_t *trainer, unsigned wo
     return -1;
   if (!rejoin) {
     write_master(&u);
+    EXPECT_OK(fsdp_trainer_unshard(trainer, u.handle, 1, FSDP_PASS_BACKWARD), client);
     write_full_grad(&u, 1);
     EXPECT(barrier() == 0, "barrier before the reduce-scatter");
     if (g_rank == 2) {
@@ -418,8 +426,9 @@ static int rank_kill(fsdp_client_t *client, fsdp_trainer_t *trainer, unsigned wo
              "rejoined: master[%llu] = %.9g, expected %.9g", (unsigned long long)i,
              u.v->master[i], master_value(i, u.numel));
   }
-  write_full_grad(&u, 2);
   EXPECT(barrier() == 0, "barrier before step 2");
+  EXPECT_OK(fsdp_trainer_unshard(trainer, u.handle, 2, FSDP_PASS_BACKWARD), client);
+  write_full_grad(&u, 2);
   EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, u.handle, 2, false), client);
   EXPECT(check_grad(&u, world, 2, 0) == 0, "reduce-scatter after the abort");
   return 0;

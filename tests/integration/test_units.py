@@ -9,18 +9,21 @@ import os
 import grpc
 import pytest
 
-from fsdpd_harness import common_pb2, fsdpd, status_code_and_details, trainer_pb2  # noqa: F401
+from fsdpd_harness import (PROTOCOL_VERSION, common_pb2, fsdpd,  # noqa: F401
+                           status_code_and_details, trainer_pb2)
 
 ATTACH = "/fsdp.v1.Trainer/Attach"
 DETACH = "/fsdp.v1.Trainer/Detach"
 REGISTER = "/fsdp.v1.Trainer/RegisterUnit"
+SET_SCHEDULE = "/fsdp.v1.Trainer/SetSchedule"
 FP32, BF16 = common_pb2.DTYPE_FP32, common_pb2.DTYPE_BF16
 FULL_SHARD, NO_SHARD = common_pb2.FULL_SHARD, common_pb2.NO_SHARD
 
 
 def attach(d, rank, world, job="j"):
     return d.call(ATTACH, trainer_pb2.AttachRequest(
-        protocol_version=1, job=job, local_rank=rank, local_world_size=world, pid=os.getpid()),
+        protocol_version=PROTOCOL_VERSION, job=job, local_rank=rank, local_world_size=world,
+        pid=os.getpid()),
         trainer_pb2.AttachReply).session_id
 
 
@@ -117,6 +120,34 @@ def test_unknown_session(fsdpd):
     code, details = refused(d, spec(12345))
     assert code == grpc.StatusCode.NOT_FOUND
     assert "session 0000000000003039 is not attached" in details
+
+
+def test_set_schedule_names_what_it_refuses(fsdpd):
+    d = fsdpd()
+    s = attach(d, 0, 1)
+
+    def set_schedule(**fields):
+        return d.call(SET_SCHEDULE, trainer_pb2.SetScheduleRequest(session_id=s, **fields),
+                      trainer_pb2.SetScheduleReply)
+
+    def refused_with(code, text, **fields):
+        with pytest.raises(grpc.RpcError) as excinfo:
+            set_schedule(**fields)
+        got, details = status_code_and_details(excinfo)
+        assert got == code and text in details, details
+
+    refused_with(grpc.StatusCode.FAILED_PRECONDITION,
+                 "SetSchedule: job 'j' has no units yet: register them first", max_inflight=3)
+    register(d, spec(s))
+    refused_with(grpc.StatusCode.INVALID_ARGUMENT,
+                 "SetSchedule: max_inflight 65 is outside [1, 64] (0 keeps the job's 2)",
+                 max_inflight=65)
+    refused_with(grpc.StatusCode.NOT_FOUND,
+                 "SetSchedule: units[1].unit 'layer4' is not registered in job 'j'",
+                 units=[trainer_pb2.UnitSchedule(unit="layer3"),
+                        trainer_pb2.UnitSchedule(unit="layer4")])
+    set_schedule(max_inflight=64, units=[trainer_pb2.UnitSchedule(unit="layer3")])
+    d.assert_serving()
 
 
 def test_units_outlive_sessions(fsdpd):

@@ -17,8 +17,8 @@ import threading
 import grpc
 import pytest
 
-from fsdpd_harness import (common_pb2, fsdpd, poll, status_code_and_details,  # noqa: F401
-                           trainer_pb2)
+from fsdpd_harness import (PROTOCOL_VERSION, common_pb2, fsdpd, poll,  # noqa: F401
+                           status_code_and_details, trainer_pb2)
 from fsdp.v1 import channel_pb2
 
 FP32, BF16, FP16 = common_pb2.DTYPE_FP32, common_pb2.DTYPE_BF16, common_pb2.DTYPE_FP16
@@ -32,13 +32,14 @@ class Rank:
         self.d = d
         self.rank = rank
         a = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
-            protocol_version=1, job=job, local_rank=rank, local_world_size=world,
+            protocol_version=PROTOCOL_VERSION, job=job, local_rank=rank, local_world_size=world,
             pid=os.getpid(), generation=generation, job_token=job_token),
             trainer_pb2.AttachReply)
         self.session = a.session_id
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(a.memory_socket)
-        hello = channel_pb2.ChannelHello(protocol_version=1, session_id=a.session_id)
+        hello = channel_pb2.ChannelHello(protocol_version=PROTOCOL_VERSION,
+                                         session_id=a.session_id)
         h = hello.SerializeToString()
         self.sock.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
         msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 4)
@@ -49,6 +50,7 @@ class Rank:
         self.shared = mmap.mmap(fds[1], w.memories[1].bytes, prot=mmap.PROT_READ)
         for fd in fds:
             os.close(fd)
+        self.lent = {}  # unit: the last Unshard's reply, saying where its buffers are
 
     def register(self, unit="u", shapes=((37, 11),), param_dtype=FP32,
                  strategy=common_pb2.FULL_SHARD):
@@ -58,11 +60,14 @@ class Rank:
             params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32)
                     for i, s in enumerate(shapes)]), trainer_pb2.RegisterUnitReply)
 
-    def op(self, name, unit="u", step=0, timeout=10):
-        return self.d.call(f"/fsdp.v1.Trainer/{name}",
-                           trainer_pb2.UnitOpRequest(session_id=self.session, unit=unit,
-                                                     step=step),
-                           trainer_pb2.UnitOpReply, timeout=timeout)
+    def op(self, name, unit="u", step=0, timeout=10, backward=False):
+        reply = self.d.call(f"/fsdp.v1.Trainer/{name}",
+                            trainer_pb2.UnitOpRequest(session_id=self.session, unit=unit,
+                                                      step=step, backward=backward),
+                            trainer_pb2.UnitOpReply, timeout=timeout)
+        if name == "Unshard":
+            self.lent[unit] = reply
+        return reply
 
     def write_master_shard(self, layout, values):
         """This rank's slice of the flat values into its master shard (the host's master
@@ -72,9 +77,19 @@ class Rank:
         start = layout.master_offset + host_element(layout) * 4
         self.memory[start:start + len(shard) * 4] = shard.tobytes()
 
-    def unsharded(self, layout, dtype):
-        start = layout.unsharded_offset
-        return bytes(self.shared[start:start + layout.padded_numel * SIZE[dtype]])
+    def unsharded(self, layout, dtype, unit="u"):
+        """The copy the last Unshard of unit lent: in the read-only copies, or the masters."""
+        lent = self.lent[unit]
+        memory = self.memory if lent.unsharded_memory == 0 else self.shared
+        start = lent.unsharded_offset
+        return bytes(memory[start:start + layout.padded_numel * SIZE[dtype]])
+
+    def write_full_grad(self, values, dtype, unit="u"):
+        """Into the full-gradient buffer the last backward Unshard of unit lent."""
+        data = encode(values, dtype)
+        start = self.lent[unit].full_grad_offset
+        assert self.lent[unit].full_grad_bytes >= len(data)
+        self.memory[start:start + len(data)] = data
 
 
 def host_element(layout):
@@ -82,14 +97,14 @@ def host_element(layout):
     return (layout.shard - layout.host_first_shard) * layout.shard_numel
 
 
-def on_all(ranks, name, unit="u", step=0):
+def on_all(ranks, name, unit="u", step=0, backward=False):
     """name on every rank at once (one thread each), as the ranks' processes would; returns
     the errors, in rank order (None for success)."""
     errors = [None] * len(ranks)
 
     def run(i):
         try:
-            ranks[i].op(name, unit=unit, step=step)
+            ranks[i].op(name, unit=unit, step=step, backward=backward)
         except grpc.RpcError as e:
             errors[i] = e
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
@@ -128,7 +143,6 @@ def test_unshard_gathers_every_rank_shard(fsdpd, world, dtype):
     layouts = [r.register(shapes=shapes, param_dtype=dtype) for r in ranks]
     layout = layouts[0]
     assert [lay.shard for lay in layouts] == list(range(world))
-    assert len({lay.full_grad_offset for lay in layouts}) == world  # one per rank
     values = values_for(layout.padded_numel, world)
     for r, lay in zip(ranks, layouts):
         r.write_master_shard(lay, values)
@@ -136,10 +150,19 @@ def test_unshard_gathers_every_rank_shard(fsdpd, world, dtype):
     expected = encode(values, dtype)
     for r in ranks:  # every rank sees the same, whole unit
         assert r.unsharded(layout, dtype) == expected
+    # fp32 on one host: the masters are the copy; else the copy is in the read-only memory.
+    assert {r.lent["u"].unsharded_memory for r in ranks} == {0 if dtype == FP32 else 1}
+    ranks[-1].op("Reshard", step=1)
+    # FULL_SHARD reshards after the forward: the backward's Unshard is the step's second
+    # gather, which every rank joins (while another still holds the first copy too), and it
+    # lends each rank a full-gradient buffer of its own.
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None] * world
+    for r in ranks:
+        assert r.unsharded(layout, dtype) == expected
+        assert r.lent["u"].full_grad_bytes >= layout.padded_numel * SIZE[dtype]
+    assert len({r.lent["u"].full_grad_offset for r in ranks}) == world  # one per rank
     for r in ranks:
         r.op("Reshard", step=1)
-    # Within the step the copy stays (FULL_SHARD's backward): any rank gets it at once.
-    ranks[-1].op("Unshard", step=1)
     # The masters change (an optimizer step); the next step's Unshard gathers again.
     values = [v * -2.5 for v in values]
     for r, lay in zip(ranks, layouts):
@@ -221,17 +244,22 @@ def test_ranks_of_two_runs_of_a_job_do_not_mix_in_a_collective(fsdpd):
     for r in ranks:
         r.register()
     assert sorted(s.generation for s in d.status().sessions) == [3, 4]
-    for name in ("Unshard", "ReduceScatter"):
-        t = threading.Thread(target=lambda: errors.append(refused(lambda: ranks[0].op(name))))
-        errors = []
-        t.start()
-        poll(lambda: d.status().rpc_work_inflight >= 1, 5, what=f"rank 0's {name} to wait")
-        code, details = refused(lambda: ranks[1].op(name))
-        t.join(10)
-        assert code == grpc.StatusCode.FAILED_PRECONDITION
-        assert ("local rank 1 attached with generation 4 while the other ranks attached with "
-                "generation 3: ranks of two runs of job 'j' cannot") in details
-        assert errors == [(code, details)]
+    # Only an Unshard lends the gradient buffers a ReduceScatter needs, so this one is
+    # where ranks of two runs meet first.
+    t = threading.Thread(target=lambda: errors.append(
+        refused(lambda: ranks[0].op("Unshard", backward=True))))
+    errors = []
+    t.start()
+    poll(lambda: d.status().rpc_work_inflight >= 1, 5, what="rank 0's Unshard to wait")
+    code, details = refused(lambda: ranks[1].op("Unshard", backward=True))
+    t.join(10)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ("local rank 1 attached with generation 4 while the other ranks attached with "
+            "generation 3: ranks of two runs of job 'j' cannot unshard together") in details
+    assert errors == [(code, details)]
+    code, details = refused(lambda: ranks[0].op("ReduceScatter"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "local rank 0 holds no full-gradient buffer to reduce" in details
     d.assert_serving()
 
 
@@ -245,9 +273,8 @@ def test_concurrent_unshards_share_one_gather_and_big_units_work(fsdpd):
         start = lay.master_offset + host_element(lay) * 4
         r.memory[start:start + lay.shard_numel * 4] = values[lo:lo + lay.shard_numel].tobytes()
     assert on_all(ranks, "Unshard", unit="big") == [None] * 4
-    lay = layouts[0]
     got = array.array("f")
-    got.frombytes(ranks[2].shared[lay.unsharded_offset:lay.unsharded_offset + lay.padded_numel * 4])
+    got.frombytes(ranks[2].unsharded(layouts[0], FP32, unit="big"))
     assert got == values
 
 
@@ -299,8 +326,9 @@ def test_status_shows_each_jobs_memory(fsdpd):
     jobs = {j.job: j for j in st.jobs}
     assert jobs["llama"].arena_bytes == 2 * (64 << 20)  # two arenas of memory.job_limit
     assert jobs["llama"].units == 1 and jobs["llama"].local_world_size == 1
-    # unsharded + master + grad + one full gradient, fp32: 16 bytes an element at least
-    assert jobs["llama"].used_bytes >= 16 * lay.padded_numel
+    # master + grad shards, fp32: 8 bytes an element at least; the copy and the full
+    # gradient are lent per operation (and an fp32 copy on one host is the masters)
+    assert jobs["llama"].used_bytes >= 8 * lay.padded_numel
     assert st.memory.in_use_bytes == jobs["llama"].used_bytes
     assert st.memory.reserved_bytes == jobs["llama"].arena_bytes  # reserved whole
     out = d.fsdpctl("status").stdout
@@ -361,7 +389,8 @@ def test_memory_limit_holds_over_all_jobs(fsdpd):
     a = Rank(d, 0, 1, job="a")  # its channel keeps the session: job 'a' is in use
     a.register(unit="u", shapes=((64,),))
     b = d.call("/fsdp.v1.Trainer/Attach", trainer_pb2.AttachRequest(
-        protocol_version=1, job="b", local_rank=0, local_world_size=1, pid=os.getpid()),
+        protocol_version=PROTOCOL_VERSION, job="b", local_rank=0, local_world_size=1,
+        pid=os.getpid()),
         trainer_pb2.AttachReply)
     with pytest.raises(grpc.RpcError) as excinfo:
         d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(

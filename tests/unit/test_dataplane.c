@@ -1,7 +1,8 @@
 /* The data plane driven through its header on a real libuv loop, with no daemon, no RPC and
  * no socket: the rendezvous of the local ranks and the results it computes, the order of a
  * rank's steps, the deadline of a rank that never asks, the loss of a rank's session, a
- * cancelled operation, and every refusal with the message the daemon gives. */
+ * cancelled operation, every refusal with the message the daemon gives, and the memory
+ * model: copies and gradient buffers lent from bounded pools and given back. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -44,6 +45,9 @@ typedef struct fixture {
   fsdp_unit_t *unit;
 } fixture_t;
 
+static fsdp_unit_t *add_unit(fixture_t *f, const char *name, fsdp_unit_strategy_t strategy,
+                             fsdp_unit_dtype_t param_dtype);
+
 static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_dtype) {
   memset(f, 0, sizeof *f);
   f->world = world;
@@ -53,16 +57,10 @@ static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_d
   f->store.arena_capacity = 4 << 20;
   f->store.memory_limit = 64 << 20;
   f->store.topology = (fsdp_topology_t){.hosts = 1, .host_rank = 0, .shard_group_hosts = 1};
+  f->store.max_inflight = 2;
   fsdp_status_t st;
   assert_int_equal(fsdp_dataplane_init(&f->dp, &f->loop, 2, &st), 0);
 
-  uint64_t shape[] = {NUMEL};
-  fsdp_param_spec_t param = {.name = "weight", .shape = shape, .n_shape = 1,
-                             .dtype = FSDP_UNIT_DTYPE_FP32, .requires_grad = true};
-  fsdp_unit_spec_t spec = {.unit = "u", .params = &param, .n_params = 1,
-                           .strategy = FSDP_UNIT_FULL_SHARD, .param_dtype = param_dtype};
-  result_t registered[MAX_RANKS] = {0};
-  fsdp_dataplane_op_t ops[MAX_RANKS];
   for (unsigned r = 0; r < world; r++) {
     fsdp_session_t *s = &f->sessions[r];
     snprintf(s->job, sizeof s->job, "j");
@@ -73,19 +71,41 @@ static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_d
     s->owner.uid = getuid();
     f->ranks[r] = (fsdp_dataplane_rank_t){.local_rank = r, .session_id = s->id,
                                           .serial = s->serial};
-    assert_int_equal(fsdp_store_register_unit(&f->store, s, &spec, &f->unit, &st), 0);
+  }
+  f->unit = add_unit(f, "u", FSDP_UNIT_FULL_SHARD, param_dtype);
+}
+
+/* Unit `name` of NUMEL fp32 parameters registered by every rank, its buffers ready; its
+ * masters hold exact bf16 values (i + seed) % 256 - 128. */
+static fsdp_unit_t *add_unit(fixture_t *f, const char *name, fsdp_unit_strategy_t strategy,
+                             fsdp_unit_dtype_t param_dtype) {
+  uint64_t shape[] = {NUMEL};
+  fsdp_param_spec_t param = {.name = "weight", .shape = shape, .n_shape = 1,
+                             .dtype = FSDP_UNIT_DTYPE_FP32, .requires_grad = true};
+  fsdp_unit_spec_t spec = {.unit = (char *)name, .params = &param, .n_params = 1,
+                           .strategy = strategy, .param_dtype = param_dtype};
+  result_t registered[MAX_RANKS] = {0};
+  fsdp_dataplane_op_t ops[MAX_RANKS];
+  fsdp_unit_t *unit = NULL;
+  fsdp_status_t st;
+  for (unsigned r = 0; r < f->world; r++) {
+    assert_int_equal(fsdp_store_register_unit(&f->store, &f->sessions[r], &spec, &unit, &st), 0);
     f->job = fsdp_store_find_job(&f->store, "j");
-    fsdp_dataplane_register(&f->dp, f->job, f->unit, &f->ranks[r], &ops[r], on_done,
+    fsdp_dataplane_register(&f->dp, f->job, unit, &f->ranks[r], &ops[r], on_done,
                             &registered[r]);
   }
   /* The first registration pre-faults the buffers on the thread pool; all wait for it. */
   assert_int_equal(registered[0].calls, 0);
   uv_run(&f->loop, UV_RUN_DEFAULT);
-  for (unsigned r = 0; r < world; r++) {
+  for (unsigned r = 0; r < f->world; r++) {
     assert_int_equal(registered[r].calls, 1);
     assert_int_equal(registered[r].code, 0);
   }
-  assert_int_equal(f->unit->state, FSDP_UNIT_READY);
+  assert_int_equal(unit->state, FSDP_UNIT_READY);
+  float *master = (float *)(void *)((char *)fsdp_arena_base(f->job->arena) + unit->master_offset);
+  for (unsigned i = 0; i < NUMEL; i++)
+    master[i] = (float)((i + name[0]) % 256) - 128;
+  return unit;
 }
 
 static void fixture_cleanup(fixture_t *f) {
@@ -97,10 +117,36 @@ static void fixture_cleanup(fixture_t *f) {
   fsdp_store_cleanup(NULL);
 }
 
+static void expect(const result_t *r, int code, const char *message) {
+  assert_int_equal(r->calls, 1);
+  if (r->code != code)
+    fail_msg("code %d (%s), expected %d", r->code, r->message, code);
+  assert_string_equal(r->message, message);
+}
+
+static void unshard_unit(fixture_t *f, fsdp_unit_t *unit, unsigned rank, uint64_t step,
+                         bool backward, uint64_t deadline_ms, fsdp_dataplane_op_t *op,
+                         result_t *result) {
+  fsdp_dataplane_unshard(&f->dp, f->job, unit, &f->ranks[rank], step, backward, deadline_ms,
+                         op, on_done, result);
+}
+
 static void unshard(fixture_t *f, unsigned rank, uint64_t step, uint64_t deadline_ms,
                     fsdp_dataplane_op_t *op, result_t *result) {
-  fsdp_dataplane_unshard(&f->dp, f->job, f->unit, &f->ranks[rank], step, deadline_ms, op,
-                         on_done, result);
+  unshard_unit(f, f->unit, rank, step, false, deadline_ms, op, result);
+}
+
+/* Every rank's Unshard for the backward of step, run to completion: each rank's gradient
+ * buffer is then lent (ops[r].lent). */
+static void lend_gradients(fixture_t *f, uint64_t step, fsdp_dataplane_op_t *ops) {
+  result_t results[MAX_RANKS] = {0};
+  for (unsigned r = 0; r < f->world; r++)
+    unshard_unit(f, f->unit, r, step, true, UINT64_MAX, &ops[r], &results[r]);
+  uv_run(&f->loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < f->world; r++) {
+    expect(&results[r], 0, "");
+    assert_true(ops[r].lent.full_grad_bytes > 0);
+  }
 }
 
 static void reduce(fixture_t *f, unsigned rank, uint64_t step, bool accumulate,
@@ -109,11 +155,6 @@ static void reduce(fixture_t *f, unsigned rank, uint64_t step, bool accumulate,
                         UINT64_MAX, op, on_done, result);
 }
 
-static void expect(const result_t *r, int code, const char *message) {
-  assert_int_equal(r->calls, 1);
-  assert_int_equal(r->code, code);
-  assert_string_equal(r->message, message);
-}
 
 static char *arena(const fixture_t *f) {
   return fsdp_arena_base(f->job->arena);
@@ -135,10 +176,27 @@ static void test_buffers_of_each_rank(void **state) {
     assert_int_equal(b[r].gathered_step, 0);
     assert_int_equal(b[r].reduced_step, 0);
     assert_int_equal(b[r].master_offset, b[0].master_offset);
-    /* Each rank writes a full gradient of its own, none overlapping the shards. */
-    assert_true(b[r].full_grad_offset >= b[r].grad_offset + 1002 * 4);
-    if (r > 0)
-      assert_true(b[r].full_grad_offset >= b[r - 1].full_grad_offset + 1002 * 4);
+  }
+  /* The backward's Unshard lends each rank a full gradient of its own, none overlapping
+   * another's or the shards. */
+  fsdp_dataplane_op_t ops[3];
+  lend_gradients(&f, 1, ops);
+  for (unsigned r = 0; r < 3; r++) {
+    uint64_t at = ops[r].lent.full_grad_offset, end = at + 1002 * 4;
+    assert_true(at >= b[r].grad_offset + 1002 * 4 || end <= b[r].master_offset);
+    for (unsigned q = 0; q < r; q++)
+      assert_true(at >= ops[q].lent.full_grad_offset + 1002 * 4 ||
+                  end <= ops[q].lent.full_grad_offset);
+  }
+  for (unsigned r = 0; r < 3; r++) {
+    assert_int_equal(f.job->grad_pools[r].n_lent, 1);
+    fsdp_status_t st;
+    assert_int_equal(fsdp_dataplane_reshard(f.job, f.unit, &f.ranks[r], &st), 0);
+  }
+  /* A session's end gives its buffer back. */
+  for (unsigned r = 0; r < 3; r++) {
+    fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
+    assert_int_equal(f.job->grad_pools[r].n_lent, 0);
   }
   fixture_cleanup(&f);
 }
@@ -167,7 +225,12 @@ static void test_unshard_waits_for_every_rank(void **state) {
 
   const uint16_t *unsharded =
       (const uint16_t *)(const void *)((char *)fsdp_arena_base(f.job->shared_arena) +
-                                       f.unit->unsharded_offset);
+                                       f.unit->copy_offset);
+  for (unsigned r = 0; r < 3; r++) {
+    assert_false(ops[r].lent.unsharded_in_masters);
+    assert_int_equal(ops[r].lent.unsharded_offset, f.unit->copy_offset);
+    assert_int_equal(ops[r].lent.full_grad_bytes, 0); /* a forward's Unshard */
+  }
   for (unsigned i = 0; i < NUMEL; i++) {
     uint32_t bits;
     memcpy(&bits, &master[i], sizeof bits);
@@ -191,14 +254,13 @@ static void test_reduce_scatter_averages_the_ranks(void **state) {
   (void)state;
   fixture_t f;
   fixture_init(&f, 2, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_dataplane_op_t ops[2];
+  lend_gradients(&f, 1, ops);
   for (unsigned r = 0; r < 2; r++) {
-    fsdp_dataplane_buffers_t b;
-    fsdp_dataplane_buffers(f.unit, r, &b);
-    float *full = (float *)(void *)(arena(&f) + b.full_grad_offset);
+    float *full = (float *)(void *)(arena(&f) + ops[r].lent.full_grad_offset);
     for (unsigned i = 0; i < NUMEL; i++)
       full[i] = (float)((r + 1) * i);
   }
-  fsdp_dataplane_op_t ops[2];
   result_t results[2] = {0};
   reduce(&f, 0, 1, false, &ops[0], &results[0]);
   uv_run(&f.loop, UV_RUN_DEFAULT);
@@ -210,7 +272,21 @@ static void test_reduce_scatter_averages_the_ranks(void **state) {
   const float *grad = (const float *)(const void *)(arena(&f) + f.unit->grad_offset);
   for (unsigned i = 0; i < NUMEL; i++)
     assert_true(grad[i] == 1.5f * (float)i);
+  /* The reduce gave the buffers back; a rank must be lent one before it reduces again. */
+  for (unsigned r = 0; r < 2; r++)
+    assert_int_equal(f.job->grad_pools[r].n_lent, 0);
+  result_t unlent = {0};
+  reduce(&f, 0, 2, true, &ops[0], &unlent);
+  expect(&unlent, FSDP_E_FAILED_PRECONDITION,
+         "unit 'u' step 2: local rank 0 holds no full-gradient buffer to reduce: the Unshard "
+         "for the unit's backward lends it");
 
+  lend_gradients(&f, 2, ops);
+  for (unsigned r = 0; r < 2; r++) {
+    float *full = (float *)(void *)(arena(&f) + ops[r].lent.full_grad_offset);
+    for (unsigned i = 0; i < NUMEL; i++)
+      full[i] = (float)((r + 1) * i);
+  }
   memset(results, 0, sizeof results);
   reduce(&f, 1, 2, true, &ops[1], &results[1]);
   reduce(&f, 0, 2, true, &ops[0], &results[0]);
@@ -254,6 +330,7 @@ static void test_steps_in_order(void **state) {
   assert_int_equal(f.unit->gather.count, 0);
 
   /* A repeated submission of a gradient. */
+  lend_gradients(&f, 9, ops);
   memset(results, 0, sizeof results);
   fsdp_dataplane_op_t again;
   result_t repeated = {0};
@@ -268,6 +345,7 @@ static void test_steps_in_order(void **state) {
   expect(&results[1], 0, "");
 
   /* The ranks of a reduce-scatter agree on accumulating, or it ends for everyone. */
+  lend_gradients(&f, 9, ops);
   memset(results, 0, sizeof results);
   reduce(&f, 1, 2, true, &ops[1], &results[1]);
   reduce(&f, 0, 2, false, &ops[0], &results[0]);
@@ -280,9 +358,9 @@ static void test_steps_in_order(void **state) {
   /* Ranks of two runs of the job never meet in a collective. */
   memset(results, 0, sizeof results);
   f.ranks[1].generation = 1;
-  unshard(&f, 0, 8, UINT64_MAX, &ops[0], &results[0]);
-  unshard(&f, 1, 8, UINT64_MAX, &ops[1], &results[1]);
-  const char *runs = "unit 'u' step 8: local rank 1 attached with generation 1 while the other "
+  unshard(&f, 0, 10, UINT64_MAX, &ops[0], &results[0]);
+  unshard(&f, 1, 10, UINT64_MAX, &ops[1], &results[1]);
+  const char *runs = "unit 'u' step 10: local rank 1 attached with generation 1 while the other "
                      "ranks attached with generation 0: ranks of two runs of job 'j' cannot "
                      "unshard together";
   expect(&results[0], FSDP_E_FAILED_PRECONDITION, runs);
@@ -335,7 +413,7 @@ static void test_deadline_names_the_missing_rank(void **state) {
 static void test_lost_session(void **state) {
   (void)state;
   fixture_t f;
-  fixture_init(&f, 3, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fixture_init(&f, 3, FSDP_UNIT_DTYPE_BF16); /* a gather that runs on the thread pool */
   fsdp_dataplane_op_t ops[3];
   result_t results[3] = {0};
   unshard(&f, 0, 1, UINT64_MAX, &ops[0], &results[0]);
@@ -414,14 +492,234 @@ static void test_no_buffers_yet(void **state) {
   f.unit->state = FSDP_UNIT_ALLOCATING;
   const char *message = "unit 'u' has no buffers yet: its RegisterUnit has not succeeded";
   fsdp_status_t st;
-  assert_int_equal(fsdp_dataplane_reshard(f.unit, &st), FSDP_E_FAILED_PRECONDITION);
+  assert_int_equal(fsdp_dataplane_reshard(f.job, f.unit, &f.ranks[0], &st),
+                   FSDP_E_FAILED_PRECONDITION);
   assert_string_equal(st.message, message);
   fsdp_dataplane_op_t op;
   result_t result = {0};
   reduce(&f, 0, 1, false, &op, &result);
   expect(&result, FSDP_E_FAILED_PRECONDITION, message);
   f.unit->state = FSDP_UNIT_READY;
-  assert_int_equal(fsdp_dataplane_reshard(f.unit, &st), 0);
+  assert_int_equal(fsdp_dataplane_reshard(f.job, f.unit, &f.ranks[0], &st), 0);
+  fixture_cleanup(&f);
+}
+
+/* Every rank's op on unit for step, run to completion, each answered OK. */
+static void on_every_rank(fixture_t *f, fsdp_unit_t *unit, uint64_t step, bool backward,
+                          fsdp_dataplane_op_t *ops) {
+  result_t results[MAX_RANKS] = {0};
+  for (unsigned r = 0; r < f->world; r++)
+    unshard_unit(f, unit, r, step, backward, UINT64_MAX, &ops[r], &results[r]);
+  uv_run(&f->loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < f->world; r++)
+    expect(&results[r], 0, "");
+}
+
+static void reshard_unit(fixture_t *f, fsdp_unit_t *unit, unsigned rank) {
+  fsdp_status_t st;
+  assert_int_equal(fsdp_dataplane_reshard(f->job, unit, &f->ranks[rank], &st), 0);
+}
+
+/* The copy in bf16 at offset of the shared arena against unit's masters. */
+static void check_copy(const fixture_t *f, const fsdp_unit_t *unit, uint64_t offset) {
+  const uint16_t *copy = (const uint16_t *)(const void *)(
+      (char *)fsdp_arena_base(f->job->shared_arena) + offset);
+  const float *master =
+      (const float *)(const void *)((char *)fsdp_arena_base(f->job->arena) + unit->master_offset);
+  for (unsigned i = 0; i < NUMEL; i++) {
+    uint32_t bits;
+    memcpy(&bits, &master[i], sizeof bits);
+    assert_int_equal(copy[i], bits >> 16);
+  }
+}
+
+/* fp32 parameters on a host that holds every shard: the masters are the copy; the pool of
+ * copies makes nothing. */
+static void test_masters_are_the_copy(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_FP32);
+  fsdp_dataplane_op_t ops[2];
+  on_every_rank(&f, f.unit, 1, false, ops);
+  for (unsigned r = 0; r < 2; r++) {
+    assert_true(ops[r].lent.unsharded_in_masters);
+    assert_int_equal(ops[r].lent.unsharded_offset, f.unit->master_offset);
+  }
+  assert_int_equal(f.job->copies.n_buffers, 0);
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(f.job->shared_arena, &stats);
+  assert_int_equal(stats.used, 0);
+  fixture_cleanup(&f);
+}
+
+/* At most max_inflight copies are lent at once: the third unit's gather waits until every
+ * rank has let go of one, and then reuses its buffer. */
+static void test_pool_caps_the_copies(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *v = add_unit(&f, "v", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *w = add_unit(&f, "w", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_dataplane_op_t ops[2], w_ops[2];
+  on_every_rank(&f, f.unit, 1, false, ops);
+  uint64_t u_copy = ops[0].lent.unsharded_offset;
+  on_every_rank(&f, v, 1, false, ops);
+  assert_int_equal(f.job->copies.n_lent, 2);
+
+  result_t waiting[2] = {0};
+  for (unsigned r = 0; r < 2; r++)
+    unshard_unit(&f, w, r, 1, false, UINT64_MAX, &w_ops[r], &waiting[r]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_int_equal(waiting[0].calls + waiting[1].calls, 0);
+  assert_true(w->gather.running);
+  reshard_unit(&f, f.unit, 0);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_int_equal(waiting[0].calls + waiting[1].calls, 0); /* rank 1 still reads u */
+  reshard_unit(&f, f.unit, 1);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < 2; r++) {
+    expect(&waiting[r], 0, "");
+    assert_int_equal(w_ops[r].lent.unsharded_offset, u_copy);
+  }
+  check_copy(&f, w, u_copy);
+  assert_int_equal(f.job->copies.most_lent, 2);
+  assert_int_equal(f.job->copies.n_buffers, 2);
+  assert_int_equal(f.job->copies.n_waits, 1);
+
+  /* FULL_SHARD's backward gathers again, into whichever buffer is free. */
+  for (unsigned r = 0; r < 2; r++)
+    reshard_unit(&f, v, r);
+  on_every_rank(&f, f.unit, 1, true, ops);
+  check_copy(&f, f.unit, ops[0].lent.unsharded_offset);
+  for (unsigned r = 0; r < 2; r++) {
+    reshard_unit(&f, w, r);
+    reshard_unit(&f, f.unit, r);
+    fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
+  }
+  assert_int_equal(f.job->copies.n_lent, 0);
+  fixture_cleanup(&f);
+}
+
+/* A gather waiting for a copy past the deadline ends ABORTED, naming who holds them. */
+static void test_pool_wait_expires(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *v = add_unit(&f, "v", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *w = add_unit(&f, "w", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_dataplane_op_t ops[2], w_ops[2];
+  on_every_rank(&f, f.unit, 1, false, ops);
+  on_every_rank(&f, v, 1, false, ops);
+  reshard_unit(&f, v, 0);
+  result_t waiting[2] = {0};
+  uint64_t deadline = uv_now(&f.loop) + 20;
+  for (unsigned r = 0; r < 2; r++)
+    unshard_unit(&f, w, r, 1, false, deadline, &w_ops[r], &waiting[r]);
+  fsdp_dataplane_expire(&f.store, deadline - 1);
+  assert_int_equal(waiting[0].calls + waiting[1].calls, 0);
+  fsdp_dataplane_expire(&f.store, deadline);
+  const char *full = "unit 'w' step 1: no unsharded copy of job 'j' came free in time "
+                     "(store.collective_timeout): its 2 (max_inflight) are held by 'u' (ranks "
+                     "0, 1), 'v' (ranks 1)";
+  for (unsigned r = 0; r < 2; r++)
+    expect(&waiting[r], FSDP_E_ABORTED, full);
+  assert_false(w->gather.running);
+  for (unsigned r = 0; r < 2; r++)
+    fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
+  assert_int_equal(f.job->copies.n_lent, 0);
+  fixture_cleanup(&f);
+}
+
+/* SHARD_GRAD_OP keeps every copy from the forward to the backward, as FSDP does: its copies
+ * are the units' own, outside the cap, and go back to the arena when let go. */
+static void test_kept_copies_are_not_capped(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *units[3];
+  for (unsigned k = 0; k < 3; k++)
+    units[k] = add_unit(&f, (const char *[]){"v", "w", "x"}[k], FSDP_UNIT_SHARD_GRAD_OP,
+                        FSDP_UNIT_DTYPE_BF16);
+  fsdp_dataplane_op_t ops[2];
+  for (unsigned k = 0; k < 3; k++) {
+    on_every_rank(&f, units[k], 1, false, ops);
+    check_copy(&f, units[k], ops[0].lent.unsharded_offset);
+  }
+  assert_int_equal(f.job->copies.n_lent, 0);
+  for (unsigned k = 0; k < 3; k++)
+    for (unsigned r = 0; r < 2; r++)
+      reshard_unit(&f, units[k], r);
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(f.job->shared_arena, &stats);
+  assert_int_equal(stats.used, 0);
+  fixture_cleanup(&f);
+}
+
+/* The backward of a unit resharded after its forward is the step's second gather, which
+ * every rank joins, even one that asks while another still holds the forward's copy: every
+ * host then runs the same gathers, however its ranks interleave. */
+static void test_backward_gathers_again(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_BF16);
+  fsdp_dataplane_op_t ops[2];
+  on_every_rank(&f, f.unit, 1, false, ops);
+  reshard_unit(&f, f.unit, 1);
+  result_t results[2] = {0};
+  unshard_unit(&f, f.unit, 1, 1, true, UINT64_MAX, &ops[1], &results[1]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_int_equal(results[1].calls, 0); /* no fast path on rank 0's forward copy */
+  result_t stale = {0};
+  fsdp_dataplane_op_t stale_op;
+  unshard_unit(&f, f.unit, 1, 1, false, UINT64_MAX, &stale_op, &stale);
+  expect(&stale, FSDP_E_FAILED_PRECONDITION,
+         "unit 'u': local rank 1 asked for step 1 while its request for step 1 (its backward) "
+         "waits");
+  reshard_unit(&f, f.unit, 0);
+  unshard_unit(&f, f.unit, 0, 1, true, UINT64_MAX, &ops[0], &results[0]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < 2; r++)
+    expect(&results[r], 0, "");
+  assert_true(f.unit->gathered_again);
+  check_copy(&f, f.unit, ops[0].lent.unsharded_offset);
+  unshard_unit(&f, f.unit, 0, 1, false, UINT64_MAX, &stale_op, &stale);
+  assert_int_equal(stale.calls, 2);
+  assert_string_equal(stale.message, "unit 'u': local rank 0 asked for step 1, but the "
+                                     "unsharded copy already holds step 1 (its backward)");
+  for (unsigned r = 0; r < 2; r++)
+    fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
+  fixture_cleanup(&f);
+}
+
+/* A rank holds at most max_inflight gradient buffers: the next backward's Unshard waits
+ * until a reduce gives one back. */
+static void test_gradient_buffers_wait_for_a_reduce(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 1, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *v = add_unit(&f, "v", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *w = add_unit(&f, "w", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_dataplane_op_t u_op, v_op, w_op, reduce_op;
+  on_every_rank(&f, f.unit, 1, true, &u_op);
+  reshard_unit(&f, f.unit, 0);
+  on_every_rank(&f, v, 1, true, &v_op);
+  reshard_unit(&f, v, 0);
+  assert_int_equal(f.job->grad_pools[0].n_lent, 2);
+  result_t waiting = {0}, reduced = {0};
+  unshard_unit(&f, w, 0, 1, true, UINT64_MAX, &w_op, &waiting);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_int_equal(waiting.calls, 0);
+  assert_int_equal(f.job->grad_pools[0].n_waits, 1);
+  fsdp_dataplane_reduce(&f.dp, f.job, f.unit, &f.ranks[0], 1, false, UINT64_MAX, &reduce_op,
+                        on_done, &reduced);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&reduced, 0, "");
+  expect(&waiting, 0, "");
+  assert_int_equal(w_op.lent.full_grad_offset, u_op.lent.full_grad_offset);
+  assert_int_equal(f.job->grad_pools[0].most_lent, 2);
+  reshard_unit(&f, w, 0);
+  fsdp_dataplane_release_session(f.job, 0, f.ranks[0].session_id, "detached", 10);
+  assert_int_equal(f.job->grad_pools[0].n_lent, 0);
   fixture_cleanup(&f);
 }
 
@@ -435,6 +733,12 @@ int main(void) {
       cmocka_unit_test(test_lost_session),
       cmocka_unit_test(test_cancel_withdraws_the_rank),
       cmocka_unit_test(test_no_buffers_yet),
+      cmocka_unit_test(test_masters_are_the_copy),
+      cmocka_unit_test(test_pool_caps_the_copies),
+      cmocka_unit_test(test_pool_wait_expires),
+      cmocka_unit_test(test_kept_copies_are_not_capped),
+      cmocka_unit_test(test_backward_gathers_again),
+      cmocka_unit_test(test_gradient_buffers_wait_for_a_reduce),
   };
   return cmocka_run_group_tests_name("dataplane", tests, NULL, NULL);
 }
