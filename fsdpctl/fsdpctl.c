@@ -227,6 +227,16 @@ static const char *hex64(uint64_t v) {
   return b;
 }
 
+static json_object *pool_json(const Fsdp__V1__Pool *p) {
+  json_object *o = json_object_new_object();
+  json_object_object_add(o, "buffers", json_object_new_int64(p ? p->buffers : 0));
+  json_object_object_add(o, "bytes", json_object_new_uint64(p ? p->bytes : 0));
+  json_object_object_add(o, "lent", json_object_new_int64(p ? p->lent : 0));
+  json_object_object_add(o, "most_lent", json_object_new_int64(p ? p->most_lent : 0));
+  json_object_object_add(o, "waits", json_object_new_uint64(p ? p->waits : 0));
+  return o;
+}
+
 static json_object *peers_json(const Fsdp__V1__StatusReply *s) {
   json_object *a = json_object_new_array();
   for (size_t i = 0; i < s->n_peers; i++) {
@@ -313,6 +323,12 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
     json_object_object_add(jo, "units", json_object_new_int64(s->jobs[i]->units));
     json_object_object_add(jo, "local_world_size",
                            json_object_new_int64(s->jobs[i]->local_world_size));
+    json_object_object_add(jo, "max_inflight", json_object_new_int64(s->jobs[i]->max_inflight));
+    json_object_object_add(jo, "copies", pool_json(s->jobs[i]->copies));
+    json_object *gradients = json_object_new_array();
+    for (size_t r = 0; r < s->jobs[i]->n_gradients; r++)
+      json_object_array_add(gradients, pool_json(s->jobs[i]->gradients[r]));
+    json_object_object_add(jo, "gradients", gradients);
     json_object_array_add(jobs, jo);
   }
   json_object_object_add(mem, "jobs", jobs);
@@ -358,6 +374,33 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
 
 #define LABEL "%-13s"
 
+/* "  in flight, at most 2: copies 1 lent (most 2; 2 made, 1.5 MiB; 3 waits), ..." with the
+ * local ranks' gradient pools summed (their "most" is the largest rank's). */
+static void print_pools(const Fsdp__V1__JobMemory *j) {
+  Fsdp__V1__Pool grads = FSDP__V1__POOL__INIT;
+  for (size_t r = 0; r < j->n_gradients; r++) {
+    const Fsdp__V1__Pool *p = j->gradients[r];
+    grads.buffers += p->buffers;
+    grads.bytes += p->bytes;
+    grads.lent += p->lent;
+    grads.most_lent = p->most_lent > grads.most_lent ? p->most_lent : grads.most_lent;
+    grads.waits += p->waits;
+  }
+  static const Fsdp__V1__Pool none = FSDP__V1__POOL__INIT;
+  const Fsdp__V1__Pool *pools[2] = {j->copies ? j->copies : &none, &grads};
+  const char *names[2] = {"copies", "gradients"};
+  printf(LABEL "  in flight, at most %" PRIu32 ":", "", j->max_inflight);
+  for (size_t k = 0; k < 2; k++) {
+    char bytes[32];
+    format_bytes(pools[k]->bytes, bytes, sizeof bytes);
+    printf("%s %s %" PRIu32 " lent (most %" PRIu32 "%s; %" PRIu32 " made, %s; %" PRIu64
+           " waits)",
+           k ? "," : "", names[k], pools[k]->lent, pools[k]->most_lent, k ? " per rank" : "",
+           pools[k]->buffers, bytes, pools[k]->waits);
+  }
+  printf("\n");
+}
+
 static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
   char a[64], b[64], a2[512];
   printf(LABEL "%s (protocol %" PRIu32 ")\n", "fsdpd", s->version, s->protocol_version);
@@ -396,6 +439,7 @@ static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
     format_bytes(j->arena_bytes, b, sizeof b);
     printf(LABEL "job %s: %s of its %s arena, %" PRIu32 " unit%s, %" PRIu32 " local ranks\n", "",
            j->job, a, b, j->units, j->units == 1 ? "" : "s", j->local_world_size);
+    print_pools(j);
   }
   printf(LABEL "%" PRIu64 " total, %" PRIu64 " failed, %" PRIu32 " in flight (%" PRIu32
          " work)\n",
@@ -673,6 +717,36 @@ static const char *dtype_text(Fsdp__V1__DType dtype) {
   }
 }
 
+static json_object *ranks_json(const uint32_t *ranks, size_t n) {
+  json_object *a = json_object_new_array();
+  for (size_t r = 0; r < n; r++)
+    json_object_array_add(a, json_object_new_int64(ranks[r]));
+  return a;
+}
+
+/* Where a unit's unsharded copy is: "none", "masters", "pool", "own". */
+static const char *copy_text(Fsdp__V1__UnitInfo__Copy copy) {
+  switch (copy) {
+  case FSDP__V1__UNIT_INFO__COPY__COPY_MASTERS:
+    return "masters";
+  case FSDP__V1__UNIT_INFO__COPY__COPY_POOL:
+    return "pool";
+  case FSDP__V1__UNIT_INFO__COPY__COPY_OWN:
+    return "own";
+  default:
+    return "none";
+  }
+}
+
+/* " 0, 2" after label, or nothing when no rank. */
+static void print_ranks(const char *label, const uint32_t *ranks, size_t n) {
+  if (!n)
+    return;
+  printf("%s", label);
+  for (size_t r = 0; r < n; r++)
+    printf("%s%" PRIu32, r ? ", " : " ", ranks[r]);
+}
+
 static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object *o = json_object_new_object();
   json_object_object_add(o, "job", json_string(u->job));
@@ -691,6 +765,12 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object_object_add(o, "registered_ranks", json_object_new_int64(u->registered_ranks));
   json_object_object_add(o, "gathered_step", json_object_new_uint64(u->gathered_step));
   json_object_object_add(o, "reduced_step", json_object_new_uint64(u->reduced_step));
+  json_object_object_add(o, "reshard_after_forward",
+                         json_object_new_boolean(u->reshard_after_forward));
+  json_object_object_add(o, "copy", json_string(copy_text(u->copy)));
+  json_object_object_add(o, "copy_holders", ranks_json(u->copy_holders, u->n_copy_holders));
+  json_object_object_add(o, "gradient_holders",
+                         ranks_json(u->gradient_holders, u->n_gradient_holders));
   json_object *collectives = json_object_new_array();
   for (size_t i = 0; i < u->n_collectives; i++) {
     const Fsdp__V1__CollectiveInfo *c = u->collectives[i];
@@ -698,10 +778,7 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
     json_object_object_add(
         co, "kind", json_string(enum_text(&fsdp__v1__collective_info__kind__descriptor, c->kind)));
     json_object_object_add(co, "step", json_object_new_uint64(c->step));
-    json_object *ranks = json_object_new_array();
-    for (size_t r = 0; r < c->n_ranks; r++)
-      json_object_array_add(ranks, json_object_new_int64(c->ranks[r]));
-    json_object_object_add(co, "ranks", ranks);
+    json_object_object_add(co, "ranks", ranks_json(c->ranks, c->n_ranks));
     json_object_object_add(co, "running", json_object_new_boolean(c->running));
     json_object_object_add(co, "deadline_in_ms", json_object_new_int64(c->deadline_in_ms));
     json_object_array_add(collectives, co);
@@ -863,6 +940,11 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
          u->registered_ranks, u->local_world_size);
   printf("unsharded copy of step %" PRIu64 ", last reduce-scatter of step %" PRIu64 "%s\n",
          u->gathered_step, u->reduced_step, u->n_collectives ? "" : "; nothing under way");
+  printf("%s after forward; copy: %s", u->reshard_after_forward ? "reshards" : "kept",
+         copy_text(u->copy));
+  print_ranks(", lent to ranks", u->copy_holders, u->n_copy_holders);
+  print_ranks("; gradient buffers lent to ranks", u->gradient_holders, u->n_gradient_holders);
+  printf("\n");
   for (size_t c = 0; c < u->n_collectives; c++) {
     printf("under way: ");
     print_collective(u, u->collectives[c]);

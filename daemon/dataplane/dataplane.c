@@ -797,10 +797,30 @@ static void let_go(fsdp_job_t *job, fsdp_unit_t *u, uint32_t rank) {
   give_back_copy(job, u);
 }
 
+/* A block of whole pages, which a trainer can map alone. */
+static int alloc_pages(fsdp_arena_t *arena, size_t bytes, uint64_t *ret_offset,
+                       fsdp_status_t *st) {
+  fsdp_arena_stats_t stats;
+  fsdp_arena_get_stats(arena, &stats);
+  return fsdp_arena_alloc(arena, bytes, stats.page_size, ret_offset, st);
+}
+
 static void give_back_grads(fsdp_job_t *job, fsdp_unit_t *u, const fsdp_rank_set_t *ranks) {
-  for (uint32_t r = 0; r < job->local_world_size; r++)
-    if (fsdp_rank_set_has(ranks, r) && fsdp_rank_set_put(&u->grads_lent, r, false))
+  for (uint32_t r = 0; r < job->local_world_size; r++) {
+    if (!fsdp_rank_set_has(ranks, r) || !fsdp_rank_set_put(&u->grads_lent, r, false))
+      continue;
+    if (u->grads_pooled)
       fsdp_pool_give(&job->grad_pools[r], u->full_grad_offsets[r]);
+    else
+      fsdp_arena_release(job->arena, u->full_grad_offsets[r]);
+  }
+}
+
+static bool lends_no_grads(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (fsdp_rank_set_has(&u->grads_lent, r))
+      return false;
+  return true;
 }
 
 /* Answers an Unshard whose rank now holds the copy, with what it lends. */
@@ -817,8 +837,11 @@ static void answer_unshard(fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
 
 static void on_grad_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st);
 
-/* Lends op's rank the copy and, for a backward, its gradient buffer (waiting for one while
- * the rank holds max_inflight); answers op, now or when the buffer comes. */
+/* Lends op's rank the copy and, for a backward, its gradient buffer; answers op, now or when
+ * the buffer comes. A unit resharded after forward takes the buffer from the rank's pool
+ * (waiting while the rank holds max_inflight); one that keeps its copy (the root) takes a
+ * block of its own, as its copy does: it holds the buffer for the whole backward, so within
+ * the cap it would keep every other unit waiting once max_inflight is 1. */
 static void lend(fsdp_job_t *job, fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
   fsdp_rank_set_put(&u->holders, rank, true);
@@ -826,12 +849,19 @@ static void lend(fsdp_job_t *job, fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
     answer_unshard(u, op);
     return;
   }
+  if (lends_no_grads(job, u))
+    u->grads_pooled = u->reshard_after_forward;
   uint64_t offset = 0;
   fsdp_status_t st = FSDP_STATUS_INIT;
-  int r = fsdp_pool_take(&job->grad_pools[rank], copy_bytes(u), &op->grad_waiter, on_grad_ready,
-                         &offset, &st);
-  if (r == 1)
-    return; /* on_grad_ready answers it */
+  int r;
+  if (u->grads_pooled) {
+    r = fsdp_pool_take(&job->grad_pools[rank], copy_bytes(u), &op->grad_waiter, on_grad_ready,
+                       &offset, &st);
+    if (r == 1)
+      return; /* on_grad_ready answers it */
+  } else {
+    r = alloc_pages(job->arena, copy_bytes(u), &offset, &st);
+  }
   on_grad_ready(&op->grad_waiter, r == 0 ? offset : 0, &st);
 }
 
@@ -882,9 +912,7 @@ static void start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) 
     if (r == 1)
       return; /* on_copy_ready goes on */
   } else {
-    fsdp_arena_stats_t stats;
-    fsdp_arena_get_stats(job->shared_arena, &stats);
-    r = fsdp_arena_alloc(job->shared_arena, copy_bytes(u), stats.page_size, &offset, &st);
+    r = alloc_pages(job->shared_arena, copy_bytes(u), &offset, &st);
   }
   if (r < 0)
     fsdp_status_set(&st, r, "unit '%s' step %llu: no unsharded copy: %s", u->spec->unit,

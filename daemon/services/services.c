@@ -402,24 +402,48 @@ typedef struct status_storage {
   Fsdp__V1__Session **session_ptrs;
   Fsdp__V1__JobMemory *jobs;
   Fsdp__V1__JobMemory **job_ptrs;
+  Fsdp__V1__Pool *pools; /* per job: its copies, then each local rank's gradients */
+  Fsdp__V1__Pool **pool_ptrs;
 } status_storage_t;
+
+static Fsdp__V1__Pool *fill_pool(Fsdp__V1__Pool *p, const fsdp_pool_t *pool) {
+  fsdp__v1__pool__init(p);
+  p->buffers = pool->n_buffers;
+  for (unsigned i = 0; i < pool->n_buffers; i++)
+    p->bytes += pool->buffers[i].bytes;
+  p->lent = pool->n_lent;
+  p->most_lent = pool->most_lent;
+  p->waits = pool->n_waits;
+  return p;
+}
 
 /* Per-job memory; returns the bytes in use over all jobs, or -ENOMEM. */
 static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *reply,
                          status_storage_t *s) {
   unsigned n = ctx->store->n_jobs;
+  size_t n_pools = 0;
+  for (const fsdp_job_t *j = ctx->store->jobs; j; j = j->next)
+    n_pools += 1 + j->local_world_size;
   s->jobs = calloc(n ? n : 1, sizeof *s->jobs);
   s->job_ptrs = calloc(n ? n : 1, sizeof *s->job_ptrs);
-  if (!s->jobs || !s->job_ptrs)
+  s->pools = calloc(n_pools ? n_pools : 1, sizeof *s->pools);
+  s->pool_ptrs = calloc(n_pools ? n_pools : 1, sizeof *s->pool_ptrs);
+  if (!s->jobs || !s->job_ptrs || !s->pools || !s->pool_ptrs)
     return -ENOMEM;
   int64_t in_use = 0;
-  size_t i = 0;
+  size_t i = 0, pool = 0;
   for (const fsdp_job_t *j = ctx->store->jobs; j; j = j->next, i++) {
     Fsdp__V1__JobMemory *m = &s->jobs[i];
     fsdp__v1__job_memory__init(m);
     m->job = (char *)j->name;
     m->units = j->n_units;
     m->local_world_size = j->local_world_size;
+    m->max_inflight = j->max_inflight;
+    m->copies = fill_pool(&s->pools[pool++], &j->copies);
+    m->gradients = &s->pool_ptrs[pool];
+    m->n_gradients = j->local_world_size;
+    for (uint32_t r = 0; r < j->local_world_size; r++, pool++)
+      s->pool_ptrs[pool] = fill_pool(&s->pools[pool], &j->grad_pools[r]);
     const fsdp_arena_t *arenas[2] = {j->arena, j->shared_arena};
     for (size_t k = 0; k < 2 && arenas[k]; k++) {
       fsdp_arena_stats_t stats;
@@ -581,6 +605,8 @@ out:
   free(s->session_ptrs);
   free(s->jobs);
   free(s->job_ptrs);
+  free(s->pools);
+  free(s->pool_ptrs);
   free(s);
 }
 
@@ -655,17 +681,27 @@ static void operator_resume(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
-/* The unit's collectives under way, into storage for two (the gather, the reduce-scatter)
- * and their ranks (FSDP_LOCAL_WORLD_MAX each). */
-typedef struct collectives_storage {
+/* What a UnitInfo points into, per unit: its collectives under way (the gather, the
+ * reduce-scatter) with their ranks, and the ranks holding its buffers. */
+typedef struct unit_info_storage {
   Fsdp__V1__CollectiveInfo info[2];
   Fsdp__V1__CollectiveInfo *ptrs[2];
   uint32_t ranks[2][FSDP_LOCAL_WORLD_MAX];
-} collectives_storage_t;
+  uint32_t copy_holders[FSDP_LOCAL_WORLD_MAX];
+  uint32_t gradient_holders[FSDP_LOCAL_WORLD_MAX];
+} unit_info_storage_t;
+
+/* The ranks in set, into ranks; returns how many. */
+static size_t list_ranks(const fsdp_rank_set_t *set, uint32_t world, uint32_t *ranks) {
+  size_t n = 0;
+  for (uint32_t r = 0; r < world; r++)
+    if (fsdp_rank_set_has(set, r))
+      ranks[n++] = r;
+  return n;
+}
 
 static void fill_collectives(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job,
-                             const fsdp_unit_t *u, uint64_t now_ms,
-                             collectives_storage_t *store) {
+                             const fsdp_unit_t *u, uint64_t now_ms, unit_info_storage_t *store) {
   const fsdp_collection_t *cs[2] = {&u->gather, &u->reduce};
   static const Fsdp__V1__CollectiveInfo__Kind kinds[2] = {
       FSDP__V1__COLLECTIVE_INFO__KIND__UNSHARD, FSDP__V1__COLLECTIVE_INFO__KIND__REDUCE_SCATTER};
@@ -681,16 +717,24 @@ static void fill_collectives(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job,
     ci->step = c->step;
     ci->running = c->running;
     ci->ranks = store->ranks[info->n_collectives];
-    for (uint32_t r = 0; r < job->local_world_size; r++)
-      if (fsdp_rank_set_has(&c->submitted, r))
-        ci->ranks[ci->n_ranks++] = r;
+    ci->n_ranks = list_ranks(&c->submitted, job->local_world_size, ci->ranks);
     if (!c->running)
       ci->deadline_in_ms = (int64_t)c->deadline_ms - (int64_t)now_ms;
     store->ptrs[info->n_collectives++] = ci;
   }
 }
 
-static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, const fsdp_unit_t *u) {
+static Fsdp__V1__UnitInfo__Copy copy_kind(const fsdp_unit_t *u) {
+  if (!u->gathered)
+    return FSDP__V1__UNIT_INFO__COPY__COPY_NONE;
+  if (u->copy_in_masters)
+    return FSDP__V1__UNIT_INFO__COPY__COPY_MASTERS;
+  return u->copy_pooled ? FSDP__V1__UNIT_INFO__COPY__COPY_POOL
+                        : FSDP__V1__UNIT_INFO__COPY__COPY_OWN;
+}
+
+static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, const fsdp_unit_t *u,
+                           uint64_t now_ms, unit_info_storage_t *store) {
   fsdp__v1__unit_info__init(info);
   info->job = (char *)job->name;
   info->unit = u->spec->unit;
@@ -707,6 +751,14 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->registered_ranks = u->n_registered;
   info->gathered_step = u->gathered ? u->gathered_step : 0;
   info->reduced_step = u->reduced_step;
+  info->reshard_after_forward = u->reshard_after_forward;
+  info->copy = copy_kind(u);
+  info->copy_holders = store->copy_holders;
+  info->n_copy_holders = list_ranks(&u->holders, job->local_world_size, store->copy_holders);
+  info->gradient_holders = store->gradient_holders;
+  info->n_gradient_holders =
+      list_ranks(&u->grads_lent, job->local_world_size, store->gradient_holders);
+  fill_collectives(info, job, u, now_ms, store);
 }
 
 static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -723,9 +775,9 @@ static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *r
     n += j->n_units;
   Fsdp__V1__UnitInfo *infos = calloc(n ? n : 1, sizeof *infos);
   Fsdp__V1__UnitInfo **ptrs = calloc(n ? n : 1, sizeof *ptrs);
-  collectives_storage_t *collectives = calloc(n ? n : 1, sizeof *collectives);
+  unit_info_storage_t *storage = calloc(n ? n : 1, sizeof *storage);
   uint64_t now = now_ms(ctx);
-  if (!infos || !ptrs || !collectives) {
+  if (!infos || !ptrs || !storage) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory listing units");
     goto out;
   }
@@ -734,8 +786,7 @@ static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *r
     if (rq->job[0] && strcmp(rq->job, j->name) != 0)
       continue;
     for (const fsdp_unit_t *u = j->units; u; u = u->next, k++) {
-      fill_unit_info(&infos[k], j, u);
-      fill_collectives(&infos[k], j, u, now, &collectives[k]);
+      fill_unit_info(&infos[k], j, u, now, &storage[k]);
       ptrs[k] = &infos[k];
     }
   }
@@ -746,7 +797,7 @@ static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *r
 out:
   free(infos);
   free(ptrs);
-  free(collectives);
+  free(storage);
 }
 
 /* The unit a DescribeUnit names; with no job, the only job that has it. */
@@ -794,8 +845,8 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   Fsdp__V1__ShardInfo **shard_ptrs = calloc(l->shards, sizeof *shard_ptrs);
   Fsdp__V1__ParamInfo *params = calloc(l->n_params, sizeof *params);
   Fsdp__V1__ParamInfo **param_ptrs = calloc(l->n_params, sizeof *param_ptrs);
-  collectives_storage_t *collectives = malloc(sizeof *collectives);
-  if (!shards || !shard_ptrs || !params || !param_ptrs || !collectives) {
+  unit_info_storage_t *storage = malloc(sizeof *storage);
+  if (!shards || !shard_ptrs || !params || !param_ptrs || !storage) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory describing a unit");
     goto out;
   }
@@ -824,8 +875,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
     param_ptrs[i] = &params[i];
   }
   Fsdp__V1__UnitInfo info;
-  fill_unit_info(&info, job, u);
-  fill_collectives(&info, job, u, now_ms(ctx), collectives);
+  fill_unit_info(&info, job, u, now_ms(ctx), storage);
   Fsdp__V1__DescribeUnitReply reply = FSDP__V1__DESCRIBE_UNIT_REPLY__INIT;
   reply.unit = &info;
   reply.n_shards = l->shards;
@@ -834,7 +884,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   reply.params = param_ptrs;
   fsdp_rpc_call_reply(call, &reply.base);
 out:
-  free(collectives);
+  free(storage);
   free(shards);
   free(shard_ptrs);
   free(params);

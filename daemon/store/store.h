@@ -90,10 +90,12 @@ typedef struct fsdp_unit {
   bool gathered;
   bool gathered_again;
   uint64_t gathered_step;
-  /* Each local rank's full-gradient buffer (arena offsets), lent from its pool by the
-   * backward's Unshard until the unit's ReduceScatter ends; local_world_size of them. */
+  /* Each local rank's full-gradient buffer (arena offsets), lent by the backward's Unshard
+   * until the unit's ReduceScatter ends; local_world_size of them. From the ranks' pools
+   * (grads_pooled) for a unit resharded after forward, else blocks of their own. */
   uint64_t *full_grad_offsets;
   fsdp_rank_set_t grads_lent;
+  bool grads_pooled;
   fsdp_collection_t gather;
   fsdp_collection_t reduce;
   bool reduce_accumulate;

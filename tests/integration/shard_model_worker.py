@@ -120,7 +120,8 @@ def rank(args):
     world = int(os.environ.get("WORLD_SIZE", client.local_world_size))
     param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else None
     model = fsdpd.torch.shard_model(build(args.features), client, wrap={Block},
-                                    strategy=args.strategy, param_dtype=param_dtype)
+                                    strategy=args.strategy, param_dtype=param_dtype,
+                                    max_inflight=args.max_inflight)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     start = model.completed_steps + 1
     emit(resumed=model.resumed, start=start,
@@ -165,6 +166,7 @@ def main():
     p.add_argument("--strategy", default="FULL_SHARD")
     p.add_argument("--features", action="store_true")
     p.add_argument("--kill-at-step", type=int, default=0)
+    p.add_argument("--max-inflight", type=int, default=None)
     p.add_argument("--world", type=int, default=1,
                    help="the bf16 reference: how many ranks it computes for")
     args = p.parse_args()

@@ -142,13 +142,17 @@ def test_ranks_train_like_one_process(fsdpd, world, strategy):
     assert "blocks.0" in out and "blocks.1" in out
 
 
-def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd):
+@pytest.mark.parametrize("max_inflight", [None, 1], ids=["default", "one-in-flight"])
+def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max_inflight):
     """The reference performs the same roundings as the ranks and the daemon (a bf16 copy of
     the masters, bf16 forward and backward per rank, the sum in bf16, the fp32 update), so
-    the results are equal bit for bit, whatever the CPU's bf16 kernels round like."""
+    the results are equal bit for bit, whatever the CPU's bf16 kernels round like. The
+    daemon's pools never lent more than max_inflight buffers at once."""
     d = fsdpd(*DAEMON_ARGS)
     world = 3  # a sum of three rounds in between, and 1/3 is no power of two
-    procs = [_start(d, "rank", world, r, "--param-dtype", "bf16") for r in range(world)]
+    extra = ["--max-inflight", str(max_inflight)] if max_inflight else []
+    procs = [_start(d, "rank", world, r, "--param-dtype", "bf16", *extra)
+             for r in range(world)]
     procs.append(_start(None, "reference", world, 0, "--param-dtype", "bf16",
                         "--world", str(world)))
     *ranks, ref = _finish(procs)
@@ -159,6 +163,16 @@ def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd):
     # Training moved the parameters (the loss fell), and they are the reference's exactly.
     assert want[STEPS] != want[1]
     assert all(_final(records) == _final(ref) for records in ranks)
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    cap = max_inflight or 2  # store.max_inflight's default
+    assert job["max_inflight"] == cap
+    # Both blocks reshard after forward and share the cap; the root keeps its own copy.
+    assert job["copies"]["most_lent"] == cap and job["copies"]["buffers"] == cap
+    assert len(job["gradients"]) == world
+    for pool in job["gradients"]:
+        assert pool["most_lent"] == cap and pool["lent"] == 0
+    if cap == 1:  # the backward's prefetch waits for the unit before it to give one back
+        assert job["copies"]["waits"] > 0
 
 
 def test_tied_frozen_no_sync_clipping_and_state_dict(fsdpd):

@@ -631,7 +631,8 @@ static void test_pool_wait_expires(void **state) {
 }
 
 /* SHARD_GRAD_OP keeps every copy from the forward to the backward, as FSDP does: its copies
- * are the units' own, outside the cap, and go back to the arena when let go. */
+ * and gradient buffers are the units' own, outside the cap, and go back to the arena when
+ * let go. */
 static void test_kept_copies_are_not_capped(void **state) {
   (void)state;
   fixture_t f;
@@ -646,10 +647,21 @@ static void test_kept_copies_are_not_capped(void **state) {
     check_copy(&f, units[k], ops[0].lent.unsharded_offset);
   }
   assert_int_equal(f.job->copies.n_lent, 0);
+  /* Their backward's gradient buffers are their own too: more than max_inflight of them. */
+  fsdp_arena_stats_t before, stats;
+  fsdp_arena_get_stats(f.job->arena, &before);
   for (unsigned k = 0; k < 3; k++)
-    for (unsigned r = 0; r < 2; r++)
+    on_every_rank(&f, units[k], 1, true, ops);
+  assert_int_equal(f.job->grad_pools[0].n_lent + f.job->grad_pools[1].n_lent, 0);
+  fsdp_arena_get_stats(f.job->arena, &stats);
+  assert_true(stats.used >= before.used + 3 * 2 * NUMEL * sizeof(uint16_t));
+  for (unsigned r = 0; r < 2; r++) {
+    for (unsigned k = 0; k < 3; k++)
       reshard_unit(&f, units[k], r);
-  fsdp_arena_stats_t stats;
+    fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
+  }
+  fsdp_arena_get_stats(f.job->arena, &stats);
+  assert_int_equal(stats.used, before.used);
   fsdp_arena_get_stats(f.job->shared_arena, &stats);
   assert_int_equal(stats.used, 0);
   fixture_cleanup(&f);
