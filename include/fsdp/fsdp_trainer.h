@@ -135,8 +135,8 @@ typedef struct fsdp_unit_schedule {
 
 typedef struct fsdp_schedule {
   /* The copies of units that reshard after forward the job's ranks hold at once, and the
-   * full-gradient buffers each rank holds (FSDP's limit_all_gathers), 1 to 64; 0 keeps the
-   * job's (the daemon's store.max_inflight when it was made). */
+   * full-gradient buffers of such units each rank holds (FSDP's limit_all_gathers), 1 to
+   * 64; 0 keeps the job's (the daemon's store.max_inflight when it was made). */
   unsigned max_inflight;
   const fsdp_unit_schedule_t *units; /* registered units; the others keep their default */
   size_t n_units;
