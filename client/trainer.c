@@ -16,6 +16,7 @@
 #include <fsdp/fsdp_version.h>
 
 #include "client/client_rpc.h"
+#include "client/fastpath.h"
 #include "common/clock.h"
 #include "common/fdpass.h"
 #include "fsdp/v1/channel.pb-c.h"
@@ -24,6 +25,21 @@
 #include "proto/wire.h"
 
 #define TRAINER_PATH(method) "/fsdp.v1.Trainer/" method
+
+/* One unit operation: its name for messages, its gRPC method and fast path kind. */
+typedef struct op_kind {
+  const char *name; /* "Unshard", "Reshard", "ReduceScatter" */
+  const char *path;
+  fsdp_fast_kind_t fast;
+} op_kind_t;
+
+/* An address range reserved for a unit's lent buffer, and which buffer it maps (fd -1: none),
+ * accessible while lent. */
+typedef struct lent_area {
+  uint8_t *base;
+  int fd;
+  uint64_t offset;
+} lent_area_t;
 
 struct fsdp_unit_handle {
   fsdp_trainer_t *trainer; /* the owner: a handle of another trainer is a bad argument */
@@ -37,13 +53,16 @@ struct fsdp_unit_handle {
    * at each Unshard. A pointer taken once (a tensor autograd saved in the forward) thus
    * stays valid across a Reshard and the backward's Unshard, whichever pool buffer that
    * lends, and reading after a Reshard faults instead of reading another unit's data. */
-  uint8_t *unsharded_area, *grad_area;
+  lent_area_t unsharded_area, grad_area;
   size_t area_bytes;
+  uint32_t id; /* the daemon's number for it, which fast path requests name */
   /* The operation of fsdp_trainer_unshard_start or fsdp_trainer_reduce_scatter_start, until
-   * waited for. */
+   * waited for: a gRPC call, or a fast path request (started_seq). */
   fsdp_client_started_t *started;
-  const char *started_op; /* "Unshard" or "ReduceScatter", for messages */
+  uint64_t started_seq;
+  op_kind_t started_kind;
   uint64_t started_step;
+  bool started_backward, started_accumulate; /* to send it again over gRPC */
 };
 
 struct fsdp_trainer {
@@ -59,6 +78,9 @@ struct fsdp_trainer {
   size_t page_bytes;        /* the larger of the two memories' pages */
   fsdp_unit_handle_t **units;
   size_t n_units, units_cap;
+  /* Unit operations through shared memory (client/fastpath.h), where the daemon offers it
+   * and FSDP_FAST_PATH is not "off"; NULL: over gRPC. */
+  fsdp_fast_client_t *fast;
 };
 
 static size_t scalar_bytes(fsdp_scalar_t type) {
@@ -69,10 +91,12 @@ static void unit_free(fsdp_unit_handle_t *unit) {
   if (!unit)
     return;
   fsdp_client_call_cancel(unit->trainer->client, unit->started);
-  if (unit->unsharded_area)
-    munmap(unit->unsharded_area, unit->area_bytes);
-  if (unit->grad_area)
-    munmap(unit->grad_area, unit->area_bytes);
+  if (unit->started_seq)
+    fsdp_fast_client_cancel(unit->trainer->fast, unit->started_seq);
+  if (unit->unsharded_area.base)
+    munmap(unit->unsharded_area.base, unit->area_bytes);
+  if (unit->grad_area.base)
+    munmap(unit->grad_area.base, unit->area_bytes);
   free(unit->param_offsets);
   free(unit->name);
   free(unit);
@@ -82,6 +106,7 @@ static void trainer_free(fsdp_trainer_t *t) {
   for (size_t i = 0; i < t->n_units; i++)
     unit_free(t->units[i]);
   free(t->units);
+  fsdp_fast_client_close(t->fast);
   if (t->channel_fd >= 0)
     close(t->channel_fd);
   if (t->memory)
@@ -192,11 +217,13 @@ static int map_memory(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Chann
  * which the daemon sealed so that they can only be mapped read-only. */
 static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__ChannelWelcome *w,
                      const int *fds, size_t n_fds) {
-  if (w->n_memories != 2 || n_fds != 2)
+  size_t memories = w->fast_path ? 3 : 2, descriptors = w->fast_path ? 5 : 2;
+  if (w->n_memories != memories || n_fds != descriptors ||
+      (w->fast_path && w->fast_path->memory != 2))
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
                                       "memory channel %s: welcome lists %zu memories with %zu "
-                                      "descriptors, expected 2 of each",
-                                      path, w->n_memories, n_fds);
+                                      "descriptors, expected %zu and %zu",
+                                      path, w->n_memories, n_fds, memories, descriptors);
   void *shared;
   int r = map_memory(t, path, w, fds, 0, true, &t->memory, &t->memory_size);
   if (r == 0 && (r = map_memory(t, path, w, fds, 1, false, &shared, &t->shared_size)) == 0)
@@ -213,6 +240,25 @@ static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Channe
   }
   t->memory_fd = fds[0];
   t->shared_fd = fds[1];
+  return 0;
+}
+
+/* Takes the fast path the welcome offers (memory 2 and the two doorbells after it), unless
+ * FSDP_FAST_PATH=off asks for gRPC; *taken says whether its descriptors are now the fast
+ * path's. A fast path of another version is left unused: gRPC serves the same. */
+static int open_fast_path(fsdp_trainer_t *t, const Fsdp__V1__ChannelWelcome *w, const int *fds,
+                          bool *taken) {
+  const char *setting = getenv("FSDP_FAST_PATH");
+  *taken = false;
+  if (!w->fast_path || w->fast_path->version != FSDP_FASTPATH_VERSION ||
+      (setting && strcmp(setting, "off") == 0))
+    return 0;
+  *taken = true;
+  int r = fsdp_fast_client_open(fds[2], (size_t)w->memories[2]->bytes, fds[3], fds[4],
+                                t->channel_fd, &t->fast);
+  if (r < 0)
+    return fsdp_client_set_last_error(t->client, r, "memory channel: the fast path: %s",
+                                      fsdp_strerror(r));
   return 0;
 }
 
@@ -259,9 +305,12 @@ static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
   } else {
     r = map_arena(t, path, w, fds, n_fds);
   }
-  /* The trainer keeps the two it maps lent buffers from. */
+  bool fast_taken = false;
+  if (r == 0)
+    r = open_fast_path(t, w, fds, &fast_taken);
+  /* The trainer keeps the two it maps lent buffers from, and the fast path its own. */
   for (size_t i = 0; i < n_fds; i++)
-    if (fds[i] != t->memory_fd && fds[i] != t->shared_fd)
+    if (fds[i] != t->memory_fd && fds[i] != t->shared_fd && !(fast_taken && i >= 2))
       close(fds[i]);
   if (w)
     protobuf_c_message_free_unpacked(&w->base, NULL);
@@ -334,8 +383,12 @@ int fsdp_trainer_detach(fsdp_trainer_t *trainer) {
     return 0;
   /* Started calls first: the Detach below ends the session they name. */
   for (size_t i = 0; i < trainer->n_units; i++) {
-    fsdp_client_call_cancel(trainer->client, trainer->units[i]->started);
-    trainer->units[i]->started = NULL;
+    fsdp_unit_handle_t *u = trainer->units[i];
+    fsdp_client_call_cancel(trainer->client, u->started);
+    u->started = NULL;
+    if (u->started_seq)
+      fsdp_fast_client_cancel(trainer->fast, u->started_seq);
+    u->started_seq = 0;
   }
   Fsdp__V1__DetachRequest rq = FSDP__V1__DETACH_REQUEST__INIT;
   rq.session_id = trainer->session_id;
@@ -489,6 +542,7 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
     goto err_nomem;
   u->trainer = t;
   u->strategy = d->strategy;
+  u->id = l->unit_id;
   u->param_size = scalar_bytes(d->param_type);
   u->name = strdup(d->name);
   u->param_offsets = malloc(l->n_param_offsets * sizeof *u->param_offsets);
@@ -499,8 +553,9 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
   memcpy(u->param_offsets, l->param_offsets, l->n_param_offsets * sizeof *u->param_offsets);
   size_t bytes = (size_t)l->padded_numel * u->param_size;
   u->area_bytes = (bytes + t->page_bytes - 1) / t->page_bytes * t->page_bytes;
-  if (!(u->unsharded_area = reserve_area(u->area_bytes, t->page_bytes)) ||
-      !(u->grad_area = reserve_area(u->area_bytes, t->page_bytes))) {
+  u->unsharded_area.fd = u->grad_area.fd = -1;
+  if (!(u->unsharded_area.base = reserve_area(u->area_bytes, t->page_bytes)) ||
+      !(u->grad_area.base = reserve_area(u->area_bytes, t->page_bytes))) {
     unit_free(u);
     goto err_nomem;
   }
@@ -609,11 +664,11 @@ static int check_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op) {
                                       "fsdp_trainer_%s: %s", op,
                                       u ? "the unit belongs to another trainer"
                                         : "the unit is required");
-  if (u->started)
+  if (u->started || u->started_seq)
     return fsdp_client_set_last_error(t->client, -EBUSY,
                                       "fsdp_trainer_%s: unit '%.256s' has a %s of step %llu "
                                       "started; wait for it first",
-                                      op, u->name, u->started_op,
+                                      op, u->name, u->started_kind.name,
                                       (unsigned long long)u->started_step);
   return 0;
 }
@@ -631,8 +686,10 @@ static void fill_request(const fsdp_trainer_t *t, const fsdp_unit_handle_t *u, u
   rq->step = step;
 }
 
-/* Maps the lent buffer at `offset` of memory fd (of `size` bytes) onto a unit's area. */
-static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, uint8_t *area,
+/* Maps the lent buffer at `offset` of memory fd (of `size` bytes) onto a unit's area. The
+ * same buffer as last time (the masters, or a pool buffer lent again) is still mapped there,
+ * only inaccessible: opening it again costs no page-table walk. */
+static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, lent_area_t *a,
                     int fd, size_t size, uint64_t offset, bool writable) {
   if (offset % t->page_bytes != 0 || offset > size || u->area_bytes > size - offset)
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
@@ -641,20 +698,26 @@ static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, 
                                       "%zu-byte memory",
                                       u->name, what, (unsigned long long)offset, u->area_bytes,
                                       t->page_bytes, size);
-  if (mmap(area, u->area_bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
-           MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, (off_t)offset) == MAP_FAILED)
+  int prot = writable ? PROT_READ | PROT_WRITE : PROT_READ;
+  if (a->fd == fd && a->offset == offset && mprotect(a->base, u->area_bytes, prot) == 0)
+    return 0;
+  if (mmap(a->base, u->area_bytes, prot, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd,
+           (off_t)offset) == MAP_FAILED) {
+    a->fd = -1;
     return fsdp_client_set_last_error(t->client, -errno,
                                       "Unshard of unit '%.256s': mapping the lent %s buffer: %s",
                                       u->name, what, strerror(errno));
+  }
+  a->fd = fd;
+  a->offset = offset;
   return 0;
 }
 
 /* Takes a lent buffer off a unit's area: a read there faults from now on. */
-static void unmap_lent(const fsdp_unit_handle_t *u, uint8_t *area) {
-  /* Replacing a mapping with a fresh reserved one cannot fail but for lack of memory for the
-   * kernel's own bookkeeping; the old mapping then stays, which is harmless. */
-  (void)mmap(area, u->area_bytes, PROT_NONE,
-             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+static void unmap_lent(const fsdp_unit_handle_t *u, lent_area_t *a) {
+  /* Fails only for lack of kernel memory for its bookkeeping; the buffer then stays
+   * readable, which is harmless. */
+  (void)mprotect(a->base, u->area_bytes, PROT_NONE);
 }
 
 /* Points the view at what an operation's outcome lends: after an Unshard the copy (in the
@@ -666,28 +729,28 @@ static int apply_outcome(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *o
   fsdp_unit_view_t *v = &u->view;
   bool unshard = strcmp(op, "Unshard") == 0;
   if (strcmp(op, "ReduceScatter") == 0) {
-    unmap_lent(u, u->grad_area);
+    unmap_lent(u, &u->grad_area);
     v->full_grad = NULL;
     return r;
   }
   if (!unshard || r < 0) {
-    unmap_lent(u, u->unsharded_area);
+    unmap_lent(u, &u->unsharded_area);
     v->unsharded = NULL;
     return r;
   }
   bool masters = reply->unsharded_memory == 0;
-  if ((r = map_lent(t, u, "unsharded", u->unsharded_area, masters ? t->memory_fd : t->shared_fd,
+  if ((r = map_lent(t, u, "unsharded", &u->unsharded_area, masters ? t->memory_fd : t->shared_fd,
                     masters ? t->memory_size : t->shared_size, reply->unsharded_offset,
                     false)) < 0) {
     v->unsharded = NULL;
     return r;
   }
-  v->unsharded = u->unsharded_area;
+  v->unsharded = u->unsharded_area.base;
   if (reply->full_grad_bytes) {
-    if ((r = map_lent(t, u, "full_grad", u->grad_area, t->memory_fd, t->memory_size,
+    if ((r = map_lent(t, u, "full_grad", &u->grad_area, t->memory_fd, t->memory_size,
                       reply->full_grad_offset, true)) < 0)
       return r;
-    v->full_grad = u->grad_area;
+    v->full_grad = u->grad_area.base;
   }
   return 0;
 }
@@ -701,20 +764,82 @@ static int finish(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op, int 
   return r;
 }
 
-static int unit_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op, const char *path,
-                   Fsdp__V1__UnitOpRequest *rq) {
-  ProtobufCMessage *reply = NULL;
-  int r = fsdp_client_call(t->client, path, &rq->base, &fsdp__v1__unit_op_reply__descriptor, 0,
-                           &reply);
-  return finish(t, u, op, r, reply);
+
+static const op_kind_t unshard_op = {"Unshard", TRAINER_PATH("Unshard"), FSDP_FAST_UNSHARD};
+static const op_kind_t reshard_op = {"Reshard", TRAINER_PATH("Reshard"), FSDP_FAST_RESHARD};
+
+static op_kind_t reduce_op(const fsdp_unit_handle_t *u) {
+  bool all = u->strategy == FSDP_NO_SHARD;
+  return (op_kind_t){"ReduceScatter", reduce_path(u),
+                     all ? FSDP_FAST_ALL_REDUCE : FSDP_FAST_REDUCE_SCATTER};
 }
 
-static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *op, const char *path,
+/* Sends the operation over the fast path; returns its seq, or 0 when it must go over gRPC
+ * (no fast path, or every slot in flight). */
+static uint64_t fast_send(fsdp_trainer_t *t, const fsdp_unit_handle_t *u, const op_kind_t *kind,
+                          const Fsdp__V1__UnitOpRequest *rq) {
+  if (!t->fast)
+    return 0;
+  fsdp_fast_request_t fast = {.step = rq->step, .unit_id = u->id, .kind = (uint8_t)kind->fast,
+                              .backward = rq->backward, .accumulate = rq->accumulate};
+  return fsdp_fast_client_send(t->fast, &fast);
+}
+
+static int call_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind,
+                   Fsdp__V1__UnitOpRequest *rq, int timeout_ms) {
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(t->client, kind->path, &rq->base, &fsdp__v1__unit_op_reply__descriptor,
+                           timeout_ms, &reply);
+  return finish(t, u, kind->name, r, reply);
+}
+
+/* Waits for a fast path operation as for a gRPC call: the same outcome, message and deadline
+ * (timeout_ms <= 0: the client's default); a wait that runs out withdraws the operation. When
+ * the daemon closed the session's channel, the fast path is over and rq goes over gRPC, whose
+ * answer says why (the session is gone, or the daemon). */
+static int fast_finish(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind,
+                       Fsdp__V1__UnitOpRequest *rq, uint64_t seq, int timeout_ms) {
+  if (timeout_ms <= 0)
+    timeout_ms = fsdp_client_default_timeout_ms(t->client);
+  fsdp_fast_reply_t fr;
+  int r = fsdp_fast_client_wait(t->fast, seq, fsdp_clock_deadline_ms(timeout_ms), &fr);
+  if (r == -EPIPE) {
+    fsdp_fast_client_close(t->fast);
+    t->fast = NULL;
+    return call_op(t, u, kind, rq, timeout_ms);
+  }
+  if (r == -ETIMEDOUT) {
+    fsdp_fast_client_cancel(t->fast, seq);
+    r = fsdp_client_set_last_error(t->client, FSDP_E_DEADLINE_EXCEEDED,
+                                   "no reply from fsdpd's fast path within %d ms", timeout_ms);
+    return apply_outcome(t, u, kind->name, r, NULL);
+  }
+  if (fr.code < 0)
+    r = fsdp_client_set_last_error(t->client, fr.code, "%s", fr.message);
+  Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
+  reply.unsharded_offset = fr.unsharded_offset;
+  reply.unsharded_memory = fr.unsharded_memory;
+  reply.full_grad_offset = fr.full_grad_offset;
+  reply.full_grad_bytes = fr.full_grad_bytes;
+  return apply_outcome(t, u, kind->name, r, &reply);
+}
+
+static int unit_op(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind,
+                   Fsdp__V1__UnitOpRequest *rq) {
+  uint64_t seq = fast_send(t, u, kind, rq);
+  return seq ? fast_finish(t, u, kind, rq, seq, 0) : call_op(t, u, kind, rq, 0);
+}
+
+static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind,
                  Fsdp__V1__UnitOpRequest *rq) {
-  int r = fsdp_client_call_start(t->client, path, &rq->base, 0, &u->started);
+  int r = 0;
+  if (!(u->started_seq = fast_send(t, u, kind, rq)))
+    r = fsdp_client_call_start(t->client, kind->path, &rq->base, 0, &u->started);
   if (r == 0) {
-    u->started_op = op;
+    u->started_kind = *kind;
     u->started_step = rq->step;
+    u->started_backward = rq->backward;
+    u->started_accumulate = rq->accumulate;
   }
   return r;
 }
@@ -727,7 +852,7 @@ int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint
   Fsdp__V1__UnitOpRequest rq;
   fill_request(trainer, unit, step, &rq);
   rq.backward = pass == FSDP_PASS_BACKWARD;
-  return unit_op(trainer, unit, "Unshard", TRAINER_PATH("Unshard"), &rq);
+  return unit_op(trainer, unit, &unshard_op, &rq);
 }
 
 int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
@@ -738,25 +863,34 @@ int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit
   Fsdp__V1__UnitOpRequest rq;
   fill_request(trainer, unit, step, &rq);
   rq.backward = pass == FSDP_PASS_BACKWARD;
-  return start(trainer, unit, "Unshard", TRAINER_PATH("Unshard"), &rq);
+  return start(trainer, unit, &unshard_op, &rq);
 }
 
 int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms) {
   if (!trainer)
     return -EINVAL;
-  if (!unit || unit->trainer != trainer || !unit->started)
+  if (!unit || unit->trainer != trainer || (!unit->started && !unit->started_seq))
     return fsdp_client_set_last_error(trainer->client, -EINVAL,
                                       "fsdp_trainer_wait: %s",
                                       !unit ? "the unit is required"
                                       : unit->trainer != trainer
                                           ? "the unit belongs to another trainer"
                                           : "the unit has no started operation");
+  if (unit->started_seq) {
+    uint64_t seq = unit->started_seq;
+    unit->started_seq = 0; /* fast_finish ends it, whatever the outcome */
+    Fsdp__V1__UnitOpRequest rq;
+    fill_request(trainer, unit, unit->started_step, &rq);
+    rq.backward = unit->started_backward;
+    rq.accumulate = unit->started_accumulate;
+    return fast_finish(trainer, unit, &unit->started_kind, &rq, seq, timeout_ms);
+  }
   fsdp_client_started_t *started = unit->started;
   unit->started = NULL; /* finish ends it, whatever the outcome */
   ProtobufCMessage *reply = NULL;
   int r = fsdp_client_call_finish(trainer->client, started, &fsdp__v1__unit_op_reply__descriptor,
                                   timeout_ms, &reply);
-  return finish(trainer, unit, unit->started_op, r, reply);
+  return finish(trainer, unit, unit->started_kind.name, r, reply);
 }
 
 int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step) {
@@ -765,7 +899,7 @@ int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint
     return r;
   Fsdp__V1__UnitOpRequest rq;
   fill_request(trainer, unit, step, &rq);
-  return unit_op(trainer, unit, "Reshard", TRAINER_PATH("Reshard"), &rq);
+  return unit_op(trainer, unit, &reshard_op, &rq);
 }
 
 int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
@@ -776,7 +910,8 @@ int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *uni
   Fsdp__V1__UnitOpRequest rq;
   fill_request(trainer, unit, step, &rq);
   rq.accumulate = accumulate;
-  return unit_op(trainer, unit, "ReduceScatter", reduce_path(unit), &rq);
+  op_kind_t kind = reduce_op(unit);
+  return unit_op(trainer, unit, &kind, &rq);
 }
 
 int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
@@ -787,7 +922,8 @@ int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_
   Fsdp__V1__UnitOpRequest rq;
   fill_request(trainer, unit, step, &rq);
   rq.accumulate = accumulate;
-  return start(trainer, unit, "ReduceScatter", reduce_path(unit), &rq);
+  op_kind_t kind = reduce_op(unit);
+  return start(trainer, unit, &kind, &rq);
 }
 
 int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule) {

@@ -15,6 +15,7 @@
 #include <fsdp/fsdp_version.h>
 
 #include "common/log.h"
+#include "daemon/services/fastpath.h"
 #include "daemon/services/services.h"
 
 /* Calls the TCP health endpoint holds at once. */
@@ -145,10 +146,12 @@ static void release_session(fsdp_daemon_t *daemon, fsdp_session_t *session,
   if (session->channel)
     fsdp_channel_conn_close(session->channel);
   fsdp_job_t *job = fsdp_store_find_job(&daemon->store, session->job);
+  if (job)
+    fsdp_dataplane_release_session(job, session->local_rank, session->id, why,
+                                   daemon->sessions.attaches);
+  fsdp_fastpath_close(session->fast_path); /* its operations ended just now */
   if (!job)
     return;
-  fsdp_dataplane_release_session(job, session->local_rank, session->id, why,
-                                 daemon->sessions.attaches);
   /* Its retention counts from its last session's end, and the job idle longest is the
    * first to give way to a new one (fsdp_store_job_for). */
   if (!job_has_session(daemon, job, session))
@@ -323,6 +326,8 @@ static void on_rpc_stopped(void *data) {
   else
     on_fabric_closed(daemon); /* one host: there is no fabric */
   fsdp_channel_stop(&daemon->channel);
+  for (fsdp_session_t *s = daemon->sessions.head; s; s = s->next)
+    fsdp_fastpath_close(s->fast_path);
   fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_listener_close(&daemon->listener);
   close_handles(daemon);

@@ -16,6 +16,9 @@
 
 #include "common/log.h"
 #include "daemon/services/peer_service.h"
+#include "daemon/services/fastpath.h"
+#include "proto/fastpath.h"
+#include "daemon/services/unit_ops.h"
 #include "daemon/services/unit_spec.h"
 
 /* The loop's clock in milliseconds, brought up to date: sessions and deadlines count in it. */
@@ -157,12 +160,6 @@ static bool take_parked(parked_call_t *p, const fsdp_status_t *st) {
   return false;
 }
 
-/* The session's rank as the data plane knows it. */
-static fsdp_dataplane_rank_t rank_of(const fsdp_session_t *s) {
-  return (fsdp_dataplane_rank_t){.local_rank = s->local_rank, .session_id = s->id,
-                                 .serial = s->serial, .generation = s->generation};
-}
-
 static void on_registered(void *data, const fsdp_status_t *st) {
   parked_call_t *p = data;
   if (take_parked(p, st)) {
@@ -173,6 +170,7 @@ static void on_registered(void *data, const fsdp_status_t *st) {
     reply.numel = u->layout.numel;
     reply.padded_numel = u->layout.padded_numel;
     reply.shard_numel = u->layout.shard_numel;
+    reply.unit_id = u->id;
     reply.n_param_offsets = u->layout.n_params;
     reply.param_offsets = u->layout.offsets;
     reply.master_offset = b.master_offset;
@@ -226,7 +224,7 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
   parked_call_t *p = park_call(call, ctx, s);
   if (!p)
     return;
-  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   fsdp_dataplane_register(ctx->dataplane, fsdp_store_find_job(ctx->store, s->job), u,
                           &who, &p->op, on_registered, p);
 }
@@ -241,21 +239,14 @@ static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
     return NULL;
   fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
   fsdp_unit_t *u = job ? fsdp_store_find_unit(job, rq->unit) : NULL;
-  if (!u || !fsdp_store_unit_registered_by(u, s->local_rank)) {
-    fsdp_rpc_call_fail(call, u ? FSDP_E_FAILED_PRECONDITION : FSDP_E_NOT_FOUND,
-                       "%s: unit '%s' is not registered by job '%s' local rank %u",
-                       fsdp_rpc_call_method(call), rq->unit, s->job, s->local_rank);
+  fsdp_status_t st;
+  if (fsdp_unit_ops_check_unit(s, u, rq->unit, &st) < 0) {
+    fail_call(call, &st);
     return NULL;
   }
   *ret_session = s;
   *ret_job = job;
   return u;
-}
-
-/* When every local rank must have joined a collective that a call starts now. */
-static uint64_t collective_deadline(fsdp_services_context_t *ctx) {
-  return now_ms(ctx) +
-         (uint64_t)fsdp_config_number(ctx->config, FSDP_OPTION_COLLECTIVE_TIMEOUT);
 }
 
 static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
@@ -267,9 +258,9 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   parked_call_t *p = u ? park_call(call, ctx, s) : NULL;
   if (!p)
     return;
-  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   fsdp_dataplane_unshard(ctx->dataplane, job, u, &who, rq->step, rq->backward,
-                         collective_deadline(ctx), &p->op, on_unit_op_done, p);
+                         fsdp_unit_ops_deadline(ctx), &p->op, on_unit_op_done, p);
 }
 
 /* ReduceScatter for sharded units, AllReduce for NO_SHARD ones: the same local step. */
@@ -280,19 +271,17 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
   fsdp_unit_t *u = op_unit(call, ctx, rq, &s, &job);
   if (!u)
     return;
-  bool no_shard = u->spec->strategy == FSDP_UNIT_NO_SHARD;
-  if (no_shard != all_reduce) {
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "%s: unit '%s' is %s: use %s", fsdp_rpc_call_method(call), rq->unit,
-                       no_shard ? "NO_SHARD" : "sharded", no_shard ? "AllReduce" : "ReduceScatter");
+  fsdp_status_t st;
+  if (fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0) {
+    fail_call(call, &st);
     return;
   }
   parked_call_t *p = park_call(call, ctx, s);
   if (!p)
     return;
-  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, rq->accumulate,
-                        collective_deadline(ctx), &p->op, on_unit_op_done, p);
+                        fsdp_unit_ops_deadline(ctx), &p->op, on_unit_op_done, p);
 }
 
 static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -314,7 +303,7 @@ static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   if (!u)
     return;
   fsdp_status_t st;
-  fsdp_dataplane_rank_t who = rank_of(s);
+  fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   if (fsdp_dataplane_reshard(job, u, &who, &st) < 0) {
     fail_call(call, &st);
     return;
@@ -946,6 +935,24 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
     w->fds[i] = fsdp_arena_peer_fd(arenas[i]);
   }
   w->n = 2;
+  w->n_fds = 2;
+  int fast_fds[3];
+  size_t fast_bytes;
+  if (fsdp_fastpath_open(ctx, s, fast_fds, &fast_bytes, &w->status) < 0)
+    return;
+  fsdp__v1__channel_memory__init(&w->memory[2]);
+  snprintf(w->names[2], sizeof w->names[2], "session %016llx fast path", (unsigned long long)s->id);
+  w->memory[2].name = w->names[2];
+  w->memory[2].bytes = fast_bytes;
+  w->memory[2].writable = true;
+  w->memories[2] = &w->memory[2];
+  fsdp__v1__fast_path__init(&w->fast_path_storage);
+  w->fast_path_storage.version = FSDP_FASTPATH_VERSION;
+  w->fast_path_storage.memory = 2;
+  w->fast_path = &w->fast_path_storage;
+  memcpy(w->fds + 2, fast_fds, sizeof fast_fds);
+  w->n = 3;
+  w->n_fds = 5;
   s->channel = conn;
   fsdp_channel_conn_set_owner(conn, s);
   log_info("session %016llx: memory channel open, job '%s' arenas of %llu bytes",

@@ -57,6 +57,7 @@ static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
   if (ok) {
     reply.n_memories = w->n;
     reply.memories = w->memories;
+    reply.fast_path = w->fast_path;
   } else {
     reply.status = (int32_t)fsdp_wire_status_from_error(w->status.code);
     reply.message = w->status.message;
@@ -64,7 +65,7 @@ static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
   uint8_t frame[FSDP_CHANNEL_FRAME_BYTES];
   int r = fsdp_wire_frame_encode(&reply.base, frame);
   if (r == 0)
-    r = fsdp_fd_send(conn->fd, w->fds, ok ? w->n : 0, frame, sizeof frame, 1000);
+    r = fsdp_fd_send(conn->fd, w->fds, ok ? w->n_fds : 0, frame, sizeof frame, 1000);
   if (r < 0) {
     log_warning("memory channel of pid %d: cannot send the welcome: %s", (int)conn->cred.pid,
                 fsdp_strerror(r));

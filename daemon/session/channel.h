@@ -33,7 +33,8 @@
 typedef struct fsdp_channel_conn fsdp_channel_conn_t;
 
 /* What the daemon answers a hello with. memories/fds are borrowed until the callback's
- * caller has sent them; a status other than 0 sends neither. */
+ * caller has sent them; a status other than 0 sends neither. fds[i] is memories[i]'s for
+ * i < n; the n_fds - n after them are the fast path's doorbells (fast_path set). */
 typedef struct fsdp_channel_welcome {
   fsdp_status_t status;
   Fsdp__V1__ChannelMemory memory[FSDP_CHANNEL_MAX_FDS];
@@ -41,6 +42,9 @@ typedef struct fsdp_channel_welcome {
   char names[FSDP_CHANNEL_MAX_FDS][96];
   int fds[FSDP_CHANNEL_MAX_FDS];
   size_t n;
+  size_t n_fds;
+  Fsdp__V1__FastPath fast_path_storage;
+  Fsdp__V1__FastPath *fast_path; /* &fast_path_storage, or NULL */
 } fsdp_channel_welcome_t;
 
 typedef struct fsdp_channel_callbacks {

@@ -48,6 +48,7 @@ typedef struct fsdp_session {
                           * its last parked call, whichever came later */
   unsigned parked;       /* calls naming it that the daemon holds (fsdp_session_call_*) */
   void *channel;         /* its memory channel connection (daemon/session/channel.h), or NULL */
+  void *fast_path;       /* its fast path (daemon/services/fastpath.h), or NULL */
   struct fsdp_session *next;
 } fsdp_session_t;
 

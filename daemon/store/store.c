@@ -26,6 +26,10 @@ fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name) {
   return NULL;
 }
 
+fsdp_unit_t *fsdp_store_unit_by_id(const fsdp_job_t *job, uint32_t id) {
+  return id < job->n_units ? job->units_by_id[id] : NULL;
+}
+
 static void unit_free(fsdp_unit_t *u) {
   if (!u)
     return;
@@ -65,6 +69,19 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
     unit_free(u);
     return r;
   }
+  if (job->n_units == job->units_by_id_capacity) {
+    unsigned capacity = job->units_by_id_capacity ? 2 * job->units_by_id_capacity : 16;
+    fsdp_unit_t **grown = realloc(job->units_by_id, capacity * sizeof *grown);
+    if (!grown) {
+      unit_free(u);
+      return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                             "out of memory registering unit '%s'", rq->unit);
+    }
+    job->units_by_id = grown;
+    job->units_by_id_capacity = capacity;
+  }
+  u->id = job->n_units;
+  job->units_by_id[u->id] = u;
   u->first_rank = session->local_rank;
   mark_registered(u, session->local_rank);
   *job->units_tail = u;
@@ -116,6 +133,7 @@ static void job_free(fsdp_job_t *job) {
       fsdp_pool_cleanup(&job->grad_pools[r]);
     free(job->grad_pools);
   }
+  free(job->units_by_id);
   fsdp_arena_free(job->arena);
   fsdp_arena_free(job->shared_arena);
   free(job);

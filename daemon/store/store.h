@@ -60,6 +60,7 @@ typedef struct fsdp_collection {
 
 typedef struct fsdp_unit {
   struct fsdp_job *job;   /* the owner */
+  uint32_t id;            /* its place among the job's units, in registration order */
   fsdp_unit_spec_t *spec; /* private copy; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
@@ -126,6 +127,8 @@ typedef struct fsdp_job {
   fsdp_unit_t *units; /* in registration order */
   fsdp_unit_t **units_tail;
   unsigned n_units;
+  fsdp_unit_t **units_by_id; /* unit i's id is i (its place in registration order) */
+  unsigned units_by_id_capacity;
   /* Loop time since which nothing refers to it (set as its last session ends, or by the
    * housekeeping when its work ends after that); 0 while in use. */
   uint64_t idle_since_ms;
@@ -178,6 +181,8 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
 
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);
 fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
+/* The unit whose id (fsdp_unit_t.id) is id, or NULL. */
+fsdp_unit_t *fsdp_store_unit_by_id(const fsdp_job_t *job, uint32_t id);
 bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
 
 /* The session's job, created on first use with its two arenas of store->arena_capacity

@@ -46,7 +46,7 @@ def hello(path, session_id, version=PROTOCOL_VERSION, raw=None):
     s.send(raw if raw is not None else frame(
         channel_pb2.ChannelHello(protocol_version=version, session_id=session_id)
         .SerializeToString()))
-    msg, fds, _, _ = socket.recv_fds(s, FRAME, 4)
+    msg, fds, _, _ = socket.recv_fds(s, FRAME, 8)
     n = struct.unpack("<I", msg[:4])[0]
     return s, channel_pb2.ChannelWelcome.FromString(msg[4:4 + n]), fds
 
@@ -66,9 +66,12 @@ def test_ranks_of_a_job_share_its_arena(fsdpd):
     assert a.memory_socket == str(d.run_dir / "fsdpd.mem.sock")
     sa, wa, fa = hello(a.memory_socket, a.session_id)
     sb, wb, fb = hello(b.memory_socket, b.session_id)
-    assert (wa.status, len(fa)) == (OK, 2)
-    assert [(m.name, m.bytes, m.writable) for m in wa.memories] == [
+    assert (wa.status, len(fa)) == (OK, 5)  # three memories, the fast path's two doorbells
+    assert [(m.name, m.bytes, m.writable) for m in wa.memories[:2]] == [
         ("job 'j' arena", 64 << 20, True), ("job 'j' unsharded buffers", 64 << 20, False)]
+    fast = wa.memories[wa.fast_path.memory]
+    assert wa.fast_path.memory == 2 and fast.writable and fast.bytes % mmap.PAGESIZE == 0
+    assert fast.name == f"session {a.session_id:016x} fast path"
     ma = mmap.mmap(fa[0], 64 << 20)
     mb = mmap.mmap(fb[0], 64 << 20)
     ma[12345:12350] = b"shard"
@@ -161,7 +164,8 @@ def test_bad_hellos(fsdpd):
     s, w, _ = hello(a.memory_socket, a.session_id)
     assert w.status == ALREADY_EXISTS and "already has its memory channel" in w.message
     assert sessions(d) == {("j", 0)}  # a refused second channel changes nothing
-    os.close(fds[0])
+    for fd in fds:
+        os.close(fd)
     d.assert_serving()
 
 
@@ -261,7 +265,8 @@ s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(r.memory_socket)
 h = c.ChannelHello(protocol_version=PROTOCOL_VERSION, session_id=r.session_id).SerializeToString()
 s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
-msg, (rw, ro), _, _ = socket.recv_fds(s, 4096, 4)
+msg, fds, _, _ = socket.recv_fds(s, 4096, 8)
+rw, ro, fast = fds[:3]
 w = c.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
 size = w.memories[0].bytes
 out = {"ro_mode": fcntl.fcntl(ro, fcntl.F_GETFL) & os.O_ACCMODE, "refused": []}
@@ -274,6 +279,8 @@ attempts = {
     "fallocate unsharded": lambda: os.posix_fallocate(ro, 0, size),
     "grow unsharded": lambda: os.ftruncate(ro, 64 * size),
     "map unsharded writable": lambda: mmap.mmap(ro, size),
+    "grow fast path": lambda: os.ftruncate(fast, 64 * size),
+    "fallocate fast path past its end": lambda: os.posix_fallocate(fast, size, size),
 }
 for what, attempt in attempts.items():
     try:
@@ -308,7 +315,8 @@ def test_memory_limit_bounds_what_trainers_can_make_resident(fsdpd):
             assert s["ro_mode"] == os.O_RDONLY
             assert s["refused"] == ["grow arena", "fallocate arena past its end",
                                     "write past the end", "fallocate unsharded",
-                                    "grow unsharded", "map unsharded writable"]
+                                    "grow unsharded", "map unsharded writable",
+                                    "grow fast path", "fallocate fast path past its end"]
         # Both trainers hold the same two memfds, filled whole, and no more than the limit.
         assert seen[0]["inodes"] == seen[1]["inodes"]
         assert seen[0]["bytes"] == seen[1]["bytes"] == [64 << 20, 64 << 20]
@@ -318,9 +326,11 @@ def test_memory_limit_bounds_what_trainers_can_make_resident(fsdpd):
 
         # A third rank of the job (this process) holds the read-write arena past the end.
         keeper = attach(d, 2, world=3, job="hog")
-        _, w, (rw, ro) = hello(keeper.memory_socket, keeper.session_id)
+        _, w, keeper_fds = hello(keeper.memory_socket, keeper.session_id)
         assert w.status == OK
-        os.close(ro)
+        rw = keeper_fds[0]
+        for fd in keeper_fds[1:]:
+            os.close(fd)
         d.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=keeper.session_id),
                trainer_pb2.DetachReply)
 

@@ -644,22 +644,30 @@ static void test_four_ranks(void **state) {
   run_world(4);
 }
 
-/* Polls Operator.Status until at least n calls that are work (not health or status) are in
- * flight in the daemon, by the deadline. */
-static void await_work_inflight(unsigned n, int64_t deadline) {
+/* Polls Operator.ListUnits until at least n ranks of job wait in a unit's reduce-scatter,
+ * by the deadline (whichever path, gRPC or the fast path, their requests came by). */
+static void await_ranks_reducing(const char *job, unsigned n, int64_t deadline) {
   fsdp_client_options_t opts = FSDP_CLIENT_OPTIONS_INIT;
   opts.timeout_ms = 2000;
   fsdp_client_t *client = NULL;
   assert_int_equal(fsdp_client_connect(g_daemon.target, &opts, &client), 0);
-  unsigned seen = 0;
+  size_t seen = 0;
   for (;;) {
-    Fsdp__V1__StatusRequest rq = FSDP__V1__STATUS_REQUEST__INIT;
+    Fsdp__V1__ListUnitsRequest rq = FSDP__V1__LIST_UNITS_REQUEST__INIT;
+    rq.job = (char *)job;
     ProtobufCMessage *reply = NULL;
-    int r = fsdp_client_call(client, "/fsdp.v1.Operator/Status", &rq.base,
-                             &fsdp__v1__status_reply__descriptor, 0, &reply);
+    int r = fsdp_client_call(client, "/fsdp.v1.Operator/ListUnits", &rq.base,
+                             &fsdp__v1__list_units_reply__descriptor, 0, &reply);
     if (r < 0)
-      fail_msg("Operator.Status: %s: %s", fsdp_strerror(r), fsdp_client_last_error(client));
-    seen = ((Fsdp__V1__StatusReply *)reply)->rpc_work_inflight;
+      fail_msg("Operator.ListUnits: %s: %s", fsdp_strerror(r), fsdp_client_last_error(client));
+    const Fsdp__V1__ListUnitsReply *units = (const void *)reply;
+    seen = 0;
+    for (size_t u = 0; u < units->n_units; u++)
+      for (size_t c = 0; c < units->units[u]->n_collectives; c++) {
+        const Fsdp__V1__CollectiveInfo *ci = units->units[u]->collectives[c];
+        if (ci->kind == FSDP__V1__COLLECTIVE_INFO__KIND__REDUCE_SCATTER && ci->n_ranks > seen)
+          seen = ci->n_ranks;
+      }
     protobuf_c_message_free_unpacked(reply, NULL);
     if (seen >= n || now_ms() > deadline)
       break;
@@ -667,7 +675,7 @@ static void await_work_inflight(unsigned n, int64_t deadline) {
   }
   fsdp_client_close(client);
   if (seen < n)
-    fail_msg("%u calls in flight in fsdpd, expected %u", seen, n);
+    fail_msg("%zu ranks of job '%s' wait in a reduce-scatter, expected %u", seen, job, n);
 }
 
 static void test_rank_killed_in_reduce_scatter(void **state) {
@@ -681,7 +689,7 @@ static void test_rank_killed_in_reduce_scatter(void **state) {
   release(procs, 3);
 
   /* Ranks 0 and 1 are parked in their ReduceScatter; rank 2 waits for nothing. */
-  await_work_inflight(2, now_ms() + ABORT_BOUND_MS);
+  await_ranks_reducing(job, 2, now_ms() + ABORT_BOUND_MS);
   int64_t killed_at = now_ms();
   assert_int_equal(kill(procs[2]->pid, SIGKILL), 0);
   int wstatus = 0;

@@ -1,0 +1,274 @@
+/* A session's fast path: rings in a memfd, eventfd doorbells, operations to the data plane. */
+#include "daemon/services/fastpath.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "daemon/services/unit_ops.h"
+#include "proto/fastpath.h"
+
+#define TRAINER_METHOD(name) "/fsdp.v1.Trainer/" name
+
+/* An operation the data plane holds; its storage, until it is called back or cancelled. */
+typedef struct fast_op {
+  fsdp_fastpath_t *fp;
+  bool busy;
+  uint64_t seq;
+  const char *method; /* prefixes its messages, as a gRPC handler's */
+  fsdp_dataplane_op_t op;
+} fast_op_t;
+
+struct fsdp_fastpath {
+  fsdp_services_context_t *ctx;
+  fsdp_session_t *session;
+  fsdp_fast_region_t *region;
+  size_t bytes;
+  int region_fd;
+  int daemon_bell; /* the trainer writes it; the loop polls it */
+  int trainer_bell;
+  uv_poll_t poll;
+  unsigned busy; /* ops in flight */
+  fast_op_t ops[FSDP_FASTPATH_ENTRIES];
+};
+
+static void ring_trainer(fsdp_fastpath_t *fp) {
+  uint64_t one = 1;
+  /* Fails only when the counter would overflow, which leaves it readable anyway. */
+  (void)!write(fp->trainer_bell, &one, sizeof one);
+}
+
+/* Replies to seq. There is room: a request is taken only while its reply would fit. */
+static void reply(fsdp_fastpath_t *fp, uint64_t seq, const char *method, const fsdp_status_t *st,
+                  const fsdp_dataplane_lent_t *lent) {
+  int slot = fsdp_fast_ring_slot(&fp->region->replies_ring);
+  if (slot < 0) {
+    log_warning("session %016llx: fast path reply to %llu dropped: the trainer consumes none",
+                (unsigned long long)fp->session->id, (unsigned long long)seq);
+    return;
+  }
+  fsdp_fast_reply_t *r = &fp->region->replies[slot];
+  memset(r, 0, offsetof(fsdp_fast_reply_t, message));
+  r->seq = seq;
+  r->code = st->code;
+  r->message[0] = '\0';
+  if (st->code < 0) { /* "method: message", cut at the end as gRPC's details would be */
+    int n = snprintf(r->message, sizeof r->message, "%s: ", method);
+    snprintf(r->message + n, sizeof r->message - (size_t)n, "%s", st->message);
+  }
+  if (lent && st->code == 0) {
+    r->unsharded_memory = lent->unsharded_in_masters ? 0 : 1;
+    r->unsharded_offset = lent->unsharded_offset;
+    r->full_grad_offset = lent->full_grad_offset;
+    r->full_grad_bytes = lent->full_grad_bytes;
+  }
+  fsdp_fast_ring_push(&fp->region->replies_ring);
+  ring_trainer(fp);
+}
+
+static void on_op_done(void *data, const fsdp_status_t *st) {
+  fast_op_t *o = data;
+  fsdp_fastpath_t *fp = o->fp;
+  reply(fp, o->seq, o->method, st, &o->op.lent);
+  o->busy = false;
+  fp->busy--;
+  fsdp_session_call_ended(fp->session, uv_now(fp->ctx->loop));
+}
+
+static fast_op_t *free_op(fsdp_fastpath_t *fp) {
+  for (size_t i = 0; i < FSDP_FASTPATH_ENTRIES; i++)
+    if (!fp->ops[i].busy)
+      return &fp->ops[i];
+  return NULL;
+}
+
+static void cancel(fsdp_fastpath_t *fp, uint64_t seq) {
+  for (size_t i = 0; i < FSDP_FASTPATH_ENTRIES; i++) {
+    fast_op_t *o = &fp->ops[i];
+    if (o->busy && o->seq == seq) {
+      fsdp_dataplane_cancel(&o->op);
+      fsdp_status_t st;
+      fsdp_status_set(&st, FSDP_E_CANCELLED, "the trainer gave up waiting");
+      on_op_done(o, &st);
+      return;
+    }
+  }
+}
+
+static const char *method_of(uint8_t kind) {
+  switch (kind) {
+  case FSDP_FAST_UNSHARD:
+    return TRAINER_METHOD("Unshard");
+  case FSDP_FAST_RESHARD:
+    return TRAINER_METHOD("Reshard");
+  case FSDP_FAST_REDUCE_SCATTER:
+    return TRAINER_METHOD("ReduceScatter");
+  case FSDP_FAST_ALL_REDUCE:
+    return TRAINER_METHOD("AllReduce");
+  default:
+    return "fast path";
+  }
+}
+
+/* Runs one request as its gRPC handler would, answering it now or from the data plane. */
+static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
+  fsdp_services_context_t *ctx = fp->ctx;
+  fsdp_session_t *s = fp->session;
+  const char *method = method_of(rq->kind);
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  uint64_t now = uv_now(ctx->loop);
+  if (now > s->last_call_ms)
+    s->last_call_ms = now; /* a request names the session, as a call does */
+  if (rq->kind < FSDP_FAST_UNSHARD || rq->kind > FSDP_FAST_ALL_REDUCE) {
+    fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "request kind %u is not a unit operation",
+                    rq->kind);
+    reply(fp, rq->seq, method, &st, NULL);
+    return;
+  }
+  if (ctx->lifecycle.state(ctx->lifecycle.data) != FSDP_SERVICES_SERVING) {
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "fsdpd is draining and takes no new work");
+    reply(fp, rq->seq, method, &st, NULL);
+    return;
+  }
+  fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
+  fsdp_unit_t *u = job ? fsdp_store_unit_by_id(job, rq->unit_id) : NULL;
+  char name[32];
+  snprintf(name, sizeof name, "#%u", rq->unit_id);
+  bool all_reduce = rq->kind == FSDP_FAST_ALL_REDUCE;
+  if (fsdp_unit_ops_check_unit(s, u, u ? u->spec->unit : name, &st) < 0 ||
+      ((rq->kind == FSDP_FAST_REDUCE_SCATTER || all_reduce) &&
+       fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0)) {
+    reply(fp, rq->seq, method, &st, NULL);
+    return;
+  }
+  fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
+  if (rq->kind == FSDP_FAST_RESHARD) {
+    fsdp_dataplane_reshard(job, u, &who, &st);
+    reply(fp, rq->seq, method, &st, NULL);
+    return;
+  }
+  fast_op_t *o = free_op(fp);
+  if (!o) {
+    fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "the session has %u fast path operations in flight, the most it may",
+                    FSDP_FASTPATH_ENTRIES);
+    reply(fp, rq->seq, method, &st, NULL);
+    return;
+  }
+  *o = (fast_op_t){.fp = fp, .busy = true, .seq = rq->seq, .method = method};
+  fp->busy++;
+  fsdp_session_call_parked(s);
+  if (rq->kind == FSDP_FAST_UNSHARD)
+    fsdp_dataplane_unshard(ctx->dataplane, job, u, &who, rq->step, rq->backward,
+                           fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
+  else
+    fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, rq->accumulate,
+                          fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
+}
+
+/* The trainer rang: takes its requests while their replies are sure to find room (each
+ * operation in flight, and each reply not yet read, holds one). */
+static void on_doorbell(uv_poll_t *handle, int status, int events) {
+  (void)status;
+  (void)events;
+  fsdp_fastpath_t *fp = handle->data;
+  uint64_t rings;
+  (void)!read(fp->daemon_bell, &rings, sizeof rings);
+  fsdp_fast_region_t *region = fp->region;
+  for (;;) {
+    uint32_t unread = atomic_load_explicit(&region->replies_ring.head, memory_order_relaxed) -
+                      atomic_load_explicit(&region->replies_ring.tail, memory_order_acquire);
+    if (fp->busy + unread >= FSDP_FASTPATH_ENTRIES)
+      return;
+    int slot = fsdp_fast_ring_peek(&region->requests_ring);
+    if (slot < 0)
+      return;
+    fsdp_fast_request_t rq = region->requests[slot]; /* a copy the trainer cannot change */
+    fsdp_fast_ring_pop(&region->requests_ring);
+    if (rq.kind == FSDP_FAST_CANCEL)
+      cancel(fp, rq.seq);
+    else
+      run(fp, &rq);
+  }
+}
+
+static void release(fsdp_fastpath_t *fp) {
+  if (fp->region)
+    munmap(fp->region, fp->bytes);
+  int fds[3] = {fp->region_fd, fp->daemon_bell, fp->trainer_bell};
+  for (size_t i = 0; i < 3; i++)
+    if (fds[i] >= 0)
+      close(fds[i]);
+  free(fp);
+}
+
+static void on_closed(uv_handle_t *handle) {
+  release(handle->data);
+}
+
+int fsdp_fastpath_open(fsdp_services_context_t *ctx, fsdp_session_t *session, int ret_fds[3],
+                       size_t *ret_bytes, fsdp_status_t *st) {
+  fsdp_fastpath_t *fp = calloc(1, sizeof *fp);
+  if (!fp)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for the fast path");
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  fp->ctx = ctx;
+  fp->session = session;
+  fp->bytes = (sizeof *fp->region + page - 1) / page * page;
+  fp->region_fd = memfd_create("fsdpd-fast-path", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  fp->daemon_bell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  fp->trainer_bell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  int err = 0;
+  /* Sealed at its size: the trainer gets a writable descriptor, and must not make host memory
+   * out of it beyond what memory.limit counts. */
+  if (fp->region_fd < 0 || fp->daemon_bell < 0 || fp->trainer_bell < 0 ||
+      ftruncate(fp->region_fd, (off_t)fp->bytes) < 0 ||
+      fcntl(fp->region_fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
+    err = -errno;
+  if (!err) {
+    void *p = mmap(NULL, fp->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fp->region_fd, 0);
+    if (p == MAP_FAILED)
+      err = -errno;
+    else
+      fp->region = p;
+  }
+  if (!err)
+    err = uv_poll_init(ctx->loop, &fp->poll, fp->daemon_bell);
+  if (err) {
+    release(fp);
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "cannot make the fast path: %s",
+                           strerror(-err));
+  }
+  fp->poll.data = fp;
+  fp->region->magic = FSDP_FASTPATH_MAGIC;
+  fp->region->version = FSDP_FASTPATH_VERSION;
+  fp->region->entries = FSDP_FASTPATH_ENTRIES;
+  uv_poll_start(&fp->poll, UV_READABLE, on_doorbell);
+  session->fast_path = fp;
+  ret_fds[0] = fp->region_fd;
+  ret_fds[1] = fp->daemon_bell;
+  ret_fds[2] = fp->trainer_bell;
+  *ret_bytes = fp->bytes;
+  return 0;
+}
+
+void fsdp_fastpath_close(fsdp_fastpath_t *fp) {
+  if (!fp)
+    return;
+  fsdp_status_t st;
+  fsdp_status_set(&st, FSDP_E_ABORTED, "session %016llx ended", (unsigned long long)fp->session->id);
+  for (size_t i = 0; i < FSDP_FASTPATH_ENTRIES; i++)
+    if (fp->ops[i].busy) {
+      fsdp_dataplane_cancel(&fp->ops[i].op);
+      on_op_done(&fp->ops[i], &st);
+    }
+  fp->session->fast_path = NULL;
+  uv_close((uv_handle_t *)&fp->poll, on_closed);
+}
