@@ -26,11 +26,11 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "collectives/rank_set.h"
 #include "common/status.h"
 #include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
 #include "daemon/store/pool.h"
-#include "daemon/store/rank_set.h"
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
 
