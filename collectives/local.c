@@ -1,4 +1,4 @@
-/* The rendezvous of a job's local ranks. */
+/* The rendezvous of a job's local ranks, and their host sum. */
 #include "collectives/local.h"
 
 fsdp_collection_outcome_t fsdp_collection_join(fsdp_collection_t *c, uint32_t world,
@@ -48,4 +48,15 @@ bool fsdp_collection_expired(const fsdp_collection_t *c, uint32_t world, uint64_
 
 void fsdp_collection_reset(fsdp_collection_t *c) {
   *c = (fsdp_collection_t){0};
+}
+
+int fsdp_host_sum_range(void *sum, float *sum_fp32, const void *const *srcs, unsigned n_srcs,
+                        fsdp_dtype_t src_type, fsdp_dtype_t reduce_type, float pre_scale,
+                        size_t begin, size_t end) {
+  int r = fsdp_reduce_range(sum_fp32, false, srcs, n_srcs, src_type, reduce_type, pre_scale,
+                            1.0f, begin, end);
+  if (r == 0 && reduce_type != FSDP_DTYPE_FP32)
+    r = fsdp_cast((char *)sum + begin * fsdp_dtype_size(reduce_type), reduce_type,
+                  sum_fp32 + begin, FSDP_DTYPE_FP32, end - begin);
+  return r;
 }

@@ -1,5 +1,6 @@
 /* The collectives among a job's local ranks on this host: the rendezvous of its L ranks for
- * one collective of one unit (the gather of a step, or its reduce-scatter).
+ * one collective of one unit (the gather of a step, or its reduce-scatter), and the host sum
+ * of their gradients that a reduce across hosts starts from.
  *
  * A collection records who asked for which step, in which run of the job (generation), and
  * by when every rank must have asked; it completes once all L ranks have asked for the same
@@ -10,7 +11,8 @@
  * functions change them.
  *
  * A collection starts zeroed (or reset) and holds no resources. Single-threaded: the
- * caller's (the daemon's loop). */
+ * caller's (the daemon's loop). The host sum keeps no state: any thread, on buffers it owns
+ * for the call. */
 #ifndef FSDP_COLLECTIVES_LOCAL_H
 #define FSDP_COLLECTIVES_LOCAL_H
 
@@ -18,6 +20,7 @@
 #include <stdint.h>
 
 #include "collectives/rank_set.h"
+#include "kernels/kernels.h"
 
 typedef struct fsdp_collection {
   fsdp_rank_set_t submitted;
@@ -69,5 +72,14 @@ bool fsdp_collection_expired(const fsdp_collection_t *c, uint32_t world, uint64_
 
 /* Empties c, whether it completed, was aborted or never started: ready for the next. */
 void fsdp_collection_reset(fsdp_collection_t *c);
+
+/* Elements [begin, end) of the host sum, the one contribution of this host to a reduce
+ * among hosts: the n_srcs local ranks' gradients (src_type), each scaled by pre_scale,
+ * summed in reduce_type (fsdp_reduce) into sum_fp32, then cast into sum when reduce_type is
+ * narrower than fp32 (otherwise sum is not touched: it is sum_fp32). Every buffer is indexed
+ * from its start. Returns 0, or fsdp_reduce_range's -EINVAL. */
+int fsdp_host_sum_range(void *sum, float *sum_fp32, const void *const *srcs, unsigned n_srcs,
+                        fsdp_dtype_t src_type, fsdp_dtype_t reduce_type, float pre_scale,
+                        size_t begin, size_t end);
 
 #endif

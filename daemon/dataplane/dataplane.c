@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "collectives/local.h"
 #include "collectives/ring.h"
 #include "common/log.h"
 #include "proto/host/formats.h"
@@ -428,13 +429,9 @@ static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t by
   size_t n = bytes / run->elem_size;
   const void *srcs[FSDP_LOCAL_WORLD_MAX];
   full_grads(run->job, u, srcs);
-  float *sum32 = host_sum_fp32(run->job, u);
-  int r = fsdp_reduce_range(sum32, false, srcs, run->job->local_world_size, param_dtype(u),
-                            reduce_dtype(u), u->pre_scale, 1.0f, e, e + n);
-  if (r == 0 && reduce_dtype(u) != FSDP_DTYPE_FP32)
-    r = fsdp_cast((char *)host_sum(run->job, u) + e * run->elem_size, reduce_dtype(u),
-                  sum32 + e, FSDP_DTYPE_FP32, n);
-  return r;
+  return fsdp_host_sum_range(host_sum(run->job, u), host_sum_fp32(run->job, u), srcs,
+                             run->job->local_world_size, param_dtype(u), reduce_dtype(u),
+                             u->pre_scale, e, e + n);
 }
 
 /* On a pool thread: a final chunk of this host's region of the sum, divided by the

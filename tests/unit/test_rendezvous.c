@@ -1,8 +1,11 @@
 /* The rendezvous of a job's local ranks (collectives/local.h), driven directly: completion
  * once every rank joined, a rank asking for another step or from another run, gone ranks,
- * withdrawals, the deadline naming the missing ranks, and reuse after a reset. */
+ * withdrawals, the deadline naming the missing ranks, and reuse after a reset; and the host
+ * sum of the ranks' gradients. */
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -165,6 +168,44 @@ static void test_reset_and_reuse(void **state) {
   assert_false(c.regather);
 }
 
+/* Three ranks' bf16 gradients 1, 2 and 3, halved and summed over elements [2, 6) of 8: 3
+ * in fp32 and in bf16 (0x4040); elements outside the range are not touched. */
+static void test_host_sum(void **state) {
+  (void)state;
+  enum { N = 8, BEGIN = 2, END = 6 };
+  static const uint16_t bf16_values[3] = {0x3f80, 0x4000, 0x4040}; /* 1, 2, 3 */
+  uint16_t grads[3][N];
+  const void *srcs[3];
+  for (unsigned k = 0; k < 3; k++) {
+    for (unsigned i = 0; i < N; i++)
+      grads[k][i] = bf16_values[k];
+    srcs[k] = grads[k];
+  }
+  float sum_fp32[N];
+  uint16_t sum[N];
+  for (unsigned i = 0; i < N; i++) {
+    sum_fp32[i] = -1.0f;
+    sum[i] = 0xffff;
+  }
+  assert_int_equal(fsdp_host_sum_range(sum, sum_fp32, srcs, 3, FSDP_DTYPE_BF16,
+                                       FSDP_DTYPE_BF16, 0.5f, BEGIN, END),
+                   0);
+  for (unsigned i = 0; i < N; i++) {
+    bool in = i >= BEGIN && i < END;
+    assert_true(sum_fp32[i] == (in ? 3.0f : -1.0f));
+    assert_int_equal(sum[i], in ? 0x4040 : 0xffff);
+  }
+  /* An fp32 reduce: the fp32 sum is the sum. */
+  assert_int_equal(fsdp_host_sum_range(sum_fp32, sum_fp32, srcs, 3, FSDP_DTYPE_BF16,
+                                       FSDP_DTYPE_FP32, 1.0f, 0, N),
+                   0);
+  for (unsigned i = 0; i < N; i++)
+    assert_true(sum_fp32[i] == 6.0f);
+  assert_int_equal(fsdp_host_sum_range(sum, sum_fp32, srcs, 0, FSDP_DTYPE_BF16,
+                                       FSDP_DTYPE_BF16, 1.0f, 0, N),
+                   -EINVAL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_completes_when_every_rank_joined),
@@ -174,6 +215,7 @@ int main(void) {
       cmocka_unit_test(test_withdraw),
       cmocka_unit_test(test_deadline_names_the_missing_ranks),
       cmocka_unit_test(test_reset_and_reuse),
+      cmocka_unit_test(test_host_sum),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
