@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "collectives/local.h"
 #include "collectives/ring.h"
 #include "common/log.h"
 #include "proto/host/formats.h"
@@ -52,10 +53,6 @@ static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
 
 static fsdp_collection_t *collection_of(fsdp_unit_t *u, waiter_kind_t kind) {
   return kind == WAIT_UNSHARD ? &u->gather : &u->reduce;
-}
-
-static void collection_reset(fsdp_collection_t *c) {
-  *c = (fsdp_collection_t){0};
 }
 
 static void op_init(fsdp_dataplane_op_t *op, fsdp_unit_t *unit, const fsdp_dataplane_rank_t *who,
@@ -106,14 +103,8 @@ void fsdp_dataplane_cancel(fsdp_dataplane_op_t *op) {
   fsdp_unit_t *u = op->unit;
   uint32_t rank = op->who.local_rank;
   op_unlink(op);
-  if (op->kind != WAIT_REGISTER) {
-    fsdp_collection_t *c = collection_of(u, (waiter_kind_t)op->kind);
-    if (!c->running && fsdp_rank_set_has(&c->submitted, rank) &&
-        !rank_waits(u, rank, (waiter_kind_t)op->kind)) {
-      fsdp_rank_set_put(&c->submitted, rank, false);
-      c->count--;
-    }
-  }
+  if (op->kind != WAIT_REGISTER && !rank_waits(u, rank, (waiter_kind_t)op->kind))
+    fsdp_collection_withdraw(collection_of(u, (waiter_kind_t)op->kind), rank);
 }
 
 /* The operation waits in its unit until it is called back or cancelled. */
@@ -177,7 +168,7 @@ static void abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind
     fsdp_pool_cancel(&u->copy_waiter);
     give_back_copy(job, u);
   }
-  collection_reset(c);
+  fsdp_collection_reset(c);
 }
 
 /* What a collection's ranks are asked for, in messages. */
@@ -191,9 +182,9 @@ static const char *collection_verb(waiter_kind_t kind) {
 }
 
 /* Parks op as its rank's part of the unit's collection of `kind` for `step`; returns
- * whether it completed the collection (every local rank has asked), or -1 when op was
- * answered instead. A rank asking for another step than the one being collected aborts the
- * collection for everyone: nobody could complete it. */
+ * whether it completed the collection (every local rank has asked: it runs now), or -1 when
+ * op was answered instead. A rank asking for another step than the one being collected
+ * aborts the collection for everyone: nobody could complete it. */
 static int collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
                    fsdp_job_t *job, uint64_t step, bool regather, uint64_t deadline_ms) {
   const fsdp_dataplane_rank_t *who = &op->who;
@@ -203,49 +194,48 @@ static int collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
   for (uint32_t r = 0; r < job->local_world_size; r++)
     if (who->serial < job->gone_before_serial[r])
       fsdp_rank_set_put(&died, r, true);
-  char gone[128];
-  fsdp_rank_set_format(&died, true, job->local_world_size, gone, sizeof gone);
-  if (gone[0]) {
-    char message[FSDP_STATUS_MESSAGE_MAX];
+  fsdp_collection_request_t rq = {.rank = rank, .step = step, .regather = regather,
+                                  .generation = who->generation, .deadline_ms = deadline_ms};
+  char message[FSDP_STATUS_MESSAGE_MAX];
+  int err;
+  switch (fsdp_collection_join(c, job->local_world_size, &rq, &died)) {
+  case FSDP_COLLECTION_JOINED:
+    park(op);
+    return 0;
+  case FSDP_COLLECTION_COMPLETE:
+    park(op);
+    return 1;
+  case FSDP_COLLECTION_RANKS_GONE: {
+    char gone[128];
+    fsdp_rank_set_format(&died, true, job->local_world_size, gone, sizeof gone);
     snprintf(message, sizeof message,
              "unit '%s' step %llu: local rank(s) %s of job '%s' ended their session and have "
              "not attached again; the %s cannot complete without them",
              u->spec->unit, (unsigned long long)step, gone, job->name, collection_verb(kind));
-    abort_collection(job, u, kind, FSDP_E_ABORTED, message);
-    op_fail(op, FSDP_E_ABORTED, "%s", message);
-    return -1;
+    err = FSDP_E_ABORTED;
+    break;
   }
-  if (c->count == 0) {
-    c->step = step;
-    c->regather = regather;
-    c->generation = who->generation;
-    c->deadline_ms = deadline_ms;
-  } else if (who->generation != c->generation) {
-    char message[FSDP_STATUS_MESSAGE_MAX];
+  case FSDP_COLLECTION_OTHER_GENERATION:
     snprintf(message, sizeof message,
              "unit '%s' step %llu: local rank %u attached with generation %llu while the other "
              "ranks attached with generation %llu: ranks of two runs of job '%s' cannot %s "
              "together",
              u->spec->unit, (unsigned long long)step, rank, (unsigned long long)who->generation,
              (unsigned long long)c->generation, job->name, collection_verb(kind));
-    abort_collection(job, u, kind, FSDP_E_FAILED_PRECONDITION, message);
-    op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
-    return -1;
-  } else if (step != c->step || regather != c->regather) {
-    char message[FSDP_STATUS_MESSAGE_MAX];
+    err = FSDP_E_FAILED_PRECONDITION;
+    break;
+  default: /* FSDP_COLLECTION_OTHER_STEP */
     snprintf(message, sizeof message,
              "unit '%s': local rank %u asked to %s step %llu%s while the other ranks asked for "
              "step %llu%s",
              u->spec->unit, rank, collection_verb(kind), (unsigned long long)step,
              again_text(regather), (unsigned long long)c->step, again_text(c->regather));
-    abort_collection(job, u, kind, FSDP_E_FAILED_PRECONDITION, message);
-    op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
-    return -1;
+    err = FSDP_E_FAILED_PRECONDITION;
+    break;
   }
-  fsdp_rank_set_put(&c->submitted, rank, true);
-  c->count++;
-  park(op);
-  return c->count == job->local_world_size;
+  abort_collection(job, u, kind, err, message);
+  op_fail(op, err, "%s", message);
+  return -1;
 }
 
 /* This host's region of the flat buffer, in elements. */
@@ -338,14 +328,14 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
     u->gathered_step = c->step;
     u->gathered_again = c->regather;
     u->holders = c->submitted;
-    collection_reset(c);
+    fsdp_collection_reset(c);
     wake_unshards(job, u);
     return;
   }
   u->reduced_step = c->step;
   give_back_grads(job, u, &c->submitted);
   wake(u, kind);
-  collection_reset(c);
+  fsdp_collection_reset(c);
 }
 
 static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit);
@@ -439,13 +429,9 @@ static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t by
   size_t n = bytes / run->elem_size;
   const void *srcs[FSDP_LOCAL_WORLD_MAX];
   full_grads(run->job, u, srcs);
-  float *sum32 = host_sum_fp32(run->job, u);
-  int r = fsdp_reduce_range(sum32, false, srcs, run->job->local_world_size, param_dtype(u),
-                            reduce_dtype(u), u->pre_scale, 1.0f, e, e + n);
-  if (r == 0 && reduce_dtype(u) != FSDP_DTYPE_FP32)
-    r = fsdp_cast((char *)host_sum(run->job, u) + e * run->elem_size, reduce_dtype(u),
-                  sum32 + e, FSDP_DTYPE_FP32, n);
-  return r;
+  return fsdp_host_sum_range(host_sum(run->job, u), host_sum_fp32(run->job, u), srcs,
+                             run->job->local_world_size, param_dtype(u), reduce_dtype(u),
+                             u->pre_scale, e, e + n);
 }
 
 /* On a pool thread: a final chunk of this host's region of the sum, divided by the
@@ -896,7 +882,6 @@ static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
 static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st);
 
 static void start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
-  u->gather.running = true;
   u->copy_waiter.data = dp;
   if (u->copy_in_masters) {
     finish_collective(job, u, WAIT_UNSHARD, NULL);
@@ -1038,7 +1023,6 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   }
   if (collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms) <= 0)
     return;
-  c->running = true;
   if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
     start_ring(dp, job, unit,
                unit->plan.shard_ring.members > 1 ? FSDP_RING_REDUCE_SCATTER : FSDP_RING_ALL_REDUCE);
@@ -1047,10 +1031,6 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   int r = queue(dp, WORK_REDUCE, job, unit);
   if (r < 0)
     abort_collection(job, unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
-}
-
-static bool collecting(const fsdp_collection_t *c) {
-  return c->count > 0 && !c->running;
 }
 
 static const waiter_kind_t collective_kinds[] = {WAIT_UNSHARD, WAIT_REDUCE};
@@ -1116,10 +1096,11 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
       for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
         waiter_kind_t kind = collective_kinds[k];
         const fsdp_collection_t *c = collection_of(u, kind);
-        if (!collecting(c) || now_ms < c->deadline_ms)
+        fsdp_rank_set_t missing_ranks;
+        if (!fsdp_collection_expired(c, job->local_world_size, now_ms, &missing_ranks))
           continue;
         char missing[128], message[FSDP_STATUS_MESSAGE_MAX];
-        fsdp_rank_set_format(&c->submitted, false, job->local_world_size, missing,
+        fsdp_rank_set_format(&missing_ranks, true, job->local_world_size, missing,
                              sizeof missing);
         snprintf(message, sizeof message,
                  "unit '%s' step %llu: local rank(s) %s of job '%s' did not ask to %s in time "
@@ -1164,7 +1145,7 @@ void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t ses
     for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
       waiter_kind_t kind = collective_kinds[k];
       const fsdp_collection_t *c = collection_of(u, kind);
-      if (!collecting(c))
+      if (!fsdp_collection_is_collecting(c))
         continue;
       char message[FSDP_STATUS_MESSAGE_MAX];
       snprintf(message, sizeof message,

@@ -40,7 +40,7 @@
  * sum, the post-reduction of this host's region into the gradient shards.
  *
  * A collective names one step; a rank asking for another step than the others aborts it
- * for all. Ranks that do not ask within the deadline of the first (store.collective_timeout)
+ * for all (the rendezvous that decides it is collectives/local.h's). Ranks that do not ask within the deadline of the first (store.collective_timeout)
  * are named in the ABORTED every waiter gets (fsdp_dataplane_expire), and so is a rank whose
  * session ends (fsdp_dataplane_release_session), whose lent buffers go back then. A wait for
  * a pool buffer has the same deadline.

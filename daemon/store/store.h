@@ -26,11 +26,12 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "collectives/local.h"
+#include "collectives/rank_set.h"
 #include "common/status.h"
 #include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
 #include "daemon/store/pool.h"
-#include "daemon/store/rank_set.h"
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
 
@@ -44,19 +45,6 @@ typedef enum fsdp_unit_state {
   FSDP_UNIT_READY,      /* buffers ready for unshards and reductions */
   FSDP_UNIT_FAILED,     /* buffers could not be made ready; see `error` */
 } fsdp_unit_state_t;
-
-/* One collective of the job's local ranks on a unit (the gather of a step, or the
- * reduce-scatter of a step): who asked for which step, and by when all must have. */
-typedef struct fsdp_collection {
-  fsdp_rank_set_t submitted;
-  unsigned count;
-  uint64_t step;
-  bool regather; /* a gather: the step's second, for the backward of a unit resharded
-                    after its forward */
-  uint64_t generation;  /* of the ranks' sessions: the job's run (rings among hosts use it) */
-  uint64_t deadline_ms; /* loop time by which every rank must have asked */
-  bool running;         /* every rank asked; the work is on the worker pool */
-} fsdp_collection_t;
 
 typedef struct fsdp_unit {
   struct fsdp_job *job;   /* the owner */
@@ -97,6 +85,8 @@ typedef struct fsdp_unit {
   uint64_t *full_grad_offsets;
   fsdp_rank_set_t grads_lent;
   bool grads_pooled;
+  /* The local ranks' rendezvous (collectives/local.h): the gather of a step, and its
+   * reduce-scatter. */
   fsdp_collection_t gather;
   fsdp_collection_t reduce;
   bool reduce_accumulate;

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "daemon/session/sessions.h"
+#include "proto/limits.h" /* FSDP_LOCAL_WORLD_MAX */
 
 typedef struct fsdp_rank_set {
   uint64_t bits[FSDP_LOCAL_WORLD_MAX / 64];
