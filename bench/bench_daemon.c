@@ -90,6 +90,7 @@ static bool daemon_exited(bench_daemon_t *d) {
 
 int bench_daemon_spawn(bench_daemon_t *d, const char *name, const char *const *extra_args,
                        char *err, size_t err_size) {
+  *d = (bench_daemon_t){0};
   char fsdpd[PATH_MAX];
   if (bench_find_program("fsdpd", fsdpd, sizeof fsdpd, err, err_size) < 0)
     return -1;
