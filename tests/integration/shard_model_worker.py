@@ -16,7 +16,8 @@ as "rank_losses") as it goes, then one final line ({"final": true, "state": {nam
 list}, ...}); a rank whose daemon call fails prints {"error": ...} and exits 3. --features ties the output head to the token embedding, freezes
 the positions, and trains each step as two micro-batches (the first under no_sync) with the
 gradient clipped to a norm of 0.5; it also round-trips the state dict. --kill-at-step K: the
-rank SIGKILLs itself as the backward of step K starts (unless it resumed).
+rank SIGKILLs itself as the backward of step K starts (unless it resumed). --cap-from-step K
+--cap N: the rank sets the job's max_inflight to N before step K.
 """
 
 import argparse
@@ -133,6 +134,8 @@ def rank(args):
         assert all(torch.equal(sd[k], v) for k, v in model.full_state_dict().items())
     try:
         for step in range(start, args.steps + 1):
+            if step == args.cap_from_step:  # the schedule changes between steps
+                client.set_schedule(max_inflight=args.cap)
             opt.zero_grad()
             parts = micro_batches(step, args.features)
             total = 0.0
@@ -167,6 +170,9 @@ def main():
     p.add_argument("--features", action="store_true")
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--max-inflight", type=int, default=None)
+    p.add_argument("--cap-from-step", type=int, default=0,
+                   help="from this step on, max_inflight is --cap (SetSchedule)")
+    p.add_argument("--cap", type=int, default=1)
     p.add_argument("--world", type=int, default=1,
                    help="the bf16 reference: how many ranks it computes for")
     args = p.parse_args()

@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 
-from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd  # noqa: F401
+from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd, poll  # noqa: F401
 
 PYTHON = "/usr/bin/python3"
 LIB = BUILD_DIR / "lib" / "libfsdp.so"
@@ -142,15 +142,20 @@ def test_ranks_train_like_one_process(fsdpd, world, strategy):
     assert "blocks.0" in out and "blocks.1" in out
 
 
-@pytest.mark.parametrize("max_inflight", [None, 1], ids=["default", "one-in-flight"])
-def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max_inflight):
+@pytest.mark.parametrize("max_inflight,cap_from_step", [(None, 0), (1, 0), (None, 3)],
+                         ids=["default", "one-in-flight", "cap-lowered-at-step-3"])
+def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max_inflight,
+                                                                      cap_from_step):
     """The reference performs the same roundings as the ranks and the daemon (a bf16 copy of
     the masters, bf16 forward and backward per rank, the sum in bf16, the fp32 update), so
     the results are equal bit for bit, whatever the CPU's bf16 kernels round like. The
-    daemon's pools never lent more than max_inflight buffers at once."""
+    daemon's pools never lent more than max_inflight buffers at once, also when the ranks
+    lower it between steps (each when it gets there, while the others still hold two)."""
     d = fsdpd(*DAEMON_ARGS)
     world = 3  # a sum of three rounds in between, and 1/3 is no power of two
     extra = ["--max-inflight", str(max_inflight)] if max_inflight else []
+    if cap_from_step:
+        extra += ["--cap-from-step", str(cap_from_step), "--cap", "1"]
     procs = [_start(d, "rank", world, r, "--param-dtype", "bf16", *extra)
              for r in range(world)]
     procs.append(_start(None, "reference", world, 0, "--param-dtype", "bf16",
@@ -165,9 +170,10 @@ def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max
     assert all(_final(records) == _final(ref) for records in ranks)
     (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
     cap = max_inflight or 2  # store.max_inflight's default
-    assert job["max_inflight"] == cap
+    assert job["max_inflight"] == (1 if cap_from_step else cap)
     # Both blocks reshard after forward and share the cap; the root keeps its own copy.
-    assert job["copies"]["most_lent"] == cap and job["copies"]["buffers"] == cap
+    assert job["copies"]["most_lent"] == cap and job["copies"]["lent"] == 0
+    assert job["copies"]["buffers"] == job["max_inflight"]  # a lowered cap drops the rest
     assert len(job["gradients"]) == world
     for pool in job["gradients"]:
         assert pool["most_lent"] == cap and pool["lent"] == 0
@@ -220,6 +226,12 @@ def test_a_killed_trainer_restarts_and_training_goes_on(fsdpd):
     assert re.search(r"local rank(\(s\))? 1 of job 'train' (is gone|ended their session)",
                      error["error"]), error
     assert sorted(_losses(r0)) == [1, 2]
+    # Both sessions are gone, and so is every buffer they held, the dead rank's included.
+    poll(lambda: not d.status().sessions, 5, what="both sessions to end")
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    assert [pool["lent"] for pool in job["gradients"]] == [0, 0]
+    assert all(pool["most_lent"] > 0 for pool in job["gradients"])
+    assert job["copies"]["lent"] == 0
 
     again = [_start(d, "rank", 2, r, restarts=1) for r in range(2)]
     s0, s1 = _finish(again)
