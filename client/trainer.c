@@ -929,10 +929,19 @@ int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_
 int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule) {
   if (!trainer)
     return -EINVAL;
-  if (!schedule || (schedule->n_units && !schedule->units))
+  if (!schedule || (schedule->n_units && !schedule->units) ||
+      (schedule->n_forward_order && !schedule->forward_order))
     return fsdp_client_set_last_error(trainer->client, -EINVAL,
-                                      "fsdp_trainer_set_schedule: a schedule, and its units when "
-                                      "it counts some, are required");
+                                      "fsdp_trainer_set_schedule: a schedule, and its units and "
+                                      "forward order when it counts some, are required");
+  for (size_t i = 0; i < schedule->n_forward_order; i++) {
+    const fsdp_unit_handle_t *u = schedule->forward_order[i];
+    if (!u || u->trainer != trainer)
+      return fsdp_client_set_last_error(trainer->client, -EINVAL,
+                                        "fsdp_trainer_set_schedule: forward_order[%zu]: %s", i,
+                                        u ? "the unit belongs to another trainer"
+                                          : "the unit is required");
+  }
   for (size_t i = 0; i < schedule->n_units; i++) {
     const fsdp_unit_handle_t *u = schedule->units[i].unit;
     if (!u || u->trainer != trainer)
@@ -943,8 +952,9 @@ int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *sc
   }
   Fsdp__V1__UnitSchedule *units = calloc(schedule->n_units, sizeof *units);
   Fsdp__V1__UnitSchedule **unit_ptrs = calloc(schedule->n_units, sizeof *unit_ptrs);
+  char **order = calloc(schedule->n_forward_order, sizeof *order);
   int r;
-  if (schedule->n_units && (!units || !unit_ptrs)) {
+  if ((schedule->n_units && (!units || !unit_ptrs)) || (schedule->n_forward_order && !order)) {
     r = fsdp_client_set_last_error(trainer->client, -ENOMEM,
                                    "fsdp_trainer_set_schedule: out of memory for %zu units",
                                    schedule->n_units);
@@ -961,12 +971,19 @@ int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *sc
   rq.max_inflight = schedule->max_inflight;
   rq.n_units = schedule->n_units;
   rq.units = unit_ptrs;
+  for (size_t i = 0; i < schedule->n_forward_order; i++)
+    order[i] = schedule->forward_order[i]->name;
+  rq.n_forward_order = schedule->n_forward_order;
+  rq.forward_order = order;
+  rq.forward_prefetch = schedule->forward_prefetch;
+  rq.backward_prefetch = schedule->backward_prefetch;
   ProtobufCMessage *reply = NULL;
   r = fsdp_client_call(trainer->client, TRAINER_PATH("SetSchedule"), &rq.base,
                        &fsdp__v1__set_schedule_reply__descriptor, 0, &reply);
   if (r == 0)
     protobuf_c_message_free_unpacked(reply, NULL);
 out:
+  free(order);
   free(unit_ptrs);
   free(units);
   return r;

@@ -324,6 +324,11 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
     json_object_object_add(jo, "local_world_size",
                            json_object_new_int64(s->jobs[i]->local_world_size));
     json_object_object_add(jo, "max_inflight", json_object_new_int64(s->jobs[i]->max_inflight));
+    json_object_object_add(jo, "forward_prefetch",
+                           json_object_new_int64(s->jobs[i]->forward_prefetch));
+    json_object_object_add(jo, "backward_prefetch",
+                           json_object_new_int64(s->jobs[i]->backward_prefetch));
+    json_object_object_add(jo, "order_given", json_object_new_boolean(s->jobs[i]->order_given));
     json_object_object_add(jo, "copies", pool_json(s->jobs[i]->copies));
     json_object *gradients = json_object_new_array();
     for (size_t r = 0; r < s->jobs[i]->n_gradients; r++)
@@ -399,6 +404,9 @@ static void print_pools(const Fsdp__V1__JobMemory *j) {
            pools[k]->buffers, bytes, pools[k]->waits);
   }
   printf("\n");
+  printf(LABEL "  prefetch %" PRIu32 " ahead in forward, %" PRIu32 " in backward; forward order %s\n",
+         "", j->forward_prefetch, j->backward_prefetch,
+         j->order_given ? "given" : "recorded from the steps");
 }
 
 static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
@@ -767,6 +775,7 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object_object_add(o, "reduced_step", json_object_new_uint64(u->reduced_step));
   json_object_object_add(o, "reshard_after_forward",
                          json_object_new_boolean(u->reshard_after_forward));
+  json_object_object_add(o, "forward_index", json_object_new_int64(u->forward_index));
   json_object_object_add(o, "copy", json_string(copy_text(u->copy)));
   json_object_object_add(o, "copy_holders", ranks_json(u->copy_holders, u->n_copy_holders));
   json_object_object_add(o, "gradient_holders",
@@ -940,6 +949,8 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
          u->registered_ranks, u->local_world_size);
   printf("unsharded copy of step %" PRIu64 ", last reduce-scatter of step %" PRIu64 "%s\n",
          u->gathered_step, u->reduced_step, u->n_collectives ? "" : "; nothing under way");
+  if (u->forward_index >= 0)
+    printf("place %" PRId32 " in the forward order; ", u->forward_index);
   printf("%s after forward; copy: %s", u->reshard_after_forward ? "reshards" : "kept",
          copy_text(u->copy));
   print_ranks(", lent to ranks", u->copy_holders, u->n_copy_holders);

@@ -168,15 +168,17 @@ static void abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind
     fsdp_pool_cancel(&u->copy_waiter);
     give_back_copy(job, u);
   }
+  if (kind == WAIT_UNSHARD)
+    u->gather_ahead = false;
   fsdp_collection_reset(c);
 }
 
-/* What a collection's ranks are asked for, in messages. */
 /* How a message names a step's second gather, the one for its backward. */
 static const char *again_text(bool again) {
   return again ? " (its backward)" : "";
 }
 
+/* What a collection's ranks are asked for, in messages. */
 static const char *collection_verb(waiter_kind_t kind) {
   return kind == WAIT_UNSHARD ? "unshard" : "reduce-scatter";
 }
@@ -311,6 +313,7 @@ static void run_work(uv_work_t *req) {
 }
 
 static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u);
+static bool unit_is_held(const fsdp_job_t *job, const fsdp_unit_t *u);
 
 /* A collective of `kind` ended for the local ranks (st: NULL or OK when it succeeded):
  * every waiter hears the result. A gather lends its copy to every rank that asked; a
@@ -328,7 +331,12 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
     u->gathered_step = c->step;
     u->gathered_again = c->regather;
     u->holders = c->submitted;
+    u->gather_ahead = false;
     fsdp_collection_reset(c);
+    if (!unit_is_held(job, u)) { /* every rank it was for is gone */
+      give_back_copy(job, u);
+      return;
+    }
     wake_unshards(job, u);
     return;
   }
@@ -867,13 +875,27 @@ static void on_grad_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsd
 }
 
 /* Every Unshard waiting for the gather that just ended gets the copy. */
+static void redo_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_dataplane_op_t *op);
+
+/* Every Unshard waiting for the gather that just ended gets the copy; one that asked
+ * another step than a prefetch's is run again now. */
 static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
+  fsdp_dataplane_op_t *redo = NULL;
   for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
     next = w->next;
     if (w->kind != WAIT_UNSHARD)
       continue;
     op_unlink(w);
-    lend(job, u, w);
+    if (w->redo) {
+      w->next = redo;
+      redo = w;
+    } else {
+      lend(job, u, w);
+    }
+  }
+  for (fsdp_dataplane_op_t *w = redo, *next; w; w = next) {
+    next = w->next;
+    redo_unshard(u->copy_waiter.data, job, w);
   }
 }
 
@@ -935,21 +957,112 @@ static uint64_t gather_round(uint64_t step, bool again) {
   return 2 * step + again;
 }
 
-void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
-                            const fsdp_dataplane_rank_t *who, uint64_t step, bool backward,
-                            uint64_t deadline_ms, fsdp_dataplane_op_t *op,
-                            fsdp_dataplane_done_fn done, void *data) {
-  uint32_t rank = who->local_rank;
-  op_init(op, unit, who, WAIT_UNSHARD, done, data);
-  op->backward = backward;
-  op->deadline_ms = deadline_ms;
-  if (!ready(op))
+static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n);
+
+/* The forward order as local rank 0 runs it: its forward Unshards of a step, recorded, and
+ * taken when the step is over (its next step's first) if they differ from the order. */
+static void record_order(fsdp_job_t *job, fsdp_unit_t *unit, uint64_t step) {
+  if (job->order_given)
     return;
-  bool again = backward && unit->reshard_after_forward;
+  if (step != job->recording_step) {
+    bool same = job->n_recorded == job->n_order &&
+                memcmp(job->recorded, job->order, job->n_order * sizeof *job->order) == 0;
+    if (job->recording_step && !same && job->n_recorded)
+      use_order(job, job->recorded, job->n_recorded);
+    job->recording_step = step;
+    job->n_recorded = 0;
+  }
+  for (unsigned i = 0; i < job->n_recorded; i++)
+    if (job->recorded[i] == unit)
+      return; /* a unit run twice in a step keeps its first place */
+  job->recorded[job->n_recorded++] = unit;
+}
+
+static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
+  for (unsigned i = 0; i < job->n_order; i++)
+    job->order[i]->order_index = -1;
+  memmove(job->order, units, n * sizeof *units); /* units may be job->recorded */
+  job->n_order = n;
+  for (unsigned i = 0; i < n; i++)
+    job->order[i]->order_index = (int)i;
+}
+
+void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
+  use_order(job, units, n);
+  job->order_given = n > 0;
+  job->recording_step = 0; /* recording starts afresh */
+  job->n_recorded = 0;
+}
+
+static bool unit_is_held(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (fsdp_rank_set_has(&u->holders, r))
+      return true;
+  return false;
+}
+
+/* What a prefetch keeps of the Unshard that caused it, which may be answered (and its storage
+ * reused) before the prefetch starts. */
+typedef struct prefetch_cause {
+  bool backward;
+  uint64_t generation;
+  uint64_t deadline_ms;
+} prefetch_cause_t;
+
+/* Gathers v for step (its backward's gather with again) on behalf of every local rank,
+ * unless something is collected, gathered or held for it already. */
+static void gather_ahead(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *v, uint64_t step,
+                         bool again, const prefetch_cause_t *cause) {
+  fsdp_collection_t *c = &v->gather;
+  if (v->state != FSDP_UNIT_READY || c->running || c->count > 0 || unit_is_held(job, v) ||
+      (v->gathered &&
+       gather_round(v->gathered_step, v->gathered_again) >= gather_round(step, again)))
+    return;
+  give_back_copy(job, v); /* an older copy nobody holds */
+  fsdp_rank_set_t none = {0};
+  for (uint32_t r = 0; r < job->local_world_size; r++) {
+    fsdp_collection_request_t rq = {.rank = r, .step = step, .regather = again,
+                                    .generation = cause->generation,
+                                    .deadline_ms = cause->deadline_ms};
+    fsdp_collection_join(c, job->local_world_size, &rq, &none);
+  }
+  v->gather_ahead = true;
+  start_gather(dp, job, v);
+}
+
+/* The schedule's prefetch after rank's Unshard of unit for step was answered: the next units
+ * in forward order, or the previous ones with gradients in backward. */
+static void prefetch_after(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_unit_t *unit,
+                           uint64_t step, const prefetch_cause_t *cause) {
+  unsigned depth = cause->backward ? job->backward_prefetch : job->forward_prefetch;
+  if (!depth || unit->order_index < 0 || step > job->masters_final_step)
+    return;
+  int dir = cause->backward ? -1 : 1;
+  for (int i = unit->order_index + dir; depth && i >= 0 && i < (int)job->n_order; i += dir) {
+    fsdp_unit_t *v = job->order[i];
+    if (cause->backward && !v->trainable)
+      continue;
+    gather_ahead(dp, job, v, step, cause->backward && v->reshard_after_forward, cause);
+    depth--;
+  }
+}
+
+static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                    fsdp_dataplane_op_t *op) {
+  uint32_t rank = op->who.local_rank;
+  uint64_t step = op->step;
+  bool again = op->backward && unit->reshard_after_forward;
+  prefetch_cause_t cause = {.backward = op->backward, .generation = op->who.generation,
+                            .deadline_ms = op->deadline_ms};
   fsdp_collection_t *c = &unit->gather;
   if (fsdp_rank_set_has(&c->submitted, rank)) {
     if (step == c->step && again == c->regather) {
       park(op); /* a second operation of the rank shares its request */
+      return;
+    }
+    if (unit->gather_ahead) {
+      op->redo = true; /* the prefetch asked for the rank: served once it ends */
+      park(op);
       return;
     }
     op_fail(op, FSDP_E_FAILED_PRECONDITION,
@@ -963,6 +1076,7 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
   uint64_t held = gather_round(unit->gathered_step, unit->gathered_again);
   if (unit->gathered && round == held) {
     lend(job, unit, op); /* the fast path: this step's copy is there */
+    prefetch_after(dp, job, unit, step, &cause);
     return;
   }
   if (round < held) {
@@ -981,9 +1095,32 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
     return;
   }
   let_go(job, unit, rank); /* asking for a newer step lets go of the older copy */
-  if (collect(unit, WAIT_UNSHARD, op, job, step, again, deadline_ms) <= 0)
+  if (collect(unit, WAIT_UNSHARD, op, job, step, again, op->deadline_ms) <= 0)
     return;
+  if (step > job->masters_final_step)
+    job->masters_final_step = step; /* every rank asked: their masters are final for it */
   start_gather(dp, job, unit);
+  prefetch_after(dp, job, unit, step, &cause);
+}
+
+static void redo_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_dataplane_op_t *op) {
+  op->redo = false;
+  unshard(dp, job, op->unit, op);
+}
+
+void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                            const fsdp_dataplane_rank_t *who, uint64_t step, bool backward,
+                            uint64_t deadline_ms, fsdp_dataplane_op_t *op,
+                            fsdp_dataplane_done_fn done, void *data) {
+  op_init(op, unit, who, WAIT_UNSHARD, done, data);
+  op->backward = backward;
+  op->step = step;
+  op->deadline_ms = deadline_ms;
+  if (!ready(op))
+    return;
+  if (who->local_rank == 0 && !backward)
+    record_order(job, unit, step);
+  unshard(dp, job, unit, op);
 }
 
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
@@ -1154,8 +1291,11 @@ void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t ses
                collection_verb(kind));
       abort_collection(job, u, kind, FSDP_E_ABORTED, message);
     }
-    /* What it was lent comes back; a running reduce gives its buffer back when it ends. */
+    /* What it was lent comes back, and a running gather will not lend it the copy; a
+     * running reduce gives its buffer back when it ends. */
     let_go(job, u, rank);
+    if (u->gather.running)
+      fsdp_rank_set_put(&u->gather.submitted, rank, false);
     if (!(u->reduce.running && fsdp_rank_set_has(&u->reduce.submitted, rank))) {
       fsdp_rank_set_t just_rank = {0};
       fsdp_rank_set_put(&just_rank, rank, true);

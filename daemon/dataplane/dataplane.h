@@ -34,6 +34,16 @@
  * An Unshard for the backward also lends the rank a full-gradient buffer from its own pool
  * (waiting while the rank holds max_inflight of them), until the unit's reduce ends.
  *
+ * Prefetch (the job's schedule): once every local rank asked a gather of step s, all their
+ * masters are final for s, so the daemon gathers ahead on their behalf, as if each had
+ * asked: when a rank's forward Unshard of unit i (of step s) is answered, the next
+ * forward_prefetch units in the forward order; when its backward's is, the
+ * backward_prefetch units before i that have gradients (FSDP's BACKWARD_PRE), each its
+ * backward's gather. A unit is gathered ahead only when nothing is collected or gathered
+ * for it and no rank holds its copy; the ranks' own Unshards then find the copy there (or
+ * wait for its gather), and a rank that asks another step than a prefetch's waits for it to
+ * end and is served then.
+ *
  * Across hosts, the cast of a gather is followed by an all-gather among the hosts; a reduce
  * is rings among the hosts (see dataplane.c) that do its local work chunk by chunk on the
  * thread pool while the transfers run: the pre-reduction of the L gradients into a host
@@ -108,6 +118,8 @@ struct fsdp_dataplane_op {
   fsdp_dataplane_rank_t who;
   int kind;
   bool backward;        /* an Unshard for the backward: lends a gradient buffer too */
+  bool redo;            /* an Unshard waiting for the end of a prefetch of another step */
+  uint64_t step;
   uint64_t deadline_ms; /* of a wait for a pool buffer */
   fsdp_dataplane_done_fn done;
   void *data;
@@ -180,6 +192,11 @@ void fsdp_dataplane_buffers(const fsdp_unit_t *unit, uint32_t rank,
 /* The job's in-flight cap (SetSchedule): its pools lend at most max_inflight buffers each
  * (in [1, FSDP_POOL_CAPACITY_MAX]); a higher cap serves waiting gathers at once. */
 void fsdp_dataplane_set_max_inflight(fsdp_job_t *job, unsigned max_inflight);
+
+/* The job's forward order (SetSchedule): n units, each at most once; n 0 records it again
+ * from the steps (local rank 0's forward Unshards of each step, taken from the next step on
+ * whenever a step's differs). */
+void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n);
 
 /* Ends collectives whose deadline passed; from the housekeeping timer. */
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);

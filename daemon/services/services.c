@@ -332,6 +332,14 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
                        rq->max_inflight, FSDP_POOL_CAPACITY_MAX, job->max_inflight);
     return;
   }
+  const char *depth_names[2] = {"forward_prefetch", "backward_prefetch"};
+  uint32_t depths[2] = {rq->forward_prefetch, rq->backward_prefetch};
+  for (size_t i = 0; i < 2; i++)
+    if (depths[i] > FSDP_POOL_CAPACITY_MAX) {
+      fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT, "SetSchedule: %s %u is outside [0, %d]",
+                         depth_names[i], depths[i], FSDP_POOL_CAPACITY_MAX);
+      return;
+    }
   for (size_t i = 0; i < rq->n_units; i++)
     if (!fsdp_store_find_unit(job, rq->units[i]->unit)) {
       fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
@@ -339,11 +347,40 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
                          rq->units[i]->unit, job->name);
       return;
     }
+  fsdp_unit_t **order = calloc(rq->n_forward_order ? rq->n_forward_order : 1, sizeof *order);
+  if (!order) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetSchedule: out of memory");
+    return;
+  }
+  for (size_t i = 0; i < rq->n_forward_order; i++) {
+    const char *name = rq->forward_order[i];
+    order[i] = fsdp_store_find_unit(job, name);
+    for (size_t k = 0; order[i] && k < i; k++)
+      if (order[k] == order[i]) {
+        fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
+                           "SetSchedule: forward_order[%zu] '%s' is forward_order[%zu] already",
+                           i, name, k);
+        free(order);
+        return;
+      }
+    if (!order[i]) {
+      fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
+                         "SetSchedule: forward_order[%zu] '%s' is not registered in job '%s'", i,
+                         name, job->name);
+      free(order);
+      return;
+    }
+  }
   if (rq->max_inflight)
     fsdp_dataplane_set_max_inflight(job, rq->max_inflight);
   for (size_t i = 0; i < rq->n_units; i++)
     fsdp_store_find_unit(job, rq->units[i]->unit)->reshard_after_forward =
         rq->units[i]->reshard_after_forward;
+  if (rq->n_forward_order || job->order_given) /* empty keeps a recorded order */
+    fsdp_dataplane_set_order(job, order, (unsigned)rq->n_forward_order);
+  free(order);
+  job->forward_prefetch = rq->forward_prefetch;
+  job->backward_prefetch = rq->backward_prefetch;
   Fsdp__V1__SetScheduleReply reply = FSDP__V1__SET_SCHEDULE_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);
 }
@@ -428,6 +465,9 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->units = j->n_units;
     m->local_world_size = j->local_world_size;
     m->max_inflight = j->max_inflight;
+    m->forward_prefetch = j->forward_prefetch;
+    m->backward_prefetch = j->backward_prefetch;
+    m->order_given = j->order_given;
     m->copies = fill_pool(&s->pools[pool++], &j->copies);
     m->gradients = &s->pool_ptrs[pool];
     m->n_gradients = j->local_world_size;
@@ -741,6 +781,7 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->gathered_step = u->gathered ? u->gathered_step : 0;
   info->reduced_step = u->reduced_step;
   info->reshard_after_forward = u->reshard_after_forward;
+  info->forward_index = u->order_index;
   info->copy = copy_kind(u);
   info->copy_holders = store->copy_holders;
   info->n_copy_holders = list_ranks(&u->holders, job->local_world_size, store->copy_holders);

@@ -70,16 +70,23 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
     return r;
   }
   if (job->n_units == job->units_by_id_capacity) {
+    /* The schedule's lists hold at most every unit: they grow with the table. */
     unsigned capacity = job->units_by_id_capacity ? 2 * job->units_by_id_capacity : 16;
-    fsdp_unit_t **grown = realloc(job->units_by_id, capacity * sizeof *grown);
-    if (!grown) {
-      unit_free(u);
-      return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                             "out of memory registering unit '%s'", rq->unit);
+    fsdp_unit_t ***lists[3] = {&job->units_by_id, &job->order, &job->recorded};
+    for (size_t k = 0; k < 3; k++) {
+      fsdp_unit_t **grown = realloc(*lists[k], capacity * sizeof *grown);
+      if (!grown) {
+        unit_free(u);
+        return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                               "out of memory registering unit '%s'", rq->unit);
+      }
+      *lists[k] = grown;
     }
-    job->units_by_id = grown;
     job->units_by_id_capacity = capacity;
   }
+  u->order_index = -1;
+  for (size_t i = 0; i < rq->n_params; i++)
+    u->trainable |= rq->params[i].requires_grad;
   u->id = job->n_units;
   job->units_by_id[u->id] = u;
   u->first_rank = session->local_rank;
@@ -134,6 +141,8 @@ static void job_free(fsdp_job_t *job) {
     free(job->grad_pools);
   }
   free(job->units_by_id);
+  free(job->order);
+  free(job->recorded);
   fsdp_arena_free(job->arena);
   fsdp_arena_free(job->shared_arena);
   free(job);

@@ -49,6 +49,8 @@ typedef enum fsdp_unit_state {
 typedef struct fsdp_unit {
   struct fsdp_job *job;   /* the owner */
   uint32_t id;            /* its place among the job's units, in registration order */
+  int order_index;        /* its place in the job's forward order, -1 outside it */
+  bool trainable;         /* some parameter requires its gradient */
   fsdp_unit_spec_t *spec; /* private copy; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
@@ -88,6 +90,7 @@ typedef struct fsdp_unit {
   /* The local ranks' rendezvous (collectives/local.h): the gather of a step, and its
    * reduce-scatter. */
   fsdp_collection_t gather;
+  bool gather_ahead; /* the gather was the schedule's prefetch, not the ranks' asking */
   fsdp_collection_t reduce;
   bool reduce_accumulate;
   uint64_t reduced_step; /* of the last reduce-scatter that completed */
@@ -119,6 +122,18 @@ typedef struct fsdp_job {
   unsigned n_units;
   fsdp_unit_t **units_by_id; /* unit i's id is i (its place in registration order) */
   unsigned units_by_id_capacity;
+  /* The schedule the daemon runs (SetSchedule; daemon/dataplane/dataplane.h says how). The
+   * forward order, n_order units (each unit's order_index is its place, -1 outside it):
+   * given, or recorded from local rank 0's forward Unshards of each step (`recorded`, of
+   * step recording_step) and taken when a step's differs from it. */
+  fsdp_unit_t **order;
+  unsigned n_order;
+  bool order_given;
+  fsdp_unit_t **recorded;
+  unsigned n_recorded;
+  uint64_t recording_step;
+  unsigned forward_prefetch, backward_prefetch; /* units gathered ahead; 0: none */
+  uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
   /* Loop time since which nothing refers to it (set as its last session ends, or by the
    * housekeeping when its work ends after that); 0 while in use. */
   uint64_t idle_since_ms;

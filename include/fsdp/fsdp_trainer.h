@@ -140,6 +140,17 @@ typedef struct fsdp_schedule {
   unsigned max_inflight;
   const fsdp_unit_schedule_t *units; /* registered units; the others keep their default */
   size_t n_units;
+  /* The units in the order the forward runs them, each at most once; none: the daemon
+   * records it from the steps (local rank 0's forward Unshards). The backward is its
+   * reverse. */
+  fsdp_unit_handle_t *const *forward_order;
+  size_t n_forward_order;
+  /* How many units the daemon gathers ahead (0 to 64) on every rank's behalf: after a
+   * rank's forward Unshard the next ones in the forward order, after its backward's the
+   * previous ones with gradients (FSDP's BACKWARD_PRE). With either set, a rank's Unshard of
+   * step s says that all its master shards are final for s. */
+  unsigned forward_prefetch;
+  unsigned backward_prefetch;
 } fsdp_schedule_t;
 
 /* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.

@@ -347,19 +347,27 @@ class Client:
             self._units[handle.value] = unit
         return unit
 
-    def set_schedule(self, max_inflight=0, reshard_after_forward=None):
+    def set_schedule(self, max_inflight=0, reshard_after_forward=None, forward_order=None,
+                     forward_prefetch=0, backward_prefetch=0):
         """Sets how the daemon runs the job's units (every local rank sets the same).
         max_inflight: the unsharded copies of units that reshard after forward the ranks hold
-        at once, and the full-gradient buffers each rank holds (FSDP's limit_all_gathers),
-        1 to 64; 0 keeps the job's. reshard_after_forward: {Unit: bool} for units whose
-        copy is (or is not) let go after their forward; the others keep their strategy's
-        default (FULL_SHARD and HYBRID_SHARD: True)."""
+        at once, and the full-gradient buffers of such units each rank holds (FSDP's
+        limit_all_gathers), 1 to 64; 0 keeps the job's. reshard_after_forward: {Unit: bool}
+        for units whose copy is (or is not) let go after their forward; the others keep their
+        strategy's default (FULL_SHARD and HYBRID_SHARD: True). forward_order: [Unit] as the
+        forward runs them; None: the daemon records it from the steps. forward_prefetch,
+        backward_prefetch: how many units the daemon gathers ahead of the one a rank's
+        forward (backward) Unshard asks for, 0 to 64; with either, a rank's Unshard of a
+        step says that all its master shards are final for that step."""
         self._check_open()
         units = list((reshard_after_forward or {}).items())
         entries = (_lib.UnitSchedule * max(1, len(units)))()
         for i, (unit, reshard) in enumerate(units):
             entries[i] = _lib.UnitSchedule(unit._handle.value, bool(reshard))
-        schedule = _lib.Schedule(int(max_inflight), entries, len(units))
+        order = list(forward_order or [])
+        handles = (ctypes.c_void_p * max(1, len(order)))(*[u._handle.value for u in order])
+        schedule = _lib.Schedule(int(max_inflight), entries, len(units), handles, len(order),
+                                 int(forward_prefetch), int(backward_prefetch))
         rc = _lib.lib().fsdp_trainer_set_schedule(self._trainer, ctypes.byref(schedule))
         if rc < 0:
             raise self._error(rc, "set schedule")

@@ -57,7 +57,9 @@ class UnitSchedule(ctypes.Structure):
 
 class Schedule(ctypes.Structure):
     _fields_ = [("max_inflight", ctypes.c_uint), ("units", ctypes.POINTER(UnitSchedule)),
-                ("n_units", ctypes.c_size_t)]
+                ("n_units", ctypes.c_size_t), ("forward_order", ctypes.POINTER(ctypes.c_void_p)),
+                ("n_forward_order", ctypes.c_size_t), ("forward_prefetch", ctypes.c_uint),
+                ("backward_prefetch", ctypes.c_uint)]
 
 
 _p = ctypes.c_void_p

@@ -27,12 +27,12 @@ gathers the unit again into another pool buffer.
 Schedule (one step = one forward of the root): before a unit runs, it is unsharded for the
 step; the daemon's gather of a new step is a collective of the local ranks (it waits for
 every rank's Unshard of that step, so no rank reads a shard before its owner's optimizer step
-is done). With forward prefetch the next unit in the recorded order is requested while the
-current one computes. FULL_SHARD (and HYBRID_SHARD) reshards every unit but the root after its
-forward, and unshards it again when its backward starts (a second gather, as FSDP);
-SHARD_GRAD_OP keeps the copy until the unit's backward. The backward's Unshard also lends the
-gradient buffer; with backward prefetch the previous unit's is requested as the backward of
-a unit starts. When a unit's backward is done it reshards, and its gradients are
+is done). The daemon runs the prefetch (SetSchedule): it records the forward order from the
+first step, and with forward prefetch gathers the next unit while the current one computes,
+with backward prefetch the previous one as a unit's backward starts (FSDP's BACKWARD_PRE).
+FULL_SHARD (and HYBRID_SHARD) reshards every unit but the root after its forward, and
+unshards it again when its backward starts (a second gather, as FSDP); SHARD_GRAD_OP keeps
+the copy until the unit's backward. The backward's Unshard also lends the gradient buffer. When a unit's backward is done it reshards, and its gradients are
 reduce-scattered (averaged over the ranks, summed in reduce_dtype) into the gradient shards
 while the backward goes on, written or, when the shard's .grad was kept
 (zero_grad(set_to_none=False), no_sync), added; the end of the backward waits for them.
@@ -112,7 +112,6 @@ class _FlatUnit:
         # backward's Unshard until the unit's ReduceScatter ends.
         self.copy_step = 0
         self.grad_lent = False
-        self.prefetched = 0      # the step of an unshard_async under way, 0: none
         self.reducing = False    # a reduce_scatter_async under way
         self.accumulators = [None] * len(self.params)  # the hooked autograd nodes
         self.ran_step = 0        # the step in which the unit last ran forward
@@ -163,23 +162,9 @@ class _FlatUnit:
     def _needs_call(self, step, backward):
         return self.copy_step != step or (backward and self.trainable and not self.grad_lent)
 
-    def _took(self, step):
-        self.copy_step = step
-        self.grad_lent = self.unit.full_grad is not None
-
-    def prefetch(self, step, backward=False):
-        if not self.prefetched and not self.reducing and self._needs_call(step, backward):
-            self.unit.unshard_async(step, backward=backward)
-            self.prefetched = step
-
     def settle(self):
-        """Ends an operation under way: a prefetch (its copy is then this rank's), or a
-        reduce (its gradient buffer then went back)."""
-        if self.prefetched:
-            step, self.prefetched = self.prefetched, 0
-            self.unit.wait()
-            self._took(step)
-        elif self.reducing:
+        """Ends a reduce under way (its gradient buffer then went back)."""
+        if self.reducing:
             self.reducing = False
             self.unit.wait()
             self.grad_lent = False
@@ -187,11 +172,12 @@ class _FlatUnit:
     def unshard(self, step, backward=False):
         """The copy of step for the forward, or for the backward with the gradient buffer
         (zeroed, and the parameters' .grad pointed at it)."""
-        lent = self.grad_lent  # before a prefetch's end, which may lend it
         self.settle()
+        lent = self.grad_lent
         if self._needs_call(step, backward):
             self.unit.unshard(step, backward=backward)
-            self._took(step)
+            self.copy_step = step
+            self.grad_lent = self.unit.full_grad is not None
         self.point_params(self.unit.unsharded)
         if backward and self.grad_lent and not lent:
             self.point_grads()
@@ -234,19 +220,18 @@ class ShardedModel(_nn.Module):
         self.strategy = strategy
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self.forward_prefetch = forward_prefetch
-        self.backward_prefetch = backward_prefetch
         self.step = 0
         self._sync_count = 0
         self._callback_queued = False
-        self._order = []        # units in the order the first forward ran them
-        self._recording = True
         self._units = self._make_units(wrap)
         # The root module's units keep their copy from the forward to the backward, as FSDP's
         # root does, so they never hold up the pool of the units in flight.
         self._root_units = [fu for fu in self._units if fu.module is module]
+        # The daemon records the forward order from the first step and prefetches along it.
         client.set_schedule(max_inflight=max_inflight or 0, reshard_after_forward={
-            fu.unit: False for fu in self._root_units})
+            fu.unit: False for fu in self._root_units},
+            forward_prefetch=int(bool(forward_prefetch)),
+            backward_prefetch=int(bool(backward_prefetch)))
         self._sync = self._summing_unit(_SYNC_UNIT, 1)
         self._gather = None  # the scratch unit of _full_masters, made on first need
 
@@ -322,27 +307,11 @@ class ShardedModel(_nn.Module):
         self._callback_queued = False
         if self.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
-        out = self.module(*args, **kwargs)
-        self._recording = False
-        for fu in self._units:  # a prefetch for a unit this forward did not run
-            fu.settle()
-        return out
-
-    def _next_in_order(self, fu, delta):
-        if fu not in self._order:
-            return None
-        i = self._order.index(fu) + delta
-        return self._order[i] if 0 <= i < len(self._order) else None
+        return self.module(*args, **kwargs)
 
     def _pre_forward(self, fu):
         def hook(module, inputs):
-            if self._recording and fu not in self._order:
-                self._order.append(fu)
             fu.unshard(self.step)
-            if self.forward_prefetch and not self._recording:
-                nxt = self._next_in_order(fu, 1)
-                if nxt is not None:
-                    nxt.prefetch(self.step)
             if not _torch.is_grad_enabled():
                 return
             fu.backward_started = False
@@ -373,10 +342,6 @@ class ShardedModel(_nn.Module):
             if not fu.backward_started:
                 fu.backward_started = True
                 fu.unshard(self.step, backward=fu.ran_step == self.step)
-                if self.backward_prefetch:
-                    prev = self._next_in_order(fu, -1)
-                    if prev is not None:
-                        prev.prefetch(self.step, backward=prev.ran_step == self.step)
             return None
         return hook
 

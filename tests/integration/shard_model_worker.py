@@ -135,7 +135,8 @@ def rank(args):
     try:
         for step in range(start, args.steps + 1):
             if step == args.cap_from_step:  # the schedule changes between steps
-                client.set_schedule(max_inflight=args.cap)
+                client.set_schedule(max_inflight=args.cap, forward_prefetch=1,
+                                    backward_prefetch=1)
             opt.zero_grad()
             parts = micro_batches(step, args.features)
             total = 0.0

@@ -171,6 +171,11 @@ def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max
     (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
     cap = max_inflight or 2  # store.max_inflight's default
     assert job["max_inflight"] == (1 if cap_from_step else cap)
+    # shard_model has the daemon prefetch one unit ahead, along the order it recorded.
+    assert (job["forward_prefetch"], job["backward_prefetch"], job["order_given"]) == (1, 1, False)
+    order = [json.loads(d.fsdpctl("--json", "unit", name).stdout)["forward_index"]
+             for name in ("root", "blocks.0", "blocks.1")]
+    assert order == [0, 1, 2]
     # Both blocks reshard after forward and share the cap; the root keeps its own copy.
     assert job["copies"]["most_lent"] == cap and job["copies"]["lent"] == 0
     assert job["copies"]["buffers"] == job["max_inflight"]  # a lowered cap drops the rest

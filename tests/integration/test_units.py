@@ -146,7 +146,21 @@ def test_set_schedule_names_what_it_refuses(fsdpd):
                  "SetSchedule: units[1].unit 'layer4' is not registered in job 'j'",
                  units=[trainer_pb2.UnitSchedule(unit="layer3"),
                         trainer_pb2.UnitSchedule(unit="layer4")])
-    set_schedule(max_inflight=64, units=[trainer_pb2.UnitSchedule(unit="layer3")])
+    refused_with(grpc.StatusCode.INVALID_ARGUMENT,
+                 "SetSchedule: backward_prefetch 65 is outside [0, 64]", backward_prefetch=65)
+    refused_with(grpc.StatusCode.NOT_FOUND,
+                 "SetSchedule: forward_order[0] 'layer9' is not registered in job 'j'",
+                 forward_order=["layer9"])
+    refused_with(grpc.StatusCode.INVALID_ARGUMENT,
+                 "SetSchedule: forward_order[1] 'layer3' is forward_order[0] already",
+                 forward_order=["layer3", "layer3"])
+    set_schedule(max_inflight=64, units=[trainer_pb2.UnitSchedule(unit="layer3")],
+                 forward_order=["layer3"], forward_prefetch=2, backward_prefetch=1)
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    assert (job["max_inflight"], job["forward_prefetch"], job["backward_prefetch"],
+            job["order_given"]) == (64, 2, 1, True)
+    unit = json.loads(d.fsdpctl("--json", "unit", "layer3").stdout)
+    assert unit["forward_index"] == 0 and unit["reshard_after_forward"] is False
     d.assert_serving()
 
 

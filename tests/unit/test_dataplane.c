@@ -703,6 +703,56 @@ static void test_backward_gathers_again(void **state) {
   fixture_cleanup(&f);
 }
 
+/* The schedule's prefetch: once every rank asked for u in step 1, the daemon gathers the
+ * next unit in the forward order on their behalf, and a rank's Unshard of it finds the copy
+ * there; the one after that waits for a pool buffer like any gather. In backward it gathers
+ * the unit before again (its backward's gather) once nobody holds its copy. */
+static void test_prefetch_follows_the_order(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *v = add_unit(&f, "v", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *w = add_unit(&f, "w", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
+  fsdp_unit_t *order[] = {f.unit, v, w};
+  fsdp_dataplane_set_order(f.job, order, 3);
+  f.job->forward_prefetch = f.job->backward_prefetch = 1;
+  fsdp_dataplane_op_t ops[2];
+  on_every_rank(&f, f.unit, 1, false, ops);
+  assert_true(v->gathered && v->gathered_step == 1 && !v->gathered_again);
+  check_copy(&f, v, v->copy_offset);
+  assert_int_equal(f.job->copies.n_lent, 2);
+  /* Asking v now is answered at once, and asks for w, which waits for a buffer. */
+  result_t got = {0};
+  unshard_unit(&f, v, 0, 1, false, UINT64_MAX, &ops[0], &got);
+  expect(&got, 0, "");
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_true(w->gather.running && !w->gathered);
+  for (unsigned r = 0; r < 2; r++)
+    reshard_unit(&f, f.unit, r);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_true(w->gathered && w->gathered_step == 1);
+  check_copy(&f, w, w->copy_offset);
+  /* Backward: w's own Unshard gathers it again; v, which nobody holds any more, follows. */
+  for (unsigned r = 0; r < 2; r++) {
+    reshard_unit(&f, v, r);
+    reshard_unit(&f, w, r);
+  }
+  on_every_rank(&f, w, 1, true, ops);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_true(v->gathered && v->gathered_step == 1 && v->gathered_again);
+  on_every_rank(&f, v, 1, true, ops); /* found there, with a gradient buffer each */
+  for (unsigned r = 0; r < 2; r++) {
+    assert_int_equal(ops[r].lent.unsharded_offset, v->copy_offset);
+    assert_true(ops[r].lent.full_grad_bytes > 0);
+    fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
+  }
+  /* The gather of u ahead of its backward (it waited for a buffer) ends for nobody. */
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_false(f.unit->gathered);
+  assert_int_equal(f.job->copies.n_lent, 0);
+  fixture_cleanup(&f);
+}
+
 /* A rank holds at most max_inflight gradient buffers: the next backward's Unshard waits
  * until a reduce gives one back. */
 static void test_gradient_buffers_wait_for_a_reduce(void **state) {
@@ -750,6 +800,7 @@ int main(void) {
       cmocka_unit_test(test_pool_wait_expires),
       cmocka_unit_test(test_kept_copies_are_not_capped),
       cmocka_unit_test(test_backward_gathers_again),
+      cmocka_unit_test(test_prefetch_follows_the_order),
       cmocka_unit_test(test_gradient_buffers_wait_for_a_reduce),
   };
   return cmocka_run_group_tests_name("dataplane", tests, NULL, NULL);
