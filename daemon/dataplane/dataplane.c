@@ -990,6 +990,7 @@ static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
 void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
   use_order(job, units, n);
   job->order_given = n > 0;
+  memset(job->forward_step, 0, sizeof job->forward_step); /* each rank starts the order anew */
   job->recording_step = 0; /* recording starts afresh */
   job->n_recorded = 0;
 }
@@ -1045,6 +1046,34 @@ static void prefetch_after(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_uni
     gather_ahead(dp, job, v, step, cause->backward && v->reshard_after_forward, cause);
     depth--;
   }
+}
+
+/* Whether a forward Unshard follows the given order: within a step, each rank asks for the
+ * order's units one after the other (asking one again, or a unit outside the order, is
+ * free). Fails op otherwise, naming the unit asked for and the one expected. */
+static bool in_order(fsdp_job_t *job, const fsdp_unit_t *unit, fsdp_dataplane_op_t *op) {
+  uint32_t rank = op->who.local_rank;
+  if (!job->order_given || unit->order_index < 0)
+    return true;
+  if (op->step != job->forward_step[rank]) {
+    job->forward_step[rank] = op->step;
+    job->forward_next[rank] = 0;
+  }
+  unsigned at = (unsigned)unit->order_index, next = job->forward_next[rank];
+  if (at + 1 == next)
+    return true; /* the unit it asked for last, again */
+  if (at != next) {
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s': local rank %u asked for it in the forward of step %llu, but the "
+            "forward order (SetSchedule) has %s%s%s next",
+            unit->spec->unit, rank, (unsigned long long)op->step,
+            next < job->n_order ? "'" : "", next < job->n_order ? job->order[next]->spec->unit
+                                                                 : "no unit",
+            next < job->n_order ? "'" : "");
+    return false;
+  }
+  job->forward_next[rank] = next + 1;
+  return true;
 }
 
 static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
@@ -1117,6 +1146,8 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
   op->step = step;
   op->deadline_ms = deadline_ms;
   if (!ready(op))
+    return;
+  if (!backward && !in_order(job, unit, op))
     return;
   if (who->local_rank == 0 && !backward)
     record_order(job, unit, step);
@@ -1255,6 +1286,7 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
 void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t session_id,
                                     const char *why, uint64_t next_serial) {
   job->gone_before_serial[rank] = next_serial;
+  job->forward_step[rank] = 0; /* its successor starts the forward order anew */
   /* Its own operations end first, whatever they wait for (a running collective, a pool
    * buffer): an answer after this would be an answer to a session that no longer exists. */
   fsdp_pool_waiter_t *pw, *tmp;

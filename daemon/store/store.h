@@ -133,6 +133,10 @@ typedef struct fsdp_job {
   unsigned n_recorded;
   uint64_t recording_step;
   unsigned forward_prefetch, backward_prefetch; /* units gathered ahead; 0: none */
+  /* Per local rank, where its forward stands in a given order: the step and the place of
+   * the unit it asks for next. */
+  uint64_t forward_step[FSDP_LOCAL_WORLD_MAX];
+  unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
   uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
   /* Loop time since which nothing refers to it (set as its last session ends, or by the
    * housekeeping when its work ends after that); 0 while in use. */

@@ -753,6 +753,41 @@ static void test_prefetch_follows_the_order(void **state) {
   fixture_cleanup(&f);
 }
 
+/* With a given order, a rank's forward asks for its units one after the other: another
+ * unit is refused naming the one expected; the same one again is not. */
+static void test_out_of_order_asks(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 1, FSDP_UNIT_DTYPE_FP32);
+  fsdp_unit_t *v = add_unit(&f, "v", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_FP32);
+  fsdp_unit_t *order[] = {f.unit, v};
+  fsdp_dataplane_set_order(f.job, order, 2);
+  fsdp_dataplane_op_t op;
+  result_t r1 = {0}, r2 = {0}, r3 = {0}, r4 = {0};
+  unshard_unit(&f, v, 0, 1, false, UINT64_MAX, &op, &r1);
+  expect(&r1, FSDP_E_FAILED_PRECONDITION,
+         "unit 'v': local rank 0 asked for it in the forward of step 1, but the forward order "
+         "(SetSchedule) has 'u' next");
+  on_every_rank(&f, f.unit, 1, false, &op);
+  on_every_rank(&f, f.unit, 1, false, &op); /* again: free */
+  on_every_rank(&f, v, 1, false, &op);
+  unshard_unit(&f, f.unit, 0, 1, false, UINT64_MAX, &op, &r2);
+  expect(&r2, FSDP_E_FAILED_PRECONDITION,
+         "unit 'u': local rank 0 asked for it in the forward of step 1, but the forward order "
+         "(SetSchedule) has no unit next");
+  unshard_unit(&f, f.unit, 0, 1, true, UINT64_MAX, &op, &r3); /* the backward: any order */
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&r3, 0, "");
+  /* A rank that comes back starts the order anew, even within the step it left. */
+  on_every_rank(&f, f.unit, 2, false, &op);
+  fsdp_dataplane_release_session(f.job, 0, f.ranks[0].session_id, "detached", 10);
+  unshard_unit(&f, f.unit, 0, 2, false, UINT64_MAX, &op, &r4);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&r4, 0, "");
+  fsdp_dataplane_release_session(f.job, 0, f.ranks[0].session_id, "detached", 10);
+  fixture_cleanup(&f);
+}
+
 /* A rank holds at most max_inflight gradient buffers: the next backward's Unshard waits
  * until a reduce gives one back. */
 static void test_gradient_buffers_wait_for_a_reduce(void **state) {
@@ -801,6 +836,7 @@ int main(void) {
       cmocka_unit_test(test_kept_copies_are_not_capped),
       cmocka_unit_test(test_backward_gathers_again),
       cmocka_unit_test(test_prefetch_follows_the_order),
+      cmocka_unit_test(test_out_of_order_asks),
       cmocka_unit_test(test_gradient_buffers_wait_for_a_reduce),
   };
   return cmocka_run_group_tests_name("dataplane", tests, NULL, NULL);
