@@ -844,26 +844,31 @@ static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind
   return r;
 }
 
-int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step,
-                         fsdp_pass_t pass) {
-  int r = check_op(trainer, unit, "unshard");
+/* A unit operation of the API (api: its name for messages), run now or started to be
+ * waited for. */
+static int unit_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *api,
+                        const op_kind_t *kind, uint64_t step, bool backward, bool accumulate,
+                        bool started) {
+  int r = check_op(t, u, api);
   if (r < 0)
     return r;
   Fsdp__V1__UnitOpRequest rq;
-  fill_request(trainer, unit, step, &rq);
-  rq.backward = pass == FSDP_PASS_BACKWARD;
-  return unit_op(trainer, unit, &unshard_op, &rq);
+  fill_request(t, u, step, &rq);
+  rq.backward = backward;
+  rq.accumulate = accumulate;
+  return started ? start(t, u, kind, &rq) : unit_op(t, u, kind, &rq);
+}
+
+int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step,
+                         fsdp_pass_t pass) {
+  return unit_request(trainer, unit, "unshard", &unshard_op, step, pass == FSDP_PASS_BACKWARD,
+                      false, false);
 }
 
 int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
                                uint64_t step, fsdp_pass_t pass) {
-  int r = check_op(trainer, unit, "unshard_start");
-  if (r < 0)
-    return r;
-  Fsdp__V1__UnitOpRequest rq;
-  fill_request(trainer, unit, step, &rq);
-  rq.backward = pass == FSDP_PASS_BACKWARD;
-  return start(trainer, unit, &unshard_op, &rq);
+  return unit_request(trainer, unit, "unshard_start", &unshard_op, step,
+                      pass == FSDP_PASS_BACKWARD, false, true);
 }
 
 int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms) {
@@ -894,36 +899,20 @@ int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int tim
 }
 
 int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step) {
-  int r = check_op(trainer, unit, "reshard");
-  if (r < 0)
-    return r;
-  Fsdp__V1__UnitOpRequest rq;
-  fill_request(trainer, unit, step, &rq);
-  return unit_op(trainer, unit, &reshard_op, &rq);
+  return unit_request(trainer, unit, "reshard", &reshard_op, step, false, false, false);
 }
 
 int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
                                 uint64_t step, bool accumulate) {
-  int r = check_op(trainer, unit, "reduce_scatter");
-  if (r < 0)
-    return r;
-  Fsdp__V1__UnitOpRequest rq;
-  fill_request(trainer, unit, step, &rq);
-  rq.accumulate = accumulate;
-  op_kind_t kind = reduce_op(unit);
-  return unit_op(trainer, unit, &kind, &rq);
+  op_kind_t kind = unit ? reduce_op(unit) : unshard_op; /* check_op refuses a NULL unit */
+  return unit_request(trainer, unit, "reduce_scatter", &kind, step, false, accumulate, false);
 }
 
 int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
                                       uint64_t step, bool accumulate) {
-  int r = check_op(trainer, unit, "reduce_scatter_start");
-  if (r < 0)
-    return r;
-  Fsdp__V1__UnitOpRequest rq;
-  fill_request(trainer, unit, step, &rq);
-  rq.accumulate = accumulate;
-  op_kind_t kind = reduce_op(unit);
-  return start(trainer, unit, &kind, &rq);
+  op_kind_t kind = unit ? reduce_op(unit) : unshard_op; /* check_op refuses a NULL unit */
+  return unit_request(trainer, unit, "reduce_scatter_start", &kind, step, false, accumulate,
+                      true);
 }
 
 int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule) {
