@@ -79,7 +79,10 @@ def main(argv=None):
             opt.step()
             step_ms = (time.perf_counter() - t0) * 1e3
 
-            # The mean over ranks, reduced by the daemon (fp32).
+            # The mean over ranks, reduced by the daemon (fp32): the backward's Unshard lends
+            # the buffer to reduce from.
+            loss_unit.unshard(step, backward=True)
+            loss_unit.reshard(step)
             loss_unit.full_grad.zero_()
             loss_unit.full_grad[0] = loss.item()
             loss_unit.reduce_scatter(step)
