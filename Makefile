@@ -57,6 +57,14 @@ demo: setup-test build
 bench-train: setup-test build
 	/usr/bin/python3 bench/train_bench.py --build $(BUILD)
 
+# The same against the FSDP memory model: a 24-block model at L = 2, 4 and 8, the medians of
+# three runs, with fsdpd's bytes against 16P + the units in flight and the share of its step
+# that waiting on the daemon exposes (results in docs/PERFORMANCE.md).
+.PHONY: bench-train-memory
+bench-train-memory: setup-test build
+	/usr/bin/python3 bench/train_bench.py --build $(BUILD) --model blocks24 --ranks 2 4 8 \
+	  --repeat 3 --steps 10 --warmup 2
+
 # Status, a health Check and a trainer's Unshard under each flood a local user can send, against
 # the same calls without it in the same run (bench/flood_bench.py; results in docs/PERFORMANCE.md).
 .PHONY: bench-floods

@@ -1,17 +1,28 @@
 """Training step and host memory: fsdpd (fsdpd.torch.shard_model) against PyTorch DDP over gloo.
 
-    /usr/bin/python3 bench/train_bench.py [--build build] [--ranks 2 4] [--steps 20]
-                                          [--warmup 3] [--global-batch 8] [--json]
+    /usr/bin/python3 bench/train_bench.py [--build build] [--ranks 2 4] [--model bench|blocks24]
+                                          [--max-inflight 2] [--param-dtype fp32|bf16]
+                                          [--repeat 1] [--steps 20] [--warmup 3]
+                                          [--global-batch 8] [--json]
 
-For each L in --ranks, the same L processes' worth of work runs twice, one after the other
-(the order alternates from one L to the next): the small transformer of
-examples/transformer.py (TinyGPT, same seed, same global batch, rank r training on its
-1/L slice of it) with Adam, one thread per process (torch.set_num_threads(1),
-OMP_NUM_THREADS=1),
+For each L in --ranks, the same L processes' worth of work runs three times, one after the
+other (the order turns from one configuration to the next), --repeat times over: a
+transformer of examples/transformer.py (TinyGPT, same seed, same global batch, rank r
+training on its 1/L slice of it) with Adam, one thread per process
+(torch.set_num_threads(1), OMP_NUM_THREADS=1). --model bench is d_model 128 with 4 blocks
+(five units: coarse next to the model); --model blocks24 is d_model 64 with 24 blocks (25
+units of about 4 % of the model each, so that the units in flight are small next to it).
 
-  fsdpd  the model through fsdpd.torch.shard_model(wrap={Block}) against a fresh fsdpd that
-         the bench starts (temporary run dir, no TCP port); Adam steps the fp32 master shards
-  DDP    torch.nn.parallel.DistributedDataParallel over gloo (a FileStore in a temporary dir)
+  fsdpd    the model through fsdpd.torch.shard_model(wrap={Block}, param_dtype,
+           max_inflight) against a fresh fsdpd that the bench starts (temporary run dir, no
+           TCP port); Adam steps the fp32 master shards. With --param-dtype fp32 on one host
+           the daemon lends the masters themselves as the unsharded copy; bf16 takes the
+           copies from its bounded pool.
+  DDP      torch.nn.parallel.DistributedDataParallel over gloo (a FileStore in a temporary dir)
+  compute  the compute-only baseline: the same ShardedModel (same units, hooks, prefetch
+           calls, Adam on the same shards) over an in-process stand-in for the client whose
+           units answer every call at once from local buffers (no daemon, no waiting on the
+           other ranks; a reduce-scatter keeps the rank's own slice of its gradient).
 
 What is measured, per configuration:
   step ms      forward + backward + optimizer step of each rank, timed after --warmup untimed
@@ -23,7 +34,8 @@ What is measured, per configuration:
                flat buckets hold one copy of every gradient when gradient_as_bucket_view is
                off, DDP's default); for fsdpd, the daemon's buffers for the job
                (Operator.Status jobs[].used_bytes: `fsdpctl --json status`, memory.jobs[]) plus
-               every trainer's Adam state (the state of its shard)
+               every trainer's Adam state (the state of its shard). The daemon keeps a
+               pool buffer once made, so after the steps this is the peak it held.
   measured     the change in proportional set size (PSS, /proc/PID/smaps_rollup) summed over
                the trainers and the daemon, between a moment after start-up (torch imported,
                client attached or process group made, before the model is built) and the end
@@ -37,13 +49,36 @@ What is measured, per configuration:
                keeps after freeing it (activations) is not counted.
   CPU s        user + system CPU time of the trainers and the daemon over the same window
                (warm-up included)
-  loss         the mean over ranks of the last step's loss: both runs train the same model on
+  in calls     fsdpd: the time a rank's thread spends inside fsdpd.Unit's calls (unshard,
+               its async start and wait, reshard, reduce_scatter's start and wait: the bench
+               wraps them), the ranks' mean over the step's time; the median over the steps
+  loss         the mean over ranks of the last step's loss: the three train the same model on
                the same data, so these agree (up to float rounding)
+
+And the ratios, per L, from the medians of the --repeat runs:
+  accounted/DDP      fsdpd's accounted bytes over DDP's (and the same for anon+shmem PSS)
+  accounted/formula  fsdpd's accounted bytes over in-process FSDP's with Adam,
+                       16P + max_inflight x C + L x max_inflight x G
+                     P the model's parameters (16 bytes each: fp32 master, gradient shard,
+                     Adam's two moments), C the largest unit's unsharded copy in the param
+                     dtype, G its fp32 full gradient (both padded to L shards). At most 1.01x
+                     is a match: what the two may differ by without the daemon holding more
+                     than FSDP is each unit padded to L shards, each buffer rounded up to 64
+                     bytes and fsdpd.torch's 1-element barrier unit, tens of KiB here.
+  step/DDP           fsdpd's step over DDP's
+  exposed            (fsdpd's step - the compute-only step) / fsdpd's step: the share of the
+                     step that waiting on the daemon and the other ranks adds to the same
+                     sharded model's compute, Python hooks included. Both run L processes at
+                     once, so they share the cores alike; what the daemon's own CPU takes from
+                     the trainers' cores counts as exposed too (on a host with fewer cores than
+                     processes it does take it). "in calls" measures the same from the
+                     inside; it also counts the calls' own CPU in the trainer (the RPC or ring
+                     round trip) and not the daemon's work done while the trainer computes.
 
 Every child runs under a deadline (--timeout); on failure or Ctrl-C the trainers and the
 daemon are killed and the temporary dirs removed, and the bench exits 1.
 
-Internally the bench runs itself as each trainer (--worker fsdpd|ddp); a worker talks to the
+Internally the bench runs itself as each trainer (--worker fsdpd|ddp|compute); a worker talks to the
 bench over its stdin/stdout in JSON lines: "init" once set up, "ready" with its figures after
 the timed steps, each time waiting for a line on stdin before it goes on, so that the bench
 reads every process's PSS at the same moment.
@@ -119,6 +154,105 @@ def _wait_for_bench():
         raise SystemExit("train_bench worker: the bench went away")
 
 
+class _LocalUnit:
+    """A unit of the compute-only baseline: what fsdpd.Unit offers the ShardedModel (its
+    documented attributes and calls), held in this process and answered at once. The copy is
+    the masters (fp32) or a buffer of the param dtype that is never refreshed (the daemon
+    casts, not the trainer); a reduce-scatter keeps this rank's slice of its own gradient,
+    divided by the ranks, in place of the mean."""
+
+    def __init__(self, name, params, param_dtype, rank, world):
+        numel = sum(_numel(shape) for _, shape, *_ in params)
+        self.name, self.numel = name, numel
+        self.padded_numel = -(-numel // world) * world
+        self.shard_numel, self.shard = self.padded_numel // world, rank
+        self.param_offsets, off = [], 0
+        for _, shape, *_ in params:
+            self.param_offsets.append(off)
+            off += _numel(shape)
+        self.gathered_step = self.reduced_step = self.replica = self.host_first_shard = 0
+        self.host_shards = world
+        self.world = world
+        import torch
+        self.dtype = param_dtype or torch.float32
+        self.master = torch.zeros(self.padded_numel)
+        self.grad = torch.zeros(self.padded_numel)
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.master_shard, self.grad_shard = self.master[lo:hi], self.grad[lo:hi]
+        self._copy = self.master if self.dtype == torch.float32 else \
+            torch.zeros(self.padded_numel, dtype=self.dtype)
+        self._full = torch.zeros(self.padded_numel, dtype=self.dtype)
+        self.unsharded = self.full_grad = None
+
+    def unshard(self, step=0, backward=False):
+        self.unsharded = self._copy
+        if backward:
+            self.full_grad = self._full
+
+    unshard_async = unshard
+
+    def wait(self, timeout=None):
+        pass
+
+    def reshard(self, step=0):
+        self.unsharded = None
+
+    def reduce_scatter(self, step=0, accumulate=False):
+        mine = self.full_grad[self.shard * self.shard_numel:][:self.shard_numel]
+        if accumulate:
+            self.grad_shard.add_(mine, alpha=1.0 / self.world)
+        else:
+            self.grad_shard.copy_(mine).div_(self.world)
+        self.full_grad = None
+
+    reduce_scatter_async = reduce_scatter
+
+
+class _LocalClient:
+    """The fsdpd.Client of the compute-only baseline: units of _LocalUnit, no daemon."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def register_unit(self, name, params, strategy="FULL_SHARD", param_dtype=None, **_):
+        return _LocalUnit(name, params, param_dtype, self.rank, self.world)
+
+    def set_schedule(self, max_inflight=0, reshard_after_forward=None):
+        pass
+
+    def close(self):
+        pass
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class _CallTimer:
+    """Wall time this process spends inside fsdpd.Unit's calls to the daemon (the trainer
+    runs one thread: it computes nothing meanwhile)."""
+
+    CALLS = ("unshard", "unshard_async", "wait", "reshard", "reduce_scatter",
+             "reduce_scatter_async")
+
+    def __init__(self, unit_class):
+        self.seconds = 0.0
+        for name in self.CALLS:
+            setattr(unit_class, name, self._timed(getattr(unit_class, name)))
+
+    def _timed(self, call):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
 def worker(args):
     import torch
     torch.set_num_threads(1)
@@ -127,11 +261,15 @@ def worker(args):
 
     rank, world = args.rank, args.world
     cfg = Config(d_model=args.d_model, n_layers=args.layers)
-    client = None
+    client = timer = None
     if args.worker == "fsdpd":
         import fsdpd
         import fsdpd.torch
         client = fsdpd.Client(rank=rank, local_world_size=world, timeout=60)
+        timer = _CallTimer(fsdpd.Unit)
+    elif args.worker == "compute":
+        import fsdpd.torch
+        client = _LocalClient(rank, world)
     else:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -142,16 +280,19 @@ def worker(args):
     _wait_for_bench()
 
     net = TinyGPT(cfg, seed=args.seed)
-    if args.worker == "fsdpd":
-        model = fsdpd.torch.shard_model(net, client, wrap={Block})
+    if client is not None:
+        param_dtype = {"fp32": None, "bf16": torch.bfloat16}[args.param_dtype]
+        model = fsdpd.torch.shard_model(net, client, wrap={Block}, param_dtype=param_dtype,
+                                        max_inflight=args.max_inflight)
     else:
         model = DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    times, losses = [], []
+    times, call_times, losses = [], [], []
     for step in range(args.warmup + args.steps):
         tokens, targets = rank_slice(
             batch(step, args.global_batch, cfg.seq_len, cfg.vocab, seed=args.seed), rank, world)
+        in_calls = timer.seconds if timer else 0.0
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(model(tokens), targets)
@@ -161,10 +302,11 @@ def worker(args):
         losses.append(loss.item())
         if step >= args.warmup:
             times.append((t1 - t0) * 1e3)
+            call_times.append(((timer.seconds if timer else 0.0) - in_calls) * 1e3)
 
-    out = {"event": "ready", "rank": rank, "step_ms": times, "losses": losses,
-           "optimizer_state_bytes": optimizer_state_bytes(opt)}
-    if args.worker == "fsdpd":
+    out = {"event": "ready", "rank": rank, "step_ms": times, "call_ms": call_times,
+           "losses": losses, "optimizer_state_bytes": optimizer_state_bytes(opt)}
+    if client is not None:
         out["units"] = [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel}
                         for u in model.units]
         out["param_bytes"] = out["grad_bytes"] = 0  # views of the daemon's buffers
@@ -318,12 +460,15 @@ def run_config(system, world, args, build):
         common = ["--world", str(world), "--steps", str(args.steps), "--warmup",
                   str(args.warmup), "--global-batch", str(args.global_batch), "--d-model",
                   str(args.d_model), "--layers", str(args.layers), "--lr", str(args.lr),
-                  "--seed", str(args.seed)]
+                  "--seed", str(args.seed), "--max-inflight", str(args.max_inflight),
+                  "--param-dtype", args.param_dtype]
+        base_env.update(FSDPD_LIB=str(build / "lib" / "libfsdp.so"))
         if system == "fsdpd":
             daemon_log = open(tmp / "fsdpd.log", "wb")
             daemon, socket = _start_daemon(build, tmp / "run", daemon_log)
-            base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB,
-                            FSDPD_LIB=str(build / "lib" / "libfsdp.so"))
+            base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB)
+            extra = []
+        elif system == "compute":
             extra = []
         else:
             extra = ["--store", str(tmp / "store")]
@@ -361,11 +506,15 @@ def run_config(system, world, args, build):
 
         n_steps = len(ready[0]["step_ms"])
         per_step = [max(m["step_ms"][i] for m in ready) for i in range(n_steps)]
+        # A step's share in daemon calls: the ranks' mean time in calls over the step's time.
+        call_share = [statistics.mean(m["call_ms"][i] for m in ready) / per_step[i]
+                      for i in range(n_steps)]
         opt_bytes = sum(m["optimizer_state_bytes"] for m in ready)
         params = sum(m["param_bytes"] for m in ready)
         grads = sum(m["grad_bytes"] for m in ready)
         res = {"system": system, "ranks": world, "step_ms": statistics.median(per_step),
                "step_ms_all": per_step,
+               "call_share": statistics.median(call_share),
                "loss": statistics.mean(m["losses"][-1] for m in ready),
                "optimizer_state_bytes": opt_bytes,
                "trainer_cpu_s": sum(cpu[:world]),
@@ -376,6 +525,8 @@ def run_config(system, world, args, build):
             res["daemon_bytes"] = daemon_bytes
             res["accounted_bytes"] = daemon_bytes + opt_bytes
             res["units"] = ready[0]["units"]
+        elif system == "compute":
+            res["accounted_bytes"] = None  # the baseline's buffers are no system's
         else:
             res.update(param_bytes=params, grad_bytes=grads, bucket_bytes=grads,
                        accounted_bytes=params + 2 * grads + opt_bytes)
@@ -395,40 +546,102 @@ def run_config(system, world, args, build):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+MODELS = {"bench": (128, 4), "blocks24": (64, 24)}  # (d_model, blocks) of each --model
+SYSTEMS = ("fsdpd", "DDP", "compute")
+# What the formula and the daemon's accounting may differ by without the daemon holding more
+# than FSDP: each unit padded to a multiple of L elements, each buffer rounded up to 64
+# bytes, the private 1-element unit fsdpd.torch registers for its barriers.
+FORMULA_SLACK = 1.01
+
+
 def _mib(b):
     return f"{b / MiB:.1f}"
 
 
-def report(results):
-    print(f"{'L':>2} {'system':<10} {'step ms':>8} {'accounted MiB':>14} "
-          f"{'anon+shmem PSS MiB':>19} {'PSS MiB':>8} {'CPU s':>6} {'last loss':>10}")
-    by = {}
+def _median_runs(runs):
+    """One configuration's K runs as one: the median of every figure."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)
+                                        and key != "ranks"):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["step_ms_runs"] = [r["step_ms"] for r in runs]
+    return out
+
+
+def fsdp_formula(fsdpd, args):
+    """In-process FSDP's bytes with Adam for the model's units: 16P (fp32 masters, gradient
+    shards, Adam's two moments) + max_inflight unsharded copies (param dtype) of the largest
+    unit + max_inflight fp32 full gradients of the largest unit on each of the L ranks."""
+    units = fsdpd["units"]
+    params = sum(u["numel"] for u in units)
+    largest = max(u["padded_numel"] for u in units)
+    copy = {"fp32": 4, "bf16": 2}[args.param_dtype] * largest
+    inflight = args.max_inflight * copy + fsdpd["ranks"] * args.max_inflight * 4 * largest
+    return {"params": params, "largest_numel": largest, "base_bytes": 16 * params,
+            "inflight_bytes": inflight, "bytes": 16 * params + inflight,
+            "before_bytes": (20 + 4 * fsdpd["ranks"]) * params}
+
+
+def figures(results, args):
+    """The issue's ratios per L, from the medians of the runs."""
+    by = {(r["ranks"], r["system"]): r for r in results}
+    out = []
+    for world in args.ranks:
+        f, d, c = (by[(world, s)] for s in SYSTEMS)
+        formula = fsdp_formula(f, args)
+        out.append({"ranks": world, "formula": formula,
+                    "accounted_vs_ddp": f["accounted_bytes"] / d["accounted_bytes"],
+                    "pss_vs_ddp": f["measured_data_pss_bytes"] / d["measured_data_pss_bytes"],
+                    "accounted_vs_formula": f["accounted_bytes"] / formula["bytes"],
+                    "step_vs_ddp": f["step_ms"] / d["step_ms"],
+                    "exposed": (f["step_ms"] - c["step_ms"]) / f["step_ms"],
+                    "in_calls": f["call_share"]})
+    return out
+
+
+def report(results, ratios, args):
+    print(f"{'L':>2} {'system':<8} {'step ms':>8} {'accounted MiB':>14} "
+          f"{'anon+shmem PSS MiB':>19} {'PSS MiB':>8} {'CPU s':>6} {'in calls':>9} "
+          f"{'last loss':>10}")
     for r in results:
-        by[(r["ranks"], r["system"])] = r
-        print(f"{r['ranks']:>2} {r['system']:<10} {r['step_ms']:8.1f} "
-              f"{_mib(r['accounted_bytes']):>14} {_mib(r['measured_data_pss_bytes']):>19} "
-              f"{_mib(r['measured_pss_bytes']):>8} "
-              f"{r['trainer_cpu_s'] + r['daemon_cpu_s']:6.1f} {r['loss']:10.5f}")
-        if r["system"] == "DDP" and (r["ranks"], "fsdpd") in by:
-            f, d = by[(r["ranks"], "fsdpd")], by[(r["ranks"], "DDP")]
-            print(f"{r['ranks']:>2} {'fsdpd/DDP':<10} {f['step_ms'] / d['step_ms']:8.2f} "
-                  f"{f['accounted_bytes'] / d['accounted_bytes']:14.2f} "
-                  f"{f['measured_data_pss_bytes'] / d['measured_data_pss_bytes']:19.2f}")
+        memory = "-" if r["accounted_bytes"] is None else (
+            f"{_mib(r['accounted_bytes']):>14} {_mib(r['measured_data_pss_bytes']):>19} "
+            f"{_mib(r['measured_pss_bytes']):>8}")
+        calls = f"{100 * r['call_share']:8.1f}%" if r["system"] == "fsdpd" else "-"
+        print(f"{r['ranks']:>2} {r['system']:<8} {r['step_ms']:8.1f} {memory:>43} "
+              f"{r['trainer_cpu_s'] + r['daemon_cpu_s']:6.1f} {calls:>9} {r['loss']:10.5f}")
     print()
+    print(f"{'L':>2} {'accounted/DDP':>14} {'PSS/DDP':>8} {'formula MiB':>12} "
+          f"{'accounted/formula':>18} {'step/DDP':>9} {'exposed':>8} {'in calls':>9}")
+    for x in ratios:
+        print(f"{x['ranks']:>2} {x['accounted_vs_ddp']:14.2f} {x['pss_vs_ddp']:8.2f} "
+              f"{_mib(x['formula']['bytes']):>12} {x['accounted_vs_formula']:17.3f}x "
+              f"{x['step_vs_ddp']:8.2f}x {100 * x['exposed']:7.1f}% {100 * x['in_calls']:8.1f}%")
+    over = [x["ranks"] for x in ratios if x["accounted_vs_formula"] > FORMULA_SLACK]
+    print(f"fsdpd within {FORMULA_SLACK}x of the formula: " +
+          ("yes" if not over else f"no, at L = {', '.join(map(str, over))}"))
+    print()
+    for x in ratios:
+        f = x["formula"]
+        print(f"L={x['ranks']} formula: 16P = {_mib(f['base_bytes'])} MiB (P = {f['params']:,}) "
+              f"+ in flight {_mib(f['inflight_bytes'])} MiB ({args.max_inflight} x largest "
+              f"unit of {f['largest_numel']:,}); before the memory model (20 + 4L)P = "
+              f"{_mib(f['before_bytes'])} MiB")
     for r in results:
         if r["system"] == "fsdpd":
-            units = r["units"]
-            padded = sum(u["padded_numel"] for u in units)
-            print(f"L={r['ranks']} fsdpd: daemon {_mib(r['daemon_bytes'])} MiB for "
-                  f"{len(units)} model units of {padded:,} fp32 elements: masters and gradient "
-                  f"shards {_mib(2 * 4 * padded)}, {r['ranks']} full gradients "
-                  f"{_mib(r['ranks'] * 4 * padded)}, unsharded {_mib(4 * padded)} (plus "
-                  f"64-byte rounding and the barrier unit); trainers' Adam state "
-                  f"{_mib(r['optimizer_state_bytes'])} MiB; daemon CPU {r['daemon_cpu_s']:.2f} s")
-        else:
+            print(f"L={r['ranks']} fsdpd: daemon {_mib(r['daemon_bytes'])} MiB, trainers' Adam "
+                  f"state {_mib(r['optimizer_state_bytes'])} MiB, daemon CPU "
+                  f"{r['daemon_cpu_s']:.2f} s")
+        elif r["system"] == "DDP":
             print(f"L={r['ranks']} DDP:   parameters {_mib(r['param_bytes'])} MiB, gradients "
                   f"{_mib(r['grad_bytes'])}, buckets {_mib(r['bucket_bytes'])}, Adam state "
                   f"{_mib(r['optimizer_state_bytes'])} (all ranks)")
+    if args.repeat > 1:
+        print()
+        for r in results:
+            runs = ", ".join(f"{ms:.1f}" for ms in r["step_ms_runs"])
+            print(f"L={r['ranks']} {r['system']} step ms of the {args.repeat} runs: {runs}")
 
 
 def main(argv=None):
@@ -436,23 +649,35 @@ def main(argv=None):
     p.add_argument("--build", default=os.environ.get("BUILD", "build"))
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
                    help="local world sizes to run (default: 2 4)")
+    p.add_argument("--model", choices=sorted(MODELS), default="bench",
+                   help="bench: d_model 128, 4 blocks; blocks24: d_model 64, 24 blocks "
+                        "(default bench)")
+    p.add_argument("--max-inflight", type=int, default=2,
+                   help="shard_model's max_inflight (default 2, the daemon's default)")
+    p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="shard_model's param_dtype (default fp32)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each configuration; figures are their medians (default 1)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--global-batch", type=int, default=8,
                    help="sequences per step over all ranks; divisible by every L (default 8)")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, help="overrides the model's")
+    p.add_argument("--layers", type=int, help="overrides the model's")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds one configuration may take (default 600)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     # Worker mode (the bench runs itself once per rank).
-    p.add_argument("--worker", choices=("fsdpd", "ddp"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("fsdpd", "ddp", "compute"), help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    d_model, layers = MODELS[args.model]
+    args.d_model = args.d_model or d_model
+    args.layers = args.layers or layers
     if args.worker:
         return worker(args)
 
@@ -466,33 +691,48 @@ def main(argv=None):
             print(f"train_bench: --global-batch {args.global_batch} does not split into "
                   f"{world} equal slices", file=sys.stderr)
             return 2
+    if args.repeat < 1 or not 1 <= args.max_inflight <= 64:
+        print("train_bench: --repeat must be at least 1 and --max-inflight 1 to 64",
+              file=sys.stderr)
+        return 2
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    results = []
+    runs = {}
     try:
-        for i, world in enumerate(args.ranks):
-            order = ("fsdpd", "DDP") if i % 2 == 0 else ("DDP", "fsdpd")
-            for system in order:
-                if not args.json:
-                    print(f"L={world} {system} ...", file=sys.stderr, flush=True)
-                results.append(run_config(system, world, args, build))
+        for rep in range(args.repeat):
+            for i, world in enumerate(args.ranks):
+                # The order of the systems turns from one configuration to the next, so that
+                # none is always the first on a machine that has just been idle.
+                turn = (i + rep) % len(SYSTEMS)
+                for system in SYSTEMS[turn:] + SYSTEMS[:turn]:
+                    if not args.json:
+                        print(f"run {rep + 1}/{args.repeat} L={world} {system} ...",
+                              file=sys.stderr, flush=True)
+                    runs.setdefault((world, system), []).append(
+                        run_config(system, world, args, build))
     except Failed as e:
         print(f"train_bench: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("train_bench: interrupted", file=sys.stderr)
         return 1
-    results.sort(key=lambda r: (r["ranks"], r["system"] != "fsdpd"))
+    results = [_median_runs(runs[(world, system)])
+               for world in args.ranks for system in SYSTEMS]
+    ratios = figures(results, args)
     if args.json:
         print(json.dumps({"config": {k: getattr(args, k) for k in
-                                     ("steps", "warmup", "global_batch", "d_model", "layers",
-                                      "lr", "seed")},
-                          "results": results}, indent=1))
+                                     ("model", "max_inflight", "param_dtype", "repeat", "steps",
+                                      "warmup", "global_batch", "d_model", "layers", "lr",
+                                      "seed")},
+                          "results": results, "ratios": ratios,
+                          "runs": [r for world in args.ranks for system in SYSTEMS
+                                   for r in runs[(world, system)]]}, indent=1))
     else:
         print(f"TinyGPT d_model {args.d_model}, {args.layers} blocks; global batch "
-              f"{args.global_batch}; Adam; median of {args.steps} steps after {args.warmup}; "
-              "1 thread per process")
-        report(results)
+              f"{args.global_batch}; Adam; param dtype {args.param_dtype}; max_inflight "
+              f"{args.max_inflight}; median of {args.steps} steps after {args.warmup}, median "
+              f"of {args.repeat} run(s); 1 thread per process")
+        report(results, ratios, args)
     return 0
 
 
