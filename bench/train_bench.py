@@ -217,7 +217,7 @@ class _LocalClient:
     def register_unit(self, name, params, strategy="FULL_SHARD", param_dtype=None, **_):
         return _LocalUnit(name, params, param_dtype, self.rank, self.world)
 
-    def set_schedule(self, max_inflight=0, reshard_after_forward=None):
+    def set_schedule(self, max_inflight=0, reshard_after_forward=None, **_):
         pass
 
     def close(self):
