@@ -874,7 +874,6 @@ static void on_grad_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsd
   answer_unshard(u, op);
 }
 
-/* Every Unshard waiting for the gather that just ended gets the copy. */
 static void redo_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_dataplane_op_t *op);
 
 /* Every Unshard waiting for the gather that just ended gets the copy; one that asked
