@@ -176,13 +176,14 @@ def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max
     order = [json.loads(d.fsdpctl("--json", "unit", name).stdout)["forward_index"]
              for name in ("root", "blocks.0", "blocks.1")]
     assert order == [0, 1, 2]
-    # Both blocks reshard after forward and share the cap; the root keeps its own copy.
+    # Both blocks reshard after forward and share the cap (blocks.1 is gathered ahead while
+    # the ranks hold blocks.0, so the cap is reached); the root keeps its own copy.
     assert job["copies"]["most_lent"] == cap and job["copies"]["lent"] == 0
     assert job["copies"]["buffers"] == job["max_inflight"]  # a lowered cap drops the rest
     assert len(job["gradients"]) == world
-    for pool in job["gradients"]:
-        assert pool["most_lent"] == cap and pool["lent"] == 0
-    if cap == 1:  # the backward's prefetch waits for the unit before it to give one back
+    for pool in job["gradients"]:  # how many at once depends on how the reduces overlap
+        assert 0 < pool["most_lent"] <= cap and pool["lent"] == 0
+    if cap == 1:  # the prefetch of blocks.1 waits for blocks.0's copy to come back
         assert job["copies"]["waits"] > 0
 
 
