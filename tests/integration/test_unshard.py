@@ -42,7 +42,7 @@ class Rank:
                                          session_id=a.session_id)
         h = hello.SerializeToString()
         self.sock.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
-        msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 4)
+        msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 8)
         w = channel_pb2.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
         assert w.status == 0, w.message
         # Memory 0: what trainers write; memory 1: the unsharded buffers, read-only.
@@ -439,3 +439,33 @@ def test_a_cancelled_unshard_does_not_count_in_the_gather(fsdpd):
     got = array.array("f")
     got.frombytes(r0.unsharded(lays[0], FP32))
     assert set(got[:lays[0].shard_numel]) == {7.0} and set(got[lays[0].shard_numel:]) == {1.0}
+
+
+def test_a_rank_stopped_holding_the_pool_fails_the_others_and_gives_it_back(fsdpd):
+    """Rank 1 stops (it never lets go) while it holds the pool's only copy: the next unit's
+    gather waits for a buffer, and when the deadline passes every rank hears which unit and
+    rank hold the pool; when rank 1's session ends, the buffer comes back."""
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "store.collective_timeout=500ms")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    for unit in ("u", "v"):
+        for r in ranks:
+            r.register(unit, param_dtype=BF16)
+    d.call("/fsdp.v1.Trainer/SetSchedule",
+           trainer_pb2.SetScheduleRequest(session_id=ranks[0].session, max_inflight=1),
+           trainer_pb2.SetScheduleReply)
+    assert on_all(ranks, "Unshard", unit="u", step=1) == [None, None]
+    ranks[0].op("Reshard", unit="u", step=1)
+    errors = on_all(ranks, "Unshard", unit="v", step=1)
+    for e in errors:
+        code, details = e.code(), e.details()
+        assert code == grpc.StatusCode.ABORTED, details
+        assert ("unit 'v' step 1: no unsharded copy of job 'j' came free in time "
+                "(store.collective_timeout): its 1 (max_inflight) are held by 'u' (ranks 1)"
+                in details), details
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    assert job["copies"]["lent"] == 1 and job["copies"]["waits"] == 1
+    d.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=ranks[1].session),
+           trainer_pb2.DetachReply)
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    assert job["copies"]["lent"] == 0
+    d.assert_serving()
