@@ -174,7 +174,9 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
 }
 
 /* The trainer rang: takes its requests while their replies are sure to find room (each
- * operation in flight, and each reply not yet read, holds one). */
+ * operation in flight, and each reply not yet read, holds one), and at most a ring's worth:
+ * the counters are in the trainer's memory, and a trainer that forged them must not hold
+ * the loop that serves every other session. */
 static void on_doorbell(uv_poll_t *handle, int status, int events) {
   (void)status;
   (void)events;
@@ -182,7 +184,7 @@ static void on_doorbell(uv_poll_t *handle, int status, int events) {
   uint64_t rings;
   (void)!read(fp->daemon_bell, &rings, sizeof rings);
   fsdp_fast_region_t *region = fp->region;
-  for (;;) {
+  for (unsigned taken = 0; taken < FSDP_FASTPATH_ENTRIES; taken++) {
     uint32_t unread = atomic_load_explicit(&region->replies_ring.head, memory_order_relaxed) -
                       atomic_load_explicit(&region->replies_ring.tail, memory_order_acquire);
     if (fp->busy + unread >= FSDP_FASTPATH_ENTRIES)
