@@ -152,6 +152,8 @@ int fsdp_fast_client_wait(fsdp_fast_client_t *fc, uint64_t seq, int64_t deadline
 }
 
 void fsdp_fast_client_cancel(fsdp_fast_client_t *fc, uint64_t seq) {
+  if (!fc)
+    return; /* the fast path is gone, and what was in flight with it */
   in_flight_t *op = find(fc, seq);
   if (!op || op->abandoned)
     return;

@@ -31,7 +31,7 @@ int fsdp_fast_client_wait(fsdp_fast_client_t *fc, uint64_t seq, int64_t deadline
                           fsdp_fast_reply_t *ret_reply);
 
 /* Gives up on seq: the daemon withdraws the operation (its rank no longer counts in the
- * collective), and its reply is dropped when it comes. */
+ * collective), and its reply is dropped when it comes. NULL-safe. */
 void fsdp_fast_client_cancel(fsdp_fast_client_t *fc, uint64_t seq);
 
 #endif

@@ -802,7 +802,9 @@ static int fast_finish(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t
   if (timeout_ms <= 0)
     timeout_ms = fsdp_client_default_timeout_ms(t->client);
   fsdp_fast_reply_t fr;
-  int r = fsdp_fast_client_wait(t->fast, seq, fsdp_clock_deadline_ms(timeout_ms), &fr);
+  /* No fast path any more: another operation found the channel closed. */
+  int r = t->fast ? fsdp_fast_client_wait(t->fast, seq, fsdp_clock_deadline_ms(timeout_ms), &fr)
+                  : -EPIPE;
   if (r == -EPIPE) {
     fsdp_fast_client_close(t->fast);
     t->fast = NULL;
@@ -812,6 +814,12 @@ static int fast_finish(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t
     fsdp_fast_client_cancel(t->fast, seq);
     r = fsdp_client_set_last_error(t->client, FSDP_E_DEADLINE_EXCEEDED,
                                    "no reply from fsdpd's fast path within %d ms", timeout_ms);
+    return apply_outcome(t, u, kind->name, r, NULL);
+  }
+  if (r < 0) {
+    r = fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                   "%s of unit '%.256s': the fast path lost operation %llu",
+                                   kind->name, u->name, (unsigned long long)seq);
     return apply_outcome(t, u, kind->name, r, NULL);
   }
   if (fr.code < 0)
