@@ -169,11 +169,23 @@ WORKER = textwrap.dedent(r'''
     elif mode == "restart":
         # Holds a unit while the test restarts the daemon under it: the new daemon knows
         # neither the session nor the unit.
-        c = fsdpd.Client(job="restart", rank=0, local_world_size=1, wait_for_ready=True)
+        c = fsdpd.Client(job="restart", rank=0, local_world_size=2, wait_for_ready=True)
         u = c.register_unit("u", PARAMS)
+        v = c.register_unit("v", PARAMS)
+        # Two started Unshards wait for rank 1, which never comes, when the daemon goes:
+        # the first wait finds the fast path's channel closed and asks over gRPC, and so does
+        # the second, whose fast path is gone by then.
+        u.unshard_async(1)
+        v.unshard_async(1)
         print("ready", flush=True)
         sys.stdin.readline()
         out = {}
+        for name, unit in (("wait_u", u), ("wait_v", v)):
+            try:
+                unit.wait()
+                out[name] = None
+            except fsdpd.Error as e:
+                out[name] = err(e)
         deadline = time.monotonic() + 10
         while "unshard" not in out:
             try:
@@ -301,6 +313,8 @@ def test_unknown_session_and_unit_after_restart(fsdpd, worker):
     d.kill()
     fsdpd(*DAEMON_ARGS, run_dir=d.run_dir, name="fsdpd-restarted")
     o = result(p, "go\n")
+    for name in ("wait_u", "wait_v"):  # the old connection may be the one to say so
+        assert o[name]["status"] in ("NOT_FOUND", "UNAVAILABLE"), o[name]
     e = o["unshard"]
     assert (e["code"], e["status"]) == ("FSDP_E_NOT_FOUND", "NOT_FOUND"), e
     assert "not attached" in e["message"]
