@@ -17,6 +17,13 @@ static inline bool fsdp_rank_set_has(const fsdp_rank_set_t *set, uint32_t rank) 
   return rank < FSDP_LOCAL_WORLD_MAX && (set->bits[rank / 64] >> (rank % 64) & 1);
 }
 
+static inline bool fsdp_rank_set_empty(const fsdp_rank_set_t *set) {
+  for (size_t i = 0; i < sizeof set->bits / sizeof set->bits[0]; i++)
+    if (set->bits[i])
+      return false;
+  return true;
+}
+
 /* Adds or removes rank; returns whether that changed the set. */
 static inline bool fsdp_rank_set_put(fsdp_rank_set_t *set, uint32_t rank, bool member) {
   if (rank >= FSDP_LOCAL_WORLD_MAX || fsdp_rank_set_has(set, rank) == member)

@@ -313,7 +313,6 @@ static void run_work(uv_work_t *req) {
 }
 
 static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u);
-static bool unit_is_held(const fsdp_job_t *job, const fsdp_unit_t *u);
 
 /* A collective of `kind` ended for the local ranks (st: NULL or OK when it succeeded):
  * every waiter hears the result. A gather lends its copy to every rank that asked; a
@@ -333,7 +332,7 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
     u->holders = c->submitted;
     u->gather_ahead = false;
     fsdp_collection_reset(c);
-    if (!unit_is_held(job, u)) { /* every rank it was for is gone */
+    if (fsdp_rank_set_empty(&u->holders)) { /* every rank it was for is gone */
       give_back_copy(job, u);
       return;
     }
@@ -783,12 +782,8 @@ static void give_back_copy(fsdp_job_t *job, fsdp_unit_t *u) {
 
 /* rank lets go of the unit's copy; the last holder's letting go gives it back. */
 static void let_go(fsdp_job_t *job, fsdp_unit_t *u, uint32_t rank) {
-  if (!fsdp_rank_set_put(&u->holders, rank, false))
-    return;
-  for (uint32_t r = 0; r < job->local_world_size; r++)
-    if (fsdp_rank_set_has(&u->holders, r))
-      return;
-  give_back_copy(job, u);
+  if (fsdp_rank_set_put(&u->holders, rank, false) && fsdp_rank_set_empty(&u->holders))
+    give_back_copy(job, u);
 }
 
 /* A block of whole pages, which a trainer can map alone. */
@@ -808,13 +803,6 @@ static void give_back_grads(fsdp_job_t *job, fsdp_unit_t *u, const fsdp_rank_set
     else
       fsdp_arena_release(job->arena, u->full_grad_offsets[r]);
   }
-}
-
-static bool lends_no_grads(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  for (uint32_t r = 0; r < job->local_world_size; r++)
-    if (fsdp_rank_set_has(&u->grads_lent, r))
-      return false;
-  return true;
 }
 
 /* Answers an Unshard whose rank now holds the copy, with what it lends. */
@@ -843,7 +831,7 @@ static void lend(fsdp_job_t *job, fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
     answer_unshard(u, op);
     return;
   }
-  if (lends_no_grads(job, u))
+  if (fsdp_rank_set_empty(&u->grads_lent))
     u->grads_pooled = u->reshard_after_forward;
   uint64_t offset = 0;
   fsdp_status_t st = FSDP_STATUS_INIT;
@@ -994,13 +982,6 @@ void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsign
   job->n_recorded = 0;
 }
 
-static bool unit_is_held(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  for (uint32_t r = 0; r < job->local_world_size; r++)
-    if (fsdp_rank_set_has(&u->holders, r))
-      return true;
-  return false;
-}
-
 /* What a prefetch keeps of the Unshard that caused it, which may be answered (and its storage
  * reused) before the prefetch starts. */
 typedef struct prefetch_cause {
@@ -1014,7 +995,7 @@ typedef struct prefetch_cause {
 static void gather_ahead(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *v, uint64_t step,
                          bool again, const prefetch_cause_t *cause) {
   fsdp_collection_t *c = &v->gather;
-  if (v->state != FSDP_UNIT_READY || c->running || c->count > 0 || unit_is_held(job, v) ||
+  if (v->state != FSDP_UNIT_READY || c->running || c->count > 0 || !fsdp_rank_set_empty(&v->holders) ||
       (v->gathered &&
        gather_round(v->gathered_step, v->gathered_again) >= gather_round(step, again)))
     return;

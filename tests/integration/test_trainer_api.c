@@ -120,6 +120,18 @@ __attribute__((format(printf, 2, 3))) static void report(int line, const char *f
            fsdp_client_last_error(client));                                                  \
   } while (0)
 
+/* The rank's gradient, in the unit's param type, into the full-gradient buffer it was lent. */
+static void write_full_grad(const fsdp_unit_view_t *v, fsdp_scalar_t type, uint64_t padded,
+                            uint64_t numel, unsigned rank) {
+  for (uint64_t i = 0; i < padded; i++) {
+    float g = grad_value(i, numel, rank);
+    if (type == FSDP_SCALAR_BF16)
+      ((uint16_t *)v->full_grad)[i] = bf16_rne(g);
+    else
+      ((float *)v->full_grad)[i] = g;
+  }
+}
+
 static int barrier(void) {
   char c = 'r';
   if (write(CHILD_UP_FD, &c, 1) != 1)
@@ -213,13 +225,7 @@ static int rank_child(const char *target, const char *job, unsigned rank, const 
    * buffer, which the ReduceScatter takes back. */
   EXPECT_OK(fsdp_trainer_unshard(trainer, unit, 1, FSDP_PASS_BACKWARD), client);
   EXPECT(v->unsharded == copy && v->full_grad, "a backward Unshard lends copy and gradient");
-  for (uint64_t i = 0; i < padded; i++) {
-    float g = grad_value(i, numel, rank);
-    if (c->param_type == FSDP_SCALAR_BF16)
-      ((uint16_t *)v->full_grad)[i] = bf16_rne(g);
-    else
-      ((float *)v->full_grad)[i] = g;
-  }
+  write_full_grad(v, c->param_type, padded, numel, rank);
   EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, unit, 1, false), client);
   EXPECT(!v->full_grad, "the ReduceScatter takes the gradient buffer back");
   EXPECT_OK(fsdp_trainer_reshard(trainer, unit, 1), client);
@@ -232,13 +238,7 @@ static int rank_child(const char *target, const char *job, unsigned rank, const 
   }
   /* A no_sync step adds to the shards; a lent gradient buffer is stale until written. */
   EXPECT_OK(fsdp_trainer_unshard(trainer, unit, 2, FSDP_PASS_BACKWARD), client);
-  for (uint64_t i = 0; i < padded; i++) {
-    float g = grad_value(i, numel, rank);
-    if (c->param_type == FSDP_SCALAR_BF16)
-      ((uint16_t *)v->full_grad)[i] = bf16_rne(g);
-    else
-      ((float *)v->full_grad)[i] = g;
-  }
+  write_full_grad(v, c->param_type, padded, numel, rank);
   EXPECT_OK(fsdp_trainer_reduce_scatter(trainer, unit, 2, true), client);
   EXPECT_OK(fsdp_trainer_reshard(trainer, unit, 2), client);
   for (uint64_t i = lo; i < lo + v->shard_numel; i++) {
