@@ -2,11 +2,16 @@
 #include "common/status.h"
 
 #include <stdio.h>
+#include <string.h>
 
 int fsdp_status_setv(fsdp_status_t *st, int code, const char *fmt, va_list ap) {
   if (st) {
+    /* Through a copy: a caller may prefix the message it already holds (its arguments may
+     * point into st->message), and vsnprintf's source and destination must not overlap. */
+    char message[sizeof st->message];
+    vsnprintf(message, sizeof message, fmt, ap);
     st->code = code;
-    vsnprintf(st->message, sizeof st->message, fmt, ap);
+    memcpy(st->message, message, sizeof message);
   }
   return code;
 }

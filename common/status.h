@@ -21,7 +21,8 @@ typedef struct fsdp_status {
 #define FSDP_STATUS_INIT {0, {0}}
 
 /* Records code and a formatted message (truncated to fit) and returns code, so that a
- * failing path can end in `return fsdp_status_set(st, FSDP_E_..., "...")`. st may be NULL. */
+ * failing path can end in `return fsdp_status_set(st, FSDP_E_..., "...")`. st may be NULL.
+ * The arguments may include st->message itself, to prefix what it says. */
 __attribute__((format(printf, 3, 4))) int fsdp_status_set(fsdp_status_t *st, int code,
                                                           const char *fmt, ...);
 __attribute__((format(printf, 3, 0))) int fsdp_status_setv(fsdp_status_t *st, int code,

@@ -37,6 +37,16 @@ static void test_every_domain_code_has_a_status_and_text(void **state) {
   }
 }
 
+/* A caller that adds context to a message it holds formats the status into itself. */
+static void test_a_status_message_can_prefix_itself(void **state) {
+  (void)state;
+  fsdp_status_t st;
+  fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "arena '%s' is full", "job-a");
+  fsdp_status_set(&st, st.code, "unit '%s': %s", "layer.0", st.message);
+  assert_int_equal(st.code, FSDP_E_RESOURCE_EXHAUSTED);
+  assert_string_equal(st.message, "unit 'layer.0': arena 'job-a' is full");
+}
+
 static void test_every_grpc_status_round_trips(void **state) {
   (void)state;
   for (int code = GRPC_STATUS_CANCELLED; code <= GRPC_STATUS_UNAUTHENTICATED; code++) {
@@ -362,6 +372,7 @@ static void test_peer_state_names(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_domain_code_has_a_status_and_text),
+      cmocka_unit_test(test_a_status_message_can_prefix_itself),
       cmocka_unit_test(test_every_grpc_status_round_trips),
       cmocka_unit_test(test_specific_mappings),
       cmocka_unit_test(test_error_status_names),
