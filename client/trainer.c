@@ -62,7 +62,8 @@ struct fsdp_unit_handle {
   uint64_t started_seq;
   op_kind_t started_kind;
   uint64_t started_step;
-  bool started_backward, started_accumulate; /* to send it again over gRPC */
+  bool started_backward; /* to send it again over gRPC */
+  unsigned started_reduce_flags;
 };
 
 struct fsdp_trainer {
@@ -678,6 +679,16 @@ static const char *reduce_path(const fsdp_unit_handle_t *u) {
   return u->strategy == FSDP_NO_SHARD ? TRAINER_PATH("AllReduce") : TRAINER_PATH("ReduceScatter");
 }
 
+static void set_reduce_flags(Fsdp__V1__UnitOpRequest *rq, unsigned flags) {
+  rq->accumulate = flags & FSDP_REDUCE_ACCUMULATE;
+  rq->defer_all_reduce = flags & FSDP_REDUCE_DEFER_ALL_REDUCE;
+}
+
+static unsigned reduce_flags_of(const Fsdp__V1__UnitOpRequest *rq) {
+  return (rq->accumulate ? FSDP_REDUCE_ACCUMULATE : 0u) |
+         (rq->defer_all_reduce ? FSDP_REDUCE_DEFER_ALL_REDUCE : 0u);
+}
+
 static void fill_request(const fsdp_trainer_t *t, const fsdp_unit_handle_t *u, uint64_t step,
                          Fsdp__V1__UnitOpRequest *rq) {
   fsdp__v1__unit_op_request__init(rq);
@@ -781,7 +792,8 @@ static uint64_t fast_send(fsdp_trainer_t *t, const fsdp_unit_handle_t *u, const 
   if (!t->fast)
     return 0;
   fsdp_fast_request_t fast = {.step = rq->step, .unit_id = u->id, .kind = (uint8_t)kind->fast,
-                              .backward = rq->backward, .accumulate = rq->accumulate};
+                              .backward = rq->backward, .accumulate = rq->accumulate,
+                              .defer_all_reduce = rq->defer_all_reduce};
   return fsdp_fast_client_send(t->fast, &fast);
 }
 
@@ -847,7 +859,7 @@ static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind
     u->started_kind = *kind;
     u->started_step = rq->step;
     u->started_backward = rq->backward;
-    u->started_accumulate = rq->accumulate;
+    u->started_reduce_flags = reduce_flags_of(rq);
   }
   return r;
 }
@@ -855,7 +867,7 @@ static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind
 /* A unit operation of the API (api: its name for messages), run now or started to be
  * waited for. */
 static int unit_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *api,
-                        const op_kind_t *kind, uint64_t step, bool backward, bool accumulate,
+                        const op_kind_t *kind, uint64_t step, bool backward, unsigned reduce_flags,
                         bool started) {
   int r = check_op(t, u, api);
   if (r < 0)
@@ -863,20 +875,20 @@ static int unit_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *ap
   Fsdp__V1__UnitOpRequest rq;
   fill_request(t, u, step, &rq);
   rq.backward = backward;
-  rq.accumulate = accumulate;
+  set_reduce_flags(&rq, reduce_flags);
   return started ? start(t, u, kind, &rq) : unit_op(t, u, kind, &rq);
 }
 
 int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step,
                          fsdp_pass_t pass) {
   return unit_request(trainer, unit, "unshard", &unshard_op, step, pass == FSDP_PASS_BACKWARD,
-                      false, false);
+                      0, false);
 }
 
 int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
                                uint64_t step, fsdp_pass_t pass) {
   return unit_request(trainer, unit, "unshard_start", &unshard_op, step,
-                      pass == FSDP_PASS_BACKWARD, false, true);
+                      pass == FSDP_PASS_BACKWARD, 0, true);
 }
 
 int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms) {
@@ -895,7 +907,7 @@ int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int tim
     Fsdp__V1__UnitOpRequest rq;
     fill_request(trainer, unit, unit->started_step, &rq);
     rq.backward = unit->started_backward;
-    rq.accumulate = unit->started_accumulate;
+    set_reduce_flags(&rq, unit->started_reduce_flags);
     return fast_finish(trainer, unit, &unit->started_kind, &rq, seq, timeout_ms);
   }
   fsdp_client_started_t *started = unit->started;
@@ -907,20 +919,30 @@ int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int tim
 }
 
 int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step) {
-  return unit_request(trainer, unit, "reshard", &reshard_op, step, false, false, false);
+  return unit_request(trainer, unit, "reshard", &reshard_op, step, false, 0, false);
+}
+
+/* A reduce, run now or started (api: its name for messages). */
+static int reduce_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *api,
+                          uint64_t step, unsigned flags, bool started) {
+  const unsigned known = FSDP_REDUCE_ACCUMULATE | FSDP_REDUCE_DEFER_ALL_REDUCE;
+  if (t && (flags & ~known))
+    return fsdp_client_set_last_error(t->client, -EINVAL,
+                                      "fsdp_trainer_%s: flags 0x%x hold bits that are not "
+                                      "FSDP_REDUCE_* flags (0x%x)",
+                                      api, flags, flags & ~known);
+  op_kind_t kind = u ? reduce_op(u) : unshard_op; /* check_op refuses a NULL unit */
+  return unit_request(t, u, api, &kind, step, false, flags, started);
 }
 
 int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
-                                uint64_t step, bool accumulate) {
-  op_kind_t kind = unit ? reduce_op(unit) : unshard_op; /* check_op refuses a NULL unit */
-  return unit_request(trainer, unit, "reduce_scatter", &kind, step, false, accumulate, false);
+                                uint64_t step, unsigned flags) {
+  return reduce_request(trainer, unit, "reduce_scatter", step, flags, false);
 }
 
 int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
-                                      uint64_t step, bool accumulate) {
-  op_kind_t kind = unit ? reduce_op(unit) : unshard_op; /* check_op refuses a NULL unit */
-  return unit_request(trainer, unit, "reduce_scatter_start", &kind, step, false, accumulate,
-                      true);
+                                      uint64_t step, unsigned flags) {
+  return reduce_request(trainer, unit, "reduce_scatter_start", step, flags, true);
 }
 
 int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule) {

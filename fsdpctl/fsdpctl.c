@@ -330,6 +330,7 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
                            json_object_new_int64(s->jobs[i]->backward_prefetch));
     json_object_object_add(jo, "order_given", json_object_new_boolean(s->jobs[i]->order_given));
     json_object_object_add(jo, "copies", pool_json(s->jobs[i]->copies));
+    json_object_object_add(jo, "sums", pool_json(s->jobs[i]->sums));
     json_object *gradients = json_object_new_array();
     for (size_t r = 0; r < s->jobs[i]->n_gradients; r++)
       json_object_array_add(gradients, pool_json(s->jobs[i]->gradients[r]));
@@ -380,7 +381,8 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
 #define LABEL "%-13s"
 
 /* "  in flight, at most 2: copies 1 lent (most 2; 2 made, 1.5 MiB; 3 waits), ..." with the
- * local ranks' gradient pools summed (their "most" is the largest rank's). */
+ * local ranks' gradient pools summed (their "most" is the largest rank's), and the host
+ * sums of a job across hosts. */
 static void print_pools(const Fsdp__V1__JobMemory *j) {
   Fsdp__V1__Pool grads = FSDP__V1__POOL__INIT;
   for (size_t r = 0; r < j->n_gradients; r++) {
@@ -392,16 +394,19 @@ static void print_pools(const Fsdp__V1__JobMemory *j) {
     grads.waits += p->waits;
   }
   static const Fsdp__V1__Pool none = FSDP__V1__POOL__INIT;
-  const Fsdp__V1__Pool *pools[2] = {j->copies ? j->copies : &none, &grads};
-  const char *names[2] = {"copies", "gradients"};
+  const Fsdp__V1__Pool *pools[3] = {j->copies ? j->copies : &none, &grads,
+                                    j->sums ? j->sums : &none};
+  const char *names[3] = {"copies", "gradients", "host sums"};
   printf(LABEL "  in flight, at most %" PRIu32 ":", "", j->max_inflight);
-  for (size_t k = 0; k < 2; k++) {
+  for (size_t k = 0; k < 3; k++) {
+    if (k == 2 && !pools[k]->buffers)
+      continue; /* a job on one host has none */
     char bytes[32];
     format_bytes(pools[k]->bytes, bytes, sizeof bytes);
     printf("%s %s %" PRIu32 " lent (most %" PRIu32 "%s; %" PRIu32 " made, %s; %" PRIu64
            " waits)",
-           k ? "," : "", names[k], pools[k]->lent, pools[k]->most_lent, k ? " per rank" : "",
-           pools[k]->buffers, bytes, pools[k]->waits);
+           k ? "," : "", names[k], pools[k]->lent, pools[k]->most_lent,
+           k == 1 ? " per rank" : "", pools[k]->buffers, bytes, pools[k]->waits);
   }
   printf("\n");
   printf(LABEL "  prefetch %" PRIu32 " ahead in forward, %" PRIu32 " in backward; forward order %s\n",
@@ -776,6 +781,9 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object_object_add(o, "reshard_after_forward",
                          json_object_new_boolean(u->reshard_after_forward));
   json_object_object_add(o, "forward_index", json_object_new_int64(u->forward_index));
+  json_object_object_add(o, "deferred_reduces", json_object_new_int64(u->deferred_reduces));
+  json_object_object_add(o, "replica_all_reduces",
+                         json_object_new_uint64(u->replica_all_reduces));
   json_object_object_add(o, "copy", json_string(copy_text(u->copy)));
   json_object_object_add(o, "copy_holders", ranks_json(u->copy_holders, u->n_copy_holders));
   json_object_object_add(o, "gradient_holders",
@@ -956,6 +964,10 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
   print_ranks(", lent to ranks", u->copy_holders, u->n_copy_holders);
   print_ranks("; gradient buffers lent to ranks", u->gradient_holders, u->n_gradient_holders);
   printf("\n");
+  if (u->replica_all_reduces || u->deferred_reduces)
+    printf("%" PRIu64 " all-reduces among replicas; %" PRIu32
+           " reduces deferred to the next\n",
+           u->replica_all_reduces, u->deferred_reduces);
   for (size_t c = 0; c < u->n_collectives; c++) {
     printf("under way: ");
     print_collective(u, u->collectives[c]);

@@ -46,7 +46,7 @@ typedef struct fsdp_fast_request {
   uint8_t kind;     /* fsdp_fast_kind_t */
   uint8_t backward; /* Unshard */
   uint8_t accumulate; /* ReduceScatter, AllReduce */
-  uint8_t reserved;
+  uint8_t defer_all_reduce; /* ReduceScatter (UnitOpRequest's) */
 } fsdp_fast_request_t;
 
 typedef struct fsdp_fast_reply {

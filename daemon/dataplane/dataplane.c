@@ -17,11 +17,14 @@ typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kin
 /* Work on the thread pool. A gather casts this host's master shards into the unsharded
  * buffer, then (across hosts) an all-gather fills in the other hosts' regions. A reduce on
  * one host writes the gradient shards in one pass; across hosts the same work is done by
- * the rings' hooks, chunk by chunk, as the transfers go (see "Rings among hosts"). */
+ * the rings' hooks, chunk by chunk, as the transfers go (see "Rings among hosts"), but for
+ * a reduce that defers its all-reduce when the host is its own shard group: no ring runs,
+ * and one pass adds the host sum to the deferred sum. */
 typedef enum work_kind {
   WORK_PREFAULT,
   WORK_GATHER,
   WORK_REDUCE,
+  WORK_DEFER,
 } work_kind_t;
 
 struct fsdp_dataplane_work {
@@ -35,7 +38,7 @@ struct fsdp_dataplane_work {
 };
 
 static const char *const work_names[] = {"preparing its buffers", "the gather",
-                                         "the reduce-scatter"};
+                                         "the reduce-scatter", "the deferred reduce"};
 
 /* A unit's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
@@ -149,6 +152,21 @@ static void wake(fsdp_unit_t *u, waiter_kind_t kind) {
 static void give_back_grads(fsdp_job_t *job, fsdp_unit_t *u, const fsdp_rank_set_t *ranks);
 static void give_back_copy(fsdp_job_t *job, fsdp_unit_t *u);
 
+static void drop_deferred(fsdp_job_t *job, fsdp_unit_t *u) {
+  if (!u->has_deferred)
+    return;
+  u->has_deferred = false;
+  u->n_deferred = 0;
+  fsdp_arena_release(job->arena, u->deferred_offset);
+}
+
+static void give_back_sum(fsdp_job_t *job, fsdp_unit_t *u) {
+  if (!u->has_sum)
+    return;
+  u->has_sum = false;
+  fsdp_pool_give(&job->sums, u->sum_offset);
+}
+
 /* Ends the collection of `kind`: every waiter gets err and the message. What it held goes
  * back: the gradient buffers of the ranks that submitted to a reduce, and the copy a gather
  * was writing. */
@@ -164,6 +182,14 @@ static void abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind
   }
   if (kind == WAIT_REDUCE) {
     give_back_grads(job, u, &c->submitted);
+    fsdp_pool_cancel(&u->sum_waiter);
+    give_back_sum(job, u);
+    if (c->running && u->has_deferred) { /* its hooks may have left it half added */
+      log_warning("unit '%s': the gradients whose all-reduce among replicas was deferred are "
+                  "dropped: the reduce of step %llu failed",
+                  u->spec->unit, (unsigned long long)c->step);
+      drop_deferred(job, u);
+    }
   } else if (c->running) {
     fsdp_pool_cancel(&u->copy_waiter);
     give_back_copy(job, u);
@@ -257,15 +283,29 @@ static fsdp_dtype_t reduce_dtype(const fsdp_unit_t *u) {
   return kernel_dtype(fsdp_unit_spec_reduce_dtype(u->spec));
 }
 
-/* Across hosts: the host's sum of its ranks' gradients in reduce_dtype (what the rings
- * move), and the fp32 buffer the pre-reduction writes first (the same when reduce_dtype is
- * fp32). */
-static void *host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  return (char *)fsdp_arena_base(job->arena) + u->host_sum_offset;
+static size_t round64(size_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+/* Across hosts, the host sum lent to a reduce: the fp32 buffer the pre-reduction writes
+ * first, then the sum in reduce_dtype (what the rings move) when that is narrower. */
+static size_t host_sum_fp32_bytes(const fsdp_unit_t *u) {
+  return round64((size_t)u->layout.padded_numel * 4);
+}
+
+static size_t host_sum_bytes(const fsdp_unit_t *u) {
+  size_t reduce_size = fsdp_dtype_size(reduce_dtype(u));
+  return host_sum_fp32_bytes(u) +
+         (reduce_size == 4 ? 0 : round64((size_t)u->layout.padded_numel * reduce_size));
 }
 
 static float *host_sum_fp32(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->host_sum_fp32_offset);
+  return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->sum_offset);
+}
+
+static void *host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  bool fp32 = reduce_dtype(u) == FSDP_DTYPE_FP32;
+  return (char *)host_sum_fp32(job, u) + (fp32 ? 0 : host_sum_fp32_bytes(u));
 }
 
 /* The local ranks' lent full gradients, in local rank order. */
@@ -274,6 +314,32 @@ static void full_grads(const fsdp_job_t *job, const fsdp_unit_t *u,
   const char *base = fsdp_arena_base(job->arena);
   for (unsigned r = 0; r < job->local_world_size; r++)
     srcs[r] = base + u->full_grad_offsets[r];
+}
+
+/* HYBRID_SHARD's deferred sum (fsdp_unit_t says when): this host's region in reduce_dtype. */
+static char *deferred_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  return (char *)fsdp_arena_base(job->arena) + u->deferred_offset;
+}
+
+/* Elements [begin, end) of the unit, from the host sum into the deferred sum: copied by the
+ * first deferred reduce, added by the next ones (as FSDP2 adds its partial reduce output). */
+static int keep_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t begin,
+                         uint64_t end) {
+  fsdp_dtype_t type = reduce_dtype(u);
+  size_t size = fsdp_dtype_size(type);
+  char *kept = deferred_sum(job, u) + (begin - host_first(u)) * size;
+  const char *sum = (const char *)host_sum(job, u) + begin * size;
+  return u->n_deferred == 0 ? fsdp_cast(kept, type, sum, type, end - begin)
+                            : fsdp_add(kept, sum, type, end - begin);
+}
+
+/* Elements [begin, end) of the deferred sum, added to the host sum before its all-reduce. */
+static int add_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t begin,
+                        uint64_t end) {
+  fsdp_dtype_t type = reduce_dtype(u);
+  size_t size = fsdp_dtype_size(type);
+  return fsdp_add((char *)host_sum(job, u) + begin * size,
+                  deferred_sum(job, u) + (begin - host_first(u)) * size, type, end - begin);
 }
 
 /* The work queue: one item at a time on libuv's thread pool. */
@@ -309,6 +375,13 @@ static void run_work(uv_work_t *req) {
                                      reduce_dtype(u), u->pre_scale, u->post_scale,
                                      u->layout.padded_numel);
     break;
+  case WORK_DEFER:
+    w->result = fsdp_host_sum_range(host_sum(w->job, u), host_sum_fp32(w->job, u), srcs, world,
+                                    param_dtype(u), reduce_dtype(u), u->pre_scale, first,
+                                    first + n);
+    if (w->result == 0)
+      w->result = keep_deferred(w->job, u, first, first + n);
+    break;
   }
 }
 
@@ -340,7 +413,12 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
     return;
   }
   u->reduced_step = c->step;
+  if (u->reduce_defer)
+    u->n_deferred++;
+  else
+    drop_deferred(job, u); /* the all-reduce took it */
   give_back_grads(job, u, &c->submitted);
+  give_back_sum(job, u);
   wake(u, kind);
   fsdp_collection_reset(c);
 }
@@ -352,14 +430,15 @@ static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
 /* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
  * (done_ring); the other is -1. This host's cast is followed by the all-gather among the
  * shard group, a reduce-scatter among the shard group by the all-reduce among the replicas,
- * if any; every other stage ends its collective. */
+ * if any and not deferred; every other stage ends its collective. */
 static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
                        int done_ring) {
   if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
     start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
   else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER)
     finish_collective(job, u, WAIT_UNSHARD, NULL);
-  else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1)
+  else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1 &&
+           !u->reduce_defer)
     start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
   else
     finish_collective(job, u, WAIT_REDUCE, NULL);
@@ -436,9 +515,28 @@ static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t by
   size_t n = bytes / run->elem_size;
   const void *srcs[FSDP_LOCAL_WORLD_MAX];
   full_grads(run->job, u, srcs);
-  return fsdp_host_sum_range(host_sum(run->job, u), host_sum_fp32(run->job, u), srcs,
-                             run->job->local_world_size, param_dtype(u), reduce_dtype(u),
-                             u->pre_scale, e, e + n);
+  int r = fsdp_host_sum_range(host_sum(run->job, u), host_sum_fp32(run->job, u), srcs,
+                              run->job->local_world_size, param_dtype(u), reduce_dtype(u),
+                              u->pre_scale, e, e + n);
+  /* The all-reduce among replicas of a host that is its own shard group: the host sum is
+   * the group's, and the deferred one joins it here. */
+  if (r == 0 && run->kind == FSDP_RING_ALL_REDUCE && u->has_deferred)
+    r = add_deferred(run->job, u, e, e + n);
+  return r;
+}
+
+/* On a pool thread: a final chunk of this host's region of the shard group's sum, kept
+ * (a deferred reduce) or joined by the deferred sum before the all-reduce among replicas. */
+static int keep_group_sum(void *arg, unsigned region, size_t offset, size_t bytes) {
+  ring_run_t *run = arg;
+  uint64_t e = chunk_elem(run, region, offset);
+  return keep_deferred(run->job, run->unit, e, e + bytes / run->elem_size);
+}
+
+static int add_to_group_sum(void *arg, unsigned region, size_t offset, size_t bytes) {
+  ring_run_t *run = arg;
+  uint64_t e = chunk_elem(run, region, offset);
+  return add_deferred(run->job, run->unit, e, e + bytes / run->elem_size);
 }
 
 /* On a pool thread: a final chunk of this host's region of the sum, divided by the
@@ -509,6 +607,8 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
                     status->message);
     finish_collective(run->job, u, ring_waiter_kind(run->kind), &st);
   } else {
+    if (run->kind == FSDP_RING_ALL_REDUCE)
+      u->replica_all_reduces++;
     next_stage(run->dp, run->job, u, -1, (int)run->kind);
   }
   free(run);
@@ -572,9 +672,17 @@ static void start_run(ring_run_t *run) {
   const fsdp_ucx_mem_t *whole_mem =
       fsdp_fabric_memory(dp->fabric, whole, u->layout.padded_numel * run->elem_size);
   char *buf = whole + run->first_elem * run->elem_size;
-  /* The reduce's first ring makes the host sum, its last one writes the gradient shards. */
+  /* The reduce's first ring makes the host sum, its last one writes the gradient shards; a
+   * reduce-scatter followed by an all-reduce keeps its result for a later one, or adds what
+   * was kept, when the all-reduce is deferred. */
   bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
   bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
+  int (*finalize)(void *, unsigned, size_t, size_t) =
+      gather           ? NULL
+      : last_of_reduce ? finalize_grads
+      : u->reduce_defer ? keep_group_sum
+      : u->has_deferred ? add_to_group_sum
+                        : NULL;
   if (!gather && !(run->scratch = take_scratch(dp))) {
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
                     "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
@@ -602,7 +710,7 @@ static void start_run(ring_run_t *run) {
       .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
                                   : NULL,
       .produce = !gather && first_of_reduce ? produce_host_sum : NULL,
-      .finalize = !gather && last_of_reduce ? finalize_grads : NULL,
+      .finalize = finalize,
       .hook_arg = run,
   };
   fsdp_ring_t *ring;
@@ -676,32 +784,20 @@ static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_u
 
 /* Operations. */
 
-static size_t round64(size_t n) {
-  return (n + 63) / 64 * 64;
-}
-
-/* Takes the unit's persistent buffers from the arena, in one block: the master shards, the
- * gradient shards and, across hosts, the host sums. The block starts on a page, so that a
- * trainer can map the masters as the unit's copy. */
+/* Takes the unit's persistent buffers from the arena, in one block: this host's master
+ * shards and gradient shards. The block starts on a page, so that a trainer can map the
+ * masters as the unit's copy. */
 static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   size_t padded = (size_t)u->layout.padded_numel;
-  size_t fp32 = round64(padded * 4);
-  size_t host_fp32 = round64((size_t)host_numel(u) * 4); /* this host's shards only */
-  size_t reduce_size = fsdp_dtype_size(reduce_dtype(u));
-  /* Across hosts: the host sum in fp32, and in reduce_dtype when that is narrower. */
-  size_t sums = !fsdp_unit_plan_spans_hosts(&u->plan) ? 0
-                : reduce_size == 4                     ? fp32
-                                                       : fp32 + round64(padded * reduce_size);
+  size_t host_fp32 = round64((size_t)host_numel(u) * 4);
   fsdp_arena_stats_t stats;
   fsdp_arena_get_stats(job->arena, &stats);
   uint64_t base;
-  int r = fsdp_arena_alloc(job->arena, 2 * host_fp32 + sums, stats.page_size, &base, st);
+  int r = fsdp_arena_alloc(job->arena, 2 * host_fp32, stats.page_size, &base, st);
   if (r < 0)
     return r;
   u->buffers_offset = u->master_offset = base;
   u->grad_offset = u->master_offset + host_fp32;
-  u->host_sum_fp32_offset = u->grad_offset + host_fp32;
-  u->host_sum_offset = u->host_sum_fp32_offset + (reduce_size == 4 ? 0 : fp32);
   u->copy_in_masters = param_dtype(u) == FSDP_DTYPE_FP32 && host_numel(u) == padded;
   return 0;
 }
@@ -1134,10 +1230,86 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
   unshard(dp, job, unit, op);
 }
 
+/* Before a reduce across hosts runs: a deferred sum of another run is dropped; a reduce
+ * that defers makes the block when it is the first, and one that does not writes the
+ * gradient shards only if every deferred reduce it takes in asked to accumulate too. */
+static int prepare_deferred(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
+  const fsdp_collection_t *c = &u->reduce;
+  if (u->has_deferred && u->deferred_generation != c->generation) {
+    log_warning("unit '%s': the gradients of %u reduces of generation %llu that deferred "
+                "their all-reduce among replicas are dropped: generation %llu runs now",
+                u->spec->unit, u->n_deferred, (unsigned long long)u->deferred_generation,
+                (unsigned long long)c->generation);
+    drop_deferred(job, u);
+  }
+  if (!u->reduce_defer) {
+    if (u->has_deferred)
+      u->reduce_accumulate = u->reduce_accumulate && u->deferred_accumulate;
+    return 0;
+  }
+  if (u->has_deferred) {
+    u->deferred_accumulate = u->deferred_accumulate && u->reduce_accumulate;
+    return 0;
+  }
+  size_t bytes = round64((size_t)host_numel(u) * fsdp_dtype_size(reduce_dtype(u)));
+  int r = fsdp_arena_alloc(job->arena, bytes, 64, &u->deferred_offset, st);
+  if (r < 0)
+    return fsdp_status_set(st, r, "unit '%s' step %llu: no room to keep the gradients whose "
+                           "all-reduce among replicas is deferred: %s",
+                           u->spec->unit, (unsigned long long)c->step, st->message);
+  u->has_deferred = true;
+  u->deferred_generation = c->generation;
+  u->deferred_accumulate = u->reduce_accumulate;
+  return 0;
+}
+
+/* A reduce across hosts borrows a host sum from the job's pool for as long as its rings run,
+ * waiting (under the collective deadline) while max_inflight are lent: a running reduce
+ * always ends, so the wait does too. */
+static void on_sum_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st);
+
+static void start_reduce_rings(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
+  u->sum_waiter.data = dp;
+  uint64_t offset = 0;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  int r = fsdp_pool_take(&job->sums, host_sum_bytes(u), &u->sum_waiter, on_sum_ready, &offset,
+                         &st);
+  if (r == 1)
+    return; /* on_sum_ready goes on */
+  on_sum_ready(&u->sum_waiter, offset, &st);
+}
+
+static void on_sum_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st) {
+  fsdp_unit_t *u = (fsdp_unit_t *)((char *)waiter - offsetof(fsdp_unit_t, sum_waiter));
+  if (st->code < 0) {
+    fsdp_status_t failed;
+    fsdp_status_set(&failed, st->code, "unit '%s' step %llu: no host sum: %s", u->spec->unit,
+                    (unsigned long long)u->reduce.step, st->message);
+    finish_collective(u->job, u, WAIT_REDUCE, &failed);
+    return;
+  }
+  u->has_sum = true;
+  u->sum_offset = offset;
+  fsdp_status_t deferred;
+  if (prepare_deferred(u->job, u, &deferred) < 0) {
+    finish_collective(u->job, u, WAIT_REDUCE, &deferred);
+    return;
+  }
+  if (u->plan.shard_ring.members > 1) {
+    start_ring(waiter->data, u->job, u, FSDP_RING_REDUCE_SCATTER);
+  } else if (!u->reduce_defer) {
+    start_ring(waiter->data, u->job, u, FSDP_RING_ALL_REDUCE);
+  } else {
+    int r = queue(waiter->data, WORK_DEFER, u->job, u);
+    if (r < 0)
+      abort_collection(u->job, u, WAIT_REDUCE, r, "cannot queue the deferred reduce");
+  }
+}
+
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                            const fsdp_dataplane_rank_t *who, uint64_t step, bool accumulate,
-                           uint64_t deadline_ms, fsdp_dataplane_op_t *op,
-                           fsdp_dataplane_done_fn done, void *data) {
+                           bool defer_all_reduce, uint64_t deadline_ms,
+                           fsdp_dataplane_op_t *op, fsdp_dataplane_done_fn done, void *data) {
   uint32_t rank = who->local_rank;
   op_init(op, unit, who, WAIT_REDUCE, done, data);
   if (!ready(op))
@@ -1156,15 +1328,22 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
             unit->spec->unit, (unsigned long long)step, rank);
     return;
   }
+  bool defer = defer_all_reduce && unit->plan.replica_ring.members > 1; /* else no replicas */
   if (c->count == 0) {
     unit->reduce_accumulate = accumulate;
-  } else if (step == c->step && accumulate != unit->reduce_accumulate) {
+    unit->reduce_defer = defer;
+  } else if (step == c->step &&
+             (accumulate != unit->reduce_accumulate || defer != unit->reduce_defer)) {
+    bool which = accumulate != unit->reduce_accumulate;
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
-             "unit '%s' step %llu: local rank %u submitted with accumulate %s while the other "
-             "ranks submitted with accumulate %s",
-             unit->spec->unit, (unsigned long long)step, rank, accumulate ? "true" : "false",
-             unit->reduce_accumulate ? "true" : "false");
+             "unit '%s' step %llu: local rank %u submitted with %s %s while the other ranks "
+             "submitted with %s %s",
+             unit->spec->unit, (unsigned long long)step, rank,
+             which ? "accumulate" : "defer_all_reduce",
+             (which ? accumulate : defer) ? "true" : "false",
+             which ? "accumulate" : "defer_all_reduce",
+             (which ? unit->reduce_accumulate : unit->reduce_defer) ? "true" : "false");
     abort_collection(job, unit, WAIT_REDUCE, FSDP_E_FAILED_PRECONDITION, message);
     op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
     return;
@@ -1172,8 +1351,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   if (collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms) <= 0)
     return;
   if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
-    start_ring(dp, job, unit,
-               unit->plan.shard_ring.members > 1 ? FSDP_RING_REDUCE_SCATTER : FSDP_RING_ALL_REDUCE);
+    start_reduce_rings(dp, job, unit);
     return;
   }
   int r = queue(dp, WORK_REDUCE, job, unit);
@@ -1187,6 +1365,7 @@ static const waiter_kind_t collective_kinds[] = {WAIT_UNSHARD, WAIT_REDUCE};
 void fsdp_dataplane_set_max_inflight(fsdp_job_t *job, unsigned max_inflight) {
   job->max_inflight = max_inflight;
   fsdp_pool_set_capacity(&job->copies, max_inflight);
+  fsdp_pool_set_capacity(&job->sums, max_inflight);
   for (uint32_t r = 0; r < job->local_world_size; r++)
     fsdp_pool_set_capacity(&job->grad_pools[r], max_inflight);
 }
@@ -1204,9 +1383,32 @@ static void format_copy_holders(const fsdp_job_t *job, char *buf, size_t size) {
   }
 }
 
-/* Gathers and gradient lends that waited for a pool buffer past their deadline. */
+/* "'a', 'b'": the units whose reduces hold host sums. */
+static void format_sum_holders(const fsdp_job_t *job, char *buf, size_t size) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (const fsdp_unit_t *u = job->units; u && used < size; u = u->next)
+    if (u->has_sum)
+      used += (size_t)snprintf(buf + used, size - used, "%s'%s'", used ? ", " : "",
+                               u->spec->unit);
+}
+
+/* Gathers, reduces and gradient lends that waited for a pool buffer past their deadline. */
 static void expire_pool_waits(fsdp_job_t *job, uint64_t now_ms) {
   char message[FSDP_STATUS_MESSAGE_MAX], holders[256];
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (!u->reduce.running || fsdp_list_empty(&u->sum_waiter.link) ||
+        now_ms < u->reduce.deadline_ms)
+      continue;
+    format_sum_holders(job, holders, sizeof holders);
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: no host sum of job '%s' came free in time "
+             "(store.collective_timeout): its %u (max_inflight) are held by the reduces of %s",
+             u->spec->unit, (unsigned long long)u->reduce.step, job->name, job->max_inflight,
+             holders);
+    log_warning("%s", message);
+    abort_collection(job, u, WAIT_REDUCE, FSDP_E_ABORTED, message);
+  }
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (!u->gather.running || fsdp_list_empty(&u->copy_waiter.link) ||
         now_ms < u->gather.deadline_ms)

@@ -169,11 +169,15 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
                             fsdp_dataplane_done_fn done, void *data);
 
 /* ReduceScatter (and AllReduce of a NO_SHARD unit) for who's rank at `step`, adding to the
- * gradient shards with `accumulate`; deadline_ms as for Unshard. */
+ * gradient shards with `accumulate`; deadline_ms as for Unshard. defer_all_reduce, for a
+ * unit with replicas on other hosts (HYBRID_SHARD), keeps the shard group's sum for the
+ * next reduce without it, which all-reduces it among the replicas with its own (see
+ * fsdp_unit_t); for any other unit it changes nothing. Every local rank must pass the same
+ * accumulate and defer_all_reduce. */
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                            const fsdp_dataplane_rank_t *who, uint64_t step, bool accumulate,
-                           uint64_t deadline_ms, fsdp_dataplane_op_t *op,
-                           fsdp_dataplane_done_fn done, void *data);
+                           bool defer_all_reduce, uint64_t deadline_ms,
+                           fsdp_dataplane_op_t *op, fsdp_dataplane_done_fn done, void *data);
 
 /* Reshard: who's rank lets go of the unit's copy, which goes back when no rank holds it.
  * Fails (st says why) unless the unit has buffers. */

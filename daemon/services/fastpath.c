@@ -170,7 +170,8 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
                            fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
   else
     fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, rq->accumulate,
-                          fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
+                          rq->defer_all_reduce, fsdp_unit_ops_deadline(ctx), &o->op,
+                          on_op_done, o);
 }
 
 /* The trainer rang: takes its requests while their replies are sure to find room (each

@@ -281,7 +281,8 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
     return;
   fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, rq->accumulate,
-                        fsdp_unit_ops_deadline(ctx), &p->op, on_unit_op_done, p);
+                        rq->defer_all_reduce, fsdp_unit_ops_deadline(ctx), &p->op,
+                        on_unit_op_done, p);
 }
 
 static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -428,7 +429,7 @@ typedef struct status_storage {
   Fsdp__V1__Session **session_ptrs;
   Fsdp__V1__JobMemory *jobs;
   Fsdp__V1__JobMemory **job_ptrs;
-  Fsdp__V1__Pool *pools; /* per job: its copies, then each local rank's gradients */
+  Fsdp__V1__Pool *pools; /* per job: its copies, its host sums, each local rank's gradients */
   Fsdp__V1__Pool **pool_ptrs;
 } status_storage_t;
 
@@ -449,7 +450,7 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
   unsigned n = ctx->store->n_jobs;
   size_t n_pools = 0;
   for (const fsdp_job_t *j = ctx->store->jobs; j; j = j->next)
-    n_pools += 1 + j->local_world_size;
+    n_pools += 2 + j->local_world_size;
   s->jobs = calloc(n ? n : 1, sizeof *s->jobs);
   s->job_ptrs = calloc(n ? n : 1, sizeof *s->job_ptrs);
   s->pools = calloc(n_pools ? n_pools : 1, sizeof *s->pools);
@@ -469,6 +470,7 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->backward_prefetch = j->backward_prefetch;
     m->order_given = j->order_given;
     m->copies = fill_pool(&s->pools[pool++], &j->copies);
+    m->sums = fill_pool(&s->pools[pool++], &j->sums);
     m->gradients = &s->pool_ptrs[pool];
     m->n_gradients = j->local_world_size;
     for (uint32_t r = 0; r < j->local_world_size; r++, pool++)
@@ -782,6 +784,8 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->reduced_step = u->reduced_step;
   info->reshard_after_forward = u->reshard_after_forward;
   info->forward_index = u->order_index;
+  info->deferred_reduces = u->n_deferred;
+  info->replica_all_reduces = u->replica_all_reduces;
   info->copy = copy_kind(u);
   info->copy_holders = store->copy_holders;
   info->n_copy_holders = list_ranks(&u->holders, job->local_world_size, store->copy_holders);

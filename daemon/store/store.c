@@ -56,6 +56,7 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
   }
   u->job = job;
   fsdp_list_init(&u->copy_waiter.link);
+  fsdp_list_init(&u->sum_waiter.link);
   /* FSDP's default: FULL_SHARD and HYBRID_SHARD free the copy after the forward; the others
    * hold theirs until the backward. */
   u->reshard_after_forward =
@@ -124,6 +125,7 @@ static int make_pools(fsdp_job_t *job, unsigned max_inflight, fsdp_status_t *st)
                            job->name);
   job->max_inflight = max_inflight;
   fsdp_pool_init(&job->copies, job->shared_arena, max_inflight);
+  fsdp_pool_init(&job->sums, job->arena, max_inflight);
   for (uint32_t r = 0; r < job->local_world_size; r++)
     fsdp_pool_init(&job->grad_pools[r], job->arena, max_inflight);
   return 0;
@@ -136,6 +138,7 @@ static void job_free(fsdp_job_t *job) {
   }
   if (job->grad_pools) {
     fsdp_pool_cleanup(&job->copies);
+    fsdp_pool_cleanup(&job->sums);
     for (uint32_t r = 0; r < job->local_world_size; r++)
       fsdp_pool_cleanup(&job->grad_pools[r]);
     free(job->grad_pools);

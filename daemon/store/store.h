@@ -60,10 +60,6 @@ typedef struct fsdp_unit {
   uint64_t buffers_offset;    /* the arena block holding the persistent buffers */
   uint64_t master_offset;     /* these in the job's arena; master and grad: this host's */
   uint64_t grad_offset;
-  /* Across hosts only: the host's sum of its ranks' gradients, in reduce_dtype and in fp32
-   * (the same buffer when reduce_dtype is fp32). */
-  uint64_t host_sum_offset;
-  uint64_t host_sum_fp32_offset;
   /* The unsharded copy, lent to the ranks in `holders` (daemon/dataplane/dataplane.h).
    * copy_in_masters: the param dtype is fp32 and this host holds every shard, so the masters
    * themselves are the copy: nothing is gathered or held. Otherwise, while has_copy, the
@@ -93,6 +89,26 @@ typedef struct fsdp_unit {
   bool gather_ahead; /* the gather was the schedule's prefetch, not the ranks' asking */
   fsdp_collection_t reduce;
   bool reduce_accumulate;
+  /* HYBRID_SHARD's gradient accumulation (FSDP2's set_requires_all_reduce(False)): a reduce
+   * that defers its all-reduce among replicas (reduce_defer) adds this host's region of the
+   * shard group's sum, in reduce_dtype, to a block of the arena at deferred_offset (held
+   * while has_deferred), instead of writing the gradient shards; the next reduce that does
+   * not defer adds the block to its sum before the all-reduce and writes the shards, adding
+   * to them only if it and every deferred reduce asked to accumulate (deferred_accumulate).
+   * A reduce that fails while using the block drops it. The block belongs to the run (generation) whose reduces made it: another run's first
+   * reduce drops it. */
+  bool reduce_defer;
+  bool has_deferred;
+  unsigned n_deferred;
+  uint64_t deferred_offset;
+  uint64_t deferred_generation;
+  bool deferred_accumulate;
+  uint64_t replica_all_reduces; /* all-reduces among replicas run, for fsdpctl unit */
+  /* Across hosts, while the reduce's rings run (has_sum): the host's sum of its ranks'
+   * gradients, lent by the job's pool of sums, at sum_offset of the arena. */
+  bool has_sum;
+  uint64_t sum_offset;
+  fsdp_pool_waiter_t sum_waiter; /* a reduce waiting for a pool buffer; data: the data plane */
   uint64_t reduced_step; /* of the last reduce-scatter that completed */
   /* Operations waiting until a collection or the buffers' preparation ends. */
   fsdp_dataplane_op_t *waiters;
@@ -106,11 +122,12 @@ typedef struct fsdp_job {
   char name[FSDP_JOB_NAME_MAX + 1];
   uint32_t local_world_size;
   /* The bounded pools (daemon/store/pool.h), capped at max_inflight: the unsharded copies
-   * of units that reshard after forward, in shared_arena, and each local rank's
-   * full-gradient buffers (local_world_size pools), in arena. */
+   * of units that reshard after forward, in shared_arena, each local rank's full-gradient
+   * buffers (local_world_size pools) and the host sums of reduces across hosts, in arena. */
   unsigned max_inflight;
   fsdp_pool_t copies;
   fsdp_pool_t *grad_pools;
+  fsdp_pool_t sums;
   fsdp_job_owner_t owner; /* of the session that created it: whom Attach lets in */
   /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
    * `shared_arena`, sealed so that trainers can only map it read-only, and every other

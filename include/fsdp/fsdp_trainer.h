@@ -188,12 +188,24 @@ int fsdp_trainer_unshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint
 /* Lets go of the unsharded copy (view->unsharded becomes NULL). */
 int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint64_t step);
 
+/* How a reduce treats the gradient shards: fsdp_trainer_reduce_scatter's flags, or 0. */
+enum {
+  FSDP_REDUCE_ACCUMULATE = 1u << 0, /* add to the gradient shards instead of writing them */
+  /* Gradient accumulation with HYBRID_SHARD (FSDP2's set_requires_all_reduce(False)): reduce
+   * among the shard group only and keep the sum, without writing the shards; the next reduce
+   * without this flag adds it to its own before the all-reduce among the replicas and writes
+   * the shards, adding to them only if every reduce since had FSDP_REDUCE_ACCUMULATE. One
+   * all-reduce among hosts per accumulated step instead of one per micro-batch. No effect on
+   * a unit without replicas on other hosts. Every local rank passes the same flags. */
+  FSDP_REDUCE_DEFER_ALL_REDUCE = 1u << 1,
+};
+
 /* Submits this rank's full gradient (view->full_grad, lent by an Unshard for the backward)
  * and returns once every local rank's is reduced into the gradient shards (AllReduce for
- * NO_SHARD units); the buffer goes back to the pool (view->full_grad becomes NULL).
- * accumulate adds instead of writing. */
+ * NO_SHARD units); the buffer goes back to the pool (view->full_grad becomes NULL). flags:
+ * FSDP_REDUCE_* (true still means FSDP_REDUCE_ACCUMULATE). */
 int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
-                                uint64_t step, bool accumulate);
+                                uint64_t step, unsigned flags);
 
 /* Sets the job's schedule. */
 int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule);
@@ -206,7 +218,7 @@ int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *sc
 int fsdp_trainer_unshard_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
                                uint64_t step, fsdp_pass_t pass);
 int fsdp_trainer_reduce_scatter_start(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit,
-                                      uint64_t step, bool accumulate);
+                                      uint64_t step, unsigned flags);
 int fsdp_trainer_wait(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, int timeout_ms);
 
 #ifdef __cplusplus

@@ -206,17 +206,25 @@ class Unit:
         """Lets go of the unsharded copy."""
         self._call(_lib.lib().fsdp_trainer_reshard, "reshard", step)
 
-    def reduce_scatter(self, step=0, accumulate=False):
+    def reduce_scatter(self, step=0, accumulate=False, defer_all_reduce=False):
         """Submits full_grad; returns once every local rank's is reduced into the gradient
         shards (the mean by default; accumulate adds to them instead). full_grad goes back to
-        the daemon."""
+        the daemon. defer_all_reduce (HYBRID_SHARD's gradient accumulation): the sum among
+        the shard group is kept instead, and the next reduce without it all-reduces both
+        among the replicas and writes the shards (adding only if every reduce since
+        accumulated); no effect on a unit without replicas on other hosts."""
         self._call(_lib.lib().fsdp_trainer_reduce_scatter, "reduce_scatter", step,
-                   bool(accumulate))
+                   _reduce_flags(accumulate, defer_all_reduce))
 
-    def reduce_scatter_async(self, step=0, accumulate=False):
+    def reduce_scatter_async(self, step=0, accumulate=False, defer_all_reduce=False):
         """Starts the ReduceScatter; wait() returns its result."""
         self._call(_lib.lib().fsdp_trainer_reduce_scatter_start, "reduce_scatter_async", step,
-                   bool(accumulate))
+                   _reduce_flags(accumulate, defer_all_reduce))
+
+
+def _reduce_flags(accumulate, defer_all_reduce):
+    return ((_lib.REDUCE_ACCUMULATE if accumulate else 0) |
+            (_lib.REDUCE_DEFER_ALL_REDUCE if defer_all_reduce else 0))
 
 
 def _pass(backward):

@@ -14,6 +14,7 @@ from pathlib import Path
 SCALAR_DEFAULT, SCALAR_FP32, SCALAR_BF16, SCALAR_FP16 = 0, 1, 2, 3
 STRATEGIES = {"FULL_SHARD": 1, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "NO_SHARD": 4}
 PASS_FORWARD, PASS_BACKWARD = 0, 1
+REDUCE_ACCUMULATE, REDUCE_DEFER_ALL_REDUCE = 1, 2  # fsdp_trainer.h's FSDP_REDUCE_*
 
 
 class ClientOptions(ctypes.Structure):
@@ -85,9 +86,9 @@ _SIGNATURES = {
     "fsdp_trainer_wait": (ctypes.c_int, [_p, _p, ctypes.c_int]),
     "fsdp_trainer_set_schedule": (ctypes.c_int, [_p, ctypes.POINTER(Schedule)]),
     "fsdp_trainer_reshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
-    "fsdp_trainer_reduce_scatter": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_bool]),
+    "fsdp_trainer_reduce_scatter": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_uint]),
     "fsdp_trainer_reduce_scatter_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64,
-                                                         ctypes.c_bool]),
+                                                         ctypes.c_uint]),
 }
 
 _lock = threading.Lock()

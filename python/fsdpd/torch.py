@@ -192,10 +192,11 @@ class _FlatUnit:
             self.unit.reshard(self.copy_step)
             self.copy_step = 0
 
-    def reduce_async(self, step, accumulate):
+    def reduce_async(self, step, accumulate, defer_all_reduce):
         """Starts the reduce of the gradient buffer; the backward goes on meanwhile."""
         self.settle()
-        self.unit.reduce_scatter_async(step, accumulate=accumulate)
+        self.unit.reduce_scatter_async(step, accumulate=accumulate,
+                                       defer_all_reduce=defer_all_reduce)
         self.reducing = True
 
 
@@ -223,6 +224,7 @@ class ShardedModel(_nn.Module):
         self.step = 0
         self._sync_count = 0
         self._callback_queued = False
+        self._no_sync = False  # inside no_sync(): reduces defer their all-reduce
         self._units = self._make_units(wrap)
         # The root module's units keep their copy from the forward to the backward, as FSDP's
         # root does, so they never hold up the pool of the units in flight.
@@ -369,7 +371,7 @@ class ShardedModel(_nn.Module):
             fu.unshard(fu.ran_step, backward=True)
         fu.reshard()
         keep = fu.shard_param.grad is not None
-        fu.reduce_async(fu.ran_step, accumulate=keep)
+        fu.reduce_async(fu.ran_step, accumulate=keep, defer_all_reduce=self._no_sync)
         if not keep:
             fu.shard_param.grad = fu.unit.grad_shard
 
@@ -391,11 +393,19 @@ class ShardedModel(_nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """For gradient accumulation: inside, backward passes add their gradients to the
-        gradient shards (each unit reduces with accumulate, as FSDP2 does with HSDP's
-        set_requires_all_reduce(False)), so the first backward outside adds the last
-        micro-batch; the optimizer steps after it. The daemon lends full-gradient buffers
-        per unit and backward, so none is kept between micro-batches."""
-        yield
+        gradient shards (each unit reduces with accumulate), so the first backward outside
+        adds the last micro-batch; the optimizer steps after it. With HYBRID_SHARD the
+        reduces inside stop at each host's shard group, as FSDP2's
+        set_requires_all_reduce(False) does: the daemon keeps their sum, and the backward
+        outside all-reduces it among the replicas once, so the gradient shards hold the
+        accumulated gradient only after that backward. The daemon lends full-gradient
+        buffers per unit and backward, so none is kept between micro-batches."""
+        outer = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = outer
 
     # --- collectives of the whole model --------------------------------------------------
     def _summing_unit(self, name, numel):

@@ -26,7 +26,7 @@ import pytest
 from fsdpd_harness import common_pb2, fsdpd, operator_pb2, poll, trainer_pb2  # noqa: F401
 from test_peers import (INSECURE, Cluster, free_ports, peers, row, token_args, wait_all_joined,
                         wait_state)
-from test_reduce_scatter import decode, reference
+from test_reduce_scatter import decode, f32, reference, rounder
 from test_unshard import BF16, FP32, SIZE, Rank, encode, host_element, on_all, values_for
 
 STRATEGIES = {"FULL_SHARD": common_pb2.FULL_SHARD, "SHARD_GRAD_OP": common_pb2.SHARD_GRAD_OP,
@@ -195,6 +195,70 @@ def test_hybrid_shard_groups_of_two_hosts(fsdpd):
     c = start_cluster(fsdpd, 2, extra=["--set", "cluster.shard_group_hosts=2"])
     hosts, layouts = check_collectives(c, "HYBRID_SHARD", FP32, group=2)
     assert [x.shard for h in layouts for x in h] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("n_hosts,group", [(2, 1), (4, 2)])
+def test_hybrid_shard_all_reduces_among_replicas_on_the_last_micro_batch_only(fsdpd, n_hosts,
+                                                                              group):
+    """Gradient accumulation over three micro-batches, bf16: the first two reduces defer
+    their all-reduce among the replicas, so each host keeps its shard group's sum (FSDP2's
+    partial reduce output) and no gradient shard changes; the third adds the kept sum to its
+    own, runs the one all-reduce among replicas, and writes the shards, overwriting them (the
+    first reduce did not accumulate). Shard groups of one host (no ring before the
+    all-reduce) and of two (a reduce-scatter among the group first). The result is bit for
+    bit the roundings FSDP2 performs: the group's sum, kept = kept + sum, then (sum + kept)
+    all-reduced, then the mean."""
+    c = start_cluster(fsdpd, n_hosts, extra=["--set", f"cluster.shard_group_hosts={group}"])
+    hosts = attach(c)
+    flat = [r for host in hosts for r in host]
+    layouts = [r.register(shapes=SHAPES, param_dtype=BF16, strategy=common_pb2.HYBRID_SHARD)
+               for r in flat]
+    n = layouts[0].padded_numel
+    R = rounder(BF16)
+
+    def shards():
+        return [decode(bytes(r.memory[x.grad_offset + host_element(x) * 4:
+                                      x.grad_offset + (host_element(x) + x.shard_numel) * 4]),
+                       FP32) for r, x in zip(flat, layouts)]
+
+    def unit_info(d):
+        return json.loads(d.fsdpctl("--json", "unit", "u").stdout)
+
+    before = shards()
+    group_sums = []  # [micro-batch][shard group][element]
+    for m, (defer, accumulate) in enumerate([(True, False), (True, True), (False, True)]):
+        step = m + 1
+        assert on_all(flat, "Unshard", step=step) == [None] * len(flat)
+        assert on_all(flat, "Unshard", step=step, backward=True) == [None] * len(flat)
+        # Not exact in bf16: every rounding shows.
+        grads = [decode(encode([((i * 37 + 11 * g + 5 * m) % 97 - 48) * 0.37 for i in range(n)],
+                               BF16), BF16) for g in range(len(flat))]
+        for g, r in enumerate(flat):
+            r.write_full_grad(grads[g], BF16)
+        assert on_all(flat, "ReduceScatter", step=step, accumulate=accumulate,
+                      defer_all_reduce=defer) == [None] * len(flat)
+        host_sums = [[R(grads[h * L][i] + grads[h * L + 1][i]) for i in range(n)]
+                     for h in range(n_hosts)]
+        # A group's hosts are consecutive; a ring of two adds its two hosts' sums.
+        group_sums.append([host_sums[h] if group == 1 else
+                           [R(a + b) for a, b in zip(host_sums[h], host_sums[h + 1])]
+                           for h in range(0, n_hosts, group)])
+        infos = [unit_info(d) for d in c.daemons]
+        if defer:
+            assert shards() == before
+            assert [(u["deferred_reduces"], u["replica_all_reduces"]) for u in infos] == \
+                [(step, 0)] * n_hosts
+    assert [(u["deferred_reduces"], u["replica_all_reduces"]) for u in infos] == \
+        [(0, 1)] * n_hosts
+    totals = []  # two groups, two replicas of each shard: a ring of two adds them
+    for g in range(2):
+        kept = group_sums[0][g]
+        kept = [R(k + s) for k, s in zip(kept, group_sums[1][g])]
+        totals.append([R(s + k) for s, k in zip(group_sums[2][g], kept)])
+    mean = [R(R(a + b) * f32(1 / len(flat))) for a, b in zip(*totals)]
+    for got, x in zip(shards(), layouts):
+        lo = x.shard * x.shard_numel
+        assert got == mean[lo:lo + x.shard_numel], f"shard {x.shard}"
 
 
 @pytest.mark.parametrize("tls", [None, "posix,sysv,cma,self"], ids=["tcp", "shm"])

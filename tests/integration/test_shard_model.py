@@ -213,6 +213,19 @@ def test_two_daemons_train_like_one_process(fsdpd, strategy):
     shards = [records[0]["units"][0]["shard"] for records in ranks]
     assert shards == ([0, 1, 2, 3] if strategy == "FULL_SHARD" else [0, 1, 0, 1])
     _assert_matches(ranks, ref, 1e-5)
+    for d in c.daemons:
+        # Each step is two micro-batches, the first under no_sync: HYBRID_SHARD all-reduces
+        # among the replicas once per step (the first micro-batch's reduce defers), FULL_SHARD
+        # has no replicas.
+        for name in ("root", "blocks.0", "blocks.1"):
+            unit = json.loads(d.fsdpctl("--json", "unit", name).stdout)
+            assert unit["deferred_reduces"] == 0, unit
+            assert unit["replica_all_reduces"] == (STEPS if strategy == "HYBRID_SHARD" else 0)
+        # The host sums are lent while the reduces' rings run, never more than the cap.
+        (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+        sums = job["sums"]
+        assert 0 < sums["most_lent"] <= job["max_inflight"] and sums["lent"] == 0, job
+        assert sums["buffers"] <= job["max_inflight"], job
 
 
 def test_a_killed_trainer_restarts_and_training_goes_on(fsdpd):

@@ -60,10 +60,11 @@ class Rank:
             params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32)
                     for i, s in enumerate(shapes)]), trainer_pb2.RegisterUnitReply)
 
-    def op(self, name, unit="u", step=0, timeout=10, backward=False):
+    def op(self, name, unit="u", step=0, timeout=10, **fields):
+        """fields: the UnitOpRequest's others (backward, accumulate, defer_all_reduce)."""
         reply = self.d.call(f"/fsdp.v1.Trainer/{name}",
                             trainer_pb2.UnitOpRequest(session_id=self.session, unit=unit,
-                                                      step=step, backward=backward),
+                                                      step=step, **fields),
                             trainer_pb2.UnitOpReply, timeout=timeout)
         if name == "Unshard":
             self.lent[unit] = reply
@@ -97,14 +98,14 @@ def host_element(layout):
     return (layout.shard - layout.host_first_shard) * layout.shard_numel
 
 
-def on_all(ranks, name, unit="u", step=0, backward=False):
+def on_all(ranks, name, unit="u", step=0, **fields):
     """name on every rank at once (one thread each), as the ranks' processes would; returns
     the errors, in rank order (None for success)."""
     errors = [None] * len(ranks)
 
     def run(i):
         try:
-            ranks[i].op(name, unit=unit, step=step, backward=backward)
+            ranks[i].op(name, unit=unit, step=step, **fields)
         except grpc.RpcError as e:
             errors[i] = e
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
