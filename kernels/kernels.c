@@ -6,6 +6,7 @@
  * differ in corner cases (VCVTNEPS2BF16 flushes subnormals) and GCC does not vectorize
  * _Float16 conversions. */
 #include "kernels/kernels.h"
+#include "kernels/elements.h"
 
 #include <errno.h>
 #include <math.h>
@@ -82,113 +83,17 @@ int fsdp_dtype_parse(const char *name, fsdp_dtype_t *ret_type) {
   return -EINVAL;
 }
 
-/* ---- Scalar conversions on bit patterns; each compiles to a handful of vector ops. ---- */
-
-INLINE uint32_t bits_of(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-INLINE float float_of(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-/* Round to nearest even by adding 0x7fff plus the lowest kept bit; carries into the
- * exponent are right (the largest finite values round up to Inf, subnormals into normals).
- * A NaN keeps its top payload bits and gets the quiet bit, which the addition could have
- * carried away or into the exponent. */
-INLINE uint16_t fp32_to_bf16(uint32_t u) {
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  uint32_t nan = (u >> 16) | 0x40u;
-  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
-
-INLINE uint32_t bf16_to_fp32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  return (h & 0x7fffu) > 0x7f80u ? u | 0x00400000u : u;
-}
-
-/* fp16 -> fp32 is exact. Exponent and mantissa move up 13 bits and the exponent is rebiased
- * by 112; a subnormal m * 2^-24 is made a normal float 2^-14 + m * 2^-24 by giving it the
- * exponent of 2^-14, and 2^-14 is then subtracted (exactly) in float. */
-INLINE uint32_t fp16_to_fp32(uint16_t h) {
-  uint32_t em = (uint32_t)(h & 0x7fffu) << 13;
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = em & 0x0f800000u;
-  uint32_t normal = em + 0x38000000u;
-  uint32_t special = (em + 0x70000000u) | ((em & 0x007fe000u) ? 0x00400000u : 0u);
-  uint32_t subnormal = bits_of(float_of(em + 0x38800000u) - float_of(0x38800000u));
-  uint32_t r = exp == 0x0f800000u ? special : normal;
-  r = exp == 0 ? subnormal : r;
-  return r | sign;
-}
-
-/* fp32 -> fp16, to nearest even. Normal results: rebias and round with the 0xfff + odd-bit
- * trick, whose carry also turns [65520, 65536) into Inf. Below 2^-14 the result is
- * subnormal: adding 0.5f puts the float's bits at fp16's subnormal scale (ulp(0.5f) = 2^-24)
- * and the FPU rounds to nearest even for us. From 65536 up: Inf; NaN keeps its top 10
- * payload bits and is made quiet. */
-INLINE uint16_t fp32_to_fp16(uint32_t u) {
-  uint32_t sign = (u >> 16) & 0x8000u;
-  uint32_t a = u & 0x7fffffffu;
-  uint32_t normal = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
-  uint32_t subnormal = bits_of(float_of(a) + 0.5f) - 0x3f000000u;
-  uint32_t special = a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu) : 0x7c00u;
-  uint32_t r = a < 0x38800000u ? subnormal : normal;
-  r = a >= 0x47800000u ? special : r;
-  return (uint16_t)(r | sign);
-}
-
 /* Element k of a buffer of dtype t, as an fp32 value (exact for every dtype). */
 INLINE float load_as_float(const void *p, size_t k, fsdp_dtype_t t) {
   switch (t) {
   case FSDP_DTYPE_BF16:
-    return float_of(bf16_to_fp32(((const u16u *)p)[k]));
+    return fsdp_float_of(fsdp_bf16_to_fp32(((const u16u *)p)[k]));
   case FSDP_DTYPE_FP16:
-    return float_of(fp16_to_fp32(((const u16u *)p)[k]));
+    return fsdp_float_of(fsdp_fp16_to_fp32(((const u16u *)p)[k]));
   case FSDP_DTYPE_FP32:
     break;
   }
   return ((const f32u *)p)[k];
-}
-
-/* R of kernels.h: x rounded to dtype t, as an fp32 value. Same results as the conversions
- * above and back, in fewer operations, because the reduce runs it once or twice per source
- * and element.
- *
- * `clean` says that x is the result of one fp32 operation on values of type t (and finite
- * fp32 scales): then a NaN in x is one of the operands' NaNs or the default NaN, with no
- * payload bits below t's mantissa, and bf16 rounding cannot carry out of it, so the NaN
- * select is skipped. A value converted from a wider type is not clean. */
-INLINE float round_to(float x, fsdp_dtype_t t, bool clean) {
-  uint32_t u = bits_of(x);
-  switch (t) {
-  case FSDP_DTYPE_BF16: {
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    if (!clean)
-      r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : r;
-    return float_of(r);
-  }
-  case FSDP_DTYPE_FP16: {
-    /* Normal range: round away the low 13 bits; a carry out of 65504 lands on 65536, which
-     * is beyond fp16 and becomes Inf. Below 2^-14: x + 0.5f - 0.5f rounds to a multiple of
-     * 2^-24 (ulp of 0.5f) exactly, both steps being exact or correctly rounded. */
-    uint32_t sign = u & 0x80000000u;
-    uint32_t a = u & 0x7fffffffu;
-    uint32_t normal = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
-    normal = normal >= 0x47800000u ? 0x7f800000u : normal;
-    uint32_t subnormal = bits_of((float_of(a) + 0.5f) - 0.5f);
-    uint32_t r = a < 0x38800000u ? subnormal : normal;
-    r = a > 0x7f800000u ? (a | 0x00400000u) & 0xffffe000u : r;
-    return float_of(r | sign);
-  }
-  case FSDP_DTYPE_FP32:
-    break;
-  }
-  return x;
 }
 
 /* ---- Cast ---- */
@@ -199,25 +104,25 @@ INLINE void cast_loop(void *dst, fsdp_dtype_t dt, const void *src, fsdp_dtype_t 
   if (dt == FSDP_DTYPE_FP32) {
     u32u *d = dst;
     for (size_t i = 0; i < n; i++)
-      d[i] = bits_of(load_as_float(src, i, st));
+      d[i] = fsdp_bits_of(load_as_float(src, i, st));
   } else if (st == FSDP_DTYPE_FP32) {
     const u32u *s = src;
     u16u *d = dst;
     if (dt == FSDP_DTYPE_BF16)
       for (size_t i = 0; i < n; i++)
-        d[i] = fp32_to_bf16(s[i]);
+        d[i] = fsdp_fp32_to_bf16(s[i]);
     else
       for (size_t i = 0; i < n; i++)
-        d[i] = fp32_to_fp16(s[i]);
+        d[i] = fsdp_fp32_to_fp16(s[i]);
   } else {
     /* Between the 16-bit types through fp32: widening is exact, so there is one rounding. */
     u16u *d = dst;
     if (dt == FSDP_DTYPE_BF16)
       for (size_t i = 0; i < n; i++)
-        d[i] = fp32_to_bf16(bits_of(load_as_float(src, i, st)));
+        d[i] = fsdp_fp32_to_bf16(fsdp_bits_of(load_as_float(src, i, st)));
     else
       for (size_t i = 0; i < n; i++)
-        d[i] = fp32_to_fp16(bits_of(load_as_float(src, i, st)));
+        d[i] = fsdp_fp32_to_fp16(fsdp_bits_of(load_as_float(src, i, st)));
   }
 }
 
@@ -267,13 +172,13 @@ INLINE float source_value(const void *src, size_t k, fsdp_dtype_t st, fsdp_dtype
                           bool scale, float pre) {
   float x;
   if (st == FSDP_DTYPE_BF16)
-    x = float_of((uint32_t)((const u16u *)src)[k] << 16);
+    x = fsdp_float_of((uint32_t)((const u16u *)src)[k] << 16);
   else
     x = load_as_float(src, k, st);
   if (rt != FSDP_DTYPE_FP32 && rt != st)
-    x = round_to(x, rt, false);
+    x = fsdp_round_to(x, rt, false);
   if (scale)
-    x = round_to(x * pre, rt, true);
+    x = fsdp_round_to(x * pre, rt, true);
   return x;
 }
 
@@ -282,7 +187,7 @@ INLINE float source_value(const void *src, size_t k, fsdp_dtype_t st, fsdp_dtype
  * rather than a branch keeps one loop for both modes; reading dst costs no memory traffic
  * of its own, because storing to it fetches the line anyway. */
 INLINE float accumulate_base(float d, uint32_t keep_mask) {
-  return float_of((bits_of(d) & keep_mask) | (~keep_mask & 0x80000000u));
+  return fsdp_float_of((fsdp_bits_of(d) & keep_mask) | (~keep_mask & 0x80000000u));
 }
 
 /* One pass over a block of m elements: adds source a (and b when two) to the running sums,
@@ -293,9 +198,9 @@ INLINE void reduce_pass(float *sum, const char *a, const char *b, bool from_sum,
   for (size_t i = 0; i < m; i++) {
     float x = source_value(a, i, st, rt, scale_pre, pre);
     if (from_sum)
-      x = round_to(sum[i] + x, rt, true);
+      x = fsdp_round_to(sum[i] + x, rt, true);
     if (two)
-      x = round_to(x + source_value(b, i, st, rt, scale_pre, pre), rt, true);
+      x = fsdp_round_to(x + source_value(b, i, st, rt, scale_pre, pre), rt, true);
     sum[i] = x;
   }
 }
@@ -326,7 +231,7 @@ INLINE void reduce_block(float *dst, uint32_t keep_mask, const void *const *srcs
   f32u *d = dst + off;
   if (scale_post)
     for (size_t i = 0; i < m; i++)
-      d[i] = accumulate_base(d[i], keep_mask) + round_to(sum[i] * post, rt, true);
+      d[i] = accumulate_base(d[i], keep_mask) + fsdp_round_to(sum[i] * post, rt, true);
   else
     for (size_t i = 0; i < m; i++)
       d[i] = accumulate_base(d[i], keep_mask) + sum[i];
@@ -418,14 +323,14 @@ KERNEL static void add_kernel(void *dst, const void *src, fsdp_dtype_t type, siz
     u16u *d = dst;
     const u16u *s = src;
     for (size_t i = 0; i < n; i++)
-      d[i] = fp32_to_bf16(bits_of(float_of((uint32_t)d[i] << 16) + float_of((uint32_t)s[i] << 16)));
+      d[i] = fsdp_fp32_to_bf16(fsdp_bits_of(fsdp_float_of((uint32_t)d[i] << 16) + fsdp_float_of((uint32_t)s[i] << 16)));
     break;
   }
   case FSDP_DTYPE_FP16: {
     u16u *d = dst;
     const u16u *s = src;
     for (size_t i = 0; i < n; i++)
-      d[i] = fp32_to_fp16(bits_of(float_of(fp16_to_fp32(d[i])) + float_of(fp16_to_fp32(s[i]))));
+      d[i] = fsdp_fp32_to_fp16(fsdp_bits_of(fsdp_float_of(fsdp_fp16_to_fp32(d[i])) + fsdp_float_of(fsdp_fp16_to_fp32(s[i]))));
     break;
   }
   }

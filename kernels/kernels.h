@@ -28,15 +28,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The element types of parameters and gradients. The values are stable (tables and tests
- * index by them) but are not a wire format: proto/ has its own DType. */
-typedef enum fsdp_dtype {
-  FSDP_DTYPE_FP32 = 0,
-  FSDP_DTYPE_BF16 = 1,
-  FSDP_DTYPE_FP16 = 2,
-} fsdp_dtype_t;
+#include "kernels/dtype.h"
 
-#define FSDP_DTYPE_COUNT 3
 
 /* True for the three values above; anything else (an int cast from a request) is false. */
 bool fsdp_dtype_is_valid(fsdp_dtype_t type);
