@@ -11,6 +11,10 @@
 
 #include <fsdp/fsdp_error.h>
 
+#ifdef __cplusplus /* the CUDA backend's kernels are compiled as C++ */
+extern "C" {
+#endif
+
 #define FSDP_STATUS_MESSAGE_MAX 512
 
 typedef struct fsdp_status {
@@ -34,5 +38,9 @@ void fsdp_status_clear(fsdp_status_t *st);
 static inline bool fsdp_status_ok(const fsdp_status_t *st) {
   return st->code >= 0;
 }
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

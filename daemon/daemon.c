@@ -15,6 +15,7 @@
 #include <fsdp/fsdp_version.h>
 
 #include "common/log.h"
+#include "cuda/loader.h"
 #include "daemon/services/fastpath.h"
 #include "daemon/services/services.h"
 
@@ -608,6 +609,25 @@ static void raise_descriptor_limit(const fsdp_config_t *cfg) {
               (unsigned long long)nofile.rlim_cur, (unsigned long long)need);
 }
 
+/* backend = cuda: the GPUs are found, or the exit says why not. Their data path is not in
+ * this release, so a host where the backend would find GPUs hears that too. */
+static int check_cuda_backend(fsdp_status_t *st) {
+  const fsdp_cuda_module_t *module;
+  fsdp_cuda_device_t devices[FSDP_CUDA_DEVICES_MAX];
+  unsigned n = 0;
+  if (fsdp_cuda_load(&module, st) < 0 ||
+      fsdp_cuda_usable_devices(module, devices, FSDP_CUDA_DEVICES_MAX, &n, st) < 0)
+    return fsdp_status_set(st, FSDP_E_CONFIG, "key 'daemon.backend': value 'cuda': %s; use "
+                           "'host'", st->message);
+  char versions[96], first[320];
+  module->versions(versions, sizeof versions);
+  fsdp_cuda_device_format(&devices[0], first, sizeof first);
+  return fsdp_status_set(st, FSDP_E_CONFIG,
+                         "key 'daemon.backend': value 'cuda': found %u usable GPU(s), %s first "
+                         "(%s), but fsdpd %s keeps parameters in host memory only; use 'host'",
+                         n, first, versions, FSDP_VERSION_STRING);
+}
+
 int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
                       fsdp_config_t *config, fsdp_status_t *st) {
   memset(daemon, 0, sizeof *daemon);
@@ -620,14 +640,9 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   raise_descriptor_limit(&daemon->config);
 
   int r;
-  if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0) {
-    r = fsdp_status_set(st, FSDP_E_CONFIG,
-                        "key 'daemon.backend': value 'cuda' is not served by fsdpd %s%s; use "
-                        "'host'",
-                        FSDP_VERSION_STRING,
-                        FSDP_HAVE_CUDA ? "" : " (and this build has no CUDA toolkit)");
+  if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0 &&
+      (r = check_cuda_backend(st)) < 0)
     goto fail_config;
-  }
   if ((r = resolve_operator_group(&daemon->config, &daemon->has_operator_group,
                                   &daemon->operator_gid, st)) < 0)
     goto fail_config;

@@ -1,6 +1,8 @@
 """fsdpd as a process: start, serve health on both listeners, Status, drain on SIGTERM, and
 the run-dir rules (modes, lock, stale socket, symlinks, foreign files)."""
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 import signal
@@ -14,8 +16,9 @@ import time
 import grpc
 import pytest
 
-from fsdpd_harness import (FSDPD, HEALTH_SERVICES, NOT_SERVING, PROTOCOL_VERSION,  # noqa: F401
-                           SERVICE_UNKNOWN, SERVING, clean_env, fsdpd, operator_pb2, trainer_pb2)
+from fsdpd_harness import (BUILD_DIR, FSDPD, HEALTH_SERVICES, NOT_SERVING,  # noqa: F401
+                           PROTOCOL_VERSION, SERVICE_UNKNOWN, SERVING, clean_env, fsdpd,
+                           operator_pb2, run_fsdpd, trainer_pb2)
 
 
 def daemon_version():
@@ -311,3 +314,30 @@ def test_more_sigterms_while_stopping_still_exit_cleanly(fsdpd):
             break
         time.sleep(0.0002)
     assert d.wait() == 0
+
+
+def test_backend_cuda_counts_the_gpus_or_exits_78_saying_why(tmp_path):
+    """backend = cuda loads the CUDA module beside fsdpd and asks the runtime for the GPUs:
+    here (no GPU, no driver) the exit names the CUDA call and its error, as this test hears
+    it from the runtime itself; a build without the toolkit says so; a host with GPUs hears
+    that this release keeps parameters in host memory. fsdpd itself links no CUDA library."""
+    r = run_fsdpd("--run-dir", tmp_path / "run", "--health-listen", "127.0.0.1:0",
+                  "--backend", "cuda")
+    assert r.returncode == 78, r.stderr
+    said = "key 'daemon.backend': value 'cuda': "
+    modules = list(BUILD_DIR.rglob("fsdp-cuda.so"))
+    if not modules:
+        assert said + "this fsdpd was built without the CUDA backend" in r.stderr, r.stderr
+        return
+    linked = subprocess.run(["ldd", str(FSDPD)], capture_output=True, text=True).stdout
+    assert "libcudart" not in linked and "libnccl" not in linked, linked
+    cudart = ctypes.CDLL(ctypes.util.find_library("cudart"))
+    cudart.cudaGetErrorString.restype = ctypes.c_char_p
+    count = ctypes.c_int(0)
+    err = cudart.cudaGetDeviceCount(ctypes.byref(count))
+    if err:
+        why = cudart.cudaGetErrorString(err).decode()
+        assert said + "no usable GPU: cudaGetDeviceCount: " + why in r.stderr, r.stderr
+    else:
+        assert said + f"found {count.value} usable GPU(s)" in r.stderr, r.stderr
+

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Checks the include graph against the layers of docs/DESIGN.md.
 
-Every C file belongs to the row of LAYERS that names it, or else to the deepest folder of
+Every C file (and CUDA file, .cu) belongs to the row of LAYERS that names it, or else to the deepest folder of
 LAYERS that holds it, and may include headers of the rows its row names (its own among them,
 and what lies under each: 'proto' covers 'proto/host'); every folder holding C files has a
 row.
 Generated protocol headers (fsdp/v1/, grpc/health/v1/) belong to proto/, and public headers
-(<fsdp/...>) to everyone. No module (a .c and its .h) may reach itself through the includes
+(<fsdp/...>) to everyone. No module (a .c or .cu and its .h) may reach itself through the includes
 of the modules it includes.
 
 Usage: check_layering.py [ROOT]   (default: $FSDP_SOURCE_DIR)
@@ -28,6 +28,7 @@ LAYERS = {
     'kernels': ['common'],
     'transport': ['common', 'proto/host'],
     'collectives': ['common', 'proto/limits.h', 'proto/host', 'kernels', 'transport'],
+    'cuda': ['common', 'kernels'],
     'client': ['common', 'proto'],
     'fsdpctl': ['common', 'proto', 'client'],
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
@@ -40,6 +41,7 @@ LAYERS = {
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
                         'daemon/store', 'daemon/cluster', 'daemon/dataplane'],
     'daemon': ['common', 'proto', 'proto/host', 'config', 'kernels', 'transport', 'collectives',
+               'cuda',
                'daemon/rpc', 'daemon/session', 'daemon/store', 'daemon/cluster',
                'daemon/dataplane', 'daemon/services'],
 }
@@ -62,7 +64,7 @@ def folder_of(path):
 
 
 def sources(root):
-    out = subprocess.run(['git', '-C', root, 'ls-files', '-co', '--exclude-standard', '*.c', '*.h'],
+    out = subprocess.run(['git', '-C', root, 'ls-files', '-co', '--exclude-standard', '*.c', '*.cu', '*.h'],
                          capture_output=True, text=True, check=True).stdout.split()
     return [f for f in out if not f.startswith('include/') and os.path.exists(os.path.join(root, f))]
 
@@ -114,8 +116,8 @@ def check(root):
                 target = 'proto'
             elif os.path.exists(os.path.join(root, header)):
                 target = folder_of(header)
-                if f.endswith('.c') or header != f:
-                    modules.setdefault(f[:-2], set()).add(header[:-2])
+                if f.endswith(('.c', '.cu')) or header != f:
+                    modules.setdefault(os.path.splitext(f)[0], set()).add(header[:-2])
             else:
                 problems.append(f'{f}: includes "{header}", which is not a path from the project root')
                 continue
