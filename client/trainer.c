@@ -682,11 +682,13 @@ static const char *reduce_path(const fsdp_unit_handle_t *u) {
 static void set_reduce_flags(Fsdp__V1__UnitOpRequest *rq, unsigned flags) {
   rq->accumulate = flags & FSDP_REDUCE_ACCUMULATE;
   rq->defer_all_reduce = flags & FSDP_REDUCE_DEFER_ALL_REDUCE;
+  rq->step_optimizer = flags & FSDP_REDUCE_STEP_OPTIMIZER;
 }
 
 static unsigned reduce_flags_of(const Fsdp__V1__UnitOpRequest *rq) {
   return (rq->accumulate ? FSDP_REDUCE_ACCUMULATE : 0u) |
-         (rq->defer_all_reduce ? FSDP_REDUCE_DEFER_ALL_REDUCE : 0u);
+         (rq->defer_all_reduce ? FSDP_REDUCE_DEFER_ALL_REDUCE : 0u) |
+         (rq->step_optimizer ? FSDP_REDUCE_STEP_OPTIMIZER : 0u);
 }
 
 static void fill_request(const fsdp_trainer_t *t, const fsdp_unit_handle_t *u, uint64_t step,
@@ -793,7 +795,12 @@ static uint64_t fast_send(fsdp_trainer_t *t, const fsdp_unit_handle_t *u, const 
     return 0;
   fsdp_fast_request_t fast = {.step = rq->step, .unit_id = u->id, .kind = (uint8_t)kind->fast,
                               .backward = rq->backward, .accumulate = rq->accumulate,
-                              .defer_all_reduce = rq->defer_all_reduce};
+                              .reduce_flags = (uint8_t)((rq->defer_all_reduce
+                                                             ? FSDP_FAST_DEFER_ALL_REDUCE
+                                                             : 0u) |
+                                                        (rq->step_optimizer
+                                                             ? FSDP_FAST_STEP_OPTIMIZER
+                                                             : 0u))};
   return fsdp_fast_client_send(t->fast, &fast);
 }
 
@@ -925,7 +932,8 @@ int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint
 /* A reduce, run now or started (api: its name for messages). */
 static int reduce_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *api,
                           uint64_t step, unsigned flags, bool started) {
-  const unsigned known = FSDP_REDUCE_ACCUMULATE | FSDP_REDUCE_DEFER_ALL_REDUCE;
+  const unsigned known =
+      FSDP_REDUCE_ACCUMULATE | FSDP_REDUCE_DEFER_ALL_REDUCE | FSDP_REDUCE_STEP_OPTIMIZER;
   if (t && (flags & ~known))
     return fsdp_client_set_last_error(t->client, -EINVAL,
                                       "fsdp_trainer_%s: flags 0x%x hold bits that are not "
@@ -1005,5 +1013,81 @@ out:
   free(order);
   free(unit_ptrs);
   free(units);
+  return r;
+}
+
+/* Points the unit's view at its optimizer state, once the daemon said where it is; an offset
+ * outside the mapping is a daemon the trainer cannot trust. */
+static int show_optimizer_state(fsdp_trainer_t *t, fsdp_unit_handle_t *u,
+                                const Fsdp__V1__OptimizerUnitState *m) {
+  uint64_t numel = (uint64_t)u->view.host_shards * u->view.shard_numel;
+  uint64_t end = m->arrays_offset + (m->arrays ? (m->arrays - 1) * m->array_stride : 0) +
+                 numel * 4;
+  if (m->arrays > 3 || m->array_stride < numel * 4 || m->steps_offset + 8 > t->memory_size ||
+      end > t->memory_size || m->steps_offset % 8 || m->arrays_offset % 4 ||
+      m->array_stride % 4)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "fsdp_trainer_set_optimizer: the daemon placed unit "
+                                      "'%.256s''s optimizer state outside the job's memory",
+                                      u->name);
+  uint8_t *base = t->memory;
+  u->view.optimizer_steps = (uint64_t *)(void *)(base + m->steps_offset);
+  u->view.optimizer_arrays = m->arrays;
+  for (unsigned a = 0; a < m->arrays; a++)
+    u->view.optimizer_state[a] = (float *)(void *)(base + m->arrays_offset + a * m->array_stride);
+  return 0;
+}
+
+int fsdp_trainer_set_optimizer(fsdp_trainer_t *trainer, const fsdp_optim_t *optim) {
+  if (!trainer)
+    return -EINVAL;
+  if (!optim || (optim->n_groups && !optim->groups))
+    return fsdp_client_set_last_error(trainer->client, -EINVAL,
+                                      "fsdp_trainer_set_optimizer: an optimizer, and its groups "
+                                      "when it counts some, are required");
+  Fsdp__V1__OptimizerGroup *groups = calloc(optim->n_groups + 1, sizeof *groups);
+  Fsdp__V1__OptimizerGroup **group_ptrs = calloc(optim->n_groups + 1, sizeof *group_ptrs);
+  if (!groups || !group_ptrs) {
+    free(groups);
+    free(group_ptrs);
+    return fsdp_client_set_last_error(trainer->client, -ENOMEM,
+                                      "fsdp_trainer_set_optimizer: out of memory");
+  }
+  for (size_t i = 0; i < optim->n_groups; i++) {
+    const fsdp_param_group_t *g = &optim->groups[i];
+    fsdp__v1__optimizer_group__init(&groups[i]);
+    groups[i].params = (char **)g->params;
+    groups[i].n_params = g->n_params;
+    groups[i].lr = g->lr;
+    groups[i].weight_decay = g->weight_decay;
+    groups[i].maximize = g->maximize;
+    groups[i].beta1 = g->beta1;
+    groups[i].beta2 = g->beta2;
+    groups[i].eps = g->eps;
+    groups[i].amsgrad = g->amsgrad;
+    groups[i].momentum = g->momentum;
+    groups[i].dampening = g->dampening;
+    groups[i].nesterov = g->nesterov;
+    group_ptrs[i] = &groups[i];
+  }
+  Fsdp__V1__SetOptimizerRequest rq = FSDP__V1__SET_OPTIMIZER_REQUEST__INIT;
+  rq.session_id = trainer->session_id;
+  rq.kind = (Fsdp__V1__OptimizerKind)optim->kind;
+  rq.n_groups = optim->n_groups;
+  rq.groups = group_ptrs;
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(trainer->client, TRAINER_PATH("SetOptimizer"), &rq.base,
+                           &fsdp__v1__set_optimizer_reply__descriptor, 0, &reply);
+  free(group_ptrs);
+  free(groups);
+  if (r < 0)
+    return r;
+  const Fsdp__V1__SetOptimizerReply *states = (const void *)reply;
+  for (size_t i = 0; i < states->n_units && r == 0; i++) {
+    fsdp_unit_handle_t *u = find_unit(trainer, states->units[i]->unit);
+    if (u) /* a unit this rank has not registered yet learns it at its next set */
+      r = show_optimizer_state(trainer, u, states->units[i]);
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
   return r;
 }

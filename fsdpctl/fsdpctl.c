@@ -331,6 +331,9 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
     json_object_object_add(jo, "order_given", json_object_new_boolean(s->jobs[i]->order_given));
     json_object_object_add(jo, "copies", pool_json(s->jobs[i]->copies));
     json_object_object_add(jo, "sums", pool_json(s->jobs[i]->sums));
+    json_object_object_add(jo, "optimizer", json_string(s->jobs[i]->optimizer));
+    json_object_object_add(jo, "optimizer_bytes",
+                           json_object_new_uint64(s->jobs[i]->optimizer_bytes));
     json_object *gradients = json_object_new_array();
     for (size_t r = 0; r < s->jobs[i]->n_gradients; r++)
       json_object_array_add(gradients, pool_json(s->jobs[i]->gradients[r]));
@@ -412,6 +415,11 @@ static void print_pools(const Fsdp__V1__JobMemory *j) {
   printf(LABEL "  prefetch %" PRIu32 " ahead in forward, %" PRIu32 " in backward; forward order %s\n",
          "", j->forward_prefetch, j->backward_prefetch,
          j->order_given ? "given" : "recorded from the steps");
+  if (j->optimizer && *j->optimizer) {
+    char bytes[32];
+    format_bytes(j->optimizer_bytes, bytes, sizeof bytes);
+    printf(LABEL "  optimizer %s in the daemon, state %s\n", "", j->optimizer, bytes);
+  }
 }
 
 static void print_status(const ctl_t *ctl, const Fsdp__V1__StatusReply *s) {
@@ -784,6 +792,7 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object_object_add(o, "deferred_reduces", json_object_new_int64(u->deferred_reduces));
   json_object_object_add(o, "replica_all_reduces",
                          json_object_new_uint64(u->replica_all_reduces));
+  json_object_object_add(o, "optimizer_steps", json_object_new_uint64(u->optimizer_steps));
   json_object_object_add(o, "copy", json_string(copy_text(u->copy)));
   json_object_object_add(o, "copy_holders", ranks_json(u->copy_holders, u->n_copy_holders));
   json_object_object_add(o, "gradient_holders",
@@ -964,6 +973,8 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
   print_ranks(", lent to ranks", u->copy_holders, u->n_copy_holders);
   print_ranks("; gradient buffers lent to ranks", u->gradient_holders, u->n_gradient_holders);
   printf("\n");
+  if (u->optimizer_steps)
+    printf("%" PRIu64 " optimizer steps taken by the daemon\n", u->optimizer_steps);
   if (u->replica_all_reduces || u->deferred_reduces)
     printf("%" PRIu64 " all-reduces among replicas; %" PRIu32
            " reduces deferred to the next\n",

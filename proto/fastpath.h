@@ -39,6 +39,10 @@ typedef enum fsdp_fast_kind {
   FSDP_FAST_CANCEL = 5, /* of the operation `seq` names; its own reply says CANCELLED */
 } fsdp_fast_kind_t;
 
+/* fsdp_fast_request_t.reduce_flags */
+#define FSDP_FAST_DEFER_ALL_REDUCE 0x1u
+#define FSDP_FAST_STEP_OPTIMIZER 0x2u
+
 typedef struct fsdp_fast_request {
   uint64_t seq;     /* the trainer's, echoed in the reply */
   uint64_t step;
@@ -46,7 +50,7 @@ typedef struct fsdp_fast_request {
   uint8_t kind;     /* fsdp_fast_kind_t */
   uint8_t backward; /* Unshard */
   uint8_t accumulate; /* ReduceScatter, AllReduce */
-  uint8_t defer_all_reduce; /* ReduceScatter (UnitOpRequest's) */
+  uint8_t reduce_flags; /* ReduceScatter, AllReduce: FSDP_FAST_* below, UnitOpRequest's */
 } fsdp_fast_request_t;
 
 typedef struct fsdp_fast_reply {

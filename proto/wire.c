@@ -38,6 +38,7 @@ static const struct {
 } request_limits[] = {
     {"/fsdp.v1.Trainer/RegisterUnit", 0},
     {"/fsdp.v1.Trainer/SetSchedule", 0},
+    {"/fsdp.v1.Trainer/SetOptimizer", 0},
     {"/grpc.health.v1.Health/Check", FSDP_WIRE_HEALTH_REQUEST_MAX},
     {"/grpc.health.v1.Health/Watch", FSDP_WIRE_HEALTH_REQUEST_MAX},
 };

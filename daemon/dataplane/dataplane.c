@@ -10,6 +10,7 @@
 #include "collectives/local.h"
 #include "collectives/ring.h"
 #include "common/log.h"
+#include "daemon/dataplane/optimizer.h"
 #include "proto/host/formats.h"
 
 typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kind_t;
@@ -25,6 +26,7 @@ typedef enum work_kind {
   WORK_GATHER,
   WORK_REDUCE,
   WORK_DEFER,
+  WORK_OPTIMIZE,
 } work_kind_t;
 
 struct fsdp_dataplane_work {
@@ -33,12 +35,14 @@ struct fsdp_dataplane_work {
   fsdp_unit_t *unit;
   /* WORK_PREFAULT: the block's length, read on the loop: the block list is the loop's. */
   size_t bytes;
+  fsdp_optimizer_plan_t plan; /* WORK_OPTIMIZE */
   int result;
   fsdp_dataplane_work_t *next;
 };
 
 static const char *const work_names[] = {"preparing its buffers", "the gather",
-                                         "the reduce-scatter", "the deferred reduce"};
+                                         "the reduce-scatter", "the deferred reduce",
+                                         "the optimizer step"};
 
 /* A unit's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
@@ -375,6 +379,9 @@ static void run_work(uv_work_t *req) {
                                      reduce_dtype(u), u->pre_scale, u->post_scale,
                                      u->layout.padded_numel);
     break;
+  case WORK_OPTIMIZE:
+    w->result = fsdp_optimizer_run(&w->plan, dp->workers);
+    break;
   case WORK_DEFER:
     w->result = fsdp_host_sum_range(host_sum(w->job, u), host_sum_fp32(w->job, u), srcs, world,
                                     param_dtype(u), reduce_dtype(u), u->pre_scale, first,
@@ -426,11 +433,13 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
 static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit);
 static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                        fsdp_ring_kind_t kind);
+static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u);
 
 /* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
  * (done_ring); the other is -1. This host's cast is followed by the all-gather among the
  * shard group, a reduce-scatter among the shard group by the all-reduce among the replicas,
- * if any and not deferred; every other stage ends its collective. */
+ * if any and not deferred; a reduce that steps the optimizer by its step; every other stage
+ * ends its collective. */
 static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
                        int done_ring) {
   if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
@@ -440,6 +449,8 @@ static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, in
   else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1 &&
            !u->reduce_defer)
     start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
+  else if (done_work != WORK_OPTIMIZE && u->reduce_step)
+    start_step(dp, job, u);
   else
     finish_collective(job, u, WAIT_REDUCE, NULL);
 }
@@ -464,6 +475,9 @@ static void work_done(uv_work_t *req, int status) {
     wake(u, WAIT_REGISTER);
   } else if (r < 0) {
     waiter_kind_t kind = w->kind == WORK_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
+    if (w->kind == WORK_OPTIMIZE) /* which elements it stepped is unknown: start again */
+      log_error("unit '%s': its masters and optimizer state may be half stepped",
+                u->spec->unit);
     fsdp_status_t st;
     fsdp_status_set(&st, FSDP_E_INTERNAL, "job '%s' unit '%s' step %llu: %s failed: %s",
                     w->job->name, u->spec->unit,
@@ -473,6 +487,7 @@ static void work_done(uv_work_t *req, int status) {
   } else {
     next_stage(dp, w->job, u, (int)w->kind, -1);
   }
+  fsdp_optimizer_plan_cleanup(&w->plan);
   free(w);
   dp->busy = false;
   start_next(dp);
@@ -766,6 +781,8 @@ static void start_next(fsdp_dataplane_t *dp) {
     work_done(&dp->req, r); /* fails the item and moves on */
 }
 
+static void enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w);
+
 static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit) {
   fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
   if (!w)
@@ -773,13 +790,47 @@ static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_u
   *w = (fsdp_dataplane_work_t){.kind = kind, .job = job, .unit = unit};
   if (kind == WORK_PREFAULT)
     w->bytes = fsdp_arena_block_size(job->arena, unit->buffers_offset);
+  enqueue(dp, w);
+  return 0;
+}
+
+/* The unit's optimizer step, after its reduce wrote the gradient shards; the reduce ends
+ * with it. A step the unit took already (a restarted run repeating it) is not taken again. */
+static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
+  uint64_t step = u->reduce.step;
+  if (step <= u->stepped_step) {
+    log_info("unit '%s' step %llu: its optimizer step was taken already", u->spec->unit,
+             (unsigned long long)step);
+    finish_collective(job, u, WAIT_REDUCE, NULL);
+    return;
+  }
+  fsdp_status_t st;
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  if (!w) {
+    abort_collection(job, u, WAIT_REDUCE, FSDP_E_RESOURCE_EXHAUSTED,
+                     "out of memory for the optimizer step");
+    return;
+  }
+  *w = (fsdp_dataplane_work_t){.kind = WORK_OPTIMIZE, .job = job, .unit = u};
+  if (fsdp_optimizer_plan(job, u, &w->plan, &st) < 0) {
+    free(w);
+    fsdp_status_t failed;
+    fsdp_status_set(&failed, st.code, "unit '%s' step %llu: %s", u->spec->unit,
+                    (unsigned long long)step, st.message);
+    finish_collective(job, u, WAIT_REDUCE, &failed);
+    return;
+  }
+  u->stepped_step = step;
+  enqueue(dp, w);
+}
+
+static void enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w) {
   if (dp->tail)
     dp->tail->next = w;
   else
     dp->head = w;
   dp->tail = w;
   start_next(dp);
-  return 0;
 }
 
 /* Operations. */
@@ -1307,8 +1358,8 @@ static void on_sum_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp
 }
 
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
-                           const fsdp_dataplane_rank_t *who, uint64_t step, bool accumulate,
-                           bool defer_all_reduce, uint64_t deadline_ms,
+                           const fsdp_dataplane_rank_t *who, uint64_t step,
+                           const fsdp_dataplane_reduce_how_t *how, uint64_t deadline_ms,
                            fsdp_dataplane_op_t *op, fsdp_dataplane_done_fn done, void *data) {
   uint32_t rank = who->local_rank;
   op_init(op, unit, who, WAIT_REDUCE, done, data);
@@ -1328,22 +1379,32 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
             unit->spec->unit, (unsigned long long)step, rank);
     return;
   }
-  bool defer = defer_all_reduce && unit->plan.replica_ring.members > 1; /* else no replicas */
-  if (c->count == 0) {
-    unit->reduce_accumulate = accumulate;
-    unit->reduce_defer = defer;
-  } else if (step == c->step &&
-             (accumulate != unit->reduce_accumulate || defer != unit->reduce_defer)) {
-    bool which = accumulate != unit->reduce_accumulate;
+  if (how->step_optimizer && !fsdp_optimizer_is_set(job)) {
+    op_fail(op, FSDP_E_FAILED_PRECONDITION,
+            "unit '%s' step %llu: step_optimizer, but job '%s' has no optimizer in the daemon "
+            "(SetOptimizer)",
+            unit->spec->unit, (unsigned long long)step, job->name);
+    return;
+  }
+  bool defer = how->defer_all_reduce && unit->plan.replica_ring.members > 1; /* else none */
+  bool asked[3] = {how->accumulate, defer, how->step_optimizer && !how->defer_all_reduce};
+  bool *kept[3] = {&unit->reduce_accumulate, &unit->reduce_defer, &unit->reduce_step};
+  static const char *const names[3] = {"accumulate", "defer_all_reduce", "step_optimizer"};
+  size_t differs = 3;
+  for (size_t k = 0; k < 3; k++) {
+    if (c->count == 0)
+      *kept[k] = asked[k];
+    else if (step == c->step && asked[k] != *kept[k] && differs == 3)
+      differs = k;
+  }
+  if (differs < 3) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
              "unit '%s' step %llu: local rank %u submitted with %s %s while the other ranks "
              "submitted with %s %s",
-             unit->spec->unit, (unsigned long long)step, rank,
-             which ? "accumulate" : "defer_all_reduce",
-             (which ? accumulate : defer) ? "true" : "false",
-             which ? "accumulate" : "defer_all_reduce",
-             (which ? unit->reduce_accumulate : unit->reduce_defer) ? "true" : "false");
+             unit->spec->unit, (unsigned long long)step, rank, names[differs],
+             asked[differs] ? "true" : "false", names[differs],
+             *kept[differs] ? "true" : "false");
     abort_collection(job, unit, WAIT_REDUCE, FSDP_E_FAILED_PRECONDITION, message);
     op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
     return;

@@ -168,15 +168,23 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
                             uint64_t deadline_ms, fsdp_dataplane_op_t *op,
                             fsdp_dataplane_done_fn done, void *data);
 
-/* ReduceScatter (and AllReduce of a NO_SHARD unit) for who's rank at `step`, adding to the
- * gradient shards with `accumulate`; deadline_ms as for Unshard. defer_all_reduce, for a
- * unit with replicas on other hosts (HYBRID_SHARD), keeps the shard group's sum for the
- * next reduce without it, which all-reduces it among the replicas with its own (see
- * fsdp_unit_t); for any other unit it changes nothing. Every local rank must pass the same
- * accumulate and defer_all_reduce. */
+/* What a reduce does with the sum; every local rank must ask the same. */
+typedef struct fsdp_dataplane_reduce_how {
+  bool accumulate; /* add to the gradient shards instead of writing them */
+  /* For a unit with replicas on other hosts (HYBRID_SHARD): keep the shard group's sum for
+   * the next reduce without it, which all-reduces it among the replicas with its own (see
+   * fsdp_unit_t); for any other unit it changes nothing. */
+  bool defer_all_reduce;
+  /* Then step the unit's masters with the job's optimizer (daemon/dataplane/optimizer.h);
+   * the reduce ends after the step. Not with defer_all_reduce, whose shards wait. */
+  bool step_optimizer;
+} fsdp_dataplane_reduce_how_t;
+
+/* ReduceScatter (and AllReduce of a NO_SHARD unit) for who's rank at `step`, as `how` says;
+ * deadline_ms as for Unshard. */
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
-                           const fsdp_dataplane_rank_t *who, uint64_t step, bool accumulate,
-                           bool defer_all_reduce, uint64_t deadline_ms,
+                           const fsdp_dataplane_rank_t *who, uint64_t step,
+                           const fsdp_dataplane_reduce_how_t *how, uint64_t deadline_ms,
                            fsdp_dataplane_op_t *op, fsdp_dataplane_done_fn done, void *data);
 
 /* Reshard: who's rank lets go of the unit's copy, which goes back when no rank holds it.

@@ -165,13 +165,17 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
   *o = (fast_op_t){.fp = fp, .busy = true, .seq = rq->seq, .method = method};
   fp->busy++;
   fsdp_session_call_parked(s);
-  if (rq->kind == FSDP_FAST_UNSHARD)
+  if (rq->kind == FSDP_FAST_UNSHARD) {
     fsdp_dataplane_unshard(ctx->dataplane, job, u, &who, rq->step, rq->backward,
                            fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
-  else
-    fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, rq->accumulate,
-                          rq->defer_all_reduce, fsdp_unit_ops_deadline(ctx), &o->op,
-                          on_op_done, o);
+  } else {
+    fsdp_dataplane_reduce_how_t how = {
+        .accumulate = rq->accumulate,
+        .defer_all_reduce = rq->reduce_flags & FSDP_FAST_DEFER_ALL_REDUCE,
+        .step_optimizer = rq->reduce_flags & FSDP_FAST_STEP_OPTIMIZER};
+    fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, &how,
+                          fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
+  }
 }
 
 /* The trainer rang: takes its requests while their replies are sure to find room (each

@@ -15,11 +15,12 @@
 #include <fsdp/fsdp_version.h>
 
 #include "common/log.h"
-#include "daemon/services/peer_service.h"
+#include "daemon/dataplane/optimizer.h"
 #include "daemon/services/fastpath.h"
-#include "proto/fastpath.h"
+#include "daemon/services/peer_service.h"
 #include "daemon/services/unit_ops.h"
 #include "daemon/services/unit_spec.h"
+#include "proto/fastpath.h"
 
 /* The loop's clock in milliseconds, brought up to date: sessions and deadlines count in it. */
 static uint64_t now_ms(fsdp_services_context_t *ctx) {
@@ -280,9 +281,11 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
   if (!p)
     return;
   fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
-  fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, rq->accumulate,
-                        rq->defer_all_reduce, fsdp_unit_ops_deadline(ctx), &p->op,
-                        on_unit_op_done, p);
+  fsdp_dataplane_reduce_how_t how = {.accumulate = rq->accumulate,
+                                     .defer_all_reduce = rq->defer_all_reduce,
+                                     .step_optimizer = rq->step_optimizer};
+  fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, &how,
+                        fsdp_unit_ops_deadline(ctx), &p->op, on_unit_op_done, p);
 }
 
 static void trainer_reduce_scatter(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
@@ -386,6 +389,67 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+/* The job's optimizer (daemon/dataplane/optimizer.h): the request becomes the data plane's
+ * groups, checked there whole; the reply says where each trainable unit's state is. */
+static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                  void *data) {
+  fsdp_services_context_t *ctx = data;
+  const Fsdp__V1__SetOptimizerRequest *rq = (const void *)request;
+  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+  if (!s)
+    return;
+  fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
+  if (!job || !job->n_units) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "SetOptimizer: job '%s' has no units yet: register them first", s->job);
+    return;
+  }
+  fsdp_optimizer_group_t *groups = calloc(rq->n_groups ? rq->n_groups : 1, sizeof *groups);
+  Fsdp__V1__OptimizerUnitState *states = calloc(job->n_units, sizeof *states);
+  Fsdp__V1__OptimizerUnitState **state_ptrs = calloc(job->n_units, sizeof *state_ptrs);
+  fsdp_status_t st;
+  if (!groups || !states || !state_ptrs) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetOptimizer: out of memory");
+    goto out;
+  }
+  for (size_t i = 0; i < rq->n_groups; i++) {
+    const Fsdp__V1__OptimizerGroup *g = rq->groups[i];
+    groups[i] = (fsdp_optimizer_group_t){
+        .params = (const char *const *)g->params, .n_params = g->n_params, .lr = g->lr,
+        .weight_decay = g->weight_decay, .maximize = g->maximize, .beta1 = g->beta1,
+        .beta2 = g->beta2, .eps = g->eps, .amsgrad = g->amsgrad, .momentum = g->momentum,
+        .dampening = g->dampening, .nesterov = g->nesterov};
+  }
+  if (fsdp_optimizer_set(job, (fsdp_optimizer_kind_t)rq->kind, groups, rq->n_groups, &st) < 0) {
+    fail_call(call, &st);
+    goto out;
+  }
+  Fsdp__V1__SetOptimizerReply reply = FSDP__V1__SET_OPTIMIZER_REPLY__INIT;
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (!u->trainable || u->state != FSDP_UNIT_READY)
+      continue;
+    fsdp_optimizer_state_t where;
+    if (fsdp_optimizer_unit_state(job, u, &where, &st) < 0) {
+      fail_call(call, &st);
+      goto out;
+    }
+    Fsdp__V1__OptimizerUnitState *m = &states[reply.n_units];
+    fsdp__v1__optimizer_unit_state__init(m);
+    m->unit = u->spec->unit;
+    m->steps_offset = where.steps_offset;
+    m->arrays_offset = where.arrays_offset;
+    m->arrays = where.arrays;
+    m->array_stride = where.array_stride;
+    state_ptrs[reply.n_units++] = m;
+  }
+  reply.units = state_ptrs;
+  fsdp_rpc_call_reply(call, &reply.base);
+out:
+  free(groups);
+  free(states);
+  free(state_ptrs);
+}
+
 static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_services_context_t *ctx = data;
   const Fsdp__V1__KeepAliveRequest *rq = (const void *)request;
@@ -471,6 +535,8 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->order_given = j->order_given;
     m->copies = fill_pool(&s->pools[pool++], &j->copies);
     m->sums = fill_pool(&s->pools[pool++], &j->sums);
+    m->optimizer = (char *)fsdp_optimizer_kind_name(j);
+    m->optimizer_bytes = fsdp_optimizer_state_bytes(j);
     m->gradients = &s->pool_ptrs[pool];
     m->n_gradients = j->local_world_size;
     for (uint32_t r = 0; r < j->local_world_size; r++, pool++)
@@ -786,6 +852,7 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->forward_index = u->order_index;
   info->deferred_reduces = u->n_deferred;
   info->replica_all_reduces = u->replica_all_reduces;
+  info->optimizer_steps = fsdp_optimizer_unit_steps(job, u);
   info->copy = copy_kind(u);
   info->copy_holders = store->copy_holders;
   info->n_copy_holders = list_ranks(&u->holders, job->local_world_size, store->copy_holders);
@@ -936,6 +1003,7 @@ static const fsdp_rpc_handler_t trainer_handlers[] = {
     {"ReduceScatter", trainer_reduce_scatter, false},
     {"AllReduce", trainer_all_reduce, false},
     {"SetSchedule", trainer_set_schedule, false},
+    {"SetOptimizer", trainer_set_optimizer, false},
     {"KeepAlive", trainer_keepalive, false},
 };
 static const fsdp_rpc_handler_t operator_handlers[] = {

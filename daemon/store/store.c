@@ -143,6 +143,8 @@ static void job_free(fsdp_job_t *job) {
       fsdp_pool_cleanup(&job->grad_pools[r]);
     free(job->grad_pools);
   }
+  if (job->optimizer)
+    job->optimizer_free(job->optimizer);
   free(job->units_by_id);
   free(job->order);
   free(job->recorded);

@@ -98,6 +98,8 @@ typedef struct fsdp_unit {
    * A reduce that fails while using the block drops it. The block belongs to the run (generation) whose reduces made it: another run's first
    * reduce drops it. */
   bool reduce_defer;
+  bool reduce_step; /* the running reduce steps the masters after (step_optimizer) */
+  uint64_t stepped_step; /* the newest step whose reduce stepped the masters; 0: none */
   bool has_deferred;
   unsigned n_deferred;
   uint64_t deferred_offset;
@@ -155,6 +157,10 @@ typedef struct fsdp_job {
   uint64_t forward_step[FSDP_LOCAL_WORLD_MAX];
   unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
   uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
+  /* The optimizer the daemon runs (daemon/dataplane/optimizer.h), NULL without one; freed
+   * with the job through optimizer_free, which its maker sets. */
+  struct fsdp_optimizer *optimizer;
+  void (*optimizer_free)(struct fsdp_optimizer *optimizer);
   /* Loop time since which nothing refers to it (set as its last session ends, or by the
    * housekeeping when its work ends after that); 0 while in use. */
   uint64_t idle_since_ms;

@@ -120,6 +120,14 @@ typedef struct fsdp_unit_view {
   /* Which copy of its shard this rank holds among all ranks holding it (HYBRID_SHARD's
    * replicas, NO_SHARD's every rank); 0 for the first. */
   unsigned replica;
+  /* The daemon's optimizer state of this host's shards, from fsdp_trainer_set_optimizer on
+   * (NULL before, and for a unit without gradients): its step count, and optimizer_arrays
+   * fp32 arrays laid out like `master` (Adam, AdamW: exp_avg, exp_avg_sq, then
+   * max_exp_avg_sq with amsgrad; SGD: the momentum buffer). A trainer may read them, and
+   * write them while no step runs (load_state_dict). */
+  uint64_t *optimizer_steps;
+  float *optimizer_state[3];
+  unsigned optimizer_arrays;
 } fsdp_unit_view_t;
 
 /* How the daemon runs the job's units (Trainer.SetSchedule); every local rank sets the same,
@@ -152,6 +160,33 @@ typedef struct fsdp_schedule {
   unsigned forward_prefetch;
   unsigned backward_prefetch;
 } fsdp_schedule_t;
+
+/* The optimizer the daemon runs over the job's master shards (Trainer.SetOptimizer), with
+ * torch.optim's formulas. */
+typedef enum fsdp_optim_kind {
+  FSDP_OPTIM_ADAMW = 1,
+  FSDP_OPTIM_ADAM = 2,
+  FSDP_OPTIM_SGD = 3,
+} fsdp_optim_kind_t;
+
+/* torch's param_group: hyperparameters for some of the job's original parameters, by the
+ * names their units registered; a group naming none takes those no other group names. */
+typedef struct fsdp_param_group {
+  const char *const *params;
+  size_t n_params;
+  double lr, weight_decay;
+  bool maximize;
+  double beta1, beta2, eps; /* Adam, AdamW */
+  bool amsgrad;
+  double momentum, dampening; /* SGD */
+  bool nesterov;
+} fsdp_param_group_t;
+
+typedef struct fsdp_optim {
+  fsdp_optim_kind_t kind;
+  const fsdp_param_group_t *groups;
+  size_t n_groups;
+} fsdp_optim_t;
 
 /* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.
  * client is borrowed and must outlive the trainer. */
@@ -198,6 +233,10 @@ enum {
    * all-reduce among hosts per accumulated step instead of one per micro-batch. No effect on
    * a unit without replicas on other hosts. Every local rank passes the same flags. */
   FSDP_REDUCE_DEFER_ALL_REDUCE = 1u << 1,
+  /* Then the daemon steps the unit's master shards with the job's optimizer
+   * (fsdp_trainer_set_optimizer), and the reduce returns after the step: the last
+   * micro-batch's reduces of a step ask for it. */
+  FSDP_REDUCE_STEP_OPTIMIZER = 1u << 2,
 };
 
 /* Submits this rank's full gradient (view->full_grad, lent by an Unshard for the backward)
@@ -209,6 +248,12 @@ int fsdp_trainer_reduce_scatter(fsdp_trainer_t *trainer, fsdp_unit_handle_t *uni
 
 /* Sets the job's schedule. */
 int fsdp_trainer_set_schedule(fsdp_trainer_t *trainer, const fsdp_schedule_t *schedule);
+
+/* Sets the job's optimizer in the daemon, or its hyperparameters once set (an LR schedule
+ * calls it each step, before the step's reduces): the kind and each group's parameters stay
+ * as first set. Reduces with FSDP_REDUCE_STEP_OPTIMIZER step the units with it. The views of
+ * the trainer's trainable units then show their optimizer state. */
+int fsdp_trainer_set_optimizer(fsdp_trainer_t *trainer, const fsdp_optim_t *optim);
 
 /* Unshard and ReduceScatter started now and waited for later (prefetch; a reduce that does
  * not hold up the backward): at most one started operation per unit; fsdp_trainer_wait()

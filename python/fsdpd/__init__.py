@@ -206,25 +206,53 @@ class Unit:
         """Lets go of the unsharded copy."""
         self._call(_lib.lib().fsdp_trainer_reshard, "reshard", step)
 
-    def reduce_scatter(self, step=0, accumulate=False, defer_all_reduce=False):
+    @property
+    def optimizer_state(self):
+        """The daemon's optimizer state of this host's shards, laid out like `master`: a
+        list of fp32 views (Adam, AdamW: exp_avg, exp_avg_sq, then max_exp_avg_sq with
+        amsgrad; SGD: the momentum buffer), empty before Client.set_optimizer."""
+        v = _lib.lib().fsdp_unit_view(self._handle).contents
+        host = self.host_shards * self.shard_numel
+        return [_view(v.optimizer_state[a], 0, host, _lib.SCALAR_FP32, True)
+                for a in range(v.optimizer_arrays)]
+
+    @property
+    def optimizer_steps(self):
+        """How many optimizer steps the daemon took on this unit (0 before the first)."""
+        v = _lib.lib().fsdp_unit_view(self._handle).contents
+        return int(v.optimizer_steps[0]) if v.optimizer_steps else 0
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, steps):
+        v = _lib.lib().fsdp_unit_view(self._handle).contents
+        if not v.optimizer_steps:
+            raise ValueError(f"unit '{self.name}' has no optimizer state: set_optimizer first")
+        v.optimizer_steps[0] = int(steps)
+
+    def reduce_scatter(self, step=0, accumulate=False, defer_all_reduce=False,
+                       step_optimizer=False):
         """Submits full_grad; returns once every local rank's is reduced into the gradient
         shards (the mean by default; accumulate adds to them instead). full_grad goes back to
         the daemon. defer_all_reduce (HYBRID_SHARD's gradient accumulation): the sum among
         the shard group is kept instead, and the next reduce without it all-reduces both
         among the replicas and writes the shards (adding only if every reduce since
-        accumulated); no effect on a unit without replicas on other hosts."""
+        accumulated); no effect on a unit without replicas on other hosts. step_optimizer:
+        then the daemon steps the unit's masters with the job's optimizer
+        (Client.set_optimizer), and the call returns after the step."""
         self._call(_lib.lib().fsdp_trainer_reduce_scatter, "reduce_scatter", step,
-                   _reduce_flags(accumulate, defer_all_reduce))
+                   _reduce_flags(accumulate, defer_all_reduce, step_optimizer))
 
-    def reduce_scatter_async(self, step=0, accumulate=False, defer_all_reduce=False):
+    def reduce_scatter_async(self, step=0, accumulate=False, defer_all_reduce=False,
+                             step_optimizer=False):
         """Starts the ReduceScatter; wait() returns its result."""
         self._call(_lib.lib().fsdp_trainer_reduce_scatter_start, "reduce_scatter_async", step,
-                   _reduce_flags(accumulate, defer_all_reduce))
+                   _reduce_flags(accumulate, defer_all_reduce, step_optimizer))
 
 
-def _reduce_flags(accumulate, defer_all_reduce):
+def _reduce_flags(accumulate, defer_all_reduce, step_optimizer):
     return ((_lib.REDUCE_ACCUMULATE if accumulate else 0) |
-            (_lib.REDUCE_DEFER_ALL_REDUCE if defer_all_reduce else 0))
+            (_lib.REDUCE_DEFER_ALL_REDUCE if defer_all_reduce else 0) |
+            (_lib.REDUCE_STEP_OPTIMIZER if step_optimizer else 0))
 
 
 def _pass(backward):
@@ -379,6 +407,38 @@ class Client:
         rc = _lib.lib().fsdp_trainer_set_schedule(self._trainer, ctypes.byref(schedule))
         if rc < 0:
             raise self._error(rc, "set schedule")
+
+    def set_optimizer(self, kind, groups):
+        """Sets the optimizer the daemon runs over the job's master shards (torch.optim's
+        formulas), or its hyperparameters once set: kind "AdamW", "Adam" or "SGD"; groups a
+        list of dicts like torch's param_groups, whose "params" are original parameter names
+        (a group without "params" takes those no other group names) and whose other keys are
+        lr, weight_decay, maximize, betas (a pair), eps, amsgrad, momentum, dampening,
+        nesterov. The kind and each group's parameters stay as first set; the units'
+        optimizer_state shows the state from then on."""
+        self._check_open()
+        if kind not in _lib.OPTIMIZERS:
+            raise ValueError(f"optimizer kind {kind!r}: expected one of "
+                             f"{', '.join(_lib.OPTIMIZERS)}")
+        keep = []  # what the structures point into, alive until the call returns
+        entries = (_lib.ParamGroup * max(1, len(groups)))()
+        for i, g in enumerate(groups):
+            names = [n.encode() for n in g.get("params", ())]
+            array = (ctypes.c_char_p * max(1, len(names)))(*names)
+            keep.append(array)
+            beta1, beta2 = g.get("betas", (0.0, 0.0))
+            entries[i] = _lib.ParamGroup(array, len(names), float(g.get("lr", 0.0)),
+                                         float(g.get("weight_decay", 0.0)),
+                                         bool(g.get("maximize", False)), float(beta1),
+                                         float(beta2), float(g.get("eps", 0.0)),
+                                         bool(g.get("amsgrad", False)),
+                                         float(g.get("momentum", 0.0)),
+                                         float(g.get("dampening", 0.0)),
+                                         bool(g.get("nesterov", False)))
+        optim = _lib.Optim(_lib.OPTIMIZERS[kind], entries, len(groups))
+        rc = _lib.lib().fsdp_trainer_set_optimizer(self._trainer, ctypes.byref(optim))
+        if rc < 0:
+            raise self._error(rc, "set optimizer")
 
     def close(self):
         """Detaches (the daemon keeps the job's units and memory) and closes the connection.

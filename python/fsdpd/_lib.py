@@ -14,7 +14,8 @@ from pathlib import Path
 SCALAR_DEFAULT, SCALAR_FP32, SCALAR_BF16, SCALAR_FP16 = 0, 1, 2, 3
 STRATEGIES = {"FULL_SHARD": 1, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "NO_SHARD": 4}
 PASS_FORWARD, PASS_BACKWARD = 0, 1
-REDUCE_ACCUMULATE, REDUCE_DEFER_ALL_REDUCE = 1, 2  # fsdp_trainer.h's FSDP_REDUCE_*
+REDUCE_ACCUMULATE, REDUCE_DEFER_ALL_REDUCE, REDUCE_STEP_OPTIMIZER = 1, 2, 4  # FSDP_REDUCE_*
+OPTIMIZERS = {"AdamW": 1, "Adam": 2, "SGD": 3}  # fsdp_optim_kind_t
 
 
 class ClientOptions(ctypes.Structure):
@@ -49,7 +50,23 @@ class UnitView(ctypes.Structure):
                 ("master", ctypes.c_void_p), ("grad", ctypes.c_void_p),
                 ("host_first_shard", ctypes.c_uint), ("host_shards", ctypes.c_uint),
                 ("full_grad", ctypes.c_void_p), ("gathered_step", ctypes.c_uint64),
-                ("reduced_step", ctypes.c_uint64), ("replica", ctypes.c_uint)]
+                ("reduced_step", ctypes.c_uint64), ("replica", ctypes.c_uint),
+                ("optimizer_steps", ctypes.POINTER(ctypes.c_uint64)),
+                ("optimizer_state", ctypes.c_void_p * 3), ("optimizer_arrays", ctypes.c_uint)]
+
+
+class ParamGroup(ctypes.Structure):
+    _fields_ = [("params", ctypes.POINTER(ctypes.c_char_p)), ("n_params", ctypes.c_size_t),
+                ("lr", ctypes.c_double), ("weight_decay", ctypes.c_double),
+                ("maximize", ctypes.c_bool), ("beta1", ctypes.c_double),
+                ("beta2", ctypes.c_double), ("eps", ctypes.c_double), ("amsgrad", ctypes.c_bool),
+                ("momentum", ctypes.c_double), ("dampening", ctypes.c_double),
+                ("nesterov", ctypes.c_bool)]
+
+
+class Optim(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("groups", ctypes.POINTER(ParamGroup)),
+                ("n_groups", ctypes.c_size_t)]
 
 
 class UnitSchedule(ctypes.Structure):
@@ -85,6 +102,7 @@ _SIGNATURES = {
     "fsdp_trainer_unshard_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_int]),
     "fsdp_trainer_wait": (ctypes.c_int, [_p, _p, ctypes.c_int]),
     "fsdp_trainer_set_schedule": (ctypes.c_int, [_p, ctypes.POINTER(Schedule)]),
+    "fsdp_trainer_set_optimizer": (ctypes.c_int, [_p, ctypes.POINTER(Optim)]),
     "fsdp_trainer_reshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64]),
     "fsdp_trainer_reduce_scatter": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_uint]),
     "fsdp_trainer_reduce_scatter_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64,

@@ -192,11 +192,12 @@ class _FlatUnit:
             self.unit.reshard(self.copy_step)
             self.copy_step = 0
 
-    def reduce_async(self, step, accumulate, defer_all_reduce):
+    def reduce_async(self, step, accumulate, defer_all_reduce, step_optimizer):
         """Starts the reduce of the gradient buffer; the backward goes on meanwhile."""
         self.settle()
         self.unit.reduce_scatter_async(step, accumulate=accumulate,
-                                       defer_all_reduce=defer_all_reduce)
+                                       defer_all_reduce=defer_all_reduce,
+                                       step_optimizer=step_optimizer)
         self.reducing = True
 
 
@@ -225,6 +226,7 @@ class ShardedModel(_nn.Module):
         self._sync_count = 0
         self._callback_queued = False
         self._no_sync = False  # inside no_sync(): reduces defer their all-reduce
+        self._optimizer = None  # an fsdpd.optim optimizer: the daemon steps the units
         self._units = self._make_units(wrap)
         # The root module's units keep their copy from the forward to the backward, as FSDP's
         # root does, so they never hold up the pool of the units in flight.
@@ -305,6 +307,8 @@ class ShardedModel(_nn.Module):
 
     # --- forward and backward ----------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._optimizer is not None:
+            self._optimizer._sync()  # an LR scheduler's new values, before this step's reduces
         self.step += 1
         self._callback_queued = False
         if self.param_dtype is not None:
@@ -371,7 +375,8 @@ class ShardedModel(_nn.Module):
             fu.unshard(fu.ran_step, backward=True)
         fu.reshard()
         keep = fu.shard_param.grad is not None
-        fu.reduce_async(fu.ran_step, accumulate=keep, defer_all_reduce=self._no_sync)
+        fu.reduce_async(fu.ran_step, accumulate=keep, defer_all_reduce=self._no_sync,
+                        step_optimizer=self._optimizer is not None and not self._no_sync)
         if not keep:
             fu.shard_param.grad = fu.unit.grad_shard
 
@@ -448,10 +453,21 @@ class ShardedModel(_nn.Module):
         self._all_reduce(g)
         return g.grad[:u.padded_numel].clone()
 
+    def _attach_optimizer(self, optimizer):
+        """fsdpd.optim's: from now on the reduces of a step step the units in the daemon."""
+        self._optimizer = optimizer
+
+    def _trainable_units(self):
+        return [fu.unit for fu in self._units if fu.trainable]
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Scales every gradient shard so that the norm of the whole gradient (all ranks'
         shards together) is at most max_norm; returns that norm before clipping. Every local
         rank calls it."""
+        if self._optimizer is not None:
+            raise RuntimeError("clip_grad_norm_: the daemon's optimizer (fsdpd.optim) stepped "
+                               "the units during the backward, before any clipping could "
+                               "apply; clip with a trainer-side torch optimizer instead")
         norm_type = float(norm_type)
         if norm_type == float("inf") or norm_type <= 0:
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported "

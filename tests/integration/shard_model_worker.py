@@ -17,11 +17,13 @@ list}, ...}); a rank whose daemon call fails prints {"error": ...} and exits 3. 
 the positions, and trains each step as two micro-batches (the first under no_sync) with the
 gradient clipped to a norm of 0.5; it also round-trips the state dict. --kill-at-step K: the
 rank SIGKILLs itself as the backward of step K starts (unless it resumed). --cap-from-step K
---cap N: the rank sets the job's max_inflight to N before step K.
+--cap N: the rank sets the job's max_inflight to N before step K. --optim adamw|sgd-momentum:
+the ranks step with fsdpd.optim's optimizer in the daemon, the reference with torch.optim's.
 """
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -57,13 +59,113 @@ def emit(**record):
     print(json.dumps(record), flush=True)
 
 
+# --optim: the ranks' optimizer and the reference's. "sgd": plain SGD in each trainer (the
+# default); "adamw", "sgd-momentum": fsdpd.optim's in the daemon against torch.optim's, with
+# weight decay excluded from biases and norms by a group, and an LR schedule.
+DAEMON_OPTIM = {"adamw": dict(lr=1e-2, weight_decay=0.1),
+                "sgd-momentum": dict(lr=1.0, momentum=0.9, weight_decay=1e-3)}
+
+
+def no_decay(model):
+    """Biases and the norms' weights, by name: the group that takes no weight decay."""
+    return [n for n, p in model.named_parameters()
+            if p.requires_grad and (n.endswith(".bias") or ".ln" in n or n.startswith("ln"))]
+
+
+class OpByOp(torch.optim.Optimizer):
+    """torch.optim's AdamW and SGD formulas (torch 1.13, single-tensor path) written as one
+    torch operation per rounding, with no alpha= or value= arguments, which torch's x86-64
+    kernels fuse into a multiply-add: the arithmetic the daemon performs, so that its results
+    must be these bit for bit, on any CPU. Coefficients are computed in Python doubles and
+    rounded to fp32 once, as torch does with a Python scalar."""
+
+    def __init__(self, groups, kind, **defaults):
+        self.kind = kind
+        super().__init__(groups, dict(dict(betas=(0.9, 0.999), eps=1e-8, momentum=0.0,
+                                           dampening=0.0, nesterov=False), **defaults))
+
+    @torch.no_grad()
+    def step(self):
+        f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = t = state.get("step", 0) + 1
+                g = p.grad
+                if self.kind == "adamw":
+                    beta1, beta2 = group["betas"]
+                    p.copy_(p * f32(1 - lr * wd))
+                    m = state.setdefault("exp_avg", torch.zeros_like(p))
+                    v = state.setdefault("exp_avg_sq", torch.zeros_like(p))
+                    m.copy_(m * f32(beta1) + f32(1 - beta1) * g)
+                    v.copy_(v * f32(beta2) + f32(1 - beta2) * g * g)
+                    denom = v.sqrt() / f32(math.sqrt(1 - beta2 ** t)) + f32(group["eps"])
+                    p.copy_(p + f32(-(lr / (1 - beta1 ** t))) * m / denom)
+                else:
+                    d = g + f32(wd) * p if wd != 0 else g
+                    buf = state.get("momentum_buffer")
+                    mom = group["momentum"]
+                    buf = d.clone() if buf is None else buf * f32(mom) + f32(
+                        1 - group["dampening"]) * d
+                    state["momentum_buffer"] = buf
+                    d = d + f32(mom) * buf if group["nesterov"] else buf
+                    p.copy_(p + f32(-lr) * d)
+
+
+def torch_optimizer(model, args):
+    """The reference's optimizer and LR schedule (None for plain SGD): torch.optim's, or
+    with --exact the op-by-op one (OpByOp)."""
+    if args.optim == "sgd":
+        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR), None
+    skip = set(no_decay(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n not in skip]},
+              {"params": [p for n, p in named if n in skip], "weight_decay": 0.0}]
+    if args.exact:
+        opt = OpByOp(groups, args.optim, **DAEMON_OPTIM[args.optim])
+    else:
+        cls = torch.optim.AdamW if args.optim == "adamw" else torch.optim.SGD
+        opt = cls(groups, **DAEMON_OPTIM[args.optim])
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def ranks_gradients(model, tokens, targets, world):
+    """The daemon's reduce of `world` ranks' gradients, each rank on its slice of the batch:
+    summed in fp32 in rank order, times the fp32 nearest 1/world. Returns the ranks' mean
+    loss."""
+    post = torch.tensor(1.0 / world, dtype=torch.float32)
+    sums, losses = {}, []
+    for r in range(world):
+        model.zero_grad(set_to_none=True)
+        x, y = rank_slice((tokens, targets), r, world)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                sums[name] = p.grad.clone() if r == 0 else sums[name] + p.grad
+    for name, p in model.named_parameters():
+        if name in sums:
+            p.grad = sums[name] * post
+    return sum(losses) / world
+
+
 def reference(args):
+    """One process on the whole batch; with the daemon's optimizer and --world W, the
+    gradients are the W ranks' reduced as the daemon does, so that the comparison is of the
+    optimizers' arithmetic alone."""
     model = build(args.features)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    opt, schedule = torch_optimizer(model, args)
     for step in range(1, args.steps + 1):
         opt.zero_grad()
         parts = micro_batches(step, args.features)
         total = 0.0
+        if args.optim != "sgd" and args.world > 1:
+            (tokens, targets), = parts
+            parts, total = [], ranks_gradients(model, tokens, targets, args.world)
         for tokens, targets in parts:
             loss = loss_fn(model(tokens), targets) / len(parts)
             loss.backward()
@@ -71,6 +173,8 @@ def reference(args):
         if args.features:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
+        if schedule:
+            schedule.step()
         emit(step=step, loss=total)
     emit(final=True, state={k: v.reshape(-1).tolist() for k, v in model.state_dict().items()})
 
@@ -123,7 +227,15 @@ def rank(args):
     model = fsdpd.torch.shard_model(build(args.features), client, wrap={Block},
                                     strategy=args.strategy, param_dtype=param_dtype,
                                     max_inflight=args.max_inflight)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    schedule = None
+    if args.optim == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        import fsdpd.optim
+        cls = fsdpd.optim.AdamW if args.optim == "adamw" else fsdpd.optim.SGD
+        opt = cls(model, groups=[{"params": no_decay(build(False)), "weight_decay": 0.0}],
+                  **DAEMON_OPTIM[args.optim])
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     start = model.completed_steps + 1
     emit(resumed=model.resumed, start=start,
          units=[{"name": u.name, "numel": u.numel, "shard": u.shard} for u in model.units])
@@ -153,6 +265,8 @@ def rank(args):
                 total += loss.item()
             norm = model.clip_grad_norm_(MAX_NORM) if args.features else None
             opt.step()
+            if schedule:
+                schedule.step()
             emit(step=step, loss=total, norm=None if norm is None else float(norm))
     except fsdpd.Error as e:
         emit(error=str(e), status=e.status)
@@ -174,6 +288,9 @@ def main():
     p.add_argument("--cap-from-step", type=int, default=0,
                    help="from this step on, max_inflight is --cap (SetSchedule)")
     p.add_argument("--cap", type=int, default=1)
+    p.add_argument("--optim", choices=("sgd", *DAEMON_OPTIM), default="sgd")
+    p.add_argument("--exact", action="store_true",
+                   help="the reference steps with OpByOp instead of torch.optim's optimizer")
     p.add_argument("--world", type=int, default=1,
                    help="the bf16 reference: how many ranks it computes for")
     args = p.parse_args()

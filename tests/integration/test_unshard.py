@@ -53,11 +53,12 @@ class Rank:
         self.lent = {}  # unit: the last Unshard's reply, saying where its buffers are
 
     def register(self, unit="u", shapes=((37, 11),), param_dtype=FP32,
-                 strategy=common_pb2.FULL_SHARD):
+                 strategy=common_pb2.FULL_SHARD, requires_grad=False):
         return self.d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
             session_id=self.session, unit=unit, strategy=strategy,
             param_dtype=param_dtype,
-            params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32)
+            params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32,
+                                          requires_grad=requires_grad)
                     for i, s in enumerate(shapes)]), trainer_pb2.RegisterUnitReply)
 
     def op(self, name, unit="u", step=0, timeout=10, **fields):

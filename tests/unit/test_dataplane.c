@@ -151,8 +151,9 @@ static void lend_gradients(fixture_t *f, uint64_t step, fsdp_dataplane_op_t *ops
 
 static void reduce(fixture_t *f, unsigned rank, uint64_t step, bool accumulate,
                    fsdp_dataplane_op_t *op, result_t *result) {
-  fsdp_dataplane_reduce(&f->dp, f->job, f->unit, &f->ranks[rank], step, accumulate, false,
-                        UINT64_MAX, op, on_done, result);
+  fsdp_dataplane_reduce_how_t how = {.accumulate = accumulate};
+  fsdp_dataplane_reduce(&f->dp, f->job, f->unit, &f->ranks[rank], step, &how, UINT64_MAX, op,
+                        on_done, result);
 }
 
 
@@ -807,8 +808,9 @@ static void test_gradient_buffers_wait_for_a_reduce(void **state) {
   uv_run(&f.loop, UV_RUN_DEFAULT);
   assert_int_equal(waiting.calls, 0);
   assert_int_equal(f.job->grad_pools[0].n_waits, 1);
-  fsdp_dataplane_reduce(&f.dp, f.job, f.unit, &f.ranks[0], 1, false, false, UINT64_MAX,
-                        &reduce_op, on_done, &reduced);
+  fsdp_dataplane_reduce_how_t how = {0};
+  fsdp_dataplane_reduce(&f.dp, f.job, f.unit, &f.ranks[0], 1, &how, UINT64_MAX, &reduce_op,
+                        on_done, &reduced);
   uv_run(&f.loop, UV_RUN_DEFAULT);
   expect(&reduced, 0, "");
   expect(&waiting, 0, "");

@@ -1,0 +1,113 @@
+/* The optimizer the daemon runs over a job's fp32 master shards (Trainer.SetOptimizer).
+ *
+ * Why here: the daemon owns the shards, so it owns their optimizer too. The state then
+ * outlives a crashed trainer, a checkpoint needs no trainer, and each unit is stepped as soon
+ * as its gradient shards are written, on the daemon's workers, while the trainers still run
+ * the backward of earlier units.
+ *
+ * A job's optimizer is a kind and its groups: torch's param_groups, each a set of the job's
+ * original parameter names with hyperparameters. The first SetOptimizer fixes the kind and
+ * which parameters each group holds; later ones change the hyperparameters only (an LR
+ * schedule sends one per step). Each trainable unit gets its state on first need: one block
+ * of the job's arena beside its masters, a step count and then fp32 arrays of the host's
+ * shard length (fsdp_optimizer_state_t says which), which trainers map to read or write
+ * (state_dict). A parameter's elements are stepped with its group's hyperparameters; the
+ * padding is never stepped.
+ *
+ * This is the configuration and the state's place; the data plane runs the steps from a
+ * plan (fsdp_optimizer_plan_t). Loop thread only. */
+#ifndef FSDP_DATAPLANE_OPTIMIZER_H
+#define FSDP_DATAPLANE_OPTIMIZER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "daemon/store/store.h"
+#include "kernels/workers.h"
+
+typedef enum fsdp_optimizer_kind {
+  FSDP_OPTIMIZER_NONE = 0,
+  FSDP_OPTIMIZER_ADAMW = 1,
+  FSDP_OPTIMIZER_ADAM = 2,
+  FSDP_OPTIMIZER_SGD = 3,
+} fsdp_optimizer_kind_t;
+
+/* One param_group, as SetOptimizer gives it. */
+typedef struct fsdp_optimizer_group {
+  const char *const *params; /* original parameter names; none: those no group names */
+  size_t n_params;
+  double lr, weight_decay;
+  bool maximize;
+  double beta1, beta2, eps; /* Adam, AdamW */
+  bool amsgrad;
+  double momentum, dampening; /* SGD */
+  bool nesterov;
+} fsdp_optimizer_group_t;
+
+/* Where a unit's state is in its job's arena. */
+typedef struct fsdp_optimizer_state {
+  uint64_t steps_offset;  /* the uint64 step count */
+  uint64_t arrays_offset; /* the first fp32 array of the host's shard length */
+  unsigned arrays;        /* Adam(W): exp_avg, exp_avg_sq (and max_exp_avg_sq); SGD: momentum */
+  uint64_t array_stride;  /* bytes from one array to the next */
+} fsdp_optimizer_state_t;
+
+/* Sets the job's optimizer, or its hyperparameters when it has one: checked whole first (st
+ * names the field and the value: INVALID_ARGUMENT for a value torch refuses, a parameter
+ * named twice or not registered, a change of kind or of a group's parameters), then made
+ * the job's, with the state of its registered trainable units made ready. */
+int fsdp_optimizer_set(fsdp_job_t *job, fsdp_optimizer_kind_t kind,
+                       const fsdp_optimizer_group_t *groups, size_t n_groups,
+                       fsdp_status_t *st);
+
+/* Whether the job has an optimizer. */
+bool fsdp_optimizer_is_set(const fsdp_job_t *job);
+
+/* Its kind's name, as the .proto spells it ("ADAMW"); "" without one. */
+const char *fsdp_optimizer_kind_name(const fsdp_job_t *job);
+
+/* The unit's state, made on first need (RESOURCE_EXHAUSTED when the arena is full); fails
+ * without an optimizer or for a unit without gradients. */
+int fsdp_optimizer_unit_state(fsdp_job_t *job, fsdp_unit_t *u, fsdp_optimizer_state_t *ret,
+                              fsdp_status_t *st);
+
+/* The unit's optimizer step count, 0 before the first or without state. */
+uint64_t fsdp_optimizer_unit_steps(const fsdp_job_t *job, const fsdp_unit_t *u);
+
+/* Bytes of optimizer state the job holds. */
+size_t fsdp_optimizer_state_bytes(const fsdp_job_t *job);
+
+/* A step of a unit is one piece per parameter that has elements in this host's shards:
+ * elements [begin, end) of the host's arrays, with group `group`'s hyperparameters. */
+typedef struct fsdp_optimizer_piece {
+  uint64_t begin, end;
+  unsigned group;
+} fsdp_optimizer_piece_t;
+
+/* What one step of a unit needs on a pool thread, taken on the loop as it starts: the
+ * hyperparameters are a copy (a SetOptimizer meanwhile changes the next step's), the pieces
+ * stay as they are while the job lives. */
+typedef struct fsdp_optimizer_plan {
+  fsdp_optimizer_kind_t kind;
+  uint64_t step; /* the step count after this step: 1 for the first */
+  const fsdp_optimizer_piece_t *pieces;
+  size_t n_pieces;
+  fsdp_optimizer_group_t *groups; /* owned; their params are not copied */
+  size_t n_groups;
+  float *master, *grad;
+  float *state[3]; /* the state arrays, as fsdp_optimizer_state_t orders them */
+} fsdp_optimizer_plan_t;
+
+/* Plans the unit's next step, making its state on first need, and counts it (the unit's
+ * step count is the plan's from now on). */
+int fsdp_optimizer_plan(fsdp_job_t *job, fsdp_unit_t *u, fsdp_optimizer_plan_t *ret_plan,
+                        fsdp_status_t *st);
+void fsdp_optimizer_plan_cleanup(fsdp_optimizer_plan_t *plan); /* NULL-safe plans and groups */
+
+/* On a pool thread: the step the plan says, each piece split over workers. */
+int fsdp_optimizer_run(const fsdp_optimizer_plan_t *plan, fsdp_workers_t *workers);
+
+
+#endif

@@ -1,0 +1,154 @@
+"""The daemon's optimizer (Trainer.SetOptimizer) through a real fsdpd: what it refuses (every
+field torch checks, parameters it does not know, changes of kind or groups), what a
+ReduceScatter with step_optimizer does to the masters and the state (values chosen so that
+every operation is exact), where the state lies in the job's memory, and that it outlives
+the trainers. The training equivalence with torch.optim is test_shard_model's."""
+
+import array
+import json
+
+import grpc
+import pytest
+
+from fsdpd_harness import fsdpd, trainer_pb2  # noqa: F401
+from test_unshard import FP32, Rank, on_all
+
+SHAPES = ((4, 3), (5,))  # "p0": 12 elements, "p1": 5; 17 padded to 18 over 2 ranks
+
+
+def set_optimizer(rank, kind, *groups):
+    return rank.d.call("/fsdp.v1.Trainer/SetOptimizer", trainer_pb2.SetOptimizerRequest(
+        session_id=rank.session, kind=kind, groups=list(groups)),
+        trainer_pb2.SetOptimizerReply)
+
+
+def group(params=(), **hyper):
+    return trainer_pb2.OptimizerGroup(params=list(params), **hyper)
+
+
+ADAMW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def two_ranks(d):
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    layouts = [r.register(shapes=SHAPES, param_dtype=FP32, requires_grad=True) for r in ranks]
+    return ranks, layouts
+
+
+def refused(fn):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+@pytest.mark.parametrize("kind,hyper,text", [
+    (trainer_pb2.OPTIMIZER_KIND_UNSPECIFIED, ADAMW, "kind 0 is not ADAMW, ADAM or SGD"),
+    (trainer_pb2.ADAMW, dict(ADAMW, lr=-0.1), "groups[0].lr = -0.1 is outside [0, inf)"),
+    (trainer_pb2.ADAMW, dict(ADAMW, beta1=1.0), "groups[0].beta1 = 1 is outside [0, 1)"),
+    (trainer_pb2.ADAM, dict(ADAMW, beta2=-0.5), "groups[0].beta2 = -0.5 is outside [0, 1)"),
+    (trainer_pb2.ADAMW, dict(ADAMW, eps=float("nan")), "groups[0].eps = nan"),
+    (trainer_pb2.SGD, dict(lr=0.1, momentum=-1), "groups[0].momentum = -1 is outside"),
+    (trainer_pb2.SGD, dict(lr=0.1, nesterov=True),
+     "groups[0].nesterov needs momentum > 0 and dampening 0 (momentum 0, dampening 0)"),
+])
+def test_values_torch_refuses_are_refused_naming_the_field(fsdpd, kind, hyper, text):
+    d = fsdpd()
+    ranks, _ = two_ranks(d)
+    code, details = refused(lambda: set_optimizer(ranks[0], kind, group(**hyper)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and text in details, details
+
+
+def test_groups_name_registered_trainable_parameters_once(fsdpd):
+    d = fsdpd()
+    ranks, _ = two_ranks(d)
+    cases = [
+        ([group(["p0", "nope"], **ADAMW)],
+         "groups[0].params[1] 'nope' is no parameter of a unit registered in job 'j'"),
+        ([group(["p0"], **ADAMW), group(["p1", "p0"], **ADAMW)],
+         "groups[1].params[1] 'p0' is groups[0].params[0] already"),
+        ([group(**ADAMW), group(**ADAMW)],
+         "groups[0] and groups[1] both name no parameter"),
+        ([], "groups is empty"),
+    ]
+    for groups, text in cases:
+        code, details = refused(lambda: set_optimizer(ranks[0], trainer_pb2.ADAMW, *groups))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and text in details, details
+    # Nothing was set: a reduce that asks for a step hears there is no optimizer.
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
+    errors = on_all(ranks, "ReduceScatter", step=1, step_optimizer=True)
+    assert all(e.code() == grpc.StatusCode.FAILED_PRECONDITION for e in errors)
+    assert "step_optimizer, but job 'j' has no optimizer in the daemon" in errors[0].details()
+
+
+def test_hyperparameters_change_but_kind_and_groups_stay(fsdpd):
+    d = fsdpd()
+    ranks, _ = two_ranks(d)
+    set_optimizer(ranks[0], trainer_pb2.ADAMW, group(["p1"], **dict(ADAMW, weight_decay=0)),
+                  group(**ADAMW))
+    set_optimizer(ranks[1], trainer_pb2.ADAMW, group(["p1"], **dict(ADAMW, lr=5e-4)),
+                  group(**ADAMW))  # an LR schedule's next step
+    code, details = refused(lambda: set_optimizer(ranks[0], trainer_pb2.SGD, group(lr=0.1)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "kind SGD, but the job's optimizer is ADAMW" in details, details
+    code, details = refused(lambda: set_optimizer(ranks[0], trainer_pb2.ADAMW,
+                                                  group(["p0"], **ADAMW), group(**ADAMW)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "groups[0] names other parameters than the job's optimizer gave it" in details
+
+
+def floats(memory, offset, n):
+    return list(array.array("f", bytes(memory[offset:offset + 4 * n])))
+
+
+def test_a_step_updates_masters_and_state_and_outlives_the_trainers(fsdpd):
+    """SGD with momentum 0.5, lr 0.25, on values where every product and sum is exact: after
+    two steps with gradient g, the momentum buffer is g then 0.5 g + g, and each master went
+    down by 0.25 times it. p1's group has lr 0. The unit's step count and state are in the
+    job's memory, where trainers that attach again find them."""
+    d = fsdpd()
+    ranks, layouts = two_ranks(d)
+    lay = layouts[0]
+    n = lay.padded_numel
+    masters = [float(i % 7) for i in range(n)]
+    for r, x in zip(ranks, layouts):
+        r.write_master_shard(x, masters)
+    reply = set_optimizer(ranks[0], trainer_pb2.SGD, group(["p1"], lr=0.0, momentum=0.5),
+                          group(lr=0.25, momentum=0.5))
+    (state,) = reply.units
+    assert (state.unit, state.arrays) == ("u", 1)
+    g = [float((i % 5) - 2) for i in range(n)]  # the mean of the two ranks' equal gradients
+    for step in (1, 2):
+        assert on_all(ranks, "Unshard", step=step, backward=True) == [None, None]
+        for r in ranks:
+            r.write_full_grad(g, FP32)
+        assert on_all(ranks, "ReduceScatter", step=step, step_optimizer=True) == [None, None]
+    # p1 (elements 12 to 16) keeps its values at lr 0, but its momentum moves, as torch's
+    # does; the padding (17) is never stepped.
+    p0, numel = 12, 17
+    buf = [1.5 * x if i < numel else 0.0 for i, x in enumerate(g)]
+    want = [m - 0.25 * x - 0.25 * y if i < p0 else m
+            for i, (m, x, y) in enumerate(zip(masters, g, buf))]
+    assert floats(ranks[0].memory, lay.master_offset, n) == want
+    assert floats(ranks[0].memory, state.arrays_offset, n) == buf
+    steps = array.array("Q", bytes(ranks[0].memory[state.steps_offset:state.steps_offset + 8]))
+    assert list(steps) == [2]
+    unit = json.loads(d.fsdpctl("--json", "unit", "u").stdout)
+    assert unit["optimizer_steps"] == 2
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    assert job["optimizer"] == "SGD" and job["optimizer_bytes"] >= 4 * n
+    # The trainers go; new ones find the state as it was, and step 2 is not taken again.
+    for r in ranks:
+        d.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=r.session),
+               trainer_pb2.DetachReply)
+    again = [Rank(d, r, 2) for r in range(2)]
+    for r in again:
+        r.register(shapes=SHAPES, param_dtype=FP32, requires_grad=True)
+    reply = set_optimizer(again[1], trainer_pb2.SGD, group(["p1"], lr=0.0, momentum=0.5),
+                          group(lr=0.25, momentum=0.5))
+    assert reply.units[0].arrays_offset == state.arrays_offset
+    assert on_all(again, "Unshard", step=2, backward=True) == [None, None]
+    for r in again:
+        r.write_full_grad(g, FP32)
+    assert on_all(again, "ReduceScatter", step=2, step_optimizer=True) == [None, None]
+    assert floats(again[0].memory, lay.master_offset, n) == want
+    assert json.loads(d.fsdpctl("--json", "unit", "u").stdout)["optimizer_steps"] == 2
