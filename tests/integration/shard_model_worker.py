@@ -237,6 +237,8 @@ def rank(args):
                   **DAEMON_OPTIM[args.optim])
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     start = model.completed_steps + 1
+    for _ in range(start - 1 if schedule else 0):  # a restarted trainer's schedule
+        schedule.step()                               # stands where the job does
     emit(resumed=model.resumed, start=start,
          units=[{"name": u.name, "numel": u.numel, "shard": u.shard} for u in model.units])
     if args.features and not model.resumed:
