@@ -273,9 +273,30 @@ def rank(args):
     except fsdpd.Error as e:
         emit(error=str(e), status=e.status)
         sys.exit(3)
+    if args.optim != "sgd" and client.rank == 0:  # the ranks share the daemon's state
+        check_optimizer_state_dict(opt, model)
     state = model.full_state_dict()
     emit(final=True, state={k: v.reshape(-1).tolist() for k, v in state.items()})
     client.close()
+
+
+def check_optimizer_state_dict(opt, model):
+    """The daemon's optimizer state through state_dict / load_state_dict: read, overwritten
+    in the daemon's memory, read back, restored."""
+    sd = opt.state_dict()
+    units = model._trainable_units()
+    assert set(sd["state"]) == {u.name for u in units}
+    assert all(s["step"] == units[0].optimizer_steps > 0 for s in sd["state"].values())
+    cleared = {"param_groups": sd["param_groups"], "state": {
+        name: {k: (0 if k == "step" else torch.zeros_like(v)) for k, v in s.items()}
+        for name, s in sd["state"].items()}}
+    opt.load_state_dict(cleared)
+    assert all(u.optimizer_steps == 0 and all(float(a.abs().sum()) == 0
+                                              for a in u.optimizer_state) for u in units)
+    opt.load_state_dict(sd)
+    back = opt.state_dict()["state"]
+    assert all(torch.equal(back[n][k], v) if k != "step" else back[n][k] == v
+               for n, s in sd["state"].items() for k, v in s.items())
 
 
 def main():
