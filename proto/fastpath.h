@@ -3,7 +3,7 @@
  *
  * Why: a unit operation over gRPC costs a round trip of the HTTP/2 stack on both sides
  * (hundreds of microseconds on these machines), paid several times per unit and step. The
- * fast path costs two eventfd wake-ups.
+ * fast path costs at most two eventfd wake-ups, and none while both sides poll.
  *
  * The daemon makes one region per session and hands it over on the memory channel
  * (ChannelWelcome.fast_path, proto/fsdp/v1/channel.proto) with two eventfd doorbells. The
