@@ -79,14 +79,19 @@ static in_flight_t *find(fsdp_fast_client_t *fc, uint64_t seq) {
   return NULL;
 }
 
-/* Pushes one request and rings; there is room: requests are at most the operations in
- * flight plus one cancel each. */
+/* Pushes one request, and rings unless the daemon polls the ring; there is room: requests
+ * are at most the operations in flight plus one cancel each. The fence pairs with the
+ * daemon's between clearing daemon_polling and its last look at the ring: one of the two
+ * sees the other. */
 static void push(fsdp_fast_client_t *fc, const fsdp_fast_request_t *rq) {
   int slot = fsdp_fast_ring_slot(&fc->region->requests_ring);
   if (slot < 0)
     return; /* only a daemon that stopped reading: the caller's deadline ends the wait */
   fc->region->requests[slot] = *rq;
   fsdp_fast_ring_push(&fc->region->requests_ring);
+  atomic_thread_fence(memory_order_seq_cst);
+  if (atomic_load_explicit(&fc->region->daemon_polling, memory_order_relaxed))
+    return;
   uint64_t one = 1;
   (void)!write(fc->daemon_bell, &one, sizeof one);
 }
@@ -117,6 +122,31 @@ static void take_replies(fsdp_fast_client_t *fc) {
   }
 }
 
+/* Sleeps until the daemon rings, its channel ends or timeout_ms pass, unless a reply came
+ * meanwhile; false when the channel ended. trainer_sleeping asks the daemon to ring; the
+ * fence pairs with the daemon's between its push of a reply and its reading of the flag:
+ * either the last look below finds the reply, or the daemon rings. */
+static bool sleep_for_reply(fsdp_fast_client_t *fc, int timeout_ms) {
+  bool open = true;
+  atomic_store_explicit(&fc->region->trainer_sleeping, 1, memory_order_relaxed);
+  atomic_thread_fence(memory_order_seq_cst);
+  if (fsdp_fast_ring_peek(&fc->region->replies_ring) < 0) {
+    /* The daemon sends nothing on the channel after its welcome: any event is its end. */
+    struct pollfd pfd[2] = {{.fd = fc->trainer_bell, .events = POLLIN},
+                            {.fd = fc->lifeline, .events = POLLIN}};
+    if (poll(pfd, 2, timeout_ms) > 0) {
+      if (pfd[0].revents) {
+        uint64_t rings;
+        (void)!read(fc->trainer_bell, &rings, sizeof rings);
+      } else if (pfd[1].revents) {
+        open = false;
+      }
+    }
+  }
+  atomic_store_explicit(&fc->region->trainer_sleeping, 0, memory_order_relaxed);
+  return open;
+}
+
 int fsdp_fast_client_wait(fsdp_fast_client_t *fc, uint64_t seq, int64_t deadline_ms,
                           fsdp_fast_reply_t *ret_reply) {
   in_flight_t *op = find(fc, seq);
@@ -135,15 +165,7 @@ int fsdp_fast_client_wait(fsdp_fast_client_t *fc, uint64_t seq, int64_t deadline
     int left = fsdp_clock_left_ms(deadline_ms);
     if (left == 0)
       return -ETIMEDOUT;
-    /* The daemon sends nothing on the channel after its welcome: any event is its end. */
-    struct pollfd pfd[2] = {{.fd = fc->trainer_bell, .events = POLLIN},
-                            {.fd = fc->lifeline, .events = POLLIN}};
-    if (poll(pfd, 2, left) <= 0)
-      continue;
-    if (pfd[0].revents) {
-      uint64_t rings;
-      (void)!read(fc->trainer_bell, &rings, sizeof rings);
-    } else if (pfd[1].revents) {
+    if (!sleep_for_reply(fc, left)) {
       take_replies(fc); /* the daemon's last replies precede its closing */
       if (!op->answered)
         return -EPIPE;

@@ -3,7 +3,7 @@
  *
  * Why: a unit operation over gRPC costs a round trip of the HTTP/2 stack on both sides
  * (hundreds of microseconds on these machines), paid several times per unit and step. The
- * fast path costs two eventfd wake-ups.
+ * fast path costs at most two eventfd wake-ups, and none while both sides poll.
  *
  * The daemon makes one region per session and hands it over on the memory channel
  * (ChannelWelcome.fast_path, proto/fsdp/v1/channel.proto) with two eventfd doorbells. The
@@ -14,6 +14,17 @@
  * with release; the consumer loads head with acquire, reads the entry, then stores tail
  * with release. A trainer keeps at most FSDP_FASTPATH_MAX_INFLIGHT operations without their
  * reply, so that its cancels always find room and the replies never overflow.
+ *
+ * A doorbell is rung only when its consumer may be asleep (the idea of io_uring's SQPOLL
+ * NEED_WAKEUP): the wake-up it costs is most of a round trip. The daemon sets
+ * daemon_polling while its loop looks at the request ring on every turn, which it does for
+ * a short while after traffic; the trainer sets trainer_sleeping while it sleeps on its
+ * doorbell. Each side pairs its flag with the other's ring as in Dekker's algorithm, so a
+ * request or reply is never left without a wake-up: the producer stores head, issues a
+ * seq_cst fence and reads the consumer's flag, ringing unless the flag says the consumer
+ * looks; the consumer clears (daemon) or sets (trainer) its flag, issues a seq_cst fence and
+ * looks at the ring once more before it sleeps. The daemon trusts neither flag for more
+ * than whether to ring: both are in memory the trainer can write.
  *
  * This layout is part of the protocol (FSDP_FASTPATH_VERSION): both sides compile it, and
  * the static assertions below pin it. */
@@ -27,7 +38,7 @@
 #include "common/status.h"
 
 #define FSDP_FASTPATH_MAGIC 0x68747066u /* "fpth" */
-#define FSDP_FASTPATH_VERSION 1u
+#define FSDP_FASTPATH_VERSION 2u
 #define FSDP_FASTPATH_ENTRIES 64u
 #define FSDP_FASTPATH_MAX_INFLIGHT (FSDP_FASTPATH_ENTRIES / 2)
 
@@ -75,13 +86,20 @@ typedef struct fsdp_fast_region {
   uint32_t entries;
   fsdp_fast_ring_t requests_ring;
   fsdp_fast_ring_t replies_ring;
-  fsdp_fast_request_t requests[FSDP_FASTPATH_ENTRIES];
+  /* On cache lines of their own: each is written by one side and read by the other on
+   * every push. */
+  _Alignas(64) _Atomic uint32_t daemon_polling;   /* 1: the daemon needs no ring */
+  _Alignas(64) _Atomic uint32_t trainer_sleeping; /* 1: the trainer needs one */
+  _Alignas(64) fsdp_fast_request_t requests[FSDP_FASTPATH_ENTRIES];
   fsdp_fast_reply_t replies[FSDP_FASTPATH_ENTRIES];
 } fsdp_fast_region_t;
 
 _Static_assert(sizeof(fsdp_fast_request_t) == 24, "fast path request layout");
 _Static_assert(sizeof(fsdp_fast_reply_t) == 40 + FSDP_STATUS_MESSAGE_MAX, "fast path reply layout");
 _Static_assert(offsetof(fsdp_fast_region_t, requests_ring) == 64, "fast path region layout");
+_Static_assert(offsetof(fsdp_fast_region_t, daemon_polling) == 320, "fast path region layout");
+_Static_assert(offsetof(fsdp_fast_region_t, trainer_sleeping) == 384, "fast path region layout");
+_Static_assert(offsetof(fsdp_fast_region_t, requests) == 448, "fast path region layout");
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2, "the rings need atomics that work between processes");
 
 /* The free slot of ring for its next entry, or -1 when it is full. Producer side. */

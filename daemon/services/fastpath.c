@@ -1,4 +1,6 @@
-/* A session's fast path: rings in a memfd, eventfd doorbells, operations to the data plane. */
+/* A session's fast path: rings in a memfd, eventfd doorbells, operations to the data plane.
+ * After traffic the loop looks at the request ring on each of its turns for a short while,
+ * so that a trainer sending its next request then need not ring (proto/fastpath.h). */
 #include "daemon/services/fastpath.h"
 
 #include <errno.h>
@@ -11,11 +13,19 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "daemon/services/unit_ops.h"
 #include "proto/fastpath.h"
 
 #define TRAINER_METHOD(name) "/fsdp.v1.Trainer/" name
+
+/* How long the loop keeps polling a session's request ring after its last request or reply.
+ * While it polls, libuv polls I/O without blocking, and the loop's thread spins: a trainer
+ * that sends its next request within the window saves the daemon's wake-up, most of a round
+ * trip; one that sends after a longer pause pays that wake-up as without the window, and an
+ * idle daemon costs no CPU. */
+#define POLL_WINDOW_NS 50000
 
 /* An operation the data plane holds; its storage, until it is called back or cancelled. */
 typedef struct fast_op {
@@ -35,11 +45,30 @@ struct fsdp_fastpath {
   int daemon_bell; /* the trainer writes it; the loop polls it */
   int trainer_bell;
   uv_poll_t poll;
+  uv_idle_t idle;         /* active while the loop polls the request ring */
+  uint64_t poll_until_ns; /* fsdp_clock_now_ns() time */
+  unsigned open_handles;  /* the last one's close callback frees the fast path */
   unsigned busy; /* ops in flight */
   fast_op_t ops[FSDP_FASTPATH_ENTRIES];
 };
 
+static void on_poll_turn(uv_idle_t *handle);
+
+/* Polls the request ring for POLL_WINDOW_NS from now, and says so to the trainer. */
+static void keep_polling(fsdp_fastpath_t *fp) {
+  fp->poll_until_ns = fsdp_clock_now_ns() + POLL_WINDOW_NS;
+  if (uv_is_active((uv_handle_t *)&fp->idle))
+    return;
+  atomic_store_explicit(&fp->region->daemon_polling, 1, memory_order_relaxed);
+  uv_idle_start(&fp->idle, on_poll_turn);
+}
+
+/* Rings the trainer if it sleeps. The fence pairs with the trainer's between setting
+ * trainer_sleeping and its last look at the replies: one of the two sees the other. */
 static void ring_trainer(fsdp_fastpath_t *fp) {
+  atomic_thread_fence(memory_order_seq_cst);
+  if (!atomic_load_explicit(&fp->region->trainer_sleeping, memory_order_relaxed))
+    return;
   uint64_t one = 1;
   /* Fails only when the counter would overflow, which leaves it readable anyway. */
   (void)!write(fp->trainer_bell, &one, sizeof one);
@@ -71,6 +100,7 @@ static void reply(fsdp_fastpath_t *fp, uint64_t seq, const char *method, const f
   }
   fsdp_fast_ring_push(&fp->region->replies_ring);
   ring_trainer(fp);
+  keep_polling(fp); /* a trainer answered often asks again soon */
 }
 
 static void on_op_done(void *data, const fsdp_status_t *st) {
@@ -178,25 +208,21 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
   }
 }
 
-/* The trainer rang: takes its requests while their replies are sure to find room (each
- * operation in flight, and each reply not yet read, holds one), and at most a ring's worth:
- * the counters are in the trainer's memory, and a trainer that forged them must not hold
- * the loop that serves every other session. */
-static void on_doorbell(uv_poll_t *handle, int status, int events) {
-  (void)status;
-  (void)events;
-  fsdp_fastpath_t *fp = handle->data;
-  uint64_t rings;
-  (void)!read(fp->daemon_bell, &rings, sizeof rings);
+/* Takes the trainer's requests while their replies are sure to find room (each operation in
+ * flight, and each reply not yet read, holds one), and at most a ring's worth: the counters
+ * are in the trainer's memory, and a trainer that forged them must not hold the loop that
+ * serves every other session. Returns how many it took. */
+static unsigned take_requests(fsdp_fastpath_t *fp) {
   fsdp_fast_region_t *region = fp->region;
-  for (unsigned taken = 0; taken < FSDP_FASTPATH_ENTRIES; taken++) {
+  unsigned taken = 0;
+  for (; taken < FSDP_FASTPATH_ENTRIES; taken++) {
     uint32_t unread = atomic_load_explicit(&region->replies_ring.head, memory_order_relaxed) -
                       atomic_load_explicit(&region->replies_ring.tail, memory_order_acquire);
     if (fp->busy + unread >= FSDP_FASTPATH_ENTRIES)
-      return;
+      break;
     int slot = fsdp_fast_ring_peek(&region->requests_ring);
     if (slot < 0)
-      return;
+      break;
     fsdp_fast_request_t rq = region->requests[slot]; /* a copy the trainer cannot change */
     fsdp_fast_ring_pop(&region->requests_ring);
     if (rq.kind == FSDP_FAST_CANCEL)
@@ -204,6 +230,36 @@ static void on_doorbell(uv_poll_t *handle, int status, int events) {
     else
       run(fp, &rq);
   }
+  return taken;
+}
+
+/* The trainer rang: it found the daemon not polling. */
+static void on_doorbell(uv_poll_t *handle, int status, int events) {
+  (void)status;
+  (void)events;
+  fsdp_fastpath_t *fp = handle->data;
+  uint64_t rings;
+  (void)!read(fp->daemon_bell, &rings, sizeof rings);
+  if (take_requests(fp) > 0)
+    keep_polling(fp);
+}
+
+/* One turn of the loop while it polls: takes what came, or ends the window. Ending it clears
+ * daemon_polling, then looks once more: the fence pairs with the trainer's between its push
+ * and its reading of the flag, so a request pushed meanwhile is either seen here or rung. */
+static void on_poll_turn(uv_idle_t *handle) {
+  fsdp_fastpath_t *fp = handle->data;
+  if (take_requests(fp) > 0) {
+    keep_polling(fp);
+    return;
+  }
+  if (fsdp_clock_now_ns() < fp->poll_until_ns)
+    return;
+  uv_idle_stop(handle);
+  atomic_store_explicit(&fp->region->daemon_polling, 0, memory_order_relaxed);
+  atomic_thread_fence(memory_order_seq_cst);
+  if (take_requests(fp) > 0)
+    keep_polling(fp);
 }
 
 static void release(fsdp_fastpath_t *fp) {
@@ -217,7 +273,9 @@ static void release(fsdp_fastpath_t *fp) {
 }
 
 static void on_closed(uv_handle_t *handle) {
-  release(handle->data);
+  fsdp_fastpath_t *fp = handle->data;
+  if (--fp->open_handles == 0)
+    release(fp);
 }
 
 int fsdp_fastpath_open(fsdp_services_context_t *ctx, fsdp_session_t *session, int ret_fds[3],
@@ -253,7 +311,10 @@ int fsdp_fastpath_open(fsdp_services_context_t *ctx, fsdp_session_t *session, in
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "cannot make the fast path: %s",
                            strerror(-err));
   }
+  (void)uv_idle_init(ctx->loop, &fp->idle); /* cannot fail: it only links the handle */
   fp->poll.data = fp;
+  fp->idle.data = fp;
+  fp->open_handles = 2;
   fp->region->magic = FSDP_FASTPATH_MAGIC;
   fp->region->version = FSDP_FASTPATH_VERSION;
   fp->region->entries = FSDP_FASTPATH_ENTRIES;
@@ -278,4 +339,5 @@ void fsdp_fastpath_close(fsdp_fastpath_t *fp) {
     }
   fp->session->fast_path = NULL;
   uv_close((uv_handle_t *)&fp->poll, on_closed);
+  uv_close((uv_handle_t *)&fp->idle, on_closed); /* stops the polling the cancels started */
 }

@@ -21,7 +21,7 @@ int fsdp_fastpath_open(fsdp_services_context_t *ctx, fsdp_session_t *session, in
                        size_t *ret_bytes, fsdp_status_t *st);
 
 /* Cancels what the session still has in flight (nothing, after the data plane released the
- * session) and frees its fast path once its handle is closed. NULL-safe. */
+ * session) and frees its fast path once its handles are closed. NULL-safe. */
 void fsdp_fastpath_close(fsdp_fastpath_t *fp);
 
 #endif

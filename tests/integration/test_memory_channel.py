@@ -124,18 +124,20 @@ time.sleep(60)
 def test_a_forged_fast_path_cannot_hold_the_daemon(fsdpd):
     """The fast path's ring counters are in the trainer's memory. A trainer that claims two
     billion requests gets at most a ring's worth read per doorbell, each answered as what it
-    is (not a unit operation), and every other caller is served meanwhile."""
+    is (not a unit operation), and every other caller is served meanwhile; the daemon's
+    polling of the ring ends with its window, the unread replies filling the ring."""
     d = fsdpd()
     a = attach(d, 0, world=1)
     s, w, fds = hello(a.memory_socket, a.session_id)
-    assert w.status == OK and w.fast_path.version == 1
+    assert w.status == OK and w.fast_path.version == 2
     region = mmap.mmap(fds[w.fast_path.memory], w.memories[w.fast_path.memory].bytes)
     struct.pack_into("<I", region, 64, 1 << 31)  # the request ring's head
     os.write(fds[3], struct.pack("<Q", 1))         # the daemon's doorbell
     d.assert_serving()
     # The replies: one per request read, until the unread replies fill the ring.
     poll(lambda: struct.unpack_from("<I", region, 192)[0] == 64, 5, what="64 replies")
-    reply = 320 + 64 * 24  # the first reply: after the header, the rings and the requests
+    poll(lambda: struct.unpack_from("<I", region, 320)[0] == 0, 5, what="daemon_polling 0")
+    reply = 448 + 64 * 24  # the first reply: after the header, rings, flags and requests
     seq, code = struct.unpack_from("<Qi", region, reply)
     message = region[reply + 40:reply + 40 + 200].split(b"\0")[0].decode()
     assert (seq, code) == (0, -5001) and "request kind 0 is not a unit operation" in message

@@ -3,7 +3,10 @@
  * unshard_start and wait), read the whole unit (fp32 exact, bf16 rounded to nearest even),
  * reshard, write their full gradients and reduce-scatter, and each finds the mean of both
  * ranks' gradients in its shard; a NO_SHARD unit goes through AllReduce. Argument errors,
- * daemon errors with their messages, started calls and detaching with one in flight.
+ * daemon errors with their messages, started calls and detaching with one in flight. Short
+ * calls from threads at pauses around the daemon's polling window, and replies that come
+ * after the trainer fell asleep, each answered within a deadline that only a request or
+ * reply left without its wake-up would run out.
  *
  * gRPC and fork() do not mix, and this process uses gRPC: the rank processes are this same
  * binary started with posix_spawn in its child mode (--rank-child), and they report through
@@ -19,18 +22,21 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <fsdp/fsdp_client.h>
 #include <fsdp/fsdp_trainer.h>
 
 #include "client/client_rpc.h"
+#include "common/clock.h"
 #include "tests/integration/daemon_fixture.h"
 #include "fsdp/v1/trainer.pb-c.h"
 
@@ -579,6 +585,123 @@ static void test_started_call_wait_runs_out(void **state) {
   fsdp_client_close(client);
 }
 
+/* ---- the fast path's doorbells, from threads of this process ----------------------------- */
+
+/* An answer takes microseconds, rung or polled; a request or reply that nobody woke for is
+ * found when the wait's deadline (the client's default, 5 s) runs out, if at all. */
+#define WAKE_SLOW_MS 1000
+#define WAKE_ROUNDS 1000
+
+/* Pauses between calls: dense about the end of the daemon's polling window (50 us after its
+ * reply), where a request may come while the daemon stops polling, and beyond it. */
+static const unsigned PAUSES_US[] = {0,  10, 30, 40, 44, 46, 48, 49, 50, 51,
+                                     52, 54, 56, 60, 70, 100, 300, 1000};
+#define N_PAUSES (sizeof PAUSES_US / sizeof PAUSES_US[0])
+
+static const unsigned NO_PAUSE_US[] = {0};
+static const unsigned LAG_US[] = {1000};
+
+typedef struct wake_worker {
+  const char *job;
+  unsigned rank, world;
+  unsigned rounds;
+  const unsigned *pauses; /* before each call, in turn from pause_from */
+  size_t n_pauses, pause_from;
+  pthread_t thread;
+  char error[640]; /* empty while every call succeeds */
+} wake_worker_t;
+
+/* Short pauses spin, since sleeping rounds them up to the kernel's timer slack. */
+static void pause_for(unsigned us) {
+  if (us >= 300) {
+    nanosleep(&(struct timespec){.tv_nsec = (long)us * 1000}, NULL);
+    return;
+  }
+  uint64_t until = fsdp_clock_now_ns() + us * 1000ull;
+  while (fsdp_clock_now_ns() < until)
+    ;
+}
+
+/* Unshards and reshards one unit round after round, step after step. */
+static void *wake_worker_run(void *arg) {
+  wake_worker_t *w = arg;
+  fsdp_client_t *client = NULL;
+  fsdp_trainer_t *t = NULL;
+  if (fsdp_client_connect(g_daemon.target, NULL, &client) < 0) {
+    snprintf(w->error, sizeof w->error, "%s rank %u: connect", w->job, w->rank);
+    return NULL;
+  }
+  fsdp_trainer_options_t opts = {.job = w->job, .local_rank = w->rank,
+                                 .local_world_size = w->world};
+  uint64_t shape[] = {64};
+  fsdp_param_desc_t param = {"w", shape, 1, true};
+  fsdp_unit_desc_t desc = {.name = "u", .params = &param, .n_params = 1,
+                           .strategy = FSDP_FULL_SHARD};
+  fsdp_unit_handle_t *u = NULL;
+  if (fsdp_trainer_attach(client, &opts, &t) < 0 ||
+      fsdp_trainer_register_unit(t, &desc, &u) < 0) {
+    snprintf(w->error, sizeof w->error, "%s rank %u: %s", w->job, w->rank,
+             fsdp_client_last_error(client));
+    goto out;
+  }
+  for (unsigned round = 0; round < w->rounds; round++)
+    for (unsigned call = 0; call < 2; call++) {
+      pause_for(w->pauses[(w->pause_from + 2 * round + call) % w->n_pauses]);
+      int64_t t0 = now_ms();
+      int r = call == 0 ? fsdp_trainer_unshard(t, u, round + 1, FSDP_PASS_FORWARD)
+                        : fsdp_trainer_reshard(t, u, round + 1);
+      int64_t took_ms = now_ms() - t0;
+      if (r < 0 || took_ms >= WAKE_SLOW_MS) {
+        snprintf(w->error, sizeof w->error, "%s rank %u, step %u: %s = %d after %lld ms: %s",
+                 w->job, w->rank, round + 1, call == 0 ? "Unshard" : "Reshard", r,
+                 (long long)took_ms, fsdp_client_last_error(client));
+        goto out;
+      }
+    }
+out:
+  fsdp_trainer_detach(t);
+  fsdp_client_close(client);
+  return NULL;
+}
+
+static void run_wake_workers(wake_worker_t *w, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    assert_int_equal(pthread_create(&w[i].thread, NULL, wake_worker_run, &w[i]), 0);
+  for (size_t i = 0; i < n; i++)
+    assert_int_equal(pthread_join(w[i].thread, NULL), 0);
+  for (size_t i = 0; i < n; i++)
+    if (w[i].error[0])
+      fail_msg("%s", w[i].error);
+}
+
+/* Two sessions send short calls, each at pauses that fall before, around and after the
+ * daemon's polling window: each request pushed while the daemon stops polling is either
+ * seen by its last look or rung. */
+static void test_fast_path_requests_wake_daemon(void **state) {
+  (void)state;
+  wake_worker_t w[2] = {
+      {.job = "wake-a", .world = 1, .rounds = WAKE_ROUNDS, .pauses = PAUSES_US,
+       .n_pauses = N_PAUSES},
+      {.job = "wake-b", .world = 1, .rounds = WAKE_ROUNDS, .pauses = PAUSES_US,
+       .n_pauses = N_PAUSES, .pause_from = 3},
+  };
+  run_wake_workers(w, 2);
+}
+
+/* Rank 0's Unshard waits a millisecond for rank 1's, long past its spin: the daemon must
+ * ring it once the reply is there, and be rung for rank 1's request, its own window over.
+ * Rank 0's Reshard follows its wake-up, which takes about as long as that window. */
+static void test_fast_path_replies_wake_trainer(void **state) {
+  (void)state;
+  wake_worker_t w[2] = {
+      {.job = "wake-pair", .rank = 0, .world = 2, .rounds = 200, .pauses = NO_PAUSE_US,
+       .n_pauses = 1},
+      {.job = "wake-pair", .rank = 1, .world = 2, .rounds = 200, .pauses = LAG_US,
+       .n_pauses = 1},
+  };
+  run_wake_workers(w, 2);
+}
+
 int main(int argc, char **argv) {
   if (argc == 6 && strcmp(argv[1], "--rank-child") == 0)
     return rank_child(argv[2], argv[3], (unsigned)atoi(argv[4]), argv[5]);
@@ -589,6 +712,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_same_rank_twice_in_one_process),
       cmocka_unit_test(test_unit_errors),
       cmocka_unit_test(test_started_call_wait_runs_out),
+      cmocka_unit_test(test_fast_path_requests_wake_daemon),
+      cmocka_unit_test(test_fast_path_replies_wake_trainer),
   };
   return cmocka_run_group_tests(tests, start_daemon, stop_daemon);
 }
