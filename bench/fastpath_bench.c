@@ -9,8 +9,13 @@
  * timed alone: with fp32 parameters on one host the masters are the copy, so the daemon
  * does no work and the time is the round trip plus the library's mapping of the lent
  * buffer (Unshard) or its unmapping (Reshard), the same on both paths. The paths take turns
- * within each run (ABAB...) so that drift in the machine's speed falls on both. Prints, per
- * operation, the median over the runs of each run's p50 and p99 in microseconds, and the
+ * within each run, BLOCK rounds at a time (ABAB...), so that drift in the machine's speed
+ * falls on both. A trainer's operations come in bursts (a unit's Reshard, the next one's
+ * Unshard) between computations: the rounds of a block are the burst, whose fast path
+ * requests find the daemon still polling, and each block's first Unshard comes after the
+ * other path's block, a pause that outlasts the daemon's polling window, as after a
+ * computation: it pays the daemon's wake-up, and is reported on its own ("cold"). Prints,
+ * per operation, the median over the runs of each run's p50 and p99 in microseconds, and the
  * ratio gRPC / fast path of the p50s. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,15 +29,19 @@
 
 #define NUMEL 4096
 #define MAX_RUNS 15
+#define BLOCK 20
 
 typedef struct path {
   const char *name; /* "fast", "grpc" */
   fsdp_client_t *client;
   fsdp_trainer_t *trainer;
   fsdp_unit_handle_t *unit;
-  double *unshard_us, *reshard_us; /* this run's samples */
+  double *unshard_us, *reshard_us; /* this run's samples: a block's first Unshard in cold_us */
+  double *cold_us;
+  size_t n_unshard, n_reshard, n_cold;
   double unshard_p50[MAX_RUNS], unshard_p99[MAX_RUNS];
   double reshard_p50[MAX_RUNS], reshard_p99[MAX_RUNS];
+  double cold_p50[MAX_RUNS];
 } path_t;
 
 static int cmp_double(const void *a, const void *b) {
@@ -68,8 +77,8 @@ static int open_path(path_t *p, const char *target, const char *job, bool fast, 
   return 0;
 }
 
-/* One Unshard and one Reshard, timed. */
-static int one_round(path_t *p, size_t i, char *err, size_t err_size) {
+/* One Unshard and one Reshard, timed; cold: the Unshard is a block's first. */
+static int one_round(path_t *p, bool cold, char *err, size_t err_size) {
   uint64_t t0 = fsdp_clock_now_ns();
   int r = fsdp_trainer_unshard(p->trainer, p->unit, 1, FSDP_PASS_FORWARD);
   uint64_t t1 = fsdp_clock_now_ns();
@@ -79,8 +88,11 @@ static int one_round(path_t *p, size_t i, char *err, size_t err_size) {
   if (r < 0)
     return bench_set_error(err, err_size, "%s path: %s", p->name,
                            fsdp_client_last_error(p->client));
-  p->unshard_us[i] = (double)(t1 - t0) / 1e3;
-  p->reshard_us[i] = (double)(t2 - t1) / 1e3;
+  if (cold)
+    p->cold_us[p->n_cold++] = (double)(t1 - t0) / 1e3;
+  else
+    p->unshard_us[p->n_unshard++] = (double)(t1 - t0) / 1e3;
+  p->reshard_us[p->n_reshard++] = (double)(t2 - t1) / 1e3;
   return 0;
 }
 
@@ -103,8 +115,9 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (iterations < 10 || runs < 1 || runs > MAX_RUNS) {
-    fprintf(stderr, "fsdp-fastpath-bench: --iterations >= 10, --runs in [1, %d]\n", MAX_RUNS);
+  if (iterations < 10 * BLOCK || runs < 1 || runs > MAX_RUNS) {
+    fprintf(stderr, "fsdp-fastpath-bench: --iterations >= %d, --runs in [1, %d]\n",
+            10 * BLOCK, MAX_RUNS);
     return 2;
   }
   char err[512];
@@ -120,49 +133,58 @@ int main(int argc, char **argv) {
   for (size_t k = 0; k < 2; k++) {
     paths[k].unshard_us = calloc(iterations, sizeof(double));
     paths[k].reshard_us = calloc(iterations, sizeof(double));
+    paths[k].cold_us = calloc(iterations / BLOCK + 1, sizeof(double));
   }
   if (open_path(&paths[0], target, "fast", true, err, sizeof err) < 0 ||
       bench_daemon_wait_serving(&d, paths[0].client, d.ready_deadline, err, sizeof err) < 0 ||
       open_path(&paths[1], target, "grpc", false, err, sizeof err) < 0)
     goto out;
   for (size_t run = 0; run < runs && !bench_interrupted; run++) {
-    for (size_t i = 0; i < iterations; i++)
+    for (size_t k = 0; k < 2; k++)
+      paths[k].n_unshard = paths[k].n_reshard = paths[k].n_cold = 0;
+    for (size_t i = 0; i < iterations; i += BLOCK)
       for (size_t k = 0; k < 2; k++)
-        if (one_round(&paths[k], i, err, sizeof err) < 0)
-          goto out;
+        for (size_t j = i; j < i + BLOCK && j < iterations; j++)
+          if (one_round(&paths[k], j == i, err, sizeof err) < 0)
+            goto out;
     for (size_t k = 0; k < 2; k++) {
       path_t *p = &paths[k];
-      p->unshard_p50[run] = quantile(p->unshard_us, iterations, 0.5);
-      p->unshard_p99[run] = quantile(p->unshard_us, iterations, 0.99);
-      p->reshard_p50[run] = quantile(p->reshard_us, iterations, 0.5);
-      p->reshard_p99[run] = quantile(p->reshard_us, iterations, 0.99);
+      p->unshard_p50[run] = quantile(p->unshard_us, p->n_unshard, 0.5);
+      p->unshard_p99[run] = quantile(p->unshard_us, p->n_unshard, 0.99);
+      p->reshard_p50[run] = quantile(p->reshard_us, p->n_reshard, 0.5);
+      p->reshard_p99[run] = quantile(p->reshard_us, p->n_reshard, 0.99);
+      p->cold_p50[run] = quantile(p->cold_us, p->n_cold, 0.5);
     }
   }
-  double fig[2][4];
+  double fig[2][5];
   for (size_t k = 0; k < 2; k++) {
     path_t *p = &paths[k];
     fig[k][0] = median_of(p->unshard_p50, runs);
     fig[k][1] = median_of(p->unshard_p99, runs);
     fig[k][2] = median_of(p->reshard_p50, runs);
     fig[k][3] = median_of(p->reshard_p99, runs);
+    fig[k][4] = median_of(p->cold_p50, runs);
   }
   if (json) {
     printf("{\"iterations\": %zu, \"runs\": %zu", iterations, runs);
     for (size_t k = 0; k < 2; k++)
       printf(", \"%s\": {\"unshard_p50_us\": %.2f, \"unshard_p99_us\": %.2f, "
-             "\"reshard_p50_us\": %.2f, \"reshard_p99_us\": %.2f}",
-             paths[k].name, fig[k][0], fig[k][1], fig[k][2], fig[k][3]);
-    printf(", \"unshard_ratio\": %.1f, \"reshard_ratio\": %.1f}\n", fig[1][0] / fig[0][0],
-           fig[1][2] / fig[0][2]);
+             "\"reshard_p50_us\": %.2f, \"reshard_p99_us\": %.2f, "
+             "\"cold_unshard_p50_us\": %.2f}",
+             paths[k].name, fig[k][0], fig[k][1], fig[k][2], fig[k][3], fig[k][4]);
+    printf(", \"unshard_ratio\": %.1f, \"reshard_ratio\": %.1f, \"cold_unshard_ratio\": %.1f}\n",
+           fig[1][0] / fig[0][0], fig[1][2] / fig[0][2], fig[1][4] / fig[0][4]);
   } else {
-    printf("%zu x (Unshard + Reshard) per path per run, %zu runs; medians over runs\n",
-           iterations, runs);
-    printf("%-10s %12s %12s %12s %12s\n", "path", "Unshard p50", "p99", "Reshard p50", "p99");
+    printf("%zu x (Unshard + Reshard) per path per run, in blocks of %d, %zu runs; medians "
+           "over runs\n",
+           iterations, BLOCK, runs);
+    printf("%-10s %12s %12s %12s %12s %16s\n", "path", "Unshard p50", "p99", "Reshard p50",
+           "p99", "cold Unshard p50");
     for (size_t k = 0; k < 2; k++)
-      printf("%-10s %10.1f us %9.1f us %10.1f us %9.1f us\n", paths[k].name, fig[k][0],
-             fig[k][1], fig[k][2], fig[k][3]);
-    printf("gRPC / fast path, p50: Unshard %.1fx, Reshard %.1fx\n", fig[1][0] / fig[0][0],
-           fig[1][2] / fig[0][2]);
+      printf("%-10s %10.1f us %9.1f us %10.1f us %9.1f us %13.1f us\n", paths[k].name,
+             fig[k][0], fig[k][1], fig[k][2], fig[k][3], fig[k][4]);
+    printf("gRPC / fast path, p50: Unshard %.1fx, Reshard %.1fx, cold Unshard %.1fx\n",
+           fig[1][0] / fig[0][0], fig[1][2] / fig[0][2], fig[1][4] / fig[0][4]);
   }
   rc = 0;
 out:
@@ -173,6 +195,7 @@ out:
     fsdp_client_close(paths[k].client);
     free(paths[k].unshard_us);
     free(paths[k].reshard_us);
+    free(paths[k].cold_us);
   }
   char stop_err[512];
   if (bench_daemon_stop(&d, stop_err, sizeof stop_err) < 0) {
