@@ -1454,35 +1454,32 @@ static void format_sum_holders(const fsdp_job_t *job, char *buf, size_t size) {
                                u->spec->unit);
 }
 
-/* Gathers, reduces and gradient lends that waited for a pool buffer past their deadline. */
-static void expire_pool_waits(fsdp_job_t *job, uint64_t now_ms) {
+/* Gathers (their copies) and reduces (their host sums) that waited for a pool buffer past
+ * their collection's deadline: every waiter hears which units hold the pool. */
+static void expire_buffer_waits(fsdp_job_t *job, uint64_t now_ms, waiter_kind_t kind) {
+  bool gather = kind == WAIT_UNSHARD;
   char message[FSDP_STATUS_MESSAGE_MAX], holders[256];
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (!u->reduce.running || fsdp_list_empty(&u->sum_waiter.link) ||
-        now_ms < u->reduce.deadline_ms)
+    const fsdp_collection_t *c = collection_of(u, kind);
+    const fsdp_pool_waiter_t *w = gather ? &u->copy_waiter : &u->sum_waiter;
+    if (!c->running || fsdp_list_empty(&w->link) || now_ms < c->deadline_ms)
       continue;
-    format_sum_holders(job, holders, sizeof holders);
+    (gather ? format_copy_holders : format_sum_holders)(job, holders, sizeof holders);
     snprintf(message, sizeof message,
-             "unit '%s' step %llu: no host sum of job '%s' came free in time "
-             "(store.collective_timeout): its %u (max_inflight) are held by the reduces of %s",
-             u->spec->unit, (unsigned long long)u->reduce.step, job->name, job->max_inflight,
-             holders);
+             "unit '%s' step %llu: no %s of job '%s' came free in time "
+             "(store.collective_timeout): its %u (max_inflight) are held by %s%s",
+             u->spec->unit, (unsigned long long)c->step,
+             gather ? "unsharded copy" : "host sum", job->name, job->max_inflight,
+             gather ? "" : "the reduces of ", holders);
     log_warning("%s", message);
-    abort_collection(job, u, WAIT_REDUCE, FSDP_E_ABORTED, message);
+    abort_collection(job, u, kind, FSDP_E_ABORTED, message);
   }
-  for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (!u->gather.running || fsdp_list_empty(&u->copy_waiter.link) ||
-        now_ms < u->gather.deadline_ms)
-      continue;
-    format_copy_holders(job, holders, sizeof holders);
-    snprintf(message, sizeof message,
-             "unit '%s' step %llu: no unsharded copy of job '%s' came free in time "
-             "(store.collective_timeout): its %u (max_inflight) are held by %s",
-             u->spec->unit, (unsigned long long)u->gather.step, job->name, job->max_inflight,
-             holders);
-    log_warning("%s", message);
-    abort_collection(job, u, WAIT_UNSHARD, FSDP_E_ABORTED, message);
-  }
+}
+
+/* Gathers, reduces and gradient lends that waited for a pool buffer past their deadline. */
+static void expire_pool_waits(fsdp_job_t *job, uint64_t now_ms) {
+  expire_buffer_waits(job, now_ms, WAIT_UNSHARD);
+  expire_buffer_waits(job, now_ms, WAIT_REDUCE);
   for (uint32_t r = 0; r < job->local_world_size; r++) {
     fsdp_pool_waiter_t *w, *tmp;
     fsdp_list_for_each_safe(w, tmp, &job->grad_pools[r].waiters, link) {

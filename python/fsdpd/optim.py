@@ -27,8 +27,6 @@ backward: `model.clip_grad_norm_` refuses to run with a daemon optimizer.
 
 import torch
 
-_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                      maximize=False)
 _KEYS = ("lr", "weight_decay", "maximize", "betas", "eps", "amsgrad", "momentum", "dampening",
          "nesterov")
 
@@ -109,15 +107,18 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+def _adam(lr, betas, eps, weight_decay, amsgrad, maximize):
+    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                maximize=maximize)
+
+
 class AdamW(_DaemonOptimizer):
     """torch.optim.AdamW in the daemon: decoupled weight decay (default 1e-2)."""
     _kind = "AdamW"
 
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, groups=None):
-        super().__init__(model, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                     weight_decay=weight_decay, amsgrad=amsgrad,
-                                     maximize=maximize), groups)
+        super().__init__(model, _adam(lr, betas, eps, weight_decay, amsgrad, maximize), groups)
 
 
 class Adam(_DaemonOptimizer):
@@ -126,9 +127,7 @@ class Adam(_DaemonOptimizer):
 
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, groups=None):
-        super().__init__(model, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                     weight_decay=weight_decay, amsgrad=amsgrad,
-                                     maximize=maximize), groups)
+        super().__init__(model, _adam(lr, betas, eps, weight_decay, amsgrad, maximize), groups)
 
 
 class SGD(_DaemonOptimizer):
