@@ -197,7 +197,7 @@ class _LocalUnit:
     def reshard(self, step=0):
         self.unsharded = None
 
-    def reduce_scatter(self, step=0, accumulate=False):
+    def reduce_scatter(self, step=0, accumulate=False, **_):  # one host, a torch optimizer
         mine = self.full_grad[self.shard * self.shard_numel:][:self.shard_numel]
         if accumulate:
             self.grad_shard.add_(mine, alpha=1.0 / self.world)
