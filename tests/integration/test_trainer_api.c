@@ -585,6 +585,47 @@ static void test_started_call_wait_runs_out(void **state) {
   fsdp_client_close(client);
 }
 
+/* The daemon's optimizer through the C API: bad arguments, then SGD (lr 0.5) stepping a
+ * one-rank unit on values where every operation is exact; the view shows its state. */
+static void test_optimizer_in_the_daemon(void **state) {
+  (void)state;
+  fsdp_client_t *client = connect_daemon();
+  fsdp_trainer_t *t = attach(client, "optim", 0, 1);
+  uint64_t shape[] = {8};
+  fsdp_param_desc_t param = {"w", shape, 1, true};
+  fsdp_unit_desc_t desc = {.name = "u", .params = &param, .n_params = 1,
+                           .strategy = FSDP_FULL_SHARD};
+  fsdp_unit_handle_t *u = NULL;
+  assert_int_equal(fsdp_trainer_register_unit(t, &desc, &u), 0);
+  const fsdp_unit_view_t *v = fsdp_unit_view(u);
+  assert_null(v->optimizer_steps);
+
+  assert_int_equal(fsdp_trainer_set_optimizer(t, NULL), -EINVAL);
+  const char *names[] = {"w"};
+  fsdp_param_group_t group = {.params = names, .n_params = 1, .lr = -1};
+  fsdp_optim_t optim = {.kind = FSDP_OPTIM_SGD, .groups = &group, .n_groups = 1};
+  assert_int_equal(fsdp_trainer_set_optimizer(t, &optim), FSDP_E_INVALID_ARGUMENT);
+  assert_non_null(strstr(fsdp_client_last_error(client), "groups[0].lr = -1 is outside"));
+  assert_int_equal(fsdp_trainer_reduce_scatter(t, u, 1, 1u << 7), -EINVAL);
+  assert_non_null(strstr(fsdp_client_last_error(client), "not FSDP_REDUCE_* flags (0x80)"));
+
+  group.lr = 0.5;
+  assert_int_equal(fsdp_trainer_set_optimizer(t, &optim), 0);
+  assert_non_null(v->optimizer_steps);
+  assert_int_equal(v->optimizer_arrays, 1); /* SGD's momentum buffer, unused without momentum */
+  for (int i = 0; i < 8; i++)
+    v->master[i] = (float)i;
+  assert_int_equal(fsdp_trainer_unshard(t, u, 1, FSDP_PASS_BACKWARD), 0);
+  for (int i = 0; i < 8; i++)
+    ((float *)v->full_grad)[i] = (float)(2 * i);
+  assert_int_equal(fsdp_trainer_reduce_scatter(t, u, 1, FSDP_REDUCE_STEP_OPTIMIZER), 0);
+  for (int i = 0; i < 8; i++) /* i - 0.5 * 2i, as torch.optim.SGD computes it */
+    assert_true(v->master[i] == 0.0f);
+  assert_int_equal(*v->optimizer_steps, 1);
+  assert_int_equal(fsdp_trainer_detach(t), 0);
+  fsdp_client_close(client);
+}
+
 /* ---- the fast path's doorbells, from threads of this process ----------------------------- */
 
 /* An answer takes microseconds, rung or polled; a request or reply that nobody woke for is
@@ -712,6 +753,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_same_rank_twice_in_one_process),
       cmocka_unit_test(test_unit_errors),
       cmocka_unit_test(test_started_call_wait_runs_out),
+      cmocka_unit_test(test_optimizer_in_the_daemon),
       cmocka_unit_test(test_fast_path_requests_wake_daemon),
       cmocka_unit_test(test_fast_path_replies_wake_trainer),
   };
