@@ -3,6 +3,7 @@
     /usr/bin/python3 bench/train_bench.py [--build build] [--ranks 2 4] [--model bench|blocks24]
                                           [--max-inflight 2] [--param-dtype fp32|bf16]
                                           [--repeat 1] [--steps 20] [--warmup 3]
+                                          [--daemon-optimizer]
                                           [--global-batch 8] [--json]
 
 For each L in --ranks, the same L processes' worth of work runs three times, one after the
@@ -18,6 +19,9 @@ units of about 4 % of the model each, so that the units in flight are small next
            TCP port); Adam steps the fp32 master shards. With --param-dtype fp32 on one host
            the daemon lends the masters themselves as the unsharded copy; bf16 takes the
            copies from its bounded pool.
+  fsdpd+opt  with --daemon-optimizer: the same as fsdpd, with the daemon's Adam
+           (fsdpd.optim.Adam) stepping each unit as its gradients are reduced, in place of the
+           trainers' torch.optim.Adam on their shards after the backward
   DDP      torch.nn.parallel.DistributedDataParallel over gloo (a FileStore in a temporary dir)
   compute  the compute-only baseline: the same ShardedModel (same units, hooks, prefetch
            calls, Adam on the same shards) over an in-process stand-in for the client whose
@@ -286,7 +290,11 @@ def worker(args):
                                         max_inflight=args.max_inflight)
     else:
         model = DistributedDataParallel(net)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.daemon_optimizer:
+        import fsdpd.optim
+        opt = fsdpd.optim.Adam(model, lr=args.lr)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     times, call_times, losses = [], [], []
     for step in range(args.warmup + args.steps):
@@ -463,18 +471,19 @@ def run_config(system, world, args, build):
                   "--seed", str(args.seed), "--max-inflight", str(args.max_inflight),
                   "--param-dtype", args.param_dtype]
         base_env.update(FSDPD_LIB=str(build / "lib" / "libfsdp.so"))
-        if system == "fsdpd":
+        worker = "fsdpd" if system.startswith("fsdpd") else system.lower()
+        if worker == "fsdpd":
             daemon_log = open(tmp / "fsdpd.log", "wb")
             daemon, socket = _start_daemon(build, tmp / "run", daemon_log)
             base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB)
-            extra = []
+            extra = ["--daemon-optimizer"] if system == DAEMON_OPTIMIZER else []
         elif system == "compute":
             extra = []
         else:
             extra = ["--store", str(tmp / "store")]
 
         def argv(r):
-            return [PYTHON, str(Path(__file__).resolve()), "--worker", system.lower(), "--rank", str(r),
+            return [PYTHON, str(Path(__file__).resolve()), "--worker", worker, "--rank", str(r),
                     *common, *extra]
 
         def env(r):
@@ -521,7 +530,7 @@ def run_config(system, world, args, build):
                "daemon_cpu_s": sum(cpu[world:]),
                "measured_pss_bytes": after["all"] - before["all"],
                "measured_data_pss_bytes": after["data"] - before["data"]}
-        if system == "fsdpd":
+        if worker == "fsdpd":
             res["daemon_bytes"] = daemon_bytes
             res["accounted_bytes"] = daemon_bytes + opt_bytes
             res["units"] = ready[0]["units"]
@@ -548,6 +557,11 @@ def run_config(system, world, args, build):
 
 MODELS = {"bench": (128, 4), "blocks24": (64, 24)}  # (d_model, blocks) of each --model
 SYSTEMS = ("fsdpd", "DDP", "compute")
+DAEMON_OPTIMIZER = "fsdpd+opt"  # fsdpd with the daemon's Adam (fsdpd.optim), --daemon-optimizer
+
+
+def systems(args):
+    return SYSTEMS + ((DAEMON_OPTIMIZER,) if args.daemon_optimizer else ())
 # What the formula and the daemon's accounting may differ by without the daemon holding more
 # than FSDP: each unit padded to a multiple of L elements, each buffer rounded up to 64
 # bytes, the private 1-element unit fsdpd.torch registers for its barriers.
@@ -597,6 +611,9 @@ def figures(results, args):
                     "step_vs_ddp": f["step_ms"] / d["step_ms"],
                     "exposed": (f["step_ms"] - c["step_ms"]) / f["step_ms"],
                     "in_calls": f["call_share"]})
+        if args.daemon_optimizer:
+            o = by[(world, DAEMON_OPTIMIZER)]
+            out[-1]["daemon_optimizer_step_vs_trainers"] = o["step_ms"] / f["step_ms"]
     return out
 
 
@@ -618,6 +635,10 @@ def report(results, ratios, args):
         print(f"{x['ranks']:>2} {x['accounted_vs_ddp']:14.2f} {x['pss_vs_ddp']:8.2f} "
               f"{_mib(x['formula']['bytes']):>12} {x['accounted_vs_formula']:17.3f}x "
               f"{x['step_vs_ddp']:8.2f}x {100 * x['exposed']:7.1f}% {100 * x['in_calls']:8.1f}%")
+    for x in ratios:
+        if "daemon_optimizer_step_vs_trainers" in x:
+            print(f"L={x['ranks']} step with the daemon's Adam (fsdpd.optim) over the trainers' "
+                  f"(torch.optim on the shards): {x['daemon_optimizer_step_vs_trainers']:.2f}x")
     over = [x["ranks"] for x in ratios if x["accounted_vs_formula"] > FORMULA_SLACK]
     print(f"fsdpd within {FORMULA_SLACK}x of the formula: " +
           ("yes" if not over else f"no, at L = {', '.join(map(str, over))}"))
@@ -656,6 +677,9 @@ def main(argv=None):
                    help="shard_model's max_inflight (default 2, the daemon's default)")
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="shard_model's param_dtype (default fp32)")
+    p.add_argument("--daemon-optimizer", action="store_true",
+                   help="also run fsdpd with the daemon's Adam (fsdpd.optim) instead of the "
+                        "trainers' (system fsdpd+opt), and compare their steps")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each configuration; figures are their medians (default 1)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
@@ -703,8 +727,9 @@ def main(argv=None):
             for i, world in enumerate(args.ranks):
                 # The order of the systems turns from one configuration to the next, so that
                 # none is always the first on a machine that has just been idle.
-                turn = (i + rep) % len(SYSTEMS)
-                for system in SYSTEMS[turn:] + SYSTEMS[:turn]:
+                order = systems(args)
+                turn = (i + rep) % len(order)
+                for system in order[turn:] + order[:turn]:
                     if not args.json:
                         print(f"run {rep + 1}/{args.repeat} L={world} {system} ...",
                               file=sys.stderr, flush=True)
@@ -717,7 +742,7 @@ def main(argv=None):
         print("train_bench: interrupted", file=sys.stderr)
         return 1
     results = [_median_runs(runs[(world, system)])
-               for world in args.ranks for system in SYSTEMS]
+               for world in args.ranks for system in systems(args)]
     ratios = figures(results, args)
     if args.json:
         print(json.dumps({"config": {k: getattr(args, k) for k in
@@ -725,7 +750,7 @@ def main(argv=None):
                                       "warmup", "global_batch", "d_model", "layers", "lr",
                                       "seed")},
                           "results": results, "ratios": ratios,
-                          "runs": [r for world in args.ranks for system in SYSTEMS
+                          "runs": [r for world in args.ranks for system in systems(args)
                                    for r in runs[(world, system)]]}, indent=1))
     else:
         print(f"TinyGPT d_model {args.d_model}, {args.layers} blocks; global batch "

@@ -31,11 +31,12 @@ struct fsdp_fast_client {
   int daemon_bell, trainer_bell;
   int lifeline;
   uint64_t next_seq;
+  uint64_t spin_ns; /* how long a wait polls the reply ring before it sleeps */
   in_flight_t ops[FSDP_FASTPATH_MAX_INFLIGHT];
 };
 
 int fsdp_fast_client_open(int region_fd, size_t bytes, int daemon_bell, int trainer_bell,
-                          int lifeline, fsdp_fast_client_t **ret_client) {
+                          int lifeline, bool spin, fsdp_fast_client_t **ret_client) {
   fsdp_fast_client_t *fc = calloc(1, sizeof *fc);
   void *p = bytes >= sizeof(fsdp_fast_region_t)
                 ? mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0)
@@ -58,7 +59,7 @@ int fsdp_fast_client_open(int region_fd, size_t bytes, int daemon_bell, int trai
   }
   *fc = (fsdp_fast_client_t){.region = p, .bytes = bytes, .daemon_bell = daemon_bell,
                              .trainer_bell = trainer_bell, .lifeline = lifeline,
-                             .next_seq = 1};
+                             .next_seq = 1, .spin_ns = spin ? SPIN_NS : 0};
   *ret_client = fc;
   return 0;
 }
@@ -152,7 +153,7 @@ int fsdp_fast_client_wait(fsdp_fast_client_t *fc, uint64_t seq, int64_t deadline
   in_flight_t *op = find(fc, seq);
   if (!op || op->abandoned)
     return -EINVAL;
-  uint64_t spin_until = fsdp_clock_now_ns() + SPIN_NS;
+  uint64_t spin_until = fsdp_clock_now_ns() + fc->spin_ns;
   for (;;) {
     take_replies(fc);
     if (op->answered) {

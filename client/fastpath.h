@@ -8,16 +8,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <stdbool.h>
+
 #include "proto/fastpath.h"
 
 typedef struct fsdp_fast_client fsdp_fast_client_t;
 
 /* Maps the region (bytes of region_fd) and keeps the doorbells; takes the three descriptors,
  * closing them on failure too. lifeline: the session's memory channel (borrowed), whose end
- * says that the daemon will answer nothing more. -errno, or FSDP_E_PROTOCOL_VERSION when
- * the region is not of this format. */
+ * says that the daemon will answer nothing more. spin: whether a wait polls the reply ring
+ * for a while before it sleeps on the doorbell, which saves a wake-up but takes a CPU. -errno,
+ * or FSDP_E_PROTOCOL_VERSION when the region is not of this format. */
 int fsdp_fast_client_open(int region_fd, size_t bytes, int daemon_bell, int trainer_bell,
-                          int lifeline, fsdp_fast_client_t **ret_client);
+                          int lifeline, bool spin, fsdp_fast_client_t **ret_client);
 void fsdp_fast_client_close(fsdp_fast_client_t *fc);
 
 /* Sends rq (its seq is set here); returns the seq, or 0 when FSDP_FASTPATH_MAX_INFLIGHT

@@ -69,7 +69,7 @@ struct fsdp_unit_handle {
 struct fsdp_trainer {
   fsdp_client_t *client; /* borrowed */
   uint64_t session_id;
-  unsigned local_rank;
+  unsigned local_rank, local_world_size;
   int channel_fd; /* the session's lifeline: open until detach */
   void *memory;   /* the job's arena (memory 0, read-write), or NULL */
   size_t memory_size;
@@ -255,8 +255,11 @@ static int open_fast_path(fsdp_trainer_t *t, const Fsdp__V1__ChannelWelcome *w, 
       (setting && strcmp(setting, "off") == 0))
     return 0;
   *taken = true;
+  /* Spinning for a reply pays only with a CPU to spare: where the job's ranks on this host
+   * outnumber the CPUs, the CPU a rank spins on is one another rank needs. */
+  bool spin = t->local_world_size <= (unsigned long)sysconf(_SC_NPROCESSORS_ONLN);
   int r = fsdp_fast_client_open(fds[2], (size_t)w->memories[2]->bytes, fds[3], fds[4],
-                                t->channel_fd, &t->fast);
+                                t->channel_fd, spin, &t->fast);
   if (r < 0)
     return fsdp_client_set_last_error(t->client, r, "memory channel: the fast path: %s",
                                       fsdp_strerror(r));
@@ -338,6 +341,7 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
     return fsdp_client_set_last_error(client, -ENOMEM, "fsdp_trainer_attach: out of memory");
   t->client = client;
   t->local_rank = opts->local_rank;
+  t->local_world_size = opts->local_world_size;
   t->channel_fd = t->memory_fd = t->shared_fd = -1;
   bool detach = true;
 

@@ -46,6 +46,7 @@ struct fsdp_fastpath {
   int trainer_bell;
   uv_poll_t poll;
   uv_idle_t idle;         /* active while the loop polls the request ring */
+  bool polls;             /* whether it does, after a request: only with a CPU to spare */
   uint64_t poll_until_ns; /* fsdp_clock_now_ns() time */
   unsigned open_handles;  /* the last one's close callback frees the fast path */
   unsigned busy; /* ops in flight */
@@ -56,6 +57,8 @@ static void on_poll_turn(uv_idle_t *handle);
 
 /* Polls the request ring for POLL_WINDOW_NS from now, and says so to the trainer. */
 static void keep_polling(fsdp_fastpath_t *fp) {
+  if (!fp->polls)
+    return;
   fp->poll_until_ns = fsdp_clock_now_ns() + POLL_WINDOW_NS;
   if (uv_is_active((uv_handle_t *)&fp->idle))
     return;
@@ -286,6 +289,9 @@ int fsdp_fastpath_open(fsdp_services_context_t *ctx, fsdp_session_t *session, in
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   fp->ctx = ctx;
   fp->session = session;
+  /* Where the job's ranks on this host outnumber the CPUs, the loop's spinning takes the
+   * CPU a rank needs, which costs more than the wake-up it saves. */
+  fp->polls = session->local_world_size <= (unsigned long)sysconf(_SC_NPROCESSORS_ONLN);
   fp->bytes = (sizeof *fp->region + page - 1) / page * page;
   fp->region_fd = memfd_create("fsdpd-fast-path", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   fp->daemon_bell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
