@@ -1079,6 +1079,7 @@ int fsdp_trainer_set_optimizer(fsdp_trainer_t *trainer, const fsdp_optim_t *opti
   rq.kind = (Fsdp__V1__OptimizerKind)optim->kind;
   rq.n_groups = optim->n_groups;
   rq.groups = group_ptrs;
+  rq.max_grad_norm = optim->max_grad_norm;
   ProtobufCMessage *reply = NULL;
   int r = fsdp_client_call(trainer->client, TRAINER_PATH("SetOptimizer"), &rq.base,
                            &fsdp__v1__set_optimizer_reply__descriptor, 0, &reply);

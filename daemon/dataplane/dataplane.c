@@ -2,6 +2,7 @@
 #include "daemon/dataplane/dataplane.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +28,7 @@ typedef enum work_kind {
   WORK_REDUCE,
   WORK_DEFER,
   WORK_OPTIMIZE,
+  WORK_NORM,
 } work_kind_t;
 
 struct fsdp_dataplane_work {
@@ -36,13 +38,14 @@ struct fsdp_dataplane_work {
   /* WORK_PREFAULT: the block's length, read on the loop: the block list is the loop's. */
   size_t bytes;
   fsdp_optimizer_plan_t plan; /* WORK_OPTIMIZE */
+  double norm_sq;             /* WORK_NORM */
   int result;
   fsdp_dataplane_work_t *next;
 };
 
 static const char *const work_names[] = {"preparing its buffers", "the gather",
                                          "the reduce-scatter", "the deferred reduce",
-                                         "the optimizer step"};
+                                         "the optimizer step", "the gradient's norm"};
 
 /* A unit's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
@@ -382,6 +385,10 @@ static void run_work(uv_work_t *req) {
   case WORK_OPTIMIZE:
     w->result = fsdp_optimizer_run(&w->plan, dp->workers);
     break;
+  case WORK_NORM:
+    w->norm_sq = fsdp_optimizer_grad_norm_sq(w->job, u);
+    w->result = 0;
+    break;
   case WORK_DEFER:
     w->result = fsdp_host_sum_range(host_sum(w->job, u), host_sum_fp32(w->job, u), srcs, world,
                                     param_dtype(u), reduce_dtype(u), u->pre_scale, first,
@@ -434,6 +441,7 @@ static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_u
 static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                        fsdp_ring_kind_t kind);
 static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u);
+static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step);
 
 /* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
  * (done_ring); the other is -1. This host's cast is followed by the all-gather among the
@@ -484,6 +492,11 @@ static void work_done(uv_work_t *req, int status) {
                     (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
                     fsdp_strerror(r));
     finish_collective(w->job, u, kind, &st);
+  } else if (w->kind == WORK_NORM) {
+    u->norm_sq = w->norm_sq;
+    u->awaiting_norm = true;
+    u->norm_deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms;
+    step_if_every_norm(dp, w->job, u->reduce.step);
   } else {
     next_stage(dp, w->job, u, (int)w->kind, -1);
   }
@@ -794,8 +807,13 @@ static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_u
   return 0;
 }
 
+static void queue_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, bool clip,
+                       float clip_coef);
+
 /* The unit's optimizer step, after its reduce wrote the gradient shards; the reduce ends
- * with it. A step the unit took already (a restarted run repeating it) is not taken again. */
+ * with it. A step the unit took already (a restarted run repeating it) is not taken again.
+ * With clipping, the step waits for the norm of the whole gradient: this unit's part is
+ * summed first. */
 static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
   uint64_t step = u->reduce.step;
   if (step <= u->stepped_step) {
@@ -804,6 +822,40 @@ static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
     finish_collective(job, u, WAIT_REDUCE, NULL);
     return;
   }
+  if (fsdp_optimizer_max_grad_norm(job) > 0) {
+    int r = queue(dp, WORK_NORM, job, u);
+    if (r < 0)
+      abort_collection(job, u, WAIT_REDUCE, r, "cannot queue the gradient's norm");
+    return;
+  }
+  queue_step(dp, job, u, false, 1.0f);
+}
+
+/* Once the reduce of the step of every unit the optimizer steps wrote its gradient shards
+ * and summed its part of the norm: the clip coefficient (torch's clip_grad_norm_: max_norm over the norm
+ * plus 1e-6, at most 1), and every unit's step with it. The parts are added in the units'
+ * order of registration, the same on every run. */
+static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step) {
+  double total = 0;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (!fsdp_optimizer_steps_unit(job, u))
+      continue;
+    if (!u->awaiting_norm || u->reduce.step != step)
+      return; /* its reduce of the step has not written its gradient yet */
+    total += u->norm_sq;
+  }
+  double coef = fsdp_optimizer_max_grad_norm(job) / (sqrt(total) + 1e-6);
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (!fsdp_optimizer_steps_unit(job, u))
+      continue;
+    u->awaiting_norm = false;
+    queue_step(dp, job, u, true, (float)(coef < 1 ? coef : 1));
+  }
+}
+
+static void queue_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, bool clip,
+                       float clip_coef) {
+  uint64_t step = u->reduce.step;
   fsdp_status_t st;
   fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
   if (!w) {
@@ -820,6 +872,8 @@ static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
     finish_collective(job, u, WAIT_REDUCE, &failed);
     return;
   }
+  w->plan.clip = clip;
+  w->plan.clip_coef = clip_coef;
   u->stepped_step = step;
   enqueue(dp, w);
 }
@@ -1476,6 +1530,28 @@ static void expire_buffer_waits(fsdp_job_t *job, uint64_t now_ms, waiter_kind_t 
   }
 }
 
+/* With clipping, reduces that wrote their gradient and waited past their deadline for the
+ * other units' of the step: each hears the first unit that did not come. */
+static void expire_norm_waits(fsdp_job_t *job, uint64_t now_ms) {
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (!u->awaiting_norm || now_ms < u->norm_deadline_ms)
+      continue;
+    const fsdp_unit_t *missing = job->units;
+    while (missing && (!fsdp_optimizer_steps_unit(job, missing) ||
+                       (missing->awaiting_norm && missing->reduce.step == u->reduce.step)))
+      missing = missing->next;
+    char message[FSDP_STATUS_MESSAGE_MAX];
+    snprintf(message, sizeof message,
+             "unit '%s' step %llu: clipping by the global norm (max_grad_norm) waited in vain "
+             "for unit '%s''s gradient of the step (store.collective_timeout)",
+             u->spec->unit, (unsigned long long)u->reduce.step,
+             missing ? missing->spec->unit : "?");
+    log_warning("%s", message);
+    u->awaiting_norm = false;
+    abort_collection(job, u, WAIT_REDUCE, FSDP_E_ABORTED, message);
+  }
+}
+
 /* Gathers, reduces and gradient lends that waited for a pool buffer past their deadline. */
 static void expire_pool_waits(fsdp_job_t *job, uint64_t now_ms) {
   expire_buffer_waits(job, now_ms, WAIT_UNSHARD);
@@ -1520,6 +1596,7 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
       }
     }
     expire_pool_waits(job, now_ms);
+    expire_norm_waits(job, now_ms);
   }
 }
 

@@ -22,6 +22,7 @@ typedef struct unit_plan {
 
 struct fsdp_optimizer {
   fsdp_optimizer_kind_t kind;
+  double max_grad_norm; /* 0: none */
   fsdp_optimizer_group_t *groups; /* their params point into names */
   size_t n_groups;
   char **names; /* every group's parameter names, owned */
@@ -193,10 +194,19 @@ static struct fsdp_optimizer *optimizer_new(fsdp_optimizer_kind_t kind,
 
 int fsdp_optimizer_set(fsdp_job_t *job, fsdp_optimizer_kind_t kind,
                        const fsdp_optimizer_group_t *groups, size_t n_groups,
-                       fsdp_status_t *st) {
+                       double max_grad_norm, fsdp_status_t *st) {
   if (kind < FSDP_OPTIMIZER_ADAMW || kind > FSDP_OPTIMIZER_SGD)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "SetOptimizer: kind %d is not ADAMW, ADAM or SGD", (int)kind);
+  if (!(isfinite(max_grad_norm) && max_grad_norm >= 0))
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "SetOptimizer: max_grad_norm = %g is outside [0, inf)", max_grad_norm);
+  for (const fsdp_unit_t *u = job->units; max_grad_norm > 0 && u; u = u->next)
+    if (fsdp_unit_plan_spans_hosts(&u->plan))
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "SetOptimizer: max_grad_norm %g: clipping by the global norm is "
+                             "built for one host so far, and unit '%s' spans hosts",
+                             max_grad_norm, u->spec->unit);
   if (n_groups == 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "SetOptimizer: groups is empty: give at least one");
@@ -220,7 +230,22 @@ int fsdp_optimizer_set(fsdp_job_t *job, fsdp_optimizer_kind_t kind,
   } else {
     job->optimizer_free = optimizer_free; /* the store frees the job without knowing it */
   }
+  job->optimizer->max_grad_norm = max_grad_norm;
   return 0;
+}
+
+double fsdp_optimizer_max_grad_norm(const fsdp_job_t *job) {
+  return job->optimizer ? job->optimizer->max_grad_norm : 0;
+}
+
+double fsdp_optimizer_grad_norm_sq(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  const float *g = (const float *)(const void *)((const char *)fsdp_arena_base(job->arena) +
+                                                 u->grad_offset);
+  uint64_t n = (uint64_t)u->plan.local_shards * u->layout.shard_numel;
+  double sum = 0;
+  for (uint64_t i = 0; i < n; i++)
+    sum += (double)g[i] * g[i];
+  return sum;
 }
 
 bool fsdp_optimizer_is_set(const fsdp_job_t *job) {
@@ -282,6 +307,14 @@ static unit_plan_t *unit_plan(struct fsdp_optimizer *o, const fsdp_unit_t *u, fs
         (fsdp_optimizer_piece_t){.begin = begin - first, .end = end - first, .group = (unsigned)g};
   }
   return p;
+}
+
+bool fsdp_optimizer_steps_unit(fsdp_job_t *job, const fsdp_unit_t *u) {
+  if (!job->optimizer || !u->trainable || u->state != FSDP_UNIT_READY)
+    return false;
+  fsdp_status_t st;
+  const unit_plan_t *p = unit_plan(job->optimizer, u, &st);
+  return !p || p->n_pieces > 0; /* out of memory: its step will say so */
 }
 
 int fsdp_optimizer_unit_state(fsdp_job_t *job, fsdp_unit_t *u, fsdp_optimizer_state_t *ret,
@@ -434,6 +467,8 @@ static void adam_range(void *arg, size_t begin, size_t end) {
   float *vmax = c->g->amsgrad ? plan->state[2] + r->first : NULL;
   bool decoupled = c->kind == FSDP_OPTIMIZER_ADAMW;
   for (size_t i = begin; i < end; i++) {
+    if (plan->clip)
+      grad[i] = grad[i] * plan->clip_coef;
     float g = c->g->maximize ? -grad[i] : grad[i];
     if (decoupled)
       p[i] = p[i] * c->decay;
@@ -458,6 +493,8 @@ static void sgd_range(void *arg, size_t begin, size_t end) {
   float *p = plan->master + r->first, *grad = plan->grad + r->first;
   float *buf = plan->state[0] + r->first;
   for (size_t i = begin; i < end; i++) {
+    if (plan->clip)
+      grad[i] = grad[i] * plan->clip_coef;
     float d = c->g->maximize ? -grad[i] : grad[i];
     if (c->g->weight_decay != 0)
       d = d + c->weight_decay * p[i];

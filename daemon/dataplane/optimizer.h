@@ -60,7 +60,14 @@ typedef struct fsdp_optimizer_state {
  * the job's, with the state of its registered trainable units made ready. */
 int fsdp_optimizer_set(fsdp_job_t *job, fsdp_optimizer_kind_t kind,
                        const fsdp_optimizer_group_t *groups, size_t n_groups,
-                       fsdp_status_t *st);
+                       double max_grad_norm, fsdp_status_t *st);
+
+/* The norm the job's gradient is clipped to before each step; 0: no clipping. */
+double fsdp_optimizer_max_grad_norm(const fsdp_job_t *job);
+
+/* Whether the job's optimizer steps some of the unit's elements on this host (a trainable
+ * unit whose parameters a group names): the units a step's clipping waits for. */
+bool fsdp_optimizer_steps_unit(fsdp_job_t *job, const fsdp_unit_t *u);
 
 /* Whether the job has an optimizer. */
 bool fsdp_optimizer_is_set(const fsdp_job_t *job);
@@ -98,6 +105,10 @@ typedef struct fsdp_optimizer_plan {
   size_t n_groups;
   float *master, *grad;
   float *state[3]; /* the state arrays, as fsdp_optimizer_state_t orders them */
+  /* With clipping: the gradient shards are multiplied by it first (and keep the result, as
+   * clip_grad_norm_ leaves them). */
+  bool clip;
+  float clip_coef;
 } fsdp_optimizer_plan_t;
 
 /* Plans the unit's next step, making its state on first need, and counts it (the unit's
@@ -108,6 +119,10 @@ void fsdp_optimizer_plan_cleanup(fsdp_optimizer_plan_t *plan); /* NULL-safe plan
 
 /* On a pool thread: the step the plan says, each piece split over workers. */
 int fsdp_optimizer_run(const fsdp_optimizer_plan_t *plan, fsdp_workers_t *workers);
+
+/* On a pool thread: the sum of the squares of the unit's gradient shards on this host, in
+ * double, element by element in order (the same sum on every run). */
+double fsdp_optimizer_grad_norm_sq(const fsdp_job_t *job, const fsdp_unit_t *u);
 
 
 #endif

@@ -420,7 +420,8 @@ static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage 
         .beta2 = g->beta2, .eps = g->eps, .amsgrad = g->amsgrad, .momentum = g->momentum,
         .dampening = g->dampening, .nesterov = g->nesterov};
   }
-  if (fsdp_optimizer_set(job, (fsdp_optimizer_kind_t)rq->kind, groups, rq->n_groups, &st) < 0) {
+  if (fsdp_optimizer_set(job, (fsdp_optimizer_kind_t)rq->kind, groups, rq->n_groups,
+                         rq->max_grad_norm, &st) < 0) {
     fail_call(call, &st);
     goto out;
   }

@@ -100,6 +100,11 @@ typedef struct fsdp_unit {
   bool reduce_defer;
   bool reduce_step; /* the running reduce steps the masters after (step_optimizer) */
   uint64_t stepped_step; /* the newest step whose reduce stepped the masters; 0: none */
+  /* With clipping by the global norm: the running reduce wrote its gradient shards and
+   * waits for every other trainable unit's of the step; norm_sq is its shards' part. */
+  bool awaiting_norm;
+  double norm_sq;
+  uint64_t norm_deadline_ms; /* by which the others must have come */
   bool has_deferred;
   unsigned n_deferred;
   uint64_t deferred_offset;

@@ -186,6 +186,11 @@ typedef struct fsdp_optim {
   fsdp_optim_kind_t kind;
   const fsdp_param_group_t *groups;
   size_t n_groups;
+  /* > 0: each step first clips the gradient by its global norm, as clip_grad_norm_ would;
+   * the units of a step are then stepped once every one's reduce wrote its gradient, and
+   * those reduces return after the steps: start them (fsdp_trainer_reduce_scatter_start),
+   * then wait. One host only, so far. */
+  double max_grad_norm;
 } fsdp_optim_t;
 
 /* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.

@@ -408,14 +408,17 @@ class Client:
         if rc < 0:
             raise self._error(rc, "set schedule")
 
-    def set_optimizer(self, kind, groups):
+    def set_optimizer(self, kind, groups, max_grad_norm=0.0):
         """Sets the optimizer the daemon runs over the job's master shards (torch.optim's
         formulas), or its hyperparameters once set: kind "AdamW", "Adam" or "SGD"; groups a
         list of dicts like torch's param_groups, whose "params" are original parameter names
         (a group without "params" takes those no other group names) and whose other keys are
         lr, weight_decay, maximize, betas (a pair), eps, amsgrad, momentum, dampening,
-        nesterov. The kind and each group's parameters stay as first set; the units'
-        optimizer_state shows the state from then on."""
+        nesterov. max_grad_norm > 0 clips the gradient by its global norm before each step
+        (one host so far): a step's reduces then return once every unit's is in and all are
+        stepped, so start them all (reduce_scatter_async) before waiting. The kind and each
+        group's parameters stay as first set; the units' optimizer_state shows the state from
+        then on."""
         self._check_open()
         if kind not in _lib.OPTIMIZERS:
             raise ValueError(f"optimizer kind {kind!r}: expected one of "
@@ -435,7 +438,7 @@ class Client:
                                          float(g.get("momentum", 0.0)),
                                          float(g.get("dampening", 0.0)),
                                          bool(g.get("nesterov", False)))
-        optim = _lib.Optim(_lib.OPTIMIZERS[kind], entries, len(groups))
+        optim = _lib.Optim(_lib.OPTIMIZERS[kind], entries, len(groups), float(max_grad_norm))
         rc = _lib.lib().fsdp_trainer_set_optimizer(self._trainer, ctypes.byref(optim))
         if rc < 0:
             raise self._error(rc, "set optimizer")

@@ -66,7 +66,7 @@ class ParamGroup(ctypes.Structure):
 
 class Optim(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("groups", ctypes.POINTER(ParamGroup)),
-                ("n_groups", ctypes.c_size_t)]
+                ("n_groups", ctypes.c_size_t), ("max_grad_norm", ctypes.c_double)]
 
 
 class UnitSchedule(ctypes.Structure):

@@ -16,13 +16,15 @@ and outlives this process: a trainer that restarts finds it there.
 
 Groups are torch's param_groups by original parameter name (the names the model's modules
 give them), so that, say, biases and norms skip weight decay inside one flat unit; the
-parameters no group names form the first group, with the constructor's hyperparameters. LR
+model's parameters no group names form the first group, with the constructor's
+hyperparameters. LR
 schedulers work unchanged: the hyperparameters of `param_groups` go to the daemon before the
 next step's backward. Under `model.no_sync()` nothing is stepped (gradients accumulate); the
 backward after it steps.
 
 Gradient clipping by global norm must happen before the step, which here is inside the
-backward: `model.clip_grad_norm_` refuses to run with a daemon optimizer.
+backward: pass `max_grad_norm` (clip_grad_norm_'s max_norm, 2-norm; one host so far), and the
+daemon clips before it steps; `model.clip_grad_norm_` refuses to run with a daemon optimizer.
 """
 
 import torch
@@ -34,12 +36,13 @@ _KEYS = ("lr", "weight_decay", "maximize", "betas", "eps", "amsgrad", "momentum"
 class _DaemonOptimizer(torch.optim.Optimizer):
     _kind = None
 
-    def __init__(self, model, defaults, groups):
+    def __init__(self, model, defaults, groups, max_grad_norm):
         if not hasattr(model, "_attach_optimizer"):
             raise TypeError(f"fsdpd.optim.{type(self).__name__} steps the masters of a model "
                             "made by fsdpd.torch.shard_model; got a "
                             f"{type(model).__name__}")
         self._model = model
+        self.max_grad_norm = float(max_grad_norm or 0.0)
         named = [dict(g) for g in (groups or [])]
         for g in named:
             names = g.get("params")
@@ -48,8 +51,11 @@ class _DaemonOptimizer(torch.optim.Optimizer):
                                  "original parameter names")
             g["param_names"] = list(names)
             g["params"] = []
-        # The parameters no group names: the first group, with the constructor's values.
-        super().__init__([{"params": [], "param_names": []}] + named, defaults)
+        # The parameters no group names: the first group, with the constructor's values,
+        # named one by one, so that the daemon steps the model's units and no other.
+        taken = {n for g in named for n in g["param_names"]}
+        rest = [n for u in model._trainable_units() for n in u.param_names if n not in taken]
+        super().__init__([{"params": [], "param_names": rest}] + named, defaults)
         self._sent = None
         model._attach_optimizer(self)
         self._sync()
@@ -61,10 +67,10 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def _sync(self):
         """Sends param_groups' hyperparameters to the daemon when they changed (an LR
         scheduler's step); the model calls it before each forward."""
-        groups = self._wire_groups()
-        if groups != self._sent:
-            self._model.client.set_optimizer(self._kind, groups)
-            self._sent = groups
+        sent = (self._wire_groups(), self.max_grad_norm)
+        if sent != self._sent:
+            self._model.client.set_optimizer(self._kind, *sent)
+            self._sent = sent
 
     def step(self, closure=None):
         """Nothing left to do: the daemon stepped each unit when the backward reduced its
@@ -117,8 +123,9 @@ class AdamW(_DaemonOptimizer):
     _kind = "AdamW"
 
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, groups=None):
-        super().__init__(model, _adam(lr, betas, eps, weight_decay, amsgrad, maximize), groups)
+                 amsgrad=False, *, maximize=False, groups=None, max_grad_norm=None):
+        super().__init__(model, _adam(lr, betas, eps, weight_decay, amsgrad, maximize), groups,
+                         max_grad_norm)
 
 
 class Adam(_DaemonOptimizer):
@@ -126,8 +133,9 @@ class Adam(_DaemonOptimizer):
     _kind = "Adam"
 
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, groups=None):
-        super().__init__(model, _adam(lr, betas, eps, weight_decay, amsgrad, maximize), groups)
+                 amsgrad=False, *, maximize=False, groups=None, max_grad_norm=None):
+        super().__init__(model, _adam(lr, betas, eps, weight_decay, amsgrad, maximize), groups,
+                         max_grad_norm)
 
 
 class SGD(_DaemonOptimizer):
@@ -135,10 +143,10 @@ class SGD(_DaemonOptimizer):
     _kind = "SGD"
 
     def __init__(self, model, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, maximize=False, groups=None):
+                 nesterov=False, *, maximize=False, groups=None, max_grad_norm=None):
         super().__init__(model, dict(lr=lr, momentum=momentum, dampening=dampening,
                                      weight_decay=weight_decay, nesterov=nesterov,
-                                     maximize=maximize), groups)
+                                     maximize=maximize), groups, max_grad_norm)
 
     def _state_names(self):
         return ("momentum_buffer",)

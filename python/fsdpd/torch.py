@@ -465,9 +465,9 @@ class ShardedModel(_nn.Module):
         shards together) is at most max_norm; returns that norm before clipping. Every local
         rank calls it."""
         if self._optimizer is not None:
-            raise RuntimeError("clip_grad_norm_: the daemon's optimizer (fsdpd.optim) stepped "
-                               "the units during the backward, before any clipping could "
-                               "apply; clip with a trainer-side torch optimizer instead")
+            raise RuntimeError("clip_grad_norm_: the daemon's optimizer (fsdpd.optim) steps "
+                               "the units during the backward, before this could clip: give "
+                               "it max_grad_norm instead")
         norm_type = float(norm_type)
         if norm_type == float("inf") or norm_type <= 0:
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported "

@@ -115,6 +115,18 @@ class OpByOp(torch.optim.Optimizer):
                     p.copy_(p + f32(-lr) * d)
 
 
+@torch.no_grad()
+def clip_as_the_daemon(model, max_norm):
+    """clip_grad_norm_ as the daemon computes it: the squares summed in double, the
+    coefficient max_norm / (norm + 1e-6), at most 1, in double, then each gradient times its
+    fp32 rounding."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = sum(float((g.double() ** 2).sum()) for g in grads)
+    coef = torch.tensor(min(max_norm / (math.sqrt(total) + 1e-6), 1.0), dtype=torch.float32)
+    for g in grads:
+        g.mul_(coef)
+
+
 def torch_optimizer(model, args):
     """The reference's optimizer and LR schedule (None for plain SGD): torch.optim's, or
     with --exact the op-by-op one (OpByOp)."""
@@ -170,7 +182,9 @@ def reference(args):
             loss = loss_fn(model(tokens), targets) / len(parts)
             loss.backward()
             total += loss.item()
-        if args.features:
+        if args.clip and args.exact:
+            clip_as_the_daemon(model, MAX_NORM)
+        elif args.features or args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         if schedule:
@@ -234,7 +248,7 @@ def rank(args):
         import fsdpd.optim
         cls = fsdpd.optim.AdamW if args.optim == "adamw" else fsdpd.optim.SGD
         opt = cls(model, groups=[{"params": no_decay(build(False)), "weight_decay": 0.0}],
-                  **DAEMON_OPTIM[args.optim])
+                  max_grad_norm=MAX_NORM if args.clip else None, **DAEMON_OPTIM[args.optim])
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     start = model.completed_steps + 1
     for _ in range(start - 1 if schedule else 0):  # a restarted trainer's schedule
@@ -314,6 +328,9 @@ def main():
     p.add_argument("--optim", choices=("sgd", *DAEMON_OPTIM), default="sgd")
     p.add_argument("--exact", action="store_true",
                    help="the reference steps with OpByOp instead of torch.optim's optimizer")
+    p.add_argument("--clip", action="store_true",
+                   help="with --optim: clip the gradient to a norm of MAX_NORM before each step "
+                        "(the daemon's max_grad_norm)")
     p.add_argument("--world", type=int, default=1,
                    help="the bf16 reference: how many ranks it computes for")
     args = p.parse_args()

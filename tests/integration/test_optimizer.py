@@ -58,6 +58,17 @@ def test_values_torch_refuses_are_refused_naming_the_field(fsdpd, kind, hyper, t
     assert code == grpc.StatusCode.INVALID_ARGUMENT and text in details, details
 
 
+def test_a_negative_max_grad_norm_is_refused(fsdpd):
+    d = fsdpd()
+    ranks, _ = two_ranks(d)
+    code, details = refused(lambda: ranks[0].d.call(
+        "/fsdp.v1.Trainer/SetOptimizer", trainer_pb2.SetOptimizerRequest(
+            session_id=ranks[0].session, kind=trainer_pb2.ADAMW, groups=[group(**ADAMW)],
+            max_grad_norm=-1.0), trainer_pb2.SetOptimizerReply))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_grad_norm = -1 is outside [0, inf)" in details, details
+
+
 def test_groups_name_registered_trainable_parameters_once(fsdpd):
     d = fsdpd()
     ranks, _ = two_ranks(d)

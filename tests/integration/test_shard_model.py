@@ -189,8 +189,10 @@ def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max
         assert job["copies"]["waits"] > 0
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd-momentum"])
-def test_the_daemons_optimizer_trains_like_torch_optim(fsdpd, optim):
+@pytest.mark.parametrize("optim,clip", [("adamw", False), ("sgd-momentum", False),
+                                        ("adamw", True)],
+                         ids=["adamw", "sgd-momentum", "adamw-clipped"])
+def test_the_daemons_optimizer_trains_like_torch_optim(fsdpd, optim, clip):
     """fsdpd.optim's AdamW (SGD with momentum) in the daemon, weight decay excluded from
     biases and norms by a group and the LR halved every 2 steps by a torch scheduler, against
     one process that takes the ranks' gradients reduced as the daemon does: losses and
@@ -198,12 +200,15 @@ def test_the_daemons_optimizer_trains_like_torch_optim(fsdpd, optim):
     operation (OpByOp), and losses within 1e-6 of torch.optim's own optimizer. (Its x86-64
     kernels fuse some multiply-adds; in elements whose gradient is nearly zero, such as an
     attention key's bias, Adam's normalization magnifies those last bits into the
-    parameters, so they are compared with the formulas, not with torch's roundings.) The
-    state lives in the daemon: fsdpctl shows each unit's step count and state bytes."""
+    parameters, so they are compared with the formulas, not with torch's roundings.) Clipped:
+    the daemon clips the gradient to a norm of 0.5 before each step, the references with
+    clip_grad_norm_ (torch's, in fp32) or as the daemon does (its squares summed in double).
+    The state lives in the daemon: fsdpctl shows each unit's step count and state bytes."""
     d = fsdpd(*DAEMON_ARGS)
-    procs = [_start(d, "rank", 2, r, "--optim", optim) for r in range(2)]
+    args = ("--optim", optim, *(("--clip",) if clip else ()))
+    procs = [_start(d, "rank", 2, r, *args) for r in range(2)]
     for exact in ((), ("--exact",)):
-        procs.append(_start(None, "reference", 2, 0, "--optim", optim, "--world", "2", *exact))
+        procs.append(_start(None, "reference", 2, 0, *args, "--world", "2", *exact))
     *ranks, torch_ref, exact_ref = _finish(procs)
     _assert_matches(ranks, exact_ref, 0.0)
     _assert_matches(ranks, torch_ref, 1e-6, check_params=False)
