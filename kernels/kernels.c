@@ -6,6 +6,7 @@
  * differ in corner cases (VCVTNEPS2BF16 flushes subnormals) and GCC does not vectorize
  * _Float16 conversions. */
 #include "kernels/kernels.h"
+#include "kernels/clones.h"
 #include "kernels/elements.h"
 
 #include <errno.h>
@@ -20,21 +21,6 @@ typedef float f32u __attribute__((aligned(1), may_alias));
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* One clone per x86-64 level that changes the vector width: SSE2, AVX2, AVX-512 (with BW,
- * for 16-bit lanes). The cloned functions inline every helper below, so each clone is fully
- * specialized. GCC 12 accepts only the arch= spelling for AVX-512BW clones, and clang 14
- * silently drops arch=x86-64-v3, hence two spellings. Other compilers and architectures,
- * and -DFSDP_KERNELS_NO_CLONES (to test the portable path on a machine that would pick the
- * AVX-512 clone), get one plain build. */
-#if defined(__x86_64__) && !defined(FSDP_KERNELS_NO_CLONES) && defined(__clang__) && \
-    __clang_major__ >= 14
-#define KERNEL __attribute__((target_clones("avx512bw", "avx2", "default")))
-#elif defined(__x86_64__) && !defined(FSDP_KERNELS_NO_CLONES) && !defined(__clang__) && \
-    __GNUC__ >= 12
-#define KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define KERNEL
-#endif
 
 /* Elements per block of the reduce: the running sums of one block (4 KiB) stay in L1 while
  * every source streams through once. Measured from 1024 to 16384 on the 2-core reference
