@@ -46,8 +46,9 @@ static const char *kind_name(fsdp_optimizer_kind_t kind) {
 }
 
 /* torch's own checks, field by field, naming the first that fails. */
-static int check_group(fsdp_optimizer_kind_t kind, const fsdp_optimizer_group_t *g, size_t i,
-                       fsdp_status_t *st) {
+static int check_group(fsdp_optimizer_kind_t kind, const fsdp_optimizer_group_t *group,
+                       size_t i, fsdp_status_t *st) {
+  const fsdp_optim_hyper_t *g = &group->hyper;
   bool sgd = kind == FSDP_OPTIMIZER_SGD;
   const struct {
     const char *name;
@@ -151,12 +152,12 @@ static int check_same_shape(const struct fsdp_optimizer *o, fsdp_optimizer_kind_
                              "optimizer gave it: a group's parameters stay as first set",
                              i);
     /* amsgrad decides the state's arrays, and with it the state's layout. */
-    if (groups[i].amsgrad != o->groups[i].amsgrad)
+    if (groups[i].hyper.amsgrad != o->groups[i].hyper.amsgrad)
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "SetOptimizer: groups[%zu].amsgrad %s, but the job's optimizer set "
                              "it %s: it stays as first set",
-                             i, groups[i].amsgrad ? "true" : "false",
-                             o->groups[i].amsgrad ? "true" : "false");
+                             i, groups[i].hyper.amsgrad ? "true" : "false",
+                             o->groups[i].hyper.amsgrad ? "true" : "false");
   }
   return 0;
 }
@@ -186,7 +187,7 @@ static struct fsdp_optimizer *optimizer_new(fsdp_optimizer_kind_t kind,
         optimizer_free(o);
         return NULL;
       }
-    amsgrad = amsgrad || groups[i].amsgrad;
+    amsgrad = amsgrad || groups[i].hyper.amsgrad;
   }
   o->arrays = kind == FSDP_OPTIMIZER_SGD ? 1 : amsgrad ? 3 : 2;
   return o;
@@ -413,107 +414,37 @@ static void optimizer_free(struct fsdp_optimizer *o) {
   free(o);
 }
 
-/* The coefficients torch computes in Python (doubles) and hands its fp32 kernels, which
- * round each to float; the per-element arithmetic below is torch 1.13's single-tensor path,
- * operation by operation, each product and sum rounded to fp32 on its own. (torch's x86-64
- * kernels fuse `add(x, alpha=a)` into one multiply-add, which rounds once: its results
- * differ from these in the last bits, the same on every CPU here.) */
-typedef struct coefficients {
-  const fsdp_optimizer_group_t *g;
-  fsdp_optimizer_kind_t kind;
-  bool first; /* SGD's first step: the momentum buffer starts as the gradient */
-  float decay;          /* AdamW: 1 - lr * weight_decay */
-  float weight_decay;   /* Adam, SGD: added to the gradient */
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
-  float bias_correction2_sqrt, eps, neg_step_size;
-  float momentum, one_minus_dampening, neg_lr;
-} coefficients_t;
-
-static coefficients_t coefficients(fsdp_optimizer_kind_t kind, const fsdp_optimizer_group_t *g,
-                                   uint64_t step) {
-  double bias_correction1 = 1 - pow(g->beta1, (double)step);
-  double bias_correction2 = 1 - pow(g->beta2, (double)step);
-  return (coefficients_t){
-      .g = g,
-      .kind = kind,
-      .first = step == 1,
-      .decay = (float)(1 - g->lr * g->weight_decay),
-      .weight_decay = (float)g->weight_decay,
-      .beta1 = (float)g->beta1,
-      .one_minus_beta1 = (float)(1 - g->beta1),
-      .beta2 = (float)g->beta2,
-      .one_minus_beta2 = (float)(1 - g->beta2),
-      .bias_correction2_sqrt = (float)sqrt(bias_correction2),
-      .eps = (float)g->eps,
-      .neg_step_size = (float)-(g->lr / bias_correction1),
-      .momentum = (float)g->momentum,
-      .one_minus_dampening = (float)(1 - g->dampening),
-      .neg_lr = (float)-g->lr,
-  };
-}
-
-typedef struct step_range {
+/* One piece of a step, split over the worker pool: each range of its elements is the
+ * kernel's (kernels/optim.h) on the same offset of every array. */
+typedef struct piece_run {
   const fsdp_optimizer_plan_t *plan;
-  coefficients_t c;
+  fsdp_optim_rule_t rule;
+  const fsdp_optim_hyper_t *hyper;
   uint64_t first; /* the piece's first element */
-} step_range_t;
+} piece_run_t;
 
-static void adam_range(void *arg, size_t begin, size_t end) {
-  const step_range_t *r = arg;
-  const coefficients_t *c = &r->c;
+static void step_range(void *arg, size_t begin, size_t end) {
+  const piece_run_t *r = arg;
   const fsdp_optimizer_plan_t *plan = r->plan;
-  float *p = plan->master + r->first, *grad = plan->grad + r->first;
-  float *m = plan->state[0] + r->first, *v = plan->state[1] + r->first;
-  float *vmax = c->g->amsgrad ? plan->state[2] + r->first : NULL;
-  bool decoupled = c->kind == FSDP_OPTIMIZER_ADAMW;
-  for (size_t i = begin; i < end; i++) {
-    if (plan->clip)
-      grad[i] = grad[i] * plan->clip_coef;
-    float g = c->g->maximize ? -grad[i] : grad[i];
-    if (decoupled)
-      p[i] = p[i] * c->decay;
-    else if (c->g->weight_decay != 0)
-      g = g + c->weight_decay * p[i];
-    m[i] = m[i] * c->beta1 + c->one_minus_beta1 * g;
-    v[i] = v[i] * c->beta2 + c->one_minus_beta2 * g * g;
-    float second = v[i];
-    if (vmax) {
-      vmax[i] = vmax[i] > v[i] ? vmax[i] : v[i];
-      second = vmax[i];
-    }
-    float denom = sqrtf(second) / c->bias_correction2_sqrt + c->eps;
-    p[i] = p[i] + c->neg_step_size * m[i] / denom;
-  }
-}
-
-static void sgd_range(void *arg, size_t begin, size_t end) {
-  const step_range_t *r = arg;
-  const coefficients_t *c = &r->c;
-  const fsdp_optimizer_plan_t *plan = r->plan;
-  float *p = plan->master + r->first, *grad = plan->grad + r->first;
-  float *buf = plan->state[0] + r->first;
-  for (size_t i = begin; i < end; i++) {
-    if (plan->clip)
-      grad[i] = grad[i] * plan->clip_coef;
-    float d = c->g->maximize ? -grad[i] : grad[i];
-    if (c->g->weight_decay != 0)
-      d = d + c->weight_decay * p[i];
-    if (c->g->momentum != 0) {
-      buf[i] = c->first ? d : buf[i] * c->momentum + c->one_minus_dampening * d;
-      d = c->g->nesterov ? d + c->momentum * buf[i] : buf[i];
-    }
-    p[i] = p[i] + c->neg_lr * d;
-  }
+  size_t at = r->first + begin;
+  float *state[3] = {NULL, NULL, NULL};
+  for (size_t a = 0; a < 3; a++)
+    if (plan->state[a])
+      state[a] = plan->state[a] + at;
+  fsdp_optim_step(r->rule, r->hyper, plan->step, plan->clip, plan->clip_coef,
+                  plan->master + at, plan->grad + at, state, end - begin);
 }
 
 int fsdp_optimizer_run(const fsdp_optimizer_plan_t *plan, fsdp_workers_t *workers) {
+  fsdp_optim_rule_t rule = plan->kind == FSDP_OPTIMIZER_ADAMW ? FSDP_OPTIM_RULE_ADAMW
+                           : plan->kind == FSDP_OPTIMIZER_ADAM ? FSDP_OPTIM_RULE_ADAM
+                                                               : FSDP_OPTIM_RULE_SGD;
   for (size_t k = 0; k < plan->n_pieces; k++) {
     const fsdp_optimizer_piece_t *piece = &plan->pieces[k];
-    step_range_t r = {.plan = plan,
-                      .c = coefficients(plan->kind, &plan->groups[piece->group], plan->step),
-                      .first = piece->begin};
-    int rc = fsdp_workers_for(workers, piece->end - piece->begin, 16384,
-                              plan->kind == FSDP_OPTIMIZER_SGD ? sgd_range : adam_range, &r);
+    piece_run_t r = {.plan = plan, .rule = rule, .hyper = &plan->groups[piece->group].hyper,
+                     .first = piece->begin};
+    /* 16 K elements a chunk: about 450 KiB of traffic, worth a wake-up. */
+    int rc = fsdp_workers_for(workers, piece->end - piece->begin, 16384, step_range, &r);
     if (rc < 0)
       return rc;
   }

@@ -25,6 +25,7 @@
 
 #include "common/status.h"
 #include "daemon/store/store.h"
+#include "kernels/optim.h"
 #include "kernels/workers.h"
 
 typedef enum fsdp_optimizer_kind {
@@ -38,12 +39,7 @@ typedef enum fsdp_optimizer_kind {
 typedef struct fsdp_optimizer_group {
   const char *const *params; /* original parameter names; none: those no group names */
   size_t n_params;
-  double lr, weight_decay;
-  bool maximize;
-  double beta1, beta2, eps; /* Adam, AdamW */
-  bool amsgrad;
-  double momentum, dampening; /* SGD */
-  bool nesterov;
+  fsdp_optim_hyper_t hyper;
 } fsdp_optimizer_group_t;
 
 /* Where a unit's state is in its job's arena. */

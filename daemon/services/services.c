@@ -415,10 +415,12 @@ static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage 
   for (size_t i = 0; i < rq->n_groups; i++) {
     const Fsdp__V1__OptimizerGroup *g = rq->groups[i];
     groups[i] = (fsdp_optimizer_group_t){
-        .params = (const char *const *)g->params, .n_params = g->n_params, .lr = g->lr,
-        .weight_decay = g->weight_decay, .maximize = g->maximize, .beta1 = g->beta1,
-        .beta2 = g->beta2, .eps = g->eps, .amsgrad = g->amsgrad, .momentum = g->momentum,
-        .dampening = g->dampening, .nesterov = g->nesterov};
+        .params = (const char *const *)g->params,
+        .n_params = g->n_params,
+        .hyper = {.lr = g->lr, .weight_decay = g->weight_decay, .maximize = g->maximize,
+                  .beta1 = g->beta1, .beta2 = g->beta2, .eps = g->eps, .amsgrad = g->amsgrad,
+                  .momentum = g->momentum, .dampening = g->dampening,
+                  .nesterov = g->nesterov}};
   }
   if (fsdp_optimizer_set(job, (fsdp_optimizer_kind_t)rq->kind, groups, rq->n_groups,
                          rq->max_grad_norm, &st) < 0) {

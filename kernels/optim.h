@@ -1,0 +1,47 @@
+/* Optimizer steps over fp32 arrays: torch 1.13's AdamW, Adam and SGD (its single-tensor
+ * path), for the daemon's optimizer (daemon/dataplane/optimizer.h).
+ *
+ * Numbers. The coefficients torch computes in Python doubles (1 - lr * weight_decay, the
+ * bias corrections, the step size, sqrt(bias_correction2)) are computed here in double the
+ * same way and rounded to fp32 once, as torch does with a Python scalar; then each product,
+ * sum, quotient and square root of an element rounds to fp32 on its own, in torch's order
+ * of operations. The loops are compiled for several instruction sets (kernels/clones.h)
+ * without FMA contraction, so the results are the same bits on every x86-64 CPU. (torch's
+ * own x86-64 kernels fuse `add(x, alpha=a)` into one multiply-add and so differ from these
+ * in the last bits.)
+ *
+ * Threads and memory: no state; any thread may step disjoint ranges of the same arrays at
+ * once (the daemon splits a unit over its worker pool). */
+#ifndef FSDP_KERNELS_OPTIM_H
+#define FSDP_KERNELS_OPTIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum fsdp_optim_rule {
+  FSDP_OPTIM_RULE_ADAMW, /* weight decay decoupled: param *= 1 - lr * weight_decay */
+  FSDP_OPTIM_RULE_ADAM,  /* weight decay added to the gradient */
+  FSDP_OPTIM_RULE_SGD,   /* momentum, dampening, nesterov, weight decay added */
+} fsdp_optim_rule_t;
+
+/* A param_group's hyperparameters, as torch holds them (doubles). */
+typedef struct fsdp_optim_hyper {
+  double lr, weight_decay;
+  bool maximize;
+  double beta1, beta2, eps; /* Adam, AdamW */
+  bool amsgrad;
+  double momentum, dampening; /* SGD */
+  bool nesterov;
+} fsdp_optim_hyper_t;
+
+/* One step (number `step`, 1 for the first) of n elements of the parameters p with the
+ * gradients g, and the state: Adam and AdamW state[0] exp_avg, state[1] exp_avg_sq,
+ * state[2] max_exp_avg_sq (amsgrad only); SGD state[0] the momentum buffer (read from the
+ * second step on). With clip, each gradient element is first multiplied by clip_coef and
+ * stored back (as clip_grad_norm_ leaves .grad). The arrays must not overlap. */
+void fsdp_optim_step(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h, uint64_t step,
+                     bool clip, float clip_coef, float *p, float *g, float *const state[3],
+                     size_t n);
+
+#endif
