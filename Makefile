@@ -60,6 +60,12 @@ bench-train: setup-test build
 # The same against the FSDP memory model: a 24-block model at L = 2, 4 and 8, the medians of
 # three runs, with fsdpd's bytes against 16P + the units in flight and the share of its step
 # that waiting on the daemon exposes (results in docs/PERFORMANCE.md).
+# The daemon's AdamW step against its memory-traffic bound and torch.optim.AdamW (foreach off
+# and on) on shards of 1, 16 and 256 MiB (bench/optim_torch.py; results in docs/PERFORMANCE.md).
+.PHONY: bench-optim
+bench-optim: setup-test build
+	/usr/bin/python3 bench/optim_torch.py --build $(BUILD)
+
 .PHONY: bench-train-memory
 bench-train-memory: setup-test build
 	/usr/bin/python3 bench/train_bench.py --build $(BUILD) --model blocks24 --ranks 2 4 8 \
