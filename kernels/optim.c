@@ -1,8 +1,8 @@
 /* Optimizer steps: one straight loop per combination of the flags that change the work
- * (clipping, weight decay added to the gradient, amsgrad), each vectorized by the compiler
- * and cloned per instruction set (kernels/clones.h). What only changes a value is one:
- * maximize flips the sign bit, AdamW's decay and Adam's lack of it are a factor (1 is
- * exact). */
+ * (clipping, weight decay added to the gradient, amsgrad, momentum), each vectorized by the
+ * compiler and cloned per instruction set (kernels/clones.h); fmaf where torch fuses
+ * (kernels/optim.h). What only changes a value is one: maximize flips the sign bit, AdamW's
+ * decay and Adam's lack of it are a factor (1 is exact). */
 #include "kernels/optim.h"
 
 #include <math.h>
@@ -69,9 +69,9 @@ INLINE void adam_loop(const coefficients_t *c, bool clip, bool coupled_decay, bo
     float gi = gradient(g, i, c, clip);
     float pi = p[i] * c->decay;
     if (coupled_decay)
-      gi = gi + c->weight_decay * pi;
-    float mi = m[i] * c->beta1 + c->one_minus_beta1 * gi;
-    float vi = v[i] * c->beta2 + c->one_minus_beta2 * gi * gi;
+      gi = fmaf(pi, c->weight_decay, gi);
+    float mi = fmaf(gi, c->one_minus_beta1, m[i] * c->beta1);
+    float vi = fmaf(gi * c->one_minus_beta2, gi, v[i] * c->beta2);
     m[i] = mi;
     v[i] = vi;
     if (amsgrad) {
@@ -114,13 +114,13 @@ INLINE void sgd_loop(const coefficients_t *c, bool clip, bool decay, int momentu
   for (size_t i = 0; i < n; i++) {
     float d = gradient(g, i, c, clip);
     if (decay)
-      d = d + c->weight_decay * p[i];
+      d = fmaf(p[i], c->weight_decay, d);
     if (momentum) {
-      float b = momentum == 1 ? d : buf[i] * c->momentum + c->one_minus_dampening * d;
+      float b = momentum == 1 ? d : fmaf(d, c->one_minus_dampening, buf[i] * c->momentum);
       buf[i] = b;
-      d = nesterov ? d + c->momentum * b : b;
+      d = nesterov ? fmaf(b, c->momentum, d) : b;
     }
-    p[i] = p[i] + c->neg_lr * d;
+    p[i] = fmaf(d, c->neg_lr, p[i]);
   }
 }
 

@@ -1,14 +1,16 @@
 /* Optimizer steps over fp32 arrays: torch 1.13's AdamW, Adam and SGD (its single-tensor
  * path), for the daemon's optimizer (daemon/dataplane/optimizer.h).
  *
- * Numbers. The coefficients torch computes in Python doubles (1 - lr * weight_decay, the
- * bias corrections, the step size, sqrt(bias_correction2)) are computed here in double the
- * same way and rounded to fp32 once, as torch does with a Python scalar; then each product,
- * sum, quotient and square root of an element rounds to fp32 on its own, in torch's order
- * of operations. The loops are compiled for several instruction sets (kernels/clones.h)
- * without FMA contraction, so the results are the same bits on every x86-64 CPU. (torch's
- * own x86-64 kernels fuse `add(x, alpha=a)` into one multiply-add and so differ from these
- * in the last bits.)
+ * Numbers: torch's own, bit for bit, as its x86-64 CPU kernels (AVX2, AVX-512) compute
+ * them. The coefficients torch computes in Python doubles (1 - lr * weight_decay, the bias
+ * corrections, the step size, sqrt(bias_correction2)) are computed here in double the same
+ * way and rounded to fp32 once, as torch does with a Python scalar. Per element, in torch's
+ * order: what torch fuses is one fused multiply-add (fmaf, rounded once: its vectorized
+ * `add(x, alpha=a)` is Vectorized::fmadd, and its addcmul's a + v*t1*t2 is contracted
+ * into one); every other product, sum, quotient and square root rounds to fp32 on its own.
+ * The loops are compiled for several instruction sets (kernels/clones.h) with contraction
+ * off and each fusion explicit, so every x86-64 CPU gives the same bits (a CPU without FMA
+ * gets them from libm's fmaf, slower).
  *
  * Threads and memory: no state; any thread may step disjoint ranges of the same arrays at
  * once (the daemon splits a unit over its worker pool). */

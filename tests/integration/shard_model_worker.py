@@ -18,7 +18,8 @@ the positions, and trains each step as two micro-batches (the first under no_syn
 gradient clipped to a norm of 0.5; it also round-trips the state dict. --kill-at-step K: the
 rank SIGKILLs itself as the backward of step K starts (unless it resumed). --cap-from-step K
 --cap N: the rank sets the job's max_inflight to N before step K. --optim adamw|sgd-momentum:
-the ranks step with fsdpd.optim's optimizer in the daemon, the reference with torch.optim's.
+the ranks step with fsdpd.optim's optimizer in the daemon, the reference with torch.optim's
+(--clip: both clip to MAX_NORM first).
 """
 
 import argparse
@@ -72,49 +73,6 @@ def no_decay(model):
             if p.requires_grad and (n.endswith(".bias") or ".ln" in n or n.startswith("ln"))]
 
 
-class OpByOp(torch.optim.Optimizer):
-    """torch.optim's AdamW and SGD formulas (torch 1.13, single-tensor path) written as one
-    torch operation per rounding, with no alpha= or value= arguments, which torch's x86-64
-    kernels fuse into a multiply-add: the arithmetic the daemon performs, so that its results
-    must be these bit for bit, on any CPU. Coefficients are computed in Python doubles and
-    rounded to fp32 once, as torch does with a Python scalar."""
-
-    def __init__(self, groups, kind, **defaults):
-        self.kind = kind
-        super().__init__(groups, dict(dict(betas=(0.9, 0.999), eps=1e-8, momentum=0.0,
-                                           dampening=0.0, nesterov=False), **defaults))
-
-    @torch.no_grad()
-    def step(self):
-        f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] = t = state.get("step", 0) + 1
-                g = p.grad
-                if self.kind == "adamw":
-                    beta1, beta2 = group["betas"]
-                    p.copy_(p * f32(1 - lr * wd))
-                    m = state.setdefault("exp_avg", torch.zeros_like(p))
-                    v = state.setdefault("exp_avg_sq", torch.zeros_like(p))
-                    m.copy_(m * f32(beta1) + f32(1 - beta1) * g)
-                    v.copy_(v * f32(beta2) + f32(1 - beta2) * g * g)
-                    denom = v.sqrt() / f32(math.sqrt(1 - beta2 ** t)) + f32(group["eps"])
-                    p.copy_(p + f32(-(lr / (1 - beta1 ** t))) * m / denom)
-                else:
-                    d = g + f32(wd) * p if wd != 0 else g
-                    buf = state.get("momentum_buffer")
-                    mom = group["momentum"]
-                    buf = d.clone() if buf is None else buf * f32(mom) + f32(
-                        1 - group["dampening"]) * d
-                    state["momentum_buffer"] = buf
-                    d = d + f32(mom) * buf if group["nesterov"] else buf
-                    p.copy_(p + f32(-lr) * d)
-
-
 @torch.no_grad()
 def clip_as_the_daemon(model, max_norm):
     """clip_grad_norm_ as the daemon computes it: the squares summed in double, the
@@ -128,19 +86,15 @@ def clip_as_the_daemon(model, max_norm):
 
 
 def torch_optimizer(model, args):
-    """The reference's optimizer and LR schedule (None for plain SGD): torch.optim's, or
-    with --exact the op-by-op one (OpByOp)."""
+    """The reference's optimizer and LR schedule (None for plain SGD)."""
     if args.optim == "sgd":
         return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR), None
     skip = set(no_decay(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n not in skip]},
               {"params": [p for n, p in named if n in skip], "weight_decay": 0.0}]
-    if args.exact:
-        opt = OpByOp(groups, args.optim, **DAEMON_OPTIM[args.optim])
-    else:
-        cls = torch.optim.AdamW if args.optim == "adamw" else torch.optim.SGD
-        opt = cls(groups, **DAEMON_OPTIM[args.optim])
+    cls = torch.optim.AdamW if args.optim == "adamw" else torch.optim.SGD
+    opt = cls(groups, **DAEMON_OPTIM[args.optim])
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
@@ -182,7 +136,7 @@ def reference(args):
             loss = loss_fn(model(tokens), targets) / len(parts)
             loss.backward()
             total += loss.item()
-        if args.clip and args.exact:
+        if args.clip and args.daemon_clip:
             clip_as_the_daemon(model, MAX_NORM)
         elif args.features or args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -326,8 +280,9 @@ def main():
                    help="from this step on, max_inflight is --cap (SetSchedule)")
     p.add_argument("--cap", type=int, default=1)
     p.add_argument("--optim", choices=("sgd", *DAEMON_OPTIM), default="sgd")
-    p.add_argument("--exact", action="store_true",
-                   help="the reference steps with OpByOp instead of torch.optim's optimizer")
+    p.add_argument("--daemon-clip", action="store_true",
+                   help="with --clip: the reference clips as the daemon does (clip_as_the_daemon) "
+                        "instead of with clip_grad_norm_")
     p.add_argument("--clip", action="store_true",
                    help="with --optim: clip the gradient to a norm of MAX_NORM before each step "
                         "(the daemon's max_grad_norm)")

@@ -6,7 +6,6 @@ the trainers. The training equivalence with torch.optim is test_shard_model's.""
 
 import array
 import json
-import math
 
 import grpc
 import pytest
@@ -166,39 +165,42 @@ def test_a_step_updates_masters_and_state_and_outlives_the_trainers(fsdpd):
     assert json.loads(d.fsdpctl("--json", "unit", "u").stdout)["optimizer_steps"] == 2
 
 
-def test_adam_with_amsgrad_steps_as_the_formulas_round(fsdpd):
+def test_adam_with_amsgrad_steps_as_torch_does(fsdpd):
     """Adam (weight decay added to the gradient) with amsgrad, three steps whose gradients
     shrink, so that max_exp_avg_sq keeps an earlier step's value: the masters and the three
-    state arrays are the formulas computed one fp32 rounding per operation (numpy's float32
-    arithmetic rounds each operation alone too)."""
-    import numpy as np
+    state arrays are torch.optim.Adam's on the same parameters, bit for bit."""
+    import torch
     d = fsdpd()
     ranks, layouts = two_ranks(d)
     lay = layouts[0]
     n, numel = lay.padded_numel, 17
-    f = np.float32
-    p = np.array([((i * 7) % 11 - 5) * 0.125 for i in range(n)], dtype=f)
+    start = [((i * 7) % 11 - 5) * 0.125 for i in range(n)]
     for r, x in zip(ranks, layouts):
-        r.write_master_shard(x, [float(v) for v in p])
-    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.99, 1e-8, 0.05
+        r.write_master_shard(x, start)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, amsgrad=True)
     (state,) = set_optimizer(ranks[0], trainer_pb2.ADAM, group(
-        lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, amsgrad=True)).units
+        lr=hyper["lr"], beta1=0.9, beta2=0.99, eps=hyper["eps"],
+        weight_decay=hyper["weight_decay"], amsgrad=True)).units
     assert state.arrays == 3
-    m, v, vmax = (np.zeros(n, dtype=f) for _ in range(3))
+    # torch's parameters: the unit's two (12 and 5 elements), not the padding.
+    params = [torch.nn.Parameter(torch.tensor(start[:12])), torch.nn.Parameter(
+        torch.tensor(start[12:numel]))]
+    opt = torch.optim.Adam(params, **hyper)
     for step, scale in ((1, 1.0), (2, 0.25), (3, 0.5)):
-        g = np.array([((i * 5) % 9 - 4) * scale for i in range(n)], dtype=f)
+        g = [((i * 5) % 9 - 4) * scale for i in range(n)]
         assert on_all(ranks, "Unshard", step=step, backward=True) == [None, None]
         for r in ranks:
-            r.write_full_grad([float(x) for x in g], FP32)
+            r.write_full_grad(g, FP32)
         assert on_all(ranks, "ReduceScatter", step=step, step_optimizer=True) == [None, None]
-        live = np.arange(n) < numel  # the padding is never stepped
-        gg = g + f(wd) * p
-        m = np.where(live, m * f(b1) + f(1 - b1) * gg, m)
-        v = np.where(live, v * f(b2) + f(1 - b2) * gg * gg, v)
-        vmax = np.where(live, np.maximum(vmax, v), vmax)
-        denom = np.sqrt(vmax) / f(math.sqrt(1 - b2 ** step)) + f(eps)
-        p = np.where(live, p + f(-(lr / (1 - b1 ** step))) * m / denom, p)
-    assert floats(ranks[0].memory, lay.master_offset, n) == p.tolist()
+        params[0].grad, params[1].grad = torch.tensor(g[:12]), torch.tensor(g[12:numel])
+        opt.step()
+    pad = [0.0] * (n - numel)
+
+    def flat(key):
+        return [float(x) for p in params for x in (p.detach() if key is None
+                                                    else opt.state[p][key])]
+    assert floats(ranks[0].memory, lay.master_offset, n) == flat(None) + start[numel:]
     stride = state.array_stride
-    for k, want in enumerate((m, v, vmax)):
-        assert floats(ranks[0].memory, state.arrays_offset + k * stride, n) == want.tolist(), k
+    for k, key in enumerate(("exp_avg", "exp_avg_sq", "max_exp_avg_sq")):
+        got = floats(ranks[0].memory, state.arrays_offset + k * stride, n)
+        assert got == flat(key) + pad, key

@@ -1,5 +1,6 @@
 /* The optimizer step kernels (kernels/optim.h) against a scalar reference written from
- * torch 1.13's formulas, one fp32 rounding per operation, bit for bit: every rule and flag
+ * torch 1.13's formulas as its x86-64 kernels round them (fmaf where torch fuses), bit for
+ * bit: every rule and flag
  * (clipping, maximize, weight decay, amsgrad, momentum, dampening, nesterov), three steps
  * so that the state is read back, odd lengths and unaligned starts (the vector loops' edges),
  * and a range stepped in pieces equal to the range stepped whole (the daemon splits a unit
@@ -48,21 +49,21 @@ static void reference(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h, uint6
     float gi = h->maximize ? -g[i] : g[i];
     if (rule == FSDP_OPTIM_RULE_SGD) {
       if (h->weight_decay != 0)
-        gi = gi + (float)h->weight_decay * p[i];
+        gi = fmaf(p[i], (float)h->weight_decay, gi);
       if (h->momentum != 0) {
         s[0][i] = step == 1 ? gi
-                            : s[0][i] * (float)h->momentum + (float)(1 - h->dampening) * gi;
-        gi = h->nesterov ? gi + (float)h->momentum * s[0][i] : s[0][i];
+                            : fmaf(gi, (float)(1 - h->dampening), s[0][i] * (float)h->momentum);
+        gi = h->nesterov ? fmaf(s[0][i], (float)h->momentum, gi) : s[0][i];
       }
-      p[i] = p[i] + (float)-h->lr * gi;
+      p[i] = fmaf(gi, (float)-h->lr, p[i]);
       continue;
     }
     if (rule == FSDP_OPTIM_RULE_ADAMW)
       p[i] = p[i] * (float)(1 - h->lr * h->weight_decay);
     else if (h->weight_decay != 0)
-      gi = gi + (float)h->weight_decay * p[i];
-    s[0][i] = s[0][i] * (float)h->beta1 + (float)(1 - h->beta1) * gi;
-    s[1][i] = s[1][i] * (float)h->beta2 + (float)(1 - h->beta2) * gi * gi;
+      gi = fmaf(p[i], (float)h->weight_decay, gi);
+    s[0][i] = fmaf(gi, (float)(1 - h->beta1), s[0][i] * (float)h->beta1);
+    s[1][i] = fmaf(gi * (float)(1 - h->beta2), gi, s[1][i] * (float)h->beta2);
     float second = s[1][i];
     if (h->amsgrad) {
       s[2][i] = s[2][i] > second ? s[2][i] : second;
