@@ -57,6 +57,8 @@ static int probe(fsdp_cuda_device_t *devices, unsigned max, unsigned *ret_n, fsd
       return cuda_failed(st, "cudaGetDeviceProperties", e);
     int ipc_events = 0;
     cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, i);
+    CUdevice_attribute fd_attribute =
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
     fsdp_cuda_device_t *d = &devices[n++];
     *d = (fsdp_cuda_device_t){
         .ordinal = i,
@@ -65,8 +67,7 @@ static int probe(fsdp_cuda_device_t *devices, unsigned max, unsigned *ret_n, fsd
         .minor = prop.minor,
         .virtual_memory =
             driver_attribute(get, i, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED),
-        .fd_export =
-            driver_attribute(get, i, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED),
+        .fd_export = driver_attribute(get, i, fd_attribute),
         .ipc_events = ipc_events != 0,
     };
     snprintf(d->name, sizeof d->name, "%s", prop.name);

@@ -832,9 +832,9 @@ static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
 }
 
 /* Once the reduce of the step of every unit the optimizer steps wrote its gradient shards
- * and summed its part of the norm: the clip coefficient (torch's clip_grad_norm_: max_norm over the norm
- * plus 1e-6, at most 1), and every unit's step with it. The parts are added in the units'
- * order of registration, the same on every run. */
+ * and summed its part of the norm: the clip coefficient (torch's clip_grad_norm_: max_norm
+ * over the norm plus 1e-6, at most 1), and every unit's step with it. The parts are added in
+ * the units' order of registration, the same on every run. */
 static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step) {
   double total = 0;
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {

@@ -13,7 +13,6 @@
 
 /* Which group steps each parameter of a unit, and the pieces that follow from it. */
 typedef struct unit_plan {
-  uint32_t unit_id;
   fsdp_optimizer_piece_t *pieces;
   size_t n_pieces;
   bool has_state;
