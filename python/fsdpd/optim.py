@@ -17,9 +17,8 @@ and outlives this process: a trainer that restarts finds it there.
 Groups are torch's param_groups by original parameter name (the names the model's modules
 give them), so that, say, biases and norms skip weight decay inside one flat unit; the
 model's parameters no group names form the first group, with the constructor's
-hyperparameters. LR
-schedulers work unchanged: the hyperparameters of `param_groups` go to the daemon before the
-next step's backward. Under `model.no_sync()` nothing is stepped (gradients accumulate); the
+hyperparameters. LR schedulers work unchanged: the hyperparameters of `param_groups` go to
+the daemon before the next step's backward. Under `model.no_sync()` nothing is stepped (gradients accumulate); the
 backward after it steps.
 
 Gradient clipping by global norm must happen before the step, which here is inside the
@@ -87,9 +86,9 @@ class _DaemonOptimizer(torch.optim.Optimizer):
         (this host's shards, copied), and param_groups with their parameter names."""
         state = {}
         for unit in self._model._trainable_units():
-            arrays = unit.optimizer_state
+            arrays = zip(self._state_names(), unit.optimizer_state)
             state[unit.name] = {"step": unit.optimizer_steps,
-                                **{name: a.clone() for name, a in zip(self._state_names(), arrays)}}
+                                **{name: a.clone() for name, a in arrays}}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": state, "param_groups": groups}
 
