@@ -18,8 +18,8 @@ Groups are torch's param_groups by original parameter name (the names the model'
 give them), so that, say, biases and norms skip weight decay inside one flat unit; the
 model's parameters no group names form the first group, with the constructor's
 hyperparameters. LR schedulers work unchanged: the hyperparameters of `param_groups` go to
-the daemon before the next step's backward. Under `model.no_sync()` nothing is stepped (gradients accumulate); the
-backward after it steps.
+the daemon before the next step's backward. Under `model.no_sync()` nothing is stepped
+(gradients accumulate); the backward after it steps.
 
 Gradient clipping by global norm must happen before the step, which here is inside the
 backward: pass `max_grad_norm` (clip_grad_norm_'s max_norm, 2-norm; one host so far), and the
