@@ -214,12 +214,13 @@ int fsdp_optimizer_set(fsdp_job_t *job, fsdp_optimizer_kind_t kind,
   for (size_t i = 0; i < n_groups; i++)
     if ((r = check_group(kind, &groups[i], i, st)) < 0)
       return r;
-  if ((r = check_names(job, groups, n_groups, st)) < 0)
-    return r;
   struct fsdp_optimizer *o = job->optimizer;
+  /* Names are looked up among the job's parameters once, at the first set: a later one (an
+   * LR schedule's, every step) only has to name the same ones. */
+  if ((r = o ? check_same_shape(o, kind, groups, n_groups, st)
+             : check_names(job, groups, n_groups, st)) < 0)
+    return r;
   if (o) {
-    if ((r = check_same_shape(o, kind, groups, n_groups, st)) < 0)
-      return r;
     for (size_t i = 0; i < n_groups; i++) { /* the hyperparameters only; the names stay */
       const char *const *names = o->groups[i].params;
       o->groups[i] = groups[i];
