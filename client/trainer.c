@@ -16,6 +16,7 @@
 #include <fsdp/fsdp_version.h>
 
 #include "client/client_rpc.h"
+#include "client/device_memory.h"
 #include "client/fastpath.h"
 #include "common/clock.h"
 #include "common/fdpass.h"
@@ -33,11 +34,13 @@ typedef struct op_kind {
   fsdp_fast_kind_t fast;
 } op_kind_t;
 
-/* An address range reserved for a unit's lent buffer, and which buffer it maps (fd -1: none),
- * accessible while lent. */
+/* An address range reserved for a unit's lent buffer, and which buffer it maps: the offset in
+ * memory 0 (the arena) or 1 (the unsharded buffers); memory -1: none. Host memory is
+ * accessible there only while lent; a GPU's stays mapped until another buffer is lent (the
+ * driver has no cheap way to take access away). */
 typedef struct lent_area {
   uint8_t *base;
-  int fd;
+  int memory;
   uint64_t offset;
 } lent_area_t;
 
@@ -77,6 +80,10 @@ struct fsdp_trainer {
   size_t shared_size;
   int memory_fd, shared_fd; /* kept to map lent buffers into the units' areas */
   size_t page_bytes;        /* the larger of the two memories' pages */
+  /* -1: the memories are host memory; else the CUDA device whose memory they are, imported
+   * here (no descriptors kept: the handles map lent buffers). */
+  int device;
+  fsdp_device_memory_t device_memory[2];
   fsdp_unit_handle_t **units;
   size_t n_units, units_cap;
   /* Unit operations through shared memory (client/fastpath.h), where the daemon offers it
@@ -88,16 +95,26 @@ static size_t scalar_bytes(fsdp_scalar_t type) {
   return type == FSDP_SCALAR_BF16 || type == FSDP_SCALAR_FP16 ? 2 : 4;
 }
 
+static void area_free(const fsdp_trainer_t *t, lent_area_t *a, size_t bytes) {
+  if (!a->base)
+    return;
+  if (t->device < 0) {
+    munmap(a->base, bytes);
+    return;
+  }
+  if (a->memory >= 0)
+    fsdp_device_unmap(&t->device_memory[a->memory], a->base, bytes);
+  fsdp_device_unreserve(a->base, bytes);
+}
+
 static void unit_free(fsdp_unit_handle_t *unit) {
   if (!unit)
     return;
   fsdp_client_call_cancel(unit->trainer->client, unit->started);
   if (unit->started_seq)
     fsdp_fast_client_cancel(unit->trainer->fast, unit->started_seq);
-  if (unit->unsharded_area.base)
-    munmap(unit->unsharded_area.base, unit->area_bytes);
-  if (unit->grad_area.base)
-    munmap(unit->grad_area.base, unit->area_bytes);
+  area_free(unit->trainer, &unit->unsharded_area, unit->area_bytes);
+  area_free(unit->trainer, &unit->grad_area, unit->area_bytes);
   free(unit->param_offsets);
   free(unit->name);
   free(unit);
@@ -110,10 +127,19 @@ static void trainer_free(fsdp_trainer_t *t) {
   fsdp_fast_client_close(t->fast);
   if (t->channel_fd >= 0)
     close(t->channel_fd);
-  if (t->memory)
-    munmap(t->memory, t->memory_size);
-  if (t->shared)
-    munmap((void *)t->shared, t->shared_size);
+  if (t->device >= 0) {
+    lent_area_t whole[2] = {{t->memory, t->memory ? 0 : -1, 0},
+                            {(uint8_t *)(uintptr_t)t->shared, t->shared ? 1 : -1, 0}};
+    area_free(t, &whole[0], t->memory_size);
+    area_free(t, &whole[1], t->shared_size);
+    fsdp_device_memory_release(&t->device_memory[0]);
+    fsdp_device_memory_release(&t->device_memory[1]);
+  } else {
+    if (t->memory)
+      munmap(t->memory, t->memory_size);
+    if (t->shared)
+      munmap((void *)t->shared, t->shared_size);
+  }
   if (t->memory_fd >= 0)
     close(t->memory_fd);
   if (t->shared_fd >= 0)
@@ -191,6 +217,24 @@ static int channel_io_error(fsdp_trainer_t *t, const char *path, const char *wha
                                     strerror(-r));
 }
 
+/* Imports memory i, a GPU's, and maps it whole. */
+static int map_device_memory(fsdp_trainer_t *t, const Fsdp__V1__ChannelMemory *m, int fd,
+                             size_t i, bool writable, void **ret_base, size_t *ret_size) {
+  fsdp_status_t st;
+  fsdp_device_memory_t *dm = &t->device_memory[i];
+  lent_area_t whole = {NULL, -1, 0};
+  int r = fsdp_device_memory_import(fd, (size_t)m->bytes, t->device, dm, &st);
+  if (r == 0 && (r = fsdp_device_reserve(dm, dm->bytes, (void **)&whole.base, &st)) == 0 &&
+      (r = fsdp_device_map(dm, whole.base, 0, dm->bytes, writable, &st)) < 0)
+    area_free(t, &whole, dm->bytes);
+  if (r < 0)
+    return fsdp_client_set_last_error(t->client, r, "memory channel: mapping %s: %s", m->name,
+                                      st.message);
+  *ret_base = whole.base;
+  *ret_size = dm->bytes;
+  return 0;
+}
+
 /* Maps memory i of the welcome, writable or not as it says it must be. */
 static int map_memory(fsdp_trainer_t *t, const char *path, const Fsdp__V1__ChannelWelcome *w,
                       const int *fds, size_t i, bool writable, void **ret_base,
@@ -203,6 +247,13 @@ static int map_memory(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Chann
                                       path, i, m->name, (unsigned long long)m->bytes,
                                       m->writable ? "writable" : "read-only",
                                       writable ? "writable arena" : "read-only unsharded buffers");
+  if (m->device != (uint32_t)(t->device + 1))
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "memory channel %s: memory %zu '%s' is on device %u, the "
+                                      "first on %d",
+                                      path, i, m->name, m->device, t->device + 1);
+  if (t->device >= 0)
+    return map_device_memory(t, m, fds[i], i, writable, ret_base, ret_size);
   void *p = mmap(NULL, (size_t)m->bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
                  MAP_SHARED, fds[i], 0);
   if (p == MAP_FAILED)
@@ -226,11 +277,16 @@ static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Channe
                                       "descriptors, expected %zu and %zu",
                                       path, w->n_memories, n_fds, memories, descriptors);
   void *shared;
+  t->device = (int)w->memories[0]->device - 1;
   int r = map_memory(t, path, w, fds, 0, true, &t->memory, &t->memory_size);
   if (r == 0 && (r = map_memory(t, path, w, fds, 1, false, &shared, &t->shared_size)) == 0)
     t->shared = shared;
   if (r < 0)
     return r;
+  if (t->device >= 0) { /* the handles map lent buffers: the descriptors can go */
+    t->page_bytes = t->device_memory[0].page;
+    return 0;
+  }
   /* Lent buffers start on their arena's pages (hugetlb ones are 2 MiB): the block size a
    * memfd reports. */
   t->page_bytes = (size_t)sysconf(_SC_PAGESIZE);
@@ -343,6 +399,7 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
   t->local_rank = opts->local_rank;
   t->local_world_size = opts->local_world_size;
   t->channel_fd = t->memory_fd = t->shared_fd = -1;
+  t->device = -1;
   bool detach = true;
 
   /* The daemon checks the job name, so that its message (and its one rule) is what users see. */
@@ -408,6 +465,10 @@ int fsdp_trainer_detach(fsdp_trainer_t *trainer) {
 
 uint64_t fsdp_trainer_session_id(const fsdp_trainer_t *trainer) {
   return trainer ? trainer->session_id : 0;
+}
+
+int fsdp_trainer_memory_device(const fsdp_trainer_t *trainer) {
+  return trainer ? trainer->device : -1;
 }
 
 void *fsdp_trainer_memory(const fsdp_trainer_t *trainer, size_t *ret_size) {
@@ -558,9 +619,21 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
   memcpy(u->param_offsets, l->param_offsets, l->n_param_offsets * sizeof *u->param_offsets);
   size_t bytes = (size_t)l->padded_numel * u->param_size;
   u->area_bytes = (bytes + t->page_bytes - 1) / t->page_bytes * t->page_bytes;
-  u->unsharded_area.fd = u->grad_area.fd = -1;
-  if (!(u->unsharded_area.base = reserve_area(u->area_bytes, t->page_bytes)) ||
-      !(u->grad_area.base = reserve_area(u->area_bytes, t->page_bytes))) {
+  u->unsharded_area.memory = u->grad_area.memory = -1;
+  if (t->device >= 0) {
+    fsdp_status_t st;
+    int r = fsdp_device_reserve(&t->device_memory[0], u->area_bytes,
+                                (void **)&u->unsharded_area.base, &st);
+    if (r == 0)
+      r = fsdp_device_reserve(&t->device_memory[0], u->area_bytes, (void **)&u->grad_area.base,
+                              &st);
+    if (r < 0) {
+      unit_free(u);
+      return fsdp_client_set_last_error(t->client, r, "RegisterUnit of unit '%.256s': %s",
+                                        d->name, st.message);
+    }
+  } else if (!(u->unsharded_area.base = reserve_area(u->area_bytes, t->page_bytes)) ||
+             !(u->grad_area.base = reserve_area(u->area_bytes, t->page_bytes))) {
     unit_free(u);
     goto err_nomem;
   }
@@ -703,11 +776,32 @@ static void fill_request(const fsdp_trainer_t *t, const fsdp_unit_handle_t *u, u
   rq->step = step;
 }
 
-/* Maps the lent buffer at `offset` of memory fd (of `size` bytes) onto a unit's area. The
- * same buffer as last time (the masters, or a pool buffer lent again) is still mapped there,
- * only inaccessible: opening it again costs no page-table walk. */
+/* map_lent on a GPU: the buffer mapped there stays until another one is lent. */
+static int map_lent_device(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what,
+                           lent_area_t *a, int memory, uint64_t offset, bool writable) {
+  if (a->memory == memory && a->offset == offset)
+    return 0;
+  if (a->memory >= 0)
+    fsdp_device_unmap(&t->device_memory[a->memory], a->base, u->area_bytes);
+  a->memory = -1;
+  fsdp_status_t st;
+  int r = fsdp_device_map(&t->device_memory[memory], a->base, offset, u->area_bytes,
+                          writable && memory == 0, &st);
+  if (r < 0)
+    return fsdp_client_set_last_error(t->client, r,
+                                      "Unshard of unit '%.256s': mapping the lent %s buffer: %s",
+                                      u->name, what, st.message);
+  a->memory = memory;
+  a->offset = offset;
+  return 0;
+}
+
+/* Maps the lent buffer at `offset` of memory 0 or 1 onto a unit's area. The same buffer as
+ * last time (the masters, or a pool buffer lent again) is still mapped there, only
+ * inaccessible on the host: opening it again costs no page-table walk. */
 static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, lent_area_t *a,
-                    int fd, size_t size, uint64_t offset, bool writable) {
+                    int memory, uint64_t offset, bool writable) {
+  size_t size = memory == 0 ? t->memory_size : t->shared_size;
   if (offset % t->page_bytes != 0 || offset > size || u->area_bytes > size - offset)
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
                                       "Unshard of unit '%.256s': the lent %s buffer at offset "
@@ -715,26 +809,31 @@ static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, 
                                       "%zu-byte memory",
                                       u->name, what, (unsigned long long)offset, u->area_bytes,
                                       t->page_bytes, size);
+  if (t->device >= 0)
+    return map_lent_device(t, u, what, a, memory, offset, writable);
   int prot = writable ? PROT_READ | PROT_WRITE : PROT_READ;
-  if (a->fd == fd && a->offset == offset && mprotect(a->base, u->area_bytes, prot) == 0)
+  if (a->memory == memory && a->offset == offset && mprotect(a->base, u->area_bytes, prot) == 0)
     return 0;
+  int fd = memory == 0 ? t->memory_fd : t->shared_fd;
   if (mmap(a->base, u->area_bytes, prot, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd,
            (off_t)offset) == MAP_FAILED) {
-    a->fd = -1;
+    a->memory = -1;
     return fsdp_client_set_last_error(t->client, -errno,
                                       "Unshard of unit '%.256s': mapping the lent %s buffer: %s",
                                       u->name, what, strerror(errno));
   }
-  a->fd = fd;
+  a->memory = memory;
   a->offset = offset;
   return 0;
 }
 
-/* Takes a lent buffer off a unit's area: a read there faults from now on. */
+/* Takes a lent buffer off a unit's area: a read there faults from now on. A GPU's buffer
+ * stays (see lent_area_t). */
 static void unmap_lent(const fsdp_unit_handle_t *u, lent_area_t *a) {
   /* Fails only for lack of kernel memory for its bookkeeping; the buffer then stays
    * readable, which is harmless. */
-  (void)mprotect(a->base, u->area_bytes, PROT_NONE);
+  if (u->trainer->device < 0)
+    (void)mprotect(a->base, u->area_bytes, PROT_NONE);
 }
 
 /* Points the view at what an operation's outcome lends: after an Unshard the copy (in the
@@ -756,16 +855,15 @@ static int apply_outcome(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *o
     return r;
   }
   bool masters = reply->unsharded_memory == 0;
-  if ((r = map_lent(t, u, "unsharded", &u->unsharded_area, masters ? t->memory_fd : t->shared_fd,
-                    masters ? t->memory_size : t->shared_size, reply->unsharded_offset,
-                    false)) < 0) {
+  if ((r = map_lent(t, u, "unsharded", &u->unsharded_area, masters ? 0 : 1,
+                    reply->unsharded_offset, false)) < 0) {
     v->unsharded = NULL;
     return r;
   }
   v->unsharded = u->unsharded_area.base;
   if (reply->full_grad_bytes) {
-    if ((r = map_lent(t, u, "full_grad", &u->grad_area, t->memory_fd, t->memory_size,
-                      reply->full_grad_offset, true)) < 0)
+    if ((r = map_lent(t, u, "full_grad", &u->grad_area, 0, reply->full_grad_offset, true)) <
+        0)
       return r;
     v->full_grad = u->grad_area.base;
   }

@@ -34,8 +34,11 @@
   X(LOG_LEVEL, "daemon.log_level", FSDP_OPT_ENUM, "info", 0, 0, "error|warning|info|debug",     \
     NULL, true, "--log-level", "Least severe message the daemon logs.")                          \
   X(BACKEND, "daemon.backend", FSDP_OPT_ENUM, "host", 0, 0, "host|cuda", NULL, false,           \
-    "--backend", "Where parameters live: host memory, or GPUs through CUDA (cuda: this "         \
-    "release finds the GPUs, then exits 78 saying why it cannot serve them).")                 \
+    "--backend", "Where parameters live and what computes on them: host memory and the CPUs, " \
+    "or one GPU's memory and its kernels through CUDA (daemon.cuda_device), shared by the "     \
+    "host's trainers; cuda serves one host in this release.")                                 \
+  X(CUDA_DEVICE, "daemon.cuda_device", FSDP_OPT_INT, "0", 0, 15, NULL, NULL, false, NULL,       \
+    "With backend = cuda: the ordinal of the GPU whose memory holds the jobs' buffers.")       \
   X(HOUSEKEEPING_INTERVAL, "daemon.housekeeping_interval", FSDP_OPT_DURATION, "1s", 10, 60000,  \
     NULL, "ms", true, NULL,                                                                      \
     "Period of the timer that expires deadlines and updates statistics; the systemd watchdog "  \

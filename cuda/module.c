@@ -1,14 +1,20 @@
-/* The CUDA backend module (fsdp-cuda.so): what it knows of the GPUs. It links the CUDA
- * runtime only; the driver's functions it needs come through the runtime
- * (cudaGetDriverEntryPointByVersion), so the module loads wherever the runtime does and
- * a host without a driver hears so from the probe. */
+/* The CUDA backend module (fsdp-cuda.so): the GPUs, their memory that trainers map, and the
+ * daemon's streams and kernels on them. It links the CUDA runtime only; the driver's
+ * functions it needs come through the runtime (cudaGetDriverEntryPointByVersion), so the
+ * module loads wherever the runtime does and a host without a driver hears so from the
+ * probe. */
 #include "cuda/module.h"
 
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+
+#include "cuda/kernels.h"
 
 /* The driver API version whose cuDeviceGetAttribute signature we call. */
 #define DRIVER_API_VERSION 12000
@@ -31,6 +37,18 @@ static void versions(char *buf, size_t size) {
     snprintf(buf, size, "CUDA runtime %d.%d, no driver", runtime / 1000, runtime % 1000 / 10);
 }
 
+/* A driver function by name, as of DRIVER_API_VERSION's signature; NULL when the driver has
+ * none. */
+static void *driver_function(const char *name) {
+  void *fn = NULL;
+  enum cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, DRIVER_API_VERSION, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    return NULL;
+  return fn;
+}
+
 static bool driver_attribute(device_attribute_fn get, int ordinal, CUdevice_attribute attribute) {
   int value = 0;
   return get && get(&value, attribute, (CUdevice)ordinal) == CUDA_SUCCESS && value;
@@ -43,13 +61,8 @@ static int probe(fsdp_cuda_device_t *devices, unsigned max, unsigned *ret_n, fsd
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess)
     return cuda_failed(st, "cudaGetDeviceCount", e);
-  void *fn = NULL;
-  enum cudaDriverEntryPointQueryResult found;
-  if (cudaGetDriverEntryPointByVersion("cuDeviceGetAttribute", &fn, DRIVER_API_VERSION,
-                                       cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess)
-    fn = NULL; /* every driver attribute then reads as unsupported */
-  device_attribute_fn get = (device_attribute_fn)fn;
+  /* Without it every driver attribute reads as unsupported. */
+  device_attribute_fn get = (device_attribute_fn)driver_function("cuDeviceGetAttribute");
   unsigned n = 0;
   for (int i = 0; i < count && n < max; i++) {
     struct cudaDeviceProp prop;
@@ -76,10 +89,196 @@ static int probe(fsdp_cuda_device_t *devices, unsigned max, unsigned *ret_n, fsd
   return 0;
 }
 
+/* The driver's virtual memory management calls, found once. */
+static struct {
+  bool found;
+  CUresult (*get_granularity)(size_t *, const CUmemAllocationProp *,
+                              CUmemAllocationGranularity_flags);
+  CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                     unsigned long long);
+  CUresult (*release)(CUmemGenericAllocationHandle);
+  CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*address_free)(CUdeviceptr, size_t);
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+  CUresult (*unmap)(CUdeviceptr, size_t);
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+  CUresult (*export_handle)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                            unsigned long long);
+  CUresult (*error_string)(CUresult, const char **);
+} vmm;
+
+static bool find_vmm(void) {
+  if (vmm.found)
+    return true;
+  vmm.get_granularity = driver_function("cuMemGetAllocationGranularity");
+  vmm.create = driver_function("cuMemCreate");
+  vmm.release = driver_function("cuMemRelease");
+  vmm.reserve = driver_function("cuMemAddressReserve");
+  vmm.address_free = driver_function("cuMemAddressFree");
+  vmm.map = driver_function("cuMemMap");
+  vmm.unmap = driver_function("cuMemUnmap");
+  vmm.set_access = driver_function("cuMemSetAccess");
+  vmm.export_handle = driver_function("cuMemExportToShareableHandle");
+  vmm.error_string = driver_function("cuGetErrorString");
+  vmm.found = vmm.get_granularity && vmm.create && vmm.release && vmm.reserve &&
+              vmm.address_free && vmm.map && vmm.unmap && vmm.set_access && vmm.export_handle &&
+              vmm.error_string;
+  return vmm.found;
+}
+
+static int driver_failed(fsdp_status_t *st, int ordinal, size_t bytes, const char *call,
+                         CUresult e) {
+  const char *what = NULL;
+  if (vmm.error_string(e, &what) != CUDA_SUCCESS || !what)
+    what = "unknown error";
+  return fsdp_status_set(st, e == CUDA_ERROR_OUT_OF_MEMORY ? FSDP_E_RESOURCE_EXHAUSTED
+                                                           : FSDP_E_UNAVAILABLE,
+                         "GPU %d: %zu bytes of shared memory: %s: %s (%d)", ordinal, bytes, call,
+                         what, (int)e);
+}
+
+static void memory_free(fsdp_cuda_memory_t *m) {
+  if (!m || !m->bytes)
+    return;
+  CUdeviceptr base = (CUdeviceptr)(uintptr_t)m->base;
+  if (m->base) {
+    vmm.unmap(base, m->bytes);
+    vmm.address_free(base, m->bytes);
+  }
+  if (m->handle)
+    vmm.release(m->handle); /* the memory lives on while a trainer maps it */
+  if (m->fd >= 0)
+    close(m->fd);
+  *m = (fsdp_cuda_memory_t){.fd = -1};
+}
+
+/* One physical allocation for the whole memory: a trainer imports and maps it with one
+ * descriptor, and the daemon sub-allocates it by offset (daemon/store/arena.h). */
+static int memory_new(int ordinal, size_t bytes, fsdp_cuda_memory_t *ret, fsdp_status_t *st) {
+  *ret = (fsdp_cuda_memory_t){.ordinal = ordinal, .fd = -1};
+  if (!find_vmm())
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE,
+                           "GPU %d: the driver lacks the virtual memory management calls",
+                           ordinal);
+  cudaError_t ce = cudaSetDevice(ordinal); /* the runtime makes the primary context current */
+  if (ce == cudaSuccess)
+    ce = cudaFree(NULL);
+  if (ce != cudaSuccess)
+    return cuda_failed(st, "cudaSetDevice", ce);
+  CUmemAllocationProp prop = {
+      .type = CU_MEM_ALLOCATION_TYPE_PINNED,
+      .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+      .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = ordinal},
+  };
+  size_t page = 0;
+  CUresult e = vmm.get_granularity(&page, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+  if (e != CUDA_SUCCESS || page == 0)
+    return driver_failed(st, ordinal, bytes, "cuMemGetAllocationGranularity", e);
+  size_t size = (bytes + page - 1) / page * page;
+  ret->page = page;
+  ret->bytes = size;
+  const char *call = "cuMemCreate";
+  CUdeviceptr base = 0;
+  int fd = -1;
+  if ((e = vmm.create(&ret->handle, size, &prop, 0)) != CUDA_SUCCESS)
+    goto fail;
+  call = "cuMemAddressReserve";
+  if ((e = vmm.reserve(&base, size, page, 0, 0)) != CUDA_SUCCESS)
+    goto fail;
+  call = "cuMemMap";
+  if ((e = vmm.map(base, size, 0, ret->handle, 0)) != CUDA_SUCCESS) {
+    vmm.address_free(base, size);
+    goto fail;
+  }
+  ret->base = (void *)(uintptr_t)base;
+  CUmemAccessDesc access = {.location = prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  call = "cuMemSetAccess";
+  if ((e = vmm.set_access(base, size, &access, 1)) != CUDA_SUCCESS)
+    goto fail;
+  call = "cuMemExportToShareableHandle";
+  if ((e = vmm.export_handle(&fd, ret->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) !=
+      CUDA_SUCCESS)
+    goto fail;
+  ret->fd = fd;
+  /* Fresh host memory reads zero; so does this, whatever the driver left in it. */
+  if ((ce = cudaMemset(ret->base, 0, size)) != cudaSuccess ||
+      (ce = cudaDeviceSynchronize()) != cudaSuccess) {
+    memory_free(ret);
+    return cuda_failed(st, "zeroing new shared memory", ce);
+  }
+  return 0;
+fail:
+  driver_failed(st, ordinal, size, call, e);
+  memory_free(ret);
+  return st ? st->code : FSDP_E_UNAVAILABLE;
+}
+
+struct fsdp_cuda_stream {
+  int ordinal;
+  cudaStream_t stream;
+};
+
+static int stream_new(int ordinal, fsdp_cuda_stream_t **ret, fsdp_status_t *st) {
+  fsdp_cuda_stream_t *s = calloc(1, sizeof *s);
+  if (!s)
+    return fsdp_status_set(st, -ENOMEM, "GPU %d: out of memory for a stream", ordinal);
+  s->ordinal = ordinal;
+  cudaError_t e = cudaSetDevice(ordinal);
+  /* Non-blocking: the daemon's work never waits behind the legacy default stream. */
+  if (e == cudaSuccess)
+    e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    free(s);
+    return cuda_failed(st, "cudaStreamCreateWithFlags", e);
+  }
+  *ret = s;
+  return 0;
+}
+
+static void stream_free(fsdp_cuda_stream_t *s) {
+  if (!s)
+    return;
+  cudaStreamDestroy(s->stream);
+  free(s);
+}
+
+/* The runtime's current device is per thread, and the daemon's work runs on a pool's. */
+static int on_device(fsdp_cuda_stream_t *s, fsdp_status_t *st) {
+  cudaError_t e = cudaSetDevice(s->ordinal);
+  return e == cudaSuccess ? 0 : cuda_failed(st, "cudaSetDevice", e);
+}
+
+static int cast(fsdp_cuda_stream_t *s, void *dst, fsdp_dtype_t dst_type, const void *src,
+                fsdp_dtype_t src_type, size_t n, fsdp_status_t *st) {
+  int r = on_device(s, st);
+  return r < 0 ? r : fsdp_cuda_cast(dst, dst_type, src, src_type, n, s->stream, st);
+}
+
+static int reduce(fsdp_cuda_stream_t *s, float *dst, bool accumulate, const void *const *srcs,
+                  unsigned n_srcs, fsdp_dtype_t src_type, fsdp_dtype_t reduce_type,
+                  float pre_scale, float post_scale, size_t n, fsdp_status_t *st) {
+  int r = on_device(s, st);
+  return r < 0 ? r
+               : fsdp_cuda_reduce(dst, accumulate, srcs, n_srcs, src_type, reduce_type,
+                                  pre_scale, post_scale, n, s->stream, st);
+}
+
+static int synchronize(fsdp_cuda_stream_t *s, fsdp_status_t *st) {
+  cudaError_t e = cudaStreamSynchronize(s->stream);
+  return e == cudaSuccess ? 0 : cuda_failed(st, "cudaStreamSynchronize", e);
+}
+
 static const fsdp_cuda_module_t module = {
     .version = FSDP_CUDA_MODULE_VERSION,
     .versions = versions,
     .probe = probe,
+    .memory_new = memory_new,
+    .memory_free = memory_free,
+    .stream_new = stream_new,
+    .stream_free = stream_free,
+    .cast = cast,
+    .reduce = reduce,
+    .synchronize = synchronize,
 };
 
 __attribute__((visibility("default"))) const fsdp_cuda_module_t *fsdp_cuda_module(void) {

@@ -14,8 +14,9 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "kernels/dtype.h"
 
-#define FSDP_CUDA_MODULE_VERSION 1u
+#define FSDP_CUDA_MODULE_VERSION 2u
 #define FSDP_CUDA_MODULE_SYMBOL "fsdp_cuda_module"
 #define FSDP_CUDA_DEVICES_MAX 16
 
@@ -31,6 +32,22 @@ typedef struct fsdp_cuda_device {
   bool ipc_events;     /* a trainer's stream can wait on the daemon's events */
 } fsdp_cuda_device_t;
 
+/* Device memory trainers can map: one physical allocation (cuMemCreate) made for export as
+ * a POSIX file descriptor, mapped read-write into the daemon's address space, zeroed once.
+ * Its size is a whole number of the GPU's allocation granularity (`page`). */
+typedef struct fsdp_cuda_memory {
+  int ordinal;
+  void *base;   /* the daemon's mapping, a device address */
+  size_t bytes; /* a multiple of page */
+  size_t page;  /* the allocation granularity: a trainer maps whole memories */
+  int fd;       /* the exported descriptor, owned: send it, the receiver imports it */
+  unsigned long long handle; /* the driver's allocation handle */
+} fsdp_cuda_memory_t;
+
+/* A stream of the daemon's own on one GPU: the backend's work is queued there and waited
+ * for with `synchronize`, on the thread that queued it. */
+typedef struct fsdp_cuda_stream fsdp_cuda_stream_t;
+
 typedef struct fsdp_cuda_module {
   uint32_t version; /* FSDP_CUDA_MODULE_VERSION */
   /* The runtime's and driver's versions, "13.0 (driver 12.8)"-like, for logs. */
@@ -39,6 +56,25 @@ typedef struct fsdp_cuda_module {
    * but there are none). Fails, with st naming the CUDA call and its error, when the runtime
    * cannot count them (no driver, a driver older than the runtime). */
   int (*probe)(fsdp_cuda_device_t *devices, unsigned max, unsigned *ret_n, fsdp_status_t *st);
+
+  /* At least `bytes` of memory on GPU `ordinal`, in *ret (the caller's storage); undone with
+   * memory_free, which unmaps the daemon's view and closes the descriptor (a trainer that
+   * imported it keeps the memory until it lets go). */
+  int (*memory_new)(int ordinal, size_t bytes, fsdp_cuda_memory_t *ret, fsdp_status_t *st);
+  void (*memory_free)(fsdp_cuda_memory_t *memory);
+
+  int (*stream_new)(int ordinal, fsdp_cuda_stream_t **ret, fsdp_status_t *st);
+  void (*stream_free)(fsdp_cuda_stream_t *stream); /* NULL-safe */
+  /* Queued on the stream; the same contracts as cuda/kernels.h. */
+  int (*cast)(fsdp_cuda_stream_t *stream, void *dst, fsdp_dtype_t dst_type, const void *src,
+              fsdp_dtype_t src_type, size_t n, fsdp_status_t *st);
+  int (*reduce)(fsdp_cuda_stream_t *stream, float *dst, bool accumulate,
+                const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
+                fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
+                fsdp_status_t *st);
+  /* Waits until everything queued on the stream has run; its error is the first that any of
+   * that work met. */
+  int (*synchronize)(fsdp_cuda_stream_t *stream, fsdp_status_t *st);
 } fsdp_cuda_module_t;
 
 /* The module's one exported symbol (FSDP_CUDA_MODULE_SYMBOL). */

@@ -609,23 +609,35 @@ static void raise_descriptor_limit(const fsdp_config_t *cfg) {
               (unsigned long long)nofile.rlim_cur, (unsigned long long)need);
 }
 
-/* backend = cuda: the GPUs are found, or the exit says why not. Their data path is not in
- * this release, so a host where the backend would find GPUs hears that too. */
-static int check_cuda_backend(fsdp_status_t *st) {
+/* backend = cuda: the configured GPU runs the data plane and holds the jobs' memory, or the
+ * exit says why it cannot. */
+static int use_cuda_backend(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   const fsdp_cuda_module_t *module;
   fsdp_cuda_device_t devices[FSDP_CUDA_DEVICES_MAX];
   unsigned n = 0;
+  int ordinal = (int)fsdp_config_number(&daemon->config, FSDP_OPTION_CUDA_DEVICE);
   if (fsdp_cuda_load(&module, st) < 0 ||
       fsdp_cuda_usable_devices(module, devices, FSDP_CUDA_DEVICES_MAX, &n, st) < 0)
     return fsdp_status_set(st, FSDP_E_CONFIG, "key 'daemon.backend': value 'cuda': %s; use "
                            "'host'", st->message);
-  char versions[96], first[320];
-  module->versions(versions, sizeof versions);
+  for (unsigned i = 0; i < n; i++) {
+    if (devices[i].ordinal != ordinal)
+      continue;
+    if (fsdp_dataplane_use_cuda(&daemon->dataplane, module, &devices[i], st) < 0)
+      return fsdp_status_set(st, FSDP_E_CONFIG, "key 'daemon.backend': value 'cuda': %s",
+                             st->message);
+    daemon->store.backend = &daemon->dataplane.backend;
+    char versions[96];
+    module->versions(versions, sizeof versions);
+    log_info("backend cuda on %s (%s)", daemon->dataplane.backend.device_name, versions);
+    return 0;
+  }
+  char first[320];
   fsdp_cuda_device_format(&devices[0], first, sizeof first);
   return fsdp_status_set(st, FSDP_E_CONFIG,
-                         "key 'daemon.backend': value 'cuda': found %u usable GPU(s), %s first "
-                         "(%s), but fsdpd %s keeps parameters in host memory only; use 'host'",
-                         n, first, versions, FSDP_VERSION_STRING);
+                         "key 'daemon.cuda_device': value %d is not a usable GPU: %u found, %s "
+                         "first",
+                         ordinal, n, first);
 }
 
 int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
@@ -640,9 +652,6 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   raise_descriptor_limit(&daemon->config);
 
   int r;
-  if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0 &&
-      (r = check_cuda_backend(st)) < 0)
-    goto fail_config;
   if ((r = resolve_operator_group(&daemon->config, &daemon->has_operator_group,
                                   &daemon->operator_gid, st)) < 0)
     goto fail_config;
@@ -659,6 +668,9 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   if ((r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
+    goto fail_loop;
+  if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0 &&
+      (r = use_cuda_backend(daemon, st)) < 0)
     goto fail_loop;
   daemon->handlers = (fsdp_services_context_t){
       .loop = &daemon->loop,
@@ -724,11 +736,11 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
 
   daemon->state = FSDP_DAEMON_SERVING;
   fsdp_health_set_serving(&daemon->health, true);
-  log_info("fsdpd %s serving on unix:%s%s%s%s%s (backend host, protocol %u, host %u of %u)",
+  log_info("fsdpd %s serving on unix:%s%s%s%s%s (backend %s, protocol %u, host %u of %u)",
            FSDP_VERSION_STRING, daemon->listener.socket_path,
            daemon->health_endpoint ? ", health on " : "", daemon->health_address,
            daemon->peer_endpoint ? ", peers on " : "", daemon->peer_address,
-           FSDP_PROTOCOL_VERSION, fsdp_peers_host_rank(daemon->peers),
+           fsdp_backend_name(&daemon->dataplane.backend), FSDP_PROTOCOL_VERSION, fsdp_peers_host_rank(daemon->peers),
            fsdp_peers_host_count(daemon->peers));
   sd_notifyf(0, "READY=1\nSTATUS=serving on unix:%s\nMAINPID=%ld", daemon->listener.socket_path,
              (long)getpid());

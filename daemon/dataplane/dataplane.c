@@ -40,6 +40,7 @@ struct fsdp_dataplane_work {
   fsdp_optimizer_plan_t plan; /* WORK_OPTIMIZE */
   double norm_sq;             /* WORK_NORM */
   int result;
+  fsdp_status_t error; /* what the backend said of a failure, when it said something */
   fsdp_dataplane_work_t *next;
 };
 
@@ -370,17 +371,17 @@ static void run_work(uv_work_t *req) {
     /* This host's shards: its region of the fp32 masters cast into param_dtype. */
     fsdp_dtype_t pt = param_dtype(u);
     char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->copy_offset;
-    w->result = fsdp_cast_parallel(dp->workers, unsharded + first * fsdp_dtype_size(pt), pt,
-                                   base + u->master_offset, FSDP_DTYPE_FP32, n);
+    w->result = fsdp_backend_cast(&dp->backend, unsharded + first * fsdp_dtype_size(pt), pt,
+                                  base + u->master_offset, FSDP_DTYPE_FP32, n, &w->error);
     break;
   }
   case WORK_REDUCE:
     /* One host: the gradient shards lie side by side, so one reduce over the whole flat
      * buffer writes every rank's shard. */
-    w->result = fsdp_reduce_parallel(dp->workers, (float *)(void *)(base + u->grad_offset),
-                                     u->reduce_accumulate, srcs, world, param_dtype(u),
-                                     reduce_dtype(u), u->pre_scale, u->post_scale,
-                                     u->layout.padded_numel);
+    w->result = fsdp_backend_reduce(&dp->backend, (float *)(void *)(base + u->grad_offset),
+                                    u->reduce_accumulate, srcs, world, param_dtype(u),
+                                    reduce_dtype(u), u->pre_scale, u->post_scale,
+                                    u->layout.padded_numel, &w->error);
     break;
   case WORK_OPTIMIZE:
     w->result = fsdp_optimizer_run(&w->plan, dp->workers);
@@ -490,7 +491,7 @@ static void work_done(uv_work_t *req, int status) {
     fsdp_status_set(&st, FSDP_E_INTERNAL, "job '%s' unit '%s' step %llu: %s failed: %s",
                     w->job->name, u->spec->unit,
                     (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
-                    fsdp_strerror(r));
+                    w->error.code < 0 ? w->error.message : fsdp_strerror(r));
     finish_collective(w->job, u, kind, &st);
   } else if (w->kind == WORK_NORM) {
     u->norm_sq = w->norm_sq;
@@ -1682,7 +1683,13 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
   if (r < 0)
     return fsdp_status_set(st, r, "cannot start %u worker threads: %s", threads,
                            fsdp_strerror(r));
+  fsdp_backend_init_host(&dp->backend, dp->workers);
   return 0;
+}
+
+int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
+                            const fsdp_cuda_device_t *device, fsdp_status_t *st) {
+  return fsdp_backend_init_cuda(&dp->backend, cuda, device, st);
 }
 
 void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
@@ -1704,6 +1711,7 @@ void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
     memcpy(&dp->free_scratch, s, sizeof(void *));
     free(s);
   }
+  fsdp_backend_cleanup(&dp->backend);
   fsdp_workers_free(dp->workers);
   dp->workers = NULL;
 }

@@ -64,6 +64,7 @@
 #include <uv.h>
 
 #include "common/status.h"
+#include "daemon/backend/backend.h"
 #include "daemon/cluster/fabric.h"
 #include "daemon/cluster/peers.h"
 #include "daemon/store/store.h"
@@ -76,6 +77,7 @@ typedef struct ring_run ring_run_t;
 typedef struct fsdp_dataplane {
   uv_loop_t *loop;
   fsdp_workers_t *workers;
+  fsdp_backend_t backend; /* what the gathers and reduces run on: the host, or a GPU */
   uv_work_t req;
   fsdp_dataplane_work_t *head, *tail; /* head is running while busy */
   bool busy;
@@ -144,6 +146,12 @@ typedef struct fsdp_dataplane_buffers {
 /* threads: the worker pool's size, the calling pool thread included. */
 int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
                         fsdp_status_t *st);
+/* Runs the gathers and reduces of every job on `device` instead of the host (before any
+ * job exists; the store's arenas must then be that GPU's memory: dp->backend). Fails naming
+ * the GPU. */
+int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
+                            const fsdp_cuda_device_t *device, fsdp_status_t *st);
+
 /* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
 

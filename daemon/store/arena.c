@@ -61,6 +61,9 @@ struct fsdp_arena {
   bool peers_read_only;
   fsdp_arena_prefault_t prefault;
   uint64_t prefault_ns;
+  /* A GPU's arena: its backend and memory; fd is the memory's exported descriptor. */
+  const fsdp_backend_t *backend;
+  fsdp_cuda_memory_t device_memory;
 
   block_t *blocks;
   size_t n_blocks;
@@ -102,6 +105,12 @@ const char *fsdp_arena_prefault_name(fsdp_arena_prefault_t method) {
 }
 
 static void unmap_and_close(fsdp_arena_t *arena) {
+  if (arena->backend) {
+    fsdp_backend_memory_free(arena->backend, &arena->device_memory);
+    arena->base = MAP_FAILED;
+    arena->fd = arena->peer_fd = -1;
+    return;
+  }
   if (arena->base != MAP_FAILED)
     munmap(arena->base, arena->capacity);
   arena->base = MAP_FAILED;
@@ -244,6 +253,19 @@ int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t
     goto fail;
   }
 
+  if (opt->backend && opt->backend->kind != FSDP_BACKEND_HOST) {
+    if ((r = fsdp_backend_memory_new(opt->backend, capacity, &arena->device_memory, st)) < 0) {
+      fsdp_status_set(st, r, "job '%s': %s", arena->name, st->message);
+      goto fail;
+    }
+    arena->backend = opt->backend;
+    arena->base = arena->device_memory.base;
+    arena->capacity = arena->device_memory.bytes;
+    arena->page_size = arena->device_memory.page;
+    arena->fd = arena->peer_fd = arena->device_memory.fd;
+    arena->prefault = FSDP_ARENA_PREFAULT_NONE;
+    goto made;
+  }
   bool try_huge = opt->hugetlb == FSDP_ARENA_HUGETLB_REQUIRE ||
                   (opt->hugetlb == FSDP_ARENA_HUGETLB_AUTO && capacity >= HUGE_PAGE);
   r = -1;
@@ -280,6 +302,7 @@ int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t
     goto fail;
   }
 
+made:
   arena->blocks[0] = (block_t){.offset = 0, .size = arena->capacity, .allocated = false};
   arena->n_blocks = 1;
   *ret = arena;
@@ -296,7 +319,7 @@ void fsdp_arena_free(fsdp_arena_t *arena) {
   /* A trainer that still holds the descriptor or a mapping would otherwise keep every page
    * there, and they are not counted anywhere any more. The sealed arena refuses this
    * (F_SEAL_FUTURE_WRITE); its holders can only fault pages in by reading. */
-  if (arena->fd >= 0 && !arena->peers_read_only)
+  if (arena->fd >= 0 && !arena->peers_read_only && !arena->backend)
     (void)fallocate(arena->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
                     (off_t)arena->capacity);
   unmap_and_close(arena);
@@ -459,6 +482,8 @@ void *fsdp_arena_base(const fsdp_arena_t *arena) {
 }
 
 int fsdp_arena_open_readonly(const fsdp_arena_t *arena, int *ret_fd) {
+  if (arena->backend)
+    return -EOPNOTSUPP; /* the driver's descriptor has no access mode */
   /* Reopening the magic link opens the same memory afresh with the access mode asked for;
    * dup() would share the read-write open file. */
   char path[64];
@@ -473,6 +498,8 @@ int fsdp_arena_open_readonly(const fsdp_arena_t *arena, int *ret_fd) {
 int fsdp_arena_prefault_range(const fsdp_arena_t *arena, uint64_t offset, size_t len) {
   if (offset > arena->capacity || len > arena->capacity - offset)
     return -EINVAL;
+  if (arena->backend)
+    return 0; /* device memory is resident from the start */
   uint64_t begin = offset / arena->page_size * arena->page_size;
   size_t span = (size_t)(offset + len - begin);
   char *start = (char *)arena->base + begin;
@@ -501,5 +528,6 @@ void fsdp_arena_get_stats(const fsdp_arena_t *arena, fsdp_arena_stats_t *ret_sta
       .prefault = arena->prefault,
       .prefault_ns = arena->prefault_ns,
       .peers_read_only = arena->peers_read_only,
+      .device = arena->backend ? fsdp_backend_device(arena->backend) : -1,
   };
 }

@@ -71,6 +71,7 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "daemon/backend/backend.h"
 
 /* Every block's start and size are multiples of this. */
 #define FSDP_ARENA_MIN_ALIGN 64
@@ -103,9 +104,16 @@ typedef struct fsdp_arena_options {
   fsdp_arena_hugetlb_t hugetlb;
   fsdp_arena_prefault_t prefault;
   bool peers_read_only; /* seal F_SEAL_FUTURE_WRITE after the daemon's mapping is made */
+  /* NULL or the host backend: a memfd. A GPU's backend: that GPU's memory instead
+   * (fsdp_backend_memory_new), in one allocation exported as a file descriptor; hugetlb,
+   * prefault and peers_read_only do not apply (the driver's memory is resident and zeroed
+   * when made, and a trainer maps it with the access it asks for: the read-only mapping of
+   * the unsharded buffers is the trainer library's, not enforced). Borrowed: it must
+   * outlive the arena. */
+  const fsdp_backend_t *backend;
 } fsdp_arena_options_t;
 
-#define FSDP_ARENA_OPTIONS_INIT {FSDP_ARENA_HUGETLB_AUTO, FSDP_ARENA_PREFAULT_AUTO, false}
+#define FSDP_ARENA_OPTIONS_INIT {FSDP_ARENA_HUGETLB_AUTO, FSDP_ARENA_PREFAULT_AUTO, false, NULL}
 
 typedef struct fsdp_arena_stats {
   size_t capacity;     /* bytes, a whole number of pages */
@@ -121,6 +129,7 @@ typedef struct fsdp_arena_stats {
   fsdp_arena_prefault_t prefault; /* the method used (never AUTO) */
   uint64_t prefault_ns;           /* time the pre-fault took at creation */
   bool peers_read_only;
+  int device; /* the CUDA device ordinal of its memory, -1 for host memory */
 } fsdp_arena_stats_t;
 
 /* Creates an arena of at least capacity bytes for the job called name (used in messages
@@ -179,7 +188,8 @@ int fsdp_arena_open_readonly(const fsdp_arena_t *arena, int *ret_fd);
  * limit was hit). */
 int fsdp_arena_prefault_range(const fsdp_arena_t *arena, uint64_t offset, size_t len);
 
-/* The daemon's read-write mapping of the whole arena; offset o is at base + o. Borrowed. */
+/* The daemon's read-write mapping of the whole arena; offset o is at base + o (a device
+ * address for a GPU's arena). Borrowed. */
 void *fsdp_arena_base(const fsdp_arena_t *arena);
 
 void fsdp_arena_get_stats(const fsdp_arena_t *arena, fsdp_arena_stats_t *ret_stats);

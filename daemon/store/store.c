@@ -99,9 +99,11 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
   return 0;
 }
 
-static int make_arenas(fsdp_job_t *job, size_t capacity, fsdp_status_t *st) {
+static int make_arenas(fsdp_job_t *job, const fsdp_backend_t *backend, size_t capacity,
+                       fsdp_status_t *st) {
   fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
   options.prefault = FSDP_ARENA_PREFAULT_NONE;
+  options.backend = backend;
   fsdp_arena_t *arena, *shared;
   int r = fsdp_arena_new(job->name, capacity, &options, &arena, st);
   if (r < 0)
@@ -263,7 +265,7 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
   job->local_world_size = session->local_world_size;
   job->owner = session->owner;
   job->units_tail = &job->units;
-  if ((r = make_arenas(job, store->arena_capacity, st)) < 0 ||
+  if ((r = make_arenas(job, store->backend, store->arena_capacity, st)) < 0 ||
       (r = make_pools(job, store->max_inflight, st)) < 0) {
     job_free(job);
     return r;

@@ -29,6 +29,7 @@
 #include "collectives/local.h"
 #include "collectives/rank_set.h"
 #include "common/status.h"
+#include "daemon/backend/backend.h"
 #include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
 #include "daemon/store/pool.h"
@@ -198,6 +199,7 @@ typedef struct fsdp_store {
   size_t memory_limit;
   size_t arena_capacity;
   unsigned max_inflight; /* a new job's (store.max_inflight) */
+  const fsdp_backend_t *backend; /* whose memory the arenas are (daemon.backend) */
   size_t reserved; /* the capacities of every job's arenas */
   fsdp_store_hooks_t hooks;
   /* Set by the daemon from cluster.*: the hosts, and the local world size every job must

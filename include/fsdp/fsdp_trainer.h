@@ -209,6 +209,14 @@ uint64_t fsdp_trainer_session_id(const fsdp_trainer_t *trainer);
  * unsharded buffers are in a second, read-only mapping, reached through the unit views. */
 void *fsdp_trainer_memory(const fsdp_trainer_t *trainer, size_t *ret_size);
 
+/* Where the job's memory is, and so every pointer of the unit views: -1, host memory; d,
+ * memory of CUDA device d (a daemon whose backend is cuda), mapped in the device's primary
+ * context, which the CUDA runtime and PyTorch use. Device pointers are then read and written
+ * by the trainer's kernels only, and the daemon reads what they wrote once they are done:
+ * synchronize the stream that wrote masters or gradients before the Unshard or ReduceScatter
+ * that reads them (the replies come after the daemon's own work has ended). */
+int fsdp_trainer_memory_device(const fsdp_trainer_t *trainer);
+
 /* Renews the session's lease; trainers idle longer than the lease call it. */
 int fsdp_trainer_keepalive(fsdp_trainer_t *trainer);
 

@@ -316,17 +316,23 @@ def test_more_sigterms_while_stopping_still_exit_cleanly(fsdpd):
     assert d.wait() == 0
 
 
-def test_backend_cuda_counts_the_gpus_or_exits_78_saying_why(tmp_path):
+def test_backend_cuda_serves_a_gpu_or_exits_78_saying_why(tmp_path):
     """backend = cuda loads the CUDA module beside fsdpd and asks the runtime for the GPUs:
     here (no GPU, no driver) the exit names the CUDA call and its error, as this test hears
-    it from the runtime itself; a build without the toolkit says so; a host with GPUs hears
-    that this release keeps parameters in host memory. fsdpd itself links no CUDA library."""
-    r = run_fsdpd("--run-dir", tmp_path / "run", "--health-listen", "127.0.0.1:0",
-                  "--backend", "cuda")
+    it from the runtime itself; a build without the toolkit says so; on a host with GPUs a
+    daemon.cuda_device that is none of them is named. Several hosts are refused before any
+    GPU is looked for. fsdpd itself links no CUDA library."""
+    run = ("--run-dir", tmp_path / "run", "--health-listen", "127.0.0.1:0", "--backend", "cuda")
+    r = run_fsdpd(*run, env={"FSDPD_CLUSTER_HOSTS": "127.0.0.1:7101,127.0.0.1:7102",
+                             "FSDPD_CLUSTER_LOCAL_WORLD_SIZE": "1"})
     assert r.returncode == 78, r.stderr
+    assert ("key 'daemon.backend': value 'cuda' (from --backend) with 2 hosts in cluster.hosts: "
+            "the CUDA backend serves one host in this release; use 'host'") in r.stderr, r.stderr
     said = "key 'daemon.backend': value 'cuda': "
     modules = list(BUILD_DIR.rglob("fsdp-cuda.so"))
     if not modules:
+        r = run_fsdpd(*run)
+        assert r.returncode == 78, r.stderr
         assert said + "this fsdpd was built without the CUDA backend" in r.stderr, r.stderr
         return
     linked = subprocess.run(["ldd", str(FSDPD)], capture_output=True, text=True).stdout
@@ -336,8 +342,11 @@ def test_backend_cuda_counts_the_gpus_or_exits_78_saying_why(tmp_path):
     count = ctypes.c_int(0)
     err = cudart.cudaGetDeviceCount(ctypes.byref(count))
     if err:
+        r = run_fsdpd(*run)
+        assert r.returncode == 78, r.stderr
         why = cudart.cudaGetErrorString(err).decode()
         assert said + "no usable GPU: cudaGetDeviceCount: " + why in r.stderr, r.stderr
     else:
-        assert said + f"found {count.value} usable GPU(s)" in r.stderr, r.stderr
-
+        r = run_fsdpd(*run, env={"FSDPD_DAEMON_CUDA_DEVICE": "15"})
+        assert r.returncode == 78, r.stderr
+        assert "key 'daemon.cuda_device': value 15 is not a usable GPU: " in r.stderr, r.stderr

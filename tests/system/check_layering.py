@@ -34,15 +34,17 @@ LAYERS = {
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
     'daemon/rpc': ['common', 'proto', 'config'],
     'daemon/session': ['common', 'proto'],
-    'daemon/store': ['common', 'proto/limits.h', 'config', 'collectives', 'daemon/session'],
+    'daemon/backend': ['common', 'kernels', 'cuda'],
+    'daemon/store': ['common', 'proto/limits.h', 'config', 'collectives', 'daemon/session',
+                     'daemon/backend'],
     'daemon/cluster': ['common', 'proto', 'proto/host', 'config', 'transport', 'daemon/rpc'],
     'daemon/dataplane': ['common', 'proto/host', 'kernels', 'transport', 'collectives',
-                         'daemon/store', 'daemon/cluster'],
+                         'daemon/backend', 'daemon/store', 'daemon/cluster'],
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
-                        'daemon/store', 'daemon/cluster', 'daemon/dataplane'],
+                        'daemon/backend', 'daemon/store', 'daemon/cluster', 'daemon/dataplane'],
     'daemon': ['common', 'proto', 'proto/host', 'config', 'kernels', 'transport', 'collectives',
                'cuda',
-               'daemon/rpc', 'daemon/session', 'daemon/store', 'daemon/cluster',
+               'daemon/rpc', 'daemon/session', 'daemon/backend', 'daemon/store', 'daemon/cluster',
                'daemon/dataplane', 'daemon/services'],
 }
 # Tools and tests sit on top and may use every layer, but nothing uses them.

@@ -367,7 +367,7 @@ static void test_unknown_keys_and_sections(void **state) {
   (void)state;
   expect_load_error("# c\n[daemon]\ncolour = red\n",
                     NAME ":3: unknown key 'daemon.colour'; known keys in [daemon]: run_dir, "
-                         "log_level, backend, housekeeping_interval, drain_timeout, "
+                         "log_level, backend, cuda_device, housekeeping_interval, drain_timeout, "
                          "operator_group");
   expect_load_error("[daemon]\nlog_level = info\n[colours]\nred = 1\n",
                     NAME ":4: key 'colours.red': unknown section [colours]; known sections: "

@@ -1,0 +1,45 @@
+/* A GPU's memory that the daemon exported (its CUDA backend), as a trainer maps it: imported
+ * from the descriptor the memory channel carries, then mapped whole, or a page-aligned part
+ * of it onto an address range the trainer reserved (a unit's lent buffer).
+ *
+ * Through the CUDA driver's virtual memory management, loaded at run time (libcuda.so.1):
+ * libfsdp links no CUDA library, so it loads where there is none and only a job on a GPU
+ * needs one. Any thread; the driver's calls are thread-safe. Without CUDA at build time
+ * every call fails saying so. */
+#ifndef FSDP_CLIENT_DEVICE_MEMORY_H
+#define FSDP_CLIENT_DEVICE_MEMORY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef struct fsdp_device_memory {
+  int ordinal;
+  unsigned long long handle; /* the imported allocation; 0: none */
+  size_t bytes;
+  size_t page; /* the allocation granularity: offsets and sizes mapped are multiples */
+} fsdp_device_memory_t;
+
+/* Imports the `bytes` of GPU `ordinal`'s memory that fd (a POSIX descriptor the driver
+ * exported) stands for; fd stays the caller's. */
+int fsdp_device_memory_import(int fd, size_t bytes, int ordinal, fsdp_device_memory_t *ret,
+                              fsdp_status_t *st);
+/* Lets go of the allocation; what is mapped of it stays until unmapped. */
+void fsdp_device_memory_release(fsdp_device_memory_t *memory);
+
+/* An address range of `bytes` (a multiple of memory's page), nothing mapped there. */
+int fsdp_device_reserve(const fsdp_device_memory_t *memory, size_t bytes, void **ret,
+                        fsdp_status_t *st);
+void fsdp_device_unreserve(void *p, size_t bytes); /* NULL-safe; p must be unmapped */
+
+/* Maps [offset, offset + bytes) of memory at p, a reserved range, readable by the GPU's
+ * kernels, and writable when asked. */
+int fsdp_device_map(const fsdp_device_memory_t *memory, void *p, uint64_t offset, size_t bytes,
+                    bool writable, fsdp_status_t *st);
+/* Unmaps what fsdp_device_map mapped at p, once the GPU's work has ended (it waits for the
+ * device: a kernel of the trainer's may still read there). */
+void fsdp_device_unmap(const fsdp_device_memory_t *memory, void *p, size_t bytes);
+
+#endif

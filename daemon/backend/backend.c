@@ -1,0 +1,76 @@
+/* The backend interface's two implementations side by side: the host's calls the CPU
+ * kernels over the worker pool, the GPU's queues the CUDA module's kernels on the daemon's
+ * stream and waits for them. */
+#include "daemon/backend/backend.h"
+
+#include <stdio.h>
+
+#include "common/status.h"
+#include "cuda/loader.h"
+#include "kernels/kernels.h"
+
+void fsdp_backend_init_host(fsdp_backend_t *b, fsdp_workers_t *workers) {
+  *b = (fsdp_backend_t){.kind = FSDP_BACKEND_HOST, .workers = workers};
+}
+
+int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,
+                           const fsdp_cuda_device_t *device, fsdp_status_t *st) {
+  *b = (fsdp_backend_t){.kind = FSDP_BACKEND_CUDA, .cuda = cuda, .device = *device};
+  fsdp_cuda_device_format(device, b->device_name, sizeof b->device_name);
+  int r = cuda->stream_new(device->ordinal, &b->stream, st);
+  if (r < 0)
+    return fsdp_status_set(st, r, "%s: %s", b->device_name, st->message);
+  return 0;
+}
+
+void fsdp_backend_cleanup(fsdp_backend_t *b) {
+  if (b && b->kind == FSDP_BACKEND_CUDA)
+    b->cuda->stream_free(b->stream);
+}
+
+const char *fsdp_backend_name(const fsdp_backend_t *b) {
+  return b->kind == FSDP_BACKEND_CUDA ? "cuda" : "host";
+}
+
+int fsdp_backend_device(const fsdp_backend_t *b) {
+  return b->kind == FSDP_BACKEND_CUDA ? b->device.ordinal : -1;
+}
+
+int fsdp_backend_memory_new(const fsdp_backend_t *b, size_t bytes, fsdp_cuda_memory_t *ret,
+                            fsdp_status_t *st) {
+  if (b->kind != FSDP_BACKEND_CUDA)
+    return fsdp_status_set(st, FSDP_E_INTERNAL, "the host backend's memory is its arenas'");
+  return b->cuda->memory_new(b->device.ordinal, bytes, ret, st);
+}
+
+void fsdp_backend_memory_free(const fsdp_backend_t *b, fsdp_cuda_memory_t *memory) {
+  if (b->kind == FSDP_BACKEND_CUDA)
+    b->cuda->memory_free(memory);
+}
+
+/* The host kernels explain no failure but their -EINVAL. */
+static int host_result(int r, const char *what, fsdp_status_t *st) {
+  return r < 0 ? fsdp_status_set(st, r, "%s: %s", what, fsdp_strerror(r)) : 0;
+}
+
+int fsdp_backend_cast(const fsdp_backend_t *b, void *dst, fsdp_dtype_t dst_type,
+                      const void *src, fsdp_dtype_t src_type, size_t n, fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_HOST)
+    return host_result(fsdp_cast_parallel(b->workers, dst, dst_type, src, src_type, n), "cast",
+                       st);
+  int r = b->cuda->cast(b->stream, dst, dst_type, src, src_type, n, st);
+  return r < 0 ? r : b->cuda->synchronize(b->stream, st);
+}
+
+int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
+                        const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
+                        fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
+                        fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_HOST)
+    return host_result(fsdp_reduce_parallel(b->workers, dst, accumulate, srcs, n_srcs,
+                                            src_type, reduce_type, pre_scale, post_scale, n),
+                       "reduce", st);
+  int r = b->cuda->reduce(b->stream, dst, accumulate, srcs, n_srcs, src_type, reduce_type,
+                          pre_scale, post_scale, n, st);
+  return r < 0 ? r : b->cuda->synchronize(b->stream, st);
+}

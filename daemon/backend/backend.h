@@ -1,0 +1,67 @@
+/* fsdp_backend_t: where a daemon keeps its jobs' memory and what computes on it, one per
+ * daemon (`daemon.backend`): host memory and the CPU kernels, or one GPU's memory and its
+ * kernels (the CUDA module, cuda/module.h).
+ *
+ * The data plane and the arenas know only this interface: memory a trainer maps (made once
+ * per arena; the host's is the arena's own memfd, see daemon/store/arena.h), and the
+ * operations on it, each complete when its call returns (the GPU's are queued on the
+ * daemon's stream and waited for), so a caller on the thread pool holds no handle to wait
+ * on and a trainer's next request sees the result. Trainers' streams order themselves after
+ * the daemon's work by that reply (the fallback the CUDA backend's design allows where no
+ * event is shared).
+ *
+ * Every call but init/cleanup may run on any thread, but one at a time: the data plane runs
+ * one work item at a time. */
+#ifndef FSDP_BACKEND_H
+#define FSDP_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "common/status.h"
+#include "cuda/module.h"
+#include "kernels/dtype.h"
+#include "kernels/workers.h"
+
+typedef enum fsdp_backend_kind {
+  FSDP_BACKEND_HOST = 0,
+  FSDP_BACKEND_CUDA,
+} fsdp_backend_kind_t;
+
+typedef struct fsdp_backend {
+  fsdp_backend_kind_t kind;
+  fsdp_workers_t *workers; /* the host's kernels split over them; borrowed */
+  /* CUDA: the module, the GPU (its ordinal and what it is called in messages) and the
+   * daemon's stream on it. */
+  const fsdp_cuda_module_t *cuda;
+  fsdp_cuda_device_t device;
+  char device_name[320];
+  fsdp_cuda_stream_t *stream;
+} fsdp_backend_t;
+
+/* The host backend: the CPU kernels over workers (borrowed). */
+void fsdp_backend_init_host(fsdp_backend_t *b, fsdp_workers_t *workers);
+/* The CUDA backend on `device` (one the loader found usable); fails naming the GPU. */
+int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,
+                           const fsdp_cuda_device_t *device, fsdp_status_t *st);
+void fsdp_backend_cleanup(fsdp_backend_t *b); /* NULL-safe */
+
+/* "host", or "cuda". */
+const char *fsdp_backend_name(const fsdp_backend_t *b);
+/* The CUDA device ordinal of its memory, -1 for host memory. */
+int fsdp_backend_device(const fsdp_backend_t *b);
+
+/* Device memory for an arena (CUDA only): at least `bytes`, zeroed, with a descriptor for
+ * trainers; ret is the caller's storage. */
+int fsdp_backend_memory_new(const fsdp_backend_t *b, size_t bytes, fsdp_cuda_memory_t *ret,
+                            fsdp_status_t *st);
+void fsdp_backend_memory_free(const fsdp_backend_t *b, fsdp_cuda_memory_t *memory);
+
+/* kernels/kernels.h's contracts, on the backend's memory. */
+int fsdp_backend_cast(const fsdp_backend_t *b, void *dst, fsdp_dtype_t dst_type,
+                      const void *src, fsdp_dtype_t src_type, size_t n, fsdp_status_t *st);
+int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
+                        const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
+                        fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
+                        fsdp_status_t *st);
+#endif
