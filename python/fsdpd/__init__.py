@@ -95,12 +95,42 @@ def _scalar(dtype, what):
         raise ValueError(f"{what} {dtype!r}: expected float32, bfloat16 or float16") from None
 
 
-def _view(address, offset_elems, count, scalar, writable):
-    """A zero-copy view of count elements of scalar at address + offset_elems."""
+class _DeviceArray:
+    """count elements at a device address, as __cuda_array_interface__ (version 2) describes
+    them to torch.as_tensor: no copy, and no dependency beyond torch. bf16, which the
+    interface cannot name, travels as int16 and is viewed back."""
+
+    _TYPESTR = {_lib.SCALAR_FP32: "<f4", _lib.SCALAR_BF16: "<i2", _lib.SCALAR_FP16: "<f2"}
+
+    def __init__(self, address, count, scalar):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": self._TYPESTR[scalar],
+                                         "data": (address, False), "strides": None,
+                                         "version": 2}
+
+
+def _device_view(address, count, scalar, device):
+    """A CUDA tensor over count elements of scalar at a device address (the daemon's GPU
+    memory as this trainer mapped it: read-only buffers are mapped so by the driver)."""
+    _, torch_name, _ = _SCALARS[scalar]
+    dtype = getattr(_torch, torch_name)
+    t = _torch.as_tensor(_DeviceArray(address, count, scalar), device=f"cuda:{device}")
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+def _view(address, offset_elems, count, scalar, writable, device=-1):
+    """A zero-copy view of count elements of scalar at address + offset_elems: host memory,
+    or with device >= 0 that CUDA device's memory (a CUDA tensor; torch required)."""
     fmt, torch_name, size = _SCALARS[scalar]
     if count == 0 or not address:
         mv = memoryview(bytearray(0)).cast(fmt)
+        if device >= 0:
+            return _torch.empty(0, dtype=getattr(_torch, torch_name), device=f"cuda:{device}")
         return _torch.empty(0, dtype=getattr(_torch, torch_name)) if _torch else mv
+    if device >= 0:
+        if _torch is None:
+            raise RuntimeError("fsdpd: the job's memory is on a GPU (the daemon's backend is "
+                               "cuda): its buffers need torch with CUDA")
+        return _device_view(address + offset_elems * size, count, scalar, device)
     mv = _lib.memory(address + offset_elems * size, count * size, writable)
     if _torch is None:
         return mv.cast(fmt)
@@ -150,10 +180,12 @@ class Unit:
         start = (self.shard - self.host_first_shard) * self.shard_numel
         n = self.padded_numel
         host = self.host_shards * self.shard_numel
-        self.master = _view(v.master, 0, host, _lib.SCALAR_FP32, True)
-        self.master_shard = _view(v.master, start, self.shard_numel, _lib.SCALAR_FP32, True)
-        self.grad = _view(v.grad, 0, host, _lib.SCALAR_FP32, True)
-        self.grad_shard = _view(v.grad, start, self.shard_numel, _lib.SCALAR_FP32, True)
+        self.device = client.device
+        d = self.device
+        self.master = _view(v.master, 0, host, _lib.SCALAR_FP32, True, d)
+        self.master_shard = _view(v.master, start, self.shard_numel, _lib.SCALAR_FP32, True, d)
+        self.grad = _view(v.grad, 0, host, _lib.SCALAR_FP32, True, d)
+        self.grad_shard = _view(v.grad, start, self.shard_numel, _lib.SCALAR_FP32, True, d)
         self.unsharded = self.full_grad = None
         self._lent = (None, None)  # the addresses they view
         # The element type of unsharded and full_grad (a torch dtype, or a struct format).
@@ -167,6 +199,11 @@ class Unit:
     def _call(self, fn, what, *args):
         c = self._client
         c._check_open()
+        if self.device >= 0:
+            # The daemon reads what the trainer's kernels wrote (masters, full_grad) and
+            # reuses what they read (a copy given back): they must have run. Its replies
+            # come after its own work has, so nothing is needed after the call.
+            _torch.cuda.synchronize(self.device)
         rc = fn(c._trainer, self._handle, *args)
         if rc < 0:
             raise c._error(rc, f"{what} of unit '{self.name}'")
@@ -178,10 +215,10 @@ class Unit:
         v = _lib.lib().fsdp_unit_view(self._handle).contents
         n = self.padded_numel
         if v.unsharded != self._lent[0]:
-            self.unsharded = _view(v.unsharded, 0, n, self.param_type, False) \
+            self.unsharded = _view(v.unsharded, 0, n, self.param_type, False, self.device) \
                 if v.unsharded else None
         if v.full_grad != self._lent[1]:
-            self.full_grad = _view(v.full_grad, 0, n, self.param_type, True) \
+            self.full_grad = _view(v.full_grad, 0, n, self.param_type, True, self.device) \
                 if v.full_grad else None
         self._lent = (v.unsharded, v.full_grad)
 
@@ -324,6 +361,9 @@ class Client:
             raise err
         self._trainer = trainer
         self.session_id = int(lib.fsdp_trainer_session_id(trainer))
+        # Where the job's buffers are: -1 host memory, else this CUDA device's (the daemon's
+        # backend is cuda), and the units' views are CUDA tensors.
+        self.device = int(lib.fsdp_trainer_memory_device(trainer))
 
     def _error(self, rc, what):
         msg = _lib.lib().fsdp_client_last_error(self._client) if self._client else b""

@@ -98,6 +98,7 @@ _SIGNATURES = {
     "fsdp_trainer_register_unit": (ctypes.c_int, [_p, ctypes.POINTER(UnitDesc),
                                                   ctypes.POINTER(_p)]),
     "fsdp_unit_view": (ctypes.POINTER(UnitView), [_p]),
+    "fsdp_trainer_memory_device": (ctypes.c_int, [_p]),
     "fsdp_trainer_unshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_int]),
     "fsdp_trainer_unshard_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_int]),
     "fsdp_trainer_wait": (ctypes.c_int, [_p, _p, ctypes.c_int]),

@@ -24,6 +24,12 @@ gathers the unit again into another pool buffer.
 `model.parameters()` yields one Parameter per trainable unit: this rank's master shard, whose
 .grad is its gradient shard, so torch.optim works unchanged and its state is sharded too.
 
+GPUs. With a daemon whose backend is cuda, the job's memory is its GPU's: the module is
+moved there (`model.device`), its parameters and gradients are CUDA tensors over the memory
+the library maps, and each call to the daemon first waits for the GPU's work (the daemon
+reads what the trainer's kernels wrote). Feed it inputs on `model.device`; the same code runs
+on a host daemon with the CPU.
+
 Schedule (one step = one forward of the root): before a unit runs, it is unsharded for the
 step; the daemon's gather of a new step is a collective of the local ranks (it waits for
 every rank's Unshard of that step, so no rank reads a shard before its owner's optimizer step
@@ -104,7 +110,7 @@ class _FlatUnit:
         self.offsets = u.param_offsets
         self.sizes = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
-        self.empty_data = _torch.empty(0, dtype=u.dtype)
+        self.empty_data = _torch.empty(0, dtype=u.dtype, device=u.master.device)
         # This rank's master shard as an optimizer parameter (shares the mapped memory).
         self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
         # What the daemon lends this rank now: the copy of step copy_step (0: none), which
@@ -122,7 +128,7 @@ class _FlatUnit:
     def write_initial_shard(self):
         """Writes this rank's slice of the flat initial values into its master shard."""
         u = self.unit
-        flat = _torch.zeros(u.padded_numel, dtype=_torch.float32)
+        flat = _torch.zeros(u.padded_numel, dtype=_torch.float32, device=u.master.device)
         for off, n, p in zip(self.offsets, self.sizes, self.params):
             flat[off:off + n].copy_(p.detach().reshape(-1))
         lo = u.shard * u.shard_numel
@@ -217,7 +223,10 @@ class ShardedModel(_nn.Module):
         if strategy not in _STRATEGIES:
             raise ValueError(f"fsdpd.torch: strategy {strategy!r}: expected one of "
                              f"{', '.join(_STRATEGIES)}")
-        self.module = module
+        # Where the daemon keeps the job's buffers, and so where the module computes: its GPU
+        # when the daemon's backend is cuda (the parameters become views of that memory).
+        self.device = _torch.device(f"cuda:{client.device}" if client.device >= 0 else "cpu")
+        self.module = module.to(self.device)
         self.client = client
         self.strategy = strategy
         self.param_dtype = param_dtype
