@@ -166,7 +166,14 @@ int fsdp_device_map(const fsdp_device_memory_t *m, void *p, uint64_t offset, siz
       .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = m->ordinal},
       .flags = writable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_READ,
   };
-  if ((e = drv.set_access(at, bytes, &access, 1)) != CUDA_SUCCESS) {
+  e = drv.set_access(at, bytes, &access, 1);
+  if (e != CUDA_SUCCESS && !writable) {
+    /* A driver that maps device memory read-write only: read-only is then the trainer
+     * library's promise alone, as on the host without the seal. */
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    e = drv.set_access(at, bytes, &access, 1);
+  }
+  if (e != CUDA_SUCCESS) {
     drv.unmap(at, bytes);
     return failed(st, m->ordinal, "cuMemSetAccess", e);
   }

@@ -27,6 +27,9 @@ die() {
 # Libraries the target machine provides: glibc's, the C++ runtime, and the GPU driver's
 # (libcuda must match the kernel module, so it is never bundled).
 system_lib='^(linux-vdso|ld-linux-x86-64|libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s|libcuda|libnvidia-[a-z0-9-]+)\.so'
+# Bundled, but taken from the target where it has them (env.sh): everyone's TLS and
+# compression libraries.
+common_lib='^(libssl|libcrypto|libz|liblzma|libzstd|liblz4|libgcrypt|libgpg-error|libcap|libnuma)\.so'
 
 # "soname path" for each library the dynamic loader resolves for file; "soname not" for those
 # it cannot find.
@@ -40,7 +43,7 @@ mapfile -t gpu_programs < <(bash "$root/tests/gpu/run.sh" --list)
 programs=(fsdpd fsdpctl "${gpu_programs[@]}")
 
 rm -rf "$out"
-mkdir -p "$out/bin" "$out/lib/ucx" "$out/$(dirname "$module")"
+mkdir -p "$out/bin" "$out/lib/ucx" "$out/lib/common" "$out/$(dirname "$module")"
 elves=()
 for p in "${programs[@]}"; do
   [[ -x $build/bin/$p ]] || die "$build/bin/$p is missing: build it first"
@@ -68,7 +71,11 @@ for e in "${elves[@]}"; do
   while read -r soname path; do
     [[ $soname =~ $system_lib || $path == "$out"/* ]] && continue
     [[ $path == not ]] && die "ldd cannot find $soname for $e"
-    cp -L "$path" "$out/lib/$soname"
+    if [[ $soname =~ $common_lib ]]; then
+      cp -L "$path" "$out/lib/common/$soname"
+    else
+      cp -L "$path" "$out/lib/$soname"
+    fi
   done < <(LD_LIBRARY_PATH=$out/lib:$out/lib/ucx resolved_libs "$e")
 done
 find "$out/bin" "$out/lib" -type f -exec strip --strip-debug {} +
@@ -83,8 +90,17 @@ export FSDP_SOURCE_DIR
 export FSDPD_LIB=$gpu_dir/lib/libfsdp.so
 export PATH=$gpu_dir/bin${PATH:+:$PATH}
 export UCX_MODULE_DIR=$gpu_dir/lib/ucx
+# lib/common holds the libraries every distribution has (TLS, compression): the target's
+# own are taken where it has them, as a newer one serves what was built against ours and its
+# own programs (python3 and what it loads) keep theirs. lib/use links to the others.
+use=$gpu_dir/lib/use
+rm -rf "$use" && mkdir -p "$use"
+have=$(ldconfig -p 2>/dev/null)
+for f in "$gpu_dir"/lib/common/*; do
+  grep -q "^[[:space:]]${f##*/} " <<<"$have" || ln -s "$f" "$use/"
+done
 # lib/ucx too: a transport module links another by a path of the build machine.
-gpu_libs=$gpu_dir/lib:$gpu_dir/lib/ucx
+gpu_libs=$gpu_dir/lib:$use:$gpu_dir/lib/ucx
 # NCCL from torch's pip packages (nvidia-nccl-cu*), after the bundle's own libraries.
 for nccl in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
   for d in "$nccl"/nvidia/nccl/lib "$nccl"/nvidia/cu*/lib; do
@@ -92,14 +108,14 @@ for nccl in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 
   done
 done
 export LD_LIBRARY_PATH=$gpu_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-unset gpu_dir gpu_libs nccl d
+unset gpu_dir gpu_libs nccl d use have f
 ENV
 
 # The bundle must resolve to itself: with only env.sh's environment, every library of every
 # bundled file is found in .gpu/ or is one of the target's own.
 for e in "$out"/bin/* "$out/$module" "$out"/lib/*.so* "$out"/lib/ucx/*; do
   while read -r soname path; do
-    [[ $soname =~ $system_lib || $path == "$out"/* ]] ||
+    [[ $soname =~ $system_lib || $soname =~ $common_lib || $path == "$out"/* ]] ||
       die "$e loads $soname from $path, outside the bundle"
   done < <(env -i bash -c "source '$out/env.sh'; $(declare -f resolved_libs); resolved_libs '$e'")
 done

@@ -7,16 +7,18 @@
 #   tests/gpu/run.sh --list   print the executables they need (scripts/gpu-bundle.sh bundles these)
 set -uo pipefail
 
-# One command line each, its first word an executable of .gpu/bin; a new gpu test or bench
-# is one more line here.
+# One command line each, its first word an executable of .gpu/bin or python3 (the target's,
+# with CUDA torch: it runs a script of the tree); a new gpu test or bench is one more line.
 steps=(
   "test_cuda_kernels"
+  "python3 tests/gpu/test_cuda_backend.py"
   "fsdp-cuda-kernels-bench --mib 256 --runs 20"
+  "python3 bench/cuda_unshard_bench.py --mib 64 1024 --runs 20"
 )
 
 if [[ ${1-} == --list ]]; then
   for step in "${steps[@]}"; do
-    echo "${step%% *}"
+    [[ ${step%% *} == python3 ]] || echo "${step%% *}"
   done
   exit 0
 fi
@@ -28,6 +30,7 @@ if [[ ! -f $root/.gpu/env.sh ]]; then
 fi
 # shellcheck source=/dev/null
 source "$root/.gpu/env.sh"
+cd "$root"
 
 # Which GPU and driver answered, so that a skip can be told from a missing GPU.
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null ||
@@ -46,7 +49,7 @@ for step in "${steps[@]}"; do
     77) verdict=SKIP ;;
     *) verdict="FAIL (exit $rc)"; failed=1 ;;
   esac
-  summary+=("$verdict ${step%% *}")
+  summary+=("$verdict $step")
 done
 echo "== summary"
 printf '%s\n' "${summary[@]}"

@@ -3,7 +3,7 @@ training the small transformer of examples/transformer.py through the daemon, or
 single-process reference training the same model on the whole batch.
 
     shard_model_worker.py reference|rank --steps N [--world W] [--param-dtype bf16]
-        [--strategy S] [--features] [--kill-at-step K]
+        [--strategy S] [--features] [--kill-at-step K] [--device cuda]
 
 With --param-dtype bf16 the reference performs the ranks' mixed-precision computation
 itself, rounding for rounding: each of the --world ranks' forward and backward on a bf16
@@ -38,18 +38,24 @@ CFG = Config(vocab=300, d_model=32, n_heads=4, n_layers=2, seq_len=16, mlp_ratio
 GLOBAL_BATCH = 24  # its halves (the micro-batches) divide by 2, 3 and 4
 LR = 1.0
 MAX_NORM = 0.5
+DEVICE = torch.device("cpu")  # --device: where the reference and the ranks compute
 
 
 def build(features):
-    model = TinyGPT(CFG, seed=7)
+    model = TinyGPT(CFG, seed=7).to(DEVICE)
     if features:
         model.head.weight = model.tok.weight  # tied
         model.pos.requires_grad_(False)       # frozen
     return model
 
 
-def micro_batches(step, features):
+def global_batch(step):
     tokens, targets = batch(step, GLOBAL_BATCH, CFG.seq_len, CFG.vocab)
+    return tokens.to(DEVICE), targets.to(DEVICE)
+
+
+def micro_batches(step, features):
+    tokens, targets = global_batch(step)
     if not features:
         return [(tokens, targets)]
     half = GLOBAL_BATCH // 2
@@ -160,7 +166,7 @@ def reference_bf16(args):
     # The daemon's post-scale is the fp32 nearest to 1/world, multiplied in fp32.
     post = torch.tensor(1.0 / args.world, dtype=torch.float32)
     for step in range(1, args.steps + 1):
-        tokens, targets = batch(step, GLOBAL_BATCH, CFG.seq_len, CFG.vocab)
+        tokens, targets = global_batch(step)
         sums, losses = {}, []
         for r in range(args.world):
             with torch.no_grad():
@@ -288,12 +294,19 @@ def main():
                         "(the daemon's max_grad_norm)")
     p.add_argument("--world", type=int, default=1,
                    help="the bf16 reference: how many ranks it computes for")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the reference on the GPU, the ranks on a daemon whose backend "
+                        "is cuda")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if args.device == "cuda":  # what deterministic cuBLAS needs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     bf16_reference = args.mode == "reference" and args.param_dtype == "bf16"
     if bf16_reference and (args.features or args.world < 1):
         p.error("the bf16 reference takes a --world of 1 or more and no --features")
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=args.device == "cuda")
     if args.mode == "rank":
         rank(args)
     else:

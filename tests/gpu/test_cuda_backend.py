@@ -1,0 +1,200 @@
+"""The CUDA backend on one GPU, through fsdpd.torch: trainers sharing the daemon's GPU train
+like one process on that GPU, and a trainer killed in the middle of a collective leaves the
+daemon and the other trainer whole.
+
+Needs a GPU and a python3 with CUDA torch (FSDP_TEST_PYTHON, default python3 on PATH, which
+runs the trainers); every test skips otherwise, and the file exits 77 when run as a CTest test
+without them. Self-contained on purpose: a GPU machine may have none of Debian's packages, so
+nothing here needs grpcio or the generated protobuf modules (the daemon is asked through
+fsdpctl).
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SOURCE_DIR = Path(os.environ.get("FSDP_SOURCE_DIR", Path(__file__).resolve().parents[2]))
+BUILD_DIR = Path(os.environ.get("FSDP_BUILD_DIR", SOURCE_DIR / "build"))
+PYTHON = os.environ.get("FSDP_TEST_PYTHON") or shutil.which("python3") or sys.executable
+WORKER = SOURCE_DIR / "tests" / "integration" / "shard_model_worker.py"
+STEPS = 4
+CHILD_TIMEOUT = 180
+DAEMON_ARGS = ("--backend", "cuda", "--set", "memory.job_limit=256MiB")
+
+
+def _cuda_torch():
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([PYTHON, "-c", probe], capture_output=True).returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _cuda_torch(),
+                                reason=f"{PYTHON} has no torch that sees a GPU")
+
+
+class Daemon:
+    def __init__(self, tmp_path):
+        self.run_dir = tmp_path / "run"
+        self.socket_path = self.run_dir / "fsdpd.sock"
+        self.log_path = tmp_path / "fsdpd.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
+        self.proc = subprocess.Popen(
+            [str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", str(self.run_dir), *DAEMON_ARGS],
+            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 30
+        while "serving on" not in self.log():
+            assert self.proc.poll() is None, f"fsdpd exited {self.proc.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"fsdpd did not serve in 30 s:\n{self.log()}"
+            time.sleep(0.05)
+
+    def log(self):
+        return self.log_path.read_text(errors="replace")
+
+    def fsdpctl(self, *args):
+        r = subprocess.run([str(BUILD_DIR / "bin" / "fsdpctl"), "--socket", str(self.socket_path),
+                            *args], capture_output=True, text=True, timeout=15)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=30)
+        assert rc == 0, self.log()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def _start(d, mode, world, rank, *args, restarts=0):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FSDPD_") and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(BUILD_DIR / "lib" / "libfsdp.so"),
+               FSDP_SOURCE_DIR=str(SOURCE_DIR), OMP_NUM_THREADS="1",
+               TORCHELASTIC_RESTART_COUNT=str(restarts))
+    if d is not None:
+        env.update(FSDPD_SOCKET=str(d.socket_path), FSDPD_JOB="train", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world))
+    return subprocess.Popen([PYTHON, str(WORKER), mode, "--steps", str(STEPS), "--device", "cuda",
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(procs, expect_rc=0):
+    outs, texts = [], []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=CHILD_TIMEOUT)
+            texts.append(f"worker {len(texts)} exited {p.returncode}:\n{out}\n{err}")
+            outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+        if expect_rc is not None:
+            assert all(p.returncode == expect_rc for p in procs), "\n".join(texts)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def _losses(records):
+    return {r["step"]: r["loss"] for r in records if "step" in r}
+
+
+def _final(records):
+    return next(r["state"] for r in records if r.get("final"))
+
+
+def _worst(state, ref_state):
+    """The largest difference of any parameter, relative to that tensor's largest value."""
+    assert list(state) == list(ref_state)
+    return max(max(abs(a - b) for a, b in zip(state[k], v)) / max(max(abs(x) for x in v), 1e-6)
+               for k, v in ref_state.items())
+
+
+def _report(**figures):
+    """One line the GPU run's log keeps for docs/PERFORMANCE.md."""
+    print("RESULT " + json.dumps(figures), file=sys.stderr)
+
+
+def test_two_trainers_sharing_the_gpu_train_like_one_process(daemon):
+    """fp32 FULL_SHARD, 2 ranks on the daemon's GPU against one process on the whole batch
+    on the same GPU (the ranks' halves and the reduce change the order of sums, hence a
+    tolerance, the CPU test's)."""
+    procs = [_start(daemon, "rank", 2, r) for r in range(2)]
+    procs.append(_start(None, "reference", 2, 0))
+    *ranks, ref = _finish(procs)
+    want = _losses(ref)
+    worst_loss = max(abs(sum(_losses(r)[s] for r in ranks) / 2 - want[s]) / abs(want[s])
+                     for s in want)
+    worst_param = max(_worst(_final(r), _final(ref)) for r in ranks)
+    _report(test="fp32 equivalence, 2 trainers on one GPU", steps=STEPS, worst_loss_rel=worst_loss,
+            worst_param_rel=worst_param, loss_first=want[1], loss_last=want[STEPS])
+    assert abs(want[STEPS] - want[1]) > 1e-3 * abs(want[1])  # training moved
+    assert worst_loss <= 1e-5 and worst_param <= 1e-5, (worst_loss, worst_param)
+    assert "backend cuda on GPU 0" in daemon.log()
+
+
+def test_bf16_on_the_gpu_is_the_mixed_precision_reference_bit_for_bit(daemon):
+    """bf16 parameters: the daemon's cast and reduce kernels on the GPU perform the roundings
+    the reference performs with torch on the same GPU, rank by rank, so every loss and every
+    final parameter is equal, if cuBLAS computes each rank's slice alike in both."""
+    procs = [_start(daemon, "rank", 2, r, "--param-dtype", "bf16") for r in range(2)]
+    procs.append(_start(None, "reference", 2, 0, "--param-dtype", "bf16", "--world", "2"))
+    *ranks, ref = _finish(procs)
+    want = {rec["step"]: rec["rank_losses"] for rec in ref if "step" in rec}
+    exact_losses = all({s: want[s][r] for s in want} == _losses(rec) for r, rec in enumerate(ranks))
+    exact_params = all(_final(rec) == _final(ref) for rec in ranks)
+    _report(test="bf16 exact, 2 trainers on one GPU", exact_losses=exact_losses,
+            exact_params=exact_params,
+            worst_param_rel=max(_worst(_final(r), _final(ref)) for r in ranks))
+    assert want[STEPS] != want[1]
+    assert exact_losses and exact_params
+
+
+def test_a_trainer_killed_mid_collective_leaves_the_daemon_and_the_job_whole(daemon):
+    """Rank 1 SIGKILLs itself as the backward of step 3 starts, its GPU memory mapped;
+    rank 0, in the collective, hears ABORTED naming it. Both restart, resume from the
+    daemon's GPU memory at step 3, and end where one process on the whole batch ends."""
+    first = [_start(daemon, "rank", 2, 0), _start(daemon, "rank", 2, 1, "--kill-at-step", "3")]
+    ref = _start(None, "reference", 2, 0)
+    r0, r1 = _finish(first, expect_rc=None)
+    assert first[1].returncode == -9 and first[0].returncode == 3
+    error = next(r for r in r0 if "error" in r)
+    assert error["status"] == "ABORTED"
+    assert re.search(r"local rank(\(s\))? 1 of job 'train' (is gone|ended their session)",
+                     error["error"]), error
+    deadline = time.monotonic() + 10
+    while json.loads(daemon.fsdpctl("--json", "status"))["sessions"]:
+        assert time.monotonic() < deadline, "the sessions did not end"
+        time.sleep(0.05)
+    (job,) = json.loads(daemon.fsdpctl("--json", "status"))["memory"]["jobs"]
+    assert [pool["lent"] for pool in job["gradients"]] == [0, 0] and job["copies"]["lent"] == 0
+
+    again = [_start(daemon, "rank", 2, r, restarts=1) for r in range(2)]
+    s0, s1 = _finish(again)
+    (ref,) = _finish([ref])
+    for records in (s0, s1):
+        assert records[0]["resumed"] and records[0]["start"] == 3
+    want = _losses(ref)
+    for step in range(1, STEPS + 1):
+        got = [{**_losses(a), **_losses(b)}[step] for a, b in ((r0, s0), (r1, s1))]
+        assert abs(sum(got) / 2 - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+    assert max(_worst(_final(s), _final(ref)) for s in (s0, s1)) <= 1e-5
+
+
+if __name__ == "__main__":
+    if not _cuda_torch():
+        print(f"skipped: {PYTHON} has no torch that sees a GPU")
+        sys.exit(77)
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", __file__]))
