@@ -141,10 +141,9 @@ void fsdp_device_memory_release(fsdp_device_memory_t *m) {
     drv.release(m->handle);
 }
 
-int fsdp_device_reserve(const fsdp_device_memory_t *m, size_t bytes, void **ret,
-                        fsdp_status_t *st) {
+int fsdp_device_reserve(const fsdp_device_memory_t *m, void **ret, fsdp_status_t *st) {
   CUdeviceptr p = 0;
-  CUresult e = drv.reserve(&p, bytes, m->page, 0, 0);
+  CUresult e = drv.reserve(&p, m->bytes, m->page, 0, 0);
   if (e != CUDA_SUCCESS)
     return failed(st, m->ordinal, "cuMemAddressReserve", e);
   *ret = (void *)(uintptr_t)p;
@@ -156,10 +155,11 @@ void fsdp_device_unreserve(void *p, size_t bytes) {
     drv.address_free((CUdeviceptr)(uintptr_t)p, bytes);
 }
 
-int fsdp_device_map(const fsdp_device_memory_t *m, void *p, uint64_t offset, size_t bytes,
-                    bool writable, fsdp_status_t *st) {
+int fsdp_device_map(const fsdp_device_memory_t *m, void *p, bool writable,
+                    fsdp_status_t *st) {
   CUdeviceptr at = (CUdeviceptr)(uintptr_t)p;
-  CUresult e = drv.map(at, bytes, (size_t)offset, m->handle, 0);
+  size_t bytes = m->bytes;
+  CUresult e = drv.map(at, bytes, 0, m->handle, 0);
   if (e != CUDA_SUCCESS)
     return failed(st, m->ordinal, "cuMemMap", e);
   CUmemAccessDesc access = {
@@ -204,9 +204,8 @@ void fsdp_device_memory_release(fsdp_device_memory_t *m) {
   (void)m;
 }
 
-int fsdp_device_reserve(const fsdp_device_memory_t *m, size_t bytes, void **ret,
-                        fsdp_status_t *st) {
-  (void)m, (void)bytes, (void)ret;
+int fsdp_device_reserve(const fsdp_device_memory_t *m, void **ret, fsdp_status_t *st) {
+  (void)m, (void)ret;
   return unavailable(st);
 }
 
@@ -214,9 +213,9 @@ void fsdp_device_unreserve(void *p, size_t bytes) {
   (void)p, (void)bytes;
 }
 
-int fsdp_device_map(const fsdp_device_memory_t *m, void *p, uint64_t offset, size_t bytes,
-                    bool writable, fsdp_status_t *st) {
-  (void)m, (void)p, (void)offset, (void)bytes, (void)writable;
+int fsdp_device_map(const fsdp_device_memory_t *m, void *p, bool writable,
+                    fsdp_status_t *st) {
+  (void)m, (void)p, (void)writable;
   return unavailable(st);
 }
 

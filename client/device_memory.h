@@ -1,6 +1,5 @@
 /* A GPU's memory that the daemon exported (its CUDA backend), as a trainer maps it: imported
- * from the descriptor the memory channel carries, then mapped whole, or a page-aligned part
- * of it onto an address range the trainer reserved (a unit's lent buffer).
+ * from the descriptor the memory channel carries, then mapped whole.
  *
  * Through the CUDA driver's virtual memory management, loaded at run time (libcuda.so.1):
  * libfsdp links no CUDA library, so it loads where there is none and only a job on a GPU
@@ -29,17 +28,17 @@ int fsdp_device_memory_import(int fd, size_t bytes, int ordinal, fsdp_device_mem
 /* Lets go of the allocation; what is mapped of it stays until unmapped. */
 void fsdp_device_memory_release(fsdp_device_memory_t *memory);
 
-/* An address range of `bytes` (a multiple of memory's page), nothing mapped there. */
-int fsdp_device_reserve(const fsdp_device_memory_t *memory, size_t bytes, void **ret,
-                        fsdp_status_t *st);
+/* An address range of the memory's size, nothing mapped there. */
+int fsdp_device_reserve(const fsdp_device_memory_t *memory, void **ret, fsdp_status_t *st);
 void fsdp_device_unreserve(void *p, size_t bytes); /* NULL-safe; p must be unmapped */
 
-/* Maps [offset, offset + bytes) of memory at p, a reserved range, readable by the GPU's
- * kernels, and writable when asked. */
-int fsdp_device_map(const fsdp_device_memory_t *memory, void *p, uint64_t offset, size_t bytes,
-                    bool writable, fsdp_status_t *st);
-/* Unmaps what fsdp_device_map mapped at p, once the GPU's work has ended (it waits for the
- * device: a kernel of the trainer's may still read there). */
+/* Maps the whole memory at p, a range reserved for it, readable by the GPU's kernels and
+ * writable when asked (read-only where the driver allows it). The driver maps an imported
+ * allocation only whole (cuMemMap's offset must be 0): a part of it cannot be mapped alone. */
+int fsdp_device_map(const fsdp_device_memory_t *memory, void *p, bool writable,
+                    fsdp_status_t *st);
+/* Unmaps it, once the GPU's work has ended (it waits for the device: a kernel of the
+ * trainer's may still read there). */
 void fsdp_device_unmap(const fsdp_device_memory_t *memory, void *p, size_t bytes);
 
 #endif

@@ -35,9 +35,9 @@ typedef struct op_kind {
 } op_kind_t;
 
 /* An address range reserved for a unit's lent buffer, and which buffer it maps: the offset in
- * memory 0 (the arena) or 1 (the unsharded buffers); memory -1: none. Host memory is
- * accessible there only while lent; a GPU's stays mapped until another buffer is lent (the
- * driver has no cheap way to take access away). */
+ * memory 0 (the arena) or 1 (the unsharded buffers); memory -1: none. Accessible only while
+ * lent. In a GPU's memory there is no such range: the driver maps an imported allocation only
+ * whole, so a lent buffer is where it lies in the memory's one mapping (base is that). */
 typedef struct lent_area {
   uint8_t *base;
   int memory;
@@ -55,7 +55,8 @@ struct fsdp_unit_handle {
    * each, PROT_NONE while nothing is lent), onto which the buffer the daemon lends is mapped
    * at each Unshard. A pointer taken once (a tensor autograd saved in the forward) thus
    * stays valid across a Reshard and the backward's Unshard, whichever pool buffer that
-   * lends, and reading after a Reshard faults instead of reading another unit's data. */
+   * lends, and reading after a Reshard faults instead of reading another unit's data. Host
+   * memory only: on a GPU the view points at the lent buffer itself, wherever it lies. */
   lent_area_t unsharded_area, grad_area;
   size_t area_bytes;
   uint32_t id; /* the daemon's number for it, which fast path requests name */
@@ -95,16 +96,12 @@ static size_t scalar_bytes(fsdp_scalar_t type) {
   return type == FSDP_SCALAR_BF16 || type == FSDP_SCALAR_FP16 ? 2 : 4;
 }
 
-static void area_free(const fsdp_trainer_t *t, lent_area_t *a, size_t bytes) {
-  if (!a->base)
-    return;
-  if (t->device < 0) {
-    munmap(a->base, bytes);
-    return;
-  }
-  if (a->memory >= 0)
-    fsdp_device_unmap(&t->device_memory[a->memory], a->base, bytes);
-  fsdp_device_unreserve(a->base, bytes);
+/* A GPU memory's one mapping, at `base` (reserved for the memory's whole size). */
+static void device_mapping_free(fsdp_device_memory_t *memory, void *base) {
+  if (base)
+    fsdp_device_unmap(memory, base, memory->bytes);
+  fsdp_device_unreserve(base, memory->bytes);
+  fsdp_device_memory_release(memory);
 }
 
 static void unit_free(fsdp_unit_handle_t *unit) {
@@ -113,8 +110,10 @@ static void unit_free(fsdp_unit_handle_t *unit) {
   fsdp_client_call_cancel(unit->trainer->client, unit->started);
   if (unit->started_seq)
     fsdp_fast_client_cancel(unit->trainer->fast, unit->started_seq);
-  area_free(unit->trainer, &unit->unsharded_area, unit->area_bytes);
-  area_free(unit->trainer, &unit->grad_area, unit->area_bytes);
+  if (unit->trainer->device < 0 && unit->unsharded_area.base)
+    munmap(unit->unsharded_area.base, unit->area_bytes);
+  if (unit->trainer->device < 0 && unit->grad_area.base)
+    munmap(unit->grad_area.base, unit->area_bytes);
   free(unit->param_offsets);
   free(unit->name);
   free(unit);
@@ -128,12 +127,8 @@ static void trainer_free(fsdp_trainer_t *t) {
   if (t->channel_fd >= 0)
     close(t->channel_fd);
   if (t->device >= 0) {
-    lent_area_t whole[2] = {{t->memory, t->memory ? 0 : -1, 0},
-                            {(uint8_t *)(uintptr_t)t->shared, t->shared ? 1 : -1, 0}};
-    area_free(t, &whole[0], t->memory_size);
-    area_free(t, &whole[1], t->shared_size);
-    fsdp_device_memory_release(&t->device_memory[0]);
-    fsdp_device_memory_release(&t->device_memory[1]);
+    device_mapping_free(&t->device_memory[0], t->memory);
+    device_mapping_free(&t->device_memory[1], (void *)(uintptr_t)t->shared);
   } else {
     if (t->memory)
       munmap(t->memory, t->memory_size);
@@ -222,15 +217,19 @@ static int map_device_memory(fsdp_trainer_t *t, const Fsdp__V1__ChannelMemory *m
                              size_t i, bool writable, void **ret_base, size_t *ret_size) {
   fsdp_status_t st;
   fsdp_device_memory_t *dm = &t->device_memory[i];
-  lent_area_t whole = {NULL, -1, 0};
+  void *base = NULL;
   int r = fsdp_device_memory_import(fd, (size_t)m->bytes, t->device, dm, &st);
-  if (r == 0 && (r = fsdp_device_reserve(dm, dm->bytes, (void **)&whole.base, &st)) == 0 &&
-      (r = fsdp_device_map(dm, whole.base, 0, dm->bytes, writable, &st)) < 0)
-    area_free(t, &whole, dm->bytes);
-  if (r < 0)
+  if (r == 0 && (r = fsdp_device_reserve(dm, &base, &st)) == 0 &&
+      (r = fsdp_device_map(dm, base, writable, &st)) < 0) {
+    fsdp_device_unreserve(base, dm->bytes);
+    base = NULL;
+  }
+  if (r < 0) {
+    device_mapping_free(dm, NULL);
     return fsdp_client_set_last_error(t->client, r, "memory channel: mapping %s: %s", m->name,
                                       st.message);
-  *ret_base = whole.base;
+  }
+  *ret_base = base;
   *ret_size = dm->bytes;
   return 0;
 }
@@ -620,20 +619,8 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
   size_t bytes = (size_t)l->padded_numel * u->param_size;
   u->area_bytes = (bytes + t->page_bytes - 1) / t->page_bytes * t->page_bytes;
   u->unsharded_area.memory = u->grad_area.memory = -1;
-  if (t->device >= 0) {
-    fsdp_status_t st;
-    int r = fsdp_device_reserve(&t->device_memory[0], u->area_bytes,
-                                (void **)&u->unsharded_area.base, &st);
-    if (r == 0)
-      r = fsdp_device_reserve(&t->device_memory[0], u->area_bytes, (void **)&u->grad_area.base,
-                              &st);
-    if (r < 0) {
-      unit_free(u);
-      return fsdp_client_set_last_error(t->client, r, "RegisterUnit of unit '%.256s': %s",
-                                        d->name, st.message);
-    }
-  } else if (!(u->unsharded_area.base = reserve_area(u->area_bytes, t->page_bytes)) ||
-             !(u->grad_area.base = reserve_area(u->area_bytes, t->page_bytes))) {
+  if (t->device < 0 && (!(u->unsharded_area.base = reserve_area(u->area_bytes, t->page_bytes)) ||
+                        !(u->grad_area.base = reserve_area(u->area_bytes, t->page_bytes)))) {
     unit_free(u);
     goto err_nomem;
   }
@@ -776,26 +763,6 @@ static void fill_request(const fsdp_trainer_t *t, const fsdp_unit_handle_t *u, u
   rq->step = step;
 }
 
-/* map_lent on a GPU: the buffer mapped there stays until another one is lent. */
-static int map_lent_device(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what,
-                           lent_area_t *a, int memory, uint64_t offset, bool writable) {
-  if (a->memory == memory && a->offset == offset)
-    return 0;
-  if (a->memory >= 0)
-    fsdp_device_unmap(&t->device_memory[a->memory], a->base, u->area_bytes);
-  a->memory = -1;
-  fsdp_status_t st;
-  int r = fsdp_device_map(&t->device_memory[memory], a->base, offset, u->area_bytes,
-                          writable && memory == 0, &st);
-  if (r < 0)
-    return fsdp_client_set_last_error(t->client, r,
-                                      "Unshard of unit '%.256s': mapping the lent %s buffer: %s",
-                                      u->name, what, st.message);
-  a->memory = memory;
-  a->offset = offset;
-  return 0;
-}
-
 /* Maps the lent buffer at `offset` of memory 0 or 1 onto a unit's area. The same buffer as
  * last time (the masters, or a pool buffer lent again) is still mapped there, only
  * inaccessible on the host: opening it again costs no page-table walk. */
@@ -809,8 +776,12 @@ static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, 
                                       "%zu-byte memory",
                                       u->name, what, (unsigned long long)offset, u->area_bytes,
                                       t->page_bytes, size);
-  if (t->device >= 0)
-    return map_lent_device(t, u, what, a, memory, offset, writable);
+  if (t->device >= 0) { /* the lent buffer itself, in the memory's one mapping */
+    a->base = (uint8_t *)(uintptr_t)(memory == 0 ? t->memory : t->shared) + offset;
+    a->memory = memory;
+    a->offset = offset;
+    return 0;
+  }
   int prot = writable ? PROT_READ | PROT_WRITE : PROT_READ;
   if (a->memory == memory && a->offset == offset && mprotect(a->base, u->area_bytes, prot) == 0)
     return 0;
@@ -827,8 +798,8 @@ static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, 
   return 0;
 }
 
-/* Takes a lent buffer off a unit's area: a read there faults from now on. A GPU's buffer
- * stays (see lent_area_t). */
+/* Takes a lent buffer off a unit's area: a read there faults from now on (host memory; a
+ * GPU's lent buffer is only no longer in the view). */
 static void unmap_lent(const fsdp_unit_handle_t *u, lent_area_t *a) {
   /* Fails only for lack of kernel memory for its bookkeeping; the buffer then stays
    * readable, which is harmless. */

@@ -1,8 +1,10 @@
 /* Cast and reduce on the GPU, element for element the host kernels' arithmetic
  * (kernels/kernels.c): the conversions and R come from kernels/elements.h, products and sums
  * are __fmul_rn/__fadd_rn (never contracted into an FMA), and the order of the sources'
- * sum is the host's. Each thread handles elements of a grid-stride loop; the loads and
- * stores of neighbouring threads are neighbouring elements, so they coalesce. */
+ * sum is the host's. Each thread handles groups of four elements of a grid-stride loop by
+ * 16- or 8-byte accesses where the buffers' alignment allows (one element at a time ran at
+ * 0.75 of a device-to-device copy's bandwidth on an H100), neighbouring threads neighbouring
+ * groups, so that the accesses coalesce. */
 #include "cuda/kernels.h"
 
 #include <errno.h>
@@ -13,6 +15,7 @@
 namespace {
 
 constexpr unsigned kThreads = 256;
+constexpr unsigned kVec = 4; /* elements per vector access */
 
 /* Enough blocks to fill any current GPU several times over; the grid-stride loop covers the
  * rest. */
@@ -25,67 +28,151 @@ struct sources {
   const void *p[FSDP_CUDA_REDUCE_SOURCES_MAX];
 };
 
-__device__ float load_as_float(const void *p, size_t k, fsdp_dtype_t t) {
+/* Elements travel as their bits (a 16-bit type's in the low half) between the loads and
+ * stores and the arithmetic. */
+__device__ uint32_t load_bits(const void *p, size_t k, fsdp_dtype_t t) {
+  return t == FSDP_DTYPE_FP32 ? static_cast<const uint32_t *>(p)[k]
+                              : static_cast<const uint16_t *>(p)[k];
+}
+
+__device__ void store_bits(void *p, size_t k, fsdp_dtype_t t, uint32_t bits) {
+  if (t == FSDP_DTYPE_FP32)
+    static_cast<uint32_t *>(p)[k] = bits;
+  else
+    static_cast<uint16_t *>(p)[k] = static_cast<uint16_t>(bits);
+}
+
+/* Group g of kVec elements in one 16-byte (fp32) or 8-byte (16-bit) access, which the caller
+ * checked the buffer's alignment allows. */
+__device__ void load_bits4(const void *p, size_t g, fsdp_dtype_t t, uint32_t b[kVec]) {
+  if (t == FSDP_DTYPE_FP32) {
+    uint4 v = static_cast<const uint4 *>(p)[g];
+    b[0] = v.x, b[1] = v.y, b[2] = v.z, b[3] = v.w;
+  } else {
+    uint2 v = static_cast<const uint2 *>(p)[g];
+    b[0] = v.x & 0xffffu, b[1] = v.x >> 16, b[2] = v.y & 0xffffu, b[3] = v.y >> 16;
+  }
+}
+
+__device__ void store_bits4(void *p, size_t g, fsdp_dtype_t t, const uint32_t b[kVec]) {
+  if (t == FSDP_DTYPE_FP32)
+    static_cast<uint4 *>(p)[g] = make_uint4(b[0], b[1], b[2], b[3]);
+  else
+    static_cast<uint2 *>(p)[g] = make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
+}
+
+__device__ float widen(uint32_t bits, fsdp_dtype_t t) {
   switch (t) {
   case FSDP_DTYPE_BF16:
-    return fsdp_float_of(fsdp_bf16_to_fp32(static_cast<const uint16_t *>(p)[k]));
+    return fsdp_float_of(fsdp_bf16_to_fp32(static_cast<uint16_t>(bits)));
   case FSDP_DTYPE_FP16:
-    return fsdp_float_of(fsdp_fp16_to_fp32(static_cast<const uint16_t *>(p)[k]));
+    return fsdp_float_of(fsdp_fp16_to_fp32(static_cast<uint16_t>(bits)));
   case FSDP_DTYPE_FP32:
     break;
   }
-  return static_cast<const float *>(p)[k];
+  return fsdp_float_of(bits);
 }
 
-__device__ void store_from_float(void *p, size_t k, fsdp_dtype_t t, float x) {
+__device__ uint32_t narrow(float x, fsdp_dtype_t t) {
   uint32_t u = fsdp_bits_of(x);
   switch (t) {
   case FSDP_DTYPE_BF16:
-    static_cast<uint16_t *>(p)[k] = fsdp_fp32_to_bf16(u);
-    return;
+    return fsdp_fp32_to_bf16(u);
   case FSDP_DTYPE_FP16:
-    static_cast<uint16_t *>(p)[k] = fsdp_fp32_to_fp16(u);
-    return;
+    return fsdp_fp32_to_fp16(u);
   case FSDP_DTYPE_FP32:
     break;
   }
-  static_cast<uint32_t *>(p)[k] = u;
+  return u;
 }
 
-/* Every pair of types goes through fp32: widening is exact, so there is one rounding. */
+/* The first and step of this thread's grid-stride loops. */
+__device__ size_t first_index() {
+  return blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+}
+
+__device__ size_t grid_stride() {
+  return static_cast<size_t>(gridDim.x) * blockDim.x;
+}
+
+/* Every pair of types goes through fp32: widening is exact, so there is one rounding. The
+ * first `groups` groups of kVec elements go by vector accesses, the rest one by one. */
 __global__ void cast_kernel(void *dst, fsdp_dtype_t dt, const void *src, fsdp_dtype_t st,
-                            size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    store_from_float(dst, i, dt, load_as_float(src, i, st));
+                            size_t groups, size_t n) {
+  for (size_t g = first_index(); g < groups; g += grid_stride()) {
+    uint32_t b[kVec];
+    load_bits4(src, g, st, b);
+    for (unsigned k = 0; k < kVec; k++)
+      b[k] = narrow(widen(b[k], st), dt);
+    store_bits4(dst, g, dt, b);
+  }
+  for (size_t i = groups * kVec + first_index(); i < n; i += grid_stride())
+    store_bits(dst, i, dt, narrow(widen(load_bits(src, i, st), st), dt));
+}
+
+/* R of an arithmetic result. Not the host's `clean` shortcut: a GPU's NaN result is the
+ * canonical 0x7fffffff, whose payload bits below bf16's mantissa would carry the rounding out
+ * of the NaN (into -0.0), so the NaN select always runs. */
+__device__ float round_result(float x, fsdp_dtype_t rt) {
+  return fsdp_round_to(x, rt, false);
 }
 
 /* v = R(R(src[k]) * pre), as the host's source_value. A bf16 source is widened without the
  * NaN select, as there: the arithmetic after it decides which NaN comes out. */
-__device__ float source_value(const void *src, size_t k, fsdp_dtype_t st, fsdp_dtype_t rt,
-                              bool scale, float pre) {
-  float x = st == FSDP_DTYPE_BF16
-                ? fsdp_float_of((uint32_t) static_cast<const uint16_t *>(src)[k] << 16)
-                : load_as_float(src, k, st);
+__device__ float source_value(uint32_t bits, fsdp_dtype_t st, fsdp_dtype_t rt, bool scale,
+                              float pre) {
+  float x = st == FSDP_DTYPE_BF16 ? fsdp_float_of(bits << 16) : widen(bits, st);
   if (rt != FSDP_DTYPE_FP32 && rt != st)
     x = fsdp_round_to(x, rt, false);
   if (scale)
-    x = fsdp_round_to(__fmul_rn(x, pre), rt, true);
+    x = round_result(__fmul_rn(x, pre), rt);
   return x;
 }
 
-__global__ void reduce_kernel(float *dst, bool accumulate, sources srcs, unsigned n_srcs,
-                              fsdp_dtype_t st, fsdp_dtype_t rt, bool scale_pre, float pre,
-                              bool scale_post, float post, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    float sum = source_value(srcs.p[0], i, st, rt, scale_pre, pre);
-    for (unsigned k = 1; k < n_srcs; k++)
-      sum = fsdp_round_to(__fadd_rn(sum, source_value(srcs.p[k], i, st, rt, scale_pre, pre)),
-                          rt, true);
-    float out = scale_post ? fsdp_round_to(__fmul_rn(sum, post), rt, true) : sum;
-    /* The host adds to -0.0 when not accumulating, which leaves every value as it is. */
-    dst[i] = __fadd_rn(accumulate ? dst[i] : -0.0f, out);
+struct reduce_args {
+  float *dst;
+  bool accumulate;
+  sources srcs;
+  unsigned n_srcs;
+  fsdp_dtype_t st, rt;
+  bool scale_pre, scale_post;
+  float pre, post;
+};
+
+/* sum <- sum + v, in source order (the first source's value is the sum). */
+__device__ float summed(const reduce_args &a, unsigned k, float sum, uint32_t bits) {
+  float v = source_value(bits, a.st, a.rt, a.scale_pre, a.pre);
+  return k == 0 ? v : round_result(__fadd_rn(sum, v), a.rt);
+}
+
+/* The post-scale, then the store's addition: the host adds to -0.0 when not accumulating,
+ * which leaves every value as it is. */
+__device__ float stored(const reduce_args &a, float old, float sum) {
+  float out = a.scale_post ? round_result(__fmul_rn(sum, a.post), a.rt) : sum;
+  return __fadd_rn(a.accumulate ? old : -0.0f, out);
+}
+
+/* Groups of kVec elements by vector accesses, a source at a time into kVec running sums, as
+ * cast_kernel. */
+__global__ void reduce_kernel(reduce_args a, size_t groups, size_t n) {
+  for (size_t g = first_index(); g < groups; g += grid_stride()) {
+    float sum[kVec] = {};
+    for (unsigned k = 0; k < a.n_srcs; k++) {
+      uint32_t b[kVec];
+      load_bits4(a.srcs.p[k], g, a.st, b);
+      for (unsigned e = 0; e < kVec; e++)
+        sum[e] = summed(a, k, sum[e], b[e]);
+    }
+    float4 old = a.accumulate ? reinterpret_cast<const float4 *>(a.dst)[g] : float4{};
+    reinterpret_cast<float4 *>(a.dst)[g] =
+        make_float4(stored(a, old.x, sum[0]), stored(a, old.y, sum[1]), stored(a, old.z, sum[2]),
+                    stored(a, old.w, sum[3]));
+  }
+  for (size_t i = groups * kVec + first_index(); i < n; i += grid_stride()) {
+    float sum = 0.0f;
+    for (unsigned k = 0; k < a.n_srcs; k++)
+      sum = summed(a, k, sum, load_bits(a.srcs.p[k], i, a.st));
+    a.dst[i] = stored(a, a.dst[i], sum);
   }
 }
 
@@ -95,6 +182,11 @@ bool valid(fsdp_dtype_t t) {
 
 size_t size_of(fsdp_dtype_t t) {
   return t == FSDP_DTYPE_FP32 ? 4 : 2;
+}
+
+/* Whether a buffer of type t allows kVec-element vector accesses. */
+bool vectorizable(const void *p, fsdp_dtype_t t) {
+  return reinterpret_cast<uintptr_t>(p) % (kVec * size_of(t)) == 0;
 }
 
 int launched(const char *what, fsdp_status_t *st) {
@@ -119,7 +211,9 @@ int fsdp_cuda_cast(void *dst, fsdp_dtype_t dst_type, const void *src, fsdp_dtype
                             : fsdp_status_set(st, FSDP_E_INTERNAL, "cast: copy: %s (%s)",
                                               cudaGetErrorString(e), cudaGetErrorName(e));
   }
-  cast_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, dst_type, src, src_type, n);
+  size_t groups = vectorizable(dst, dst_type) && vectorizable(src, src_type) ? n / kVec : 0;
+  cast_kernel<<<blocks_for(groups ? groups : n), kThreads, 0, stream>>>(dst, dst_type, src,
+                                                                       src_type, groups, n);
   return launched("cast", st);
 }
 
@@ -141,8 +235,13 @@ int fsdp_cuda_reduce(float *dst, bool accumulate, const void *const *srcs, unsig
   /* As the host: a 16-bit reduce skips a scale of exactly 1 (x * 1 is exact), fp32 always
    * multiplies. */
   bool fp32 = reduce_type == FSDP_DTYPE_FP32;
-  reduce_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
-      dst, accumulate, s, n_srcs, src_type, reduce_type, fp32 || pre_scale != 1.0f, pre_scale,
-      fp32 || post_scale != 1.0f, post_scale, n);
+  reduce_args a = {dst,         accumulate, s, n_srcs, src_type, reduce_type,
+                   fp32 || pre_scale != 1.0f, fp32 || post_scale != 1.0f, pre_scale,
+                   post_scale};
+  bool vec = vectorizable(dst, FSDP_DTYPE_FP32);
+  for (unsigned k = 0; k < n_srcs; k++)
+    vec = vec && vectorizable(s.p[k], src_type);
+  size_t groups = vec ? n / kVec : 0;
+  reduce_kernel<<<blocks_for(groups ? groups : n), kThreads, 0, stream>>>(a, groups, n);
   return launched("reduce", st);
 }

@@ -81,9 +81,10 @@ FSDP_ELEMENT uint16_t fsdp_fp32_to_fp16(uint32_t u) {
  * and element.
  *
  * `clean` says that x is the result of one fp32 operation on values of type t (and finite
- * fp32 scales): then a NaN in x is one of the operands' NaNs or the default NaN, with no
- * payload bits below t's mantissa, and bf16 rounding cannot carry out of it, so the NaN
- * select is skipped. A value converted from a wider type is not clean. */
+ * fp32 scales): then a NaN in x is one of the operands' NaNs or the CPU's default NaN, with
+ * no payload bits below t's mantissa, and bf16 rounding cannot carry out of it, so the NaN
+ * select is skipped. A value converted from a wider type is not clean, and neither is a
+ * GPU's result (its default NaN has every payload bit). */
 FSDP_ELEMENT float fsdp_round_to(float x, fsdp_dtype_t t, bool clean) {
   uint32_t u = fsdp_bits_of(x);
   switch (t) {

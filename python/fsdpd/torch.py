@@ -25,10 +25,13 @@ gathers the unit again into another pool buffer.
 .grad is its gradient shard, so torch.optim works unchanged and its state is sharded too.
 
 GPUs. With a daemon whose backend is cuda, the job's memory is its GPU's: the module is
-moved there (`model.device`), its parameters and gradients are CUDA tensors over the memory
-the library maps, and each call to the daemon first waits for the GPU's work (the daemon
-reads what the trainer's kernels wrote). Feed it inputs on `model.device`; the same code runs
-on a host daemon with the CPU.
+moved there (`model.device`), the master and gradient shards and the lent buffers are CUDA
+tensors over the memory the library maps, and each call to the daemon first waits for the
+GPU's work (the daemon reads what the trainer's kernels wrote). The driver maps the daemon's
+memory only whole, so a lent copy cannot appear at a fixed address: a unit's parameters view
+a copy of it in a storage of the unit's own, which each reshard frees, as FSDP1 does with its
+flat parameter (one copy on the GPU per rank while the unit is unsharded, as FSDP holds).
+Feed the model inputs on `model.device`; the same code runs on a host daemon with the CPU.
 
 Schedule (one step = one forward of the root): before a unit runs, it is unsharded for the
 step; the daemon's gather of a new step is a collective of the local ranks (it waits for
@@ -111,6 +114,14 @@ class _FlatUnit:
         self.sizes = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.empty_data = _torch.empty(0, dtype=u.dtype, device=u.master.device)
+        # On a GPU the lent copy is wherever the daemon's pool has it (the driver cannot map
+        # part of its memory at an address of ours), so the parameters view a copy of it in
+        # this storage instead, as FSDP1 keeps its unsharded flat parameter: freed at each
+        # reshard (resize_(0)) and filled again by the next unshard, one storage throughout,
+        # so that what autograd saved in the forward reads the backward's gather.
+        self.own = _torch.empty(u.padded_numel, dtype=u.dtype, device=u.master.device) \
+            if u.device >= 0 else None
+        self.own_step = 0  # the step the storage holds (0: freed)
         # This rank's master shard as an optimizer parameter (shares the mapped memory).
         self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
         # What the daemon lends this rank now: the copy of step copy_step (0: none), which
@@ -184,9 +195,19 @@ class _FlatUnit:
             self.unit.unshard(step, backward=backward)
             self.copy_step = step
             self.grad_lent = self.unit.full_grad is not None
-        self.point_params(self.unit.unsharded)
+        self.point_params(self._copy_of(step) if self.own is not None else self.unit.unsharded)
         if backward and self.grad_lent and not lent:
             self.point_grads()
+
+    def _copy_of(self, step):
+        """The own storage (see __init__), holding the lent copy of step."""
+        if self.own_step != step:
+            storage = self.own.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(self.own.numel() * self.own.element_size())
+            self.own.copy_(self.unit.unsharded)
+            self.own_step = step
+        return self.own
 
     def reshard(self):
         """Lets go of the copy, so that the daemon's pool can lend it to another unit; the
@@ -194,6 +215,9 @@ class _FlatUnit:
         self.settle()
         for p in self.params:
             p.data = self.empty_data
+        if self.own is not None:
+            self.own.untyped_storage().resize_(0)
+            self.own_step = 0
         if self.copy_step:
             self.unit.reshard(self.copy_step)
             self.copy_step = 0

@@ -89,14 +89,20 @@ static void test_every_cast_gives_the_host_bits(void **state) {
       assert_int_equal(fsdp_cast(want, dt, src, st, N), 0);
       void *dsrc = to_device(src, in_bytes), *ddst = NULL;
       assert_int_equal(cudaMalloc(&ddst, out_bytes), cudaSuccess);
-      fsdp_status_t status;
-      assert_int_equal(fsdp_cuda_cast(ddst, dt, dsrc, st, N, 0, &status), 0);
-      from_device(got, ddst, out_bytes);
       size_t es = fsdp_dtype_size(dt);
-      for (size_t i = 0; i < N; i++)
-        if (memcmp((char *)got + i * es, (char *)want + i * es, es) != 0)
-          fail_msg("cast %s -> %s: element %zu differs from the host's", fsdp_dtype_name(st),
-                   fsdp_dtype_name(dt), i);
+      /* From element `off` on: 0 takes the vector accesses, 1 the element-wise path. */
+      for (size_t off = 0; off < 2; off++) {
+        fsdp_status_t status;
+        assert_int_equal(fsdp_cuda_cast((char *)ddst + off * es, dt,
+                                         (char *)dsrc + off * fsdp_dtype_size(st), st, N - off,
+                                         0, &status),
+                         0);
+        from_device(got, ddst, out_bytes);
+        for (size_t i = off; i < N; i++)
+          if (memcmp((char *)got + i * es, (char *)want + i * es, es) != 0)
+            fail_msg("cast %s -> %s from element %zu: element %zu differs from the host's",
+                     fsdp_dtype_name(st), fsdp_dtype_name(dt), off, i);
+      }
       cudaFree(dsrc);
       cudaFree(ddst);
       free(src);
@@ -110,8 +116,9 @@ static bool is_nan_bits(uint32_t u) {
   return (u & 0x7fffffffu) > 0x7f800000u;
 }
 
+/* From element `off` of every buffer: 0 takes the vector accesses, 1 the element-wise path. */
 static void check_reduce(fsdp_dtype_t st, fsdp_dtype_t rt, unsigned n_srcs, bool accumulate,
-                         float pre, float post) {
+                         float pre, float post, size_t off) {
   size_t es = fsdp_dtype_size(st);
   void *srcs[5], *dsrcs[5];
   for (unsigned k = 0; k < n_srcs; k++) {
@@ -128,20 +135,23 @@ static void check_reduce(fsdp_dtype_t st, fsdp_dtype_t rt, unsigned n_srcs, bool
                                post, N),
                    0);
   float *ddst = to_device(base, N * 4);
+  const void *from[5];
+  for (unsigned k = 0; k < n_srcs; k++)
+    from[k] = (const char *)dsrcs[k] + off * es;
   fsdp_status_t status;
-  assert_int_equal(fsdp_cuda_reduce(ddst, accumulate, (const void *const *)dsrcs, n_srcs, st, rt,
-                                    pre, post, N, 0, &status),
+  assert_int_equal(fsdp_cuda_reduce(ddst + off, accumulate, from, n_srcs, st, rt, pre, post,
+                                    N - off, 0, &status),
                    0);
   from_device(got, ddst, N * 4);
-  for (size_t i = 0; i < N; i++) {
+  for (size_t i = off; i < N; i++) {
     uint32_t g, w;
     memcpy(&g, &got[i], 4);
     memcpy(&w, &want[i], 4);
     if (g != w && !(is_nan_bits(g) && is_nan_bits(w)))
-      fail_msg("reduce %s in %s, %u sources, accumulate %d, scales %g %g: element %zu is "
-               "0x%08x, the host's 0x%08x",
+      fail_msg("reduce %s in %s, %u sources, accumulate %d, scales %g %g, from element %zu: "
+               "element %zu is 0x%08x, the host's 0x%08x",
                fsdp_dtype_name(st), fsdp_dtype_name(rt), n_srcs, accumulate, (double)pre,
-               (double)post, i, g, w);
+               (double)post, off, i, g, w);
   }
   for (unsigned k = 0; k < n_srcs; k++) {
     cudaFree(dsrcs[k]);
@@ -161,7 +171,9 @@ static void test_every_reduce_gives_the_host_bits(void **state) {
       for (unsigned n_srcs = 1; n_srcs <= 5; n_srcs += 2)
         for (int accumulate = 0; accumulate < 2; accumulate++)
           for (size_t k = 0; k < 3; k++)
-            check_reduce(types[s], types[r], n_srcs, accumulate, scales[k][0], scales[k][1]);
+            for (size_t off = 0; off < 2; off++)
+              check_reduce(types[s], types[r], n_srcs, accumulate, scales[k][0], scales[k][1],
+                           off);
 }
 
 static void test_bad_arguments_queue_nothing(void **state) {
