@@ -52,11 +52,14 @@ def start_daemon(run_dir, job_bytes):
     return proc
 
 
-def event_ms(fn, runs):
-    """Median milliseconds of fn on the GPU, by CUDA events, after a warm-up."""
+def event_ms(fn, runs, idle_s=0.0):
+    """Median milliseconds of fn on the GPU, by CUDA events, after a warm-up; idle_s: the GPU
+    idles that long before each (as it does between a trainer's calls)."""
     fn()
     times = []
     for _ in range(runs):
+        torch.cuda.synchronize()
+        time.sleep(idle_s)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -77,7 +80,14 @@ def wall_ms(fn, runs):
     return statistics.median(times)
 
 
-def bench_unit(client, mib, runs):
+def daemon_unit(socket, name):
+    """What fsdpctl says of the unit (its last gather's and reduce's own work)."""
+    out = subprocess.run([str(BUILD_DIR / "bin" / "fsdpctl"), "--socket", socket, "--json",
+                          "unit", name], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def bench_unit(client, socket, mib, runs):
     numel = mib * (1 << 20) // 2
     u = client.register_unit(f"w{mib}", [("w", (numel,), True)], strategy="FULL_SHARD",
                              param_dtype="bfloat16")
@@ -96,6 +106,7 @@ def bench_unit(client, mib, runs):
         times.append((time.perf_counter() - t) * 1e3)
         u.reshard(step[0])
     unshard_ms = statistics.median(times[1:])
+    gather_work_ms = daemon_unit(socket, u.name)["last_gather_us"] / 1e3
     # The fast path's round trip: the copy of this step is there, answered at once.
     unshard()
     again = wall_ms(lambda: u.unshard(step[0]), runs)
@@ -113,6 +124,7 @@ def bench_unit(client, mib, runs):
         u.reduce_scatter(step[0])
         times.append((time.perf_counter() - t) * 1e3)
     reduce_ms = statistics.median(times[1:])
+    reduce_work_ms = daemon_unit(socket, u.name)["last_reduce_us"] / 1e3
 
     dev = u.master_shard.device
     src32 = torch.randn(numel, device=dev)
@@ -123,10 +135,13 @@ def bench_unit(client, mib, runs):
     copy = event_ms(lambda: bf2.copy_(bf), runs)
     copy_traffic = event_ms(lambda: big2.copy_(big), runs)
     torch_cast = event_ms(lambda: bf.copy_(src32), runs)
+    torch_cast_after_idle = event_ms(lambda: bf.copy_(src32), runs, idle_s=0.002)
     torch_widen = event_ms(lambda: src32.copy_(bf), runs)
     del src32, bf, bf2, big, big2
     return {
         "unit_mib": mib, "unshard_ms": unshard_ms, "reduce_scatter_ms": reduce_ms,
+        "daemon_gather_ms": gather_work_ms, "daemon_reduce_ms": reduce_work_ms,
+        "torch_cast_after_idle_ms": torch_cast_after_idle,
         "copy_ms": copy, "copy_same_traffic_ms": copy_traffic,
         "torch_cast_ms": torch_cast, "torch_widen_ms": torch_widen,
         "unshard_per_copy": unshard_ms / copy,
@@ -152,21 +167,29 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         d = start_daemon(Path(tmp), 6 * largest)
         try:
-            client = fsdpd.Client(socket=str(Path(tmp) / "run" / "fsdpd.sock"), job="bench",
-                                  timeout=60)
+            socket = str(Path(tmp) / "run" / "fsdpd.sock")
+            client = fsdpd.Client(socket=socket, job="bench", timeout=60)
             print(f"GPU: {torch.cuda.get_device_name()}; one trainer, FULL_SHARD, bf16 copy; "
                   f"medians of {args.runs}")
-            print(f"{'unit':>8} {'Unshard':>10} {'copy':>9} {'ratio':>6} {'same-traffic':>12} "
-                  f"{'ratio':>6} {'torch cast':>10} {'ratio':>6} {'ReduceScatter':>13} "
-                  f"{'torch widen':>11} {'ratio':>6} {'answered':>9}")
+            columns = [("unit_mib", "MiB", "{:>4}"), ("unshard_ms", "Unshard", "{:>8.3f}"),
+                       ("daemon_gather_ms", "its cast", "{:>8.3f}"),
+                       ("copy_ms", "copy", "{:>7.3f}"),
+                       ("copy_same_traffic_ms", "copy 1.5x", "{:>9.3f}"),
+                       ("torch_cast_ms", "torch cast", "{:>10.3f}"),
+                       ("torch_cast_after_idle_ms", "after idle", "{:>10.3f}"),
+                       ("unshard_per_copy", "/copy", "{:>6.2f}"),
+                       ("unshard_per_copy_same_traffic", "/copy 1.5x", "{:>10.2f}"),
+                       ("reduce_scatter_ms", "ReduceScatter", "{:>13.3f}"),
+                       ("daemon_reduce_ms", "its reduce", "{:>10.3f}"),
+                       ("torch_widen_ms", "torch widen", "{:>11.3f}"),
+                       ("answered_unshard_us", "answered us", "{:>11.1f}")]
+            widths = [max(len(title), len(fmt.format(0))) for _, title, fmt in columns]
+            print("  ".join(f"{title:>{w}}" for (_, title, _), w in zip(columns, widths)),
+                  " (ms but where said)")
             for mib in args.mib:
-                r = bench_unit(client, mib, args.runs)
-                print(f"{mib:>5}MiB {r['unshard_ms']:>8.3f}ms {r['copy_ms']:>7.3f}ms "
-                      f"{r['unshard_per_copy']:>6.2f} {r['copy_same_traffic_ms']:>10.3f}ms "
-                      f"{r['unshard_per_copy_same_traffic']:>6.2f} {r['torch_cast_ms']:>8.3f}ms "
-                      f"{r['unshard_per_torch_cast']:>6.2f} {r['reduce_scatter_ms']:>11.3f}ms "
-                      f"{r['torch_widen_ms']:>9.3f}ms {r['reduce_scatter_per_torch_widen']:>6.2f} "
-                      f"{r['answered_unshard_us']:>7.1f}us")
+                r = bench_unit(client, socket, mib, args.runs)
+                print("  ".join(f"{fmt.format(r[key]):>{w}}"
+                                for (key, _, fmt), w in zip(columns, widths)))
                 print("RESULT " + json.dumps(r))
             client.close()
         finally:

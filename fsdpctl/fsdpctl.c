@@ -793,6 +793,8 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object_object_add(o, "replica_all_reduces",
                          json_object_new_uint64(u->replica_all_reduces));
   json_object_object_add(o, "optimizer_steps", json_object_new_uint64(u->optimizer_steps));
+  json_object_object_add(o, "last_gather_us", json_object_new_uint64(u->last_gather_us));
+  json_object_object_add(o, "last_reduce_us", json_object_new_uint64(u->last_reduce_us));
   json_object_object_add(o, "copy", json_string(copy_text(u->copy)));
   json_object_object_add(o, "copy_holders", ranks_json(u->copy_holders, u->n_copy_holders));
   json_object_object_add(o, "gradient_holders",
@@ -975,6 +977,10 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
   printf("\n");
   if (u->optimizer_steps)
     printf("%" PRIu64 " optimizer steps taken by the daemon\n", u->optimizer_steps);
+  if (u->last_gather_us || u->last_reduce_us)
+    printf("the daemon's work of the last gather took %" PRIu64 " us, of the last reduce %" PRIu64
+           " us\n",
+           u->last_gather_us, u->last_reduce_us);
   if (u->replica_all_reduces || u->deferred_reduces)
     printf("%" PRIu64 " all-reduces among replicas; %" PRIu32
            " reduces deferred to the next\n",

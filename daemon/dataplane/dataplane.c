@@ -10,6 +10,7 @@
 
 #include "collectives/local.h"
 #include "collectives/ring.h"
+#include "common/clock.h"
 #include "common/log.h"
 #include "daemon/dataplane/optimizer.h"
 #include "proto/host/formats.h"
@@ -40,6 +41,7 @@ struct fsdp_dataplane_work {
   fsdp_optimizer_plan_t plan; /* WORK_OPTIMIZE */
   double norm_sq;             /* WORK_NORM */
   int result;
+  uint64_t run_ns; /* how long run_work took */
   fsdp_status_t error; /* what the backend said of a failure, when it said something */
   fsdp_dataplane_work_t *next;
 };
@@ -363,6 +365,7 @@ static void run_work(uv_work_t *req) {
   const void *srcs[FSDP_LOCAL_WORLD_MAX];
   full_grads(w->job, u, srcs);
   uint64_t first = host_first(u), n = host_numel(u);
+  uint64_t start_ns = fsdp_clock_now_ns();
   switch (w->kind) {
   case WORK_PREFAULT:
     w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->bytes);
@@ -398,6 +401,7 @@ static void run_work(uv_work_t *req) {
       w->result = keep_deferred(w->job, u, first, first + n);
     break;
   }
+  w->run_ns = fsdp_clock_now_ns() - start_ns;
 }
 
 static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u);
@@ -472,6 +476,10 @@ static void work_done(uv_work_t *req, int status) {
     dp->tail = NULL;
   fsdp_unit_t *u = w->unit;
   int r = status < 0 ? status : w->result;
+  if (w->kind == WORK_GATHER)
+    u->last_gather_us = w->run_ns / 1000;
+  else if (w->kind == WORK_REDUCE)
+    u->last_reduce_us = w->run_ns / 1000;
   if (w->kind == WORK_PREFAULT) {
     if (r < 0) {
       fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,

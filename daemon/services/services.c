@@ -866,6 +866,8 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->deferred_reduces = u->n_deferred;
   info->replica_all_reduces = u->replica_all_reduces;
   info->optimizer_steps = fsdp_optimizer_unit_steps(job, u);
+  info->last_gather_us = u->last_gather_us;
+  info->last_reduce_us = u->last_reduce_us;
   info->copy = copy_kind(u);
   info->copy_holders = store->copy_holders;
   info->n_copy_holders = list_ranks(&u->holders, job->local_world_size, store->copy_holders);

@@ -112,6 +112,9 @@ typedef struct fsdp_unit {
   uint64_t deferred_generation;
   bool deferred_accumulate;
   uint64_t replica_all_reduces; /* all-reduces among replicas run, for fsdpctl unit */
+  /* What the data plane's own work of the last gather (this host's cast) and the last
+   * one-host reduce took, in microseconds, kernels and their completion: for fsdpctl unit. */
+  uint64_t last_gather_us, last_reduce_us;
   /* Across hosts, while the reduce's rings run (has_sum): the host's sum of its ranks'
    * gradients, lent by the job's pool of sums, at sum_offset of the arena. */
   bool has_sum;

@@ -143,6 +143,9 @@ def test_two_trainers_sharing_the_gpu_train_like_one_process(daemon):
     assert abs(want[STEPS] - want[1]) > 1e-3 * abs(want[1])  # training moved
     assert worst_loss <= 1e-5 and worst_param <= 1e-5, (worst_loss, worst_param)
     assert "backend cuda on GPU 0" in daemon.log()
+    # The reduces ran on the GPU (an fp32 copy is the masters themselves: no cast).
+    unit = json.loads(daemon.fsdpctl("--json", "unit", "blocks.0"))
+    assert unit["last_reduce_us"] > 0 and unit["last_gather_us"] == 0, unit
 
 
 def test_bf16_on_the_gpu_is_the_mixed_precision_reference_bit_for_bit(daemon):
@@ -160,6 +163,8 @@ def test_bf16_on_the_gpu_is_the_mixed_precision_reference_bit_for_bit(daemon):
             worst_param_rel=max(_worst(_final(r), _final(ref)) for r in ranks))
     assert want[STEPS] != want[1]
     assert exact_losses and exact_params
+    unit = json.loads(daemon.fsdpctl("--json", "unit", "blocks.0"))
+    assert unit["last_gather_us"] > 0 and unit["last_reduce_us"] > 0, unit
 
 
 def test_a_trainer_killed_mid_collective_leaves_the_daemon_and_the_job_whole(daemon):

@@ -175,9 +175,11 @@ def test_bf16_params_train_exactly_like_the_mixed_precision_reference(fsdpd, max
     assert job["max_inflight"] == (1 if cap_from_step else cap)
     # shard_model has the daemon prefetch one unit ahead, along the order it recorded.
     assert (job["forward_prefetch"], job["backward_prefetch"], job["order_given"]) == (1, 1, False)
-    order = [json.loads(d.fsdpctl("--json", "unit", name).stdout)["forward_index"]
+    infos = [json.loads(d.fsdpctl("--json", "unit", name).stdout)
              for name in ("root", "blocks.0", "blocks.1")]
-    assert order == [0, 1, 2]
+    assert [info["forward_index"] for info in infos] == [0, 1, 2]
+    # Each unit's last cast and reduce of thousands of elements: microseconds of the daemon's.
+    assert all(info["last_gather_us"] > 0 and info["last_reduce_us"] > 0 for info in infos)
     # Both blocks reshard after forward and share the cap (blocks.1 is gathered ahead while
     # the ranks hold blocks.0, so the cap is reached); the root keeps its own copy.
     assert job["copies"]["most_lent"] == cap and job["copies"]["lent"] == 0
