@@ -1,4 +1,4 @@
-/* The host backend's data path: a registered unit's buffers in its job's arena, and the
+/* The data path: a registered unit's buffers in its job's arena, and the
  * operations on them. It knows no RPC: the service layer (daemon/services/services.c) hands
  * it an operation with a completion callback, and builds the reply when it is called back.
  *
