@@ -4,7 +4,7 @@
                                           [--max-inflight 2] [--param-dtype fp32|bf16]
                                           [--repeat 1] [--steps 20] [--warmup 3]
                                           [--daemon-optimizer]
-                                          [--global-batch 8] [--json]
+                                          [--global-batch 8] [--seq-len 64] [--json]
 
 For each L in --ranks, the same L processes' worth of work runs three times, one after the
 other (the order turns from one configuration to the next), --repeat times over: a
@@ -177,6 +177,7 @@ class _LocalUnit:
         self.gathered_step = self.reduced_step = self.replica = self.host_first_shard = 0
         self.host_shards = world
         self.world = world
+        self.device = -1  # host memory, as a host daemon's units
         import torch
         self.dtype = param_dtype or torch.float32
         self.master = torch.zeros(self.padded_numel)
@@ -217,6 +218,7 @@ class _LocalClient:
 
     def __init__(self, rank, world):
         self.rank, self.world = rank, world
+        self.device = -1  # the units' buffers are host memory
 
     def register_unit(self, name, params, strategy="FULL_SHARD", param_dtype=None, **_):
         return _LocalUnit(name, params, param_dtype, self.rank, self.world)
@@ -264,7 +266,7 @@ def worker(args):
     from transformer import Block, Config, TinyGPT, batch, loss_fn, rank_slice
 
     rank, world = args.rank, args.world
-    cfg = Config(d_model=args.d_model, n_layers=args.layers)
+    cfg = Config(d_model=args.d_model, n_layers=args.layers, seq_len=args.seq_len)
     client = timer = None
     if args.worker == "fsdpd":
         import fsdpd
@@ -467,7 +469,8 @@ def run_config(system, world, args, build):
         base_env.update(PYTHONPATH=str(SOURCE_DIR / "python"), OMP_NUM_THREADS="1")
         common = ["--world", str(world), "--steps", str(args.steps), "--warmup",
                   str(args.warmup), "--global-batch", str(args.global_batch), "--d-model",
-                  str(args.d_model), "--layers", str(args.layers), "--lr", str(args.lr),
+                  str(args.d_model), "--layers", str(args.layers), "--seq-len",
+                  str(args.seq_len), "--lr", str(args.lr),
                   "--seed", str(args.seed), "--max-inflight", str(args.max_inflight),
                   "--param-dtype", args.param_dtype]
         base_env.update(FSDPD_LIB=str(build / "lib" / "libfsdp.so"))
@@ -688,6 +691,9 @@ def main(argv=None):
                    help="sequences per step over all ranks; divisible by every L (default 8)")
     p.add_argument("--d-model", type=int, help="overrides the model's")
     p.add_argument("--layers", type=int, help="overrides the model's")
+    p.add_argument("--seq-len", type=int, default=64,
+                   help="tokens per sequence (default 64); fewer make the optimizer's step a "
+                        "larger share of the training step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0,
@@ -747,14 +753,14 @@ def main(argv=None):
     if args.json:
         print(json.dumps({"config": {k: getattr(args, k) for k in
                                      ("model", "max_inflight", "param_dtype", "repeat", "steps",
-                                      "warmup", "global_batch", "d_model", "layers", "lr",
-                                      "seed")},
+                                      "warmup", "global_batch", "d_model", "layers",
+                                      "seq_len", "lr", "seed")},
                           "results": results, "ratios": ratios,
                           "runs": [r for world in args.ranks for system in systems(args)
                                    for r in runs[(world, system)]]}, indent=1))
     else:
         print(f"TinyGPT d_model {args.d_model}, {args.layers} blocks; global batch "
-              f"{args.global_batch}; Adam; param dtype {args.param_dtype}; max_inflight "
+              f"{args.global_batch} of {args.seq_len} tokens; Adam; param dtype {args.param_dtype}; max_inflight "
               f"{args.max_inflight}; median of {args.steps} steps after {args.warmup}, median "
               f"of {args.repeat} run(s); 1 thread per process")
         report(results, ratios, args)

@@ -82,7 +82,7 @@ struct fsdp_trainer {
   int memory_fd, shared_fd; /* kept to map lent buffers into the units' areas */
   size_t page_bytes;        /* the larger of the two memories' pages */
   /* -1: the memories are host memory; else the CUDA device whose memory they are, imported
-   * here (no descriptors kept: the handles map lent buffers). */
+   * and mapped whole here (no descriptors kept: a lent buffer is an offset in a mapping). */
   int device;
   fsdp_device_memory_t device_memory[2];
   fsdp_unit_handle_t **units;
@@ -248,8 +248,8 @@ static int map_memory(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Chann
                                       writable ? "writable arena" : "read-only unsharded buffers");
   if (m->device != (uint32_t)(t->device + 1))
     return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
-                                      "memory channel %s: memory %zu '%s' is on device %u, the "
-                                      "first on %d",
+                                      "memory channel %s: memory %zu '%s' has device %u, memory 0 "
+                                      "%d: a job's memories are on one device",
                                       path, i, m->name, m->device, t->device + 1);
   if (t->device >= 0)
     return map_device_memory(t, m, fds[i], i, writable, ret_base, ret_size);
@@ -282,7 +282,7 @@ static int map_arena(fsdp_trainer_t *t, const char *path, const Fsdp__V1__Channe
     t->shared = shared;
   if (r < 0)
     return r;
-  if (t->device >= 0) { /* the handles map lent buffers: the descriptors can go */
+  if (t->device >= 0) { /* lent buffers are offsets in the mappings: the descriptors can go */
     t->page_bytes = t->device_memory[0].page;
     return 0;
   }

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from worker_records import final as _final, finish, losses as _losses  # noqa: E402
+
 SOURCE_DIR = Path(os.environ.get("FSDP_SOURCE_DIR", Path(__file__).resolve().parents[2]))
 BUILD_DIR = Path(os.environ.get("FSDP_BUILD_DIR", SOURCE_DIR / "build"))
 PYTHON = os.environ.get("FSDP_TEST_PYTHON") or shutil.which("python3") or sys.executable
@@ -91,28 +94,7 @@ def _start(d, mode, world, rank, *args, restarts=0):
 
 
 def _finish(procs, expect_rc=0):
-    outs, texts = [], []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=CHILD_TIMEOUT)
-            texts.append(f"worker {len(texts)} exited {p.returncode}:\n{out}\n{err}")
-            outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
-        if expect_rc is not None:
-            assert all(p.returncode == expect_rc for p in procs), "\n".join(texts)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
-
-
-def _losses(records):
-    return {r["step"]: r["loss"] for r in records if "step" in r}
-
-
-def _final(records):
-    return next(r["state"] for r in records if r.get("final"))
+    return finish(procs, CHILD_TIMEOUT, expect_rc)
 
 
 def _worst(state, ref_state):

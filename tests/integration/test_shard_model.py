@@ -21,6 +21,7 @@ import subprocess
 import pytest
 
 from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd, poll  # noqa: F401
+from worker_records import final as _final, finish, losses as _losses
 
 PYTHON = "/usr/bin/python3"
 LIB = BUILD_DIR / "lib" / "libfsdp.so"
@@ -73,30 +74,7 @@ def _start(d, mode, world, rank, *args, job="train", hosts=1, restarts=0):
 
 
 def _finish(procs, expect_rc=0):
-    """Each process's JSON records, once all have exited (every one with expect_rc, or any
-    code when expect_rc is None)."""
-    outs, texts = [], []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=CHILD_TIMEOUT)
-            texts.append(f"worker {len(texts)} exited {p.returncode}:\n{out}\n{err}")
-            outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
-        if expect_rc is not None:
-            assert all(p.returncode == expect_rc for p in procs), "\n".join(texts)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
-
-
-def _losses(records):
-    return {r["step"]: r["loss"] for r in records if "step" in r}
-
-
-def _final(records):
-    return next(r["state"] for r in records if r.get("final"))
+    return finish(procs, CHILD_TIMEOUT, expect_rc)
 
 
 def _train(d, world, *args):
