@@ -447,6 +447,17 @@ static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                        fsdp_ring_kind_t kind);
 static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u);
 static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step);
+static void start_norm_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                            double part);
+
+/* The unit's part of the step's squared norm is known (its whole shard group's): it waits
+ * for the other units' and steps with them. */
+static void norm_known(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, double norm_sq) {
+  u->norm_sq = norm_sq;
+  u->awaiting_norm = true;
+  u->norm_deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms;
+  step_if_every_norm(dp, job, u->reduce.step);
+}
 
 /* What follows a stage of a collective that succeeded: a work item (done_work) or a ring
  * (done_ring); the other is -1. This host's cast is followed by the all-gather among the
@@ -462,8 +473,12 @@ static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, in
   else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1 &&
            !u->reduce_defer)
     start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
-  else if (done_work != WORK_OPTIMIZE && u->reduce_step)
+  else if (done_work != WORK_OPTIMIZE && u->reduce_step) {
+    /* The sum is written: its pool buffer goes back before the step, which with clipping
+     * waits for every other unit's reduce, and those may need it. */
+    give_back_sum(job, u);
     start_step(dp, job, u);
+  }
   else
     finish_collective(job, u, WAIT_REDUCE, NULL);
 }
@@ -502,10 +517,10 @@ static void work_done(uv_work_t *req, int status) {
                     w->error.code < 0 ? w->error.message : fsdp_strerror(r));
     finish_collective(w->job, u, kind, &st);
   } else if (w->kind == WORK_NORM) {
-    u->norm_sq = w->norm_sq;
-    u->awaiting_norm = true;
-    u->norm_deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms;
-    step_if_every_norm(dp, w->job, u->reduce.step);
+    if (u->plan.shard_ring.members > 1)
+      start_norm_ring(dp, w->job, u, w->norm_sq);
+    else
+      norm_known(dp, w->job, u, w->norm_sq);
   } else {
     next_stage(dp, w->job, u, (int)w->kind, -1);
   }
@@ -531,6 +546,11 @@ typedef struct ring_run {
   fsdp_job_t *job;
   fsdp_unit_t *unit;
   fsdp_ring_kind_t kind;
+  /* The all-reduce among the shard group of the unit's part of the gradient's squared norm
+   * (clipping): one fp32 element per member, this host's part in the first, summed there.
+   * Not registered with UCX: a few bytes, and the run's own. */
+  bool norm;
+  float norm_parts[FSDP_RING_MAX];
   uint64_t first_elem;   /* the unit's element at the start of the ring's buffer */
   uint64_t region_numel; /* elements per region of the ring */
   size_t elem_size;      /* of the ring's dtype */
@@ -620,10 +640,12 @@ static void give_back_scratch(fsdp_dataplane_t *dp, void *s) {
  * ring. A failed ring can leave messages
  * unmatched at a host (UCX matches tags worker-wide, whoever sent them); the run keeps them
  * from the rings of the job's next run, which redoes the same steps. */
-static uint32_t ring_op_id(const fsdp_job_t *job, const fsdp_unit_t *u,
-                           const fsdp_collection_t *c, fsdp_ring_kind_t kind) {
-  uint32_t op_kind = kind == FSDP_RING_ALL_GATHER && c->regather ? FSDP_OP_KIND_REGATHER
-                                                                   : (uint32_t)kind;
+static uint32_t ring_op_id(const ring_run_t *run, const fsdp_collection_t *c) {
+  const fsdp_job_t *job = run->job;
+  const fsdp_unit_t *u = run->unit;
+  uint32_t op_kind = run->norm                                            ? FSDP_OP_KIND_NORM
+                     : run->kind == FSDP_RING_ALL_GATHER && c->regather ? FSDP_OP_KIND_REGATHER
+                                                                        : (uint32_t)run->kind;
   return fsdp_op_id(job->name, u->spec->unit, c->step, c->generation, op_kind);
 }
 
@@ -643,6 +665,8 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
                     (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step,
                     status->message);
     finish_collective(run->job, u, ring_waiter_kind(run->kind), &st);
+  } else if (run->norm) {
+    norm_known(run->dp, run->job, u, run->norm_parts[0]);
   } else {
     if (run->kind == FSDP_RING_ALL_REDUCE)
       u->replica_all_reduces++;
@@ -667,8 +691,9 @@ static void start_run(ring_run_t *run) {
   fsdp_unit_t *u = run->unit;
   waiter_kind_t wkind = ring_waiter_kind(run->kind);
   uint64_t step = collection_of(u, wkind)->step;
-  const fsdp_host_ring_t *hosts =
-      run->kind == FSDP_RING_ALL_REDUCE ? &u->plan.replica_ring : &u->plan.shard_ring;
+  const fsdp_host_ring_t *hosts = run->kind == FSDP_RING_ALL_REDUCE && !run->norm
+                                       ? &u->plan.replica_ring
+                                       : &u->plan.shard_ring;
   fsdp_ucx_peer_t *peers[FSDP_RING_MAX] = {0};
   fsdp_status_t st;
   for (unsigned i = 0; i < hosts->members; i++) {
@@ -706,8 +731,17 @@ static void start_run(ring_run_t *run) {
    * registering pins memory on RDMA transports, and an arena is mostly not in use. */
   char *whole = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->copy_offset
                        : host_sum(run->job, u);
-  const fsdp_ucx_mem_t *whole_mem =
-      fsdp_fabric_memory(dp->fabric, whole, u->layout.padded_numel * run->elem_size);
+  const fsdp_ucx_mem_t *whole_mem = NULL;
+  if (run->norm) {
+    dtype = FSDP_DTYPE_FP32;
+    run->elem_size = sizeof run->norm_parts[0];
+    run->first_elem = 0;
+    run->region_numel = 1;
+    whole = (char *)run->norm_parts;
+  } else {
+    whole_mem =
+        fsdp_fabric_memory(dp->fabric, whole, u->layout.padded_numel * run->elem_size);
+  }
   char *buf = whole + run->first_elem * run->elem_size;
   /* The reduce's first ring makes the host sum, its last one writes the gradient shards; a
    * reduce-scatter followed by an all-reduce keeps its result for a later one, or adds what
@@ -715,11 +749,11 @@ static void start_run(ring_run_t *run) {
   bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
   bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
   int (*finalize)(void *, unsigned, size_t, size_t) =
-      gather           ? NULL
-      : last_of_reduce ? finalize_grads
-      : u->reduce_defer ? keep_group_sum
-      : u->has_deferred ? add_to_group_sum
-                        : NULL;
+      gather || run->norm ? NULL
+      : last_of_reduce    ? finalize_grads
+      : u->reduce_defer   ? keep_group_sum
+      : u->has_deferred   ? add_to_group_sum
+                          : NULL;
   if (!gather && !(run->scratch = take_scratch(dp))) {
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
                     "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
@@ -737,7 +771,7 @@ static void start_run(ring_run_t *run) {
       .buf = buf,
       .region_bytes = run->region_numel * run->elem_size,
       .dtype = dtype,
-      .op_id = ring_op_id(run->job, u, collection_of(u, wkind), run->kind),
+      .op_id = ring_op_id(run, collection_of(u, wkind)),
       .deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms,
       .chunk_bytes = RING_CHUNK,
       .window = RING_WINDOW,
@@ -746,7 +780,7 @@ static void start_run(ring_run_t *run) {
       .buf_mem = whole_mem,
       .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
                                   : NULL,
-      .produce = !gather && first_of_reduce ? produce_host_sum : NULL,
+      .produce = !gather && !run->norm && first_of_reduce ? produce_host_sum : NULL,
       .finalize = finalize,
       .hook_arg = run,
   };
@@ -758,16 +792,29 @@ static void start_run(ring_run_t *run) {
   }
 }
 
-static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
-                       fsdp_ring_kind_t kind) {
-  ring_run_t *run = calloc(1, sizeof *run);
+/* A run like `proto`, started. */
+static void launch_run(const ring_run_t *proto) {
+  ring_run_t *run = malloc(sizeof *run);
   if (!run) {
-    abort_collection(job, u, ring_waiter_kind(kind), FSDP_E_RESOURCE_EXHAUSTED,
-                     "out of memory starting a collective among hosts");
+    abort_collection(proto->job, proto->unit, ring_waiter_kind(proto->kind),
+                     FSDP_E_RESOURCE_EXHAUSTED, "out of memory starting a collective among hosts");
     return;
   }
-  *run = (ring_run_t){.dp = dp, .job = job, .unit = u, .kind = kind};
+  *run = *proto;
   start_run(run);
+}
+
+static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                       fsdp_ring_kind_t kind) {
+  launch_run(&(ring_run_t){.dp = dp, .job = job, .unit = u, .kind = kind});
+}
+
+/* Clipping a unit that spans hosts: its shard group's parts of the norm are summed among
+ * them (each group holds every shard once, and replicas hold the same gradient shards). */
+static void start_norm_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                            double part) {
+  launch_run(&(ring_run_t){.dp = dp, .job = job, .unit = u, .kind = FSDP_RING_ALL_REDUCE,
+                           .norm = true, .norm_parts = {(float)part}});
 }
 
 static void on_cluster_ready(void *data, int status, const char *why) {

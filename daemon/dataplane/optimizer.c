@@ -201,12 +201,6 @@ int fsdp_optimizer_set(fsdp_job_t *job, fsdp_optimizer_kind_t kind,
   if (!(isfinite(max_grad_norm) && max_grad_norm >= 0))
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "SetOptimizer: max_grad_norm = %g is outside [0, inf)", max_grad_norm);
-  for (const fsdp_unit_t *u = job->units; max_grad_norm > 0 && u; u = u->next)
-    if (fsdp_unit_plan_spans_hosts(&u->plan))
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "SetOptimizer: max_grad_norm %g: clipping by the global norm is "
-                             "built for one host so far, and unit '%s' spans hosts",
-                             max_grad_norm, u->spec->unit);
   if (n_groups == 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "SetOptimizer: groups is empty: give at least one");

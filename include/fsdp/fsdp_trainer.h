@@ -189,7 +189,7 @@ typedef struct fsdp_optim {
   /* > 0: each step first clips the gradient by its global norm, as clip_grad_norm_ would;
    * the units of a step are then stepped once every one's reduce wrote its gradient, and
    * those reduces return after the steps: start them (fsdp_trainer_reduce_scatter_start),
-   * then wait. One host only, so far. */
+   * then wait. */
   double max_grad_norm;
 } fsdp_optim_t;
 

@@ -454,9 +454,9 @@ class Client:
         list of dicts like torch's param_groups, whose "params" are original parameter names
         (a group without "params" takes those no other group names) and whose other keys are
         lr, weight_decay, maximize, betas (a pair), eps, amsgrad, momentum, dampening,
-        nesterov. max_grad_norm > 0 clips the gradient by its global norm before each step
-        (one host so far): a step's reduces then return once every unit's is in and all are
-        stepped, so start them all (reduce_scatter_async) before waiting. The kind and each
+        nesterov. max_grad_norm > 0 clips the gradient by its global norm (every host's
+        shards) before each step: a step's reduces then return once every unit's is in and
+        all are stepped, so start them all (reduce_scatter_async) before waiting. The kind and each
         group's parameters stay as first set; the units' optimizer_state shows the state from
         then on."""
         self._check_open()

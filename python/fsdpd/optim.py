@@ -22,8 +22,8 @@ the daemon before the next step's backward. Under `model.no_sync()` nothing is s
 (gradients accumulate); the backward after it steps.
 
 Gradient clipping by global norm must happen before the step, which here is inside the
-backward: pass `max_grad_norm` (clip_grad_norm_'s max_norm, 2-norm; one host so far), and the
-daemon clips before it steps; `model.clip_grad_norm_` refuses to run with a daemon optimizer.
+backward: pass `max_grad_norm` (clip_grad_norm_'s max_norm, 2-norm, over every host's shards),
+and the daemon clips before it steps; `model.clip_grad_norm_` refuses to run with a daemon optimizer.
 """
 
 import torch

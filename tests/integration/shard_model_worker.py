@@ -104,12 +104,14 @@ def torch_optimizer(model, args):
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-def ranks_gradients(model, tokens, targets, world):
-    """The daemon's reduce of `world` ranks' gradients, each rank on its slice of the batch:
-    summed in fp32 in rank order, times the fp32 nearest 1/world. Returns the ranks' mean
+def ranks_gradients(model, tokens, targets, world, hosts):
+    """The daemons' reduce of `world` ranks' gradients, each rank on its slice of the batch:
+    summed in fp32 in rank order on each of `hosts` hosts (its world / hosts ranks), the hosts'
+    sums then added in host order, times the fp32 nearest 1/world. Returns the ranks' mean
     loss."""
     post = torch.tensor(1.0 / world, dtype=torch.float32)
-    sums, losses = {}, []
+    per_host = world // hosts
+    host_sums, sums, losses = {}, {}, []
     for r in range(world):
         model.zero_grad(set_to_none=True)
         x, y = rank_slice((tokens, targets), r, world)
@@ -118,7 +120,10 @@ def ranks_gradients(model, tokens, targets, world):
         losses.append(loss.item())
         for name, p in model.named_parameters():
             if p.grad is not None:
-                sums[name] = p.grad.clone() if r == 0 else sums[name] + p.grad
+                first = r % per_host == 0
+                host_sums[name] = p.grad.clone() if first else host_sums[name] + p.grad
+                if r % per_host == per_host - 1:
+                    sums[name] = host_sums[name] if r < per_host else sums[name] + host_sums[name]
     for name, p in model.named_parameters():
         if name in sums:
             p.grad = sums[name] * post
@@ -137,7 +142,7 @@ def reference(args):
         total = 0.0
         if args.optim != "sgd" and args.world > 1:
             (tokens, targets), = parts
-            parts, total = [], ranks_gradients(model, tokens, targets, args.world)
+            parts, total = [], ranks_gradients(model, tokens, targets, args.world, args.hosts)
         for tokens, targets in parts:
             loss = loss_fn(model(tokens), targets) / len(parts)
             loss.backward()
@@ -294,6 +299,9 @@ def main():
                         "(the daemon's max_grad_norm)")
     p.add_argument("--world", type=int, default=1,
                    help="the bf16 reference: how many ranks it computes for")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="with --optim and --world: the ranks' gradients are summed per host "
+                        "first, as that many daemons do")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the reference on the GPU, the ranks on a daemon whose backend "
                         "is cuda")

@@ -261,21 +261,6 @@ def test_hybrid_shard_all_reduces_among_replicas_on_the_last_micro_batch_only(fs
         assert got == mean[lo:lo + x.shard_numel], f"shard {x.shard}"
 
 
-def test_clipping_by_the_global_norm_is_refused_across_hosts_so_far(fsdpd):
-    c = start_cluster(fsdpd, 2)
-    hosts = attach(c)
-    for r in hosts[0]:
-        r.register(shapes=SHAPES, requires_grad=True)
-    with pytest.raises(grpc.RpcError) as info:
-        hosts[0][0].d.call("/fsdp.v1.Trainer/SetOptimizer", trainer_pb2.SetOptimizerRequest(
-            session_id=hosts[0][0].session, kind=trainer_pb2.SGD,
-            groups=[trainer_pb2.OptimizerGroup(lr=0.1)], max_grad_norm=1.0),
-            trainer_pb2.SetOptimizerReply)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert ("clipping by the global norm is built for one host so far, and unit 'u' spans "
-            "hosts") in info.value.details()
-
-
 @pytest.mark.parametrize("tls", [None, "posix,sysv,cma,self"], ids=["tcp", "shm"])
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_host_fails_every_waiter_naming_it(fsdpd, how, tls):

@@ -240,6 +240,28 @@ def test_two_daemons_train_like_one_process(fsdpd, strategy):
         assert sums["buffers"] <= job["max_inflight"], job
 
 
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_two_daemons_clip_by_the_norm_of_every_hosts_shards(fsdpd, strategy):
+    """The daemons' AdamW with max_grad_norm on 2 daemons x 2 trainers: FULL_SHARD's units
+    span both hosts, whose parts of the norm an all-reduce among them sums; HYBRID_SHARD's
+    shard group is one host, holding every shard. Against one process clipping as the daemon
+    does, on the 4 ranks' gradients summed as the daemons sum them; the norm's parts are
+    added in fp32 among hosts, hence a tolerance."""
+    from test_peers import Cluster, wait_all_joined
+    c = Cluster(fsdpd, 2, lws=2, extra=list(DAEMON_ARGS))
+    wait_all_joined(c)
+    args = ("--optim", "adamw", "--clip")
+    procs = [_start(c.daemons[g // 2], "rank", 2, g, "--strategy", strategy, *args, hosts=2)
+             for g in range(4)]
+    procs.append(_start(None, "reference", 4, 0, *args, "--daemon-clip", "--world", "4",
+                        "--hosts", "2"))
+    *ranks, ref = _finish(procs)
+    _assert_matches(ranks, ref, 1e-6)
+    for d in c.daemons:
+        unit = json.loads(d.fsdpctl("--json", "unit", "blocks.0").stdout)
+        assert unit["optimizer_steps"] == STEPS, unit
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_a_killed_trainer_restarts_and_training_goes_on(fsdpd, optim):
     """Rank 1 dies (SIGKILL) as the backward of step 3 starts; rank 0 hears it from the
