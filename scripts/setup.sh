@@ -19,6 +19,7 @@ for arg in "$@"; do
       packages+=(
         python3-grpcio python3-protobuf python3-pytest # integration tests, as a scheduler's probe
         python3-torch                                  # the Python package's PyTorch tests
+        python3-venv                                   # pip install ./python into a fresh venv
         systemd                                        # systemd-analyze verify of the unit
       )
       ;;

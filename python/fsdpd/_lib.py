@@ -3,11 +3,13 @@
 The structures mirror fsdp_trainer.h field for field; a change there must be made here too.
 The library is found once, on first use: $FSDPD_LIB if set (a path to libfsdp.so), else the
 build tree next to this package (<repo>/build/lib/libfsdp.so, <repo>/build/libfsdp.so), else
-the installed libfsdp.so.0 through the dynamic loader's search path.
+the installed one: in the libdir of its pkg-config file (fsdp.pc, which `cmake --install`
+writes), else libfsdp.so.0 through the dynamic loader's search path.
 """
 
 import ctypes
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -114,14 +116,27 @@ _lock = threading.Lock()
 _lib = None
 
 
+def _pkg_config_libdir():
+    """libfsdp's directory as its installed fsdp.pc says, or None (no pkg-config, no fsdp.pc)."""
+    try:
+        r = subprocess.run(["pkg-config", "--variable=libdir", "fsdp"], capture_output=True,
+                           text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
 def library_candidates():
     """Where libfsdp.so is looked for, in order."""
     env = os.environ.get("FSDPD_LIB")
     if env:
         return [env]
     repo = Path(__file__).resolve().parents[2]
-    return [str(repo / "build" / "lib" / "libfsdp.so"), str(repo / "build" / "libfsdp.so"),
-            "libfsdp.so.0"]
+    candidates = [str(repo / "build" / "lib" / "libfsdp.so"), str(repo / "build" / "libfsdp.so")]
+    libdir = _pkg_config_libdir()
+    if libdir:
+        candidates.append(str(Path(libdir) / "libfsdp.so.0"))
+    return candidates + ["libfsdp.so.0"]
 
 
 def lib():
@@ -146,8 +161,9 @@ def lib():
                 fn.restype, fn.argtypes = restype, argtypes
             _lib = handle
             return _lib
-        raise OSError("fsdpd: cannot load libfsdp.so (set FSDPD_LIB to its path, or build "
-                      "the repository's build/ tree): " + "; ".join(errors))
+        raise OSError("fsdpd: cannot load libfsdp.so (install it with cmake --install where "
+                      "pkg-config or the dynamic loader finds it, set FSDPD_LIB to its path, "
+                      "or build the repository's build/ tree): " + "; ".join(errors))
 
 
 def memory(address, nbytes, writable):
