@@ -5,12 +5,14 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <json-c/json.h>
 
@@ -1022,6 +1024,51 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
   return EXIT_OK;
 }
 
+/* checkpoint save|load JOB DIR: DIR as the daemon needs it, absolute (relative to here). */
+static int checkpoint_call(ctl_t *ctl, const char *method, int argc, char **argv) {
+  if (argc < 2)
+    return usage_error("checkpoint %s needs a JOB and a DIR", strcmp(method, "SaveCheckpoint")
+                                                                   ? "load"
+                                                                   : "save");
+  char cwd[PATH_MAX], path[2 * PATH_MAX];
+  if (argv[1][0] == '/')
+    snprintf(path, sizeof path, "%s", argv[1]);
+  else if (getcwd(cwd, sizeof cwd))
+    snprintf(path, sizeof path, "%s/%s", cwd, argv[1]);
+  else
+    return usage_error("cannot make '%s' absolute: %s", argv[1], strerror(errno));
+  Fsdp__V1__CheckpointRequest request = FSDP__V1__CHECKPOINT_REQUEST__INIT;
+  request.job = argv[0];
+  request.path = path;
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, method, &request.base, &fsdp__v1__checkpoint_reply__descriptor,
+                        &reply);
+  char what[64];
+  snprintf(what, sizeof what, "Operator.%s", method);
+  if (r < 0)
+    return rpc_error(ctl, what, r);
+  const Fsdp__V1__CheckpointReply *c = (const Fsdp__V1__CheckpointReply *)reply;
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "path", json_string(c->path));
+    json_object_object_add(o, "step", json_object_new_uint64(c->step));
+    print_json(o);
+  } else {
+    printf("job '%s': step %" PRIu64 " %s %s\n", argv[0], c->step,
+           strcmp(method, "SaveCheckpoint") ? "loaded from" : "saved in", c->path);
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return EXIT_OK;
+}
+
+static int cmd_checkpoint_save(ctl_t *ctl, int argc, char **argv) {
+  return checkpoint_call(ctl, "SaveCheckpoint", argc, argv);
+}
+
+static int cmd_checkpoint_load(ctl_t *ctl, int argc, char **argv) {
+  return checkpoint_call(ctl, "LoadCheckpoint", argc, argv);
+}
+
 static int cmd_version(ctl_t *ctl, int argc, char **argv) {
   (void)argc, (void)argv;
   Fsdp__V1__StatusReply *s = NULL;
@@ -1076,6 +1123,10 @@ static const command_t commands[] = {
     {"unit", NULL, 1, "NAME", "one unit: its parameters and shard map", cmd_unit},
     {"drain", NULL, 0, "", "refuse new work, keep serving health and status", cmd_drain},
     {"resume", NULL, 0, "", "serve new work again after a drain", cmd_resume},
+    {"checkpoint", "save", 2, "JOB DIR", "write JOB's state on this host into DIR/step-N/",
+     cmd_checkpoint_save},
+    {"checkpoint", "load", 2, "JOB DIR", "read DIR (or its newest step-N/) into JOB's units",
+     cmd_checkpoint_load},
     {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version},
     {"help", NULL, 0, "", "this text", cmd_help},
 };
@@ -1090,7 +1141,7 @@ static void usage(FILE *out) {
     snprintf(words, sizeof words, "%s%s%s%s%s", commands[i].name, commands[i].sub ? " " : "",
              commands[i].sub ? commands[i].sub : "", *commands[i].args ? " " : "",
              commands[i].args);
-    fprintf(out, "  %-20s %s\n", words, commands[i].help);
+    fprintf(out, "  %-24s %s\n", words, commands[i].help);
   }
   fputs("\noptions:\n"
         "  -s, --socket PATH        the daemon's unix socket (default: $FSDPD_SOCKET,\n"

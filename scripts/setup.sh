@@ -10,6 +10,7 @@ packages=(
   libgrpc-dev protobuf-compiler                       # gRPC C core; protoc for the tests' Python modules
   libprotobuf-c-dev protobuf-c-compiler               # protobuf-c runtime and protoc-c
   libuv1-dev libsystemd-dev libinih-dev libjson-c-dev # loop, sd_notify, config, fsdpctl --json
+  libxxhash-dev                                       # checkpoints' checksums
   libcmocka-dev                                       # the build defines the C tests too
   libucx-dev                                          # UCX (ucp): the data plane between daemons
 )

@@ -2,6 +2,7 @@
 #include "daemon/dataplane/dataplane.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 #include "collectives/ring.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "daemon/checkpoint/checkpoint.h"
 #include "daemon/dataplane/optimizer.h"
 #include "proto/host/formats.h"
 
@@ -30,7 +32,22 @@ typedef enum work_kind {
   WORK_DEFER,
   WORK_OPTIMIZE,
   WORK_NORM,
+  WORK_CHECKPOINT,
 } work_kind_t;
+
+/* A checkpoint's work (fsdp_dataplane_checkpoint): the job described on the loop, the
+ * directory, and who hears the end. */
+typedef struct checkpoint_work {
+  bool load;
+  char dir[PATH_MAX];
+  fsdp_checkpoint_job_t job;
+  fsdp_checkpoint_unit_t *units;
+  char path[PATH_MAX]; /* the step directory written or read */
+  uint64_t step;
+  fsdp_status_t st;
+  fsdp_dataplane_checkpoint_fn done;
+  void *data;
+} checkpoint_work_t;
 
 struct fsdp_dataplane_work {
   work_kind_t kind;
@@ -39,6 +56,7 @@ struct fsdp_dataplane_work {
   /* WORK_PREFAULT: the block's length, read on the loop: the block list is the loop's. */
   size_t bytes;
   fsdp_optimizer_plan_t plan; /* WORK_OPTIMIZE */
+  checkpoint_work_t *checkpoint; /* WORK_CHECKPOINT; unit is NULL */
   double norm_sq;             /* WORK_NORM */
   int result;
   uint64_t run_ns; /* how long run_work took */
@@ -48,7 +66,8 @@ struct fsdp_dataplane_work {
 
 static const char *const work_names[] = {"preparing its buffers", "the gather",
                                          "the reduce-scatter", "the deferred reduce",
-                                         "the optimizer step", "the gradient's norm"};
+                                         "the optimizer step", "the gradient's norm",
+                                         "the checkpoint"};
 
 /* A unit's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
@@ -356,9 +375,21 @@ static int add_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t be
 
 static void start_next(fsdp_dataplane_t *dp);
 
+static void run_checkpoint(checkpoint_work_t *c) {
+  int r = c->load
+              ? fsdp_checkpoint_load(c->dir, &c->job, c->path, sizeof c->path, &c->step, &c->st)
+              : fsdp_checkpoint_save(c->dir, &c->job, c->path, sizeof c->path, &c->st);
+  if (r == 0)
+    fsdp_status_clear(&c->st);
+}
+
 static void run_work(uv_work_t *req) {
   fsdp_dataplane_t *dp = req->data;
   fsdp_dataplane_work_t *w = dp->head;
+  if (w->kind == WORK_CHECKPOINT) {
+    run_checkpoint(w->checkpoint);
+    return;
+  }
   fsdp_unit_t *u = w->unit;
   char *base = fsdp_arena_base(w->job->arena);
   unsigned world = w->job->local_world_size;
@@ -399,6 +430,8 @@ static void run_work(uv_work_t *req) {
                                     first + n);
     if (w->result == 0)
       w->result = keep_deferred(w->job, u, first, first + n);
+    break;
+  case WORK_CHECKPOINT: /* a job's, not a unit's: run above */
     break;
   }
   w->run_ns = fsdp_clock_now_ns() - start_ns;
@@ -483,6 +516,26 @@ static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, in
     finish_collective(job, u, WAIT_REDUCE, NULL);
 }
 
+/* On the loop: a checkpoint's end. A load's step is the units' last completed one now, as
+ * if they had reduced it, so that trainers attaching later resume after it. */
+static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
+  if (status < 0)
+    fsdp_status_set(&c->st, status, "the checkpoint's work did not run: %s",
+                    fsdp_strerror(status));
+  if (c->st.code == 0 && c->load)
+    for (fsdp_unit_t *u = job->units; u; u = u->next)
+      if (u->trainable)
+        u->reduced_step = c->step;
+  if (c->st.code < 0)
+    log_error("job '%s': %s", job->name, c->st.message);
+  else
+    log_info("job '%s': checkpoint of step %llu %s %s", job->name, (unsigned long long)c->step,
+             c->load ? "loaded from" : "saved in", c->path);
+  c->done(c->data, &c->st, c->path, c->step);
+  free(c->units);
+  free(c);
+}
+
 static void work_done(uv_work_t *req, int status) {
   fsdp_dataplane_t *dp = req->data;
   fsdp_dataplane_work_t *w = dp->head;
@@ -491,6 +544,13 @@ static void work_done(uv_work_t *req, int status) {
     dp->tail = NULL;
   fsdp_unit_t *u = w->unit;
   int r = status < 0 ? status : w->result;
+  if (w->kind == WORK_CHECKPOINT) {
+    end_checkpoint(w->job, w->checkpoint, status);
+    free(w);
+    dp->busy = false;
+    start_next(dp);
+    return;
+  }
   if (w->kind == WORK_GATHER)
     u->last_gather_us = w->run_ns / 1000;
   else if (w->kind == WORK_REDUCE)
@@ -1715,6 +1775,100 @@ void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
     if (dp->fabric && arenas[i])
       fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(arenas[i]),
                                 arena_capacity(arenas[i]));
+}
+
+/* The job's state as a checkpoint holds it: every unit's masters, and the optimizer's state
+ * of the units it steps. */
+static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st) {
+  c->units = calloc(job->n_units ? job->n_units : 1, sizeof *c->units);
+  if (!c->units)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a checkpoint");
+  char *base = fsdp_arena_base(job->arena);
+  bool stepped = false;
+  size_t n = 0;
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (u->state != FSDP_UNIT_READY)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "job '%s': unit '%s' has no buffers ready yet", job->name,
+                             u->spec->unit);
+    fsdp_dataplane_buffers_t b;
+    fsdp_dataplane_buffers(u, 0, &b);
+    fsdp_checkpoint_unit_t *cu = &c->units[n++];
+    *cu = (fsdp_checkpoint_unit_t){
+        .name = u->spec->unit,
+        .numel = u->layout.numel,
+        .padded_numel = u->layout.padded_numel,
+        .shard_numel = u->layout.shard_numel,
+        .shards = u->layout.shards,
+        .host_first_shard = b.host_first_shard,
+        .host_shards = b.host_shards,
+        .masters = (float *)(void *)(base + u->master_offset),
+    };
+    fsdp_optimizer_state_t state;
+    if (fsdp_optimizer_steps_unit(job, u)) {
+      if (fsdp_optimizer_unit_state(job, u, &state, st) < 0)
+        return st->code;
+      cu->arrays = state.arrays;
+      for (unsigned a = 0; a < state.arrays; a++)
+        cu->state[a] = (float *)(void *)(base + state.arrays_offset + a * state.array_stride);
+      cu->steps = (uint64_t *)(void *)(base + state.steps_offset);
+    }
+    if (u->trainable)
+      c->job.step = stepped ? (u->reduced_step < c->job.step ? u->reduced_step : c->job.step)
+                            : u->reduced_step;
+    stepped |= u->trainable;
+  }
+  c->job.job = job->name;
+  c->job.optimizer = fsdp_optimizer_kind_name(job);
+  c->job.units = c->units;
+  c->job.n_units = n;
+  return 0;
+}
+
+int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
+                              fsdp_dataplane_checkpoint_fn done, void *data, fsdp_status_t *st) {
+  const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
+  if (dp->backend.kind != FSDP_BACKEND_HOST)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "%s: job '%s' is in the memory of %s: checkpoints of a GPU's jobs "
+                           "are not built yet",
+                           verb, job->name, dp->backend.device_name);
+  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (fsdp_unit_plan_spans_hosts(&u->plan))
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "%s: job '%s': unit '%s' spans hosts: checkpoints of one host's "
+                             "units only so far",
+                             verb, job->name, u->spec->unit);
+    if (load && (fsdp_collection_is_collecting(&u->gather) || u->gather.running ||
+                 fsdp_collection_is_collecting(&u->reduce) || u->reduce.running))
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "LoadCheckpoint: job '%s': unit '%s' has a collective under way: "
+                             "load between steps",
+                             job->name, u->spec->unit);
+  }
+  checkpoint_work_t *c = calloc(1, sizeof *c);
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  int r = 0;
+  if (!c || !w || strlen(dir) >= sizeof c->dir)
+    r = fsdp_status_set(st, !c || !w ? FSDP_E_RESOURCE_EXHAUSTED : FSDP_E_INVALID_ARGUMENT,
+                        "%s: %s", verb, !c || !w ? "out of memory" : "path too long");
+  if (r == 0)
+    r = describe_checkpoint(job, c, st);
+  if (r < 0) {
+    if (c)
+      free(c->units);
+    free(c);
+    free(w);
+    return r;
+  }
+  c->load = load;
+  c->step = c->job.step; /* a load's is the checkpoint's, read with it */
+  snprintf(c->dir, sizeof c->dir, "%s", dir);
+  c->done = done;
+  c->data = data;
+  *w = (fsdp_dataplane_work_t){.kind = WORK_CHECKPOINT, .job = job, .checkpoint = c};
+  enqueue(dp, w);
+  return 0;
 }
 
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {

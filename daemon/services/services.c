@@ -877,6 +877,78 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   fill_collectives(info, job, u, now_ms, store);
 }
 
+/* A checkpoint call while its work runs; call is NULL once the caller went away. */
+typedef struct checkpoint_call {
+  fsdp_rpc_call_t *call;
+} checkpoint_call_t;
+
+static void on_checkpoint_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  ((checkpoint_call_t *)data)->call = NULL; /* the work goes on; its end is not answered */
+}
+
+static void on_checkpoint_done(void *data, const fsdp_status_t *st, const char *path,
+                               uint64_t step) {
+  checkpoint_call_t *c = data;
+  if (c->call) {
+    fsdp_rpc_call_on_cancel(c->call, NULL, NULL);
+    if (st->code < 0) {
+      fail_call(c->call, st);
+    } else {
+      Fsdp__V1__CheckpointReply reply = FSDP__V1__CHECKPOINT_REPLY__INIT;
+      reply.path = (char *)path;
+      reply.step = step;
+      fsdp_rpc_call_reply(c->call, &reply.base);
+    }
+  }
+  free(c);
+}
+
+/* SaveCheckpoint and LoadCheckpoint: an operator's, for a job of this daemon, into or from an
+ * absolute path (the daemon's user writes it). */
+static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                fsdp_services_context_t *ctx, bool load) {
+  const Fsdp__V1__CheckpointRequest *rq = (const void *)request;
+  if (!operator_only(call, ctx))
+    return;
+  const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
+  fsdp_job_t *job = fsdp_store_find_job(ctx->store, rq->job);
+  if (!job) {
+    fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "%s: field 'job' = '%.256s': no such job here",
+                       verb, rq->job);
+    return;
+  }
+  if (rq->path[0] != '/') {
+    fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
+                       "%s: field 'path' = '%.256s': expected an absolute path", verb, rq->path);
+    return;
+  }
+  checkpoint_call_t *c = calloc(1, sizeof *c);
+  if (!c) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
+    return;
+  }
+  c->call = call;
+  fsdp_status_t st;
+  if (fsdp_dataplane_checkpoint(ctx->dataplane, job, rq->path, load, on_checkpoint_done, c,
+                                &st) < 0) {
+    free(c);
+    fail_call(call, &st);
+    return;
+  }
+  fsdp_rpc_call_on_cancel(call, on_checkpoint_cancel, c);
+}
+
+static void operator_save_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                     void *data) {
+  operator_checkpoint(call, request, data, false);
+}
+
+static void operator_load_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
+                                     void *data) {
+  operator_checkpoint(call, request, data, true);
+}
+
 static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                 void *data) {
   const Fsdp__V1__ListUnitsRequest *rq = (const void *)request;
@@ -1026,6 +1098,8 @@ static const fsdp_rpc_handler_t operator_handlers[] = {
     {"ReloadConfig", operator_reload, true},
     {"Drain", operator_drain, true},
     {"Resume", operator_resume, true},
+    {"SaveCheckpoint", operator_save_checkpoint, true},
+    {"LoadCheckpoint", operator_load_checkpoint, false},
     {"ListUnits", operator_list_units, true},
     {"DescribeUnit", operator_describe_unit, true},
 };

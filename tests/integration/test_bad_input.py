@@ -165,13 +165,6 @@ def test_unknown_method_or_service(fsdpd, path, tcp):
                  tcp=tcp)
 
 
-@pytest.mark.parametrize("path", ["/fsdp.v1.Operator/SaveCheckpoint",
-                                  "/fsdp.v1.Operator/LoadCheckpoint"])
-def test_later_methods_say_not_implemented(fsdpd, path):
-    d = fsdpd()
-    expect_error(d, path, b"", grpc.StatusCode.UNIMPLEMENTED, path, "not implemented in fsdpd")
-
-
 # --- protocol versions -------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,request_,who", [

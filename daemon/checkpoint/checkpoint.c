@@ -1,0 +1,448 @@
+/* Checkpoint files (daemon/checkpoint/checkpoint.h): JSON by json-c, checksums by XXH64
+ * (libxxhash), every write made durable before the next step of the protocol depends on it. */
+#include "daemon/checkpoint/checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <json-c/json.h>
+#include <xxhash.h>
+
+#define HOST_BIN "host-0.bin"
+#define HOST_JSON "host-0.json"
+#define MANIFEST "manifest.json"
+#define IO_CHUNK ((size_t)4 << 20)
+
+static const char *const state_names[FSDP_CHECKPOINT_ARRAYS_MAX] = {"state0", "state1",
+                                                                   "state2"};
+
+static int io_failed(fsdp_status_t *st, const char *what, const char *path, int err) {
+  return fsdp_status_set(st,
+                         err == ENOSPC || err == EDQUOT ? FSDP_E_RESOURCE_EXHAUSTED
+                                                        : FSDP_E_UNAVAILABLE,
+                         "checkpoint: %s %s: %s", what, path, strerror(err));
+}
+
+/* a + sep + b into buf; false when it does not fit. */
+static bool join(char *buf, size_t size, const char *a, const char *sep, const char *b) {
+  return (size_t)snprintf(buf, size, "%s%s%s", a, sep, b) < size;
+}
+
+static size_t host_numel(const fsdp_checkpoint_unit_t *u) {
+  return (size_t)u->host_shards * u->shard_numel;
+}
+
+/* The unit's blocks in file order: its masters, then each optimizer array. */
+static unsigned n_blocks(const fsdp_checkpoint_unit_t *u) {
+  return 1 + u->arrays;
+}
+
+static float *block(const fsdp_checkpoint_unit_t *u, unsigned b) {
+  return b == 0 ? u->masters : u->state[b - 1];
+}
+
+static const char *block_name(unsigned b) {
+  return b == 0 ? "masters" : state_names[b - 1];
+}
+
+/* ---- Saving ---- */
+
+static int write_all(int fd, const void *buf, size_t len) {
+  const char *p = buf;
+  while (len) {
+    ssize_t n = write(fd, p, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      return -errno;
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+/* path's bytes made durable under their name: written to path.tmp, fsynced, renamed. */
+static int write_durably(const char *path, const void *data, size_t len, fsdp_status_t *st) {
+  char tmp[PATH_MAX];
+  if (!join(tmp, sizeof tmp, path, "", ".tmp"))
+    return io_failed(st, "naming", path, ENAMETOOLONG);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+  if (fd < 0)
+    return io_failed(st, "creating", tmp, errno);
+  int r = write_all(fd, data, len);
+  if (r == 0 && fsync(fd) < 0)
+    r = -errno;
+  close(fd);
+  if (r == 0 && rename(tmp, path) < 0)
+    r = -errno;
+  if (r < 0) {
+    unlink(tmp);
+    return io_failed(st, "writing", path, -r);
+  }
+  return 0;
+}
+
+static int fsync_dir(const char *path, fsdp_status_t *st) {
+  int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int r = fd < 0 ? -errno : fsync(fd) < 0 ? -errno : 0;
+  if (fd >= 0)
+    close(fd);
+  return r < 0 ? io_failed(st, "syncing the directory", path, -r) : 0;
+}
+
+static json_object *json_u64(uint64_t v) {
+  return json_object_new_uint64(v);
+}
+
+/* Writes the units' blocks to dir/host-0.bin, hashing them as they go; returns the metadata
+ * of the units (owned by the caller). */
+static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_object *units,
+                        fsdp_status_t *st) {
+  char path[PATH_MAX], tmp[PATH_MAX];
+  if (!join(path, sizeof path, dir, "/", HOST_BIN) || !join(tmp, sizeof tmp, path, "", ".tmp"))
+    return io_failed(st, "naming", dir, ENAMETOOLONG);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+  if (fd < 0)
+    return io_failed(st, "creating", tmp, errno);
+  uint64_t offset = 0;
+  int r = 0;
+  for (size_t i = 0; r == 0 && i < job->n_units; i++) {
+    const fsdp_checkpoint_unit_t *u = &job->units[i];
+    json_object *blocks = json_object_new_array();
+    for (unsigned b = 0; r == 0 && b < n_blocks(u); b++) {
+      size_t bytes = host_numel(u) * sizeof(float);
+      XXH64_hash_t hash = XXH64(block(u, b), bytes, 0);
+      r = write_all(fd, block(u, b), bytes);
+      json_object *o = json_object_new_object();
+      json_object_object_add(o, "what", json_object_new_string(block_name(b)));
+      json_object_object_add(o, "offset", json_u64(offset));
+      json_object_object_add(o, "bytes", json_u64(bytes));
+      json_object_object_add(o, "xxh64", json_u64(hash));
+      json_object_array_add(blocks, o);
+      offset += bytes;
+    }
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "name", json_object_new_string(u->name));
+    json_object_object_add(o, "numel", json_u64(u->numel));
+    json_object_object_add(o, "padded_numel", json_u64(u->padded_numel));
+    json_object_object_add(o, "shard_numel", json_u64(u->shard_numel));
+    json_object_object_add(o, "shards", json_u64(u->shards));
+    json_object_object_add(o, "host_first_shard", json_u64(u->host_first_shard));
+    json_object_object_add(o, "host_shards", json_u64(u->host_shards));
+    json_object_object_add(o, "optimizer_steps", json_u64(u->steps ? *u->steps : 0));
+    json_object_object_add(o, "blocks", blocks);
+    json_object_array_add(units, o);
+  }
+  if (r == 0 && fsync(fd) < 0)
+    r = -errno;
+  close(fd);
+  if (r == 0 && rename(tmp, path) < 0)
+    r = -errno;
+  if (r < 0) {
+    unlink(tmp);
+    return io_failed(st, "writing", path, -r);
+  }
+  return 0;
+}
+
+static int write_json(const char *dir, const char *name, json_object *o, fsdp_status_t *st) {
+  char path[PATH_MAX];
+  if (!join(path, sizeof path, dir, "/", name))
+    return io_failed(st, "naming", dir, ENAMETOOLONG);
+  const char *text = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY);
+  return write_durably(path, text, strlen(text), st);
+}
+
+static void remove_checkpoint_dir(const char *dir) {
+  static const char *const files[] = {HOST_BIN, HOST_JSON, MANIFEST};
+  char path[PATH_MAX], tmp[PATH_MAX];
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+    if (join(path, sizeof path, dir, "/", files[i]))
+      unlink(path);
+    if (join(tmp, sizeof tmp, path, "", ".tmp"))
+      unlink(tmp);
+  }
+  rmdir(dir);
+}
+
+int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
+                         size_t size, fsdp_status_t *st) {
+  char name[32], final[PATH_MAX], partial[PATH_MAX], old[PATH_MAX];
+  snprintf(name, sizeof name, "step-%" PRIu64, job->step);
+  if (!join(final, sizeof final, dir, "/", name) ||
+      !join(partial, sizeof partial, final, "", ".partial") ||
+      !join(old, sizeof old, final, "", ".old"))
+    return io_failed(st, "naming the checkpoint under", dir, ENAMETOOLONG);
+  if (mkdir(dir, 0750) < 0 && errno != EEXIST)
+    return io_failed(st, "making", dir, errno);
+  remove_checkpoint_dir(partial); /* what a save that died left */
+  if (mkdir(partial, 0750) < 0)
+    return io_failed(st, "making", partial, errno);
+
+  json_object *host = json_object_new_object(), *units = json_object_new_array();
+  json_object_object_add(host, "format", json_u64(FSDP_CHECKPOINT_FORMAT));
+  json_object_object_add(host, "job", json_object_new_string(job->job));
+  json_object_object_add(host, "host", json_u64(0));
+  json_object_object_add(host, "hosts", json_u64(1));
+  json_object_object_add(host, "step", json_u64(job->step));
+  json_object_object_add(host, "optimizer", json_object_new_string(job->optimizer));
+  json_object_object_add(host, "units", units);
+  json_object *manifest = json_object_new_object(), *files = json_object_new_array();
+  json_object_object_add(manifest, "format", json_u64(FSDP_CHECKPOINT_FORMAT));
+  json_object_object_add(manifest, "job", json_object_new_string(job->job));
+  json_object_object_add(manifest, "step", json_u64(job->step));
+  json_object_object_add(manifest, "hosts", json_u64(1));
+  json_object_array_add(files, json_object_new_string(HOST_JSON));
+  json_object_array_add(files, json_object_new_string(HOST_BIN));
+  json_object_object_add(manifest, "files", files);
+
+  /* The manifest last: until it is there, the directory is no checkpoint. */
+  int r = write_blocks(partial, job, units, st);
+  if (r == 0)
+    r = write_json(partial, HOST_JSON, host, st);
+  if (r == 0)
+    r = write_json(partial, MANIFEST, manifest, st);
+  if (r == 0)
+    r = fsync_dir(partial, st);
+  json_object_put(host);
+  json_object_put(manifest);
+  /* A checkpoint of the same step is replaced once this one is complete. */
+  bool replaced = r == 0 && rename(final, old) == 0;
+  if (r == 0 && rename(partial, final) < 0) {
+    r = io_failed(st, "renaming", partial, errno);
+    if (replaced)
+      rename(old, final);
+  }
+  if (r == 0)
+    r = fsync_dir(dir, st);
+  if (replaced)
+    remove_checkpoint_dir(old);
+  if (r < 0) {
+    remove_checkpoint_dir(partial);
+    return r;
+  }
+  snprintf(ret_path, size, "%s", final);
+  return 0;
+}
+
+/* ---- Loading ---- */
+
+static json_object *read_json(const char *dir, const char *name, fsdp_status_t *st,
+                              int *ret_code) {
+  char path[PATH_MAX];
+  if (!join(path, sizeof path, dir, "/", name)) {
+    *ret_code = io_failed(st, "naming", dir, ENAMETOOLONG);
+    return NULL;
+  }
+  json_object *o = json_object_from_file(path);
+  if (!o)
+    *ret_code = fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint: %s cannot be read as JSON: %s",
+                                path, json_util_get_last_err());
+  return o;
+}
+
+static uint64_t get_u64(json_object *o, const char *key) {
+  json_object *v;
+  return json_object_object_get_ex(o, key, &v) ? json_object_get_uint64(v) : UINT64_MAX;
+}
+
+static const char *get_str(json_object *o, const char *key) {
+  json_object *v;
+  return json_object_object_get_ex(o, key, &v) ? json_object_get_string(v) : "";
+}
+
+/* dir itself when it is a checkpoint, else the complete step-* under it of the highest step. */
+static int find_checkpoint(const char *dir, char *ret, size_t size, fsdp_status_t *st) {
+  char path[PATH_MAX], step_dir[PATH_MAX];
+  if (!join(path, sizeof path, dir, "/", MANIFEST))
+    return io_failed(st, "naming", dir, ENAMETOOLONG);
+  if (access(path, F_OK) == 0)
+    return join(ret, size, dir, "", "") ? 0 : io_failed(st, "naming", dir, ENAMETOOLONG);
+  DIR *d = opendir(dir);
+  if (!d)
+    return errno == ENOENT ? fsdp_status_set(st, FSDP_E_NOT_FOUND,
+                                             "checkpoint: no directory %s", dir)
+                           : io_failed(st, "reading", dir, errno);
+  uint64_t best = 0;
+  bool found = false;
+  for (struct dirent *e; (e = readdir(d));) {
+    char *end;
+    if (strncmp(e->d_name, "step-", 5) != 0)
+      continue;
+    uint64_t step = strtoull(e->d_name + 5, &end, 10);
+    if (*end || end == e->d_name + 5 || (found && step <= best) ||
+        !join(step_dir, sizeof step_dir, dir, "/", e->d_name) ||
+        !join(path, sizeof path, step_dir, "/", MANIFEST) || access(path, F_OK) != 0)
+      continue;
+    best = step;
+    found = true;
+  }
+  closedir(d);
+  if (!found)
+    return fsdp_status_set(st, FSDP_E_NOT_FOUND,
+                           "checkpoint: no complete checkpoint (step-N/ with a manifest) in %s",
+                           dir);
+  char name[32];
+  snprintf(name, sizeof name, "step-%" PRIu64, best);
+  return join(ret, size, dir, "/", name) ? 0 : io_failed(st, "naming", dir, ENAMETOOLONG);
+}
+
+/* The checkpoint's unit of u's name, laid out as u is, with the state u has room for. */
+static int match_unit(json_object *units, const fsdp_checkpoint_unit_t *u, const char *where,
+                      json_object **ret, fsdp_status_t *st) {
+  json_object *found = NULL;
+  for (size_t i = 0; i < json_object_array_length(units) && !found; i++) {
+    json_object *c = json_object_array_get_idx(units, i);
+    if (strcmp(get_str(c, "name"), u->name) == 0)
+      found = c;
+  }
+  if (!found)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint %s has no unit '%s'", where, u->name);
+  const struct {
+    const char *key;
+    uint64_t value;
+  } layout[] = {{"numel", u->numel},
+                {"padded_numel", u->padded_numel},
+                {"shard_numel", u->shard_numel},
+                {"shards", u->shards},
+                {"host_first_shard", u->host_first_shard},
+                {"host_shards", u->host_shards}};
+  for (size_t k = 0; k < sizeof layout / sizeof layout[0]; k++)
+    if (get_u64(found, layout[k].key) != layout[k].value)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "checkpoint %s: unit '%s' has %s %" PRIu64 ", the job's %" PRIu64
+                             " (loading at another world size is not built yet)",
+                             where, u->name, layout[k].key, get_u64(found, layout[k].key),
+                             layout[k].value);
+  json_object *blocks;
+  if (!json_object_object_get_ex(found, "blocks", &blocks) ||
+      json_object_array_length(blocks) != n_blocks(u))
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint %s: unit '%s' holds %zu arrays of optimizer state, the "
+                           "job's optimizer %u (set the same optimizer before loading)",
+                           where, u->name,
+                           blocks ? json_object_array_length(blocks) - 1 : 0, u->arrays);
+  *ret = found;
+  return 0;
+}
+
+/* Reads a block's bytes from fd at its offset into dst, or (dst NULL) only checks its hash
+ * against the metadata's. */
+static int read_block(int fd, const char *path, json_object *b, const char *unit, float *dst,
+                      void *buf, fsdp_status_t *st) {
+  uint64_t offset = get_u64(b, "offset"), bytes = get_u64(b, "bytes");
+  XXH64_state_t *h = XXH64_createState();
+  if (!h)
+    return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  XXH64_reset(h, 0);
+  int r = 0;
+  for (uint64_t done = 0; r == 0 && done < bytes;) {
+    size_t n = bytes - done < IO_CHUNK ? (size_t)(bytes - done) : IO_CHUNK;
+    char *to = dst ? (char *)dst + done : buf;
+    ssize_t got = pread(fd, to, n, (off_t)(offset + done));
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got <= 0) {
+      r = got < 0 ? io_failed(st, "reading", path, errno)
+                  : fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                                    "checkpoint: %s ends at byte %" PRIu64 ", inside unit '%s''s "
+                                    "%s [%" PRIu64 ", %" PRIu64 ")",
+                                    path, offset + done, unit, get_str(b, "what"), offset,
+                                    offset + bytes);
+      break;
+    }
+    XXH64_update(h, to, (size_t)got);
+    done += (uint64_t)got;
+  }
+  if (r == 0 && XXH64_digest(h) != get_u64(b, "xxh64"))
+    r = fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                        "checkpoint: %s bytes [%" PRIu64 ", %" PRIu64 ") (unit '%s''s %s) do "
+                        "not match their checksum",
+                        path, offset, offset + bytes, unit, get_str(b, "what"));
+  XXH64_freeState(h);
+  return r;
+}
+
+int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
+                         size_t size, uint64_t *ret_step, fsdp_status_t *st) {
+  char where[PATH_MAX], path[PATH_MAX];
+  int r = find_checkpoint(dir, where, sizeof where, st);
+  if (r < 0)
+    return r;
+  json_object *manifest = read_json(where, MANIFEST, st, &r), *host = NULL;
+  if (!manifest)
+    return r;
+  uint64_t format = get_u64(manifest, "format");
+  if (format != FSDP_CHECKPOINT_FORMAT)
+    r = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                        "checkpoint %s is of format %" PRIu64 ", this fsdpd reads %d", where,
+                        format, FSDP_CHECKPOINT_FORMAT);
+  else if (strcmp(get_str(manifest, "job"), job->job) != 0)
+    r = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                        "checkpoint %s is of job '%s', not '%s'", where,
+                        get_str(manifest, "job"), job->job);
+  else if (get_u64(manifest, "hosts") != 1)
+    r = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                        "checkpoint %s spans %" PRIu64 " hosts: loading it is not built yet",
+                        where, get_u64(manifest, "hosts"));
+  else
+    host = read_json(where, HOST_JSON, st, &r);
+  json_object *units = NULL, **matched = calloc(job->n_units + 1, sizeof *matched);
+  if (r == 0 && !matched)
+    r = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  if (r == 0 && host && !json_object_object_get_ex(host, "units", &units))
+    r = fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s/" HOST_JSON " lists no units",
+                        where);
+  for (size_t i = 0; r == 0 && i < job->n_units; i++)
+    r = match_unit(units, &job->units[i], where, &matched[i], st);
+
+  if (r == 0 && !join(path, sizeof path, where, "/", HOST_BIN))
+    r = io_failed(st, "naming", where, ENAMETOOLONG);
+  int fd = r == 0 ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+  if (r == 0 && fd < 0)
+    r = io_failed(st, "opening", path, errno);
+  void *buf = r == 0 ? malloc(IO_CHUNK) : NULL;
+  if (r == 0 && !buf)
+    r = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  /* Everything checked before anything is written: a refusal changes nothing. */
+  for (int pass = 0; r == 0 && pass < 2; pass++) {
+    for (size_t i = 0; r == 0 && i < job->n_units; i++) {
+      const fsdp_checkpoint_unit_t *u = &job->units[i];
+      json_object *blocks;
+      json_object_object_get_ex(matched[i], "blocks", &blocks);
+      for (unsigned b = 0; r == 0 && b < n_blocks(u); b++) {
+        json_object *m = json_object_array_get_idx(blocks, b);
+        if (get_u64(m, "bytes") != host_numel(u) * sizeof(float))
+          r = fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                              "checkpoint %s: unit '%s''s %s is %" PRIu64 " bytes, expected %zu",
+                              where, u->name, block_name(b), get_u64(m, "bytes"),
+                              host_numel(u) * sizeof(float));
+        else
+          r = read_block(fd, path, m, u->name, pass ? block(u, b) : NULL, buf, st);
+      }
+      if (r == 0 && pass && u->steps)
+        *u->steps = get_u64(matched[i], "optimizer_steps");
+    }
+  }
+  free(buf);
+  free(matched);
+  if (fd >= 0)
+    close(fd);
+  if (r == 0) {
+    snprintf(ret_path, size, "%s", where);
+    *ret_step = get_u64(manifest, "step");
+  }
+  json_object_put(host);
+  json_object_put(manifest);
+  return r;
+}

@@ -1,0 +1,140 @@
+"""Checkpoints written and read by the daemon (Operator.SaveCheckpoint, LoadCheckpoint,
+daemon/checkpoint/checkpoint.h), on one host: the files and their metadata, a load that gives
+back the masters and the optimizer's state bit for bit, and every refusal, a load refused
+leaving the job's memory as it was."""
+
+import array
+import json
+
+import grpc
+import pytest
+
+from fsdpd_harness import fsdpd, operator_pb2, trainer_pb2  # noqa: F401
+from test_optimizer import ADAMW, group, refused, set_optimizer, two_ranks
+from test_unshard import FP32, on_all
+
+
+def checkpoint(d, method, path, job="j"):
+    return d.call(f"/fsdp.v1.Operator/{method}",
+                  operator_pb2.CheckpointRequest(job=job, path=str(path)),
+                  operator_pb2.CheckpointReply, timeout=30)
+
+
+def trained(d):
+    """Two ranks of job 'j' with AdamW in the daemon, after one step: the masters and the
+    optimizer's state, as bytes of the job's memory, and where they are."""
+    ranks, layouts = two_ranks(d)
+    reply = set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW))
+    n = layouts[0].padded_numel
+    masters = [0.25 * (i % 7) - 0.5 for i in range(n)]
+    for r, lay in zip(ranks, layouts):
+        r.write_master_shard(lay, masters)
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
+    for r in ranks:
+        r.write_full_grad([0.125 * (i % 5) - 0.25 for i in range(n)], FP32)
+    assert on_all(ranks, "ReduceScatter", step=1, step_optimizer=True) == [None, None]
+    (state,) = reply.units
+    regions = [(layouts[0].master_offset, 4 * n), (state.steps_offset, 8)]
+    regions += [(state.arrays_offset + a * state.array_stride, 4 * n)
+                for a in range(state.arrays)]
+    return ranks, regions
+
+
+def snapshot(rank, regions):
+    return [bytes(rank.memory[o:o + n]) for o, n in regions]
+
+
+def garble(rank, regions):
+    for o, n in regions:
+        rank.memory[o:o + n] = b"\x7f" * n
+
+
+def test_save_then_load_gives_back_masters_and_optimizer_state(fsdpd, tmp_path):
+    d = fsdpd()
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    # fsdpctl makes a relative DIR absolute, as the daemon wants it.
+    out = d.fsdpctl("checkpoint", "save", "j", "ckpt", cwd=tmp_path)
+    step_dir = tmp_path / "ckpt" / "step-1"
+    assert out.returncode == 0 and out.stdout == f"job 'j': step 1 saved in {step_dir}\n", out
+    saved = checkpoint(d, "SaveCheckpoint", tmp_path / "ckpt")  # the same step again
+    assert (saved.path, saved.step) == (str(step_dir), 1)
+    assert sorted(p.name for p in step_dir.iterdir()) == ["host-0.bin", "host-0.json",
+                                                            "manifest.json"]
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert (manifest["format"], manifest["job"], manifest["step"]) == (1, "j", 1)
+    meta = json.loads((step_dir / "host-0.json").read_text())
+    (unit,) = meta["units"]
+    assert (meta["optimizer"], unit["name"], unit["optimizer_steps"]) == ("ADAMW", "u", 1)
+    assert [b["what"] for b in unit["blocks"]] == ["masters", "state0", "state1"]
+    data = (step_dir / "host-0.bin").read_bytes()
+    masters = unit["blocks"][0]
+    assert data[masters["offset"]:masters["offset"] + masters["bytes"]] == want[0]
+
+    garble(ranks[0], regions)
+    out = d.fsdpctl("--json", "checkpoint", "load", "j", tmp_path / "ckpt")  # the newest
+    assert json.loads(out.stdout) == {"path": str(step_dir), "step": 1}, out
+    assert snapshot(ranks[0], regions) == want
+    # The next step goes on from there.
+    assert on_all(ranks, "Unshard", step=2, backward=True) == [None, None]
+
+
+def test_a_flipped_byte_is_data_loss_naming_the_file_and_range(fsdpd, tmp_path):
+    d = fsdpd()
+    ranks, regions = trained(d)
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    step_dir = tmp_path / "step-1"
+    meta = json.loads((step_dir / "host-0.json").read_text())
+    block = meta["units"][0]["blocks"][1]  # exp_avg
+    data = bytearray((step_dir / "host-0.bin").read_bytes())
+    data[block["offset"] + 5] ^= 0x10
+    (step_dir / "host-0.bin").write_bytes(bytes(data))
+    garble(ranks[0], regions)
+    garbled = snapshot(ranks[0], regions)
+    code, details = refused(lambda: checkpoint(d, "LoadCheckpoint", step_dir))
+    assert code == grpc.StatusCode.DATA_LOSS
+    assert (f"{step_dir}/host-0.bin bytes [{block['offset']}, "
+            f"{block['offset'] + block['bytes']}) (unit 'u''s state0) do not match their "
+            "checksum") in details, details
+    assert snapshot(ranks[0], regions) == garbled  # checked before anything was written
+
+
+def test_refusals_name_what_is_wrong(fsdpd, tmp_path):
+    d = fsdpd()
+    trained(d)
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    manifest = tmp_path / "step-1" / "manifest.json"
+    good = manifest.read_text()
+    cases = [
+        (lambda: checkpoint(d, "SaveCheckpoint", "relative/dir"),
+         grpc.StatusCode.INVALID_ARGUMENT,
+         "SaveCheckpoint: field 'path' = 'relative/dir': expected an absolute path"),
+        (lambda: checkpoint(d, "LoadCheckpoint", tmp_path, job="nope"),
+         grpc.StatusCode.NOT_FOUND, "LoadCheckpoint: field 'job' = 'nope': no such job here"),
+        (lambda: checkpoint(d, "LoadCheckpoint", tmp_path / "empty"),
+         grpc.StatusCode.NOT_FOUND, f"checkpoint: no directory {tmp_path / 'empty'}"),
+    ]
+    for call, code, text in cases:
+        got, details = refused(call)
+        assert got == code and text in details, details
+    (tmp_path / "step-7").mkdir()  # no manifest: not a checkpoint, and not the newest
+    for edit, text in [(lambda m: dict(m, job="other"), "is of job 'other', not 'j'"),
+                       (lambda m: dict(m, format=2), "is of format 2, this fsdpd reads 1")]:
+        manifest.write_text(json.dumps(edit(json.loads(good))))
+        got, details = refused(lambda: checkpoint(d, "LoadCheckpoint", tmp_path))
+        assert got == grpc.StatusCode.FAILED_PRECONDITION and text in details, details
+    manifest.write_text(good)
+    assert checkpoint(d, "LoadCheckpoint", tmp_path).step == 1
+
+
+def test_a_unit_laid_out_otherwise_is_refused(fsdpd, tmp_path):
+    d = fsdpd()
+    trained(d)
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    meta_path = tmp_path / "step-1" / "host-0.json"
+    meta = json.loads(meta_path.read_text())
+    meta["units"][0]["numel"] += 1
+    meta_path.write_text(json.dumps(meta))
+    code, details = refused(lambda: checkpoint(d, "LoadCheckpoint", tmp_path))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unit 'u' has numel 18, the job's 17" in details, details
