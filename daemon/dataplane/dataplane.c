@@ -13,7 +13,7 @@
 #include "collectives/ring.h"
 #include "common/clock.h"
 #include "common/log.h"
-#include "daemon/checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 #include "daemon/dataplane/optimizer.h"
 #include "proto/host/formats.h"
 
@@ -42,6 +42,7 @@ typedef struct checkpoint_work {
   char dir[PATH_MAX];
   fsdp_checkpoint_job_t job;
   fsdp_checkpoint_unit_t *units;
+  fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
   char path[PATH_MAX]; /* the step directory written or read */
   uint64_t step;
   fsdp_status_t st;
@@ -532,6 +533,7 @@ static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
     log_info("job '%s': checkpoint of step %llu %s %s", job->name, (unsigned long long)c->step,
              c->load ? "loaded from" : "saved in", c->path);
   c->done(c->data, &c->st, c->path, c->step);
+  free(c->params);
   free(c->units);
   free(c);
 }
@@ -1780,9 +1782,14 @@ void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
 /* The job's state as a checkpoint holds it: every unit's masters, and the optimizer's state
  * of the units it steps. */
 static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st) {
+  size_t n_params = 0;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    n_params += u->spec->n_params;
   c->units = calloc(job->n_units ? job->n_units : 1, sizeof *c->units);
-  if (!c->units)
+  c->params = calloc(n_params ? n_params : 1, sizeof *c->params);
+  if (!c->units || !c->params)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a checkpoint");
+  fsdp_checkpoint_param_t *params = c->params;
   char *base = fsdp_arena_base(job->arena);
   bool stepped = false;
   size_t n = 0;
@@ -1794,8 +1801,19 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
     fsdp_dataplane_buffers_t b;
     fsdp_dataplane_buffers(u, 0, &b);
     fsdp_checkpoint_unit_t *cu = &c->units[n++];
+    for (size_t k = 0; k < u->spec->n_params; k++) {
+      const fsdp_param_spec_t *p = &u->spec->params[k];
+      params[k] = (fsdp_checkpoint_param_t){.name = p->name,
+                                            .shape = p->shape,
+                                            .ndim = p->n_shape,
+                                            .offset = u->layout.offsets[k],
+                                            .dtype = fsdp_unit_dtype_name(p->dtype)};
+    }
     *cu = (fsdp_checkpoint_unit_t){
         .name = u->spec->unit,
+        .strategy = fsdp_unit_strategy_name(u->spec->strategy),
+        .params = params,
+        .n_params = u->spec->n_params,
         .numel = u->layout.numel,
         .padded_numel = u->layout.padded_numel,
         .shard_numel = u->layout.shard_numel,
@@ -1804,6 +1822,7 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
         .host_shards = b.host_shards,
         .masters = (float *)(void *)(base + u->master_offset),
     };
+    params += u->spec->n_params;
     fsdp_optimizer_state_t state;
     if (fsdp_optimizer_steps_unit(job, u)) {
       if (fsdp_optimizer_unit_state(job, u, &state, st) < 0)
@@ -1855,8 +1874,10 @@ int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char 
   if (r == 0)
     r = describe_checkpoint(job, c, st);
   if (r < 0) {
-    if (c)
+    if (c) {
+      free(c->params);
       free(c->units);
+    }
     free(c);
     free(w);
     return r;

@@ -23,8 +23,21 @@
 #define FSDP_CHECKPOINT_FORMAT 1
 #define FSDP_CHECKPOINT_ARRAYS_MAX 3
 
+/* An original parameter of a unit: its elements [offset, offset + the shape's product) of the
+ * unit's flat buffer, and its own dtype (the .proto's name, "DTYPE_FP32"). */
+typedef struct fsdp_checkpoint_param {
+  const char *name;
+  const uint64_t *shape;
+  size_t ndim;
+  uint64_t offset;
+  const char *dtype;
+} fsdp_checkpoint_param_t;
+
 typedef struct fsdp_checkpoint_unit {
   const char *name;
+  const char *strategy; /* "FULL_SHARD" */
+  const fsdp_checkpoint_param_t *params;
+  size_t n_params;
   uint64_t numel, padded_numel, shard_numel;
   uint32_t shards, host_first_shard, host_shards;
   float *masters; /* host_shards x shard_numel */
@@ -49,6 +62,30 @@ typedef struct fsdp_checkpoint_job {
  * full disk, UNAVAILABLE for other I/O errors. */
 int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
                          size_t size, fsdp_status_t *st);
+
+/* A checkpoint open for reading: its metadata, and its blocks checked as they are read. */
+typedef struct fsdp_checkpoint_reader fsdp_checkpoint_reader_t;
+
+/* Opens the checkpoint at dir (a step directory, or the newest complete one under it):
+ * NOT_FOUND without one; FAILED_PRECONDITION for another format or several hosts' files;
+ * DATA_LOSS for metadata that cannot be read. */
+int fsdp_checkpoint_open(const char *dir, fsdp_checkpoint_reader_t **ret, fsdp_status_t *st);
+void fsdp_checkpoint_close(fsdp_checkpoint_reader_t *reader); /* NULL-safe */
+
+const char *fsdp_checkpoint_path(const fsdp_checkpoint_reader_t *reader); /* the step dir */
+const char *fsdp_checkpoint_job(const fsdp_checkpoint_reader_t *reader);
+uint64_t fsdp_checkpoint_step(const fsdp_checkpoint_reader_t *reader);
+/* Its units as saved: layouts, parameters and how many optimizer arrays; no buffers. Valid
+ * while the reader is open. */
+const fsdp_checkpoint_unit_t *fsdp_checkpoint_units(const fsdp_checkpoint_reader_t *reader,
+                                                    size_t *ret_n);
+uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *reader, size_t unit);
+
+/* Block b of unit (0: the masters, then the optimizer's arrays; host_shards x shard_numel
+ * floats) into dst, or only checked when dst is NULL: DATA_LOSS names the file and the byte
+ * range that does not match its checksum, or where the file ends too soon. */
+int fsdp_checkpoint_read(fsdp_checkpoint_reader_t *reader, size_t unit, unsigned b, float *dst,
+                         fsdp_status_t *st);
 
 /* Reads the checkpoint at dir (a step directory, or the newest complete one under it) into
  * the job's buffers, having checked all of it first, so that a refusal changes nothing:

@@ -1,6 +1,6 @@
 /* Checkpoint files (daemon/checkpoint/checkpoint.h): JSON by json-c, checksums by XXH64
  * (libxxhash), every write made durable before the next step of the protocol depends on it. */
-#include "daemon/checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -130,8 +130,22 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
       json_object_array_add(blocks, o);
       offset += bytes;
     }
+    json_object *params = json_object_new_array();
+    for (size_t k = 0; k < u->n_params; k++) {
+      const fsdp_checkpoint_param_t *p = &u->params[k];
+      json_object *po = json_object_new_object(), *shape = json_object_new_array();
+      for (size_t d = 0; d < p->ndim; d++)
+        json_object_array_add(shape, json_u64(p->shape[d]));
+      json_object_object_add(po, "name", json_object_new_string(p->name));
+      json_object_object_add(po, "shape", shape);
+      json_object_object_add(po, "offset", json_u64(p->offset));
+      json_object_object_add(po, "dtype", json_object_new_string(p->dtype));
+      json_object_array_add(params, po);
+    }
     json_object *o = json_object_new_object();
     json_object_object_add(o, "name", json_object_new_string(u->name));
+    json_object_object_add(o, "strategy", json_object_new_string(u->strategy));
+    json_object_object_add(o, "params", params);
     json_object_object_add(o, "numel", json_u64(u->numel));
     json_object_object_add(o, "padded_numel", json_u64(u->padded_numel));
     json_object_object_add(o, "shard_numel", json_u64(u->shard_numel));
@@ -234,7 +248,20 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char
   return 0;
 }
 
-/* ---- Loading ---- */
+/* ---- Reading ---- */
+
+struct fsdp_checkpoint_reader {
+  char path[PATH_MAX]; /* the step directory */
+  char bin[PATH_MAX];
+  int fd;
+  json_object *manifest, *host;
+  fsdp_checkpoint_unit_t *units;
+  size_t n_units;
+  json_object **unit_meta; /* each unit's object of host-0.json */
+  fsdp_checkpoint_param_t *params;
+  uint64_t *shapes;
+  void *buf; /* IO_CHUNK, for checking a block without keeping it */
+};
 
 static json_object *read_json(const char *dir, const char *name, fsdp_status_t *st,
                               int *ret_code) {
@@ -250,14 +277,19 @@ static json_object *read_json(const char *dir, const char *name, fsdp_status_t *
   return o;
 }
 
+static json_object *get(json_object *o, const char *key) {
+  json_object *v = NULL;
+  return o && json_object_object_get_ex(o, key, &v) ? v : NULL;
+}
+
 static uint64_t get_u64(json_object *o, const char *key) {
-  json_object *v;
-  return json_object_object_get_ex(o, key, &v) ? json_object_get_uint64(v) : UINT64_MAX;
+  json_object *v = get(o, key);
+  return v ? json_object_get_uint64(v) : UINT64_MAX;
 }
 
 static const char *get_str(json_object *o, const char *key) {
-  json_object *v;
-  return json_object_object_get_ex(o, key, &v) ? json_object_get_string(v) : "";
+  json_object *v = get(o, key);
+  return v ? json_object_get_string(v) : "";
 }
 
 /* dir itself when it is a checkpoint, else the complete step-* under it of the highest step. */
@@ -296,153 +328,246 @@ static int find_checkpoint(const char *dir, char *ret, size_t size, fsdp_status_
   return join(ret, size, dir, "/", name) ? 0 : io_failed(st, "naming", dir, ENAMETOOLONG);
 }
 
-/* The checkpoint's unit of u's name, laid out as u is, with the state u has room for. */
-static int match_unit(json_object *units, const fsdp_checkpoint_unit_t *u, const char *where,
-                      json_object **ret, fsdp_status_t *st) {
-  json_object *found = NULL;
-  for (size_t i = 0; i < json_object_array_length(units) && !found; i++) {
-    json_object *c = json_object_array_get_idx(units, i);
-    if (strcmp(get_str(c, "name"), u->name) == 0)
-      found = c;
+void fsdp_checkpoint_close(fsdp_checkpoint_reader_t *r) {
+  if (!r)
+    return;
+  if (r->fd >= 0)
+    close(r->fd);
+  json_object_put(r->host);
+  json_object_put(r->manifest);
+  free(r->units);
+  free(r->unit_meta);
+  free(r->params);
+  free(r->shapes);
+  free(r->buf);
+  free(r);
+}
+
+/* The units of host-0.json as the reader's fsdp_checkpoint_unit_t (no buffers). */
+static int parse_units(fsdp_checkpoint_reader_t *r, fsdp_status_t *st) {
+  json_object *units = get(r->host, "units");
+  if (!units || !json_object_is_type(units, json_type_array))
+    return fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s/" HOST_JSON " lists no units",
+                           r->path);
+  r->n_units = json_object_array_length(units);
+  size_t n_params = 0, n_dims = 0;
+  for (size_t i = 0; i < r->n_units; i++) {
+    json_object *params = get(json_object_array_get_idx(units, i), "params");
+    for (size_t k = 0; params && k < json_object_array_length(params); k++) {
+      n_params++;
+      json_object *shape = get(json_object_array_get_idx(params, k), "shape");
+      n_dims += shape ? json_object_array_length(shape) : 0;
+    }
   }
-  if (!found)
-    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "checkpoint %s has no unit '%s'", where, u->name);
-  const struct {
-    const char *key;
-    uint64_t value;
-  } layout[] = {{"numel", u->numel},
-                {"padded_numel", u->padded_numel},
-                {"shard_numel", u->shard_numel},
-                {"shards", u->shards},
-                {"host_first_shard", u->host_first_shard},
-                {"host_shards", u->host_shards}};
-  for (size_t k = 0; k < sizeof layout / sizeof layout[0]; k++)
-    if (get_u64(found, layout[k].key) != layout[k].value)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "checkpoint %s: unit '%s' has %s %" PRIu64 ", the job's %" PRIu64
-                             " (loading at another world size is not built yet)",
-                             where, u->name, layout[k].key, get_u64(found, layout[k].key),
-                             layout[k].value);
-  json_object *blocks;
-  if (!json_object_object_get_ex(found, "blocks", &blocks) ||
-      json_object_array_length(blocks) != n_blocks(u))
-    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "checkpoint %s: unit '%s' holds %zu arrays of optimizer state, the "
-                           "job's optimizer %u (set the same optimizer before loading)",
-                           where, u->name,
-                           blocks ? json_object_array_length(blocks) - 1 : 0, u->arrays);
-  *ret = found;
+  r->units = calloc(r->n_units + 1, sizeof *r->units);
+  r->unit_meta = calloc(r->n_units + 1, sizeof *r->unit_meta);
+  r->params = calloc(n_params + 1, sizeof *r->params);
+  r->shapes = calloc(n_dims + 1, sizeof *r->shapes);
+  if (!r->units || !r->unit_meta || !r->params || !r->shapes)
+    return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  fsdp_checkpoint_param_t *p = r->params;
+  uint64_t *dims = r->shapes;
+  for (size_t i = 0; i < r->n_units; i++) {
+    json_object *m = json_object_array_get_idx(units, i), *params = get(m, "params");
+    json_object *blocks = get(m, "blocks");
+    size_t n_blocks_meta = blocks ? json_object_array_length(blocks) : 0;
+    if (n_blocks_meta < 1 || n_blocks_meta > 1 + FSDP_CHECKPOINT_ARRAYS_MAX)
+      return fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                             "checkpoint %s/" HOST_JSON ": unit '%s' lists %zu blocks", r->path,
+                             get_str(m, "name"), n_blocks_meta);
+    r->unit_meta[i] = m;
+    r->units[i] = (fsdp_checkpoint_unit_t){
+        .name = get_str(m, "name"),
+        .strategy = get_str(m, "strategy"),
+        .params = p,
+        .n_params = params ? json_object_array_length(params) : 0,
+        .numel = get_u64(m, "numel"),
+        .padded_numel = get_u64(m, "padded_numel"),
+        .shard_numel = get_u64(m, "shard_numel"),
+        .shards = (uint32_t)get_u64(m, "shards"),
+        .host_first_shard = (uint32_t)get_u64(m, "host_first_shard"),
+        .host_shards = (uint32_t)get_u64(m, "host_shards"),
+        .arrays = (unsigned)n_blocks_meta - 1,
+    };
+    for (size_t k = 0; k < r->units[i].n_params; k++, p++) {
+      json_object *pm = json_object_array_get_idx(params, k), *shape = get(pm, "shape");
+      *p = (fsdp_checkpoint_param_t){.name = get_str(pm, "name"),
+                                     .shape = dims,
+                                     .ndim = shape ? json_object_array_length(shape) : 0,
+                                     .offset = get_u64(pm, "offset"),
+                                     .dtype = get_str(pm, "dtype")};
+      for (size_t d = 0; d < p->ndim; d++)
+        *dims++ = json_object_get_uint64(json_object_array_get_idx(shape, d));
+    }
+  }
   return 0;
 }
 
-/* Reads a block's bytes from fd at its offset into dst, or (dst NULL) only checks its hash
- * against the metadata's. */
-static int read_block(int fd, const char *path, json_object *b, const char *unit, float *dst,
-                      void *buf, fsdp_status_t *st) {
-  uint64_t offset = get_u64(b, "offset"), bytes = get_u64(b, "bytes");
+int fsdp_checkpoint_open(const char *dir, fsdp_checkpoint_reader_t **ret, fsdp_status_t *st) {
+  fsdp_checkpoint_reader_t *r = calloc(1, sizeof *r);
+  if (!r)
+    return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  r->fd = -1;
+  int code = find_checkpoint(dir, r->path, sizeof r->path, st);
+  if (code == 0 && !(r->manifest = read_json(r->path, MANIFEST, st, &code)))
+    goto out;
+  uint64_t format = code == 0 ? get_u64(r->manifest, "format") : 0;
+  if (code == 0 && format != FSDP_CHECKPOINT_FORMAT)
+    code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint %s is of format %" PRIu64 ", this fsdpd reads %d",
+                           r->path, format, FSDP_CHECKPOINT_FORMAT);
+  else if (code == 0 && get_u64(r->manifest, "hosts") != 1)
+    code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint %s spans %" PRIu64 " hosts: reading it is not built yet",
+                           r->path, get_u64(r->manifest, "hosts"));
+  if (code == 0 && !(r->host = read_json(r->path, HOST_JSON, st, &code)))
+    goto out;
+  if (code == 0)
+    code = parse_units(r, st);
+  if (code == 0 && !join(r->bin, sizeof r->bin, r->path, "/", HOST_BIN))
+    code = io_failed(st, "naming", r->path, ENAMETOOLONG);
+  if (code == 0 && (r->fd = open(r->bin, O_RDONLY | O_CLOEXEC)) < 0)
+    code = io_failed(st, "opening", r->bin, errno);
+  if (code == 0 && !(r->buf = malloc(IO_CHUNK)))
+    code = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+out:
+  if (code < 0) {
+    fsdp_checkpoint_close(r);
+    return code;
+  }
+  *ret = r;
+  return 0;
+}
+
+const char *fsdp_checkpoint_path(const fsdp_checkpoint_reader_t *r) {
+  return r->path;
+}
+
+const char *fsdp_checkpoint_job(const fsdp_checkpoint_reader_t *r) {
+  return get_str(r->manifest, "job");
+}
+
+uint64_t fsdp_checkpoint_step(const fsdp_checkpoint_reader_t *r) {
+  return get_u64(r->manifest, "step");
+}
+
+const fsdp_checkpoint_unit_t *fsdp_checkpoint_units(const fsdp_checkpoint_reader_t *r,
+                                                    size_t *ret_n) {
+  *ret_n = r->n_units;
+  return r->units;
+}
+
+uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *r, size_t unit) {
+  return get_u64(r->unit_meta[unit], "optimizer_steps");
+}
+
+int fsdp_checkpoint_read(fsdp_checkpoint_reader_t *r, size_t unit, unsigned b, float *dst,
+                         fsdp_status_t *st) {
+  const fsdp_checkpoint_unit_t *u = &r->units[unit];
+  json_object *m = json_object_array_get_idx(get(r->unit_meta[unit], "blocks"), b);
+  uint64_t offset = get_u64(m, "offset"), bytes = get_u64(m, "bytes");
+  if (bytes != host_numel(u) * sizeof(float))
+    return fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                           "checkpoint %s: unit '%s''s %s is %" PRIu64 " bytes, expected %zu",
+                           r->path, u->name, block_name(b), bytes, host_numel(u) * sizeof(float));
   XXH64_state_t *h = XXH64_createState();
   if (!h)
     return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
   XXH64_reset(h, 0);
-  int r = 0;
-  for (uint64_t done = 0; r == 0 && done < bytes;) {
+  int code = 0;
+  for (uint64_t done = 0; code == 0 && done < bytes;) {
     size_t n = bytes - done < IO_CHUNK ? (size_t)(bytes - done) : IO_CHUNK;
-    char *to = dst ? (char *)dst + done : buf;
-    ssize_t got = pread(fd, to, n, (off_t)(offset + done));
+    char *to = dst ? (char *)dst + done : r->buf;
+    ssize_t got = pread(r->fd, to, n, (off_t)(offset + done));
     if (got < 0 && errno == EINTR)
       continue;
     if (got <= 0) {
-      r = got < 0 ? io_failed(st, "reading", path, errno)
-                  : fsdp_status_set(st, FSDP_E_DATA_LOSS,
-                                    "checkpoint: %s ends at byte %" PRIu64 ", inside unit '%s''s "
-                                    "%s [%" PRIu64 ", %" PRIu64 ")",
-                                    path, offset + done, unit, get_str(b, "what"), offset,
-                                    offset + bytes);
+      code = got < 0 ? io_failed(st, "reading", r->bin, errno)
+                     : fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                                       "checkpoint: %s ends at byte %" PRIu64 ", inside unit "
+                                       "'%s''s %s [%" PRIu64 ", %" PRIu64 ")",
+                                       r->bin, offset + done, u->name, block_name(b), offset,
+                                       offset + bytes);
       break;
     }
     XXH64_update(h, to, (size_t)got);
     done += (uint64_t)got;
   }
-  if (r == 0 && XXH64_digest(h) != get_u64(b, "xxh64"))
-    r = fsdp_status_set(st, FSDP_E_DATA_LOSS,
-                        "checkpoint: %s bytes [%" PRIu64 ", %" PRIu64 ") (unit '%s''s %s) do "
-                        "not match their checksum",
-                        path, offset, offset + bytes, unit, get_str(b, "what"));
+  if (code == 0 && XXH64_digest(h) != get_u64(m, "xxh64"))
+    code = fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                           "checkpoint: %s bytes [%" PRIu64 ", %" PRIu64 ") (unit '%s''s %s) do "
+                           "not match their checksum",
+                           r->bin, offset, offset + bytes, u->name, block_name(b));
   XXH64_freeState(h);
-  return r;
+  return code;
+}
+
+/* ---- Loading ---- */
+
+/* The checkpoint's unit of u's name, laid out as u is, with the state u has room for. */
+static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_unit_t *u,
+                      size_t *ret, fsdp_status_t *st) {
+  size_t i = 0;
+  while (i < r->n_units && strcmp(r->units[i].name, u->name) != 0)
+    i++;
+  if (i == r->n_units)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION, "checkpoint %s has no unit '%s'",
+                           r->path, u->name);
+  const fsdp_checkpoint_unit_t *c = &r->units[i];
+  const struct {
+    const char *key;
+    uint64_t saved, job;
+  } layout[] = {{"numel", c->numel, u->numel},
+                {"padded_numel", c->padded_numel, u->padded_numel},
+                {"shard_numel", c->shard_numel, u->shard_numel},
+                {"shards", c->shards, u->shards},
+                {"host_first_shard", c->host_first_shard, u->host_first_shard},
+                {"host_shards", c->host_shards, u->host_shards}};
+  for (size_t k = 0; k < sizeof layout / sizeof layout[0]; k++)
+    if (layout[k].saved != layout[k].job)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "checkpoint %s: unit '%s' has %s %" PRIu64 ", the job's %" PRIu64
+                             " (loading at another world size is not built yet)",
+                             r->path, u->name, layout[k].key, layout[k].saved, layout[k].job);
+  if (c->arrays != u->arrays)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint %s: unit '%s' holds %u arrays of optimizer state, the "
+                           "job's optimizer %u (set the same optimizer before loading)",
+                           r->path, u->name, c->arrays, u->arrays);
+  *ret = i;
+  return 0;
 }
 
 int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
                          size_t size, uint64_t *ret_step, fsdp_status_t *st) {
-  char where[PATH_MAX], path[PATH_MAX];
-  int r = find_checkpoint(dir, where, sizeof where, st);
-  if (r < 0)
-    return r;
-  json_object *manifest = read_json(where, MANIFEST, st, &r), *host = NULL;
-  if (!manifest)
-    return r;
-  uint64_t format = get_u64(manifest, "format");
-  if (format != FSDP_CHECKPOINT_FORMAT)
-    r = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                        "checkpoint %s is of format %" PRIu64 ", this fsdpd reads %d", where,
-                        format, FSDP_CHECKPOINT_FORMAT);
-  else if (strcmp(get_str(manifest, "job"), job->job) != 0)
-    r = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                        "checkpoint %s is of job '%s', not '%s'", where,
-                        get_str(manifest, "job"), job->job);
-  else if (get_u64(manifest, "hosts") != 1)
-    r = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                        "checkpoint %s spans %" PRIu64 " hosts: loading it is not built yet",
-                        where, get_u64(manifest, "hosts"));
-  else
-    host = read_json(where, HOST_JSON, st, &r);
-  json_object *units = NULL, **matched = calloc(job->n_units + 1, sizeof *matched);
-  if (r == 0 && !matched)
-    r = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
-  if (r == 0 && host && !json_object_object_get_ex(host, "units", &units))
-    r = fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s/" HOST_JSON " lists no units",
-                        where);
-  for (size_t i = 0; r == 0 && i < job->n_units; i++)
-    r = match_unit(units, &job->units[i], where, &matched[i], st);
-
-  if (r == 0 && !join(path, sizeof path, where, "/", HOST_BIN))
-    r = io_failed(st, "naming", where, ENAMETOOLONG);
-  int fd = r == 0 ? open(path, O_RDONLY | O_CLOEXEC) : -1;
-  if (r == 0 && fd < 0)
-    r = io_failed(st, "opening", path, errno);
-  void *buf = r == 0 ? malloc(IO_CHUNK) : NULL;
-  if (r == 0 && !buf)
-    r = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  fsdp_checkpoint_reader_t *r;
+  int code = fsdp_checkpoint_open(dir, &r, st);
+  if (code < 0)
+    return code;
+  size_t *matched = calloc(job->n_units + 1, sizeof *matched);
+  if (!matched)
+    code = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  else if (strcmp(fsdp_checkpoint_job(r), job->job) != 0)
+    code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint %s is of job '%s', not '%s'", r->path,
+                           fsdp_checkpoint_job(r), job->job);
+  for (size_t i = 0; code == 0 && i < job->n_units; i++)
+    code = match_unit(r, &job->units[i], &matched[i], st);
   /* Everything checked before anything is written: a refusal changes nothing. */
-  for (int pass = 0; r == 0 && pass < 2; pass++) {
-    for (size_t i = 0; r == 0 && i < job->n_units; i++) {
+  for (int pass = 0; code == 0 && pass < 2; pass++) {
+    for (size_t i = 0; code == 0 && i < job->n_units; i++) {
       const fsdp_checkpoint_unit_t *u = &job->units[i];
-      json_object *blocks;
-      json_object_object_get_ex(matched[i], "blocks", &blocks);
-      for (unsigned b = 0; r == 0 && b < n_blocks(u); b++) {
-        json_object *m = json_object_array_get_idx(blocks, b);
-        if (get_u64(m, "bytes") != host_numel(u) * sizeof(float))
-          r = fsdp_status_set(st, FSDP_E_DATA_LOSS,
-                              "checkpoint %s: unit '%s''s %s is %" PRIu64 " bytes, expected %zu",
-                              where, u->name, block_name(b), get_u64(m, "bytes"),
-                              host_numel(u) * sizeof(float));
-        else
-          r = read_block(fd, path, m, u->name, pass ? block(u, b) : NULL, buf, st);
-      }
-      if (r == 0 && pass && u->steps)
-        *u->steps = get_u64(matched[i], "optimizer_steps");
+      for (unsigned b = 0; code == 0 && b < n_blocks(u); b++)
+        code = fsdp_checkpoint_read(r, matched[i], b, pass ? block(u, b) : NULL, st);
+      if (code == 0 && pass && u->steps)
+        *u->steps = fsdp_checkpoint_optimizer_steps(r, matched[i]);
     }
   }
-  free(buf);
-  free(matched);
-  if (fd >= 0)
-    close(fd);
-  if (r == 0) {
-    snprintf(ret_path, size, "%s", where);
-    *ret_step = get_u64(manifest, "step");
+  if (code == 0) {
+    snprintf(ret_path, size, "%s", r->path);
+    *ret_step = fsdp_checkpoint_step(r);
   }
-  json_object_put(host);
-  json_object_put(manifest);
-  return r;
+  free(matched);
+  fsdp_checkpoint_close(r);
+  return code;
 }
