@@ -22,6 +22,7 @@
 
 #include "client/client_rpc.h"
 #include "fsdp/v1/operator.pb-c.h"
+#include "fsdpctl/export.h"
 #include "proto/limits.h"
 #include "proto/wire.h"
 
@@ -42,6 +43,10 @@ typedef struct ctl {
   bool json;
   bool verbose;
   const char *job; /* --job: units and unit look in this job only */
+  /* export's: --out, --dtype, --step (NULL: the newest) */
+  const char *out;
+  fsdp_dtype_t dtype;
+  const char *step;
   int timeout_ms;
   char *target;
   fsdp_client_t *client;
@@ -54,6 +59,7 @@ typedef struct command {
   const char *args;
   const char *help;
   int (*run)(ctl_t *ctl, int argc, char **argv);
+  bool offline; /* needs no daemon */
 } command_t;
 
 static void usage(FILE *out);
@@ -1069,6 +1075,38 @@ static int cmd_checkpoint_load(ctl_t *ctl, int argc, char **argv) {
   return checkpoint_call(ctl, "LoadCheckpoint", argc, argv);
 }
 
+static int parse_dtype(const char *text, fsdp_dtype_t *ret) {
+  static const char *const names[FSDP_DTYPE_COUNT] = {"fp32", "bf16", "fp16"};
+  for (int t = 0; t < FSDP_DTYPE_COUNT; t++)
+    if (strcmp(text, names[t]) == 0) {
+      *ret = (fsdp_dtype_t)t;
+      return 0;
+    }
+  return -EINVAL;
+}
+
+static int cmd_export(ctl_t *ctl, int argc, char **argv) {
+  if (argc < 1 || !ctl->out)
+    return usage_error("%s", "export needs a DIR and --out FILE");
+  char dir[PATH_MAX];
+  if ((size_t)snprintf(dir, sizeof dir, "%s%s%s", argv[0], ctl->step ? "/step-" : "",
+                       ctl->step ? ctl->step : "") >= sizeof dir)
+    return usage_error("export: DIR '%s' is too long", argv[0]);
+  fsdp_status_t st;
+  if (fsdp_export_safetensors(dir, ctl->out, ctl->dtype, &st) < 0) {
+    fprintf(stderr, "fsdpctl: %s\n", st.message);
+    return EXIT_ERROR;
+  }
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "out", json_string(ctl->out));
+    print_json(o);
+  } else {
+    printf("exported %s\n", ctl->out);
+  }
+  return EXIT_OK;
+}
+
 static int cmd_version(ctl_t *ctl, int argc, char **argv) {
   (void)argc, (void)argv;
   Fsdp__V1__StatusReply *s = NULL;
@@ -1110,25 +1148,29 @@ static int cmd_help(ctl_t *ctl, int argc, char **argv) {
 }
 
 static const command_t commands[] = {
-    {"status", NULL, 0, "", "daemon state, listeners, sessions, memory, RPC counters", cmd_status},
+    {"status", NULL, 0, "", "daemon state, listeners, sessions, memory, RPC counters",
+     cmd_status, false},
     {"health", NULL, 1, "[SERVICE]", "gRPC health check of the daemon or of one service",
-     cmd_health},
+     cmd_health, false},
     {"config", "show", 0, "", "effective configuration and where each value came from",
-     cmd_config_show},
+     cmd_config_show, false},
     {"config", "reload", 0, "", "re-read the config file (like SIGHUP), list changed keys",
-     cmd_config_reload},
+     cmd_config_reload, false},
     {"peers", NULL, 0, "", "the other hosts' daemons: state, heartbeat age, RTT, last error",
-     cmd_peers},
-    {"units", NULL, 0, "", "the units of every job (or of --job J)", cmd_units},
-    {"unit", NULL, 1, "NAME", "one unit: its parameters and shard map", cmd_unit},
-    {"drain", NULL, 0, "", "refuse new work, keep serving health and status", cmd_drain},
-    {"resume", NULL, 0, "", "serve new work again after a drain", cmd_resume},
+     cmd_peers, false},
+    {"units", NULL, 0, "", "the units of every job (or of --job J)", cmd_units, false},
+    {"unit", NULL, 1, "NAME", "one unit: its parameters and shard map", cmd_unit, false},
+    {"drain", NULL, 0, "", "refuse new work, keep serving health and status", cmd_drain,
+     false},
+    {"resume", NULL, 0, "", "serve new work again after a drain", cmd_resume, false},
     {"checkpoint", "save", 2, "JOB DIR", "write JOB's state on this host into DIR/step-N/",
-     cmd_checkpoint_save},
+     cmd_checkpoint_save, false},
     {"checkpoint", "load", 2, "JOB DIR", "read DIR (or its newest step-N/) into JOB's units",
-     cmd_checkpoint_load},
-    {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version},
-    {"help", NULL, 0, "", "this text", cmd_help},
+     cmd_checkpoint_load, false},
+    {"export", NULL, 1, "DIR", "a checkpoint's parameters as --out FILE (safetensors, --dtype)",
+     cmd_export, true},
+    {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version, false},
+    {"help", NULL, 0, "", "this text", cmd_help, true},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
@@ -1151,6 +1193,9 @@ static void usage(FILE *out) {
         "  -v, --verbose            config show: one block per key with default, unit, help\n"
         "  -J, --job JOB            units, unit: only this job's units\n"
         "  -t, --timeout DURATION   deadline of each call: 500ms, 5s, 1m (default 5s)\n"
+        "      --out FILE           export: the safetensors file to write\n"
+        "      --dtype fp32|bf16|fp16  export: the tensors' type (default fp32, the masters')\n"
+        "      --step N             export: DIR/step-N (default: DIR, or its newest step)\n"
         "  -h, --help               this text\n"
         "\nexit status:\n"
         "  0  success\n"
@@ -1220,12 +1265,14 @@ int main(int argc, char **argv) {
       {"json", no_argument, NULL, 'j'},         {"verbose", no_argument, NULL, 'v'},
       {"timeout", required_argument, NULL, 't'}, {"help", no_argument, NULL, 'h'},
       {"job", required_argument, NULL, 'J'},
+      {"out", required_argument, NULL, 'O'},    {"dtype", required_argument, NULL, 'D'},
+      {"step", required_argument, NULL, 'S'},
       {NULL, 0, NULL, 0},
   };
   ctl_t ctl = {.timeout_ms = DEFAULT_TIMEOUT_MS};
   int opt;
   opterr = 0; /* our own messages, with the usage line */
-  while ((opt = getopt_long(argc, argv, ":s:a:jvt:hJ:", options, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, ":s:a:jvt:hJ:O:D:S:", options, NULL)) != -1) {
     switch (opt) {
     case 's':
       ctl.socket = optarg;
@@ -1241,6 +1288,18 @@ int main(int argc, char **argv) {
       break;
     case 'J':
       ctl.job = optarg;
+      break;
+    case 'O':
+      ctl.out = optarg;
+      break;
+    case 'D':
+      if (parse_dtype(optarg, &ctl.dtype) < 0)
+        return usage_error("--dtype '%s': expected fp32, bf16 or fp16", optarg);
+      break;
+    case 'S':
+      if (strspn(optarg, "0123456789") != strlen(optarg) || !*optarg)
+        return usage_error("--step '%s': expected a step number", optarg);
+      ctl.step = optarg;
       break;
     case 't':
       if (parse_duration(optarg, &ctl.timeout_ms) < 0)
@@ -1277,8 +1336,8 @@ int main(int argc, char **argv) {
   char **args = argv + optind + words;
   if (nargs > cmd->max_args)
     return usage_error("unexpected argument '%s'", args[cmd->max_args]);
-  if (cmd->run == cmd_help)
-    return cmd_help(&ctl, nargs, args);
+  if (cmd->offline)
+    return cmd->run(&ctl, nargs, args);
 
   if (ctl.address) {
     ctl.target = strdup(ctl.address);

@@ -1,17 +1,19 @@
 """Checkpoints written and read by the daemon (Operator.SaveCheckpoint, LoadCheckpoint,
-daemon/checkpoint/checkpoint.h), on one host: the files and their metadata, a load that gives
-back the masters and the optimizer's state bit for bit, and every refusal, a load refused
-leaving the job's memory as it was."""
+checkpoint/checkpoint.h), on one host: the files and their metadata, a load that gives back
+the masters and the optimizer's state bit for bit, every refusal (a load refused leaving the
+job's memory as it was), and `fsdpctl export` to safetensors from the files alone, read back
+by this test's own parser of the format."""
 
 import array
 import json
+import struct
 
 import grpc
 import pytest
 
-from fsdpd_harness import fsdpd, operator_pb2, trainer_pb2  # noqa: F401
+from fsdpd_harness import fsdpd, operator_pb2, run_fsdpctl, trainer_pb2  # noqa: F401
 from test_optimizer import ADAMW, group, refused, set_optimizer, two_ranks
-from test_unshard import FP32, on_all
+from test_unshard import FP32, bf16_bits, on_all
 
 
 def checkpoint(d, method, path, job="j"):
@@ -138,3 +140,52 @@ def test_a_unit_laid_out_otherwise_is_refused(fsdpd, tmp_path):
     code, details = refused(lambda: checkpoint(d, "LoadCheckpoint", tmp_path))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "unit 'u' has numel 18, the job's 17" in details, details
+
+
+def read_safetensors(path):
+    """The file by its format alone: u64 little-endian header length, JSON header, raw
+    data; every tensor as (dtype, shape, bytes), checking that the data is covered exactly."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    meta = header.pop("__metadata__")
+    tensors, end = {}, 0
+    for name, t in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, stop = t["data_offsets"]
+        assert begin == end, (name, begin, end)  # no gap, no overlap
+        tensors[name] = (t["dtype"], t["shape"], data[begin:stop])
+        end = stop
+    assert end == len(data) and (8 + n) % 8 == 0
+    return meta, tensors
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_export_writes_safetensors_from_the_files_alone(fsdpd, tmp_path, dtype):
+    d = fsdpd()
+    ranks, regions = trained(d)
+    masters = array.array("f", snapshot(ranks[0], regions)[0])
+    checkpoint(d, "SaveCheckpoint", tmp_path / "ckpt")
+    d.stop()  # no daemon needed
+    out = tmp_path / "model.safetensors"
+    args = ["export", tmp_path / "ckpt", "--step", "1", "--out", out]
+    r = run_fsdpctl(*args, *(["--dtype", dtype] if dtype != "fp32" else []))
+    assert r.returncode == 0 and r.stdout == f"exported {out}\n", r
+    meta, tensors = read_safetensors(out)
+    assert meta == {"format": "pt", "job": "j", "step": "1"}
+    assert list(tensors) == ["p0", "p1"]
+    for name, shape, lo, hi in [("p0", [4, 3], 0, 12), ("p1", [5], 12, 17)]:
+        kind, got_shape, data = tensors[name]
+        values = masters[lo:hi]
+        want = (values.tobytes() if dtype == "fp32"
+                else struct.pack(f"<{hi - lo}H", *(bf16_bits(v) for v in values)))
+        assert (kind, got_shape, data) == ({"fp32": "F32", "bf16": "BF16"}[dtype], shape, want)
+    # A flipped byte in the masters: the export refuses, naming where.
+    meta_json = json.loads((tmp_path / "ckpt" / "step-1" / "host-0.json").read_text())
+    block = meta_json["units"][0]["blocks"][0]
+    binary = tmp_path / "ckpt" / "step-1" / "host-0.bin"
+    data = bytearray(binary.read_bytes())
+    data[block["offset"]] ^= 1
+    binary.write_bytes(bytes(data))
+    r = run_fsdpctl(*args)
+    assert r.returncode == 1 and "do not match their checksum" in r.stderr, r
