@@ -21,6 +21,7 @@
 #include "common/clock.h"
 #include "common/fdpass.h"
 #include "fsdp/v1/channel.pb-c.h"
+#include "fsdp/v1/operator.pb-c.h"
 #include "fsdp/v1/trainer.pb-c.h"
 #include "proto/limits.h"
 #include "proto/wire.h"
@@ -73,6 +74,7 @@ struct fsdp_unit_handle {
 struct fsdp_trainer {
   fsdp_client_t *client; /* borrowed */
   uint64_t session_id;
+  char job[FSDP_JOB_NAME_MAX + 1];
   unsigned local_rank, local_world_size;
   int channel_fd; /* the session's lifeline: open until detach */
   void *memory;   /* the job's arena (memory 0, read-write), or NULL */
@@ -397,6 +399,7 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
   t->client = client;
   t->local_rank = opts->local_rank;
   t->local_world_size = opts->local_world_size;
+  snprintf(t->job, sizeof t->job, "%s", opts->job);
   t->channel_fd = t->memory_fd = t->shared_fd = -1;
   t->device = -1;
   bool detach = true;
@@ -1109,6 +1112,46 @@ static int show_optimizer_state(fsdp_trainer_t *t, fsdp_unit_handle_t *u,
   for (unsigned a = 0; a < m->arrays; a++)
     u->view.optimizer_state[a] = (float *)(void *)(base + m->arrays_offset + a * m->array_stride);
   return 0;
+}
+
+/* A checkpoint writes or reads the job's whole state: minutes for a large one. */
+#define CHECKPOINT_TIMEOUT_MS (30 * 60 * 1000)
+
+static int checkpoint_call(fsdp_trainer_t *t, const char *method, const char *dir,
+                           uint64_t step, uint64_t *ret_step) {
+  if (!t)
+    return -EINVAL;
+  if (!dir || dir[0] != '/')
+    return fsdp_client_set_last_error(t->client, -EINVAL,
+                                      "fsdp_trainer_%s_checkpoint: dir '%.256s' is not an "
+                                      "absolute path",
+                                      strcmp(method, "SaveCheckpoint") ? "load" : "save",
+                                      dir ? dir : "(null)");
+  Fsdp__V1__CheckpointRequest rq = FSDP__V1__CHECKPOINT_REQUEST__INIT;
+  rq.job = t->job;
+  rq.path = (char *)dir;
+  rq.session_id = t->session_id;
+  rq.step = step;
+  char path[96];
+  snprintf(path, sizeof path, "/fsdp.v1.Operator/%s", method);
+  ProtobufCMessage *reply = NULL;
+  int r = fsdp_client_call(t->client, path, &rq.base, &fsdp__v1__checkpoint_reply__descriptor,
+                           CHECKPOINT_TIMEOUT_MS, &reply);
+  if (r < 0)
+    return r;
+  if (ret_step)
+    *ret_step = ((const Fsdp__V1__CheckpointReply *)reply)->step;
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return 0;
+}
+
+int fsdp_trainer_save_checkpoint(fsdp_trainer_t *trainer, const char *dir, uint64_t step,
+                                 uint64_t *ret_step) {
+  return checkpoint_call(trainer, "SaveCheckpoint", dir, step, ret_step);
+}
+
+int fsdp_trainer_load_checkpoint(fsdp_trainer_t *trainer, const char *dir, uint64_t *ret_step) {
+  return checkpoint_call(trainer, "LoadCheckpoint", dir, 0, ret_step);
 }
 
 int fsdp_trainer_set_optimizer(fsdp_trainer_t *trainer, const fsdp_optim_t *optim) {

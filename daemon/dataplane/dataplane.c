@@ -517,16 +517,11 @@ static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, in
     finish_collective(job, u, WAIT_REDUCE, NULL);
 }
 
-/* On the loop: a checkpoint's end. A load's step is the units' last completed one now, as
- * if they had reduced it, so that trainers attaching later resume after it. */
+/* On the loop: a checkpoint's end. */
 static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
   if (status < 0)
     fsdp_status_set(&c->st, status, "the checkpoint's work did not run: %s",
                     fsdp_strerror(status));
-  if (c->st.code == 0 && c->load)
-    for (fsdp_unit_t *u = job->units; u; u = u->next)
-      if (u->trainable)
-        u->reduced_step = c->step;
   if (c->st.code < 0)
     log_error("job '%s': %s", job->name, c->st.message);
   else
@@ -1845,7 +1840,8 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
 }
 
 int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
-                              fsdp_dataplane_checkpoint_fn done, void *data, fsdp_status_t *st) {
+                              uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
+                              fsdp_status_t *st) {
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
   if (dp->backend.kind != FSDP_BACKEND_HOST)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
@@ -1858,10 +1854,10 @@ int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char 
                              "%s: job '%s': unit '%s' spans hosts: checkpoints of one host's "
                              "units only so far",
                              verb, job->name, u->spec->unit);
-    if (load && (fsdp_collection_is_collecting(&u->gather) || u->gather.running ||
-                 fsdp_collection_is_collecting(&u->reduce) || u->reduce.running))
+    /* A collective that only waits for ranks runs after the load, in turn. */
+    if (load && (u->gather.running || u->reduce.running))
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "LoadCheckpoint: job '%s': unit '%s' has a collective under way: "
+                             "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
                              "load between steps",
                              job->name, u->spec->unit);
   }
@@ -1883,6 +1879,8 @@ int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char 
     return r;
   }
   c->load = load;
+  if (step)
+    c->job.step = step;
   c->step = c->job.step; /* a load's is the checkpoint's, read with it */
   snprintf(c->dir, sizeof c->dir, "%s", dir);
   c->done = done;

@@ -227,15 +227,16 @@ typedef void (*fsdp_dataplane_checkpoint_fn)(void *data, const fsdp_status_t *st
                                              const char *path, uint64_t step);
 
 /* Saves the job's state on this host (every unit's masters, the optimizer's state) into a
- * checkpoint under dir, or loads the one at dir into the job's registered units
- * (daemon/checkpoint/checkpoint.h), as a work item in turn with the casts, reduces and
- * optimizer steps, so that none of the daemon's runs meanwhile; a trainer's own optimizer
- * writing its masters is not seen: save between steps. A load makes its step every trainable
- * unit's last completed one. done is called once, on the loop, unless this fails at once
+ * checkpoint of `step` under dir (0: the least reduced_step of its trainable units), or loads
+ * the one at dir into the job's registered units (checkpoint/checkpoint.h; `step` unused), as
+ * a work item in turn with the casts, reduces and optimizer steps, so that none of the
+ * daemon's runs meanwhile; a trainer's own optimizer writing its masters is not seen: save
+ * between steps. done is called once, on the loop, unless this fails at once
  * (st says why: FAILED_PRECONDITION for a job in a GPU's memory or spanning hosts, a unit
- * without buffers, or a load while a collective is under way). dir is copied. */
+ * without buffers, or a load while a collective runs). dir is copied. */
 int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
-                              fsdp_dataplane_checkpoint_fn done, void *data, fsdp_status_t *st);
+                              uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
+                              fsdp_status_t *st);
 
 /* Whether any queued or running work, or any waiting operation, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);

@@ -904,14 +904,25 @@ static void on_checkpoint_done(void *data, const fsdp_status_t *st, const char *
   free(c);
 }
 
-/* SaveCheckpoint and LoadCheckpoint: an operator's, for a job of this daemon, into or from an
- * absolute path (the daemon's user writes it). */
+/* SaveCheckpoint and LoadCheckpoint: an operator's, or a trainer's of the job (its session),
+ * into or from an absolute path (the daemon's user writes it). */
 static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                 fsdp_services_context_t *ctx, bool load) {
   const Fsdp__V1__CheckpointRequest *rq = (const void *)request;
-  if (!operator_only(call, ctx))
-    return;
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
+  if (rq->session_id) {
+    fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+    if (!s)
+      return;
+    if (strcmp(s->job, rq->job) != 0) {
+      fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED,
+                         "%s: field 'job' = '%.256s': session %016llx is of job '%s'", verb,
+                         rq->job, (unsigned long long)s->id, s->job);
+      return;
+    }
+  } else if (!operator_only(call, ctx)) {
+    return;
+  }
   fsdp_job_t *job = fsdp_store_find_job(ctx->store, rq->job);
   if (!job) {
     fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "%s: field 'job' = '%.256s': no such job here",
@@ -930,8 +941,8 @@ static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *r
   }
   c->call = call;
   fsdp_status_t st;
-  if (fsdp_dataplane_checkpoint(ctx->dataplane, job, rq->path, load, on_checkpoint_done, c,
-                                &st) < 0) {
+  if (fsdp_dataplane_checkpoint(ctx->dataplane, job, rq->path, load, rq->step,
+                                on_checkpoint_done, c, &st) < 0) {
     free(c);
     fail_call(call, &st);
     return;

@@ -193,6 +193,19 @@ typedef struct fsdp_optim {
   double max_grad_norm;
 } fsdp_optim_t;
 
+/* A checkpoint of the trainer's job on this host (docs/DESIGN.md, "Checkpoints"), written by
+ * the daemon into dir/step-N/ (dir absolute, the daemon's user writes it): every unit's
+ * masters and the daemon optimizer's state as they are, so call it between steps, once every
+ * local rank's optimizer step is done (one rank calls it). N: step, or when 0 the least
+ * step its trainable units completed a reduce of; *ret_step (may be NULL): N. */
+int fsdp_trainer_save_checkpoint(fsdp_trainer_t *trainer, const char *dir, uint64_t step,
+                                 uint64_t *ret_step);
+
+/* Reads dir (a step directory, or the newest complete one under it) into the job's
+ * registered units, which must be laid out as saved (the same units and local world size);
+ * *ret_step: its step, after which the trainers go on. Between steps, one rank. */
+int fsdp_trainer_load_checkpoint(fsdp_trainer_t *trainer, const char *dir, uint64_t *ret_step);
+
 /* Attaches for opts->job and opts->local_rank: the session, the memory channel, the mapping.
  * client is borrowed and must outlive the trainer. */
 int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opts,

@@ -448,6 +448,33 @@ class Client:
         if rc < 0:
             raise self._error(rc, "set schedule")
 
+    def save_checkpoint(self, directory, step=0):
+        """Has the daemon write the job's state on this host (every unit's masters, its
+        optimizer's state) into directory/step-N/ and returns N: step, or when 0 the least
+        step the job's trainable units completed a reduce of. Between steps, every local
+        rank's optimizer step done; one rank calls it."""
+        self._check_open()
+        done = ctypes.c_uint64()
+        path = os.path.abspath(os.fspath(directory))
+        rc = _lib.lib().fsdp_trainer_save_checkpoint(self._trainer, path.encode(), int(step),
+                                                     ctypes.byref(done))
+        if rc < 0:
+            raise self._error(rc, f"save checkpoint {path}")
+        return int(done.value)
+
+    def load_checkpoint(self, directory):
+        """Reads directory (a step directory, or the newest under it) into the job's units,
+        which must be laid out as saved, and returns its step, after which training goes
+        on. Between steps; one rank calls it."""
+        self._check_open()
+        step = ctypes.c_uint64()
+        path = os.path.abspath(os.fspath(directory))
+        rc = _lib.lib().fsdp_trainer_load_checkpoint(self._trainer, path.encode(),
+                                                     ctypes.byref(step))
+        if rc < 0:
+            raise self._error(rc, f"load checkpoint {path}")
+        return int(step.value)
+
     def set_optimizer(self, kind, groups, max_grad_norm=0.0):
         """Sets the optimizer the daemon runs over the job's master shards (torch.optim's
         formulas), or its hyperparameters once set: kind "AdamW", "Adam" or "SGD"; groups a

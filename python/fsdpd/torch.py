@@ -518,6 +518,28 @@ class ShardedModel(_nn.Module):
                 g.mul_(coef)
         return _torch.tensor(total)
 
+    def save_checkpoint(self, directory):
+        """The daemon writes the job's state on this host (the units' masters and the daemon
+        optimizer's state) into directory/step-N/, N the last completed step, which every
+        rank gets back. Every local rank calls it between steps, after its optimizer step; a
+        torch optimizer's own state is not in it (fsdpd.optim's is)."""
+        self._all_reduce_scalar(0.0)  # every rank's masters are final
+        if self.client.rank == 0:
+            self.client.save_checkpoint(directory, step=self.step)
+        self._all_reduce_scalar(0.0)  # the files are written
+        return self.step
+
+    def load_checkpoint(self, directory):
+        """Reads directory (or its newest step-N/) into the daemon's units, laid out as this
+        model's are, and goes on after its step N, which every rank gets back: the next
+        forward is step N + 1. Every local rank calls it between steps."""
+        self._all_reduce_scalar(0.0)  # nobody is in a step
+        step = self.client.load_checkpoint(directory) if self.client.rank == 0 else 0
+        step = int(self._all_reduce_scalar(float(step)))
+        self.completed_steps = self.step = step
+        self._daemon_gathered = 0
+        return step
+
     @contextlib.contextmanager
     def summon_full_params(self, writeback=True):
         """Inside, the module's parameters are full fp32 copies (what the masters hold, for

@@ -216,6 +216,8 @@ def rank(args):
                   max_grad_norm=MAX_NORM if args.clip else None, **DAEMON_OPTIM[args.optim])
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     start = model.completed_steps + 1
+    if args.load:  # a job restarted from a checkpoint goes on after its step
+        start = model.load_checkpoint(args.load) + 1
     for _ in range(start - 1 if schedule else 0):  # a restarted trainer's schedule
         schedule.step()                               # stands where the job does
     emit(resumed=model.resumed, start=start,
@@ -249,6 +251,9 @@ def rank(args):
             if schedule:
                 schedule.step()
             emit(step=step, loss=total, norm=None if norm is None else float(norm))
+            if step == args.save_at_step:
+                emit(saved=model.save_checkpoint(args.checkpoint))
+                break
     except fsdpd.Error as e:
         emit(error=str(e), status=e.status)
         sys.exit(3)
@@ -299,6 +304,10 @@ def main():
                         "(the daemon's max_grad_norm)")
     p.add_argument("--world", type=int, default=1,
                    help="the bf16 reference: how many ranks it computes for")
+    p.add_argument("--save-at-step", type=int, default=0,
+                   help="after this step, save a checkpoint into --checkpoint and stop")
+    p.add_argument("--checkpoint", help="the checkpoints' directory")
+    p.add_argument("--load", help="first load the checkpoint in this directory")
     p.add_argument("--hosts", type=int, default=1,
                    help="with --optim and --world: the ranks' gradients are summed per host "
                         "first, as that many daemons do")

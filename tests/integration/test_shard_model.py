@@ -262,6 +262,30 @@ def test_two_daemons_clip_by_the_norm_of_every_hosts_shards(fsdpd, strategy):
         assert unit["optimizer_steps"] == STEPS, unit
 
 
+def test_a_checkpoint_brings_the_job_back_on_a_new_daemon(fsdpd, tmp_path):
+    """The ranks train 2 steps with the daemon's AdamW and save a checkpoint; that daemon
+    goes. On a new daemon, new ranks register the same model, load the checkpoint (masters
+    and the optimizer's state) and train steps 3 and 4: the end is the uninterrupted run's
+    bit for bit."""
+    args = ("--optim", "adamw")
+    ref = _start(None, "reference", 2, 0, *args, "--world", "2")
+    d = fsdpd(*DAEMON_ARGS)
+    first = _finish([_start(d, "rank", 2, r, *args, "--save-at-step", "2", "--checkpoint",
+                            tmp_path, job="ckpt") for r in range(2)])
+    assert all({"saved": 2} in records for records in first)
+    d.stop()
+    d = fsdpd(*DAEMON_ARGS, name="again")
+    again = _finish([_start(d, "rank", 2, r, *args, "--load", tmp_path, job="ckpt")
+                     for r in range(2)])
+    for records in again:
+        assert records[0]["start"] == 3 and sorted(_losses(records)) == [3, 4]
+    (ref,) = _finish([ref])
+    done = [{**_losses(a), **_losses(b)} for a, b in zip(first, again)]
+    merged = [[{"step": k, "loss": v} for k, v in x.items()] + [{"final": True,
+              "state": _final(s)}] for x, s in zip(done, again)]
+    _assert_matches(merged, ref, 0.0)
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_a_killed_trainer_restarts_and_training_goes_on(fsdpd, optim):
     """Rank 1 dies (SIGKILL) as the backward of step 3 starts; rank 0 hears it from the
