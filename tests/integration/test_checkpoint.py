@@ -7,6 +7,7 @@ by this test's own parser of the format."""
 import array
 import json
 import struct
+import subprocess
 
 import grpc
 import pytest
@@ -189,3 +190,47 @@ def test_export_writes_safetensors_from_the_files_alone(fsdpd, tmp_path, dtype):
     binary.write_bytes(bytes(data))
     r = run_fsdpctl(*args)
     assert r.returncode == 1 and "do not match their checksum" in r.stderr, r
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs, for a disk that fills up; skips where mounting is not allowed."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_training(fsdpd, small_disk):
+    d = fsdpd()
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    assert checkpoint(d, "SaveCheckpoint", small_disk).step == 1
+    # Fill the disk, then a checkpoint of step 2 finds no room.
+    filler = small_disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    assert on_all(ranks, "Unshard", step=2, backward=True) == [None, None]
+    code, details = refused(lambda: d.call(
+        "/fsdp.v1.Operator/SaveCheckpoint",
+        operator_pb2.CheckpointRequest(job="j", path=str(small_disk), step=2),
+        operator_pb2.CheckpointReply))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert "No space left on device" in details, details
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "step-1"]
+    filler.unlink()
+    garble(ranks[0], regions)
+    assert checkpoint(d, "LoadCheckpoint", small_disk).step == 1  # the previous one, whole
+    assert snapshot(ranks[0], regions) == want
+    n = len(want[0]) // 4
+    for r in ranks:
+        r.write_full_grad([0.0] * n, FP32)
+    assert on_all(ranks, "ReduceScatter", step=2, step_optimizer=True) == [None, None]
