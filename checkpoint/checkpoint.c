@@ -70,6 +70,27 @@ static int write_all(int fd, const void *buf, size_t len) {
   return 0;
 }
 
+/* Writes len bytes and their XXH64, a chunk at a time: each chunk is hashed while the
+ * cache still holds it from the write, and the kernel starts writing back early chunks while
+ * later ones come. */
+static int write_hashed(int fd, const void *buf, size_t len, XXH64_hash_t *ret_hash) {
+  XXH64_state_t *h = XXH64_createState();
+  if (!h)
+    return -ENOMEM;
+  XXH64_reset(h, 0);
+  const char *p = buf;
+  int r = 0;
+  for (size_t done = 0; r == 0 && done < len;) {
+    size_t n = len - done < IO_CHUNK ? len - done : IO_CHUNK;
+    r = write_all(fd, p + done, n);
+    XXH64_update(h, p + done, n);
+    done += n;
+  }
+  *ret_hash = XXH64_digest(h);
+  XXH64_freeState(h);
+  return r;
+}
+
 /* path's bytes made durable under their name: written to path.tmp, fsynced, renamed. */
 static int write_durably(const char *path, const void *data, size_t len, fsdp_status_t *st) {
   char tmp[PATH_MAX];
@@ -120,8 +141,8 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
     json_object *blocks = json_object_new_array();
     for (unsigned b = 0; r == 0 && b < n_blocks(u); b++) {
       size_t bytes = host_numel(u) * sizeof(float);
-      XXH64_hash_t hash = XXH64(block(u, b), bytes, 0);
-      r = write_all(fd, block(u, b), bytes);
+      XXH64_hash_t hash = 0;
+      r = write_hashed(fd, block(u, b), bytes, &hash);
       json_object *o = json_object_new_object();
       json_object_object_add(o, "what", json_object_new_string(block_name(b)));
       json_object_object_add(o, "offset", json_u64(offset));

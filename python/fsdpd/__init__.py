@@ -483,9 +483,9 @@ class Client:
         lr, weight_decay, maximize, betas (a pair), eps, amsgrad, momentum, dampening,
         nesterov. max_grad_norm > 0 clips the gradient by its global norm (every host's
         shards) before each step: a step's reduces then return once every unit's is in and
-        all are stepped, so start them all (reduce_scatter_async) before waiting. The kind and each
-        group's parameters stay as first set; the units' optimizer_state shows the state from
-        then on."""
+        all are stepped, so start them all (reduce_scatter_async) before waiting. The kind
+        and each group's parameters stay as first set; the units' optimizer_state shows the
+        state from then on."""
         self._check_open()
         if kind not in _lib.OPTIMIZERS:
             raise ValueError(f"optimizer kind {kind!r}: expected one of "
