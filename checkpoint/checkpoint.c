@@ -124,8 +124,8 @@ static json_object *json_u64(uint64_t v) {
   return json_object_new_uint64(v);
 }
 
-/* Writes the units' blocks to dir/host-0.bin, hashing them as they go; returns the metadata
- * of the units (owned by the caller). */
+/* Writes the units' blocks to dir/host-0.bin, hashing them as they go, and each unit's
+ * metadata into the array units. */
 static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_object *units,
                         fsdp_status_t *st) {
   char path[PATH_MAX], tmp[PATH_MAX];
@@ -220,6 +220,7 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char
   if (mkdir(dir, 0750) < 0 && errno != EEXIST)
     return io_failed(st, "making", dir, errno);
   remove_checkpoint_dir(partial); /* what a save that died left */
+  remove_checkpoint_dir(old);
   if (mkdir(partial, 0750) < 0)
     return io_failed(st, "making", partial, errno);
 
