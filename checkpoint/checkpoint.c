@@ -526,9 +526,15 @@ int fsdp_checkpoint_read(fsdp_checkpoint_reader_t *r, size_t unit, unsigned b, f
 
 /* ---- Loading ---- */
 
-/* The checkpoint's unit of u's name, laid out as u is, with the state u has room for. */
+static bool holds_every_shard(const fsdp_checkpoint_unit_t *u) {
+  return u->host_first_shard == 0 && u->host_shards == u->shards;
+}
+
+/* The checkpoint's unit of u's name, of as many elements, with the state u has room for,
+ * laid out as u is or (*ret_reshard) both holding every shard: at another local world size,
+ * whose padding differs, the elements are the same. */
 static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_unit_t *u,
-                      size_t *ret, fsdp_status_t *st) {
+                      size_t *ret, bool *ret_reshard, fsdp_status_t *st) {
   size_t i = 0;
   while (i < r->n_units && strcmp(r->units[i].name, u->name) != 0)
     i++;
@@ -536,6 +542,12 @@ static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_u
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION, "checkpoint %s has no unit '%s'",
                            r->path, u->name);
   const fsdp_checkpoint_unit_t *c = &r->units[i];
+  if (c->numel != u->numel)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint %s: unit '%s' has numel %" PRIu64 ", the job's %" PRIu64,
+                           r->path, u->name, c->numel, u->numel);
+  *ret_reshard = holds_every_shard(c) && holds_every_shard(u) &&
+                 (c->padded_numel != u->padded_numel || c->shards != u->shards);
   const struct {
     const char *key;
     uint64_t saved, job;
@@ -545,11 +557,12 @@ static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_u
                 {"shards", c->shards, u->shards},
                 {"host_first_shard", c->host_first_shard, u->host_first_shard},
                 {"host_shards", c->host_shards, u->host_shards}};
-  for (size_t k = 0; k < sizeof layout / sizeof layout[0]; k++)
+  for (size_t k = 0; !*ret_reshard && k < sizeof layout / sizeof layout[0]; k++)
     if (layout[k].saved != layout[k].job)
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "checkpoint %s: unit '%s' has %s %" PRIu64 ", the job's %" PRIu64
-                             " (loading at another world size is not built yet)",
+                             " (loading a part of a unit at another world size is not built "
+                             "yet)",
                              r->path, u->name, layout[k].key, layout[k].saved, layout[k].job);
   if (c->arrays != u->arrays)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
@@ -560,6 +573,27 @@ static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_u
   return 0;
 }
 
+/* Block b's first u->numel elements into dst, the rest of u's host elements (its padding)
+ * zeroed: a unit saved at another local world size. The block was checked whole before. */
+static int read_elements(fsdp_checkpoint_reader_t *r, size_t unit, unsigned b, float *dst,
+                         const fsdp_checkpoint_unit_t *u, fsdp_status_t *st) {
+  json_object *m = json_object_array_get_idx(get(r->unit_meta[unit], "blocks"), b);
+  uint64_t offset = get_u64(m, "offset");
+  size_t bytes = (size_t)u->numel * sizeof(float);
+  for (size_t done = 0; done < bytes;) {
+    ssize_t got = pread(r->fd, (char *)dst + done, bytes - done, (off_t)(offset + done));
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got <= 0)
+      return got < 0 ? io_failed(st, "reading", r->bin, errno)
+                     : fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint: %s ends early",
+                                       r->bin);
+    done += (size_t)got;
+  }
+  memset(dst + u->numel, 0, (host_numel(u) - u->numel) * sizeof(float));
+  return 0;
+}
+
 int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
                          size_t size, uint64_t *ret_step, fsdp_status_t *st) {
   fsdp_checkpoint_reader_t *r;
@@ -567,20 +601,23 @@ int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char
   if (code < 0)
     return code;
   size_t *matched = calloc(job->n_units + 1, sizeof *matched);
-  if (!matched)
+  bool *reshard = calloc(job->n_units + 1, sizeof *reshard);
+  if (!matched || !reshard)
     code = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
   else if (strcmp(fsdp_checkpoint_job(r), job->job) != 0)
     code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "checkpoint %s is of job '%s', not '%s'", r->path,
                            fsdp_checkpoint_job(r), job->job);
   for (size_t i = 0; code == 0 && i < job->n_units; i++)
-    code = match_unit(r, &job->units[i], &matched[i], st);
+    code = match_unit(r, &job->units[i], &matched[i], &reshard[i], st);
   /* Everything checked before anything is written: a refusal changes nothing. */
   for (int pass = 0; code == 0 && pass < 2; pass++) {
     for (size_t i = 0; code == 0 && i < job->n_units; i++) {
       const fsdp_checkpoint_unit_t *u = &job->units[i];
       for (unsigned b = 0; code == 0 && b < n_blocks(u); b++)
-        code = fsdp_checkpoint_read(r, matched[i], b, pass ? block(u, b) : NULL, st);
+        code = pass && reshard[i] ? read_elements(r, matched[i], b, block(u, b), u, st)
+                                  : fsdp_checkpoint_read(r, matched[i], b,
+                                                         pass ? block(u, b) : NULL, st);
       if (code == 0 && pass && u->steps)
         *u->steps = fsdp_checkpoint_optimizer_steps(r, matched[i]);
     }
@@ -590,6 +627,7 @@ int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char
     *ret_step = fsdp_checkpoint_step(r);
   }
   free(matched);
+  free(reshard);
   fsdp_checkpoint_close(r);
   return code;
 }

@@ -88,9 +88,12 @@ int fsdp_checkpoint_read(fsdp_checkpoint_reader_t *reader, size_t unit, unsigned
                          fsdp_status_t *st);
 
 /* Reads the checkpoint at dir (a step directory, or the newest complete one under it) into
- * the job's buffers, having checked all of it first, so that a refusal changes nothing:
- * FAILED_PRECONDITION for another format, another job, a unit missing or laid out otherwise,
- * or optimizer state the job has no room for; DATA_LOSS naming the file and the byte range
+ * the job's buffers, having checked all of it first, so that a refusal changes nothing. A
+ * unit saved at another local world size (another padding) loads when both the checkpoint
+ * and the job hold every shard of it on this host: its elements are the same. Refused:
+ * FAILED_PRECONDITION for another format, another job, a unit missing, of another numel or
+ * of which either side holds a part at another layout, optimizer state the job has no room
+ * for; DATA_LOSS naming the file and the byte range
  * that does not match its checksum; NOT_FOUND without a checkpoint there. *ret_path (size
  * bytes): the step directory read; *ret_step: its step. */
 int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,

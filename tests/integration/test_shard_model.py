@@ -286,6 +286,27 @@ def test_a_checkpoint_brings_the_job_back_on_a_new_daemon(fsdpd, tmp_path):
     _assert_matches(merged, ref, 0.0)
 
 
+def test_a_checkpoint_loads_at_another_local_world_size(fsdpd, tmp_path):
+    """Saved by 2 ranks after step 2, loaded by 3 on a new daemon: each unit's elements are
+    the same, only its padding to the shard count differs; steps 3 and 4 go on like one
+    process on the whole batch (SGD: no optimizer state to carry)."""
+    d = fsdpd(*DAEMON_ARGS)
+    first = _finish([_start(d, "rank", 2, r, "--save-at-step", "2", "--checkpoint", tmp_path,
+                            job="ckpt") for r in range(2)])
+    d.stop()
+    d = fsdpd(*DAEMON_ARGS, name="again")
+    again = _finish([_start(d, "rank", 3, r, "--load", tmp_path, job="ckpt")
+                     for r in range(3)])
+    (ref,) = _finish([_start(None, "reference", 3, 0)])
+    want = _losses(ref)
+    for step, world, runs in [(1, 2, first), (2, 2, first), (3, 3, again), (4, 3, again)]:
+        mean = sum(_losses(records)[step] for records in runs) / world
+        assert abs(mean - want[step]) <= 1e-5 * abs(want[step]), (step, mean, want[step])
+    merged = [[{"step": 4, "loss": _losses(records)[4]},
+               {"final": True, "state": _final(records)}] for records in again]
+    _assert_matches(merged, ref, 1e-5, steps=[4])
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_a_killed_trainer_restarts_and_training_goes_on(fsdpd, optim):
     """Rank 1 dies (SIGKILL) as the backward of step 3 starts; rank 0 hears it from the
