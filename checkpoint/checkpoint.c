@@ -17,6 +17,8 @@
 #include <json-c/json.h>
 #include <xxhash.h>
 
+#include "common/failpoint.h"
+
 #define HOST_BIN "host-0.bin"
 #define HOST_JSON "host-0.json"
 #define MANIFEST "manifest.json"
@@ -211,18 +213,17 @@ static void remove_checkpoint_dir(const char *dir) {
 
 int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
                          size_t size, fsdp_status_t *st) {
-  char name[32], final[PATH_MAX], partial[PATH_MAX], old[PATH_MAX];
+  char name[32], final[PATH_MAX], partial[PATH_MAX];
   snprintf(name, sizeof name, "step-%" PRIu64, job->step);
   if (!join(final, sizeof final, dir, "/", name) ||
-      !join(partial, sizeof partial, final, "", ".partial") ||
-      !join(old, sizeof old, final, "", ".old"))
+      !join(partial, sizeof partial, final, "", ".partial"))
     return io_failed(st, "naming the checkpoint under", dir, ENAMETOOLONG);
   if (mkdir(dir, 0750) < 0 && errno != EEXIST)
     return io_failed(st, "making", dir, errno);
   remove_checkpoint_dir(partial); /* what a save that died left */
-  remove_checkpoint_dir(old);
   if (mkdir(partial, 0750) < 0)
     return io_failed(st, "making", partial, errno);
+  fsdp_failpoint("checkpoint-begun");
 
   json_object *host = json_object_new_object(), *units = json_object_new_array();
   json_object_object_add(host, "format", json_u64(FSDP_CHECKPOINT_FORMAT));
@@ -243,6 +244,7 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char
 
   /* The manifest last: until it is there, the directory is no checkpoint. */
   int r = write_blocks(partial, job, units, st);
+  fsdp_failpoint("checkpoint-blocks");
   if (r == 0)
     r = write_json(partial, HOST_JSON, host, st);
   if (r == 0)
@@ -251,21 +253,20 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char
     r = fsync_dir(partial, st);
   json_object_put(host);
   json_object_put(manifest);
-  /* A checkpoint of the same step is replaced once this one is complete. */
-  bool replaced = r == 0 && rename(final, old) == 0;
+  fsdp_failpoint("checkpoint-written");
+  /* A checkpoint of the same step is swapped for this one in one step (the old one then has
+   * the partial name, and goes): there is no moment without one of them complete. */
   if (r == 0 && rename(partial, final) < 0) {
-    r = io_failed(st, "renaming", partial, errno);
-    if (replaced)
-      rename(old, final);
+    if ((errno != ENOTEMPTY && errno != EEXIST) ||
+        renameat2(AT_FDCWD, partial, AT_FDCWD, final, RENAME_EXCHANGE) < 0)
+      r = io_failed(st, "renaming", partial, errno);
   }
+  fsdp_failpoint("checkpoint-renamed");
   if (r == 0)
     r = fsync_dir(dir, st);
-  if (replaced)
-    remove_checkpoint_dir(old);
-  if (r < 0) {
-    remove_checkpoint_dir(partial);
+  remove_checkpoint_dir(partial); /* the replaced checkpoint, or what failed */
+  if (r < 0)
     return r;
-  }
   snprintf(ret_path, size, "%s", final);
   return 0;
 }

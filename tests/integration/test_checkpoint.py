@@ -234,3 +234,38 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_training(fsdpd, small_dis
     for r in ranks:
         r.write_full_grad([0.0] * n, FP32)
     assert on_all(ranks, "ReduceScatter", step=2, step_optimizer=True) == [None, None]
+
+
+def _failpoints_built():
+    from fsdpd_harness import BUILD_DIR
+    try:
+        return "FSDP_FAILPOINTS:BOOL=ON" in (BUILD_DIR / "CMakeCache.txt").read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.parametrize("stage,step,survivor", [
+    ("checkpoint-begun", 2, 1), ("checkpoint-blocks", 2, 1), ("checkpoint-written", 2, 1),
+    ("checkpoint-renamed", 2, 2), ("checkpoint-written", 1, 1), ("checkpoint-renamed", 1, 1),
+])
+def test_a_daemon_killed_while_saving_leaves_a_checkpoint_whole(fsdpd, tmp_path, stage, step,
+                                                                survivor):
+    """The daemon dies (SIGKILL, a failpoint of the test build) at each stage of its second
+    save, of a new step or of the same one again: a new daemon loads the newest complete
+    checkpoint, the first one or, once renamed, the second, and every byte is as saved."""
+    d = fsdpd(env={"FSDPD_FAILPOINT": f"{stage}:2"})
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    code, _ = refused(lambda: d.call(
+        "/fsdp.v1.Operator/SaveCheckpoint",
+        operator_pb2.CheckpointRequest(job="j", path=str(tmp_path), step=step),
+        operator_pb2.CheckpointReply, timeout=30))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert d.proc.wait(timeout=10) == -9
+    again = fsdpd(name="again")
+    ranks, regions = trained(again)
+    garble(ranks[0], regions)
+    assert checkpoint(again, "LoadCheckpoint", tmp_path).step == survivor
+    assert snapshot(ranks[0], regions) == want
