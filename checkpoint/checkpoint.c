@@ -211,8 +211,10 @@ static void remove_checkpoint_dir(const char *dir) {
   rmdir(dir);
 }
 
-int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
-                         size_t size, fsdp_status_t *st) {
+static void keep_newest(const char *dir, unsigned keep);
+
+int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
+                         char *ret_path, size_t size, fsdp_status_t *st) {
   char name[32], final[PATH_MAX], partial[PATH_MAX];
   snprintf(name, sizeof name, "step-%" PRIu64, job->step);
   if (!join(final, sizeof final, dir, "/", name) ||
@@ -267,8 +269,57 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char
   remove_checkpoint_dir(partial); /* the replaced checkpoint, or what failed */
   if (r < 0)
     return r;
+  if (keep)
+    keep_newest(dir, keep);
   snprintf(ret_path, size, "%s", final);
   return 0;
+}
+
+/* The steps of dir's complete checkpoints (step-N/ with a manifest), at most max of them in
+ * *ret (any order); how many there are. */
+static size_t complete_steps(const char *dir, uint64_t *ret, size_t max) {
+  DIR *d = opendir(dir);
+  if (!d)
+    return 0;
+  size_t n = 0;
+  char step_dir[PATH_MAX], path[PATH_MAX];
+  for (struct dirent *e; (e = readdir(d));) {
+    char *end;
+    if (strncmp(e->d_name, "step-", 5) != 0)
+      continue;
+    uint64_t step = strtoull(e->d_name + 5, &end, 10);
+    if (*end || end == e->d_name + 5 || !join(step_dir, sizeof step_dir, dir, "/", e->d_name) ||
+        !join(path, sizeof path, step_dir, "/", MANIFEST) || access(path, F_OK) != 0)
+      continue;
+    if (n < max)
+      ret[n] = step;
+    n++;
+  }
+  closedir(d);
+  return n;
+}
+
+static int descending(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Removes all but dir's newest `keep` complete checkpoints (best effort: a save has already
+ * succeeded). */
+static void keep_newest(const char *dir, unsigned keep) {
+  size_t n = complete_steps(dir, NULL, 0);
+  uint64_t *steps = n > keep ? malloc(n * sizeof *steps) : NULL;
+  if (!steps)
+    return;
+  n = complete_steps(dir, steps, n);
+  qsort(steps, n, sizeof *steps, descending);
+  char name[32], step_dir[PATH_MAX];
+  for (size_t i = keep; i < n; i++) {
+    snprintf(name, sizeof name, "step-%" PRIu64, steps[i]);
+    if (join(step_dir, sizeof step_dir, dir, "/", name))
+      remove_checkpoint_dir(step_dir);
+  }
+  free(steps);
 }
 
 /* ---- Reading ---- */
@@ -317,37 +368,30 @@ static const char *get_str(json_object *o, const char *key) {
 
 /* dir itself when it is a checkpoint, else the complete step-* under it of the highest step. */
 static int find_checkpoint(const char *dir, char *ret, size_t size, fsdp_status_t *st) {
-  char path[PATH_MAX], step_dir[PATH_MAX];
+  char path[PATH_MAX];
   if (!join(path, sizeof path, dir, "/", MANIFEST))
     return io_failed(st, "naming", dir, ENAMETOOLONG);
   if (access(path, F_OK) == 0)
     return join(ret, size, dir, "", "") ? 0 : io_failed(st, "naming", dir, ENAMETOOLONG);
-  DIR *d = opendir(dir);
-  if (!d)
+  if (access(dir, F_OK) != 0)
     return errno == ENOENT ? fsdp_status_set(st, FSDP_E_NOT_FOUND,
                                              "checkpoint: no directory %s", dir)
                            : io_failed(st, "reading", dir, errno);
-  uint64_t best = 0;
-  bool found = false;
-  for (struct dirent *e; (e = readdir(d));) {
-    char *end;
-    if (strncmp(e->d_name, "step-", 5) != 0)
-      continue;
-    uint64_t step = strtoull(e->d_name + 5, &end, 10);
-    if (*end || end == e->d_name + 5 || (found && step <= best) ||
-        !join(step_dir, sizeof step_dir, dir, "/", e->d_name) ||
-        !join(path, sizeof path, step_dir, "/", MANIFEST) || access(path, F_OK) != 0)
-      continue;
-    best = step;
-    found = true;
-  }
-  closedir(d);
-  if (!found)
+  size_t n = complete_steps(dir, NULL, 0);
+  uint64_t *steps = n ? malloc(n * sizeof *steps) : NULL;
+  if (n && !steps)
+    return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  n = complete_steps(dir, steps, n);
+  if (n == 0) {
+    free(steps);
     return fsdp_status_set(st, FSDP_E_NOT_FOUND,
                            "checkpoint: no complete checkpoint (step-N/ with a manifest) in %s",
                            dir);
+  }
+  qsort(steps, n, sizeof *steps, descending);
   char name[32];
-  snprintf(name, sizeof name, "step-%" PRIu64, best);
+  snprintf(name, sizeof name, "step-%" PRIu64, steps[0]);
+  free(steps);
   return join(ret, size, dir, "/", name) ? 0 : io_failed(st, "naming", dir, ENAMETOOLONG);
 }
 

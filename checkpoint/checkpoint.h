@@ -57,11 +57,12 @@ typedef struct fsdp_checkpoint_job {
 } fsdp_checkpoint_job_t;
 
 /* Writes the job's state into dir/step-<step>/ (dir is made if missing; an older checkpoint
- * of the same step is replaced only once the new one is complete); *ret_path (size bytes):
- * the step directory. Fails with st naming the file and the call: RESOURCE_EXHAUSTED for a
- * full disk, UNAVAILABLE for other I/O errors. */
-int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
-                         size_t size, fsdp_status_t *st);
+ * of the same step is replaced only once the new one is complete), then removes all but the
+ * newest `keep` complete checkpoints in dir (0: keeps them all); *ret_path (size bytes): the
+ * step directory. Fails with st naming the file and the call: RESOURCE_EXHAUSTED for a full
+ * disk, UNAVAILABLE for other I/O errors. */
+int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
+                         char *ret_path, size_t size, fsdp_status_t *st);
 
 /* A checkpoint open for reading: its metadata, and its blocks checked as they are read. */
 typedef struct fsdp_checkpoint_reader fsdp_checkpoint_reader_t;

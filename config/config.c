@@ -495,6 +495,11 @@ int fsdp_config_check(const fsdp_config_t *cfg, fsdp_status_t *st) {
                            "number of hosts, %u: a shard group is whole hosts, S divides N",
                            (long long)g, from(cfg, FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS, a, sizeof a),
                            hosts);
+  const char *checkpoints = fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR);
+  if (checkpoints[0] && checkpoints[0] != '/')
+    return fsdp_status_set(st, FSDP_E_CONFIG,
+                           "key 'checkpoint.dir': value '%s'%s: expected an absolute path",
+                           checkpoints, from(cfg, FSDP_OPTION_CHECKPOINT_DIR, a, sizeof a));
   if (n > 1 && fsdp_config_number(cfg, FSDP_OPTION_BACKEND) != 0)
     return fsdp_status_set(st, FSDP_E_CONFIG,
                            "key 'daemon.backend': value 'cuda'%s with %u hosts in cluster.hosts: "

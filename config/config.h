@@ -99,6 +99,16 @@
     "How long a job's units and memory outlive its last session, so that trainers can attach "  \
     "again and go on; then they are freed, or sooner when a new job needs the slot or the "    \
     "memory (the job idle longest first).")                                                      \
+  X(CHECKPOINT_DIR, "checkpoint.dir", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, true, NULL,        \
+    "Where the daemon saves jobs on its own (checkpoint.every_steps), an absolute path: "       \
+    "<dir>/<job>/step-N/; empty: it does not.")                                                  \
+  X(CHECKPOINT_EVERY_STEPS, "checkpoint.every_steps", FSDP_OPT_INT, "0", 0, 100000000, NULL,    \
+    NULL, true, NULL,                                                                            \
+    "With checkpoint.dir: save each job on this host every this many steps, when every local "  \
+    "rank has asked the forward's gather of the next step (their masters are final); 0: "       \
+    "never.")                                                                                    \
+  X(CHECKPOINT_KEEP, "checkpoint.keep", FSDP_OPT_INT, "0", 0, 100000, NULL, NULL, true, NULL,   \
+    "How many checkpoints a job's directory keeps after each save, the newest; 0: all.")        \
   X(SESSION_LEASE, "session.lease", FSDP_OPT_DURATION, "30s", 100, 3600000, NULL, "ms", true,   \
     NULL,                                                                                        \
     "A trainer session that makes no call (KeepAlive included) for this long ends; its "        \

@@ -55,6 +55,10 @@ static void apply_config(fsdp_daemon_t *daemon) {
   daemon->store.memory_limit = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MEMORY_LIMIT);
   daemon->store.arena_capacity = (size_t)fsdp_config_number(cfg, FSDP_OPTION_JOB_MEMORY);
   daemon->store.max_inflight = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT);
+  fsdp_dataplane_set_checkpoints(
+      &daemon->dataplane, fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR),
+      (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_EVERY_STEPS),
+      (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_KEEP));
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));

@@ -39,6 +39,7 @@ typedef enum work_kind {
  * directory, and who hears the end. */
 typedef struct checkpoint_work {
   bool load;
+  unsigned keep; /* a save's: how many of the directory's checkpoints stay */
   char dir[PATH_MAX];
   fsdp_checkpoint_job_t job;
   fsdp_checkpoint_unit_t *units;
@@ -379,7 +380,7 @@ static void start_next(fsdp_dataplane_t *dp);
 static void run_checkpoint(checkpoint_work_t *c) {
   int r = c->load
               ? fsdp_checkpoint_load(c->dir, &c->job, c->path, sizeof c->path, &c->step, &c->st)
-              : fsdp_checkpoint_save(c->dir, &c->job, c->path, sizeof c->path, &c->st);
+              : fsdp_checkpoint_save(c->dir, &c->job, c->keep, c->path, sizeof c->path, &c->st);
   if (r == 0)
     fsdp_status_clear(&c->st);
 }
@@ -1370,6 +1371,30 @@ static bool in_order(fsdp_job_t *job, const fsdp_unit_t *unit, fsdp_dataplane_op
   return true;
 }
 
+static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const char *path,
+                                    uint64_t step) {
+  (void)data, (void)st, (void)path, (void)step; /* end_checkpoint logged how it went */
+}
+
+/* checkpoint.every_steps: every local rank asked the forward's gather of step + 1, so their
+ * masters are final for `step` and stay so until its reduces, which the save goes before in
+ * the queue: the job is saved into checkpoint.dir/<job>/ when step is one of every N. */
+static void checkpoint_on_schedule(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step) {
+  if (!dp->checkpoint_every || !dp->checkpoint_dir[0] || step == 0 ||
+      step % dp->checkpoint_every != 0 || step <= job->checkpointed_step)
+    return;
+  job->checkpointed_step = step;
+  char dir[PATH_MAX];
+  fsdp_status_t st;
+  if ((size_t)snprintf(dir, sizeof dir, "%s/%s", dp->checkpoint_dir, job->name) >= sizeof dir)
+    fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long");
+  else if (fsdp_dataplane_checkpoint(dp, job, dir, false, step, on_scheduled_checkpoint, NULL,
+                                     &st) == 0)
+    return;
+  log_error("job '%s': no checkpoint of step %llu: %s", job->name, (unsigned long long)step,
+            st.message);
+}
+
 static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                     fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
@@ -1422,6 +1447,8 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
     return;
   if (step > job->masters_final_step)
     job->masters_final_step = step; /* every rank asked: their masters are final for it */
+  if (!op->backward)
+    checkpoint_on_schedule(dp, job, step - 1);
   start_gather(dp, job, unit);
   prefetch_after(dp, job, unit, step, &cause);
 }
@@ -1879,6 +1906,7 @@ int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char 
     return r;
   }
   c->load = load;
+  c->keep = dp->checkpoint_keep;
   if (step)
     c->job.step = step;
   c->step = c->job.step; /* a load's is the checkpoint's, read with it */
@@ -1918,6 +1946,13 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
 int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
                             const fsdp_cuda_device_t *device, fsdp_status_t *st) {
   return fsdp_backend_init_cuda(&dp->backend, cuda, device, st);
+}
+
+void fsdp_dataplane_set_checkpoints(fsdp_dataplane_t *dp, const char *dir, uint64_t every_steps,
+                                    unsigned keep) {
+  snprintf(dp->checkpoint_dir, sizeof dp->checkpoint_dir, "%s", dir);
+  dp->checkpoint_every = every_steps;
+  dp->checkpoint_keep = keep;
 }
 
 void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,

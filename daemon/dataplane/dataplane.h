@@ -59,6 +59,7 @@
 #ifndef FSDP_DATAPLANE_H
 #define FSDP_DATAPLANE_H
 
+#include <limits.h>
 #include <stdbool.h>
 
 #include <uv.h>
@@ -90,6 +91,10 @@ typedef struct fsdp_dataplane {
   fsdp_peers_waiter_t cluster_waiter;
   bool waiting_for_cluster;
   void *free_scratch; /* the rings' staging buffers not in use, linked through their start */
+  /* checkpoint.*: where and how often the jobs are saved on schedule, how many are kept. */
+  char checkpoint_dir[PATH_MAX];
+  uint64_t checkpoint_every;
+  unsigned checkpoint_keep;
 } fsdp_dataplane_t;
 
 /* Who asks: a local rank, as one of its sessions (daemon/session/sessions.h). */
@@ -151,6 +156,12 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
  * the GPU. */
 int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
                             const fsdp_cuda_device_t *device, fsdp_status_t *st);
+
+/* checkpoint.dir, .every_steps, .keep: a job is saved into dir/<job>/ every every_steps
+ * steps (0 or an empty dir: never), at the step boundary (fsdp_dataplane_checkpoint), and
+ * every save keeps `keep` checkpoints (0: all). */
+void fsdp_dataplane_set_checkpoints(fsdp_dataplane_t *dp, const char *dir, uint64_t every_steps,
+                                    unsigned keep);
 
 /* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);

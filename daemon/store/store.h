@@ -166,6 +166,7 @@ typedef struct fsdp_job {
   uint64_t forward_step[FSDP_LOCAL_WORLD_MAX];
   unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
   uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
+  uint64_t checkpointed_step;  /* the last step checkpoint.every_steps saved */
   /* The optimizer the daemon runs (daemon/dataplane/optimizer.h), NULL without one; freed
    * with the job through optimizer_free, which its maker sets. */
   struct fsdp_optimizer *optimizer;

@@ -12,7 +12,7 @@ import subprocess
 import grpc
 import pytest
 
-from fsdpd_harness import fsdpd, operator_pb2, run_fsdpctl, trainer_pb2  # noqa: F401
+from fsdpd_harness import fsdpd, operator_pb2, poll, run_fsdpctl, trainer_pb2  # noqa: F401
 from test_optimizer import ADAMW, group, refused, set_optimizer, two_ranks
 from test_unshard import FP32, bf16_bits, on_all
 
@@ -268,4 +268,26 @@ def test_a_daemon_killed_while_saving_leaves_a_checkpoint_whole(fsdpd, tmp_path,
     ranks, regions = trained(again)
     garble(ranks[0], regions)
     assert checkpoint(again, "LoadCheckpoint", tmp_path).step == survivor
+    assert snapshot(ranks[0], regions) == want
+
+
+def test_the_daemon_saves_every_n_steps_and_keeps_the_newest(fsdpd, tmp_path):
+    """checkpoint.every_steps 2, keep 1: when both ranks have asked the forward's gather of
+    steps 3 and 5, the job is saved as of steps 2 and 4 (in the work queue before anything
+    of those steps that writes masters), and only the newest stays."""
+    d = fsdpd("--set", f"checkpoint.dir={tmp_path}", "--set", "checkpoint.every_steps=2",
+              "--set", "checkpoint.keep=1")
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+
+    def saved():
+        return sorted(p.name for p in (tmp_path / "j").iterdir())
+
+    for step in (3, 4):
+        assert on_all(ranks, "Unshard", step=step) == [None, None]
+    poll(lambda: saved() == ["step-2"], 10, what="step 2's checkpoint")
+    assert on_all(ranks, "Unshard", step=5) == [None, None]
+    poll(lambda: saved() == ["step-4"], 10, what="step 4's checkpoint, step 2's gone")
+    garble(ranks[0], regions)
+    assert checkpoint(d, "LoadCheckpoint", tmp_path / "j").step == 4
     assert snapshot(ranks[0], regions) == want

@@ -148,7 +148,7 @@ def test_precedence_default_file_env_flag(fsdpd, tmp_path):
     check("daemon.run_dir", str(d.run_dir), "flag", "--run-dir")
     # Empty by default: optional addresses, lists and files.
     empty = {"cluster.hosts", "peer.listen", "peer.token_file", "peer.tls_cert",
-             "peer.tls_key", "peer.tls_ca", "daemon.operator_group"}
+             "peer.tls_key", "peer.tls_ca", "daemon.operator_group", "checkpoint.dir"}
     assert all(bool(e["default_value"]) == (e["key"] not in empty) for e in shown["config"])
     # Status agrees, and the values are in force, not only displayed.
     s = d.status()
