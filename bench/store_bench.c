@@ -47,6 +47,7 @@
 
 #include "bench/bench_daemon.h"
 #include "common/clock.h"
+#include "common/io.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 
@@ -92,21 +93,6 @@ enum { CMD_START = 'S', CMD_ITERATE = 'I', CMD_QUIT = 'Q' };
 
 static size_t scalar_size(fsdp_scalar_t t) {
   return t == FSDP_SCALAR_FP32 ? 4 : 2;
-}
-
-/* Writes the whole buffer; pipes between our own processes only fail if a side died. */
-static int write_all(int fd, const void *buf, size_t len) {
-  const char *p = buf;
-  while (len > 0) {
-    ssize_t n = write(fd, p, len);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return -1;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
 }
 
 static int read_all(int fd, void *buf, size_t len) {
@@ -269,11 +255,11 @@ static void rank_main(const options_t *o, unsigned rank, int cmd_fd, int result_
       read_all(cmd_fd, socket_path, sizeof socket_path) < 0)
     _exit(EXIT_FAILED);
   int64_t result = rank_setup(o, rank, socket_path, &client, &trainer, &unit);
-  if (write_all(result_fd, &result, sizeof result) < 0 || result < 0)
+  if (fsdp_write_all(result_fd, &result, sizeof result) < 0 || result < 0)
     goto out;
   for (uint64_t step = 1; read_all(cmd_fd, &cmd, 1) == 0 && cmd == CMD_ITERATE; step++) {
     result = rank_iterate(o, client, trainer, unit, rank, step);
-    if (write_all(result_fd, &result, sizeof result) < 0 || result < 0)
+    if (fsdp_write_all(result_fd, &result, sizeof result) < 0 || result < 0)
       break;
   }
 out:
@@ -345,8 +331,8 @@ static int round_trip(const options_t *o, rank_proc_t *ranks, char cmd,
   unsigned n = o->hosts * o->ranks;
   char who[48];
   for (unsigned r = 0; r < n; r++)
-    if (write_all(ranks[r].cmd_fd, &cmd, 1) < 0 ||
-        (paths && write_all(ranks[r].cmd_fd, paths[r / o->ranks], SOCKET_PATH_MAX) < 0)) {
+    if (fsdp_write_all(ranks[r].cmd_fd, &cmd, 1) < 0 ||
+        (paths && fsdp_write_all(ranks[r].cmd_fd, paths[r / o->ranks], SOCKET_PATH_MAX) < 0)) {
       name_rank(o, r, who, sizeof who);
       return bench_set_error(err, err_size, "%s is gone", who);
     }
@@ -377,7 +363,7 @@ static void stop_ranks(const options_t *o, rank_proc_t *ranks) {
     if (ranks[r].pid <= 0)
       continue;
     char quit = CMD_QUIT;
-    if (write_all(ranks[r].cmd_fd, &quit, 1) < 0)
+    if (fsdp_write_all(ranks[r].cmd_fd, &quit, 1) < 0)
       kill(ranks[r].pid, SIGKILL);
     close(ranks[r].cmd_fd);
     close(ranks[r].result_fd);

@@ -18,6 +18,7 @@
 #include <xxhash.h>
 
 #include "common/failpoint.h"
+#include "common/io.h"
 
 #define HOST_BIN "host-0.bin"
 #define HOST_JSON "host-0.json"
@@ -58,20 +59,6 @@ static const char *block_name(unsigned b) {
 
 /* ---- Saving ---- */
 
-static int write_all(int fd, const void *buf, size_t len) {
-  const char *p = buf;
-  while (len) {
-    ssize_t n = write(fd, p, len);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n < 0)
-      return -errno;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
 /* Writes len bytes and their XXH64, a chunk at a time: each chunk is hashed while the
  * cache still holds it from the write, and the kernel starts writing back early chunks while
  * later ones come. */
@@ -84,7 +71,7 @@ static int write_hashed(int fd, const void *buf, size_t len, XXH64_hash_t *ret_h
   int r = 0;
   for (size_t done = 0; r == 0 && done < len;) {
     size_t n = len - done < IO_CHUNK ? len - done : IO_CHUNK;
-    r = write_all(fd, p + done, n);
+    r = fsdp_write_all(fd, p + done, n);
     XXH64_update(h, p + done, n);
     done += n;
   }
@@ -93,15 +80,9 @@ static int write_hashed(int fd, const void *buf, size_t len, XXH64_hash_t *ret_h
   return r;
 }
 
-/* path's bytes made durable under their name: written to path.tmp, fsynced, renamed. */
-static int write_durably(const char *path, const void *data, size_t len, fsdp_status_t *st) {
-  char tmp[PATH_MAX];
-  if (!join(tmp, sizeof tmp, path, "", ".tmp"))
-    return io_failed(st, "naming", path, ENAMETOOLONG);
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
-  if (fd < 0)
-    return io_failed(st, "creating", tmp, errno);
-  int r = write_all(fd, data, len);
+/* Ends the writing of fd (r: how it went so far) at tmp: synced, closed and renamed to path;
+ * on any failure tmp goes and st names path. */
+static int finish_durably(int fd, int r, const char *tmp, const char *path, fsdp_status_t *st) {
   if (r == 0 && fsync(fd) < 0)
     r = -errno;
   close(fd);
@@ -112,6 +93,18 @@ static int write_durably(const char *path, const void *data, size_t len, fsdp_st
     return io_failed(st, "writing", path, -r);
   }
   return 0;
+}
+
+/* path's bytes made durable under their name: written to path.tmp, fsynced, renamed. */
+static int write_durably(const char *path, const void *data, size_t len, fsdp_status_t *st) {
+  char tmp[PATH_MAX];
+  if (!join(tmp, sizeof tmp, path, "", ".tmp"))
+    return io_failed(st, "naming", path, ENAMETOOLONG);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+  if (fd < 0)
+    return io_failed(st, "creating", tmp, errno);
+  int r = fsdp_write_all(fd, data, len);
+  return finish_durably(fd, r, tmp, path, st);
 }
 
 static int fsync_dir(const char *path, fsdp_status_t *st) {
@@ -179,16 +172,7 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
     json_object_object_add(o, "blocks", blocks);
     json_object_array_add(units, o);
   }
-  if (r == 0 && fsync(fd) < 0)
-    r = -errno;
-  close(fd);
-  if (r == 0 && rename(tmp, path) < 0)
-    r = -errno;
-  if (r < 0) {
-    unlink(tmp);
-    return io_failed(st, "writing", path, -r);
-  }
-  return 0;
+  return finish_durably(fd, r, tmp, path, st);
 }
 
 static int write_json(const char *dir, const char *name, json_object *o, fsdp_status_t *st) {

@@ -14,6 +14,7 @@
 #include <json-c/json.h>
 
 #include "checkpoint/checkpoint.h"
+#include "common/io.h"
 #include "kernels/kernels.h"
 
 static const char *const safetensors_dtype[FSDP_DTYPE_COUNT] = {"F32", "BF16", "F16"};
@@ -23,20 +24,6 @@ static uint64_t param_numel(const fsdp_checkpoint_param_t *p) {
   for (size_t d = 0; d < p->ndim; d++)
     n *= p->shape[d];
   return n;
-}
-
-static int write_all(int fd, const void *buf, size_t len) {
-  const char *p = buf;
-  while (len) {
-    ssize_t n = write(fd, p, len);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n < 0)
-      return -errno;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
 }
 
 /* The header: every parameter's entry, with offsets into the data in file order, and the
@@ -110,7 +97,7 @@ static int write_data(fsdp_checkpoint_reader_t *r, int fd, fsdp_dtype_t dtype, c
         break;
       }
       fsdp_cast(converted, dtype, masters + p->offset, FSDP_DTYPE_FP32, (size_t)numel);
-      int w = write_all(fd, converted, (size_t)numel * size);
+      int w = fsdp_write_all(fd, converted, (size_t)numel * size);
       if (w < 0)
         code = fsdp_status_set(st, w == -ENOSPC ? FSDP_E_RESOURCE_EXHAUSTED : w,
                                "export: writing %s: %s", out, strerror(-w));
@@ -154,7 +141,7 @@ int fsdp_export_safetensors(const char *dir, const char *out, fsdp_dtype_t dtype
   for (int b = 0; b < 8; b++)
     prefix[b] = (uint8_t)((uint64_t)len >> (8 * b));
   int w;
-  if (code == 0 && ((w = write_all(fd, prefix, 8)) < 0 || (w = write_all(fd, h, len)) < 0))
+  if (code == 0 && ((w = fsdp_write_all(fd, prefix, 8)) < 0 || (w = fsdp_write_all(fd, h, len)) < 0))
     code = fsdp_status_set(st, w == -ENOSPC ? FSDP_E_RESOURCE_EXHAUSTED : w,
                            "export: writing %s: %s", tmp, strerror(-w));
   if (code == 0)
