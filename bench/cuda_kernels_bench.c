@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/kernels.h"
+#include "kernels/kernels.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIPPED = 77 };
 
@@ -63,15 +64,11 @@ static int cmp_float(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-static size_t dtype_size(fsdp_dtype_t t) {
-  return t == FSDP_DTYPE_FP32 ? 4 : 2;
-}
-
 /* Bytes read + bytes written by one run of op over n elements. */
 static size_t traffic_of(const op_t *op, size_t n) {
   if (op->kind == OP_CAST)
-    return n * (dtype_size(op->src) + dtype_size(op->dst));
-  return n * (op->n_srcs * dtype_size(op->src) + sizeof(float));
+    return n * (fsdp_dtype_size(op->src) + fsdp_dtype_size(op->dst));
+  return n * (op->n_srcs * fsdp_dtype_size(op->src) + sizeof(float));
 }
 
 static bool cuda_ok(cudaError_t e, const char *what) {

@@ -40,7 +40,7 @@ static char *header(fsdp_checkpoint_reader_t *r, fsdp_dtype_t dtype, size_t *ret
   json_object_object_add(h, "__metadata__", meta);
   size_t n_units;
   const fsdp_checkpoint_unit_t *units = fsdp_checkpoint_units(r, &n_units);
-  uint64_t offset = 0, size = dtype == FSDP_DTYPE_FP32 ? 4 : 2;
+  uint64_t offset = 0, size = fsdp_dtype_size(dtype);
   for (size_t i = 0; i < n_units; i++) {
     for (size_t k = 0; k < units[i].n_params; k++) {
       const fsdp_checkpoint_param_t *p = &units[i].params[k];
@@ -77,7 +77,7 @@ static int write_data(fsdp_checkpoint_reader_t *r, int fd, fsdp_dtype_t dtype, c
                       fsdp_status_t *st) {
   size_t n_units;
   const fsdp_checkpoint_unit_t *units = fsdp_checkpoint_units(r, &n_units);
-  size_t size = dtype == FSDP_DTYPE_FP32 ? 4 : 2;
+  size_t size = fsdp_dtype_size(dtype);
   for (size_t i = 0; i < n_units; i++) {
     const fsdp_checkpoint_unit_t *u = &units[i];
     size_t n = (size_t)u->host_shards * u->shard_numel;
