@@ -3,7 +3,7 @@
     /usr/bin/python3 bench/train_bench.py [--build build] [--ranks 2 4] [--model bench|blocks24]
                                           [--max-inflight 2] [--param-dtype fp32|bf16]
                                           [--repeat 1] [--steps 20] [--warmup 3]
-                                          [--daemon-optimizer]
+                                          [--daemon-optimizer] [--checkpoint-every N]
                                           [--global-batch 8] [--seq-len 64] [--json]
 
 For each L in --ranks, the same L processes' worth of work runs three times, one after the
@@ -22,6 +22,11 @@ units of about 4 % of the model each, so that the units in flight are small next
   fsdpd+opt  with --daemon-optimizer: the same as fsdpd, with the daemon's Adam
            (fsdpd.optim.Adam) stepping each unit as its gradients are reduced, in place of the
            trainers' torch.optim.Adam on their shards after the backward
+  fsdpd+ckpt  with --checkpoint-every N (implies --daemon-optimizer): fsdpd+opt against a
+           daemon that saves the job every N steps (checkpoint.every_steps, into a directory
+           under /var/tmp: on disk), each save's snapshot taken at the step boundary and its
+           files written beside training; a boundary that finds the previous save still
+           writing is skipped, so with a small N saves run back to back
   DDP      torch.nn.parallel.DistributedDataParallel over gloo (a FileStore in a temporary dir)
   compute  the compute-only baseline: the same ShardedModel (same units, hooks, prefetch
            calls, Adam on the same shards) over an in-process stand-in for the client whose
@@ -438,11 +443,12 @@ def _fsdpctl_json(build, socket, *args):
     return json.loads(r.stdout)
 
 
-def _start_daemon(build, run_dir, log):
+def _start_daemon(build, run_dir, log, options=()):
     socket = run_dir / "fsdpd.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
+    sets = [a for o in options for a in ("--set", o)]
     daemon = subprocess.Popen([str(build / "bin" / "fsdpd"), "--run-dir", str(run_dir),
-                               "--health-listen", "", "--log-level", "warning"],
+                               "--health-listen", "", "--log-level", "warning", *sets],
                               stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
     deadline = time.monotonic() + 15
     while True:
@@ -463,6 +469,7 @@ def run_config(system, world, args, build):
     tmp = Path(tempfile.mkdtemp(prefix=f"fsdpd-train-bench-{system}-"))
     daemon = workers = None
     daemon_log = None
+    saves = Path(tempfile.mkdtemp(prefix="fsdpd-train-bench-", dir="/var/tmp"))
     try:
         base_env = {k: v for k, v in os.environ.items()
                     if not k.startswith("FSDPD_") and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
@@ -477,9 +484,12 @@ def run_config(system, world, args, build):
         worker = "fsdpd" if system.startswith("fsdpd") else system.lower()
         if worker == "fsdpd":
             daemon_log = open(tmp / "fsdpd.log", "wb")
-            daemon, socket = _start_daemon(build, tmp / "run", daemon_log)
+            options = ([f"checkpoint.dir={saves}",
+                        f"checkpoint.every_steps={args.checkpoint_every}"]
+                       if system == CHECKPOINTING else [])
+            daemon, socket = _start_daemon(build, tmp / "run", daemon_log, options)
             base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB)
-            extra = ["--daemon-optimizer"] if system == DAEMON_OPTIMIZER else []
+            extra = ["--daemon-optimizer"] if system in (DAEMON_OPTIMIZER, CHECKPOINTING) else []
         elif system == "compute":
             extra = []
         else:
@@ -533,6 +543,10 @@ def run_config(system, world, args, build):
                "daemon_cpu_s": sum(cpu[world:]),
                "measured_pss_bytes": after["all"] - before["all"],
                "measured_data_pss_bytes": after["data"] - before["data"]}
+        if system == CHECKPOINTING:
+            written = list((saves / JOB).glob("step-*"))
+            res["saves"] = len(written)
+            res["save_bytes"] = sum(f.stat().st_size for d in written for f in d.iterdir())
         if worker == "fsdpd":
             res["daemon_bytes"] = daemon_bytes
             res["accounted_bytes"] = daemon_bytes + opt_bytes
@@ -556,15 +570,18 @@ def run_config(system, world, args, build):
         if daemon_log:
             daemon_log.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(saves, ignore_errors=True)
 
 
 MODELS = {"bench": (128, 4), "blocks24": (64, 24)}  # (d_model, blocks) of each --model
 SYSTEMS = ("fsdpd", "DDP", "compute")
 DAEMON_OPTIMIZER = "fsdpd+opt"  # fsdpd with the daemon's Adam (fsdpd.optim), --daemon-optimizer
+CHECKPOINTING = "fsdpd+ckpt"  # fsdpd+opt saved every --checkpoint-every steps
 
 
 def systems(args):
-    return SYSTEMS + ((DAEMON_OPTIMIZER,) if args.daemon_optimizer else ())
+    return (SYSTEMS + ((DAEMON_OPTIMIZER,) if args.daemon_optimizer else ()) +
+            ((CHECKPOINTING,) if args.checkpoint_every else ()))
 # What the formula and the daemon's accounting may differ by without the daemon holding more
 # than FSDP: each unit padded to a multiple of L elements, each buffer rounded up to 64
 # bytes, the private 1-element unit fsdpd.torch registers for its barriers.
@@ -617,6 +634,10 @@ def figures(results, args):
         if args.daemon_optimizer:
             o = by[(world, DAEMON_OPTIMIZER)]
             out[-1]["daemon_optimizer_step_vs_trainers"] = o["step_ms"] / f["step_ms"]
+        if args.checkpoint_every:
+            k = by[(world, CHECKPOINTING)]
+            out[-1].update(saving_step_vs_not=k["step_ms"] / o["step_ms"], saves=k["saves"],
+                           save_mib=k["save_bytes"] / max(k["saves"], 1) / MiB)
     return out
 
 
@@ -642,6 +663,11 @@ def report(results, ratios, args):
         if "daemon_optimizer_step_vs_trainers" in x:
             print(f"L={x['ranks']} step with the daemon's Adam (fsdpd.optim) over the trainers' "
                   f"(torch.optim on the shards): {x['daemon_optimizer_step_vs_trainers']:.2f}x")
+    for x in ratios:
+        if "saving_step_vs_not" in x:
+            print(f"L={x['ranks']} step while the daemon saves every {args.checkpoint_every} "
+                  f"step(s) over without: {x['saving_step_vs_not']:.3f}x ({x['saves']} saves "
+                  f"of {x['save_mib']:.1f} MiB written)")
     over = [x["ranks"] for x in ratios if x["accounted_vs_formula"] > FORMULA_SLACK]
     print(f"fsdpd within {FORMULA_SLACK}x of the formula: " +
           ("yes" if not over else f"no, at L = {', '.join(map(str, over))}"))
@@ -683,6 +709,9 @@ def main(argv=None):
     p.add_argument("--daemon-optimizer", action="store_true",
                    help="also run fsdpd with the daemon's Adam (fsdpd.optim) instead of the "
                         "trainers' (system fsdpd+opt), and compare their steps")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also run fsdpd+opt with the daemon saving every N steps (implies "
+                        "--daemon-optimizer)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each configuration; figures are their medians (default 1)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
@@ -708,6 +737,7 @@ def main(argv=None):
     d_model, layers = MODELS[args.model]
     args.d_model = args.d_model or d_model
     args.layers = args.layers or layers
+    args.daemon_optimizer |= bool(args.checkpoint_every)
     if args.worker:
         return worker(args)
 

@@ -57,6 +57,42 @@ static const char *block_name(unsigned b) {
   return b == 0 ? "masters" : state_names[b - 1];
 }
 
+/* ---- Staging ---- */
+
+static size_t align64(size_t n) {
+  return (n + 63) & ~(size_t)63;
+}
+
+size_t fsdp_checkpoint_staging_bytes(const fsdp_checkpoint_unit_t *units, size_t n_units) {
+  size_t bytes = 0;
+  for (size_t i = 0; i < n_units; i++)
+    bytes += n_blocks(&units[i]) * align64(host_numel(&units[i]) * sizeof(float)) +
+             (units[i].steps ? align64(sizeof(uint64_t)) : 0);
+  return bytes;
+}
+
+void fsdp_checkpoint_stage(fsdp_checkpoint_unit_t *units, size_t n_units, void *staging,
+                           void (*copy)(void *ctx, void *dst, const void *src, size_t bytes),
+                           void *ctx) {
+  char *at = staging;
+  for (size_t i = 0; i < n_units; i++) {
+    fsdp_checkpoint_unit_t *u = &units[i];
+    size_t bytes = host_numel(u) * sizeof(float);
+    for (unsigned b = 0; b < n_blocks(u); b++, at += align64(bytes)) {
+      copy(ctx, at, block(u, b), bytes);
+      if (b == 0)
+        u->masters = (float *)(void *)at;
+      else
+        u->state[b - 1] = (float *)(void *)at;
+    }
+    if (u->steps) {
+      memcpy(at, u->steps, sizeof *u->steps);
+      u->steps = (uint64_t *)(void *)at;
+      at += align64(sizeof(uint64_t));
+    }
+  }
+}
+
 /* ---- Saving ---- */
 
 /* Writes len bytes and their XXH64, a chunk at a time: each chunk is hashed while the

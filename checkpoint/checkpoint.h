@@ -56,6 +56,17 @@ typedef struct fsdp_checkpoint_job {
   size_t n_units;
 } fsdp_checkpoint_job_t;
 
+/* The bytes of staging memory a snapshot of the units takes (fsdp_checkpoint_stage). */
+size_t fsdp_checkpoint_staging_bytes(const fsdp_checkpoint_unit_t *units, size_t n_units);
+
+/* Copies the units' buffers (masters, optimizer state, step counts) into staging, of
+ * fsdp_checkpoint_staging_bytes and 64-byte aligned, with copy(ctx, dst, src, bytes), and
+ * points the units at the copies: a save from them then writes what the job held at this
+ * moment while the job goes on. */
+void fsdp_checkpoint_stage(fsdp_checkpoint_unit_t *units, size_t n_units, void *staging,
+                           void (*copy)(void *ctx, void *dst, const void *src, size_t bytes),
+                           void *ctx);
+
 /* Writes the job's state into dir/step-<step>/ (dir is made if missing; an older checkpoint
  * of the same step is replaced only once the new one is complete), then removes all but the
  * newest `keep` complete checkpoints in dir (0: keeps them all); *ret_path (size bytes): the

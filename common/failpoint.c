@@ -7,6 +7,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static atomic_uint passes;
@@ -16,9 +17,18 @@ void fsdp_failpoint(const char *name) {
   size_t len = strlen(name);
   if (!want || strncmp(want, name, len) != 0 || (want[len] != '\0' && want[len] != ':'))
     return;
-  unsigned nth = want[len] == ':' ? (unsigned)strtoul(want + len + 1, NULL, 10) : 1;
-  if (atomic_fetch_add(&passes, 1) + 1 == nth)
-    kill(getpid(), SIGKILL);
+  char *end = (char *)want + len;
+  unsigned nth = *end == ':' ? (unsigned)strtoul(end + 1, &end, 10) : 1;
+  if (atomic_fetch_add(&passes, 1) + 1 != nth)
+    return;
+  if (strncmp(end, ":sleep-", 7) == 0) {
+    unsigned long ms = strtoul(end + 7, NULL, 10);
+    struct timespec t = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000};
+    while (nanosleep(&t, &t) < 0)
+      ;
+    return;
+  }
+  kill(getpid(), SIGKILL);
 }
 
 #endif

@@ -109,6 +109,20 @@
     "never.")                                                                                    \
   X(CHECKPOINT_KEEP, "checkpoint.keep", FSDP_OPT_INT, "0", 0, 100000, NULL, NULL, true, NULL,   \
     "How many checkpoints a job's directory keeps after each save, the newest; 0: all.")        \
+  X(CHECKPOINT_RESUME, "checkpoint.resume", FSDP_OPT_ENUM, "none", 0, 0, "none|latest", NULL,   \
+    true, NULL,                                                                                  \
+    "With checkpoint.dir, latest: a job new to this daemon (after a restart) goes on from its "  \
+    "newest checkpoint there, loaded before its first gather; its units report that step as "   \
+    "reduced, so attaching trainers resume after it. none: jobs start anew.")                   \
+  X(CHECKPOINT_ON_STOP, "checkpoint.on_stop", FSDP_OPT_BOOL, "true", 0, 0, NULL, NULL, true,     \
+    NULL,                                                                                        \
+    "With checkpoint.dir: on SIGTERM or SIGINT, each job that trained a step is saved before "   \
+    "the daemon stops, at once when it is between steps, else at its next step boundary; a "    \
+    "second signal stops at once.")                                                              \
+  X(CHECKPOINT_STOP_TIMEOUT, "checkpoint.stop_timeout", FSDP_OPT_DURATION, "1m", 100,          \
+    3600000, NULL, "ms", true, NULL,                                                             \
+    "How long a stop waits for those saves, their writing included; then it stops without the " \
+    "ones left. systemd's TimeoutStopSec must cover it and daemon.drain_timeout.")              \
   X(SESSION_LEASE, "session.lease", FSDP_OPT_DURATION, "30s", 100, 3600000, NULL, "ms", true,   \
     NULL,                                                                                        \
     "A trainer session that makes no call (KeepAlive included) for this long ends; its "        \

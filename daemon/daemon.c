@@ -58,7 +58,8 @@ static void apply_config(fsdp_daemon_t *daemon) {
   fsdp_dataplane_set_checkpoints(
       &daemon->dataplane, fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR),
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_EVERY_STEPS),
-      (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_KEEP));
+      (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_KEEP),
+      fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_RESUME) == 1 /* latest */);
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
@@ -296,7 +297,8 @@ static void on_handle_closed(uv_handle_t *handle) {
 
 static void close_handles(fsdp_daemon_t *daemon) {
   uv_handle_t *handles[] = {(uv_handle_t *)&daemon->sigterm, (uv_handle_t *)&daemon->sigint,
-                            (uv_handle_t *)&daemon->sighup, (uv_handle_t *)&daemon->housekeeping};
+                            (uv_handle_t *)&daemon->sighup, (uv_handle_t *)&daemon->housekeeping,
+                            (uv_handle_t *)&daemon->stop_saves_timer};
   for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++)
     if (!uv_is_closing(handles[i]))
       uv_close(handles[i], on_handle_closed);
@@ -340,9 +342,7 @@ static void on_rpc_stopped(void *data) {
   log_info("stopped");
 }
 
-void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why) {
-  if (daemon->state != FSDP_DAEMON_SERVING && daemon->state != FSDP_DAEMON_DRAINING)
-    return;
+static void stop_now(fsdp_daemon_t *daemon, const char *why) {
   daemon->state = FSDP_DAEMON_STOPPING;
   uint64_t drain_ms = (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_DRAIN_TIMEOUT);
   log_info("%s: draining, then stopping (at most %llu ms)", why, (unsigned long long)drain_ms);
@@ -354,6 +354,75 @@ void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why) {
   /* The peers hear it at once and count this host LEFT rather than wait out peer.timeout. */
   fsdp_peers_leave(daemon->peers, why);
   fsdp_rpc_server_stop(daemon->rpc, drain_ms, on_rpc_stopped, daemon);
+}
+
+static void stop_after_saves(fsdp_daemon_t *daemon) {
+  uv_timer_stop(&daemon->stop_saves_timer);
+  daemon->stop_saves = 0;
+  stop_now(daemon, daemon->stop_why);
+}
+
+static void on_stop_save(void *data, const fsdp_status_t *st, const char *path, uint64_t step) {
+  fsdp_daemon_t *daemon = data;
+  (void)st, (void)path, (void)step; /* the data plane logged how it went */
+  if (daemon->stop_saves && --daemon->stop_saves == 0)
+    stop_after_saves(daemon);
+}
+
+static void on_stop_saves_late(uv_timer_t *timer) {
+  fsdp_daemon_t *daemon = timer->data;
+  log_error("%s: stopping without %u checkpoint%s not written within checkpoint.stop_timeout "
+            "(a job that did not reach a step boundary, or a slow disk)",
+            daemon->stop_why, daemon->stop_saves, daemon->stop_saves == 1 ? "" : "s");
+  stop_after_saves(daemon);
+}
+
+/* checkpoint.on_stop: saves each job that trained a step into checkpoint.dir/<job>/ at its
+ * step boundary, while the daemon goes on serving so that its trainers reach it; how many
+ * saves the stop waits for. */
+static unsigned save_before_stop(fsdp_daemon_t *daemon) {
+  const fsdp_config_t *cfg = &daemon->config;
+  const char *dir = fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR);
+  if (!dir[0] || !fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_ON_STOP))
+    return 0;
+  unsigned saves = 0;
+  for (fsdp_job_t *job = daemon->store.jobs; job; job = job->next) {
+    char path[PATH_MAX];
+    fsdp_status_t st;
+    int r = (size_t)snprintf(path, sizeof path, "%s/%s", dir, job->name) >= sizeof path
+                ? fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long")
+                : fsdp_dataplane_save_at_boundary(&daemon->dataplane, job, path,
+                                                  job_has_session(daemon, job, NULL),
+                                                  on_stop_save, daemon, &st);
+    if (r < 0)
+      log_error("job '%s': no checkpoint before stopping: %s", job->name, st.message);
+    saves += r == 0;
+  }
+  return saves;
+}
+
+void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why) {
+  if (daemon->state != FSDP_DAEMON_SERVING && daemon->state != FSDP_DAEMON_DRAINING)
+    return;
+  if (daemon->stop_saves) {
+    log_warning("%s again: stopping without waiting for the checkpoints", why);
+    stop_after_saves(daemon);
+    return;
+  }
+  snprintf(daemon->stop_why, sizeof daemon->stop_why, "%s", why);
+  daemon->stop_saves = save_before_stop(daemon);
+  if (!daemon->stop_saves) {
+    stop_now(daemon, why);
+    return;
+  }
+  uint64_t timeout_ms =
+      (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CHECKPOINT_STOP_TIMEOUT);
+  log_info("%s: saving %u job%s (checkpoint.on_stop) before stopping, within %llu ms", why,
+           daemon->stop_saves, daemon->stop_saves == 1 ? "" : "s",
+           (unsigned long long)timeout_ms);
+  sd_notifyf(0, "STATUS=saving checkpoints before stopping\nEXTEND_TIMEOUT_USEC=%llu",
+             (unsigned long long)timeout_ms * 1000);
+  uv_timer_start(&daemon->stop_saves_timer, on_stop_saves_late, timeout_ms, 0);
 }
 
 /* With draining, health turns NOT_SERVING and new work is refused while the daemon keeps
@@ -567,6 +636,8 @@ static void start_handles(fsdp_daemon_t *daemon) {
   }
   uv_timer_init(&daemon->loop, &daemon->housekeeping);
   daemon->housekeeping.data = daemon;
+  uv_timer_init(&daemon->loop, &daemon->stop_saves_timer);
+  daemon->stop_saves_timer.data = daemon;
   /* sd_watchdog_enabled() is 0 unless WATCHDOG_PID is ours; then pinging is required. */
   if (sd_watchdog_enabled(0, &daemon->watchdog_usec) <= 0)
     daemon->watchdog_usec = 0;

@@ -67,6 +67,11 @@ typedef struct fsdp_daemon {
 
   uv_signal_t sigterm, sigint, sighup;
   uv_timer_t housekeeping;
+  /* checkpoint.on_stop: the saves a stop waits for (at most checkpoint.stop_timeout), and
+   * why it stops once they end. */
+  unsigned stop_saves;
+  uv_timer_t stop_saves_timer;
+  char stop_why[32];
   uint64_t watchdog_usec; /* 0 when systemd's watchdog is off */
 } fsdp_daemon_t;
 

@@ -4,10 +4,13 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "collectives/local.h"
 #include "collectives/ring.h"
@@ -36,19 +39,31 @@ typedef enum work_kind {
 } work_kind_t;
 
 /* A checkpoint's work (fsdp_dataplane_checkpoint): the job described on the loop, the
- * directory, and who hears the end. */
+ * directory, and who hears the end. A load runs on the queue. A save's snapshot does (a copy
+ * of the job's state into its staging memory, at its place among the steps), and its write
+ * runs beside the queue, from the snapshot, while training goes on; one write per job at a
+ * time, a save asked meanwhile waiting for it (both in dp->saves). */
 typedef struct checkpoint_work {
+  fsdp_dataplane_t *dp;
+  fsdp_job_t *owner;
   bool load;
+  /* A save's, in dp->saves: waiting for the job's step boundary, for its staging memory,
+   * taking its snapshot, writing its files. */
+  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING } stage;
   unsigned keep; /* a save's: how many of the directory's checkpoints stay */
+  uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
   char dir[PATH_MAX];
   fsdp_checkpoint_job_t job;
   fsdp_checkpoint_unit_t *units;
   fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
   char path[PATH_MAX]; /* the step directory written or read */
   uint64_t step;
+  uint64_t snapshot_ns, write_ns;
   fsdp_status_t st;
   fsdp_dataplane_checkpoint_fn done;
   void *data;
+  uv_work_t write;
+  struct checkpoint_work *next; /* in dp->saves */
 } checkpoint_work_t;
 
 struct fsdp_dataplane_work {
@@ -377,10 +392,34 @@ static int add_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t be
 
 static void start_next(fsdp_dataplane_t *dp);
 
-static void run_checkpoint(checkpoint_work_t *c) {
+static void copy_parallel(void *workers, void *dst, const void *src, size_t bytes) {
+  fsdp_cast_parallel(workers, dst, FSDP_DTYPE_FP32, src, FSDP_DTYPE_FP32, bytes / sizeof(float));
+}
+
+/* A save's snapshot into the job's staging memory, made or grown on first need and kept for
+ * the next save; no write of the job's runs meanwhile. */
+static int take_snapshot(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c) {
+  size_t bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
+  if (bytes > job->checkpoint_staging_bytes) {
+    free(job->checkpoint_staging);
+    job->checkpoint_staging_bytes = 0;
+    job->checkpoint_staging = aligned_alloc(64, bytes);
+    if (!job->checkpoint_staging)
+      return fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
+                             "checkpoint: no memory for the %zu bytes of a snapshot", bytes);
+    job->checkpoint_staging_bytes = bytes;
+  }
+  fsdp_checkpoint_stage(c->units, c->job.n_units, job->checkpoint_staging, copy_parallel,
+                        dp->workers);
+  return 0;
+}
+
+static void run_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c) {
+  uint64_t start_ns = fsdp_clock_now_ns();
   int r = c->load
               ? fsdp_checkpoint_load(c->dir, &c->job, c->path, sizeof c->path, &c->step, &c->st)
-              : fsdp_checkpoint_save(c->dir, &c->job, c->keep, c->path, sizeof c->path, &c->st);
+              : take_snapshot(dp, job, c);
+  c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
   if (r == 0)
     fsdp_status_clear(&c->st);
 }
@@ -389,7 +428,7 @@ static void run_work(uv_work_t *req) {
   fsdp_dataplane_t *dp = req->data;
   fsdp_dataplane_work_t *w = dp->head;
   if (w->kind == WORK_CHECKPOINT) {
-    run_checkpoint(w->checkpoint);
+    run_checkpoint(dp, w->job, w->checkpoint);
     return;
   }
   fsdp_unit_t *u = w->unit;
@@ -518,6 +557,12 @@ static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, in
     finish_collective(job, u, WAIT_REDUCE, NULL);
 }
 
+static void free_checkpoint_work(checkpoint_work_t *c) {
+  free(c->params);
+  free(c->units);
+  free(c);
+}
+
 /* On the loop: a checkpoint's end. */
 static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
   if (status < 0)
@@ -525,13 +570,109 @@ static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
                     fsdp_strerror(status));
   if (c->st.code < 0)
     log_error("job '%s': %s", job->name, c->st.message);
+  else if (c->load)
+    log_info("job '%s': checkpoint of step %llu loaded from %s in %.1f ms", job->name,
+             (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6);
   else
-    log_info("job '%s': checkpoint of step %llu %s %s", job->name, (unsigned long long)c->step,
-             c->load ? "loaded from" : "saved in", c->path);
+    log_info("job '%s': checkpoint of step %llu saved in %s (snapshot %.1f ms, written in "
+             "%.1f ms beside training)",
+             job->name, (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6,
+             (double)c->write_ns / 1e6);
   c->done(c->data, &c->st, c->path, c->step);
-  free(c->params);
-  free(c->units);
-  free(c);
+  free_checkpoint_work(c);
+}
+
+static void unlink_save(fsdp_dataplane_t *dp, checkpoint_work_t *c) {
+  for (checkpoint_work_t **p = &dp->saves; *p; p = &(*p)->next)
+    if (*p == c) {
+      *p = c->next;
+      return;
+    }
+}
+
+static void append_save(fsdp_dataplane_t *dp, checkpoint_work_t *c) {
+  checkpoint_work_t **tail = &dp->saves;
+  while (*tail)
+    tail = &(*tail)->next;
+  *tail = c;
+}
+
+/* Whether a save of the job takes its snapshot or writes: the staging memory is in use. */
+static bool job_saves(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
+  for (const checkpoint_work_t *c = dp->saves; c; c = c->next)
+    if (c->owner == job && (c->stage == SAVE_SNAPSHOT || c->stage == SAVE_WRITING))
+      return true;
+  return false;
+}
+
+static int queue_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c,
+                            fsdp_status_t *st);
+
+/* A save of the job ended: the first one waiting for it takes its snapshot. */
+static void start_waiting_save(fsdp_dataplane_t *dp, fsdp_job_t *job) {
+  for (checkpoint_work_t *c = dp->saves; c; c = c->next) {
+    if (c->owner != job || c->stage != SAVE_WAITING)
+      continue;
+    c->stage = SAVE_SNAPSHOT;
+    if (queue_checkpoint(dp, job, c, &c->st) == 0)
+      return;
+    unlink_save(dp, c);
+    end_checkpoint(job, c, 0);
+    start_waiting_save(dp, job);
+    return;
+  }
+}
+
+static void *write_files(void *arg) {
+  checkpoint_work_t *c = arg;
+  if (fsdp_checkpoint_save(c->dir, &c->job, c->keep, c->path, sizeof c->path, &c->st) == 0)
+    fsdp_status_clear(&c->st);
+  return NULL;
+}
+
+/* The write's thread yields the CPU to training: copying into the page cache and hashing
+ * take as long as the cores that training leaves idle allow. */
+static void *write_files_niced(void *arg) {
+  setpriority(PRIO_PROCESS, (id_t)gettid(), 19); /* best effort */
+  return write_files(arg);
+}
+
+/* On a thread of libuv's pool, beside the queue: a save's files, from its snapshot, written
+ * by a thread of the lowest priority (the pool's threads run the queue's work too, so they
+ * keep theirs), or by this one when none can start. */
+static void write_checkpoint(uv_work_t *req) {
+  checkpoint_work_t *c = req->data;
+  uint64_t start_ns = fsdp_clock_now_ns();
+  pthread_t writer;
+  if (pthread_create(&writer, NULL, write_files_niced, c) == 0)
+    pthread_join(writer, NULL);
+  else
+    write_files(c);
+  c->write_ns = fsdp_clock_now_ns() - start_ns;
+}
+
+static void end_save(fsdp_dataplane_t *dp, checkpoint_work_t *c, int status) {
+  fsdp_job_t *job = c->owner;
+  unlink_save(dp, c);
+  end_checkpoint(job, c, status);
+  start_waiting_save(dp, job);
+}
+
+static void checkpoint_written(uv_work_t *req, int status) {
+  checkpoint_work_t *c = req->data;
+  end_save(c->dp, c, status);
+}
+
+/* A save's snapshot is taken: its write starts. */
+static void start_write(fsdp_dataplane_t *dp, checkpoint_work_t *c) {
+  c->stage = SAVE_WRITING;
+  c->write.data = c;
+  int r = uv_queue_work(dp->loop, &c->write, write_checkpoint, checkpoint_written);
+  if (r < 0) {
+    fsdp_status_set(&c->st, FSDP_E_INTERNAL, "checkpoint: cannot start its write: %s",
+                    uv_strerror(r));
+    end_save(dp, c, 0);
+  }
 }
 
 static void work_done(uv_work_t *req, int status) {
@@ -543,7 +684,13 @@ static void work_done(uv_work_t *req, int status) {
   fsdp_unit_t *u = w->unit;
   int r = status < 0 ? status : w->result;
   if (w->kind == WORK_CHECKPOINT) {
-    end_checkpoint(w->job, w->checkpoint, status);
+    checkpoint_work_t *c = w->checkpoint;
+    if (c->load)
+      end_checkpoint(w->job, c, status);
+    else if (status == 0 && c->st.code == 0)
+      start_write(dp, c);
+    else
+      end_save(dp, c, status);
     free(w);
     dp->busy = false;
     start_next(dp);
@@ -1021,6 +1168,35 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   return 0;
 }
 
+/* checkpoint.resume = latest: a job new to this daemon goes on from its newest checkpoint in
+ * checkpoint.dir/<job>/, loaded before its first gather. One that cannot be read is still
+ * loaded then, and fails the job naming why: it does not start anew without a word. */
+static void look_for_resume(fsdp_dataplane_t *dp, fsdp_job_t *job) {
+  job->resume_looked = true;
+  if (!dp->checkpoint_resume || !dp->checkpoint_dir[0])
+    return;
+  char dir[PATH_MAX];
+  if ((size_t)snprintf(dir, sizeof dir, "%s/%s", dp->checkpoint_dir, job->name) >= sizeof dir)
+    return;
+  fsdp_checkpoint_reader_t *r;
+  fsdp_status_t st;
+  if (fsdp_checkpoint_open(dir, &r, &st) < 0) {
+    if (st.code == FSDP_E_NOT_FOUND) {
+      log_info("job '%s': nothing to resume from in %s: it starts anew", job->name, dir);
+      return;
+    }
+    log_error("job '%s': cannot resume: %s", job->name, st.message);
+    job->resume_from = strdup(dir);
+    return;
+  }
+  job->resume_from = strdup(fsdp_checkpoint_path(r));
+  job->resume_step = fsdp_checkpoint_step(r);
+  fsdp_checkpoint_close(r);
+  if (job->resume_from)
+    log_info("job '%s': resumes from %s, after step %llu, at its first gather", job->name,
+             job->resume_from, (unsigned long long)job->resume_step);
+}
+
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                              const fsdp_dataplane_rank_t *who, fsdp_dataplane_op_t *op,
                              fsdp_dataplane_done_fn done, void *data) {
@@ -1028,6 +1204,10 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   fsdp_status_t st;
   switch (unit->state) {
   case FSDP_UNIT_NEW:
+    if (!job->resume_looked)
+      look_for_resume(dp, job);
+    if (job->resume_from)
+      unit->reduced_step = job->resume_step; /* its trainers go on after it */
     if (allocate(job, unit, &st) < 0) {
       op_fail(op, st.code, "%s", st.message);
       return;
@@ -1205,7 +1385,14 @@ static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
  * of the unit's own, or one from the job's pool, which may have to wait for one. */
 static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st);
 
+static void resume(fsdp_dataplane_t *dp, fsdp_job_t *job);
+
 static void start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
+  if (job->resume_from || job->resuming) {
+    u->gather_after_resume = true;
+    resume(dp, job);
+    return;
+  }
   u->copy_waiter.data = dp;
   if (u->copy_in_masters) {
     finish_collective(job, u, WAIT_UNSHARD, NULL);
@@ -1380,10 +1567,23 @@ static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const c
  * masters are final for `step` and stay so until its reduces, which the save goes before in
  * the queue: the job is saved into checkpoint.dir/<job>/ when step is one of every N. */
 static void checkpoint_on_schedule(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step) {
+  for (checkpoint_work_t *c = dp->saves; c && step; c = c->next)
+    if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
+      c->stage = SAVE_WAITING;
+      if (!job_saves(dp, job))
+        start_waiting_save(dp, job);
+      return; /* the save the stop asked for is the schedule's too */
+    }
   if (!dp->checkpoint_every || !dp->checkpoint_dir[0] || step == 0 ||
       step % dp->checkpoint_every != 0 || step <= job->checkpointed_step)
     return;
   job->checkpointed_step = step;
+  if (job_saves(dp, job)) {
+    log_warning("job '%s': no checkpoint of step %llu: the previous save is still being "
+                "written (checkpoint.every_steps is shorter than a save)",
+                job->name, (unsigned long long)step);
+    return;
+  }
   char dir[PATH_MAX];
   fsdp_status_t st;
   if ((size_t)snprintf(dir, sizeof dir, "%s/%s", dp->checkpoint_dir, job->name) >= sizeof dir)
@@ -1866,53 +2066,181 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   return 0;
 }
 
-int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
-                              uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
-                              fsdp_status_t *st) {
+/* A load (a resume's too) or a save, once the caller's own conditions hold. */
+static int checkpoint_job(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
+                          uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
+                          fsdp_status_t *st) {
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
   if (dp->backend.kind != FSDP_BACKEND_HOST)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "%s: job '%s' is in the memory of %s: checkpoints of a GPU's jobs "
                            "are not built yet",
                            verb, job->name, dp->backend.device_name);
-  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
     if (fsdp_unit_plan_spans_hosts(&u->plan))
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "%s: job '%s': unit '%s' spans hosts: checkpoints of one host's "
                              "units only so far",
                              verb, job->name, u->spec->unit);
-    /* A collective that only waits for ranks runs after the load, in turn. */
-    if (load && (u->gather.running || u->reduce.running))
+  checkpoint_work_t *c = calloc(1, sizeof *c);
+  if (!c)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
+  if (strlen(dir) >= sizeof c->dir) {
+    free(c);
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
+  }
+  *c = (checkpoint_work_t){.dp = dp, .owner = job, .load = load, .keep = dp->checkpoint_keep,
+                           .asked_step = step, .done = done, .data = data};
+  snprintf(c->dir, sizeof c->dir, "%s", dir);
+  if (load) {
+    int r = queue_checkpoint(dp, job, c, st);
+    if (r < 0)
+      free_checkpoint_work(c);
+    return r;
+  }
+  /* One save of a job at a time in its staging memory: later ones wait their turn. */
+  c->stage = job_saves(dp, job) ? SAVE_WAITING : SAVE_SNAPSHOT;
+  append_save(dp, c);
+  if (c->stage == SAVE_WAITING)
+    return 0;
+  int r = queue_checkpoint(dp, job, c, st);
+  if (r < 0) {
+    unlink_save(dp, c);
+    free_checkpoint_work(c);
+  }
+  return r;
+}
+
+int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
+                              uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
+                              fsdp_status_t *st) {
+  /* A collective that only waits for ranks runs after the load, in turn. */
+  for (const fsdp_unit_t *u = job->units; load && u; u = u->next)
+    if (u->gather.running || u->reduce.running)
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
                              "load between steps",
                              job->name, u->spec->unit);
+  return checkpoint_job(dp, job, dir, load, step, done, data, st);
+}
+
+/* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
+static bool daemon_steps_every_unit(fsdp_job_t *job) {
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->trainable && !fsdp_optimizer_steps_unit(job, u))
+      return false;
+  return true;
+}
+
+int fsdp_dataplane_save_at_boundary(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir,
+                                    bool attached, fsdp_dataplane_checkpoint_fn done,
+                                    void *data, fsdp_status_t *st) {
+  uint64_t step = 0;
+  bool trained = false, even = true, reducing = false;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+    reducing |= u->reduce.running;
+    if (!u->trainable)
+      continue;
+    even &= !trained || u->reduced_step == step;
+    step = trained && u->reduced_step > step ? step : u->reduced_step;
+    trained = true;
   }
+  if (!trained || (even && step == 0))
+    return 1; /* nothing trained: its trainers start it again from their initial values */
+  bool between = even && !reducing;
+  if (!between && !attached)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "job '%s' stopped inside a step (its units have reduced different "
+                           "steps) and no trainer is attached to finish it: not saved",
+                           job->name);
+  /* Its masters are final for `step` once the daemon's optimizer stepped them, or once every
+   * local rank asked a gather of the next step (a trainer's optimizer wrote them). */
+  bool final = !attached || daemon_steps_every_unit(job) ||
+               job->masters_final_step > step;
+  if (between && final)
+    return checkpoint_job(dp, job, dir, false, 0, done, data, st);
   checkpoint_work_t *c = calloc(1, sizeof *c);
-  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
-  int r = 0;
-  if (!c || !w || strlen(dir) >= sizeof c->dir)
-    r = fsdp_status_set(st, !c || !w ? FSDP_E_RESOURCE_EXHAUSTED : FSDP_E_INVALID_ARGUMENT,
-                        "%s: %s", verb, !c || !w ? "out of memory" : "path too long");
-  if (r == 0)
-    r = describe_checkpoint(job, c, st);
-  if (r < 0) {
-    if (c) {
-      free(c->params);
-      free(c->units);
-    }
+  if (!c || strlen(dir) >= sizeof c->dir) {
     free(c);
+    return fsdp_status_set(st, c ? FSDP_E_INVALID_ARGUMENT : FSDP_E_RESOURCE_EXHAUSTED,
+                           "SaveCheckpoint: %s", c ? "path too long" : "out of memory");
+  }
+  *c = (checkpoint_work_t){.dp = dp, .owner = job, .stage = SAVE_AT_BOUNDARY,
+                           .keep = dp->checkpoint_keep, .done = done, .data = data};
+  snprintf(c->dir, sizeof c->dir, "%s", dir);
+  append_save(dp, c);
+  log_info("job '%s': saves at its next step boundary", job->name);
+  return 0;
+}
+
+typedef struct resume_call {
+  fsdp_dataplane_t *dp;
+  fsdp_job_t *job;
+} resume_call_t;
+
+/* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's
+ * units fail naming why (training from the trainers' initial values would be silently
+ * wrong). */
+static void resume_ended(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st) {
+  job->resuming = false;
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (st->code < 0) {
+      u->state = FSDP_UNIT_FAILED;
+      fsdp_status_set(&u->error, st->code,
+                      "job '%s' cannot resume (checkpoint.resume = latest): %s", job->name,
+                      st->message);
+    }
+    if (!u->gather_after_resume)
+      continue;
+    u->gather_after_resume = false;
+    if (st->code < 0)
+      abort_collection(job, u, WAIT_UNSHARD, u->error.code, u->error.message);
+    else
+      start_gather(dp, job, u);
+  }
+}
+
+static void resumed(void *data, const fsdp_status_t *st, const char *path, uint64_t step) {
+  resume_call_t call = *(resume_call_t *)data;
+  free(data);
+  (void)path, (void)step; /* end_checkpoint logged them */
+  resume_ended(call.dp, call.job, st);
+}
+
+/* Loads the checkpoint the job resumes from, once; its gathers wait for it. */
+static void resume(fsdp_dataplane_t *dp, fsdp_job_t *job) {
+  if (job->resuming)
+    return;
+  char *from = job->resume_from;
+  job->resume_from = NULL;
+  job->resuming = true;
+  fsdp_status_t st;
+  resume_call_t *call = malloc(sizeof *call);
+  int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");
+  if (call) {
+    *call = (resume_call_t){.dp = dp, .job = job};
+    r = checkpoint_job(dp, job, from, true, 0, resumed, call, &st);
+  }
+  free(from);
+  if (r < 0) {
+    free(call);
+    resume_ended(dp, job, &st);
+  }
+}
+
+/* Describes the job as it is now into c and queues its work. */
+static int queue_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c,
+                            fsdp_status_t *st) {
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  int r = w ? describe_checkpoint(job, c, st)
+            : fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "checkpoint: out of memory");
+  if (r < 0) {
     free(w);
     return r;
   }
-  c->load = load;
-  c->keep = dp->checkpoint_keep;
-  if (step)
-    c->job.step = step;
+  if (c->asked_step)
+    c->job.step = c->asked_step;
   c->step = c->job.step; /* a load's is the checkpoint's, read with it */
-  snprintf(c->dir, sizeof c->dir, "%s", dir);
-  c->done = done;
-  c->data = data;
   *w = (fsdp_dataplane_work_t){.kind = WORK_CHECKPOINT, .job = job, .checkpoint = c};
   enqueue(dp, w);
   return 0;
@@ -1921,6 +2249,9 @@ int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char 
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
   for (const fsdp_dataplane_work_t *w = dp->head; w; w = w->next)
     if (w->job == job)
+      return true;
+  for (const checkpoint_work_t *c = dp->saves; c; c = c->next)
+    if (c->owner == job)
       return true;
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
     if (u->waiters || u->gather.running || u->reduce.running)
@@ -1949,10 +2280,11 @@ int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda
 }
 
 void fsdp_dataplane_set_checkpoints(fsdp_dataplane_t *dp, const char *dir, uint64_t every_steps,
-                                    unsigned keep) {
+                                    unsigned keep, bool resume) {
   snprintf(dp->checkpoint_dir, sizeof dp->checkpoint_dir, "%s", dir);
   dp->checkpoint_every = every_steps;
   dp->checkpoint_keep = keep;
+  dp->checkpoint_resume = resume;
 }
 
 void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
@@ -1969,6 +2301,11 @@ void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
   if (!dp)
     return;
+  while (dp->saves) { /* saves left waiting for a boundary that never came */
+    checkpoint_work_t *c = dp->saves;
+    dp->saves = c->next;
+    free_checkpoint_work(c);
+  }
   while (dp->free_scratch) {
     void *s = dp->free_scratch;
     memcpy(&dp->free_scratch, s, sizeof(void *));

@@ -91,10 +91,12 @@ typedef struct fsdp_dataplane {
   fsdp_peers_waiter_t cluster_waiter;
   bool waiting_for_cluster;
   void *free_scratch; /* the rings' staging buffers not in use, linked through their start */
+  struct checkpoint_work *saves; /* each taking its snapshot, writing, or waiting for one */
   /* checkpoint.*: where and how often the jobs are saved on schedule, how many are kept. */
   char checkpoint_dir[PATH_MAX];
   uint64_t checkpoint_every;
   unsigned checkpoint_keep;
+  bool checkpoint_resume; /* checkpoint.resume = latest */
 } fsdp_dataplane_t;
 
 /* Who asks: a local rank, as one of its sessions (daemon/session/sessions.h). */
@@ -157,11 +159,14 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
 int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
                             const fsdp_cuda_device_t *device, fsdp_status_t *st);
 
-/* checkpoint.dir, .every_steps, .keep: a job is saved into dir/<job>/ every every_steps
- * steps (0 or an empty dir: never), at the step boundary (fsdp_dataplane_checkpoint), and
- * every save keeps `keep` checkpoints (0: all). */
+/* checkpoint.dir, .every_steps, .keep, .resume: a job is saved into dir/<job>/ every
+ * every_steps steps (0 or an empty dir: never), at the step boundary
+ * (fsdp_dataplane_checkpoint), and every save keeps `keep` checkpoints (0: all). With resume,
+ * a job new to this daemon goes on from its newest checkpoint there: its units report that
+ * step as reduced when they register, and it is loaded before the job's first gather (one
+ * that fails to load fails the job's units, naming why). */
 void fsdp_dataplane_set_checkpoints(fsdp_dataplane_t *dp, const char *dir, uint64_t every_steps,
-                                    unsigned keep);
+                                    unsigned keep, bool resume);
 
 /* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
@@ -239,15 +244,30 @@ typedef void (*fsdp_dataplane_checkpoint_fn)(void *data, const fsdp_status_t *st
 
 /* Saves the job's state on this host (every unit's masters, the optimizer's state) into a
  * checkpoint of `step` under dir (0: the least reduced_step of its trainable units), or loads
- * the one at dir into the job's registered units (checkpoint/checkpoint.h; `step` unused), as
- * a work item in turn with the casts, reduces and optimizer steps, so that none of the
- * daemon's runs meanwhile; a trainer's own optimizer writing its masters is not seen: save
- * between steps. done is called once, on the loop, unless this fails at once
+ * the one at dir into the job's registered units (checkpoint/checkpoint.h; `step` unused).
+ * A load, and a save's snapshot (a copy into the job's staging memory), are work items in
+ * turn with the casts, reduces and optimizer steps, so that none of the daemon's runs
+ * meanwhile; a trainer's own optimizer writing its masters is not seen: save between steps.
+ * A save's files are written from the snapshot beside the queue while training goes on; a
+ * save asked while another of the job's runs waits for it. done is called once, on the loop,
+ * once the files are written or read, unless this fails at once
  * (st says why: FAILED_PRECONDITION for a job in a GPU's memory or spanning hosts, a unit
  * without buffers, or a load while a collective runs). dir is copied. */
 int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
                               uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
                               fsdp_status_t *st);
+
+/* Saves the job into dir (a save as fsdp_dataplane_checkpoint's) at its step boundary: at
+ * once when it is at one (no reduce running, every trainable unit reduced the same step, and
+ * that step's masters final: the daemon's optimizer stepped them, every local rank asked a
+ * gather of the next step, or no trainer is attached to write them), otherwise when every
+ * local rank asks the forward's gather of the next step. Returns 0 (done is called once), 1
+ * when the job has not trained a step (nothing to save; done is not called), or an error:
+ * FAILED_PRECONDITION for a job stopped inside a step with no trainer attached (attached
+ * false) to finish it. */
+int fsdp_dataplane_save_at_boundary(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir,
+                                    bool attached, fsdp_dataplane_checkpoint_fn done,
+                                    void *data, fsdp_status_t *st);
 
 /* Whether any queued or running work, or any waiting operation, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);

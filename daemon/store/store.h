@@ -88,6 +88,7 @@ typedef struct fsdp_unit {
    * reduce-scatter. */
   fsdp_collection_t gather;
   bool gather_ahead; /* the gather was the schedule's prefetch, not the ranks' asking */
+  bool gather_after_resume; /* the gather waits for the job's checkpoint to be loaded */
   fsdp_collection_t reduce;
   bool reduce_accumulate;
   /* HYBRID_SHARD's gradient accumulation (FSDP2's set_requires_all_reduce(False)): a reduce
@@ -167,6 +168,17 @@ typedef struct fsdp_job {
   unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
   uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
   uint64_t checkpointed_step;  /* the last step checkpoint.every_steps saved */
+  /* A save's snapshot of the job's state, written from while training goes on (the
+   * dataplane's), kept for the next save; owned. */
+  void *checkpoint_staging;
+  size_t checkpoint_staging_bytes;
+  /* checkpoint.resume = latest: looked for at the job's first unit; the checkpoint to load
+   * before its first gather (owned) and its step, which its units report as reduced; set
+   * while the load runs. */
+  bool resume_looked;
+  char *resume_from;
+  uint64_t resume_step;
+  bool resuming;
   /* The optimizer the daemon runs (daemon/dataplane/optimizer.h), NULL without one; freed
    * with the job through optimizer_free, which its maker sets. */
   struct fsdp_optimizer *optimizer;

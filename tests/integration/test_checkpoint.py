@@ -6,6 +6,7 @@ by this test's own parser of the format."""
 
 import array
 import json
+import signal
 import struct
 import subprocess
 
@@ -14,7 +15,7 @@ import pytest
 
 from fsdpd_harness import fsdpd, operator_pb2, poll, run_fsdpctl, trainer_pb2  # noqa: F401
 from test_optimizer import ADAMW, group, refused, set_optimizer, two_ranks
-from test_unshard import FP32, bf16_bits, on_all
+from test_unshard import FP32, Rank, bf16_bits, on_all
 
 
 def checkpoint(d, method, path, job="j"):
@@ -23,11 +24,22 @@ def checkpoint(d, method, path, job="j"):
                   operator_pb2.CheckpointReply, timeout=30)
 
 
-def trained(d):
-    """Two ranks of job 'j' with AdamW in the daemon, after one step: the masters and the
-    optimizer's state, as bytes of the job's memory, and where they are."""
+def with_adamw(d):
+    """Two ranks of job 'j' with AdamW in the daemon: the ranks, their layouts, and where the
+    masters and the optimizer's state lie in the job's memory."""
     ranks, layouts = two_ranks(d)
     reply = set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW))
+    n = layouts[0].padded_numel
+    (state,) = reply.units
+    regions = [(layouts[0].master_offset, 4 * n), (state.steps_offset, 8)]
+    regions += [(state.arrays_offset + a * state.array_stride, 4 * n)
+                for a in range(state.arrays)]
+    return ranks, layouts, regions
+
+
+def trained(d):
+    """with_adamw's ranks after one step: the ranks and the regions."""
+    ranks, layouts, regions = with_adamw(d)
     n = layouts[0].padded_numel
     masters = [0.25 * (i % 7) - 0.5 for i in range(n)]
     for r, lay in zip(ranks, layouts):
@@ -36,10 +48,6 @@ def trained(d):
     for r in ranks:
         r.write_full_grad([0.125 * (i % 5) - 0.25 for i in range(n)], FP32)
     assert on_all(ranks, "ReduceScatter", step=1, step_optimizer=True) == [None, None]
-    (state,) = reply.units
-    regions = [(layouts[0].master_offset, 4 * n), (state.steps_offset, 8)]
-    regions += [(state.arrays_offset + a * state.array_stride, 4 * n)
-                for a in range(state.arrays)]
     return ranks, regions
 
 
@@ -291,3 +299,116 @@ def test_the_daemon_saves_every_n_steps_and_keeps_the_newest(fsdpd, tmp_path):
     garble(ranks[0], regions)
     assert checkpoint(d, "LoadCheckpoint", tmp_path / "j").step == 4
     assert snapshot(ranks[0], regions) == want
+
+
+def _train_step(ranks, regions, step):
+    n = regions[0][1] // 4
+    assert on_all(ranks, "Unshard", step=step, backward=True) == [None, None]
+    for r in ranks:
+        r.write_full_grad([0.0625 * (i % 3) - 0.0625 for i in range(n)], FP32)
+    assert on_all(ranks, "ReduceScatter", step=step, step_optimizer=True) == [None, None]
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
+    """The first save's write stalls 3 s (a failpoint) after its snapshot: meanwhile the job
+    trains step 2 with the daemon's AdamW, and a second save waits for the first. The first
+    checkpoint holds the job as it was at its snapshot, the second as after step 2."""
+    d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-begun:1:sleep-3000"})
+    ranks, regions = trained(d)
+    after_1 = snapshot(ranks[0], regions)
+    save = d.channel().unary_unary(
+        "/fsdp.v1.Operator/SaveCheckpoint",
+        request_serializer=operator_pb2.CheckpointRequest.SerializeToString,
+        response_deserializer=operator_pb2.CheckpointReply.FromString)
+    first = save.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path / "a")),
+                        timeout=30)
+    _train_step(ranks, regions, 2)  # queued after the snapshot, done before the write
+    assert not first.done()
+    after_2 = snapshot(ranks[0], regions)
+    assert after_2 != after_1
+    second = save.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path / "b")),
+                         timeout=30)
+    assert first.result().step == 1
+    assert second.result().step == 2
+    for where, want in (("a", after_1), ("b", after_2)):
+        garble(ranks[0], regions)
+        checkpoint(d, "LoadCheckpoint", tmp_path / where)
+        assert snapshot(ranks[0], regions) == want, where
+
+
+def test_a_stopped_daemon_saves_and_a_restarted_one_resumes(fsdpd, tmp_path):
+    """checkpoint.on_stop: SIGTERM between steps saves the job at once and the daemon exits 0.
+    With checkpoint.resume = latest a new daemon takes the job up again: its units report
+    step 1 as reduced when the ranks register, and before the first gather the masters and
+    AdamW's state are the saved ones, bit for bit."""
+    options = ("--set", f"checkpoint.dir={tmp_path}", "--set", "checkpoint.resume=latest")
+    d = fsdpd(*options)
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    d.stop()
+    assert (tmp_path / "j" / "step-1" / "manifest.json").exists()
+    assert "saving 1 job (checkpoint.on_stop) before stopping" in d.stderr()
+
+    again = fsdpd(*options, name="again")
+    ranks, layouts, regions = with_adamw(again)
+    assert [lay.reduced_step for lay in layouts] == [1, 1]
+    assert snapshot(ranks[0], regions) != want  # loaded at the first gather, not before
+    assert on_all(ranks, "Unshard", step=2) == [None, None]
+    assert snapshot(ranks[0], regions) == want
+    assert "resumes from" in again.stderr()
+
+
+def test_a_resume_that_cannot_load_fails_the_job_naming_why(fsdpd, tmp_path):
+    """The checkpoint to resume from holds a unit of another size: the first gather fails
+    naming it, rather than training from the trainers' initial values."""
+    d = fsdpd("--set", f"checkpoint.dir={tmp_path}")
+    trained(d)
+    d.stop()
+    again = fsdpd("--set", f"checkpoint.dir={tmp_path}", "--set", "checkpoint.resume=latest",
+                  name="again")
+    ranks = [Rank(again, r, 2) for r in range(2)]
+    for r in ranks:
+        r.register(shapes=((6,),), requires_grad=True)
+    errors = on_all(ranks, "Unshard", step=2)
+    for e in errors:
+        assert e is not None and e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+        assert "cannot resume (checkpoint.resume = latest)" in e.details(), e.details()
+        assert "unit 'u' has numel 17, the job's 6" in e.details(), e.details()
+
+
+def test_a_stop_waits_for_the_step_boundary(fsdpd, tmp_path):
+    """Trainers with their own optimizer: after step 1's reduce they may still be writing
+    its masters, so SIGTERM waits (serving) until every rank asks the gather of step 2, and
+    the checkpoint holds what they wrote. A daemon whose trainers never get there stops
+    after checkpoint.stop_timeout, saying so."""
+    d = fsdpd("--set", f"checkpoint.dir={tmp_path}")
+    ranks, layouts = two_ranks(d)
+    n = layouts[0].padded_numel
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
+    for r in ranks:
+        r.write_full_grad([1.0] * n, FP32)
+    assert on_all(ranks, "ReduceScatter", step=1) == [None, None]
+    d.send_signal(signal.SIGTERM)
+    poll(lambda: "saves at its next step boundary" in d.stderr(), 10, what="the wait")
+    stepped = [0.5 * i for i in range(n)]
+    for r, lay in zip(ranks, layouts):
+        r.write_master_shard(lay, stepped)  # the trainers' optimizer step
+    assert d.running()
+    assert on_all(ranks, "Unshard", step=2) == [None, None]
+    assert d.wait(timeout=20) == 0
+    again = fsdpd(name="again")
+    ranks, layouts = two_ranks(again)
+    region = [(layouts[0].master_offset, 4 * n)]
+    assert checkpoint(again, "LoadCheckpoint", tmp_path / "j").step == 1
+    assert snapshot(ranks[0], region) == [array.array("f", stepped).tobytes()]
+
+    late = fsdpd("--set", f"checkpoint.dir={tmp_path / 'late'}",
+                 "--set", "checkpoint.stop_timeout=300ms", name="late")
+    ranks, layouts = two_ranks(late)
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
+    assert on_all(ranks, "ReduceScatter", step=1) == [None, None]
+    late.send_signal(signal.SIGTERM)
+    assert late.wait(timeout=20) == 0
+    assert "stopping without 1 checkpoint not written within" in late.stderr()
+    assert not (tmp_path / "late" / "j").exists()

@@ -286,6 +286,34 @@ def test_a_checkpoint_brings_the_job_back_on_a_new_daemon(fsdpd, tmp_path):
     _assert_matches(merged, ref, 0.0)
 
 
+def test_a_killed_daemon_comes_back_from_its_last_checkpoint(fsdpd, tmp_path):
+    """The daemon saves every 2 steps (checkpoint.every_steps) while the ranks train 4 steps
+    with its AdamW, and is then SIGKILLed: steps 3 and 4 are lost with it. A new daemon with
+    checkpoint.resume = latest takes the job up from step 2; the same ranks' script, started
+    again, finds the model trained (model.resumed, completed_steps 2) and trains steps 3
+    and 4 again: the end is the uninterrupted run's bit for bit."""
+    options = (*DAEMON_ARGS, "--set", f"checkpoint.dir={tmp_path}",
+               "--set", "checkpoint.every_steps=2", "--set", "checkpoint.resume=latest")
+    args = ("--optim", "adamw")
+    ref = _start(None, "reference", 2, 0, *args, "--world", "2")
+    d = fsdpd(*options)
+    first = _finish([_start(d, "rank", 2, r, *args) for r in range(2)])
+    poll(lambda: (tmp_path / "train" / "step-2" / "manifest.json").exists(), 20,
+         what="step 2's checkpoint")
+    d.kill()
+    d = fsdpd(*options, name="again")
+    again = _finish([_start(d, "rank", 2, r, *args) for r in range(2)])
+    for records in again:
+        assert records[0]["resumed"] and records[0]["start"] == 3
+        assert sorted(_losses(records)) == [3, 4]
+    (ref,) = _finish([ref])
+    done = [{**{k: v for k, v in _losses(a).items() if k <= 2}, **_losses(b)}
+            for a, b in zip(first, again)]
+    merged = [[{"step": k, "loss": v} for k, v in x.items()] + [{"final": True,
+              "state": _final(s)}] for x, s in zip(done, again)]
+    _assert_matches(merged, ref, 0.0)
+
+
 def test_a_checkpoint_loads_at_another_local_world_size(fsdpd, tmp_path):
     """Saved by 2 ranks after step 2, loaded by 3 on a new daemon: each unit's elements are
     the same, only its padding to the shard count differs; steps 3 and 4 go on like one
