@@ -10,6 +10,11 @@ written, fsynced and renamed), `dd if=/dev/zero of=DIR/dd.bin bs=4M count=N conv
 LoadCheckpoint (every block read and checked twice: checked, then read into the job's
 memory) and `dd if=DIR/dd.bin of=/dev/null bs=4M` (the page cache dropped before each read
 when allowed: root). Prints GB/s and each ratio to dd's.
+
+Then, --runs times, a stop with a save (checkpoint.on_stop): a fresh fsdpd with
+checkpoint.dir, the same job trained one step (so there is something to save), and the time
+from SIGTERM to the daemon's exit, its save of the job included, against that of the same
+daemon and job without checkpoint.dir, and against a save's time from above.
 """
 
 import argparse
@@ -52,6 +57,47 @@ def timed(fn, runs, before=None):
     return statistics.median(times)
 
 
+def start_daemon(run, job_bytes, *options):
+    """A fresh fsdpd in the directory run; returns it and its socket."""
+    log = Path(run) / "fsdpd.log"
+    sets = [a for o in options for a in ("--set", o)]
+    d = subprocess.Popen([str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", f"{run}/run",
+                          "--set", f"memory.job_limit={job_bytes}",
+                          "--set", f"memory.limit={2 * job_bytes + (1 << 30)}", *sets],
+                         stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while b"serving on" not in log.read_bytes():
+        if d.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"fsdpd did not serve:\n{log.read_text()}")
+        time.sleep(0.05)
+    return d, f"{run}/run/fsdpd.sock"
+
+
+def stop_time(numel, job_bytes, *options):
+    """Seconds from SIGTERM to the exit of a fresh daemon whose job trained one step with
+    the daemon's AdamW."""
+    with tempfile.TemporaryDirectory() as run:
+        d, socket = start_daemon(run, job_bytes, *options)
+        try:
+            client = fsdpd.Client(socket=socket, job="bench", timeout=600)
+            unit = client.register_unit("w", [("w", (numel,), True)])
+            client.set_optimizer("AdamW", [{"lr": 1e-3}])
+            unit.unshard(step=1, backward=True)
+            unit.reduce_scatter(step=1, step_optimizer=True)
+            t = time.perf_counter()
+            d.send_signal(signal.SIGTERM)
+            code = d.wait(timeout=600)
+            took = time.perf_counter() - t
+            if code != 0:
+                sys.exit(f"fsdpd exited with {code}:\n{(Path(run) / 'fsdpd.log').read_text()}")
+            client.close()
+            return took
+        finally:
+            if d.poll() is None:
+                d.kill()
+                d.wait()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", help="where the checkpoints go (default: a temporary directory "
@@ -61,20 +107,11 @@ def main():
     args = p.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="fsdp-ckpt-", dir="/var/tmp"))
     numel = args.mib << 18  # fp32 elements
+    job_bytes = 5 * (args.mib << 20) + (64 << 20)
     with tempfile.TemporaryDirectory() as run:
-        log = Path(run) / "fsdpd.log"
-        job_bytes = 5 * (args.mib << 20) + (64 << 20)
-        d = subprocess.Popen([str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", f"{run}/run",
-                              "--set", f"memory.job_limit={job_bytes}",
-                              "--set", f"memory.limit={2 * job_bytes + (1 << 30)}"],
-                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        d, socket = start_daemon(run, job_bytes)
         try:
-            deadline = time.monotonic() + 30
-            while b"serving on" not in log.read_bytes():
-                if d.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"fsdpd did not serve:\n{log.read_text()}")
-                time.sleep(0.05)
-            client = fsdpd.Client(socket=f"{run}/run/fsdpd.sock", job="bench", timeout=600)
+            client = fsdpd.Client(socket=socket, job="bench", timeout=600)
             unit = client.register_unit("w", [("w", (numel,), True)])
             client.set_optimizer("AdamW", [{"lr": 1e-3}])
             ckpt = base / "ckpt"
@@ -97,6 +134,10 @@ def main():
         finally:
             d.send_signal(signal.SIGTERM)
             d.wait(timeout=60)
+    stops = [stop_time(numel, job_bytes, f"checkpoint.dir={base / 'stop'}")
+             for _ in range(args.runs)]
+    bare = [stop_time(numel, job_bytes) for _ in range(args.runs)]
+    stop, plain = statistics.median(stops), statistics.median(bare)
     gb = size / 1e9
     print(f"{size / 2**20:.0f} MiB per checkpoint (masters and AdamW state of {args.mib} MiB "
           f"of parameters) in {base}; medians of {args.runs}; page cache dropped before "
@@ -106,6 +147,8 @@ def main():
     print(f"load  {load:7.3f} s  {gb / load:6.2f} GB/s   dd read            {dd_read:7.3f} s  "
           f"{gb / dd_read:6.2f} GB/s   load / dd: {(gb / load) / (gb / dd_read):.2f}x "
           "(a load reads every block twice: checked first, then into the job)")
+    print(f"SIGTERM to exit with a save {stop:7.3f} s, without {plain:7.3f} s: the save "
+          f"adds {stop - plain:.3f} s = {(stop - plain) / save:.2f}x a save above")
     if not args.dir:
         for f in sorted(base.rglob("*"), reverse=True):
             f.rmdir() if f.is_dir() else f.unlink()

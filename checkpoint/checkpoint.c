@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <json-c/json.h>
@@ -20,10 +21,14 @@
 #include "common/failpoint.h"
 #include "common/io.h"
 
-#define HOST_BIN "host-0.bin"
-#define HOST_JSON "host-0.json"
 #define MANIFEST "manifest.json"
 #define IO_CHUNK ((size_t)4 << 20)
+#define WAIT_POLL_MS 20
+
+/* Host h's files: "host-<h>.bin", "host-<h>.json". */
+static void host_file(char *buf, size_t size, unsigned host, const char *ext) {
+  snprintf(buf, size, "host-%u.%s", host, ext);
+}
 
 static const char *const state_names[FSDP_CHECKPOINT_ARRAYS_MAX] = {"state0", "state1",
                                                                    "state2"};
@@ -155,12 +160,13 @@ static json_object *json_u64(uint64_t v) {
   return json_object_new_uint64(v);
 }
 
-/* Writes the units' blocks to dir/host-0.bin, hashing them as they go, and each unit's
+/* Writes the units' blocks to dir/host-<h>.bin, hashing them as they go, and each unit's
  * metadata into the array units. */
 static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_object *units,
                         fsdp_status_t *st) {
-  char path[PATH_MAX], tmp[PATH_MAX];
-  if (!join(path, sizeof path, dir, "/", HOST_BIN) || !join(tmp, sizeof tmp, path, "", ".tmp"))
+  char name[32], path[PATH_MAX], tmp[PATH_MAX];
+  host_file(name, sizeof name, job->host, "bin");
+  if (!join(path, sizeof path, dir, "/", name) || !join(tmp, sizeof tmp, path, "", ".tmp"))
     return io_failed(st, "naming", dir, ENAMETOOLONG);
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
   if (fd < 0)
@@ -219,61 +225,115 @@ static int write_json(const char *dir, const char *name, json_object *o, fsdp_st
   return write_durably(path, text, strlen(text), st);
 }
 
-static void remove_checkpoint_dir(const char *dir) {
-  static const char *const files[] = {HOST_BIN, HOST_JSON, MANIFEST};
-  char path[PATH_MAX], tmp[PATH_MAX];
-  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-    if (join(path, sizeof path, dir, "/", files[i]))
+/* Removes dir's files whose names start with prefix ("": every file). */
+static void remove_files(const char *dir, const char *prefix) {
+  DIR *d = opendir(dir);
+  if (!d)
+    return;
+  char path[PATH_MAX];
+  for (struct dirent *e; (e = readdir(d));)
+    if (e->d_name[0] != '.' && strncmp(e->d_name, prefix, strlen(prefix)) == 0 &&
+        join(path, sizeof path, dir, "/", e->d_name))
       unlink(path);
-    if (join(tmp, sizeof tmp, path, "", ".tmp"))
-      unlink(tmp);
-  }
+  closedir(d);
+}
+
+static void remove_checkpoint_dir(const char *dir) {
+  remove_files(dir, "");
   rmdir(dir);
+}
+
+/* Host 0's wait, before it writes the manifest: every other host's metadata, written last of
+ * its files, in dir. DEADLINE_EXCEEDED names the hosts missing. */
+static int wait_for_hosts(const char *dir, const fsdp_checkpoint_job_t *job,
+                          fsdp_status_t *st) {
+  for (uint64_t waited = 0;; waited += WAIT_POLL_MS) {
+    char missing[256] = "";
+    size_t len = 0;
+    for (unsigned h = 1; h < job->hosts; h++) {
+      char name[32], path[PATH_MAX];
+      host_file(name, sizeof name, h, "json");
+      if (join(path, sizeof path, dir, "/", name) && access(path, F_OK) == 0)
+        continue;
+      if (len < sizeof missing)
+        len += (size_t)snprintf(missing + len, sizeof missing - len, "%s%u", len ? ", " : "",
+                                h);
+    }
+    if (!missing[0])
+      return 0;
+    if (waited >= job->hosts_wait_ms)
+      return fsdp_status_set(st, FSDP_E_DEADLINE_EXCEEDED,
+                             "checkpoint: the files of host(s) %s did not appear in %s within "
+                             "%" PRIu64 " ms (the checkpoint's directory must be shared by "
+                             "every host, and each saves the same step)",
+                             missing, dir, job->hosts_wait_ms);
+    struct timespec t = {.tv_nsec = WAIT_POLL_MS * 1000000L};
+    nanosleep(&t, NULL);
+  }
 }
 
 static void keep_newest(const char *dir, unsigned keep);
 
 int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
                          char *ret_path, size_t size, fsdp_status_t *st) {
-  char name[32], final[PATH_MAX], partial[PATH_MAX];
+  char name[32], final[PATH_MAX], partial[PATH_MAX], own[32];
   snprintf(name, sizeof name, "step-%" PRIu64, job->step);
+  snprintf(own, sizeof own, "host-%u.", job->host);
   if (!join(final, sizeof final, dir, "/", name) ||
       !join(partial, sizeof partial, final, "", ".partial"))
     return io_failed(st, "naming the checkpoint under", dir, ENAMETOOLONG);
   if (mkdir(dir, 0750) < 0 && errno != EEXIST)
     return io_failed(st, "making", dir, errno);
-  remove_checkpoint_dir(partial); /* what a save that died left */
-  if (mkdir(partial, 0750) < 0)
+  /* What a save of this host that died left; the other hosts' files are theirs. */
+  if (job->hosts == 1)
+    remove_checkpoint_dir(partial);
+  else
+    remove_files(partial, own);
+  if (mkdir(partial, 0750) < 0 && (errno != EEXIST || job->hosts == 1))
     return io_failed(st, "making", partial, errno);
   fsdp_failpoint("checkpoint-begun");
 
   json_object *host = json_object_new_object(), *units = json_object_new_array();
   json_object_object_add(host, "format", json_u64(FSDP_CHECKPOINT_FORMAT));
   json_object_object_add(host, "job", json_object_new_string(job->job));
-  json_object_object_add(host, "host", json_u64(0));
-  json_object_object_add(host, "hosts", json_u64(1));
+  json_object_object_add(host, "host", json_u64(job->host));
+  json_object_object_add(host, "hosts", json_u64(job->hosts));
   json_object_object_add(host, "step", json_u64(job->step));
   json_object_object_add(host, "optimizer", json_object_new_string(job->optimizer));
   json_object_object_add(host, "units", units);
+
+  /* This host's metadata after its blocks: once it is there, the host's part is whole. */
+  int r = write_blocks(partial, job, units, st);
+  fsdp_failpoint("checkpoint-blocks");
+  host_file(name, sizeof name, job->host, "json");
+  if (r == 0)
+    r = write_json(partial, name, host, st);
+  json_object_put(host);
+  if (job->host != 0) { /* host 0 completes the checkpoint */
+    if (r == 0)
+      r = fsync_dir(partial, st);
+    if (r == 0)
+      snprintf(ret_path, size, "%s", final);
+    return r;
+  }
+  if (r == 0)
+    r = wait_for_hosts(partial, job, st);
+  /* The manifest last: until it is there, the directory is no checkpoint. */
   json_object *manifest = json_object_new_object(), *files = json_object_new_array();
   json_object_object_add(manifest, "format", json_u64(FSDP_CHECKPOINT_FORMAT));
   json_object_object_add(manifest, "job", json_object_new_string(job->job));
   json_object_object_add(manifest, "step", json_u64(job->step));
-  json_object_object_add(manifest, "hosts", json_u64(1));
-  json_object_array_add(files, json_object_new_string(HOST_JSON));
-  json_object_array_add(files, json_object_new_string(HOST_BIN));
+  json_object_object_add(manifest, "hosts", json_u64(job->hosts));
+  for (unsigned h = 0; h < job->hosts; h++)
+    for (int k = 0; k < 2; k++) {
+      host_file(name, sizeof name, h, k ? "bin" : "json");
+      json_object_array_add(files, json_object_new_string(name));
+    }
   json_object_object_add(manifest, "files", files);
-
-  /* The manifest last: until it is there, the directory is no checkpoint. */
-  int r = write_blocks(partial, job, units, st);
-  fsdp_failpoint("checkpoint-blocks");
-  if (r == 0)
-    r = write_json(partial, HOST_JSON, host, st);
   if (r == 0)
     r = write_json(partial, MANIFEST, manifest, st);
   if (r == 0)
     r = fsync_dir(partial, st);
-  json_object_put(host);
   json_object_put(manifest);
   fsdp_failpoint("checkpoint-written");
   /* A checkpoint of the same step is swapped for this one in one step (the old one then has
@@ -286,7 +346,8 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
   fsdp_failpoint("checkpoint-renamed");
   if (r == 0)
     r = fsync_dir(dir, st);
-  remove_checkpoint_dir(partial); /* the replaced checkpoint, or what failed */
+  if (r == 0 || job->hosts == 1)
+    remove_checkpoint_dir(partial); /* the replaced checkpoint, or what failed */
   if (r < 0)
     return r;
   if (keep)
@@ -344,17 +405,27 @@ static void keep_newest(const char *dir, unsigned keep) {
 
 /* ---- Reading ---- */
 
-struct fsdp_checkpoint_reader {
-  char path[PATH_MAX]; /* the step directory */
+/* One host's files: its units' layouts (in the reader's unit order; a unit it does not list
+ * has host_shards 0) and blocks, each block's checksum checked on first use. */
+typedef struct host_part {
   char bin[PATH_MAX];
   int fd;
-  json_object *manifest, *host;
+  json_object *meta;
   fsdp_checkpoint_unit_t *units;
+  json_object **unit_meta;
+  bool (*checked)[1 + FSDP_CHECKPOINT_ARRAYS_MAX];
+} host_part_t;
+
+struct fsdp_checkpoint_reader {
+  char path[PATH_MAX]; /* the step directory */
+  json_object *manifest;
+  unsigned hosts;
+  host_part_t *parts;
+  fsdp_checkpoint_unit_t *units; /* host 0's, which name the units and their parameters */
   size_t n_units;
-  json_object **unit_meta; /* each unit's object of host-0.json */
   fsdp_checkpoint_param_t *params;
   uint64_t *shapes;
-  void *buf; /* IO_CHUNK, for checking a block without keeping it */
+  void *buf; /* IO_CHUNK, for checking a block */
 };
 
 static json_object *read_json(const char *dir, const char *name, fsdp_status_t *st,
@@ -418,23 +489,33 @@ static int find_checkpoint(const char *dir, char *ret, size_t size, fsdp_status_
 void fsdp_checkpoint_close(fsdp_checkpoint_reader_t *r) {
   if (!r)
     return;
-  if (r->fd >= 0)
-    close(r->fd);
-  json_object_put(r->host);
+  for (unsigned h = 0; r->parts && h < r->hosts; h++) {
+    host_part_t *p = &r->parts[h];
+    if (p->fd >= 0)
+      close(p->fd);
+    json_object_put(p->meta);
+    free(p->units);
+    free(p->unit_meta);
+    free(p->checked);
+  }
+  free(r->parts);
   json_object_put(r->manifest);
-  free(r->units);
-  free(r->unit_meta);
   free(r->params);
   free(r->shapes);
   free(r->buf);
   free(r);
 }
 
-/* The units of host-0.json as the reader's fsdp_checkpoint_unit_t (no buffers). */
+static json_object *units_of(json_object *host_meta) {
+  json_object *units = get(host_meta, "units");
+  return units && json_object_is_type(units, json_type_array) ? units : NULL;
+}
+
+/* The units of host 0's metadata, with their parameters, as the reader's units. */
 static int parse_units(fsdp_checkpoint_reader_t *r, fsdp_status_t *st) {
-  json_object *units = get(r->host, "units");
-  if (!units || !json_object_is_type(units, json_type_array))
-    return fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s/" HOST_JSON " lists no units",
+  json_object *units = units_of(r->parts[0].meta);
+  if (!units)
+    return fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s/host-0.json lists no units",
                            r->path);
   r->n_units = json_object_array_length(units);
   size_t n_params = 0, n_dims = 0;
@@ -446,37 +527,18 @@ static int parse_units(fsdp_checkpoint_reader_t *r, fsdp_status_t *st) {
       n_dims += shape ? json_object_array_length(shape) : 0;
     }
   }
-  r->units = calloc(r->n_units + 1, sizeof *r->units);
-  r->unit_meta = calloc(r->n_units + 1, sizeof *r->unit_meta);
   r->params = calloc(n_params + 1, sizeof *r->params);
   r->shapes = calloc(n_dims + 1, sizeof *r->shapes);
-  if (!r->units || !r->unit_meta || !r->params || !r->shapes)
+  if (!r->params || !r->shapes)
     return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
   fsdp_checkpoint_param_t *p = r->params;
   uint64_t *dims = r->shapes;
   for (size_t i = 0; i < r->n_units; i++) {
-    json_object *m = json_object_array_get_idx(units, i), *params = get(m, "params");
-    json_object *blocks = get(m, "blocks");
-    size_t n_blocks_meta = blocks ? json_object_array_length(blocks) : 0;
-    if (n_blocks_meta < 1 || n_blocks_meta > 1 + FSDP_CHECKPOINT_ARRAYS_MAX)
-      return fsdp_status_set(st, FSDP_E_DATA_LOSS,
-                             "checkpoint %s/" HOST_JSON ": unit '%s' lists %zu blocks", r->path,
-                             get_str(m, "name"), n_blocks_meta);
-    r->unit_meta[i] = m;
-    r->units[i] = (fsdp_checkpoint_unit_t){
-        .name = get_str(m, "name"),
-        .strategy = get_str(m, "strategy"),
-        .params = p,
-        .n_params = params ? json_object_array_length(params) : 0,
-        .numel = get_u64(m, "numel"),
-        .padded_numel = get_u64(m, "padded_numel"),
-        .shard_numel = get_u64(m, "shard_numel"),
-        .shards = (uint32_t)get_u64(m, "shards"),
-        .host_first_shard = (uint32_t)get_u64(m, "host_first_shard"),
-        .host_shards = (uint32_t)get_u64(m, "host_shards"),
-        .arrays = (unsigned)n_blocks_meta - 1,
-    };
-    for (size_t k = 0; k < r->units[i].n_params; k++, p++) {
+    json_object *params = get(json_object_array_get_idx(units, i), "params");
+    fsdp_checkpoint_unit_t *u = &r->parts[0].units[i];
+    u->params = p;
+    u->n_params = params ? json_object_array_length(params) : 0;
+    for (size_t k = 0; k < u->n_params; k++, p++) {
       json_object *pm = json_object_array_get_idx(params, k), *shape = get(pm, "shape");
       *p = (fsdp_checkpoint_param_t){.name = get_str(pm, "name"),
                                      .shape = dims,
@@ -487,6 +549,79 @@ static int parse_units(fsdp_checkpoint_reader_t *r, fsdp_status_t *st) {
         *dims++ = json_object_get_uint64(json_object_array_get_idx(shape, d));
     }
   }
+  r->units = r->parts[0].units;
+  return 0;
+}
+
+/* Host h's metadata and layouts of the reader's units (after host 0's, which name them):
+ * each unit of the same numel and optimizer state on every host, its shards within its
+ * layout. */
+static int read_host(fsdp_checkpoint_reader_t *r, unsigned h, fsdp_status_t *st) {
+  host_part_t *part = &r->parts[h];
+  char name[32];
+  host_file(name, sizeof name, h, "json");
+  int code = 0;
+  if (!(part->meta = read_json(r->path, name, st, &code)))
+    return code;
+  json_object *units = units_of(part->meta);
+  size_t n = units ? json_object_array_length(units) : 0;
+  if (h == 0)
+    r->n_units = n;
+  if (get_u64(part->meta, "host") != h || get_u64(part->meta, "hosts") != r->hosts)
+    return fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                           "checkpoint %s/%s is host %" PRIu64 " of %" PRIu64 ", expected %u "
+                           "of %u",
+                           r->path, name, get_u64(part->meta, "host"),
+                           get_u64(part->meta, "hosts"), h, r->hosts);
+  part->units = calloc(r->n_units + 1, sizeof *part->units);
+  part->unit_meta = calloc(r->n_units + 1, sizeof *part->unit_meta);
+  part->checked = calloc(r->n_units + 1, sizeof *part->checked);
+  if (!part->units || !part->unit_meta || !part->checked)
+    return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  for (size_t k = 0; k < n; k++) {
+    json_object *m = json_object_array_get_idx(units, k);
+    size_t i = k;
+    if (h > 0) /* the same unit as host 0's of its name */
+      for (i = 0; i < r->n_units && strcmp(r->units[i].name, get_str(m, "name")) != 0;)
+        i++;
+    if (i == r->n_units)
+      continue;
+    json_object *blocks = get(m, "blocks");
+    size_t n_blocks_meta = blocks ? json_object_array_length(blocks) : 0;
+    fsdp_checkpoint_unit_t *u = &part->units[i];
+    *u = (fsdp_checkpoint_unit_t){
+        .name = get_str(m, "name"),
+        .strategy = get_str(m, "strategy"),
+        .numel = get_u64(m, "numel"),
+        .padded_numel = get_u64(m, "padded_numel"),
+        .shard_numel = get_u64(m, "shard_numel"),
+        .shards = (uint32_t)get_u64(m, "shards"),
+        .host_first_shard = (uint32_t)get_u64(m, "host_first_shard"),
+        .host_shards = (uint32_t)get_u64(m, "host_shards"),
+        .arrays = (unsigned)n_blocks_meta - 1,
+    };
+    part->unit_meta[i] = m;
+    bool sane = n_blocks_meta >= 1 && n_blocks_meta <= 1 + FSDP_CHECKPOINT_ARRAYS_MAX &&
+                u->numel <= u->padded_numel &&
+                (uint64_t)u->shards * u->shard_numel == u->padded_numel &&
+                (uint64_t)u->host_first_shard + u->host_shards <= u->shards &&
+                (h == 0 || (u->numel == r->units[i].numel && u->arrays == r->units[i].arrays));
+    if (!sane)
+      return fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                             "checkpoint %s/%s: unit '%s' has a layout that does not hold "
+                             "together (numel %" PRIu64 ", %u shards of %" PRIu64 ", shards "
+                             "%u to %u here, %u optimizer arrays)",
+                             r->path, name, u->name, u->numel, u->shards, u->shard_numel,
+                             u->host_first_shard, u->host_first_shard + u->host_shards,
+                             u->arrays);
+  }
+  host_file(name, sizeof name, h, "bin");
+  if (!join(part->bin, sizeof part->bin, r->path, "/", name))
+    return io_failed(st, "naming", r->path, ENAMETOOLONG);
+  if ((part->fd = open(part->bin, O_RDONLY | O_CLOEXEC)) < 0)
+    return io_failed(st, "opening", part->bin, errno);
+  if (h == 0)
+    return parse_units(r, st);
   return 0;
 }
 
@@ -494,29 +629,27 @@ int fsdp_checkpoint_open(const char *dir, fsdp_checkpoint_reader_t **ret, fsdp_s
   fsdp_checkpoint_reader_t *r = calloc(1, sizeof *r);
   if (!r)
     return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
-  r->fd = -1;
   int code = find_checkpoint(dir, r->path, sizeof r->path, st);
   if (code == 0 && !(r->manifest = read_json(r->path, MANIFEST, st, &code)))
     goto out;
   uint64_t format = code == 0 ? get_u64(r->manifest, "format") : 0;
+  uint64_t hosts = code == 0 ? get_u64(r->manifest, "hosts") : 0;
   if (code == 0 && format != FSDP_CHECKPOINT_FORMAT)
     code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "checkpoint %s is of format %" PRIu64 ", this fsdpd reads %d",
                            r->path, format, FSDP_CHECKPOINT_FORMAT);
-  else if (code == 0 && get_u64(r->manifest, "hosts") != 1)
-    code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "checkpoint %s spans %" PRIu64 " hosts: reading it is not built yet",
-                           r->path, get_u64(r->manifest, "hosts"));
-  if (code == 0 && !(r->host = read_json(r->path, HOST_JSON, st, &code)))
-    goto out;
-  if (code == 0)
-    code = parse_units(r, st);
-  if (code == 0 && !join(r->bin, sizeof r->bin, r->path, "/", HOST_BIN))
-    code = io_failed(st, "naming", r->path, ENAMETOOLONG);
-  if (code == 0 && (r->fd = open(r->bin, O_RDONLY | O_CLOEXEC)) < 0)
-    code = io_failed(st, "opening", r->bin, errno);
-  if (code == 0 && !(r->buf = malloc(IO_CHUNK)))
-    code = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+  else if (code == 0 && (hosts == 0 || hosts > FSDP_CHECKPOINT_HOSTS_MAX))
+    code = fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s/" MANIFEST " names %" PRIu64
+                           " hosts", r->path, hosts);
+  if (code == 0) {
+    r->hosts = (unsigned)hosts;
+    if (!(r->parts = calloc(r->hosts, sizeof *r->parts)) || !(r->buf = malloc(IO_CHUNK)))
+      code = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
+    for (unsigned h = 0; r->parts && h < r->hosts; h++)
+      r->parts[h].fd = -1;
+  }
+  for (unsigned h = 0; code == 0 && h < r->hosts; h++)
+    code = read_host(r, h, st);
 out:
   if (code < 0) {
     fsdp_checkpoint_close(r);
@@ -538,6 +671,10 @@ uint64_t fsdp_checkpoint_step(const fsdp_checkpoint_reader_t *r) {
   return get_u64(r->manifest, "step");
 }
 
+unsigned fsdp_checkpoint_hosts(const fsdp_checkpoint_reader_t *r) {
+  return r->hosts;
+}
+
 const fsdp_checkpoint_unit_t *fsdp_checkpoint_units(const fsdp_checkpoint_reader_t *r,
                                                     size_t *ret_n) {
   *ret_n = r->n_units;
@@ -545,61 +682,105 @@ const fsdp_checkpoint_unit_t *fsdp_checkpoint_units(const fsdp_checkpoint_reader
 }
 
 uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *r, size_t unit) {
-  return get_u64(r->unit_meta[unit], "optimizer_steps");
+  return get_u64(r->parts[0].unit_meta[unit], "optimizer_steps");
 }
 
-int fsdp_checkpoint_read(fsdp_checkpoint_reader_t *r, size_t unit, unsigned b, float *dst,
-                         fsdp_status_t *st) {
-  const fsdp_checkpoint_unit_t *u = &r->units[unit];
-  json_object *m = json_object_array_get_idx(get(r->unit_meta[unit], "blocks"), b);
+/* Reads n bytes at offset of host h's file into dst. */
+static int read_at(fsdp_checkpoint_reader_t *r, unsigned h, uint64_t offset, void *dst,
+                   size_t n, fsdp_status_t *st) {
+  const host_part_t *p = &r->parts[h];
+  for (size_t done = 0; done < n;) {
+    ssize_t got = pread(p->fd, (char *)dst + done, n - done, (off_t)(offset + done));
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got <= 0)
+      return got < 0 ? io_failed(st, "reading", p->bin, errno)
+                     : fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                                       "checkpoint: %s ends at byte %" PRIu64 ", before %" PRIu64,
+                                       p->bin, offset + done, offset + n);
+    done += (size_t)got;
+  }
+  return 0;
+}
+
+/* Host h's block b of unit: where it starts in the file, after checking (once per reader)
+ * that its length is its layout's and its bytes match their checksum. */
+static int checked_block(fsdp_checkpoint_reader_t *r, unsigned h, size_t unit, unsigned b,
+                         uint64_t *ret_offset, fsdp_status_t *st) {
+  host_part_t *p = &r->parts[h];
+  const fsdp_checkpoint_unit_t *u = &p->units[unit];
+  json_object *m = json_object_array_get_idx(get(p->unit_meta[unit], "blocks"), b);
   uint64_t offset = get_u64(m, "offset"), bytes = get_u64(m, "bytes");
+  *ret_offset = offset;
+  if (p->checked[unit][b])
+    return 0;
   if (bytes != host_numel(u) * sizeof(float))
     return fsdp_status_set(st, FSDP_E_DATA_LOSS,
                            "checkpoint %s: unit '%s''s %s is %" PRIu64 " bytes, expected %zu",
-                           r->path, u->name, block_name(b), bytes, host_numel(u) * sizeof(float));
-  XXH64_state_t *h = XXH64_createState();
-  if (!h)
+                           p->bin, u->name, block_name(b), bytes, host_numel(u) * sizeof(float));
+  XXH64_state_t *hash = XXH64_createState();
+  if (!hash)
     return fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
-  XXH64_reset(h, 0);
+  XXH64_reset(hash, 0);
   int code = 0;
   for (uint64_t done = 0; code == 0 && done < bytes;) {
     size_t n = bytes - done < IO_CHUNK ? (size_t)(bytes - done) : IO_CHUNK;
-    char *to = dst ? (char *)dst + done : r->buf;
-    ssize_t got = pread(r->fd, to, n, (off_t)(offset + done));
-    if (got < 0 && errno == EINTR)
-      continue;
-    if (got <= 0) {
-      code = got < 0 ? io_failed(st, "reading", r->bin, errno)
-                     : fsdp_status_set(st, FSDP_E_DATA_LOSS,
-                                       "checkpoint: %s ends at byte %" PRIu64 ", inside unit "
-                                       "'%s''s %s [%" PRIu64 ", %" PRIu64 ")",
-                                       r->bin, offset + done, u->name, block_name(b), offset,
-                                       offset + bytes);
-      break;
-    }
-    XXH64_update(h, to, (size_t)got);
-    done += (uint64_t)got;
+    code = read_at(r, h, offset + done, r->buf, n, st);
+    XXH64_update(hash, r->buf, n);
+    done += n;
   }
-  if (code == 0 && XXH64_digest(h) != get_u64(m, "xxh64"))
+  if (code == 0 && XXH64_digest(hash) != get_u64(m, "xxh64"))
     code = fsdp_status_set(st, FSDP_E_DATA_LOSS,
                            "checkpoint: %s bytes [%" PRIu64 ", %" PRIu64 ") (unit '%s''s %s) do "
                            "not match their checksum",
-                           r->bin, offset, offset + bytes, u->name, block_name(b));
-  XXH64_freeState(h);
+                           p->bin, offset, offset + bytes, u->name, block_name(b));
+  XXH64_freeState(hash);
+  p->checked[unit][b] = code == 0;
   return code;
+}
+
+int fsdp_checkpoint_read_elements(fsdp_checkpoint_reader_t *r, size_t unit, unsigned b,
+                                  uint64_t first, uint64_t n, float *dst, fsdp_status_t *st) {
+  const fsdp_checkpoint_unit_t *c = &r->units[unit];
+  for (uint64_t e = first; e < first + n;) {
+    unsigned h = 0;
+    uint64_t begin = 0, end = 0;
+    for (; h < r->hosts; h++) {
+      const fsdp_checkpoint_unit_t *u = &r->parts[h].units[unit];
+      begin = (uint64_t)u->host_first_shard * u->shard_numel;
+      end = begin + host_numel(u);
+      if (u->host_shards && b <= u->arrays && begin <= e && e < end)
+        break;
+    }
+    if (h == r->hosts && e >= c->numel) { /* padding past the saved layout's */
+      if (dst)
+        memset(dst + (e - first), 0, (size_t)(first + n - e) * sizeof(float));
+      return 0;
+    }
+    if (h == r->hosts)
+      return fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                             "checkpoint %s: no host's file holds element %" PRIu64 " of unit "
+                             "'%s''s %s",
+                             r->path, e, c->name, block_name(b));
+    uint64_t offset;
+    int code = checked_block(r, h, unit, b, &offset, st);
+    uint64_t stop = first + n < end ? first + n : end;
+    if (code == 0 && dst)
+      code = read_at(r, h, offset + (e - begin) * sizeof(float), dst + (e - first),
+                     (size_t)(stop - e) * sizeof(float), st);
+    if (code < 0)
+      return code;
+    e = stop;
+  }
+  return 0;
 }
 
 /* ---- Loading ---- */
 
-static bool holds_every_shard(const fsdp_checkpoint_unit_t *u) {
-  return u->host_first_shard == 0 && u->host_shards == u->shards;
-}
-
-/* The checkpoint's unit of u's name, of as many elements, with the state u has room for,
- * laid out as u is or (*ret_reshard) both holding every shard: at another local world size,
- * whose padding differs, the elements are the same. */
+/* The checkpoint's unit of u's name, of as many elements, with as much optimizer state as
+ * u has room for. */
 static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_unit_t *u,
-                      size_t *ret, bool *ret_reshard, fsdp_status_t *st) {
+                      size_t *ret, fsdp_status_t *st) {
   size_t i = 0;
   while (i < r->n_units && strcmp(r->units[i].name, u->name) != 0)
     i++;
@@ -611,51 +792,12 @@ static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_u
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "checkpoint %s: unit '%s' has numel %" PRIu64 ", the job's %" PRIu64,
                            r->path, u->name, c->numel, u->numel);
-  *ret_reshard = holds_every_shard(c) && holds_every_shard(u) &&
-                 (c->padded_numel != u->padded_numel || c->shards != u->shards);
-  const struct {
-    const char *key;
-    uint64_t saved, job;
-  } layout[] = {{"numel", c->numel, u->numel},
-                {"padded_numel", c->padded_numel, u->padded_numel},
-                {"shard_numel", c->shard_numel, u->shard_numel},
-                {"shards", c->shards, u->shards},
-                {"host_first_shard", c->host_first_shard, u->host_first_shard},
-                {"host_shards", c->host_shards, u->host_shards}};
-  for (size_t k = 0; !*ret_reshard && k < sizeof layout / sizeof layout[0]; k++)
-    if (layout[k].saved != layout[k].job)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "checkpoint %s: unit '%s' has %s %" PRIu64 ", the job's %" PRIu64
-                             " (loading a part of a unit at another world size is not built "
-                             "yet)",
-                             r->path, u->name, layout[k].key, layout[k].saved, layout[k].job);
   if (c->arrays != u->arrays)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "checkpoint %s: unit '%s' holds %u arrays of optimizer state, the "
                            "job's optimizer %u (set the same optimizer before loading)",
                            r->path, u->name, c->arrays, u->arrays);
   *ret = i;
-  return 0;
-}
-
-/* Block b's first u->numel elements into dst, the rest of u's host elements (its padding)
- * zeroed: a unit saved at another local world size. The block was checked whole before. */
-static int read_elements(fsdp_checkpoint_reader_t *r, size_t unit, unsigned b, float *dst,
-                         const fsdp_checkpoint_unit_t *u, fsdp_status_t *st) {
-  json_object *m = json_object_array_get_idx(get(r->unit_meta[unit], "blocks"), b);
-  uint64_t offset = get_u64(m, "offset");
-  size_t bytes = (size_t)u->numel * sizeof(float);
-  for (size_t done = 0; done < bytes;) {
-    ssize_t got = pread(r->fd, (char *)dst + done, bytes - done, (off_t)(offset + done));
-    if (got < 0 && errno == EINTR)
-      continue;
-    if (got <= 0)
-      return got < 0 ? io_failed(st, "reading", r->bin, errno)
-                     : fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint: %s ends early",
-                                       r->bin);
-    done += (size_t)got;
-  }
-  memset(dst + u->numel, 0, (host_numel(u) - u->numel) * sizeof(float));
   return 0;
 }
 
@@ -666,23 +808,23 @@ int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char
   if (code < 0)
     return code;
   size_t *matched = calloc(job->n_units + 1, sizeof *matched);
-  bool *reshard = calloc(job->n_units + 1, sizeof *reshard);
-  if (!matched || !reshard)
+  if (!matched)
     code = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
   else if (strcmp(fsdp_checkpoint_job(r), job->job) != 0)
     code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "checkpoint %s is of job '%s', not '%s'", r->path,
                            fsdp_checkpoint_job(r), job->job);
   for (size_t i = 0; code == 0 && i < job->n_units; i++)
-    code = match_unit(r, &job->units[i], &matched[i], &reshard[i], st);
-  /* Everything checked before anything is written: a refusal changes nothing. */
+    code = match_unit(r, &job->units[i], &matched[i], st);
+  /* Each unit's elements this host holds now, from whichever hosts' files hold them. Every
+   * block read is checked before anything is written: a refusal changes nothing. */
   for (int pass = 0; code == 0 && pass < 2; pass++) {
     for (size_t i = 0; code == 0 && i < job->n_units; i++) {
       const fsdp_checkpoint_unit_t *u = &job->units[i];
+      uint64_t first = (uint64_t)u->host_first_shard * u->shard_numel;
       for (unsigned b = 0; code == 0 && b < n_blocks(u); b++)
-        code = pass && reshard[i] ? read_elements(r, matched[i], b, block(u, b), u, st)
-                                  : fsdp_checkpoint_read(r, matched[i], b,
-                                                         pass ? block(u, b) : NULL, st);
+        code = fsdp_checkpoint_read_elements(r, matched[i], b, first, host_numel(u),
+                                             pass ? block(u, b) : NULL, st);
       if (code == 0 && pass && u->steps)
         *u->steps = fsdp_checkpoint_optimizer_steps(r, matched[i]);
     }
@@ -692,7 +834,6 @@ int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char
     *ret_step = fsdp_checkpoint_step(r);
   }
   free(matched);
-  free(reshard);
   fsdp_checkpoint_close(r);
   return code;
 }

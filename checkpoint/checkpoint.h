@@ -1,16 +1,23 @@
-/* Checkpoints of a job's state on this host, written and read by the daemon alone: each
- * unit's fp32 master shards and its optimizer state, with nothing asked of a trainer.
+/* Checkpoints of a job's state, written and read by the daemons alone: each unit's fp32
+ * master shards and its optimizer state, with nothing asked of a trainer.
  *
  * On disk, under the directory a caller names: step-<S>/ per checkpoint (S: the job's last
- * completed step), holding host-<H>.bin (the units' blocks, one after the other), host-<H>.json
- * (the job, the units' layouts, each block's offset, length and XXH64) and manifest.json,
- * written last: a step directory without it is not a checkpoint. Every file is written under
- * a temporary name, fsynced and renamed, and the directory fsynced after, so a crash at any
- * point leaves the checkpoints before it as they were.
+ * completed step), holding for each host h of the job host-<h>.bin (the units' blocks of its
+ * shards, one after the other) and host-<h>.json (the job, the units' layouts and original
+ * parameters, each block's offset, length and XXH64), and manifest.json, written last by
+ * host 0 once every host's files are there: a step directory without it is not a
+ * checkpoint. Every file is written under a temporary name, fsynced and renamed, the step
+ * directory made as step-<S>.partial and renamed whole, and its parent fsynced, so a crash
+ * at any point leaves the checkpoints before it as they were. With several hosts the
+ * directory is one that every host sees (a shared filesystem).
+ *
+ * A reader serves any range of a unit's elements from whichever hosts' files hold it, so a
+ * checkpoint loads at any layout of the same units: another number of hosts or local ranks,
+ * another strategy.
  *
  * The caller describes the job (fsdp_checkpoint_job_t: pointers into its memory, taken on
  * the loop); these functions only read and write those buffers and files. Blocking: from a
- * pool thread, while nothing else writes the buffers. One host's files so far (hosts 1). */
+ * pool thread, while nothing else writes the buffers. */
 #ifndef FSDP_CHECKPOINT_H
 #define FSDP_CHECKPOINT_H
 
@@ -22,6 +29,7 @@
 /* The format this fsdpd writes and reads (manifest.json's "format"). */
 #define FSDP_CHECKPOINT_FORMAT 1
 #define FSDP_CHECKPOINT_ARRAYS_MAX 3
+#define FSDP_CHECKPOINT_HOSTS_MAX 4096
 
 /* An original parameter of a unit: its elements [offset, offset + the shape's product) of the
  * unit's flat buffer, and its own dtype (the .proto's name, "DTYPE_FP32"). */
@@ -50,7 +58,9 @@ typedef struct fsdp_checkpoint_unit {
 
 typedef struct fsdp_checkpoint_job {
   const char *job;
-  uint64_t step;         /* the job's last completed step, which names the checkpoint */
+  unsigned host, hosts;   /* this host's rank among the job's hosts */
+  uint64_t hosts_wait_ms; /* host 0's wait for the other hosts' files (hosts > 1) */
+  uint64_t step;          /* the job's last completed step, which names the checkpoint */
   const char *optimizer; /* its kind ("ADAMW"), "" without one */
   const fsdp_checkpoint_unit_t *units;
   size_t n_units;
@@ -67,11 +77,14 @@ void fsdp_checkpoint_stage(fsdp_checkpoint_unit_t *units, size_t n_units, void *
                            void (*copy)(void *ctx, void *dst, const void *src, size_t bytes),
                            void *ctx);
 
-/* Writes the job's state into dir/step-<step>/ (dir is made if missing; an older checkpoint
- * of the same step is replaced only once the new one is complete), then removes all but the
- * newest `keep` complete checkpoints in dir (0: keeps them all); *ret_path (size bytes): the
- * step directory. Fails with st naming the file and the call: RESOURCE_EXHAUSTED for a full
- * disk, UNAVAILABLE for other I/O errors. */
+/* Writes this host's part of the job's state into dir/step-<step>/ (dir is made if missing;
+ * an older checkpoint of the same step is replaced only once the new one is complete). Host
+ * 0 then waits (at most hosts_wait_ms) for every other host's files, completes the
+ * checkpoint, and removes all but the newest `keep` complete checkpoints in dir (0: keeps
+ * them all); another host returns once its own files are written. *ret_path (size bytes):
+ * the step directory. Fails with st naming the file and the call: RESOURCE_EXHAUSTED for a
+ * full disk, UNAVAILABLE for other I/O errors, DEADLINE_EXCEEDED naming the hosts whose
+ * files did not come. */
 int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
                          char *ret_path, size_t size, fsdp_status_t *st);
 
@@ -79,35 +92,38 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
 typedef struct fsdp_checkpoint_reader fsdp_checkpoint_reader_t;
 
 /* Opens the checkpoint at dir (a step directory, or the newest complete one under it):
- * NOT_FOUND without one; FAILED_PRECONDITION for another format or several hosts' files;
- * DATA_LOSS for metadata that cannot be read. */
+ * NOT_FOUND without one; FAILED_PRECONDITION for another format; DATA_LOSS for metadata
+ * that cannot be read or does not hold together. */
 int fsdp_checkpoint_open(const char *dir, fsdp_checkpoint_reader_t **ret, fsdp_status_t *st);
 void fsdp_checkpoint_close(fsdp_checkpoint_reader_t *reader); /* NULL-safe */
 
 const char *fsdp_checkpoint_path(const fsdp_checkpoint_reader_t *reader); /* the step dir */
 const char *fsdp_checkpoint_job(const fsdp_checkpoint_reader_t *reader);
 uint64_t fsdp_checkpoint_step(const fsdp_checkpoint_reader_t *reader);
-/* Its units as saved: layouts, parameters and how many optimizer arrays; no buffers. Valid
- * while the reader is open. */
+unsigned fsdp_checkpoint_hosts(const fsdp_checkpoint_reader_t *reader); /* that saved it */
+/* Its units as host 0 saved them: names, parameters, numel and how many optimizer arrays
+ * (the shards fields are host 0's); no buffers. Valid while the reader is open. */
 const fsdp_checkpoint_unit_t *fsdp_checkpoint_units(const fsdp_checkpoint_reader_t *reader,
                                                     size_t *ret_n);
 uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *reader, size_t unit);
 
-/* Block b of unit (0: the masters, then the optimizer's arrays; host_shards x shard_numel
- * floats) into dst, or only checked when dst is NULL: DATA_LOSS names the file and the byte
- * range that does not match its checksum, or where the file ends too soon. */
-int fsdp_checkpoint_read(fsdp_checkpoint_reader_t *reader, size_t unit, unsigned b, float *dst,
-                         fsdp_status_t *st);
+/* Elements [first, first + n) of unit's flat buffer in block b (0: the masters, then the
+ * optimizer's arrays) into dst, from whichever hosts' files hold them (the padding too,
+ * where the saved layout has it), elements past the saved padding as zeros; or, with dst NULL, only checked. Each block a read
+ * touches is checked whole against its checksum the first time: DATA_LOSS names the file
+ * and the byte range that does not match, or where the file ends too soon. */
+int fsdp_checkpoint_read_elements(fsdp_checkpoint_reader_t *reader, size_t unit, unsigned b,
+                                  uint64_t first, uint64_t n, float *dst, fsdp_status_t *st);
 
 /* Reads the checkpoint at dir (a step directory, or the newest complete one under it) into
- * the job's buffers, having checked all of it first, so that a refusal changes nothing. A
- * unit saved at another local world size (another padding) loads when both the checkpoint
- * and the job hold every shard of it on this host: its elements are the same. Refused:
- * FAILED_PRECONDITION for another format, another job, a unit missing, of another numel or
- * of which either side holds a part at another layout, optimizer state the job has no room
- * for; DATA_LOSS naming the file and the byte range
- * that does not match its checksum; NOT_FOUND without a checkpoint there. *ret_path (size
- * bytes): the step directory read; *ret_step: its step. */
+ * the job's buffers: each unit's elements this host holds (host_first_shard, host_shards,
+ * shard_numel), whatever layout saved them, padding the saved layout lacks zeroed;
+ * everything checked first,
+ * so that a refusal changes nothing. Refused: FAILED_PRECONDITION for another format,
+ * another job, a unit missing or of another numel, optimizer state the job has no room for;
+ * DATA_LOSS naming the file and the byte range that does not match its checksum; NOT_FOUND
+ * without a checkpoint there. *ret_path (size bytes): the step directory read; *ret_step:
+ * its step. */
 int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
                          size_t size, uint64_t *ret_step, fsdp_status_t *st);
 

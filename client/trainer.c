@@ -694,6 +694,7 @@ int fsdp_trainer_register_unit(fsdp_trainer_t *trainer, const fsdp_unit_desc_t *
   rq.reduce_dtype = (Fsdp__V1__DType)desc->reduce_type;
   rq.gradient_predivide_factor = desc->gradient_predivide_factor;
   rq.gradient_postdivide_factor = desc->gradient_postdivide_factor;
+  rq.scratch = desc->scratch;
 
   ProtobufCMessage *reply = NULL;
   r = fsdp_client_call(trainer->client, TRAINER_PATH("RegisterUnit"), &rq.base,

@@ -80,13 +80,12 @@ static int write_data(fsdp_checkpoint_reader_t *r, int fd, fsdp_dtype_t dtype, c
   size_t size = fsdp_dtype_size(dtype);
   for (size_t i = 0; i < n_units; i++) {
     const fsdp_checkpoint_unit_t *u = &units[i];
-    size_t n = (size_t)u->host_shards * u->shard_numel;
-    float *masters = malloc(n * sizeof *masters);
-    void *converted = malloc(n * size);
+    size_t n = (size_t)u->numel;
+    float *masters = malloc((n ? n : 1) * sizeof *masters);
+    void *converted = malloc((n ? n : 1) * size);
     int code = masters && converted ? 0 : fsdp_status_set(st, -ENOMEM, "export: out of memory");
-    if (code == 0)
-      code = fsdp_checkpoint_read(r, i, 0, masters, st);
-    /* One host's checkpoint holds every shard: the masters are the unit's flat buffer. */
+    if (code == 0) /* the unit's elements, from whichever hosts hold them */
+      code = fsdp_checkpoint_read_elements(r, i, 0, 0, n, masters, st);
     for (size_t k = 0; code == 0 && k < u->n_params; k++) {
       const fsdp_checkpoint_param_t *p = &u->params[k];
       uint64_t numel = param_numel(p);
@@ -116,17 +115,6 @@ int fsdp_export_safetensors(const char *dir, const char *out, fsdp_dtype_t dtype
   int code = fsdp_checkpoint_open(dir, &r, st);
   if (code < 0)
     return code;
-  size_t n_units;
-  const fsdp_checkpoint_unit_t *units = fsdp_checkpoint_units(r, &n_units);
-  for (size_t i = 0; i < n_units; i++)
-    if (units[i].host_first_shard != 0 || units[i].host_shards != units[i].shards) {
-      fsdp_checkpoint_close(r);
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "export: unit '%s' of %s holds shards %u to %u of %u: exporting a "
-                             "checkpoint of several hosts is not built yet",
-                             units[i].name, fsdp_checkpoint_path(r), units[i].host_first_shard,
-                             units[i].host_first_shard + units[i].host_shards, units[i].shards);
-    }
   char tmp[PATH_MAX];
   size_t len = 0;
   char *h = NULL;

@@ -1206,7 +1206,7 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   case FSDP_UNIT_NEW:
     if (!job->resume_looked)
       look_for_resume(dp, job);
-    if (job->resume_from)
+    if (job->resume_from && !unit->spec->scratch)
       unit->reduced_step = job->resume_step; /* its trainers go on after it */
     if (allocate(job, unit, &st) < 0) {
       op_fail(op, st.code, "%s", st.message);
@@ -2006,7 +2006,7 @@ void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
 static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st) {
   size_t n_params = 0;
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    n_params += u->spec->n_params;
+    n_params += u->spec->scratch ? 0 : u->spec->n_params;
   c->units = calloc(job->n_units ? job->n_units : 1, sizeof *c->units);
   c->params = calloc(n_params ? n_params : 1, sizeof *c->params);
   if (!c->units || !c->params)
@@ -2016,6 +2016,8 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   bool stepped = false;
   size_t n = 0;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (u->spec->scratch)
+      continue; /* a client's own buffer: not the model's state */
     if (u->state != FSDP_UNIT_READY)
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "job '%s': unit '%s' has no buffers ready yet", job->name,
@@ -2060,6 +2062,10 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
     stepped |= u->trainable;
   }
   c->job.job = job->name;
+  c->job.host = c->dp->peers ? fsdp_peers_host_rank(c->dp->peers) : 0;
+  c->job.hosts = c->dp->peers ? fsdp_peers_host_count(c->dp->peers) : 1;
+  /* Host 0 waits for the others' files as long as a collective among hosts may take. */
+  c->job.hosts_wait_ms = c->dp->collective_timeout_ms;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
   c->job.units = c->units;
   c->job.n_units = n;
@@ -2076,12 +2082,6 @@ static int checkpoint_job(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir
                            "%s: job '%s' is in the memory of %s: checkpoints of a GPU's jobs "
                            "are not built yet",
                            verb, job->name, dp->backend.device_name);
-  for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (fsdp_unit_plan_spans_hosts(&u->plan))
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "%s: job '%s': unit '%s' spans hosts: checkpoints of one host's "
-                             "units only so far",
-                             verb, job->name, u->spec->unit);
   checkpoint_work_t *c = calloc(1, sizeof *c);
   if (!c)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
@@ -2127,7 +2127,7 @@ int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char 
 /* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
 static bool daemon_steps_every_unit(fsdp_job_t *job) {
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->trainable && !fsdp_optimizer_steps_unit(job, u))
+    if (u->trainable && !u->spec->scratch && !fsdp_optimizer_steps_unit(job, u))
       return false;
   return true;
 }
@@ -2138,6 +2138,8 @@ int fsdp_dataplane_save_at_boundary(fsdp_dataplane_t *dp, fsdp_job_t *job, const
   uint64_t step = 0;
   bool trained = false, even = true, reducing = false;
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (u->spec->scratch)
+      continue;
     reducing |= u->reduce.running;
     if (!u->trainable)
       continue;

@@ -42,6 +42,7 @@ int fsdp_unit_spec_init_from_proto(fsdp_unit_spec_t *spec,
       .reduce_dtype = (fsdp_unit_dtype_t)rq->reduce_dtype,
       .gradient_predivide_factor = rq->gradient_predivide_factor,
       .gradient_postdivide_factor = rq->gradient_postdivide_factor,
+      .scratch = rq->scratch,
   };
   return 0;
 }

@@ -329,6 +329,7 @@ bool fsdp_unit_spec_diff(const fsdp_unit_spec_t *a,
                     b->gradient_predivide_factor) ||
       differ_number(ret, "gradient_postdivide_factor", a->gradient_postdivide_factor,
                     b->gradient_postdivide_factor) ||
+      differ(ret, "scratch", a->scratch ? "true" : "false", b->scratch ? "true" : "false") ||
       differ_number(ret, "params (count)", (double)a->n_params, (double)b->n_params))
     return true;
   for (size_t i = 0; i < a->n_params; i++) {

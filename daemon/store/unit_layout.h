@@ -57,6 +57,7 @@ typedef struct fsdp_unit_spec {
   fsdp_unit_dtype_t reduce_dtype; /* UNSPECIFIED: param_dtype */
   double gradient_predivide_factor;
   double gradient_postdivide_factor;
+  bool scratch; /* the client's own, not the model's: not checkpointed, not a step's */
 } fsdp_unit_spec_t;
 
 /* A deep copy of spec in one allocation, freed with fsdp_unit_spec_free() (NULL-safe). */

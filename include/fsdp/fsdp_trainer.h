@@ -85,6 +85,9 @@ typedef struct fsdp_unit_desc {
   fsdp_scalar_t reduce_type; /* the gradient reduction's type */
   double gradient_predivide_factor;  /* 0: default */
   double gradient_postdivide_factor; /* 0: default */
+  /* The caller's own unit (a scratch buffer for its collectives), not the model's:
+   * checkpoints leave it out and the job's step is counted without it. */
+  bool scratch;
 } fsdp_unit_desc_t;
 
 /* Which pass an Unshard serves: the backward's also lends the rank a full-gradient buffer. */

@@ -386,14 +386,16 @@ class Client:
 
     def register_unit(self, name, params, strategy="FULL_SHARD", param_dtype=None,
                       reduce_dtype=None, gradient_predivide_factor=0.0,
-                      gradient_postdivide_factor=0.0):
+                      gradient_postdivide_factor=0.0, scratch=False):
         """Registers a unit of fp32 parameters and returns its Unit.
 
         params: a list of (name, shape, requires_grad) (requires_grad may be left out:
         True), in flattening order. strategy: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or
         NO_SHARD. param_dtype: the unsharded copy's and full_grad's type, reduce_dtype: the
         reduction's (None: float32 / param_dtype; names or torch dtypes). Every local rank
-        registers the same spec; registering it again returns the same Unit."""
+        registers the same spec; registering it again returns the same Unit. scratch: the
+        caller's own unit (a buffer for its collectives), not the model's: checkpoints leave
+        it out and the job's step is counted without it."""
         self._check_open()
         try:
             strategy_value = _lib.STRATEGIES[str(strategy).upper()]
@@ -410,7 +412,7 @@ class Client:
                                       bool(requires_grad))
         desc = _lib.UnitDesc(str(name).encode(), descs, len(params), strategy_value,
                              param_type, reduce_type, float(gradient_predivide_factor),
-                             float(gradient_postdivide_factor))
+                             float(gradient_postdivide_factor), bool(scratch))
         handle = ctypes.c_void_p()
         rc = _lib.lib().fsdp_trainer_register_unit(self._trainer, ctypes.byref(desc),
                                                    ctypes.byref(handle))

@@ -41,7 +41,7 @@ class UnitDesc(ctypes.Structure):
                 ("n_params", ctypes.c_size_t), ("strategy", ctypes.c_int),
                 ("param_type", ctypes.c_int), ("reduce_type", ctypes.c_int),
                 ("gradient_predivide_factor", ctypes.c_double),
-                ("gradient_postdivide_factor", ctypes.c_double)]
+                ("gradient_postdivide_factor", ctypes.c_double), ("scratch", ctypes.c_bool)]
 
 
 class UnitView(ctypes.Structure):

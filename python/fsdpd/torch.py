@@ -450,7 +450,7 @@ class ShardedModel(_nn.Module):
         """A private NO_SHARD unit whose AllReduce sums over every rank of every host."""
         return self.client.register_unit(name, [("x", (numel,), True)], strategy="NO_SHARD",
                                          gradient_predivide_factor=1.0,
-                                         gradient_postdivide_factor=1.0)
+                                         gradient_postdivide_factor=1.0, scratch=True)
 
     def _lend(self, unit):
         """The summing unit's buffer for the next all-reduce, zeroed."""
@@ -534,8 +534,10 @@ class ShardedModel(_nn.Module):
         model's are, and goes on after its step N, which every rank gets back: the next
         forward is step N + 1. Every local rank calls it between steps."""
         self._all_reduce_scalar(0.0)  # nobody is in a step
-        step = self.client.load_checkpoint(directory) if self.client.rank == 0 else 0
-        step = int(self._all_reduce_scalar(float(step)))
+        first = self.client.rank == 0  # each host's local rank 0 loads its daemon's part
+        step = self.client.load_checkpoint(directory) if first else 0
+        hosts = self._all_reduce_scalar(1.0 if first else 0.0)
+        step = int(self._all_reduce_scalar(float(step)) / hosts)
         self.completed_steps = self.step = step
         self._daemon_gathered = 0
         return step

@@ -140,9 +140,12 @@ def reference(args):
         opt.zero_grad()
         parts = micro_batches(step, args.features)
         total = 0.0
-        if args.optim != "sgd" and args.world > 1:
+        world, hosts = args.world, args.hosts
+        if args.layout_from and step >= args.layout_from[0]:  # a checkpoint loaded elsewhere
+            world, hosts = args.layout_from[1:]
+        if args.optim != "sgd" and world > 1:
             (tokens, targets), = parts
-            parts, total = [], ranks_gradients(model, tokens, targets, args.world, args.hosts)
+            parts, total = [], ranks_gradients(model, tokens, targets, world, hosts)
         for tokens, targets in parts:
             loss = loss_fn(model(tokens), targets) / len(parts)
             loss.backward()
@@ -311,6 +314,9 @@ def main():
     p.add_argument("--hosts", type=int, default=1,
                    help="with --optim and --world: the ranks' gradients are summed per host "
                         "first, as that many daemons do")
+    p.add_argument("--layout-from", type=int, nargs=3, metavar=("STEP", "WORLD", "HOSTS"),
+                   help="the reference: from STEP on, --world and --hosts are these (the "
+                        "ranks went on from a checkpoint at another layout)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the reference on the GPU, the ranks on a daemon whose backend "
                         "is cuda")
