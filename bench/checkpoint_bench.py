@@ -4,9 +4,12 @@ bytes on the same filesystem, in one run (docs/PERFORMANCE.md).
     /usr/bin/python3 bench/checkpoint_bench.py [--dir DIR] [--mib 256] [--runs 3]
 
 Starts fsdpd (FSDP_BUILD_DIR's) and attaches one trainer with one unit of --mib MiB of fp32
-masters and the daemon's AdamW (two state arrays: 3x the masters on disk). Then, --runs
-times each, medians: SaveCheckpoint of a new step each time (the call's time: the files
-written, fsynced and renamed), `dd if=/dev/zero of=DIR/dd.bin bs=4M count=N conv=fdatasync` of as many bytes,
+masters and the daemon's AdamW (two state arrays: 3x the masters on disk), trained one step
+from random values with a random gradient, so that no byte written is a zero a virtual disk
+could skip. Then, --runs times each, medians: SaveCheckpoint of a new step each time (the
+call's time: the snapshot taken, the files written, fsynced and renamed),
+`dd if=DIR/random.bin of=DIR/dd.bin bs=4M conv=fdatasync` of as many random bytes (read
+from the page cache),
 LoadCheckpoint (every block read and checked twice: checked, then read into the job's
 memory) and `dd if=DIR/dd.bin of=/dev/null bs=4M` (the page cache dropped before each read
 when allowed: root). Prints GB/s and each ratio to dd's.
@@ -33,6 +36,7 @@ sys.path.insert(0, str(SOURCE_DIR / "python"))
 os.environ.setdefault("FSDPD_LIB", str(BUILD_DIR / "lib" / "libfsdp.so"))
 
 import fsdpd  # noqa: E402
+import torch  # noqa: E402
 
 
 def drop_caches():
@@ -73,6 +77,17 @@ def start_daemon(run, job_bytes, *options):
     return d, f"{run}/run/fsdpd.sock"
 
 
+def trained_unit(client, numel):
+    """A unit of random masters, stepped once by the daemon's AdamW on a random gradient."""
+    unit = client.register_unit("w", [("w", (numel,), True)])
+    client.set_optimizer("AdamW", [{"lr": 1e-3}])
+    unit.master_shard.copy_(torch.rand(numel))
+    unit.unshard(step=1, backward=True)
+    unit.full_grad.copy_(torch.randn(numel))
+    unit.reduce_scatter(step=1, step_optimizer=True)
+    return unit
+
+
 def stop_time(numel, job_bytes, *options):
     """Seconds from SIGTERM to the exit of a fresh daemon whose job trained one step with
     the daemon's AdamW."""
@@ -80,10 +95,7 @@ def stop_time(numel, job_bytes, *options):
         d, socket = start_daemon(run, job_bytes, *options)
         try:
             client = fsdpd.Client(socket=socket, job="bench", timeout=600)
-            unit = client.register_unit("w", [("w", (numel,), True)])
-            client.set_optimizer("AdamW", [{"lr": 1e-3}])
-            unit.unshard(step=1, backward=True)
-            unit.reduce_scatter(step=1, step_optimizer=True)
+            trained_unit(client, numel)
             t = time.perf_counter()
             d.send_signal(signal.SIGTERM)
             code = d.wait(timeout=600)
@@ -112,17 +124,19 @@ def main():
         d, socket = start_daemon(run, job_bytes)
         try:
             client = fsdpd.Client(socket=socket, job="bench", timeout=600)
-            unit = client.register_unit("w", [("w", (numel,), True)])
-            client.set_optimizer("AdamW", [{"lr": 1e-3}])
+            unit = trained_unit(client, numel)
             ckpt = base / "ckpt"
             steps = iter(range(1, args.runs + 1))  # a new step each time, as in training
             save = timed(lambda: client.save_checkpoint(ckpt, step=next(steps)), args.runs)
             size = (ckpt / "step-1" / "host-0.bin").stat().st_size
-            count = size // (4 << 20)
-            dd_file = base / "dd.bin"
+            random_file, dd_file = base / "random.bin", base / "dd.bin"
+            with open(random_file, "wb") as f:
+                for _ in range(0, size, 4 << 20):
+                    f.write(os.urandom(4 << 20))
             dd_write = timed(lambda: subprocess.run(
-                ["dd", "if=/dev/zero", f"of={dd_file}", "bs=4M", f"count={count}",
-                 "conv=fdatasync"], check=True, capture_output=True), args.runs)
+                ["dd", f"if={random_file}", f"of={dd_file}", "bs=4M",
+                 f"count={size // (4 << 20)}", "conv=fdatasync"], check=True,
+                capture_output=True), args.runs)
             dropped = drop_caches()
             load = timed(lambda: client.load_checkpoint(ckpt), args.runs,
                          before=drop_caches if dropped else None)

@@ -412,6 +412,12 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
   rq.local_world_size = opts->local_world_size;
   rq.generation = opts->generation;
   rq.job_token = (char *)(opts->job_token ? opts->job_token : "");
+  Fsdp__V1__Launcher launcher = FSDP__V1__LAUNCHER__INIT;
+  if (opts->world_size) {
+    launcher.world_size = opts->world_size;
+    launcher.node_rank = opts->node_rank;
+    rq.launcher = &launcher;
+  }
   rq.pid = (int32_t)getpid();
   ProtobufCMessage *reply = NULL;
   int r = fsdp_client_call(client, TRAINER_PATH("Attach"), &rq.base,

@@ -70,6 +70,22 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
                        rq->local_world_size);
     return;
   }
+  /* What torchrun believes must be what the daemons run: ranks would otherwise wait for
+   * peers that never come, or train on another shard than they think. */
+  const fsdp_topology_t *t = &ctx->store->topology;
+  if (rq->launcher && (rq->launcher->world_size != t->hosts * rq->local_world_size ||
+                       rq->launcher->node_rank != t->host_rank)) {
+    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
+                       "%s: the launcher's topology (world_size %u, node_rank %u, "
+                       "local_world_size %u) is not this daemon's (%u host%s x %u local "
+                       "ranks = world_size %u, this host's rank %u in cluster.hosts): start "
+                       "the daemons and the launcher with the same nodes",
+                       fsdp_rpc_call_method(call), rq->launcher->world_size,
+                       rq->launcher->node_rank, rq->local_world_size, t->hosts,
+                       t->hosts == 1 ? "" : "s", rq->local_world_size,
+                       t->hosts * rq->local_world_size, t->host_rank);
+    return;
+  }
   fsdp_credentials_t cred;
   fsdp_session_t *s;
   fsdp_status_t st;

@@ -67,6 +67,11 @@ typedef struct fsdp_trainer_options {
    * bytes): the first trainer's fixes it, and the daemon refuses another, so that jobs whose
    * trainers run as one uid are kept apart too (different uids always are). */
   const char *job_token;
+  /* The launcher's view of the world (torchrun's WORLD_SIZE and GROUP_RANK); world_size 0:
+   * none. The daemon refuses the attach unless its topology is the same: world_size ranks
+   * in all, this host the node_rank-th of hosts of local_world_size ranks. */
+  unsigned world_size;
+  unsigned node_rank;
 } fsdp_trainer_options_t;
 
 typedef struct fsdp_param_desc {

@@ -9,7 +9,10 @@ torch can be imported and as memoryviews otherwise. See python/README.md.
 Lifetime: every buffer view points into memory the library unmaps at close(); touching a view
 after close() crashes the process. The unsharded buffer is mapped read-only (every rank reads
 it): writing it, even through a torch tensor that looks writable, is a segfault.
-Threads: a Client is used by one thread at a time. Do not fork after creating one (gRPC).
+Threads: a Client is used by one thread at a time. A process forked after a Client exists (a
+DataLoader's workers) may run on, but the Client is its parent's: it refuses every call
+there, and neither the child's end nor its garbage collection detaches the parent's
+session.
 """
 
 import ctypes
@@ -300,8 +303,11 @@ class Client:
     """One trainer session: connects to the daemon and attaches as (job, rank).
 
     socket: the daemon's unix socket path, or "unix:PATH" ($FSDPD_SOCKET, else
-    ./run/fsdpd.sock). job: the job name ($FSDPD_JOB; required). rank: the local rank
-    ($LOCAL_RANK, else 0). local_world_size: ($LOCAL_WORLD_SIZE, else 1). generation: which
+    ./run/fsdpd.sock). job: the job name ($FSDPD_JOB, else torchrun's $TORCHELASTIC_RUN_ID;
+    required). rank: the local rank ($LOCAL_RANK, else 0). local_world_size:
+    ($LOCAL_WORLD_SIZE, else 1). Under torchrun ($WORLD_SIZE, $GROUP_RANK) the daemon
+    refuses the attach, naming both, unless its topology is the launcher's: world size =
+    hosts x local_world_size, this host the GROUP_RANK-th. generation: which
     run of the job this is, higher after every restart, the same for all its ranks
     ($TORCHELASTIC_RESTART_COUNT as torchrun sets it, else 0): collectives among hosts of a
     restarted job never meet what its failed run left behind. job_token: a secret the
@@ -317,12 +323,14 @@ class Client:
         self._client = None
         self._trainer = None
         self._units = {}
+        self._pid = os.getpid()
         if socket is None:
             socket = os.environ.get("FSDPD_SOCKET") or DEFAULT_SOCKET
-        if job is None:
-            job = os.environ.get("FSDPD_JOB")
+        if job is None:  # torchrun's run id by default: one job per launch
+            job = os.environ.get("FSDPD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
             if not job:
-                raise ValueError("fsdpd.Client: no job: pass job= or set FSDPD_JOB")
+                raise ValueError("fsdpd.Client: no job: pass job=, set FSDPD_JOB, or start "
+                                 "the trainers with torchrun (TORCHELASTIC_RUN_ID)")
         if rank is None:
             rank = _env_int("LOCAL_RANK", 0)
         if local_world_size is None:
@@ -350,8 +358,12 @@ class Client:
             raise Error(rc, "", f"connect to {socket}")
         self._client = client
         self.generation = int(generation)
+        # torchrun's view of the world, which the daemon checks against its own.
+        world_size = _env_int("WORLD_SIZE", 0)
+        node_rank = _env_int("GROUP_RANK", _env_int("RANK", 0) // self.local_world_size)
         topts = _lib.TrainerOptions(job.encode(), self.rank, self.local_world_size,
-                                    self.generation, job_token.encode())
+                                    self.generation, job_token.encode(), world_size,
+                                    node_rank)
         trainer = ctypes.c_void_p()
         rc = lib.fsdp_trainer_attach(client, ctypes.byref(topts), ctypes.byref(trainer))
         if rc < 0:
@@ -370,6 +382,11 @@ class Client:
         return Error(rc, (msg or b"").decode(errors="replace"), what)
 
     def _check_open(self):
+        if self._pid != os.getpid():
+            raise RuntimeError(f"fsdpd.Client of job '{self.job}' rank {self.rank} belongs to "
+                               f"process {self._pid}, which attached it: this process "
+                               f"({os.getpid()}) was forked from it (a DataLoader worker?) and "
+                               "cannot use it; make a Client in the process that trains")
         if self._trainer is None:
             raise ValueError("fsdpd.Client is closed")
 
@@ -517,6 +534,8 @@ class Client:
         Every buffer view of this client's units dangles afterwards. Idempotent; raises
         Error if the daemon refused the Detach (the session is closed here either way), but
         not when the daemon is gone: its sessions went with it."""
+        if getattr(self, "_pid", os.getpid()) != os.getpid():
+            return  # a forked copy: the session and the connection are the parent's
         lib = _lib.lib()
         rc = 0
         err = None

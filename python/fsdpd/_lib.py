@@ -28,7 +28,8 @@ class ClientOptions(ctypes.Structure):
 class TrainerOptions(ctypes.Structure):
     _fields_ = [("job", ctypes.c_char_p), ("local_rank", ctypes.c_uint),
                 ("local_world_size", ctypes.c_uint), ("generation", ctypes.c_uint64),
-                ("job_token", ctypes.c_char_p)]
+                ("job_token", ctypes.c_char_p), ("world_size", ctypes.c_uint),
+                ("node_rank", ctypes.c_uint)]
 
 
 class ParamDesc(ctypes.Structure):

@@ -21,8 +21,22 @@ into which autograd accumulates in place (no gradient is allocated or copied in 
 trainer). A lent buffer always appears at the same address of this process (the library
 maps it there), so the tensors autograd saved in the forward stay valid when the backward
 gathers the unit again into another pool buffer.
-`model.parameters()` yields one Parameter per trainable unit: this rank's master shard, whose
-.grad is its gradient shard, so torch.optim works unchanged and its state is sharded too.
+`model.named_parameters()` yields the original parameters under their names, each this rank's
+part of it (a 1-d view of its unit's master shard, possibly empty, whose .grad is the same
+part of the gradient shard), as FSDP's use_orig_params: torch.optim works unchanged,
+parameter groups included, and its state is sharded too; `model.flat_parameters()` yields
+each unit's whole shard instead. `torch.nn.utils.clip_grad_norm_` given every parameter of
+the model takes the global norm (`model.clip_grad_norm_`), and refuses a part of them.
+
+State dicts. `model.state_dict()` is full by default (every parameter whole, fp32, under its
+original names, with the buffers; `torch.save` it), built one unit at a time;
+`with model.state_dict_type("sharded")` each rank's parts with their offsets, which
+load_state_dict puts back at this or (given every rank's parts) another world size.
+
+Launchers. Under torchrun the Client takes the job from TORCHELASTIC_RUN_ID and its ranks
+and sizes from torchrun's variables; the daemon refuses an attach whose torchrun topology is
+not its own. A DataLoader's workers may fork after the Client exists: the Client refuses
+their calls, and their end does not touch the parent's session.
 
 GPUs. With a daemon whose backend is cuda, the job's memory is its GPU's: the module is
 moved there (`model.device`), the master and gradient shards and the lent buffers are CUDA
@@ -60,11 +74,15 @@ a scratch unit (the size of the largest unit, registered on first use).
 """
 
 import contextlib
+import fnmatch
+import os
+import weakref
 
 import torch as _torch
 from torch import nn as _nn
 
-__all__ = ["shard_model", "ShardedModel"]
+__all__ = ["shard_model", "ShardedModel", "WrapPolicy", "wrap_by_class", "wrap_by_name",
+           "wrap_by_size"]
 
 _SYNC_UNIT = "__fsdpd_sync__"
 _GATHER_UNIT = "__fsdpd_gather__"
@@ -96,6 +114,83 @@ def _cast_floats(value, dtype):
     return value
 
 
+class WrapPolicy:
+    """Which modules of a model become units (shard_model's wrap=): select(module) returns
+    their names, as named_modules() gives them; the root takes what is left."""
+
+    def __init__(self, select, description):
+        self.select = select
+        self.description = description
+
+    def __repr__(self):
+        return f"<fsdpd.torch.WrapPolicy {self.description}>"
+
+
+def wrap_by_class(*classes):
+    """Every instance of these classes (transformer_auto_wrap_policy)."""
+    def select(module):
+        return {n for n, m in module.named_modules() if n and isinstance(m, classes)}
+    return WrapPolicy(select, f"by class {', '.join(c.__name__ for c in classes)}")
+
+
+def wrap_by_name(*patterns):
+    """Every module whose name matches one of the shell-style patterns ("blocks.?",
+    "encoder.layers.*"), as fnmatch matches them."""
+    def select(module):
+        return {n for n, _ in module.named_modules()
+                if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    return WrapPolicy(select, f"by name {', '.join(patterns)}")
+
+
+def wrap_by_size(min_params):
+    """Bottom up, every module whose parameters not already in a unit below it number at
+    least min_params (size_based_auto_wrap_policy)."""
+    def select(module):
+        chosen = set()
+
+        def left_over(name, m):
+            count = sum(p.numel() for p in m.parameters(recurse=False))
+            for child, c in m.named_children():
+                count += left_over(f"{name}.{child}" if name else child, c)
+            if name and count >= min_params:
+                chosen.add(name)
+                return 0
+            return count
+        left_over("", module)
+        return chosen
+    return WrapPolicy(select, f"by size, {min_params} parameters or more")
+
+
+def _guard_clip_grad_norm():
+    """torch.nn.utils.clip_grad_norm_ on a sharded model's parameters would clip by the
+    norm of this rank's shards alone: given every trainable parameter of one model (either
+    form), it takes the norm of the whole gradient through model.clip_grad_norm_; given some
+    of them, it refuses, saying so. Other tensors go to torch's own."""
+    original = _nn.utils.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, _torch.Tensor) else list(parameters)
+        models = {id(m): m for m in (getattr(p, "_fsdpd_model", lambda: None)()
+                                     for p in params) if m is not None}
+        if not models:
+            return original(params, max_norm, norm_type, *args, **kwargs)
+        (model,) = models.values() if len(models) == 1 else (None,)
+        given = {id(p) for p in params if p.requires_grad}
+        forms = [{id(p) for p in model.parameters() if p.requires_grad},
+                 {id(p) for p in model.flat_parameters() if p.requires_grad}] if model else []
+        if given not in forms:
+            raise RuntimeError("torch.nn.utils.clip_grad_norm_: these are parts of an "
+                               "fsdpd.torch model's parameters, whose norm is every rank's "
+                               "together: call model.clip_grad_norm_(max_norm) on every rank")
+        return model.clip_grad_norm_(max_norm, norm_type)
+
+    _nn.utils.clip_grad_norm_ = clip_grad_norm_
+    _nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+_guard_clip_grad_norm()
+
+
 class _FlatUnit:
     """One fsdpd unit: the module it wraps, its parameters, and where each step stands."""
 
@@ -122,8 +217,21 @@ class _FlatUnit:
         self.own = _torch.empty(u.padded_numel, dtype=u.dtype, device=u.master.device) \
             if u.device >= 0 else None
         self.own_step = 0  # the step the storage holds (0: freed)
-        # This rank's master shard as an optimizer parameter (shares the mapped memory).
+        # This rank's master shard as an optimizer parameter (shares the mapped memory): the
+        # flat form (model.flat_parameters()).
         self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
+        self.shard_param._fsdpd_model = weakref.ref(owner)  # the clip_grad_norm_ guard
+        # Each original parameter's part of this rank's shard, as an optimizer parameter of
+        # its own (a 1-d view of the same memory, empty when the rank holds none of it), as
+        # FSDP's use_orig_params: (name, parameter, begin, end) in the shard's elements.
+        lo = u.shard * u.shard_numel
+        self.orig = []
+        for (pname, _), off, n in zip(params, self.offsets, self.sizes):
+            begin = min(max(off, lo), lo + u.shard_numel) - lo
+            end = max(min(off + n, lo + u.shard_numel), lo) - lo
+            view = _nn.Parameter(u.master_shard[begin:end], requires_grad=trainable)
+            view._fsdpd_model = weakref.ref(owner)
+            self.orig.append((pname, view, begin, end))
         # What the daemon lends this rank now: the copy of step copy_step (0: none), which
         # stays until this rank reshards, and the full-gradient buffer (grad_lent) from the
         # backward's Unshard until the unit's ReduceScatter ends.
@@ -144,6 +252,19 @@ class _FlatUnit:
             flat[off:off + n].copy_(p.detach().reshape(-1))
         lo = u.shard * u.shard_numel
         u.master_shard.copy_(flat[lo:lo + u.shard_numel])
+
+    def grads_kept(self):
+        """Whether the gradient shard's .grad was kept since the last reduce (zero_grad with
+        set_to_none=False, no_sync), in the form the optimizer uses, flat or original."""
+        return self.shard_param.grad is not None and \
+            all(p.grad is not None for _, p, _, _ in self.orig)
+
+    def point_shard_grads(self):
+        """The .grad of the flat and the original parameters: views of the gradient shard."""
+        grad = self.unit.grad_shard
+        self.shard_param.grad = grad
+        for _, p, begin, end in self.orig:
+            p.grad = grad[begin:end]
 
     def point_params(self, flat):
         """The parameters as views of a flat buffer (the unsharded copy, or a full copy)."""
@@ -233,7 +354,8 @@ class _FlatUnit:
 
 class ShardedModel(_nn.Module):
     """The model as fsdpd shards it; see the module docstring. The wrapped module is
-    `self.module`; parameters()/named_parameters() yield the rank's master shards."""
+    `self.module`; parameters()/named_parameters() yield the original parameters' parts of
+    the rank's master shards, flat_parameters() the shards whole."""
 
     def __init__(self, module, client, wrap, strategy, param_dtype, reduce_dtype,
                  forward_prefetch, backward_prefetch, max_inflight):
@@ -271,6 +393,8 @@ class ShardedModel(_nn.Module):
             backward_prefetch=int(bool(backward_prefetch)))
         self._sync = self._summing_unit(_SYNC_UNIT, 1)
         self._gather = None  # the scratch unit of _full_masters, made on first need
+        self._state_dict_kind = ("full", False)
+        self._global_rank = int(os.environ.get("RANK", client.rank))
 
         trained = [fu.unit for fu in self._units if fu.unit.gathered_step or fu.unit.reduced_step]
         self.resumed = bool(trained)
@@ -300,14 +424,18 @@ class ShardedModel(_nn.Module):
 
     def _make_units(self, wrap):
         module = self.module
-        if wrap is None:
+        if isinstance(wrap, WrapPolicy):
+            chosen = wrap.select(module)
+            accept = None
+        elif wrap is None:
             accept = lambda m: False  # noqa: E731
         elif callable(wrap) and not isinstance(wrap, (set, frozenset, list, tuple, type)):
             accept = wrap
         else:
             classes = (wrap,) if isinstance(wrap, type) else tuple(wrap)
             accept = lambda m: isinstance(m, classes)  # noqa: E731
-        wrapped = [name for name, m in module.named_modules() if name == "" or accept(m)]
+        wrapped = [name for name, m in module.named_modules()
+                   if name == "" or (name in chosen if accept is None else accept(m))]
         modules = dict(module.named_modules())
         # Deepest first, the root ("") last whatever the depths.
         deepest_first = sorted(wrapped, key=lambda w: -(w.count(".") + 1) if w else 1)
@@ -407,11 +535,11 @@ class ShardedModel(_nn.Module):
         if not fu.grad_lent:  # a unit whose backward never came: its gradients count as 0
             fu.unshard(fu.ran_step, backward=True)
         fu.reshard()
-        keep = fu.shard_param.grad is not None
+        keep = fu.grads_kept()
         fu.reduce_async(fu.ran_step, accumulate=keep, defer_all_reduce=self._no_sync,
                         step_optimizer=self._optimizer is not None and not self._no_sync)
         if not keep:
-            fu.shard_param.grad = fu.unit.grad_shard
+            fu.point_shard_grads()
 
     def _finish_backward(self):
         """End of backward: units whose parameters did not all get a gradient are reduced
@@ -505,11 +633,10 @@ class ShardedModel(_nn.Module):
         if norm_type == float("inf") or norm_type <= 0:
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported "
                              "(a positive finite p-norm is)")
-        grads = [fu.shard_param.grad for fu in self._units
-                 if fu.trainable and fu.shard_param.grad is not None]
+        grads = [fu.unit.grad_shard for fu in self._units if fu.trainable and fu.grads_kept()]
         # Each shard counts once, however many hosts keep a copy of it.
-        local = sum(float(_torch.sum(fu.shard_param.grad.abs().double() ** norm_type))
-                    for fu in self._units if fu.trainable and fu.shard_param.grad is not None
+        local = sum(float(_torch.sum(fu.unit.grad_shard.abs().double() ** norm_type))
+                    for fu in self._units if fu.trainable and fu.grads_kept()
                     and fu.unit.replica == 0)
         total = self._all_reduce_scalar(local) ** (1.0 / norm_type)
         coef = float(max_norm) / (total + 1e-6)
@@ -567,26 +694,148 @@ class ShardedModel(_nn.Module):
                 fu.detach_params()
             self._all_reduce_scalar(0.0)  # nobody reads masters another rank still writes
 
+    # --- state dicts ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def state_dict_type(self, kind, rank0_only=False):
+        """What state_dict() returns inside (FSDP's state_dict_type): "full", the default,
+        every original parameter whole in fp32 (a tied one under each of its names) and the
+        buffers, on every rank or, with rank0_only, on global rank 0 alone (the others get
+        {}); "sharded", each parameter's part this rank holds, as {"shard": 1-d tensor,
+        "offset": its first element in the parameter, "shape": the parameter's}, and the
+        buffers. Either is built one unit at a time: beyond the result a rank holds at most
+        one unit's full masters."""
+        if kind not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type {kind!r}: expected 'full' or 'sharded'")
+        outer = self._state_dict_kind
+        self._state_dict_kind = (kind, bool(rank0_only))
+        try:
+            yield
+        finally:
+            self._state_dict_kind = outer
+
+    def _entries(self):
+        """The wrapped module's state dict entries (Parameters and buffers, by name) and where
+        each parameter lies: {id(param): (unit, index in the unit)}."""
+        entries = self.module.state_dict(keep_vars=True)
+        where = {id(p): (fu, i) for fu in self._units for i, p in enumerate(fu.params)}
+        return entries, where
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """The model's state dict as state_dict_type says (full by default), under the
+        original names; every rank calls it together."""
+        kind, rank0_only = self._state_dict_kind
+        entries, where = self._entries()
+        self._all_reduce_scalar(0.0)  # every rank's masters are final
+        keep = not rank0_only or self._global_rank == 0
+        params = {}
+        for fu in self._units:
+            names = [(n, where[id(v)][1]) for n, v in entries.items()
+                     if id(v) in where and where[id(v)][0] is fu]
+            if kind == "sharded":
+                lo = fu.unit.shard * fu.unit.shard_numel
+                for n, i in names:
+                    _, view, begin, end = fu.orig[i]
+                    offset = lo + begin - fu.offsets[i] if end > begin else 0
+                    params[n] = {"shard": view.detach().clone(), "offset": offset,
+                                 "shape": tuple(fu.shapes[i])}
+                continue
+            flat = self._full_masters(fu)  # every rank, in the same order
+            for n, i in names:
+                off, size = fu.offsets[i], fu.sizes[i]
+                params[n] = flat[off:off + size].view(fu.shapes[i]).clone()
+            del flat
+        if not keep:
+            return {}
+        out = {} if destination is None else destination
+        for n, v in entries.items():
+            out[prefix + n] = params[n] if n in params else v.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Loads a state dict of either type (a sharded one's entries may be lists of every
+        rank's parts, to load at another world size) into the masters and buffers; every
+        rank calls it together, each with what it has to give. Returns nn.Module's
+        (missing_keys, unexpected_keys); with strict, either raises as nn.Module does."""
+        entries, where = self._entries()
+        self._all_reduce_scalar(0.0)  # nobody is in a step
+        missing = [n for n in entries if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in entries]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys "
+                               f"{unexpected}")
+        written = set()
+        for n, v in entries.items():
+            if n not in state_dict:
+                continue
+            if id(v) not in where:
+                v.data.copy_(state_dict[n])  # a buffer
+                continue
+            fu, i = where[id(v)]
+            if (id(fu), i) not in written:  # a tied parameter once
+                self._load_param(fu, i, n, state_dict[n])
+                written.add((id(fu), i))
+        self.step = max(self.step, self._daemon_gathered)
+        self._all_reduce_scalar(0.0)  # nobody reads masters another rank still writes
+        return _nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _load_param(self, fu, i, name, value):
+        """This rank's part of parameter i of unit fu from a full tensor or sharded parts."""
+        _, view, begin, end = fu.orig[i]
+        lo = fu.unit.shard * fu.unit.shard_numel
+        first = lo + begin - fu.offsets[i]  # this rank's first element of the parameter
+        if isinstance(value, _torch.Tensor):
+            if tuple(value.shape) != tuple(fu.shapes[i]):
+                raise RuntimeError(f"load_state_dict: {name!r} has shape "
+                                   f"{tuple(value.shape)}, the model's is {fu.shapes[i]}")
+            view.data.copy_(value.detach().reshape(-1)[first:first + end - begin])
+            return
+        covered = 0
+        for part in value if isinstance(value, (list, tuple)) else [value]:
+            if tuple(part["shape"]) != tuple(fu.shapes[i]):
+                raise RuntimeError(f"load_state_dict: {name!r} has shape {part['shape']}, "
+                                   f"the model's is {fu.shapes[i]}")
+            a = max(first, part["offset"])
+            b = min(first + end - begin, part["offset"] + part["shard"].numel())
+            if a < b:
+                view.data[a - first:b - first].copy_(
+                    part["shard"][a - part["offset"]:b - part["offset"]])
+                covered += b - a
+        if covered != end - begin:
+            raise RuntimeError(f"load_state_dict: the parts of {name!r} given to this rank "
+                               f"hold {covered} of its elements [{first}, "
+                               f"{first + end - begin}); give every rank's parts")
+
     def full_state_dict(self):
-        """The wrapped module's state_dict with full fp32 parameters under their original
-        names (a tied parameter under each of its names) and its buffers; the same on every
-        local rank, which all call it."""
-        with self.summon_full_params(writeback=False):
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        """The full state dict on every rank (state_dict() of type "full")."""
+        with self.state_dict_type("full"):
+            return self.state_dict()
 
     def load_full_state_dict(self, state_dict, strict=True):
-        """Loads a full state dict (as full_state_dict() returns it) into the masters and
-        buffers; every local rank calls it with the same dict."""
-        with self.summon_full_params(writeback=True):
-            return self.module.load_state_dict(state_dict, strict=strict)
+        """Loads a full state dict (load_state_dict)."""
+        return self.load_state_dict(state_dict, strict=strict)
 
     # --- what the optimizer sees ---------------------------------------------------------
     def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """The original parameters under their names (a tied one once, under its first
+        name), each this rank's part of it: a 1-d view of the unit's master shard, possibly
+        empty, whose .grad is the same part of the gradient shard after the backward, as
+        FSDP's use_orig_params. Torch optimizers, parameter groups included, step them."""
         for fu in self._units:
-            yield (prefix + "." if prefix else "") + fu.name, fu.shard_param
+            for name, p, _, _ in fu.orig:
+                yield (prefix + "." if prefix else "") + name, p
 
     def parameters(self, recurse=True):
         for _, p in self.named_parameters():
+            yield p
+
+    def named_flat_parameters(self):
+        """The flat form: each unit's whole master shard of this rank, named after the
+        unit."""
+        for fu in self._units:
+            yield fu.name, fu.shard_param
+
+    def flat_parameters(self):
+        for _, p in self.named_flat_parameters():
             yield p
 
     @property
@@ -601,8 +850,8 @@ def shard_model(model, client, wrap=None, strategy="FULL_SHARD", param_dtype=Non
     """Shards model's parameters through client's daemon and returns the model to train.
 
     wrap: a set of module classes whose instances each become a unit (like
-    transformer_auto_wrap_policy), or a predicate on a module, or None for one unit; the root
-    takes the rest. strategy: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the
+    transformer_auto_wrap_policy), a WrapPolicy (wrap_by_class, wrap_by_name, wrap_by_size),
+    or a predicate on a module, or None for one unit; the root takes the rest. strategy: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the
     same as FULL_SHARD). param_dtype: the unsharded parameters' dtype, in which forward and
     backward compute (floating inputs are cast to it); reduce_dtype: the gradient reduction's
     (default param_dtype); masters stay float32. max_inflight: how many units' unsharded

@@ -99,8 +99,9 @@ def torch_optimizer(model, args):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n not in skip]},
               {"params": [p for n, p in named if n in skip], "weight_decay": 0.0}]
-    cls = torch.optim.AdamW if args.optim == "adamw" else torch.optim.SGD
-    opt = cls(groups, **DAEMON_OPTIM[args.optim])
+    kind = args.optim.removeprefix("torch-")
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.SGD
+    opt = cls(groups, **DAEMON_OPTIM[kind])
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
@@ -212,6 +213,8 @@ def rank(args):
     schedule = None
     if args.optim == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=LR)
+    elif args.optim == "torch-adamw":  # the original parameters, in two groups, in torch's
+        opt, schedule = torch_optimizer(model, args)
     else:
         import fsdpd.optim
         cls = fsdpd.optim.AdamW if args.optim == "adamw" else fsdpd.optim.SGD
@@ -230,13 +233,21 @@ def rank(args):
         sd = model.full_state_dict()
         model.load_full_state_dict(sd)
         assert all(torch.equal(sd[k], v) for k, v in model.full_state_dict().items())
+    loader = iter(torch.utils.data.DataLoader(
+        Steps(start, args.steps, args.features, client), batch_size=None,
+        num_workers=args.loader_workers)) if args.loader_workers else None
     try:
         for step in range(start, args.steps + 1):
             if step == args.cap_from_step:  # the schedule changes between steps
                 client.set_schedule(max_inflight=args.cap, forward_prefetch=1,
                                     backward_prefetch=1)
             opt.zero_grad()
-            parts = micro_batches(step, args.features)
+            if loader:  # from the DataLoader's worker processes, forked after the client
+                parts, refusal = next(loader)
+                if refusal:
+                    emit(worker_refused=refusal)
+            else:
+                parts = micro_batches(step, args.features)
             total = 0.0
             for i, (tokens, targets) in enumerate(parts):
                 x, y = rank_slice((tokens, targets), r, world)
@@ -257,14 +268,54 @@ def rank(args):
             if step == args.save_at_step:
                 emit(saved=model.save_checkpoint(args.checkpoint))
                 break
+            if step == args.state_dict_at_step:
+                round_trip_state_dicts(model, args.checkpoint, r)
     except fsdpd.Error as e:
         emit(error=str(e), status=e.status)
         sys.exit(3)
-    if args.optim != "sgd" and client.rank == 0:  # the ranks share the daemon's state
+    if args.optim in DAEMON_OPTIM and client.rank == 0:  # the ranks share the daemon's state
         check_optimizer_state_dict(opt, model)
     state = model.full_state_dict()
     emit(final=True, state={k: v.reshape(-1).tolist() for k, v in state.items()})
     client.close()
+
+
+class Steps(torch.utils.data.Dataset):
+    """Each step's micro-batches, for a DataLoader whose workers fork after the client
+    exists; the first item also says how the client refuses a call from a worker."""
+
+    def __init__(self, first, last, features, client):
+        self.first, self.last, self.features, self.client = first, last, features, client
+
+    def __len__(self):
+        return self.last - self.first + 1
+
+    def __getitem__(self, i):
+        refusal = None
+        if i == 0:
+            try:
+                self.client.keepalive()
+            except RuntimeError as e:
+                refusal = str(e)
+        return micro_batches(self.first + i, self.features), refusal
+
+
+def round_trip_state_dicts(model, directory, r):
+    """The model's full and sharded state dicts through torch.save; the masters then zeroed
+    through a full one and brought back from this rank's sharded file: the full state dict
+    is again what it was, bit for bit."""
+    full = model.state_dict()
+    assert set(full) == set(build(False).state_dict())
+    with model.state_dict_type("sharded"):
+        sharded = model.state_dict()
+    torch.save(sharded, f"{directory}/sharded-{r}.pt")
+    zeros = {k: torch.zeros_like(v) for k, v in full.items()}
+    model.load_state_dict(zeros)
+    assert all(not v.any() for v in model.state_dict().values())
+    model.load_state_dict(torch.load(f"{directory}/sharded-{r}.pt"))
+    again = model.state_dict()
+    assert all(torch.equal(again[k], v) for k, v in full.items())
+    emit(round_trip=sorted(full))
 
 
 def check_optimizer_state_dict(opt, model):
@@ -298,7 +349,7 @@ def main():
     p.add_argument("--cap-from-step", type=int, default=0,
                    help="from this step on, max_inflight is --cap (SetSchedule)")
     p.add_argument("--cap", type=int, default=1)
-    p.add_argument("--optim", choices=("sgd", *DAEMON_OPTIM), default="sgd")
+    p.add_argument("--optim", choices=("sgd", "torch-adamw", *DAEMON_OPTIM), default="sgd")
     p.add_argument("--daemon-clip", action="store_true",
                    help="with --clip: the reference clips as the daemon does (clip_as_the_daemon) "
                         "instead of with clip_grad_norm_")
@@ -310,6 +361,12 @@ def main():
     p.add_argument("--save-at-step", type=int, default=0,
                    help="after this step, save a checkpoint into --checkpoint and stop")
     p.add_argument("--checkpoint", help="the checkpoints' directory")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="the ranks take their batches from a DataLoader with this many "
+                        "worker processes")
+    p.add_argument("--state-dict-at-step", type=int, default=0,
+                   help="after this step, round-trip the state dicts through files in "
+                        "--checkpoint")
     p.add_argument("--load", help="first load the checkpoint in this directory")
     p.add_argument("--hosts", type=int, default=1,
                    help="with --optim and --world: the ranks' gradients are summed per host "

@@ -264,6 +264,30 @@ def test_two_daemons_clip_by_the_norm_of_every_hosts_shards(fsdpd, strategy):
         assert unit["optimizer_steps"] == STEPS, unit
 
 
+def test_torch_adamw_steps_the_original_parameters_and_state_dicts_round_trip(fsdpd, tmp_path):
+    """model.named_parameters() yields the original names, each this rank's part of the
+    parameter; torch.optim.AdamW over them in two groups (no weight decay on biases and
+    norms) trains exactly like the reference's over the whole parameters, on batches from a
+    DataLoader with 2 workers. After step 2 the full and sharded state dicts go through
+    torch.save, the masters are zeroed through a full one and loaded back from the sharded
+    file, and training goes on unchanged."""
+    args = ("--optim", "torch-adamw")
+    ref = _start(None, "reference", 2, 0, *args, "--world", "2")
+    d = fsdpd(*DAEMON_ARGS)
+    ranks = _finish([_start(d, "rank", 2, r, *args, "--state-dict-at-step", "2",
+                            "--checkpoint", tmp_path, "--loader-workers", "2")
+                     for r in range(2)])
+    (ref,) = _finish([ref])
+    for records in ranks:
+        (trip,) = [r["round_trip"] for r in records if "round_trip" in r]
+        assert trip == sorted(_final(ref))
+        # The batches came from DataLoader workers forked after the client, which refuses
+        # them its calls.
+        (refused,) = [r["worker_refused"] for r in records if "worker_refused" in r]
+        assert "was forked from it (a DataLoader worker?)" in refused, refused
+    _assert_matches(ranks, ref, 0.0)
+
+
 def test_a_checkpoint_brings_the_job_back_on_a_new_daemon(fsdpd, tmp_path):
     """The ranks train 2 steps with the daemon's AdamW and save a checkpoint; that daemon
     goes. On a new daemon, new ranks register the same model, load the checkpoint (masters
@@ -486,3 +510,149 @@ def test_edges_root_children_prefetch_without_backward_and_load_after_resume(fsd
     assert out["seq_units"] == ["0", "2"]
     assert out["aux_steps"] == 3
     assert out["resumed"] and out["after_zero_load"] == [0.0, 0.0, 0.0]
+
+
+POLICIES = r'''
+import json, os, sys
+sys.path.insert(0, os.path.join(os.environ["FSDP_SOURCE_DIR"], "examples"))
+import torch
+import fsdpd, fsdpd.torch
+from transformer import Config, TinyGPT, Block, batch, loss_fn
+
+cfg = Config(vocab=64, d_model=16, n_heads=2, n_layers=2, seq_len=8)
+block = sum(p.numel() for p in TinyGPT(cfg, seed=0).blocks[0].parameters())
+out = {}
+for key, policy in [("class", fsdpd.torch.wrap_by_class(Block)),
+                    ("name", fsdpd.torch.wrap_by_name("blocks.?")),
+                    ("size", fsdpd.torch.wrap_by_size(block)),
+                    ("small", fsdpd.torch.wrap_by_size(block // 4))]:
+    client = fsdpd.Client(job="wrap-" + key)
+    model = fsdpd.torch.shard_model(TinyGPT(cfg, seed=0), client, wrap=policy)
+    out[key] = [u.name for u in model.units]
+    if key == "class":
+        tokens, targets = batch(1, 2, cfg.seq_len, cfg.vocab)
+        loss_fn(model(tokens), targets).backward()
+        mine = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # nothing clipped
+        out["same_norm"] = float(mine) == float(model.clip_grad_norm_(1e9))
+        try:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters())[:3], 1.0)
+        except RuntimeError as e:
+            out["refused"] = str(e)
+        plain = torch.ones(3, requires_grad=True)
+        plain.grad = torch.full((3,), 4.0)
+        out["plain"] = float(torch.nn.utils.clip_grad_norm_([plain], 1.0))
+    client.close()
+print(json.dumps(out))
+'''
+
+
+def test_wrap_policies_and_torch_clip_grad_norm_on_a_sharded_model(fsdpd, tmp_path):
+    """wrap_by_class, wrap_by_name and wrap_by_size pick the units FSDP's policies would;
+    torch.nn.utils.clip_grad_norm_ over every parameter of the model takes the global norm
+    (model.clip_grad_norm_'s), over some of them is refused naming model.clip_grad_norm_,
+    and over other tensors is torch's own."""
+    d = fsdpd(*DAEMON_ARGS)
+    script = tmp_path / "policies.py"
+    script.write_text(POLICIES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
+    env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
+               FSDPD_SOCKET=str(d.socket_path), FSDP_SOURCE_DIR=str(SOURCE_DIR),
+               OMP_NUM_THREADS="1")
+    r = subprocess.run([PYTHON, str(script)], env=env, capture_output=True, text=True,
+                       timeout=CHILD_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    blocks = ["blocks.0", "blocks.1", "root"]
+    assert sorted(out["class"]) == sorted(out["name"]) == sorted(out["size"]) == blocks
+    # Smaller units: the blocks' layers, bottom up, and no block is left with enough.
+    assert "blocks.0.fc" in out["small"] and "blocks.0" not in out["small"]
+    assert out["same_norm"]
+    assert "call model.clip_grad_norm_(max_norm) on every rank" in out["refused"]
+    assert abs(out["plain"] - 48 ** 0.5) < 1e-5
+
+
+def _torchrun(d, nnodes, node_rank, port, log_dir, *args):
+    """torchrun (Debian's) of 2 workers on daemon d, node node_rank of nnodes, their stdout
+    in log_dir; job, ranks and sizes come from torchrun alone. Debian's torch 1.13 on Python
+    3.11 cannot parse a redirect or tee of 0 or 3 (its defaults among them: IntFlag no longer
+    iterates those), so both are given as 1 (stdout)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FSDPD_", "TORCHELASTIC_")) and
+           k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
+               FSDP_SOURCE_DIR=str(SOURCE_DIR), OMP_NUM_THREADS="1",
+               FSDPD_SOCKET=str(d.socket_path))
+    log_dir.mkdir()
+    out = open(log_dir / "torchrun.out", "w")  # not a pipe: a full one would stall it
+    return subprocess.Popen(
+        ["/usr/bin/torchrun", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+         "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+         "--rdzv_id", "torchrun-job", "--log_dir", str(log_dir), "--redirects", "1", "--tee", "1",
+         str(WORKER), "rank", "--steps", str(STEPS), *args],
+        env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _torchrun_records(log_dirs, world):
+    """Each global rank's records, from the stdout torchrun kept for it."""
+    out = []
+    for r in range(world):
+        (path,) = log_dirs.glob(f"node{r // 2}/torchrun-job*/attempt_0/{r % 2}/stdout.log")
+        out.append([json.loads(line) for line in path.read_text().splitlines()
+                    if line.startswith("{")])
+    return out
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_torchrun_starts_the_trainers(fsdpd, tmp_path, hosts):
+    """Trainers launched by torchrun, as an FSDP user launches them, with no variable of
+    fsdpd's but the socket: the job is torchrun's run id, ranks and sizes are torchrun's, and
+    the daemons check its topology at attach. On one daemon, and on two daemons (torchrun
+    on each node): the daemon's AdamW ends exactly where the reference does."""
+    from test_peers import Cluster, free_ports, wait_all_joined
+    args = ("--optim", "adamw")
+    ref = _start(None, "reference", 2 * hosts, 0, *args, "--world", str(2 * hosts),
+                 "--hosts", str(hosts))
+    if hosts == 1:
+        daemons = [fsdpd(*DAEMON_ARGS)]
+    else:
+        c = Cluster(fsdpd, 2, lws=2, extra=list(DAEMON_ARGS))
+        wait_all_joined(c)
+        daemons = c.daemons
+    (port,) = free_ports(1)
+    runs = [_torchrun(d, hosts, h, port, tmp_path / f"node{h}", *args)
+            for h, d in enumerate(daemons)]
+    for h, run in enumerate(runs):
+        code = run.wait(timeout=CHILD_TIMEOUT)
+        assert code == 0, (tmp_path / f"node{h}" / "torchrun.out").read_text()[-3000:]
+    ranks = _torchrun_records(tmp_path, 2 * hosts)
+    (ref,) = _finish([ref])
+    _assert_matches(ranks, ref, 0.0)
+    for d in daemons:
+        assert "job 'torchrun-job'" in d.stderr()
+
+
+TOPOLOGY = r'''
+import fsdpd
+try:
+    fsdpd.Client()
+except fsdpd.Error as e:
+    print(e.status, e)
+'''
+
+
+def test_a_launcher_of_another_topology_is_refused_at_attach(fsdpd, tmp_path):
+    """torchrun's variables saying 2 nodes of 2 (this one node 1) against one daemon of one
+    host: the attach is refused, naming both topologies."""
+    d = fsdpd(*DAEMON_ARGS)
+    script = tmp_path / "topology.py"
+    script.write_text(TOPOLOGY)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDPD_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
+               FSDPD_SOCKET=str(d.socket_path), TORCHELASTIC_RUN_ID="wrong", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="2", RANK="2", WORLD_SIZE="4", GROUP_RANK="1")
+    r = subprocess.run([PYTHON, str(script)], env=env, capture_output=True, text=True,
+                       timeout=CHILD_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("FAILED_PRECONDITION"), r.stdout
+    assert "the launcher's topology (world_size 4, node_rank 1, local_world_size 2) is not " \
+           "this daemon's (1 host x 2 local ranks = world_size 2, this host's rank 0" in r.stdout
