@@ -75,6 +75,7 @@ a scratch unit (the size of the largest unit, registered on first use).
 
 import contextlib
 import fnmatch
+import math
 import os
 import weakref
 
@@ -100,6 +101,25 @@ def _tensors(value):
     elif isinstance(value, dict):
         for v in value.values():
             yield from _tensors(v)
+
+
+_FLOATS = (_torch.float32, _torch.bfloat16, _torch.float16)
+
+
+def _is_meta(module):
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _model_dtype(module):
+    """A bfloat16 or float16 model's dtype, which its copies then compute in; None for a
+    float32 one. Its parameters share one."""
+    dtypes = {p.dtype for p in module.parameters()}
+    if len(dtypes) > 1:
+        raise TypeError(f"fsdpd.torch: the model's parameters are of several dtypes "
+                        f"({', '.join(sorted(map(str, dtypes)))}): build it in one, and ask "
+                        "for another with param_dtype")
+    (dtype,) = dtypes or {_torch.float32}
+    return None if dtype == _torch.float32 else dtype
 
 
 def _cast_floats(value, dtype):
@@ -200,14 +220,14 @@ class _FlatUnit:
         self.module = module
         self.params = [p for _, p in params]
         self.trainable = trainable
-        spec = [(n, tuple(p.shape), trainable) for n, p in params]
+        self.shapes = [owner._shape(p) for p in self.params]
+        spec = [(n, shape, trainable) for (n, _), shape in zip(params, self.shapes)]
         self.unit = owner.client.register_unit(
             name, spec, strategy=owner.strategy, param_dtype=owner.param_dtype,
             reduce_dtype=owner.reduce_dtype)
         u = self.unit
         self.offsets = u.param_offsets
-        self.sizes = [p.numel() for p in self.params]
-        self.shapes = [tuple(p.shape) for p in self.params]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
         self.empty_data = _torch.empty(0, dtype=u.dtype, device=u.master.device)
         # On a GPU the lent copy is wherever the daemon's pool has it (the driver cannot map
         # part of its memory at an address of ours), so the parameters view a copy of it in
@@ -244,12 +264,17 @@ class _FlatUnit:
         self.reduced = True      # the gradients of ran_step were reduced (or need not be)
         self.backward_started = False
 
-    def write_initial_shard(self):
-        """Writes this rank's slice of the flat initial values into its master shard."""
+    def initial_flat(self):
+        """The parameters' values as the unit's flat fp32 buffer (padding zeroed)."""
         u = self.unit
         flat = _torch.zeros(u.padded_numel, dtype=_torch.float32, device=u.master.device)
         for off, n, p in zip(self.offsets, self.sizes, self.params):
             flat[off:off + n].copy_(p.detach().reshape(-1))
+        return flat
+
+    def write_shard(self, flat):
+        """Writes this rank's slice of a flat buffer of the unit into its master shard."""
+        u = self.unit
         lo = u.shard * u.shard_numel
         u.master_shard.copy_(flat[lo:lo + u.shard_numel])
 
@@ -358,7 +383,8 @@ class ShardedModel(_nn.Module):
     the rank's master shards, flat_parameters() the shards whole."""
 
     def __init__(self, module, client, wrap, strategy, param_dtype, reduce_dtype,
-                 forward_prefetch, backward_prefetch, max_inflight):
+                 forward_prefetch, backward_prefetch, max_inflight, param_init_fn=None,
+                 sync_module_states=False):
         super().__init__()
         strategy = str(strategy).upper()
         if strategy == "NO_SHARD":
@@ -372,10 +398,14 @@ class ShardedModel(_nn.Module):
         # Where the daemon keeps the job's buffers, and so where the module computes: its GPU
         # when the daemon's backend is cuda (the parameters become views of that memory).
         self.device = _torch.device(f"cuda:{client.device}" if client.device >= 0 else "cpu")
-        self.module = module.to(self.device)
+        # A model built on the meta device: its parameters become empty ones here, their
+        # shapes kept aside, and each unit is materialized in turn below.
+        self._meta_shapes = {}
+        self._uninitialized = []  # modules with meta parameters or buffers, not yet made
+        self.module = self._take_meta(module) if _is_meta(module) else module.to(self.device)
         self.client = client
         self.strategy = strategy
-        self.param_dtype = param_dtype
+        self.param_dtype = param_dtype if param_dtype is not None else _model_dtype(module)
         self.reduce_dtype = reduce_dtype
         self.step = 0
         self._sync_count = 0
@@ -412,15 +442,83 @@ class ShardedModel(_nn.Module):
         else:
             self.completed_steps = 0
             self._daemon_gathered = 0
-            for fu in self._units:
-                fu.write_initial_shard()
+        # One unit at a time: materialized (from the meta device), its initial values
+        # written (unless the daemon has the job's), its parameters emptied.
         for fu in self._units:
+            self._materialize(fu.params, param_init_fn)
+            if not self.resumed:
+                flat = fu.initial_flat()
+                fu.write_shard(self._from_rank0(fu, flat) if sync_module_states else flat)
             fu.detach_params()
+        self._materialize(None, param_init_fn)  # modules of meta buffers alone
+        self.module.to(self.device)  # their buffers, made on the CPU
 
         for fu in self._units:
             fu.module.register_forward_pre_hook(self._pre_forward(fu))
             fu.module.register_forward_hook(self._post_forward(fu))
 
+
+    def _shape(self, p):
+        return self._meta_shapes.get(id(p), tuple(p.shape))
+
+    def _take_meta(self, module):
+        """The module with every meta parameter replaced by an empty one on the device (a
+        tied one by one parameter), its shape in _meta_shapes, and its meta buffers
+        allocated; the modules holding either wait in _uninitialized for _materialize."""
+        made = {}
+        for m in module.modules():
+            meta = False
+            for k, p in m._parameters.items():
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in made:
+                    q = _nn.Parameter(_torch.empty(0, dtype=p.dtype, device=self.device),
+                                      requires_grad=p.requires_grad)
+                    self._meta_shapes[id(q)] = tuple(p.shape)
+                    made[id(p)] = q
+                m._parameters[k] = made[id(p)]
+                meta = True
+            for k, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    m._buffers[k] = _torch.empty(b.shape, dtype=b.dtype, device=self.device)
+                    meta = True
+            if meta:
+                self._uninitialized.append(m)
+        return module
+
+    def _materialize(self, params, init):
+        """Gives the modules still on the meta device that hold any of params (None: all
+        that are left) their memory and initial values: init(module) (param_init_fn), else
+        the module's reset_parameters(). Each sets the module's own parameters and
+        buffers; a module is made once."""
+        wanted = None if params is None else {id(p) for p in params}
+        for m in list(self._uninitialized):
+            own = [p for p in m._parameters.values() if p is not None]
+            if wanted is not None and not any(id(p) in wanted for p in own):
+                continue
+            for p in own:
+                if id(p) in self._meta_shapes and p.numel() == 0:
+                    p.data = _torch.empty(self._meta_shapes[id(p)], dtype=p.dtype,
+                                          device=self.device)
+            with _torch.no_grad():
+                if init is not None:
+                    init(m)
+                elif hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                else:
+                    raise TypeError(f"fsdpd.torch: a {type(m).__name__} is on the meta device "
+                                    "and has no reset_parameters(): pass param_init_fn")
+            self._uninitialized.remove(m)
+
+    def _from_rank0(self, fu, flat):
+        """Global rank 0's flat initial values of the unit, on every rank
+        (sync_module_states): an all-reduce in which the other ranks add zeros."""
+        g = self._gather_unit()
+        self._lend(g)
+        if self._global_rank == 0:
+            g.full_grad[:flat.numel()].copy_(flat)
+        self._all_reduce(g)
+        return g.grad[:flat.numel()].clone()
 
     def _make_units(self, wrap):
         module = self.module
@@ -450,10 +548,10 @@ class ShardedModel(_nn.Module):
                 holders.setdefault(id(p), []).append(mname)
         groups = {}  # (wrapped module name, trainable) -> [(param name, param)]
         for pname, p in module.named_parameters():  # a tied parameter once, first name
-            if p.dtype != _torch.float32:
-                raise TypeError(f"fsdpd.torch: parameter {pname!r} is {p.dtype}; the daemon "
-                                "keeps float32 masters: build the model in float32 and ask "
-                                "for param_dtype")
+            if p.dtype not in _FLOATS:
+                raise TypeError(f"fsdpd.torch: parameter {pname!r} is {p.dtype}: expected "
+                                "float32, bfloat16 or float16 (the daemon keeps float32 "
+                                "masters made from them)")
             owner = next(w for w in deepest_first
                          if all(contains(w, h) for h in holders[id(p)]))
             groups.setdefault((owner, p.requires_grad), []).append((pname, p))
@@ -603,16 +701,20 @@ class ShardedModel(_nn.Module):
         u = fu.unit
         if u.host_shards * u.shard_numel == u.padded_numel:
             return u.master.clone()  # this host holds every shard
-        if self._gather is None:
-            size = max(f.unit.padded_numel for f in self._units)
-            self._gather = self._summing_unit(_GATHER_UNIT, size)
-        g = self._gather
+        g = self._gather_unit()
         self._lend(g)
         if u.replica == 0:  # each shard once: adding zeros elsewhere is exact
             lo = u.shard * u.shard_numel
             g.full_grad[lo:lo + u.shard_numel].copy_(u.master_shard)
         self._all_reduce(g)
         return g.grad[:u.padded_numel].clone()
+
+    def _gather_unit(self):
+        """The scratch unit of the gathers among every rank, made on first need."""
+        if self._gather is None:
+            size = max(f.unit.padded_numel for f in self._units)
+            self._gather = self._summing_unit(_GATHER_UNIT, size)
+        return self._gather
 
     def _attach_optimizer(self, optimizer):
         """fsdpd.optim's: from now on the reduces of a step step the units in the daemon."""
@@ -846,18 +948,28 @@ class ShardedModel(_nn.Module):
 
 def shard_model(model, client, wrap=None, strategy="FULL_SHARD", param_dtype=None,
                 reduce_dtype=None, forward_prefetch=True, backward_prefetch=True,
-                max_inflight=None):
+                max_inflight=None, param_init_fn=None, sync_module_states=False):
     """Shards model's parameters through client's daemon and returns the model to train.
 
     wrap: a set of module classes whose instances each become a unit (like
     transformer_auto_wrap_policy), a WrapPolicy (wrap_by_class, wrap_by_name, wrap_by_size),
-    or a predicate on a module, or None for one unit; the root takes the rest. strategy: FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the
-    same as FULL_SHARD). param_dtype: the unsharded parameters' dtype, in which forward and
-    backward compute (floating inputs are cast to it); reduce_dtype: the gradient reduction's
-    (default param_dtype); masters stay float32. max_inflight: how many units' unsharded
-    copies (of those resharded after forward) and full-gradient buffers per rank the daemon
-    lends at once, FSDP's limit_all_gathers (None: the daemon's store.max_inflight, 2 by
-    default). Every local rank calls this with the same model (same definition, same seed)
-    and takes its own slice of the initial values."""
+    or a predicate on a module, or None for one unit; the root takes the rest. strategy:
+    FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the same as FULL_SHARD).
+    param_dtype: the unsharded parameters' dtype, in which forward and backward compute
+    (floating inputs are cast to it; default: a bfloat16 or float16 model's own dtype);
+    reduce_dtype: the gradient reduction's (default param_dtype); masters are float32, made
+    from the model's values. max_inflight: how many units' unsharded copies (of those
+    resharded after forward) and full-gradient buffers per rank the daemon lends at once,
+    FSDP's limit_all_gathers (None: the daemon's store.max_inflight, 2 by default).
+
+    Initial values: every local rank calls this with the same model (same definition, same
+    seed) and takes its own slice of them. A model built on the meta device is materialized
+    one unit at a time (no rank ever holds the whole model): each module holding a meta
+    parameter or buffer gets memory and then param_init_fn(module), or its own
+    reset_parameters(), which sets the module's own parameters (recurse=False) the same way
+    on every rank. sync_module_states: every rank takes global rank 0's values instead, sent
+    through the daemon (an all-reduce in which the other ranks add zeros; a -0.0 arrives as
+    0.0)."""
     return ShardedModel(model, client, wrap, strategy, param_dtype, reduce_dtype,
-                        forward_prefetch, backward_prefetch, max_inflight)
+                        forward_prefetch, backward_prefetch, max_inflight, param_init_fn,
+                        sync_module_states)

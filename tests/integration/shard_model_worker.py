@@ -28,6 +28,7 @@ import math
 import os
 import signal
 import sys
+import zlib
 
 import torch
 
@@ -41,12 +42,32 @@ MAX_NORM = 0.5
 DEVICE = torch.device("cpu")  # --device: where the reference and the ranks compute
 
 
-def build(features):
-    model = TinyGPT(CFG, seed=7).to(DEVICE)
+def build(features, meta=False):
+    """The model; with meta, on the meta device, for init_by_name to give its values."""
+    model = TinyGPT(CFG, seed=7).to("meta" if meta else DEVICE)
     if features:
         model.head.weight = model.tok.weight  # tied
         model.pos.requires_grad_(False)       # frozen
     return model
+
+
+def init_by_name(model):
+    """A param_init_fn whose values depend on each parameter's name alone, not on the order
+    modules are made in: the reference applies it to its whole model, the ranks unit by
+    unit from the meta device, and both get the same values."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def init(module):
+        for k, p in module.named_parameters(recurse=False):
+            name = f"{names[id(module)]}.{k}".lstrip(".")
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            if k == "bias":
+                p.zero_()
+            elif p.dim() == 1:  # the norms' weights
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return init
 
 
 def global_batch(step):
@@ -136,6 +157,11 @@ def reference(args):
     gradients are the W ranks' reduced as the daemon does, so that the comparison is of the
     optimizers' arithmetic alone."""
     model = build(args.features)
+    if args.meta:  # the ranks' values, made by name
+        init = init_by_name(model)
+        with torch.no_grad():
+            for m in model.modules():
+                init(m)
     opt, schedule = torch_optimizer(model, args)
     for step in range(1, args.steps + 1):
         opt.zero_grad()
@@ -207,9 +233,10 @@ def rank(args):
     r = int(os.environ.get("RANK", client.rank))
     world = int(os.environ.get("WORLD_SIZE", client.local_world_size))
     param_dtype = torch.bfloat16 if args.param_dtype == "bf16" else None
-    model = fsdpd.torch.shard_model(build(args.features), client, wrap={Block},
-                                    strategy=args.strategy, param_dtype=param_dtype,
-                                    max_inflight=args.max_inflight)
+    net = build(args.features, meta=args.meta)
+    model = fsdpd.torch.shard_model(net, client, wrap={Block}, strategy=args.strategy,
+                                    param_dtype=param_dtype, max_inflight=args.max_inflight,
+                                    param_init_fn=init_by_name(net) if args.meta else None)
     schedule = None
     if args.optim == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -361,6 +388,9 @@ def main():
     p.add_argument("--save-at-step", type=int, default=0,
                    help="after this step, save a checkpoint into --checkpoint and stop")
     p.add_argument("--checkpoint", help="the checkpoints' directory")
+    p.add_argument("--meta", action="store_true",
+                   help="the model is built on the meta device and initialized by "
+                        "init_by_name (the reference too)")
     p.add_argument("--loader-workers", type=int, default=0,
                    help="the ranks take their batches from a DataLoader with this many "
                         "worker processes")

@@ -631,6 +631,29 @@ def test_torchrun_starts_the_trainers(fsdpd, tmp_path, hosts):
         assert "job 'torchrun-job'" in d.stderr()
 
 
+def test_a_script_written_as_for_fsdp_trains_like_one_process(fsdpd, tmp_path):
+    """As an FSDP user writes it: launched by torchrun, the model built on the meta device
+    (materialized unit by unit through param_init_fn), torch's AdamW over the original
+    parameters in two groups, batches from a DataLoader with 2 workers, the state dicts
+    saved with torch.save and loaded back after step 2: exactly the single process's
+    training, which sums the 2 ranks' gradients as the daemon does."""
+    from test_peers import free_ports
+    args = ("--optim", "torch-adamw", "--meta")
+    ref = _start(None, "reference", 2, 0, *args, "--world", "2")
+    (port,) = free_ports(1)
+    run = _torchrun(fsdpd(*DAEMON_ARGS), 1, 0, port, tmp_path / "node0", *args,
+                    "--state-dict-at-step", "2", "--checkpoint", tmp_path,
+                    "--loader-workers", "2")
+    assert run.wait(timeout=CHILD_TIMEOUT) == 0, \
+        (tmp_path / "node0" / "torchrun.out").read_text()[-3000:]
+    ranks = _torchrun_records(tmp_path, 2)
+    (ref,) = _finish([ref])
+    for records in ranks:
+        assert any("round_trip" in r for r in records)
+        assert any("worker_refused" in r for r in records)
+    _assert_matches(ranks, ref, 0.0)
+
+
 TOPOLOGY = r'''
 import fsdpd
 try:
@@ -656,3 +679,61 @@ def test_a_launcher_of_another_topology_is_refused_at_attach(fsdpd, tmp_path):
     assert r.stdout.startswith("FAILED_PRECONDITION"), r.stdout
     assert "the launcher's topology (world_size 4, node_rank 1, local_world_size 2) is not " \
            "this daemon's (1 host x 2 local ranks = world_size 2, this host's rank 0" in r.stdout
+
+
+SYNC = r'''
+import json, os, sys
+sys.path.insert(0, os.path.join(os.environ["FSDP_SOURCE_DIR"], "examples"))
+import torch
+import fsdpd, fsdpd.torch
+from transformer import Config, TinyGPT, Block, batch, loss_fn
+
+cfg = Config(vocab=64, d_model=16, n_heads=2, n_layers=2, seq_len=8)
+rank = int(os.environ["LOCAL_RANK"])
+out = {}
+# Each rank builds other values; sync_module_states gives every rank rank 0's.
+client = fsdpd.Client(job="sync")
+model = fsdpd.torch.shard_model(TinyGPT(cfg, seed=rank), client, wrap={Block},
+                                sync_module_states=True)
+want = TinyGPT(cfg, seed=0).state_dict()
+got = model.state_dict()
+out["synced"] = all(torch.equal(got[k], v) for k, v in want.items())
+client.close()
+# A bfloat16 model: fp32 masters made from its values, its copies and compute in bfloat16.
+client = fsdpd.Client(job="bf16")
+low = TinyGPT(cfg, seed=3).to(torch.bfloat16)
+want = {k: v.float() for k, v in low.state_dict().items()}
+model = fsdpd.torch.shard_model(low, client, wrap={Block})
+got = model.state_dict()
+out["bf16_masters"] = all(torch.equal(got[k], v) for k, v in want.items())
+tokens, targets = batch(1, 2, cfg.seq_len, cfg.vocab)
+logits = model(tokens)
+out["bf16_compute"] = str(logits.dtype)
+loss_fn(logits.float(), targets).backward()
+out["grads"] = all(p.grad is not None for p in model.parameters())
+client.close()
+print(json.dumps(out))
+'''
+
+
+def test_sync_module_states_and_a_bfloat16_model(fsdpd, tmp_path):
+    """sync_module_states: ranks that built other values all take rank 0's, sent through
+    the daemon. A bfloat16 model is accepted: its masters are its values in fp32, exactly,
+    and it computes in bfloat16."""
+    d = fsdpd(*DAEMON_ARGS)
+    script = tmp_path / "sync.py"
+    script.write_text(SYNC)
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
+        env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
+                   FSDPD_SOCKET=str(d.socket_path), FSDP_SOURCE_DIR=str(SOURCE_DIR),
+                   LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([PYTHON, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=CHILD_TIMEOUT)
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == {
+            "synced": True, "bf16_masters": True, "bf16_compute": "torch.bfloat16",
+            "grads": True}
