@@ -423,7 +423,7 @@ class ShardedModel(_nn.Module):
             backward_prefetch=int(bool(backward_prefetch)))
         self._sync = self._summing_unit(_SYNC_UNIT, 1)
         self._gather = None  # the scratch unit of _full_masters, made on first need
-        self._state_dict_kind = ("full", False)
+        self._state_dict_kind = ("full", False, False)
         self._global_rank = int(os.environ.get("RANK", client.rank))
 
         trained = [fu.unit for fu in self._units if fu.unit.gathered_step or fu.unit.reduced_step]
@@ -747,21 +747,31 @@ class ShardedModel(_nn.Module):
                 g.mul_(coef)
         return _torch.tensor(total)
 
-    def save_checkpoint(self, directory):
-        """The daemon writes the job's state on this host (the units' masters and the daemon
-        optimizer's state) into directory/step-N/, N the last completed step, which every
-        rank gets back. Every local rank calls it between steps, after its optimizer step; a
-        torch optimizer's own state is not in it (fsdpd.optim's is)."""
+    def save_checkpoint(self, directory, optimizer=None):
+        """The daemons write the job's state (the units' masters and the daemon optimizer's
+        state) into directory/step-N/, N the last completed step, which every rank gets
+        back. Every rank calls it between steps, after its optimizer step. A torch
+        optimizer given here has its state saved beside, by original names
+        (optim_state_dict), as step-N/optimizer.pt."""
         self._all_reduce_scalar(0.0)  # every rank's masters are final
         if self.client.rank == 0:
             self.client.save_checkpoint(directory, step=self.step)
         self._all_reduce_scalar(0.0)  # the files are written
+        if optimizer is not None:
+            state = self.optim_state_dict(optimizer, rank0_only=True)
+            if self._global_rank == 0:
+                path = os.path.join(os.path.abspath(directory), f"step-{self.step}",
+                                    "optimizer.pt")
+                _torch.save(state, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            self._all_reduce_scalar(0.0)
         return self.step
 
-    def load_checkpoint(self, directory):
-        """Reads directory (or its newest step-N/) into the daemon's units, laid out as this
-        model's are, and goes on after its step N, which every rank gets back: the next
-        forward is step N + 1. Every local rank calls it between steps."""
+    def load_checkpoint(self, directory, optimizer=None):
+        """Reads directory (or its newest step-N/) into the daemons' units, at this model's
+        layout whatever the saved one, and goes on after its step N, which every rank gets
+        back: the next forward is step N + 1. Every rank calls it between steps; a torch
+        optimizer given here takes its state from the checkpoint's optimizer.pt."""
         self._all_reduce_scalar(0.0)  # nobody is in a step
         first = self.client.rank == 0  # each host's local rank 0 loads its daemon's part
         step = self.client.load_checkpoint(directory) if first else 0
@@ -769,6 +779,12 @@ class ShardedModel(_nn.Module):
         step = int(self._all_reduce_scalar(float(step)) / hosts)
         self.completed_steps = self.step = step
         self._daemon_gathered = 0
+        if optimizer is not None:
+            step_dir = os.path.abspath(directory)
+            if not os.path.exists(os.path.join(step_dir, "manifest.json")):
+                step_dir = os.path.join(step_dir, f"step-{step}")
+            self.load_optim_state_dict(
+                optimizer, _torch.load(os.path.join(step_dir, "optimizer.pt")))
         return step
 
     @contextlib.contextmanager
@@ -798,18 +814,19 @@ class ShardedModel(_nn.Module):
 
     # --- state dicts ---------------------------------------------------------------------
     @contextlib.contextmanager
-    def state_dict_type(self, kind, rank0_only=False):
+    def state_dict_type(self, kind, rank0_only=False, offload_to_cpu=False):
         """What state_dict() returns inside (FSDP's state_dict_type): "full", the default,
         every original parameter whole in fp32 (a tied one under each of its names) and the
         buffers, on every rank or, with rank0_only, on global rank 0 alone (the others get
         {}); "sharded", each parameter's part this rank holds, as {"shard": 1-d tensor,
         "offset": its first element in the parameter, "shape": the parameter's}, and the
         buffers. Either is built one unit at a time: beyond the result a rank holds at most
-        one unit's full masters."""
+        one unit's full masters. offload_to_cpu: the result's tensors in host memory (with a
+        GPU daemon; on the host they are there anyway)."""
         if kind not in ("full", "sharded"):
             raise ValueError(f"state_dict_type {kind!r}: expected 'full' or 'sharded'")
         outer = self._state_dict_kind
-        self._state_dict_kind = (kind, bool(rank0_only))
+        self._state_dict_kind = (kind, bool(rank0_only), bool(offload_to_cpu))
         try:
             yield
         finally:
@@ -825,7 +842,8 @@ class ShardedModel(_nn.Module):
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The model's state dict as state_dict_type says (full by default), under the
         original names; every rank calls it together."""
-        kind, rank0_only = self._state_dict_kind
+        kind, rank0_only, offload = self._state_dict_kind
+        keep_copy = (lambda t: t.to("cpu", copy=True)) if offload else (lambda t: t.clone())
         entries, where = self._entries()
         self._all_reduce_scalar(0.0)  # every rank's masters are final
         keep = not rank0_only or self._global_rank == 0
@@ -838,19 +856,19 @@ class ShardedModel(_nn.Module):
                 for n, i in names:
                     _, view, begin, end = fu.orig[i]
                     offset = lo + begin - fu.offsets[i] if end > begin else 0
-                    params[n] = {"shard": view.detach().clone(), "offset": offset,
+                    params[n] = {"shard": keep_copy(view.detach()), "offset": offset,
                                  "shape": tuple(fu.shapes[i])}
                 continue
             flat = self._full_masters(fu)  # every rank, in the same order
             for n, i in names:
                 off, size = fu.offsets[i], fu.sizes[i]
-                params[n] = flat[off:off + size].view(fu.shapes[i]).clone()
+                params[n] = keep_copy(flat[off:off + size].view(fu.shapes[i]))
             del flat
         if not keep:
             return {}
         out = {} if destination is None else destination
         for n, v in entries.items():
-            out[prefix + n] = params[n] if n in params else v.detach().clone()
+            out[prefix + n] = params[n] if n in params else keep_copy(v.detach())
         return out
 
     def load_state_dict(self, state_dict, strict=True):
@@ -906,6 +924,89 @@ class ShardedModel(_nn.Module):
             raise RuntimeError(f"load_state_dict: the parts of {name!r} given to this rank "
                                f"hold {covered} of its elements [{first}, "
                                f"{first + end - begin}); give every rank's parts")
+
+    # --- the optimizer's state dict by original names ------------------------------------
+    def _orig_params(self):
+        """[(name, parameter view, unit, index)] of every trainable original parameter, in
+        the same order on every rank."""
+        return [(n, v, fu, i) for fu in self._units if fu.trainable
+                for i, (n, v, _, _) in enumerate(fu.orig)]
+
+    def _param_index(self, optimizer):
+        """The optimizer's parameters as its state_dict numbers them."""
+        return [p for g in optimizer.param_groups for p in g["params"]]
+
+    def optim_state_dict(self, optimizer, rank0_only=False):
+        """The state dict of a torch optimizer over model.parameters(), keyed by original
+        parameter names, each per-element state tensor whole (every rank's parts gathered
+        through the daemon, one parameter at a time) and the rest as this rank holds it
+        (FSDP's full optimizer state dict); with rank0_only global rank 0 alone gets it.
+        load_optim_state_dict loads it at any world size. Every rank calls it together,
+        after a step on every rank."""
+        index = {id(p): k for k, p in enumerate(self._param_index(optimizer))}
+        native = optimizer.state_dict()
+        keep = not rank0_only or self._global_rank == 0
+        state = {}
+        for name, view, fu, i in self._orig_params():
+            mine = native["state"].get(index.get(id(view)), {})
+            full = {}
+            for key in sorted(mine):  # the same keys on every rank once each has stepped
+                value = mine[key]
+                if isinstance(value, _torch.Tensor) and value.dim() == 1 and \
+                        value.numel() == view.numel():
+                    full[key] = self._gather_param(fu, i, value)
+                else:
+                    full[key] = value
+            if keep and full:
+                state[name] = full
+        names = {id(view): name for name, view, _, _ in self._orig_params()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [names[id(p)] for p in g["params"] if id(p) in names]}
+                  for g in optimizer.param_groups]
+        return {"state": state, "param_groups": groups} if keep else {}
+
+    def _gather_param(self, fu, i, part):
+        """Parameter i of unit fu whole, from every rank's part (part: this rank's)."""
+        g = self._gather_unit()
+        self._lend(g)
+        _, view, begin, end = fu.orig[i]
+        first = fu.unit.shard * fu.unit.shard_numel + begin - fu.offsets[i]
+        if fu.unit.replica == 0 and end > begin:  # each part once: adding zeros is exact
+            g.full_grad[first:first + end - begin].copy_(part)
+        self._all_reduce(g)
+        return g.grad[:fu.sizes[i]].view(fu.shapes[i]).clone()
+
+    def load_optim_state_dict(self, optimizer, state_dict):
+        """Loads optim_state_dict's result (of this or another world size) into a torch
+        optimizer over model.parameters(): each rank takes its part of every per-element
+        state, and each group's hyperparameters from the saved group of the same
+        parameters."""
+        params = self._param_index(optimizer)
+        names = {id(view): (name, fu, i) for name, view, fu, i in self._orig_params()}
+        native_state = {}
+        for k, p in enumerate(params):
+            if id(p) not in names:
+                continue
+            name, fu, i = names[id(p)]
+            saved = state_dict["state"].get(name)
+            if not saved:
+                continue
+            _, view, begin, end = fu.orig[i]
+            first = fu.unit.shard * fu.unit.shard_numel + begin - fu.offsets[i]
+            native_state[k] = {
+                key: value.reshape(-1)[first:first + end - begin].clone()
+                if isinstance(value, _torch.Tensor) and value.numel() == fu.sizes[i] and
+                value.dim() > 0 else value
+                for key, value in saved.items()}
+        saved_groups = {g["params"][0]: g for g in state_dict["param_groups"] if g["params"]}
+        groups, k = [], 0
+        for g in optimizer.param_groups:
+            ids = list(range(k, k + len(g["params"])))
+            k += len(g["params"])
+            first = next((names[id(p)][0] for p in g["params"] if id(p) in names), None)
+            hyper = {key: v for key, v in saved_groups.get(first, g).items() if key != "params"}
+            groups.append({**hyper, "params": ids})
+        optimizer.load_state_dict({"state": native_state, "param_groups": groups})
 
     def full_state_dict(self):
         """The full state dict on every rank (state_dict() of type "full")."""

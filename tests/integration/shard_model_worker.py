@@ -248,9 +248,12 @@ def rank(args):
         opt = cls(model, groups=[{"params": no_decay(build(False)), "weight_decay": 0.0}],
                   max_grad_norm=MAX_NORM if args.clip else None, **DAEMON_OPTIM[args.optim])
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    torch_opt = opt if args.optim == "torch-adamw" else None  # its state is the trainers'
     start = model.completed_steps + 1
     if args.load:  # a job restarted from a checkpoint goes on after its step
-        start = model.load_checkpoint(args.load) + 1
+        start = model.load_checkpoint(args.load, optimizer=torch_opt) + 1
+        for g in opt.param_groups if torch_opt else ():  # the schedule replays below
+            g["lr"] = g["initial_lr"]
     for _ in range(start - 1 if schedule else 0):  # a restarted trainer's schedule
         schedule.step()                               # stands where the job does
     emit(resumed=model.resumed, start=start,
@@ -293,10 +296,10 @@ def rank(args):
                 schedule.step()
             emit(step=step, loss=total, norm=None if norm is None else float(norm))
             if step == args.save_at_step:
-                emit(saved=model.save_checkpoint(args.checkpoint))
+                emit(saved=model.save_checkpoint(args.checkpoint, optimizer=torch_opt))
                 break
             if step == args.state_dict_at_step:
-                round_trip_state_dicts(model, args.checkpoint, r)
+                round_trip_state_dicts(model, torch_opt, args.checkpoint, r)
     except fsdpd.Error as e:
         emit(error=str(e), status=e.status)
         sys.exit(3)
@@ -327,14 +330,22 @@ class Steps(torch.utils.data.Dataset):
         return micro_batches(self.first + i, self.features), refusal
 
 
-def round_trip_state_dicts(model, directory, r):
+def round_trip_state_dicts(model, opt, directory, r):
     """The model's full and sharded state dicts through torch.save; the masters then zeroed
     through a full one and brought back from this rank's sharded file: the full state dict
-    is again what it was, bit for bit."""
+    is again what it was, bit for bit. The optimizer's state, by original names, through
+    torch.save too, its own cleared in between."""
+    osd = model.optim_state_dict(opt)
+    assert set(osd["state"]) == {n for n, p in build(False).named_parameters()}
+    torch.save(osd, f"{directory}/optim-{r}.pt")
+    opt.state.clear()
+    model.load_optim_state_dict(opt, torch.load(f"{directory}/optim-{r}.pt"))
     full = model.state_dict()
     assert set(full) == set(build(False).state_dict())
-    with model.state_dict_type("sharded"):
+    with model.state_dict_type("sharded", offload_to_cpu=True):
         sharded = model.state_dict()
+    with model.state_dict_type("full", rank0_only=True):
+        assert bool(model.state_dict()) == (r == 0)
     torch.save(sharded, f"{directory}/sharded-{r}.pt")
     zeros = {k: torch.zeros_like(v) for k, v in full.items()}
     model.load_state_dict(zeros)

@@ -358,18 +358,20 @@ def _train_on(fsdpd, layout, name, *args):
     return records
 
 
-@pytest.mark.parametrize("saved,loaded", [
-    ((1, 2, "FULL_SHARD"), (1, 3, "FULL_SHARD")),
-    ((2, 2, "FULL_SHARD"), (1, 3, "FULL_SHARD")),
-    ((1, 3, "FULL_SHARD"), (2, 2, "HYBRID_SHARD")),
-], ids=["1x2-1x3", "2x2-1x3", "1x3-2x2hybrid"])
-def test_a_checkpoint_loads_at_another_world_size_and_strategy(fsdpd, tmp_path, saved, loaded):
-    """Saved after step 2 with the daemons' AdamW at one layout (hosts x local ranks,
-    strategy), loaded at another: each daemon reads the elements it now holds, masters and
-    AdamW's moments, from whichever hosts' files hold them. Steps 3 and 4 go on exactly like
-    the reference, which sums the ranks' gradients as the first layout's daemons do for
-    steps 1 and 2 and as the second's do after."""
-    args = ("--optim", "adamw")
+@pytest.mark.parametrize("saved,loaded,optim", [
+    ((1, 2, "FULL_SHARD"), (1, 3, "FULL_SHARD"), "adamw"),
+    ((2, 2, "FULL_SHARD"), (1, 3, "FULL_SHARD"), "adamw"),
+    ((1, 3, "FULL_SHARD"), (2, 2, "HYBRID_SHARD"), "adamw"),
+    ((2, 2, "FULL_SHARD"), (1, 3, "FULL_SHARD"), "torch-adamw"),
+], ids=["1x2-1x3", "2x2-1x3", "1x3-2x2hybrid", "2x2-1x3-torch-adamw"])
+def test_a_checkpoint_loads_at_another_world_size_and_strategy(fsdpd, tmp_path, saved, loaded,
+                                                               optim):
+    """Saved after step 2 with AdamW at one layout (hosts x local ranks, strategy), loaded at
+    another: each daemon reads the elements it now holds, masters and AdamW's moments (the
+    daemons', or torch's saved beside by original names), from whichever files hold them.
+    Steps 3 and 4 go on exactly like the reference, which sums the ranks' gradients as the
+    first layout's daemons do for steps 1 and 2 and as the second's do after."""
+    args = ("--optim", optim)
     ref = _start(None, "reference", 1, 0, *args, "--world", str(saved[0] * saved[1]),
                  "--hosts", str(saved[0]), "--layout-from", "3", str(loaded[0] * loaded[1]),
                  str(loaded[0]))
