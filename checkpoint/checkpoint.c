@@ -100,10 +100,41 @@ void fsdp_checkpoint_stage(fsdp_checkpoint_unit_t *units, size_t n_units, void *
 
 /* ---- Saving ---- */
 
+/* A file written front to back whose pages go to the disk as it grows: each chunk's
+ * writeback starts once it is written, and a chunk WRITEBACK_LAG bytes behind is waited for
+ * and dropped from the page cache. The disk then works while later chunks are copied and
+ * hashed, the final fsync finds little left, and a save neither fills memory with dirty
+ * pages nor evicts what training uses. */
+#define WRITEBACK_LAG ((off_t)32 << 20)
+
+typedef struct streamed_file {
+  int fd;
+  off_t written; /* bytes written so far */
+  off_t settled; /* bytes written back and dropped */
+} streamed_file_t;
+
+static int stream_write(streamed_file_t *f, const void *buf, size_t len) {
+  int r = fsdp_write_all(f->fd, buf, len);
+  if (r < 0)
+    return r;
+  /* Best effort: a filesystem without these still gets everything at the fsync. */
+  sync_file_range(f->fd, f->written, (off_t)len, SYNC_FILE_RANGE_WRITE);
+  f->written += (off_t)len;
+  if (f->written - f->settled > WRITEBACK_LAG) {
+    off_t n = f->written - WRITEBACK_LAG - f->settled;
+    sync_file_range(f->fd, f->settled, n,
+                    SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                        SYNC_FILE_RANGE_WAIT_AFTER);
+    posix_fadvise(f->fd, f->settled, n, POSIX_FADV_DONTNEED);
+    f->settled += n;
+  }
+  return 0;
+}
+
 /* Writes len bytes and their XXH64, a chunk at a time: each chunk is hashed while the
- * cache still holds it from the write, and the kernel starts writing back early chunks while
- * later ones come. */
-static int write_hashed(int fd, const void *buf, size_t len, XXH64_hash_t *ret_hash) {
+ * cache still holds it from the write. */
+static int write_hashed(streamed_file_t *f, const void *buf, size_t len,
+                        XXH64_hash_t *ret_hash) {
   XXH64_state_t *h = XXH64_createState();
   if (!h)
     return -ENOMEM;
@@ -112,7 +143,7 @@ static int write_hashed(int fd, const void *buf, size_t len, XXH64_hash_t *ret_h
   int r = 0;
   for (size_t done = 0; r == 0 && done < len;) {
     size_t n = len - done < IO_CHUNK ? len - done : IO_CHUNK;
-    r = fsdp_write_all(fd, p + done, n);
+    r = stream_write(f, p + done, n);
     XXH64_update(h, p + done, n);
     done += n;
   }
@@ -173,13 +204,14 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
     return io_failed(st, "creating", tmp, errno);
   uint64_t offset = 0;
   int r = 0;
+  streamed_file_t file = {.fd = fd};
   for (size_t i = 0; r == 0 && i < job->n_units; i++) {
     const fsdp_checkpoint_unit_t *u = &job->units[i];
     json_object *blocks = json_object_new_array();
     for (unsigned b = 0; r == 0 && b < n_blocks(u); b++) {
       size_t bytes = host_numel(u) * sizeof(float);
       XXH64_hash_t hash = 0;
-      r = write_hashed(fd, block(u, b), bytes, &hash);
+      r = write_hashed(&file, block(u, b), bytes, &hash);
       json_object *o = json_object_new_object();
       json_object_object_add(o, "what", json_object_new_string(block_name(b)));
       json_object_object_add(o, "offset", json_u64(offset));
