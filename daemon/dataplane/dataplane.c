@@ -2072,16 +2072,24 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   return 0;
 }
 
-/* A load (a resume's too) or a save, once the caller's own conditions hold. */
-static int checkpoint_job(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
-                          uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
-                          fsdp_status_t *st) {
-  const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
+/* Whether the job's memory is one checkpoints are built for: st says why not. */
+static int checkpoints_refused(const fsdp_dataplane_t *dp, const fsdp_job_t *job,
+                               const char *verb, fsdp_status_t *st) {
   if (dp->backend.kind != FSDP_BACKEND_HOST)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "%s: job '%s' is in the memory of %s: checkpoints of a GPU's jobs "
                            "are not built yet",
                            verb, job->name, dp->backend.device_name);
+  return 0;
+}
+
+/* A load (a resume's too) or a save, once the caller's own conditions hold. */
+static int checkpoint_job(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
+                          uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
+                          fsdp_status_t *st) {
+  const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
+  if (checkpoints_refused(dp, job, verb, st) < 0)
+    return st->code;
   checkpoint_work_t *c = calloc(1, sizeof *c);
   if (!c)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
@@ -2135,6 +2143,8 @@ static bool daemon_steps_every_unit(fsdp_job_t *job) {
 int fsdp_dataplane_save_at_boundary(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir,
                                     bool attached, fsdp_dataplane_checkpoint_fn done,
                                     void *data, fsdp_status_t *st) {
+  if (checkpoints_refused(dp, job, "SaveCheckpoint", st) < 0)
+    return st->code;
   uint64_t step = 0;
   bool trained = false, even = true, reducing = false;
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {
