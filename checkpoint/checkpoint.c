@@ -306,6 +306,25 @@ static int wait_for_hosts(const char *dir, const fsdp_checkpoint_job_t *job,
 
 static void keep_newest(const char *dir, unsigned keep);
 
+/* mkdir -p: dir and any parent missing; errno set on failure. */
+static int make_dirs(const char *dir) {
+  char path[PATH_MAX];
+  if (!join(path, sizeof path, dir, "", "")) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  for (char *p = path + 1; *p; p++) {
+    if (*p != '/')
+      continue;
+    *p = '\0';
+    int r = mkdir(path, 0750);
+    *p = '/';
+    if (r < 0 && errno != EEXIST)
+      return -1;
+  }
+  return mkdir(path, 0750) < 0 && errno != EEXIST ? -1 : 0;
+}
+
 int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
                          char *ret_path, size_t size, fsdp_status_t *st) {
   char name[32], final[PATH_MAX], partial[PATH_MAX], own[32];
@@ -314,7 +333,7 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
   if (!join(final, sizeof final, dir, "/", name) ||
       !join(partial, sizeof partial, final, "", ".partial"))
     return io_failed(st, "naming the checkpoint under", dir, ENAMETOOLONG);
-  if (mkdir(dir, 0750) < 0 && errno != EEXIST)
+  if (make_dirs(dir) < 0)
     return io_failed(st, "making", dir, errno);
   /* What a save of this host that died left; the other hosts' files are theirs. */
   if (job->hosts == 1)

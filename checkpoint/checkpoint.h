@@ -77,7 +77,8 @@ void fsdp_checkpoint_stage(fsdp_checkpoint_unit_t *units, size_t n_units, void *
                            void (*copy)(void *ctx, void *dst, const void *src, size_t bytes),
                            void *ctx);
 
-/* Writes this host's part of the job's state into dir/step-<step>/ (dir is made if missing;
+/* Writes this host's part of the job's state into dir/step-<step>/ (dir and its parents are
+ * made if missing;
  * an older checkpoint of the same step is replaced only once the new one is complete). Host
  * 0 then waits (at most hosts_wait_ms) for every other host's files, completes the
  * checkpoint, and removes all but the newest `keep` complete checkpoints in dir (0: keeps

@@ -402,6 +402,8 @@ class ShardedModel(_nn.Module):
         # shapes kept aside, and each unit is materialized in turn below.
         self._meta_shapes = {}
         self._uninitialized = []  # modules with meta parameters or buffers, not yet made
+        # A policy sees the model as built (its meta parameters have their sizes).
+        chosen = wrap.select(module) if isinstance(wrap, WrapPolicy) else None
         self.module = self._take_meta(module) if _is_meta(module) else module.to(self.device)
         self.client = client
         self.strategy = strategy
@@ -412,7 +414,7 @@ class ShardedModel(_nn.Module):
         self._callback_queued = False
         self._no_sync = False  # inside no_sync(): reduces defer their all-reduce
         self._optimizer = None  # an fsdpd.optim optimizer: the daemon steps the units
-        self._units = self._make_units(wrap)
+        self._units = self._make_units(wrap, chosen)
         # The root module's units keep their copy from the forward to the backward, as FSDP's
         # root does, so they never hold up the pool of the units in flight.
         self._root_units = [fu for fu in self._units if fu.module is module]
@@ -451,7 +453,7 @@ class ShardedModel(_nn.Module):
                 fu.write_shard(self._from_rank0(fu, flat) if sync_module_states else flat)
             fu.detach_params()
         self._materialize(None, param_init_fn)  # modules of meta buffers alone
-        self.module.to(self.device)  # their buffers, made on the CPU
+        self.module.to(self.device)  # what of a meta model was elsewhere
 
         for fu in self._units:
             fu.module.register_forward_pre_hook(self._pre_forward(fu))
@@ -520,10 +522,9 @@ class ShardedModel(_nn.Module):
         self._all_reduce(g)
         return g.grad[:flat.numel()].clone()
 
-    def _make_units(self, wrap):
+    def _make_units(self, wrap, chosen):
         module = self.module
         if isinstance(wrap, WrapPolicy):
-            chosen = wrap.select(module)
             accept = None
         elif wrap is None:
             accept = lambda m: False  # noqa: E731
