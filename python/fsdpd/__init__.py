@@ -331,6 +331,11 @@ class Client:
             if not job:
                 raise ValueError("fsdpd.Client: no job: pass job=, set FSDPD_JOB, or start "
                                  "the trainers with torchrun (TORCHELASTIC_RUN_ID)")
+            if job == "none" and not os.environ.get("FSDPD_JOB"):
+                raise ValueError("fsdpd.Client: torchrun was started without --rdzv_id: its "
+                                 "run id is 'none', the same for every launch, which would "
+                                 "make every launch one job; pass torchrun --rdzv_id NAME, "
+                                 "or set FSDPD_JOB")
         if rank is None:
             rank = _env_int("LOCAL_RANK", 0)
         if local_world_size is None:

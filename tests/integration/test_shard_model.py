@@ -667,7 +667,8 @@ except fsdpd.Error as e:
 
 def test_a_launcher_of_another_topology_is_refused_at_attach(fsdpd, tmp_path):
     """torchrun's variables saying 2 nodes of 2 (this one node 1) against one daemon of one
-    host: the attach is refused, naming both topologies."""
+    host: the attach is refused, naming both topologies. torchrun's run id of a launch
+    without --rdzv_id ('none', every launch's) is refused, naming the flag."""
     d = fsdpd(*DAEMON_ARGS)
     script = tmp_path / "topology.py"
     script.write_text(TOPOLOGY)
@@ -681,6 +682,10 @@ def test_a_launcher_of_another_topology_is_refused_at_attach(fsdpd, tmp_path):
     assert r.stdout.startswith("FAILED_PRECONDITION"), r.stdout
     assert "the launcher's topology (world_size 4, node_rank 1, local_world_size 2) is not " \
            "this daemon's (1 host x 2 local ranks = world_size 2, this host's rank 0" in r.stdout
+    # torchrun without --rdzv_id: its run id 'none' would make every launch one job.
+    r = subprocess.run([PYTHON, str(script)], env={**env, "TORCHELASTIC_RUN_ID": "none"},
+                       capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    assert "torchrun was started without --rdzv_id" in r.stderr, r.stderr
 
 
 SYNC = r'''
