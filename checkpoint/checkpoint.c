@@ -1,4 +1,4 @@
-/* Checkpoint files (daemon/checkpoint/checkpoint.h): JSON by json-c, checksums by XXH64
+/* Checkpoint files (checkpoint/checkpoint.h): JSON by json-c, checksums by XXH64
  * (libxxhash), every write made durable before the next step of the protocol depends on it. */
 #include "checkpoint/checkpoint.h"
 
