@@ -100,7 +100,8 @@
     "again and go on; then they are freed, or sooner when a new job needs the slot or the "    \
     "memory (the job idle longest first).")                                                      \
   X(CHECKPOINT_DIR, "checkpoint.dir", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, true, NULL,        \
-    "Where the daemon saves jobs on its own (checkpoint.every_steps), an absolute path: "       \
+    "Where the daemon saves jobs on its own (checkpoint.every_steps, .on_stop) and resumes "   \
+    "them from (checkpoint.resume), an absolute path, made if missing: "                        \
     "<dir>/<job>/step-N/; empty: it does not.")                                                  \
   X(CHECKPOINT_EVERY_STEPS, "checkpoint.every_steps", FSDP_OPT_INT, "0", 0, 100000000, NULL,    \
     NULL, true, NULL,                                                                            \
