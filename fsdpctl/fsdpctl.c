@@ -342,6 +342,13 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
     json_object_object_add(jo, "optimizer", json_string(s->jobs[i]->optimizer));
     json_object_object_add(jo, "optimizer_bytes",
                            json_object_new_uint64(s->jobs[i]->optimizer_bytes));
+    json_object_object_add(jo, "checkpoint_staging_bytes",
+                           json_object_new_uint64(s->jobs[i]->checkpoint_staging_bytes));
+    json_object_object_add(jo, "last_checkpoint_step",
+                           json_object_new_uint64(s->jobs[i]->last_checkpoint_step));
+    json_object_object_add(jo, "last_checkpoint_path",
+                           json_string(s->jobs[i]->last_checkpoint_path));
+    json_object_object_add(jo, "checkpoint_state", json_string(s->jobs[i]->checkpoint_state));
     json_object *gradients = json_object_new_array();
     for (size_t r = 0; r < s->jobs[i]->n_gradients; r++)
       json_object_array_add(gradients, pool_json(s->jobs[i]->gradients[r]));
@@ -427,6 +434,18 @@ static void print_pools(const Fsdp__V1__JobMemory *j) {
     char bytes[32];
     format_bytes(j->optimizer_bytes, bytes, sizeof bytes);
     printf(LABEL "  optimizer %s in the daemon, state %s\n", "", j->optimizer, bytes);
+  }
+  if ((j->last_checkpoint_path && *j->last_checkpoint_path) ||
+      (j->checkpoint_state && *j->checkpoint_state)) {
+    char bytes[32];
+    format_bytes(j->checkpoint_staging_bytes, bytes, sizeof bytes);
+    printf(LABEL "  checkpoint: ", "");
+    if (j->last_checkpoint_path && *j->last_checkpoint_path)
+      printf("last step %" PRIu64 " in %s", j->last_checkpoint_step, j->last_checkpoint_path);
+    else
+      printf("none saved yet");
+    printf("%s%s; staging %s\n", j->checkpoint_state && *j->checkpoint_state ? "; now " : "",
+           j->checkpoint_state ? j->checkpoint_state : "", bytes);
   }
 }
 

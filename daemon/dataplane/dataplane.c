@@ -573,11 +573,18 @@ static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
   else if (c->load)
     log_info("job '%s': checkpoint of step %llu loaded from %s in %.1f ms", job->name,
              (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6);
-  else
+  else {
     log_info("job '%s': checkpoint of step %llu saved in %s (snapshot %.1f ms, written in "
              "%.1f ms beside training)",
              job->name, (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6,
              (double)c->write_ns / 1e6);
+    char *path = strdup(c->path);
+    if (path) {
+      free(job->last_checkpoint);
+      job->last_checkpoint = path;
+      job->last_checkpoint_step = c->step;
+    }
+  }
   c->done(c->data, &c->st, c->path, c->step);
   free_checkpoint_work(c);
 }
@@ -2256,6 +2263,17 @@ static int queue_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_wo
   *w = (fsdp_dataplane_work_t){.kind = WORK_CHECKPOINT, .job = job, .checkpoint = c};
   enqueue(dp, w);
   return 0;
+}
+
+const char *fsdp_dataplane_save_state(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
+  static const char *const names[] = {"waiting for the step boundary",
+                                      "waiting for the save before", "taking its snapshot",
+                                      "writing"};
+  int stage = -1;
+  for (const checkpoint_work_t *c = dp->saves; c; c = c->next)
+    if (c->owner == job && (int)c->stage > stage)
+      stage = (int)c->stage;
+  return stage < 0 ? "" : names[stage];
 }
 
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {

@@ -269,6 +269,10 @@ int fsdp_dataplane_save_at_boundary(fsdp_dataplane_t *dp, fsdp_job_t *job, const
                                     bool attached, fsdp_dataplane_checkpoint_fn done,
                                     void *data, fsdp_status_t *st);
 
+/* What the job's saves are doing, the furthest along: "" (none), "waiting for the step
+ * boundary", "waiting for the save before", "taking its snapshot", "writing". Static. */
+const char *fsdp_dataplane_save_state(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
+
 /* Whether any queued or running work, or any waiting operation, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
 

@@ -566,6 +566,10 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->sums = fill_pool(&s->pools[pool++], &j->sums);
     m->optimizer = (char *)fsdp_optimizer_kind_name(j);
     m->optimizer_bytes = fsdp_optimizer_state_bytes(j);
+    m->checkpoint_staging_bytes = j->checkpoint_staging_bytes;
+    m->last_checkpoint_step = j->last_checkpoint_step;
+    m->last_checkpoint_path = j->last_checkpoint ? j->last_checkpoint : "";
+    m->checkpoint_state = (char *)fsdp_dataplane_save_state(ctx->dataplane, j);
     m->gradients = &s->pool_ptrs[pool];
     m->n_gradients = j->local_world_size;
     for (uint32_t r = 0; r < j->local_world_size; r++, pool++)

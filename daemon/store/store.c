@@ -148,6 +148,7 @@ static void job_free(fsdp_job_t *job) {
   if (job->optimizer)
     job->optimizer_free(job->optimizer);
   free(job->checkpoint_staging);
+  free(job->last_checkpoint);
   free(job->resume_from);
   free(job->units_by_id);
   free(job->order);

@@ -172,6 +172,8 @@ typedef struct fsdp_job {
    * dataplane's), kept for the next save; owned. */
   void *checkpoint_staging;
   size_t checkpoint_staging_bytes;
+  uint64_t last_checkpoint_step; /* the last save this daemon wrote, in last_checkpoint */
+  char *last_checkpoint;         /* its step directory, owned; NULL: none */
   /* checkpoint.resume = latest: looked for at the job's first unit; the checkpoint to load
    * before its first gather (owned) and its step, which its units report as reduced; set
    * while the load runs. */

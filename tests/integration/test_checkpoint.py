@@ -330,8 +330,16 @@ def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
     assert after_2 != after_1
     second = save.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path / "b")),
                          timeout=30)
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    assert job["checkpoint_state"] == "writing" and job["last_checkpoint_path"] == ""
+    assert job["checkpoint_staging_bytes"] >= sum(n for _, n in regions), job
     assert first.result().step == 1
     assert second.result().step == 2
+    (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    assert job["checkpoint_state"] == "" and job["last_checkpoint_step"] == 2
+    assert job["last_checkpoint_path"] == str(tmp_path / "b" / "step-2")
+    assert f"checkpoint: last step 2 in {tmp_path / 'b' / 'step-2'}; staging" in \
+        d.fsdpctl("status").stdout
     for where, want in (("a", after_1), ("b", after_2)):
         garble(ranks[0], regions)
         checkpoint(d, "LoadCheckpoint", tmp_path / where)
