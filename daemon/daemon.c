@@ -296,17 +296,21 @@ static void on_handle_closed(uv_handle_t *handle) {
 }
 
 static void close_handles(fsdp_daemon_t *daemon) {
-  uv_handle_t *handles[] = {(uv_handle_t *)&daemon->sigterm, (uv_handle_t *)&daemon->sigint,
-                            (uv_handle_t *)&daemon->sighup, (uv_handle_t *)&daemon->housekeeping,
-                            (uv_handle_t *)&daemon->stop_saves_timer};
-  for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++)
-    if (!uv_is_closing(handles[i]))
-      uv_close(handles[i], on_handle_closed);
-  /* Closing the watchers restored the default actions: a second SIGTERM or Ctrl-C while the
-   * daemon finishes exiting would kill it instead of letting it exit 0. It is stopping. */
-  signal(SIGTERM, SIG_IGN);
-  signal(SIGINT, SIG_IGN);
-  signal(SIGHUP, SIG_IGN);
+  /* Closing a signal's watcher restores its default action: a SIGTERM or Ctrl-C while the
+   * daemon finishes exiting would kill it instead of letting it exit 0. Each is ignored
+   * right after its watcher closes, so that the window between is a few instructions. */
+  uv_signal_t *signals[] = {&daemon->sigterm, &daemon->sigint, &daemon->sighup};
+  const int signums[] = {SIGTERM, SIGINT, SIGHUP};
+  for (size_t i = 0; i < sizeof signals / sizeof signals[0]; i++)
+    if (!uv_is_closing((uv_handle_t *)signals[i])) {
+      uv_close((uv_handle_t *)signals[i], on_handle_closed);
+      signal(signums[i], SIG_IGN);
+    }
+  uv_handle_t *timers[] = {(uv_handle_t *)&daemon->housekeeping,
+                           (uv_handle_t *)&daemon->stop_saves_timer};
+  for (size_t i = 0; i < sizeof timers / sizeof timers[0]; i++)
+    if (!uv_is_closing(timers[i]))
+      uv_close(timers[i], on_handle_closed);
 }
 
 static void on_peers_closed(void *data) {
