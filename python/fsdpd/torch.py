@@ -278,6 +278,13 @@ class _FlatUnit:
         lo = u.shard * u.shard_numel
         u.master_shard.copy_(flat[lo:lo + u.shard_numel])
 
+    def part(self, i):
+        """This rank's part of parameter i: its view, its first element in the parameter and
+        how many it holds (0: none, the first then meaningless)."""
+        _, view, begin, end = self.orig[i]
+        first = self.unit.shard * self.unit.shard_numel + begin - self.offsets[i]
+        return view, first, end - begin
+
     def grads_kept(self):
         """Whether the gradient shard's .grad was kept since the last reduce (zero_grad with
         set_to_none=False, no_sync), in the form the optimizer uses, flat or original."""
@@ -515,12 +522,7 @@ class ShardedModel(_nn.Module):
     def _from_rank0(self, fu, flat):
         """Global rank 0's flat initial values of the unit, on every rank
         (sync_module_states): an all-reduce in which the other ranks add zeros."""
-        g = self._gather_unit()
-        self._lend(g)
-        if self._global_rank == 0:
-            g.full_grad[:flat.numel()].copy_(flat)
-        self._all_reduce(g)
-        return g.grad[:flat.numel()].clone()
+        return self._sum_over_ranks(flat.numel(), 0, flat if self._global_rank == 0 else None)
 
     def _make_units(self, wrap, chosen):
         module = self.module
@@ -702,13 +704,20 @@ class ShardedModel(_nn.Module):
         u = fu.unit
         if u.host_shards * u.shard_numel == u.padded_numel:
             return u.master.clone()  # this host holds every shard
+        # Each shard once: adding zeros elsewhere is exact.
+        return self._sum_over_ranks(u.padded_numel, u.shard * u.shard_numel,
+                                    u.master_shard if u.replica == 0 else None)
+
+    def _sum_over_ranks(self, numel, offset, part):
+        """The sum over every rank of every host of a buffer of numel elements, zeros but for
+        the part each rank adds at offset (None: nothing), through the gather unit; a fresh
+        tensor. Every rank calls it together."""
         g = self._gather_unit()
         self._lend(g)
-        if u.replica == 0:  # each shard once: adding zeros elsewhere is exact
-            lo = u.shard * u.shard_numel
-            g.full_grad[lo:lo + u.shard_numel].copy_(u.master_shard)
+        if part is not None:
+            g.full_grad[offset:offset + part.numel()].copy_(part)
         self._all_reduce(g)
-        return g.grad[:u.padded_numel].clone()
+        return g.grad[:numel].clone()
 
     def _gather_unit(self):
         """The scratch unit of the gathers among every rank, made on first need."""
@@ -853,11 +862,10 @@ class ShardedModel(_nn.Module):
             names = [(n, where[id(v)][1]) for n, v in entries.items()
                      if id(v) in where and where[id(v)][0] is fu]
             if kind == "sharded":
-                lo = fu.unit.shard * fu.unit.shard_numel
                 for n, i in names:
-                    _, view, begin, end = fu.orig[i]
-                    offset = lo + begin - fu.offsets[i] if end > begin else 0
-                    params[n] = {"shard": keep_copy(view.detach()), "offset": offset,
+                    view, first, count = fu.part(i)
+                    params[n] = {"shard": keep_copy(view.detach()),
+                                 "offset": first if count else 0,
                                  "shape": tuple(fu.shapes[i])}
                 continue
             flat = self._full_masters(fu)  # every rank, in the same order
@@ -901,14 +909,12 @@ class ShardedModel(_nn.Module):
 
     def _load_param(self, fu, i, name, value):
         """This rank's part of parameter i of unit fu from a full tensor or sharded parts."""
-        _, view, begin, end = fu.orig[i]
-        lo = fu.unit.shard * fu.unit.shard_numel
-        first = lo + begin - fu.offsets[i]  # this rank's first element of the parameter
+        view, first, count = fu.part(i)
         if isinstance(value, _torch.Tensor):
             if tuple(value.shape) != tuple(fu.shapes[i]):
                 raise RuntimeError(f"load_state_dict: {name!r} has shape "
                                    f"{tuple(value.shape)}, the model's is {fu.shapes[i]}")
-            view.data.copy_(value.detach().reshape(-1)[first:first + end - begin])
+            view.data.copy_(value.detach().reshape(-1)[first:first + count])
             return
         covered = 0
         for part in value if isinstance(value, (list, tuple)) else [value]:
@@ -916,15 +922,15 @@ class ShardedModel(_nn.Module):
                 raise RuntimeError(f"load_state_dict: {name!r} has shape {part['shape']}, "
                                    f"the model's is {fu.shapes[i]}")
             a = max(first, part["offset"])
-            b = min(first + end - begin, part["offset"] + part["shard"].numel())
+            b = min(first + count, part["offset"] + part["shard"].numel())
             if a < b:
                 view.data[a - first:b - first].copy_(
                     part["shard"][a - part["offset"]:b - part["offset"]])
                 covered += b - a
-        if covered != end - begin:
+        if covered != count:
             raise RuntimeError(f"load_state_dict: the parts of {name!r} given to this rank "
                                f"hold {covered} of its elements [{first}, "
-                               f"{first + end - begin}); give every rank's parts")
+                               f"{first + count}); give every rank's parts")
 
     # --- the optimizer's state dict by original names ------------------------------------
     def _orig_params(self):
@@ -968,14 +974,9 @@ class ShardedModel(_nn.Module):
 
     def _gather_param(self, fu, i, part):
         """Parameter i of unit fu whole, from every rank's part (part: this rank's)."""
-        g = self._gather_unit()
-        self._lend(g)
-        _, view, begin, end = fu.orig[i]
-        first = fu.unit.shard * fu.unit.shard_numel + begin - fu.offsets[i]
-        if fu.unit.replica == 0 and end > begin:  # each part once: adding zeros is exact
-            g.full_grad[first:first + end - begin].copy_(part)
-        self._all_reduce(g)
-        return g.grad[:fu.sizes[i]].view(fu.shapes[i]).clone()
+        _, first, count = fu.part(i)
+        mine = part if fu.unit.replica == 0 and count else None  # each part once
+        return self._sum_over_ranks(fu.sizes[i], first, mine).view(fu.shapes[i])
 
     def load_optim_state_dict(self, optimizer, state_dict):
         """Loads optim_state_dict's result (of this or another world size) into a torch
@@ -992,10 +993,9 @@ class ShardedModel(_nn.Module):
             saved = state_dict["state"].get(name)
             if not saved:
                 continue
-            _, view, begin, end = fu.orig[i]
-            first = fu.unit.shard * fu.unit.shard_numel + begin - fu.offsets[i]
+            _, first, count = fu.part(i)
             native_state[k] = {
-                key: value.reshape(-1)[first:first + end - begin].clone()
+                key: value.reshape(-1)[first:first + count].clone()
                 if isinstance(value, _torch.Tensor) and value.numel() == fu.sizes[i] and
                 value.dim() > 0 else value
                 for key, value in saved.items()}
