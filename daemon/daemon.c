@@ -55,8 +55,8 @@ static void apply_config(fsdp_daemon_t *daemon) {
   daemon->store.memory_limit = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MEMORY_LIMIT);
   daemon->store.arena_capacity = (size_t)fsdp_config_number(cfg, FSDP_OPTION_JOB_MEMORY);
   daemon->store.max_inflight = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT);
-  fsdp_dataplane_set_checkpoints(
-      &daemon->dataplane, fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR),
+  fsdp_checkpoints_configure(
+      &daemon->checkpoints, fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR),
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_EVERY_STEPS),
       (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_KEEP),
       fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_RESUME) == 1 /* latest */);
@@ -183,7 +183,8 @@ static void on_session_expired(fsdp_session_t *s, void *data) {
 static bool job_idle(void *data, const fsdp_job_t *job) {
   fsdp_daemon_t *daemon = data;
   return !job_has_session(daemon, job, NULL) &&
-         !fsdp_dataplane_uses_job(&daemon->dataplane, job);
+         !fsdp_dataplane_uses_job(&daemon->dataplane, job) &&
+         !fsdp_checkpoints_uses_job(&daemon->checkpoints, job);
 }
 
 /* Frees an idle job: its units and its arenas go back to the host. */
@@ -395,9 +396,9 @@ static unsigned save_before_stop(fsdp_daemon_t *daemon) {
     fsdp_status_t st;
     int r = (size_t)snprintf(path, sizeof path, "%s/%s", dir, job->name) >= sizeof path
                 ? fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long")
-                : fsdp_dataplane_save_at_boundary(&daemon->dataplane, job, path,
-                                                  job_has_session(daemon, job, NULL),
-                                                  on_stop_save, daemon, &st);
+                : fsdp_checkpoints_save_at_boundary(&daemon->checkpoints, job, path,
+                                                    job_has_session(daemon, job, NULL),
+                                                    on_stop_save, daemon, &st);
     if (r < 0)
       log_error("job '%s': no checkpoint before stopping: %s", job->name, st.message);
     saves += r == 0;
@@ -748,6 +749,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   if ((r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
     goto fail_loop;
+  fsdp_checkpoints_init(&daemon->checkpoints, &daemon->dataplane);
   if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0 &&
       (r = use_cuda_backend(daemon, st)) < 0)
     goto fail_loop;
@@ -759,6 +761,7 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
       .sessions = &daemon->sessions,
       .store = &daemon->store,
       .dataplane = &daemon->dataplane,
+      .checkpoints = &daemon->checkpoints,
       .services = daemon->services,
       .health_address = daemon->health_address,
       .peer_address = daemon->peer_address,
@@ -836,6 +839,7 @@ fail_loop:
   fsdp_peers_free(daemon->peers);
   daemon->peers = NULL;
   fsdp_peer_security_cleanup(&daemon->peer_security);
+  fsdp_checkpoints_cleanup(&daemon->checkpoints);
   fsdp_dataplane_cleanup(&daemon->dataplane);
   uv_run(&daemon->loop, UV_RUN_DEFAULT); /* lets closed handles finish */
   uv_loop_close(&daemon->loop);
@@ -847,6 +851,7 @@ fail_config:
 int fsdp_daemon_run(fsdp_daemon_t *daemon) {
   uv_run(&daemon->loop, UV_RUN_DEFAULT);
   /* Only now is no work in flight on the units and their arenas. */
+  fsdp_checkpoints_cleanup(&daemon->checkpoints);
   fsdp_dataplane_cleanup(&daemon->dataplane);
   fsdp_store_cleanup(&daemon->store);
   int r = uv_loop_close(&daemon->loop);

@@ -17,6 +17,7 @@
 #include "daemon/args.h"
 #include "daemon/cluster/fabric.h"
 #include "daemon/cluster/peers.h"
+#include "daemon/dataplane/checkpoints.h"
 #include "daemon/dataplane/dataplane.h"
 #include "daemon/rpc/listener.h"
 #include "daemon/rpc/rpc_server.h"
@@ -48,6 +49,7 @@ typedef struct fsdp_daemon {
   fsdp_store_t store;
   fsdp_channel_t channel;
   fsdp_dataplane_t dataplane;
+  fsdp_checkpoints_t checkpoints;
   fsdp_services_context_t handlers; /* what the handlers work on; borrowed by them */
   fsdp_rpc_service_t services[FSDP_SERVICE_COUNT]; /* borrowed by the RPC server */
   fsdp_rpc_server_t *rpc;

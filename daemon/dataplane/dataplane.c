@@ -1,22 +1,17 @@
 /* Unit buffers and the operations of the host backend, on one host and across hosts. */
 #include "daemon/dataplane/dataplane.h"
 
-#include <errno.h>
 #include <limits.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include "collectives/local.h"
 #include "collectives/ring.h"
 #include "common/clock.h"
 #include "common/log.h"
-#include "checkpoint/checkpoint.h"
 #include "daemon/dataplane/optimizer.h"
 #include "proto/host/formats.h"
 
@@ -27,7 +22,8 @@ typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kin
  * one host writes the gradient shards in one pass; across hosts the same work is done by
  * the rings' hooks, chunk by chunk, as the transfers go (see "Rings among hosts"), but for
  * a reduce that defers its all-reduce when the host is its own shard group: no ring runs,
- * and one pass adds the host sum to the deferred sum. */
+ * and one pass adds the host sum to the deferred sum. Another module's work (a checkpoint's)
+ * runs in turn with them as a call. */
 typedef enum work_kind {
   WORK_PREFAULT,
   WORK_GATHER,
@@ -35,36 +31,8 @@ typedef enum work_kind {
   WORK_DEFER,
   WORK_OPTIMIZE,
   WORK_NORM,
-  WORK_CHECKPOINT,
+  WORK_CALL,
 } work_kind_t;
-
-/* A checkpoint's work (fsdp_dataplane_checkpoint): the job described on the loop, the
- * directory, and who hears the end. A load runs on the queue. A save's snapshot does (a copy
- * of the job's state into its staging memory, at its place among the steps), and its write
- * runs beside the queue, from the snapshot, while training goes on; one write per job at a
- * time, a save asked meanwhile waiting for it (both in dp->saves). */
-typedef struct checkpoint_work {
-  fsdp_dataplane_t *dp;
-  fsdp_job_t *owner;
-  bool load;
-  /* A save's, in dp->saves: waiting for the job's step boundary, for its staging memory,
-   * taking its snapshot, writing its files. */
-  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING } stage;
-  unsigned keep; /* a save's: how many of the directory's checkpoints stay */
-  uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
-  char dir[PATH_MAX];
-  fsdp_checkpoint_job_t job;
-  fsdp_checkpoint_unit_t *units;
-  fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
-  char path[PATH_MAX]; /* the step directory written or read */
-  uint64_t step;
-  uint64_t snapshot_ns, write_ns;
-  fsdp_status_t st;
-  fsdp_dataplane_checkpoint_fn done;
-  void *data;
-  uv_work_t write;
-  struct checkpoint_work *next; /* in dp->saves */
-} checkpoint_work_t;
 
 struct fsdp_dataplane_work {
   work_kind_t kind;
@@ -73,7 +41,10 @@ struct fsdp_dataplane_work {
   /* WORK_PREFAULT: the block's length, read on the loop: the block list is the loop's. */
   size_t bytes;
   fsdp_optimizer_plan_t plan; /* WORK_OPTIMIZE */
-  checkpoint_work_t *checkpoint; /* WORK_CHECKPOINT; unit is NULL */
+  /* WORK_CALL (fsdp_dataplane_queue_call); unit is NULL. */
+  void (*call_run)(void *arg);
+  void (*call_ran)(void *arg, int status);
+  void *call_arg;
   double norm_sq;             /* WORK_NORM */
   int result;
   uint64_t run_ns; /* how long run_work took */
@@ -81,10 +52,12 @@ struct fsdp_dataplane_work {
   fsdp_dataplane_work_t *next;
 };
 
+
+
 static const char *const work_names[] = {"preparing its buffers", "the gather",
                                          "the reduce-scatter", "the deferred reduce",
                                          "the optimizer step", "the gradient's norm",
-                                         "the checkpoint"};
+                                         "another module's work"};
 
 /* A unit's element types, as the kernels name them. */
 static fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
@@ -392,43 +365,11 @@ static int add_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t be
 
 static void start_next(fsdp_dataplane_t *dp);
 
-static void copy_parallel(void *workers, void *dst, const void *src, size_t bytes) {
-  fsdp_cast_parallel(workers, dst, FSDP_DTYPE_FP32, src, FSDP_DTYPE_FP32, bytes / sizeof(float));
-}
-
-/* A save's snapshot into the job's staging memory, made or grown on first need and kept for
- * the next save; no write of the job's runs meanwhile. */
-static int take_snapshot(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c) {
-  size_t bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
-  if (bytes > job->checkpoint_staging_bytes) {
-    free(job->checkpoint_staging);
-    job->checkpoint_staging_bytes = 0;
-    job->checkpoint_staging = aligned_alloc(64, bytes);
-    if (!job->checkpoint_staging)
-      return fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
-                             "checkpoint: no memory for the %zu bytes of a snapshot", bytes);
-    job->checkpoint_staging_bytes = bytes;
-  }
-  fsdp_checkpoint_stage(c->units, c->job.n_units, job->checkpoint_staging, copy_parallel,
-                        dp->workers);
-  return 0;
-}
-
-static void run_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c) {
-  uint64_t start_ns = fsdp_clock_now_ns();
-  int r = c->load
-              ? fsdp_checkpoint_load(c->dir, &c->job, c->path, sizeof c->path, &c->step, &c->st)
-              : take_snapshot(dp, job, c);
-  c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
-  if (r == 0)
-    fsdp_status_clear(&c->st);
-}
-
 static void run_work(uv_work_t *req) {
   fsdp_dataplane_t *dp = req->data;
   fsdp_dataplane_work_t *w = dp->head;
-  if (w->kind == WORK_CHECKPOINT) {
-    run_checkpoint(dp, w->job, w->checkpoint);
+  if (w->kind == WORK_CALL) {
+    w->call_run(w->call_arg);
     return;
   }
   fsdp_unit_t *u = w->unit;
@@ -472,7 +413,7 @@ static void run_work(uv_work_t *req) {
     if (w->result == 0)
       w->result = keep_deferred(w->job, u, first, first + n);
     break;
-  case WORK_CHECKPOINT: /* a job's, not a unit's: run above */
+  case WORK_CALL: /* not a unit's: run above */
     break;
   }
   w->run_ns = fsdp_clock_now_ns() - start_ns;
@@ -557,131 +498,6 @@ static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, in
     finish_collective(job, u, WAIT_REDUCE, NULL);
 }
 
-static void free_checkpoint_work(checkpoint_work_t *c) {
-  free(c->params);
-  free(c->units);
-  free(c);
-}
-
-/* On the loop: a checkpoint's end. */
-static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
-  if (status < 0)
-    fsdp_status_set(&c->st, status, "the checkpoint's work did not run: %s",
-                    fsdp_strerror(status));
-  if (c->st.code < 0)
-    log_error("job '%s': %s", job->name, c->st.message);
-  else if (c->load)
-    log_info("job '%s': checkpoint of step %llu loaded from %s in %.1f ms", job->name,
-             (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6);
-  else {
-    log_info("job '%s': checkpoint of step %llu saved in %s (snapshot %.1f ms, written in "
-             "%.1f ms beside training)",
-             job->name, (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6,
-             (double)c->write_ns / 1e6);
-    char *path = strdup(c->path);
-    if (path) {
-      free(job->last_checkpoint);
-      job->last_checkpoint = path;
-      job->last_checkpoint_step = c->step;
-    }
-  }
-  c->done(c->data, &c->st, c->path, c->step);
-  free_checkpoint_work(c);
-}
-
-static void unlink_save(fsdp_dataplane_t *dp, checkpoint_work_t *c) {
-  for (checkpoint_work_t **p = &dp->saves; *p; p = &(*p)->next)
-    if (*p == c) {
-      *p = c->next;
-      return;
-    }
-}
-
-static void append_save(fsdp_dataplane_t *dp, checkpoint_work_t *c) {
-  checkpoint_work_t **tail = &dp->saves;
-  while (*tail)
-    tail = &(*tail)->next;
-  *tail = c;
-}
-
-/* Whether a save of the job takes its snapshot or writes: the staging memory is in use. */
-static bool job_saves(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
-  for (const checkpoint_work_t *c = dp->saves; c; c = c->next)
-    if (c->owner == job && (c->stage == SAVE_SNAPSHOT || c->stage == SAVE_WRITING))
-      return true;
-  return false;
-}
-
-static int queue_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c,
-                            fsdp_status_t *st);
-
-/* A save of the job ended: the first one waiting for it takes its snapshot. */
-static void start_waiting_save(fsdp_dataplane_t *dp, fsdp_job_t *job) {
-  for (checkpoint_work_t *c = dp->saves; c; c = c->next) {
-    if (c->owner != job || c->stage != SAVE_WAITING)
-      continue;
-    c->stage = SAVE_SNAPSHOT;
-    if (queue_checkpoint(dp, job, c, &c->st) == 0)
-      return;
-    unlink_save(dp, c);
-    end_checkpoint(job, c, 0);
-    start_waiting_save(dp, job);
-    return;
-  }
-}
-
-static void *write_files(void *arg) {
-  checkpoint_work_t *c = arg;
-  if (fsdp_checkpoint_save(c->dir, &c->job, c->keep, c->path, sizeof c->path, &c->st) == 0)
-    fsdp_status_clear(&c->st);
-  return NULL;
-}
-
-/* The write's thread yields the CPU to training: copying into the page cache and hashing
- * take as long as the cores that training leaves idle allow. */
-static void *write_files_niced(void *arg) {
-  setpriority(PRIO_PROCESS, (id_t)gettid(), 19); /* best effort */
-  return write_files(arg);
-}
-
-/* On a thread of libuv's pool, beside the queue: a save's files, from its snapshot, written
- * by a thread of the lowest priority (the pool's threads run the queue's work too, so they
- * keep theirs), or by this one when none can start. */
-static void write_checkpoint(uv_work_t *req) {
-  checkpoint_work_t *c = req->data;
-  uint64_t start_ns = fsdp_clock_now_ns();
-  pthread_t writer;
-  if (pthread_create(&writer, NULL, write_files_niced, c) == 0)
-    pthread_join(writer, NULL);
-  else
-    write_files(c);
-  c->write_ns = fsdp_clock_now_ns() - start_ns;
-}
-
-static void end_save(fsdp_dataplane_t *dp, checkpoint_work_t *c, int status) {
-  fsdp_job_t *job = c->owner;
-  unlink_save(dp, c);
-  end_checkpoint(job, c, status);
-  start_waiting_save(dp, job);
-}
-
-static void checkpoint_written(uv_work_t *req, int status) {
-  checkpoint_work_t *c = req->data;
-  end_save(c->dp, c, status);
-}
-
-/* A save's snapshot is taken: its write starts. */
-static void start_write(fsdp_dataplane_t *dp, checkpoint_work_t *c) {
-  c->stage = SAVE_WRITING;
-  c->write.data = c;
-  int r = uv_queue_work(dp->loop, &c->write, write_checkpoint, checkpoint_written);
-  if (r < 0) {
-    fsdp_status_set(&c->st, FSDP_E_INTERNAL, "checkpoint: cannot start its write: %s",
-                    uv_strerror(r));
-    end_save(dp, c, 0);
-  }
-}
-
 static void work_done(uv_work_t *req, int status) {
   fsdp_dataplane_t *dp = req->data;
   fsdp_dataplane_work_t *w = dp->head;
@@ -690,14 +506,8 @@ static void work_done(uv_work_t *req, int status) {
     dp->tail = NULL;
   fsdp_unit_t *u = w->unit;
   int r = status < 0 ? status : w->result;
-  if (w->kind == WORK_CHECKPOINT) {
-    checkpoint_work_t *c = w->checkpoint;
-    if (c->load)
-      end_checkpoint(w->job, c, status);
-    else if (status == 0 && c->st.code == 0)
-      start_write(dp, c);
-    else
-      end_save(dp, c, status);
+  if (w->kind == WORK_CALL) {
+    w->call_ran(w->call_arg, status);
     free(w);
     dp->busy = false;
     start_next(dp);
@@ -1062,6 +872,7 @@ static void start_next(fsdp_dataplane_t *dp) {
     work_done(&dp->req, r); /* fails the item and moves on */
 }
 
+
 static void enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w);
 
 static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit) {
@@ -1155,6 +966,17 @@ static void enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w) {
   start_next(dp);
 }
 
+int fsdp_dataplane_queue_call(fsdp_dataplane_t *dp, fsdp_job_t *job, void (*run)(void *arg),
+                              void (*ran)(void *arg, int status), void *arg, fsdp_status_t *st) {
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  if (!w)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a work item");
+  *w = (fsdp_dataplane_work_t){
+      .kind = WORK_CALL, .job = job, .call_run = run, .call_ran = ran, .call_arg = arg};
+  enqueue(dp, w);
+  return 0;
+}
+
 /* Operations. */
 
 /* Takes the unit's persistent buffers from the arena, in one block: this host's master
@@ -1175,35 +997,6 @@ static int allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
   return 0;
 }
 
-/* checkpoint.resume = latest: a job new to this daemon goes on from its newest checkpoint in
- * checkpoint.dir/<job>/, loaded before its first gather. One that cannot be read is still
- * loaded then, and fails the job naming why: it does not start anew without a word. */
-static void look_for_resume(fsdp_dataplane_t *dp, fsdp_job_t *job) {
-  job->resume_looked = true;
-  if (!dp->checkpoint_resume || !dp->checkpoint_dir[0])
-    return;
-  char dir[PATH_MAX];
-  if ((size_t)snprintf(dir, sizeof dir, "%s/%s", dp->checkpoint_dir, job->name) >= sizeof dir)
-    return;
-  fsdp_checkpoint_reader_t *r;
-  fsdp_status_t st;
-  if (fsdp_checkpoint_open(dir, &r, &st) < 0) {
-    if (st.code == FSDP_E_NOT_FOUND) {
-      log_info("job '%s': nothing to resume from in %s: it starts anew", job->name, dir);
-      return;
-    }
-    log_error("job '%s': cannot resume: %s", job->name, st.message);
-    job->resume_from = strdup(dir);
-    return;
-  }
-  job->resume_from = strdup(fsdp_checkpoint_path(r));
-  job->resume_step = fsdp_checkpoint_step(r);
-  fsdp_checkpoint_close(r);
-  if (job->resume_from)
-    log_info("job '%s': resumes from %s, after step %llu, at its first gather", job->name,
-             job->resume_from, (unsigned long long)job->resume_step);
-}
-
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                              const fsdp_dataplane_rank_t *who, fsdp_dataplane_op_t *op,
                              fsdp_dataplane_done_fn done, void *data) {
@@ -1211,8 +1004,9 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   fsdp_status_t st;
   switch (unit->state) {
   case FSDP_UNIT_NEW:
-    if (!job->resume_looked)
-      look_for_resume(dp, job);
+    if (!job->resume_looked && dp->hooks.job_starts)
+      dp->hooks.job_starts(dp->hooks.ctx, job);
+    job->resume_looked = true;
     if (job->resume_from && !unit->spec->scratch)
       unit->reduced_step = job->resume_step; /* its trainers go on after it */
     if (allocate(job, unit, &st) < 0) {
@@ -1392,12 +1186,11 @@ static void wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
  * of the unit's own, or one from the job's pool, which may have to wait for one. */
 static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st);
 
-static void resume(fsdp_dataplane_t *dp, fsdp_job_t *job);
 
 static void start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
   if (job->resume_from || job->resuming) {
     u->gather_after_resume = true;
-    resume(dp, job);
+    dp->hooks.resume(dp->hooks.ctx, job);
     return;
   }
   u->copy_waiter.data = dp;
@@ -1565,43 +1358,6 @@ static bool in_order(fsdp_job_t *job, const fsdp_unit_t *unit, fsdp_dataplane_op
   return true;
 }
 
-static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const char *path,
-                                    uint64_t step) {
-  (void)data, (void)st, (void)path, (void)step; /* end_checkpoint logged how it went */
-}
-
-/* checkpoint.every_steps: every local rank asked the forward's gather of step + 1, so their
- * masters are final for `step` and stay so until its reduces, which the save goes before in
- * the queue: the job is saved into checkpoint.dir/<job>/ when step is one of every N. */
-static void checkpoint_on_schedule(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step) {
-  for (checkpoint_work_t *c = dp->saves; c && step; c = c->next)
-    if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
-      c->stage = SAVE_WAITING;
-      if (!job_saves(dp, job))
-        start_waiting_save(dp, job);
-      return; /* the save the stop asked for is the schedule's too */
-    }
-  if (!dp->checkpoint_every || !dp->checkpoint_dir[0] || step == 0 ||
-      step % dp->checkpoint_every != 0 || step <= job->checkpointed_step)
-    return;
-  job->checkpointed_step = step;
-  if (job_saves(dp, job)) {
-    log_warning("job '%s': no checkpoint of step %llu: the previous save is still being "
-                "written (checkpoint.every_steps is shorter than a save)",
-                job->name, (unsigned long long)step);
-    return;
-  }
-  char dir[PATH_MAX];
-  fsdp_status_t st;
-  if ((size_t)snprintf(dir, sizeof dir, "%s/%s", dp->checkpoint_dir, job->name) >= sizeof dir)
-    fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long");
-  else if (fsdp_dataplane_checkpoint(dp, job, dir, false, step, on_scheduled_checkpoint, NULL,
-                                     &st) == 0)
-    return;
-  log_error("job '%s': no checkpoint of step %llu: %s", job->name, (unsigned long long)step,
-            st.message);
-}
-
 static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                     fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
@@ -1654,8 +1410,8 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
     return;
   if (step > job->masters_final_step)
     job->masters_final_step = step; /* every rank asked: their masters are final for it */
-  if (!op->backward)
-    checkpoint_on_schedule(dp, job, step - 1);
+  if (!op->backward && dp->hooks.step_boundary)
+    dp->hooks.step_boundary(dp->hooks.ctx, job, step - 1);
   start_gather(dp, job, unit);
   prefetch_after(dp, job, unit, step, &cause);
 }
@@ -2008,199 +1764,10 @@ void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
                                 arena_capacity(arenas[i]));
 }
 
-/* The job's state as a checkpoint holds it: every unit's masters, and the optimizer's state
- * of the units it steps. */
-static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st) {
-  size_t n_params = 0;
-  for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    n_params += u->spec->scratch ? 0 : u->spec->n_params;
-  c->units = calloc(job->n_units ? job->n_units : 1, sizeof *c->units);
-  c->params = calloc(n_params ? n_params : 1, sizeof *c->params);
-  if (!c->units || !c->params)
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a checkpoint");
-  fsdp_checkpoint_param_t *params = c->params;
-  char *base = fsdp_arena_base(job->arena);
-  bool stepped = false;
-  size_t n = 0;
-  for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (u->spec->scratch)
-      continue; /* a client's own buffer: not the model's state */
-    if (u->state != FSDP_UNIT_READY)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "job '%s': unit '%s' has no buffers ready yet", job->name,
-                             u->spec->unit);
-    fsdp_dataplane_buffers_t b;
-    fsdp_dataplane_buffers(u, 0, &b);
-    fsdp_checkpoint_unit_t *cu = &c->units[n++];
-    for (size_t k = 0; k < u->spec->n_params; k++) {
-      const fsdp_param_spec_t *p = &u->spec->params[k];
-      params[k] = (fsdp_checkpoint_param_t){.name = p->name,
-                                            .shape = p->shape,
-                                            .ndim = p->n_shape,
-                                            .offset = u->layout.offsets[k],
-                                            .dtype = fsdp_unit_dtype_name(p->dtype)};
-    }
-    *cu = (fsdp_checkpoint_unit_t){
-        .name = u->spec->unit,
-        .strategy = fsdp_unit_strategy_name(u->spec->strategy),
-        .params = params,
-        .n_params = u->spec->n_params,
-        .numel = u->layout.numel,
-        .padded_numel = u->layout.padded_numel,
-        .shard_numel = u->layout.shard_numel,
-        .shards = u->layout.shards,
-        .host_first_shard = b.host_first_shard,
-        .host_shards = b.host_shards,
-        .masters = (float *)(void *)(base + u->master_offset),
-    };
-    params += u->spec->n_params;
-    fsdp_optimizer_state_t state;
-    if (fsdp_optimizer_steps_unit(job, u)) {
-      if (fsdp_optimizer_unit_state(job, u, &state, st) < 0)
-        return st->code;
-      cu->arrays = state.arrays;
-      for (unsigned a = 0; a < state.arrays; a++)
-        cu->state[a] = (float *)(void *)(base + state.arrays_offset + a * state.array_stride);
-      cu->steps = (uint64_t *)(void *)(base + state.steps_offset);
-    }
-    if (u->trainable)
-      c->job.step = stepped ? (u->reduced_step < c->job.step ? u->reduced_step : c->job.step)
-                            : u->reduced_step;
-    stepped |= u->trainable;
-  }
-  c->job.job = job->name;
-  c->job.host = c->dp->peers ? fsdp_peers_host_rank(c->dp->peers) : 0;
-  c->job.hosts = c->dp->peers ? fsdp_peers_host_count(c->dp->peers) : 1;
-  /* Host 0 waits for the others' files as long as a collective among hosts may take. */
-  c->job.hosts_wait_ms = c->dp->collective_timeout_ms;
-  c->job.optimizer = fsdp_optimizer_kind_name(job);
-  c->job.units = c->units;
-  c->job.n_units = n;
-  return 0;
-}
-
-/* Whether the job's memory is one checkpoints are built for: st says why not. */
-static int checkpoints_refused(const fsdp_dataplane_t *dp, const fsdp_job_t *job,
-                               const char *verb, fsdp_status_t *st) {
-  if (dp->backend.kind != FSDP_BACKEND_HOST)
-    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "%s: job '%s' is in the memory of %s: checkpoints of a GPU's jobs "
-                           "are not built yet",
-                           verb, job->name, dp->backend.device_name);
-  return 0;
-}
-
-/* A load (a resume's too) or a save, once the caller's own conditions hold. */
-static int checkpoint_job(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
-                          uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
-                          fsdp_status_t *st) {
-  const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
-  if (checkpoints_refused(dp, job, verb, st) < 0)
-    return st->code;
-  checkpoint_work_t *c = calloc(1, sizeof *c);
-  if (!c)
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
-  if (strlen(dir) >= sizeof c->dir) {
-    free(c);
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
-  }
-  *c = (checkpoint_work_t){.dp = dp, .owner = job, .load = load, .keep = dp->checkpoint_keep,
-                           .asked_step = step, .done = done, .data = data};
-  snprintf(c->dir, sizeof c->dir, "%s", dir);
-  if (load) {
-    int r = queue_checkpoint(dp, job, c, st);
-    if (r < 0)
-      free_checkpoint_work(c);
-    return r;
-  }
-  /* One save of a job at a time in its staging memory: later ones wait their turn. */
-  c->stage = job_saves(dp, job) ? SAVE_WAITING : SAVE_SNAPSHOT;
-  append_save(dp, c);
-  if (c->stage == SAVE_WAITING)
-    return 0;
-  int r = queue_checkpoint(dp, job, c, st);
-  if (r < 0) {
-    unlink_save(dp, c);
-    free_checkpoint_work(c);
-  }
-  return r;
-}
-
-int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
-                              uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
-                              fsdp_status_t *st) {
-  /* A collective that only waits for ranks runs after the load, in turn. */
-  for (const fsdp_unit_t *u = job->units; load && u; u = u->next)
-    if (u->gather.running || u->reduce.running)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
-                             "load between steps",
-                             job->name, u->spec->unit);
-  return checkpoint_job(dp, job, dir, load, step, done, data, st);
-}
-
-/* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
-static bool daemon_steps_every_unit(fsdp_job_t *job) {
-  for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->trainable && !u->spec->scratch && !fsdp_optimizer_steps_unit(job, u))
-      return false;
-  return true;
-}
-
-int fsdp_dataplane_save_at_boundary(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir,
-                                    bool attached, fsdp_dataplane_checkpoint_fn done,
-                                    void *data, fsdp_status_t *st) {
-  if (checkpoints_refused(dp, job, "SaveCheckpoint", st) < 0)
-    return st->code;
-  uint64_t step = 0;
-  bool trained = false, even = true, reducing = false;
-  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (u->spec->scratch)
-      continue;
-    reducing |= u->reduce.running;
-    if (!u->trainable)
-      continue;
-    even &= !trained || u->reduced_step == step;
-    step = trained && u->reduced_step > step ? step : u->reduced_step;
-    trained = true;
-  }
-  if (!trained || (even && step == 0))
-    return 1; /* nothing trained: its trainers start it again from their initial values */
-  bool between = even && !reducing;
-  if (!between && !attached)
-    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "job '%s' stopped inside a step (its units have reduced different "
-                           "steps) and no trainer is attached to finish it: not saved",
-                           job->name);
-  /* Its masters are final for `step` once the daemon's optimizer stepped them, or once every
-   * local rank asked a gather of the next step (a trainer's optimizer wrote them). */
-  bool final = !attached || daemon_steps_every_unit(job) ||
-               job->masters_final_step > step;
-  if (between && final)
-    return checkpoint_job(dp, job, dir, false, 0, done, data, st);
-  checkpoint_work_t *c = calloc(1, sizeof *c);
-  if (!c || strlen(dir) >= sizeof c->dir) {
-    free(c);
-    return fsdp_status_set(st, c ? FSDP_E_INVALID_ARGUMENT : FSDP_E_RESOURCE_EXHAUSTED,
-                           "SaveCheckpoint: %s", c ? "path too long" : "out of memory");
-  }
-  *c = (checkpoint_work_t){.dp = dp, .owner = job, .stage = SAVE_AT_BOUNDARY,
-                           .keep = dp->checkpoint_keep, .done = done, .data = data};
-  snprintf(c->dir, sizeof c->dir, "%s", dir);
-  append_save(dp, c);
-  log_info("job '%s': saves at its next step boundary", job->name);
-  return 0;
-}
-
-typedef struct resume_call {
-  fsdp_dataplane_t *dp;
-  fsdp_job_t *job;
-} resume_call_t;
-
 /* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's
  * units fail naming why (training from the trainers' initial values would be silently
  * wrong). */
-static void resume_ended(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st) {
+void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st) {
   job->resuming = false;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (st->code < 0) {
@@ -2219,69 +1786,9 @@ static void resume_ended(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_statu
   }
 }
 
-static void resumed(void *data, const fsdp_status_t *st, const char *path, uint64_t step) {
-  resume_call_t call = *(resume_call_t *)data;
-  free(data);
-  (void)path, (void)step; /* end_checkpoint logged them */
-  resume_ended(call.dp, call.job, st);
-}
-
-/* Loads the checkpoint the job resumes from, once; its gathers wait for it. */
-static void resume(fsdp_dataplane_t *dp, fsdp_job_t *job) {
-  if (job->resuming)
-    return;
-  char *from = job->resume_from;
-  job->resume_from = NULL;
-  job->resuming = true;
-  fsdp_status_t st;
-  resume_call_t *call = malloc(sizeof *call);
-  int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");
-  if (call) {
-    *call = (resume_call_t){.dp = dp, .job = job};
-    r = checkpoint_job(dp, job, from, true, 0, resumed, call, &st);
-  }
-  free(from);
-  if (r < 0) {
-    free(call);
-    resume_ended(dp, job, &st);
-  }
-}
-
-/* Describes the job as it is now into c and queues its work. */
-static int queue_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, checkpoint_work_t *c,
-                            fsdp_status_t *st) {
-  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
-  int r = w ? describe_checkpoint(job, c, st)
-            : fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "checkpoint: out of memory");
-  if (r < 0) {
-    free(w);
-    return r;
-  }
-  if (c->asked_step)
-    c->job.step = c->asked_step;
-  c->step = c->job.step; /* a load's is the checkpoint's, read with it */
-  *w = (fsdp_dataplane_work_t){.kind = WORK_CHECKPOINT, .job = job, .checkpoint = c};
-  enqueue(dp, w);
-  return 0;
-}
-
-const char *fsdp_dataplane_save_state(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
-  static const char *const names[] = {"waiting for the step boundary",
-                                      "waiting for the save before", "taking its snapshot",
-                                      "writing"};
-  int stage = -1;
-  for (const checkpoint_work_t *c = dp->saves; c; c = c->next)
-    if (c->owner == job && (int)c->stage > stage)
-      stage = (int)c->stage;
-  return stage < 0 ? "" : names[stage];
-}
-
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
   for (const fsdp_dataplane_work_t *w = dp->head; w; w = w->next)
     if (w->job == job)
-      return true;
-  for (const checkpoint_work_t *c = dp->saves; c; c = c->next)
-    if (c->owner == job)
       return true;
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
     if (u->waiters || u->gather.running || u->reduce.running)
@@ -2309,14 +1816,6 @@ int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda
   return fsdp_backend_init_cuda(&dp->backend, cuda, device, st);
 }
 
-void fsdp_dataplane_set_checkpoints(fsdp_dataplane_t *dp, const char *dir, uint64_t every_steps,
-                                    unsigned keep, bool resume) {
-  snprintf(dp->checkpoint_dir, sizeof dp->checkpoint_dir, "%s", dir);
-  dp->checkpoint_every = every_steps;
-  dp->checkpoint_keep = keep;
-  dp->checkpoint_resume = resume;
-}
-
 void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
                                 uint64_t collective_timeout_ms) {
   if (dp->waiting_for_cluster && dp->peers && peers != dp->peers) {
@@ -2331,11 +1830,6 @@ void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
   if (!dp)
     return;
-  while (dp->saves) { /* saves left waiting for a boundary that never came */
-    checkpoint_work_t *c = dp->saves;
-    dp->saves = c->next;
-    free_checkpoint_work(c);
-  }
   while (dp->free_scratch) {
     void *s = dp->free_scratch;
     memcpy(&dp->free_scratch, s, sizeof(void *));

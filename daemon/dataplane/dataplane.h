@@ -59,7 +59,6 @@
 #ifndef FSDP_DATAPLANE_H
 #define FSDP_DATAPLANE_H
 
-#include <limits.h>
 #include <stdbool.h>
 
 #include <uv.h>
@@ -74,6 +73,21 @@
 typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
 
 typedef struct ring_run ring_run_t;
+
+/* What the jobs' checkpoints (daemon/dataplane/checkpoints.h), which the data plane does not
+ * know, hear of it; each optional, called on the loop with ctx. */
+typedef struct fsdp_dataplane_hooks {
+  void *ctx;
+  /* A job's first unit registers: it may set job->resume_from (and resume_step), which its
+   * units report as reduced. */
+  void (*job_starts)(void *ctx, fsdp_job_t *job);
+  /* A gather of a job with resume_from set, or resuming: the resume's load starts, if it has
+   * not, and the gather waits for fsdp_dataplane_resumed. */
+  void (*resume)(void *ctx, fsdp_job_t *job);
+  /* Every local rank asked the forward's gather of step + 1: their masters are final for
+   * step, and stay so until its reduces, which work queued now goes before. */
+  void (*step_boundary)(void *ctx, fsdp_job_t *job, uint64_t step);
+} fsdp_dataplane_hooks_t;
 
 typedef struct fsdp_dataplane {
   uv_loop_t *loop;
@@ -91,12 +105,7 @@ typedef struct fsdp_dataplane {
   fsdp_peers_waiter_t cluster_waiter;
   bool waiting_for_cluster;
   void *free_scratch; /* the rings' staging buffers not in use, linked through their start */
-  struct checkpoint_work *saves; /* each taking its snapshot, writing, or waiting for one */
-  /* checkpoint.*: where and how often the jobs are saved on schedule, how many are kept. */
-  char checkpoint_dir[PATH_MAX];
-  uint64_t checkpoint_every;
-  unsigned checkpoint_keep;
-  bool checkpoint_resume; /* checkpoint.resume = latest */
+  fsdp_dataplane_hooks_t hooks;
 } fsdp_dataplane_t;
 
 /* Who asks: a local rank, as one of its sessions (daemon/session/sessions.h). */
@@ -158,15 +167,6 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
  * the GPU. */
 int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
                             const fsdp_cuda_device_t *device, fsdp_status_t *st);
-
-/* checkpoint.dir, .every_steps, .keep, .resume: a job is saved into dir/<job>/ every
- * every_steps steps (0 or an empty dir: never), at the step boundary
- * (fsdp_dataplane_checkpoint), and every save keeps `keep` checkpoints (0: all). With resume,
- * a job new to this daemon goes on from its newest checkpoint there: its units report that
- * step as reduced when they register, and it is loaded before the job's first gather (one
- * that fails to load fails the job's units, naming why). */
-void fsdp_dataplane_set_checkpoints(fsdp_dataplane_t *dp, const char *dir, uint64_t every_steps,
-                                    unsigned keep, bool resume);
 
 /* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
@@ -237,41 +237,16 @@ void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsign
 /* Ends collectives whose deadline passed; from the housekeeping timer. */
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
 
-/* A checkpoint's end, on the loop: st->code 0 with the step directory written or read and
- * its step, or an error that st explains. */
-typedef void (*fsdp_dataplane_checkpoint_fn)(void *data, const fsdp_status_t *st,
-                                             const char *path, uint64_t step);
+/* Another module's blocking work on the job, in turn with the casts, reduces and optimizer
+ * steps, so that none of the data plane's runs meanwhile: run(arg) on a pool thread, then
+ * ran(arg, status) on the loop (status: libuv's, 0 or UV_ECANCELED). Fails only for want of
+ * memory. */
+int fsdp_dataplane_queue_call(fsdp_dataplane_t *dp, fsdp_job_t *job, void (*run)(void *arg),
+                              void (*ran)(void *arg, int status), void *arg, fsdp_status_t *st);
 
-/* Saves the job's state on this host (every unit's masters, the optimizer's state) into a
- * checkpoint of `step` under dir (0: the least reduced_step of its trainable units), or loads
- * the one at dir into the job's registered units (checkpoint/checkpoint.h; `step` unused).
- * A load, and a save's snapshot (a copy into the job's staging memory), are work items in
- * turn with the casts, reduces and optimizer steps, so that none of the daemon's runs
- * meanwhile; a trainer's own optimizer writing its masters is not seen: save between steps.
- * A save's files are written from the snapshot beside the queue while training goes on; a
- * save asked while another of the job's runs waits for it. done is called once, on the loop,
- * once the files are written or read, unless this fails at once
- * (st says why: FAILED_PRECONDITION for a job in a GPU's memory or spanning hosts, a unit
- * without buffers, or a load while a collective runs). dir is copied. */
-int fsdp_dataplane_checkpoint(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir, bool load,
-                              uint64_t step, fsdp_dataplane_checkpoint_fn done, void *data,
-                              fsdp_status_t *st);
-
-/* Saves the job into dir (a save as fsdp_dataplane_checkpoint's) at its step boundary: at
- * once when it is at one (no reduce running, every trainable unit reduced the same step, and
- * that step's masters final: the daemon's optimizer stepped them, every local rank asked a
- * gather of the next step, or no trainer is attached to write them), otherwise when every
- * local rank asks the forward's gather of the next step. Returns 0 (done is called once), 1
- * when the job has not trained a step (nothing to save; done is not called), or an error:
- * FAILED_PRECONDITION for a job stopped inside a step with no trainer attached (attached
- * false) to finish it. */
-int fsdp_dataplane_save_at_boundary(fsdp_dataplane_t *dp, fsdp_job_t *job, const char *dir,
-                                    bool attached, fsdp_dataplane_checkpoint_fn done,
-                                    void *data, fsdp_status_t *st);
-
-/* What the job's saves are doing, the furthest along: "" (none), "waiting for the step
- * boundary", "waiting for the save before", "taking its snapshot", "writing". Static. */
-const char *fsdp_dataplane_save_state(const fsdp_dataplane_t *dp, const fsdp_job_t *job);
+/* The resume the hooks started ended (st->code 0: the job's state is loaded): the gathers
+ * waiting for it start, or, when it failed, the job's units fail naming why. */
+void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st);
 
 /* Whether any queued or running work, or any waiting operation, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);

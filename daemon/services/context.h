@@ -15,6 +15,7 @@
 
 #include "config/config.h"
 #include "daemon/cluster/peers.h"
+#include "daemon/dataplane/checkpoints.h"
 #include "daemon/dataplane/dataplane.h"
 #include "daemon/rpc/listener.h"
 #include "daemon/rpc/rpc_server.h"
@@ -62,6 +63,7 @@ typedef struct fsdp_services_context {
   fsdp_sessions_t *sessions;
   fsdp_store_t *store;
   fsdp_dataplane_t *dataplane;
+  fsdp_checkpoints_t *checkpoints;
   fsdp_peers_t *peers;
   fsdp_rpc_server_t *rpc;
   const fsdp_rpc_service_t *services; /* FSDP_SERVICE_COUNT of them, for Status */

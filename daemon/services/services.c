@@ -569,7 +569,7 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->checkpoint_staging_bytes = j->checkpoint_staging_bytes;
     m->last_checkpoint_step = j->last_checkpoint_step;
     m->last_checkpoint_path = j->last_checkpoint ? j->last_checkpoint : "";
-    m->checkpoint_state = (char *)fsdp_dataplane_save_state(ctx->dataplane, j);
+    m->checkpoint_state = (char *)fsdp_checkpoints_save_state(ctx->checkpoints, j);
     m->gradients = &s->pool_ptrs[pool];
     m->n_gradients = j->local_world_size;
     for (uint32_t r = 0; r < j->local_world_size; r++, pool++)
@@ -961,7 +961,7 @@ static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *r
   }
   c->call = call;
   fsdp_status_t st;
-  if (fsdp_dataplane_checkpoint(ctx->dataplane, job, rq->path, load, rq->step,
+  if (fsdp_checkpoints_start(ctx->checkpoints, job, rq->path, load, rq->step,
                                 on_checkpoint_done, c, &st) < 0) {
     free(c);
     fail_call(call, &st);

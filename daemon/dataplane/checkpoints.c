@@ -1,0 +1,555 @@
+/* The checkpoints of the daemon's jobs, over the data plane (see checkpoints.h). */
+#include "daemon/dataplane/checkpoints.h"
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "checkpoint/checkpoint.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "daemon/dataplane/optimizer.h"
+
+/* A checkpoint's work (fsdp_checkpoints_start): the job described on the loop, the
+ * directory, and who hears the end. A load runs on the queue. A save's snapshot does (a copy
+ * of the job's state into its staging memory, at its place among the steps), and its write
+ * runs beside the queue, from the snapshot, while training goes on; one write per job at a
+ * time, a save asked meanwhile waiting for it (both in cp->saves). */
+typedef struct checkpoint_work {
+  fsdp_checkpoints_t *cp;
+  fsdp_job_t *owner;
+  bool load;
+  /* A save's, in cp->saves: waiting for the job's step boundary, for its staging memory,
+   * taking its snapshot, writing its files. */
+  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING } stage;
+  unsigned keep; /* a save's: how many of the directory's checkpoints stay */
+  uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
+  char dir[PATH_MAX];
+  fsdp_checkpoint_job_t job;
+  fsdp_checkpoint_unit_t *units;
+  fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
+  char path[PATH_MAX]; /* the step directory written or read */
+  uint64_t step;
+  uint64_t snapshot_ns, write_ns;
+  fsdp_status_t st;
+  fsdp_checkpoints_done_fn done;
+  void *data;
+  uv_work_t write;
+  struct checkpoint_work *next; /* in cp->saves */
+} checkpoint_work_t;
+
+static void copy_parallel(void *workers, void *dst, const void *src, size_t bytes) {
+  fsdp_cast_parallel(workers, dst, FSDP_DTYPE_FP32, src, FSDP_DTYPE_FP32, bytes / sizeof(float));
+}
+
+/* A save's snapshot into the job's staging memory, made or grown on first need and kept for
+ * the next save; no write of the job's runs meanwhile. */
+static int take_snapshot(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c) {
+  size_t bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
+  if (bytes > job->checkpoint_staging_bytes) {
+    free(job->checkpoint_staging);
+    job->checkpoint_staging_bytes = 0;
+    job->checkpoint_staging = aligned_alloc(64, bytes);
+    if (!job->checkpoint_staging)
+      return fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
+                             "checkpoint: no memory for the %zu bytes of a snapshot", bytes);
+    job->checkpoint_staging_bytes = bytes;
+  }
+  fsdp_checkpoint_stage(c->units, c->job.n_units, job->checkpoint_staging, copy_parallel,
+                        cp->dp->workers);
+  return 0;
+}
+
+/* On a pool thread: a load, or a save's snapshot. */
+static void run_checkpoint(void *arg) {
+  checkpoint_work_t *c = arg;
+  fsdp_checkpoints_t *cp = c->cp;
+  fsdp_job_t *job = c->owner;
+  uint64_t start_ns = fsdp_clock_now_ns();
+  int r = c->load
+              ? fsdp_checkpoint_load(c->dir, &c->job, c->path, sizeof c->path, &c->step, &c->st)
+              : take_snapshot(cp, job, c);
+  c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
+  if (r == 0)
+    fsdp_status_clear(&c->st);
+}
+
+
+static void free_checkpoint_work(checkpoint_work_t *c) {
+  free(c->params);
+  free(c->units);
+  free(c);
+}
+
+/* On the loop: a checkpoint's end. */
+static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
+  if (status < 0)
+    fsdp_status_set(&c->st, status, "the checkpoint's work did not run: %s",
+                    fsdp_strerror(status));
+  if (c->st.code < 0)
+    log_error("job '%s': %s", job->name, c->st.message);
+  else if (c->load)
+    log_info("job '%s': checkpoint of step %llu loaded from %s in %.1f ms", job->name,
+             (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6);
+  else {
+    log_info("job '%s': checkpoint of step %llu saved in %s (snapshot %.1f ms, written in "
+             "%.1f ms beside training)",
+             job->name, (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6,
+             (double)c->write_ns / 1e6);
+    char *path = strdup(c->path);
+    if (path) {
+      free(job->last_checkpoint);
+      job->last_checkpoint = path;
+      job->last_checkpoint_step = c->step;
+    }
+  }
+  c->done(c->data, &c->st, c->path, c->step);
+  free_checkpoint_work(c);
+}
+
+static void unlink_save(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
+  for (checkpoint_work_t **p = &cp->saves; *p; p = &(*p)->next)
+    if (*p == c) {
+      *p = c->next;
+      return;
+    }
+}
+
+static void append_save(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
+  checkpoint_work_t **tail = &cp->saves;
+  while (*tail)
+    tail = &(*tail)->next;
+  *tail = c;
+}
+
+/* Whether a save of the job takes its snapshot or writes: the staging memory is in use. */
+static bool job_saves(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
+  for (const checkpoint_work_t *c = cp->saves; c; c = c->next)
+    if (c->owner == job && (c->stage == SAVE_SNAPSHOT || c->stage == SAVE_WRITING))
+      return true;
+  return false;
+}
+
+static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
+                            fsdp_status_t *st);
+
+/* A save of the job ended: the first one waiting for it takes its snapshot. */
+static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
+  for (checkpoint_work_t *c = cp->saves; c; c = c->next) {
+    if (c->owner != job || c->stage != SAVE_WAITING)
+      continue;
+    c->stage = SAVE_SNAPSHOT;
+    if (queue_checkpoint(cp, job, c, &c->st) == 0)
+      return;
+    unlink_save(cp, c);
+    end_checkpoint(job, c, 0);
+    start_waiting_save(cp, job);
+    return;
+  }
+}
+
+static void *write_files(void *arg) {
+  checkpoint_work_t *c = arg;
+  if (fsdp_checkpoint_save(c->dir, &c->job, c->keep, c->path, sizeof c->path, &c->st) == 0)
+    fsdp_status_clear(&c->st);
+  return NULL;
+}
+
+/* The write's thread yields the CPU to training: copying into the page cache and hashing
+ * take as long as the cores that training leaves idle allow. */
+static void *write_files_niced(void *arg) {
+  setpriority(PRIO_PROCESS, (id_t)gettid(), 19); /* best effort */
+  return write_files(arg);
+}
+
+/* On a thread of libuv's pool, beside the queue: a save's files, from its snapshot, written
+ * by a thread of the lowest priority (the pool's threads run the queue's work too, so they
+ * keep theirs), or by this one when none can start. */
+static void write_checkpoint(uv_work_t *req) {
+  checkpoint_work_t *c = req->data;
+  uint64_t start_ns = fsdp_clock_now_ns();
+  pthread_t writer;
+  if (pthread_create(&writer, NULL, write_files_niced, c) == 0)
+    pthread_join(writer, NULL);
+  else
+    write_files(c);
+  c->write_ns = fsdp_clock_now_ns() - start_ns;
+}
+
+static void end_save(fsdp_checkpoints_t *cp, checkpoint_work_t *c, int status) {
+  fsdp_job_t *job = c->owner;
+  unlink_save(cp, c);
+  end_checkpoint(job, c, status);
+  start_waiting_save(cp, job);
+}
+
+static void checkpoint_written(uv_work_t *req, int status) {
+  checkpoint_work_t *c = req->data;
+  end_save(c->cp, c, status);
+}
+
+/* A save's snapshot is taken: its write starts. */
+static void start_write(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
+  c->stage = SAVE_WRITING;
+  c->write.data = c;
+  int r = uv_queue_work(cp->dp->loop, &c->write, write_checkpoint, checkpoint_written);
+  if (r < 0) {
+    fsdp_status_set(&c->st, FSDP_E_INTERNAL, "checkpoint: cannot start its write: %s",
+                    uv_strerror(r));
+    end_save(cp, c, 0);
+  }
+}
+
+/* On the loop, once run_checkpoint ran: a load ends, a save's write starts. */
+static void checkpoint_ran(void *arg, int status) {
+  checkpoint_work_t *c = arg;
+  fsdp_checkpoints_t *cp = c->cp;
+  if (c->load)
+    end_checkpoint(c->owner, c, status);
+  else if (status == 0 && c->st.code == 0)
+    start_write(cp, c);
+  else
+    end_save(cp, c, status);
+}
+
+bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
+  for (const checkpoint_work_t *c = cp->saves; c; c = c->next)
+    if (c->owner == job)
+      return true;
+  return false;
+}
+
+void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp) {
+  while (cp && cp->saves) {
+    checkpoint_work_t *c = cp->saves;
+    cp->saves = c->next;
+    free_checkpoint_work(c);
+  }
+}
+
+/* checkpoint.resume = latest: a job new to this daemon goes on from its newest checkpoint in
+ * checkpoint.dir/<job>/, loaded before its first gather. One that cannot be read is still
+ * loaded then, and fails the job naming why: it does not start anew without a word. */
+static void job_starts(void *ctx, fsdp_job_t *job) {
+  const fsdp_checkpoints_t *cp = ctx;
+  if (!cp->resume || !cp->dir[0])
+    return;
+  char dir[PATH_MAX];
+  if ((size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
+    return;
+  fsdp_checkpoint_reader_t *r;
+  fsdp_status_t st;
+  if (fsdp_checkpoint_open(dir, &r, &st) < 0) {
+    if (st.code == FSDP_E_NOT_FOUND) {
+      log_info("job '%s': nothing to resume from in %s: it starts anew", job->name, dir);
+      return;
+    }
+    log_error("job '%s': cannot resume: %s", job->name, st.message);
+    job->resume_from = strdup(dir);
+    return;
+  }
+  job->resume_from = strdup(fsdp_checkpoint_path(r));
+  job->resume_step = fsdp_checkpoint_step(r);
+  fsdp_checkpoint_close(r);
+  if (job->resume_from)
+    log_info("job '%s': resumes from %s, after step %llu, at its first gather", job->name,
+             job->resume_from, (unsigned long long)job->resume_step);
+}
+
+static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const char *path,
+                                    uint64_t step) {
+  (void)data, (void)st, (void)path, (void)step; /* end_checkpoint logged how it went */
+}
+
+/* checkpoint.every_steps: every local rank asked the forward's gather of step + 1, so their
+ * masters are final for `step` and stay so until its reduces, which the save goes before in
+ * the queue: the job is saved into checkpoint.dir/<job>/ when step is one of every N. */
+static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
+  fsdp_checkpoints_t *cp = ctx;
+  for (checkpoint_work_t *c = cp->saves; c && step; c = c->next)
+    if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
+      c->stage = SAVE_WAITING;
+      if (!job_saves(cp, job))
+        start_waiting_save(cp, job);
+      return; /* the save the stop asked for is the schedule's too */
+    }
+  if (!cp->every_steps || !cp->dir[0] || step == 0 || step % cp->every_steps != 0 ||
+      step <= job->checkpointed_step)
+    return;
+  job->checkpointed_step = step;
+  if (job_saves(cp, job)) {
+    log_warning("job '%s': no checkpoint of step %llu: the previous save is still being "
+                "written (checkpoint.every_steps is shorter than a save)",
+                job->name, (unsigned long long)step);
+    return;
+  }
+  char dir[PATH_MAX];
+  fsdp_status_t st;
+  if ((size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
+    fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long");
+  else if (fsdp_checkpoints_start(cp, job, dir, false, step, on_scheduled_checkpoint, NULL,
+                                  &st) == 0)
+    return;
+  log_error("job '%s': no checkpoint of step %llu: %s", job->name, (unsigned long long)step,
+            st.message);
+}
+
+
+/* The job's state as a checkpoint holds it: every unit's masters, and the optimizer's state
+ * of the units it steps. */
+static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st) {
+  size_t n_params = 0;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    n_params += u->spec->scratch ? 0 : u->spec->n_params;
+  c->units = calloc(job->n_units ? job->n_units : 1, sizeof *c->units);
+  c->params = calloc(n_params ? n_params : 1, sizeof *c->params);
+  if (!c->units || !c->params)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a checkpoint");
+  fsdp_checkpoint_param_t *params = c->params;
+  char *base = fsdp_arena_base(job->arena);
+  bool stepped = false;
+  size_t n = 0;
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (u->spec->scratch)
+      continue; /* a client's own buffer: not the model's state */
+    if (u->state != FSDP_UNIT_READY)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "job '%s': unit '%s' has no buffers ready yet", job->name,
+                             u->spec->unit);
+    fsdp_dataplane_buffers_t b;
+    fsdp_dataplane_buffers(u, 0, &b);
+    fsdp_checkpoint_unit_t *cu = &c->units[n++];
+    for (size_t k = 0; k < u->spec->n_params; k++) {
+      const fsdp_param_spec_t *p = &u->spec->params[k];
+      params[k] = (fsdp_checkpoint_param_t){.name = p->name,
+                                            .shape = p->shape,
+                                            .ndim = p->n_shape,
+                                            .offset = u->layout.offsets[k],
+                                            .dtype = fsdp_unit_dtype_name(p->dtype)};
+    }
+    *cu = (fsdp_checkpoint_unit_t){
+        .name = u->spec->unit,
+        .strategy = fsdp_unit_strategy_name(u->spec->strategy),
+        .params = params,
+        .n_params = u->spec->n_params,
+        .numel = u->layout.numel,
+        .padded_numel = u->layout.padded_numel,
+        .shard_numel = u->layout.shard_numel,
+        .shards = u->layout.shards,
+        .host_first_shard = b.host_first_shard,
+        .host_shards = b.host_shards,
+        .masters = (float *)(void *)(base + u->master_offset),
+    };
+    params += u->spec->n_params;
+    fsdp_optimizer_state_t state;
+    if (fsdp_optimizer_steps_unit(job, u)) {
+      if (fsdp_optimizer_unit_state(job, u, &state, st) < 0)
+        return st->code;
+      cu->arrays = state.arrays;
+      for (unsigned a = 0; a < state.arrays; a++)
+        cu->state[a] = (float *)(void *)(base + state.arrays_offset + a * state.array_stride);
+      cu->steps = (uint64_t *)(void *)(base + state.steps_offset);
+    }
+    if (u->trainable)
+      c->job.step = stepped ? (u->reduced_step < c->job.step ? u->reduced_step : c->job.step)
+                            : u->reduced_step;
+    stepped |= u->trainable;
+  }
+  c->job.job = job->name;
+  c->job.host = c->cp->dp->peers ? fsdp_peers_host_rank(c->cp->dp->peers) : 0;
+  c->job.hosts = c->cp->dp->peers ? fsdp_peers_host_count(c->cp->dp->peers) : 1;
+  /* Host 0 waits for the others' files as long as a collective among hosts may take. */
+  c->job.hosts_wait_ms = c->cp->dp->collective_timeout_ms;
+  c->job.optimizer = fsdp_optimizer_kind_name(job);
+  c->job.units = c->units;
+  c->job.n_units = n;
+  return 0;
+}
+
+/* Whether the job's memory is one checkpoints are built for: st says why not. */
+static int checkpoints_refused(const fsdp_checkpoints_t *cp, const fsdp_job_t *job,
+                               const char *verb, fsdp_status_t *st) {
+  if (cp->dp->backend.kind != FSDP_BACKEND_HOST)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "%s: job '%s' is in the memory of %s: checkpoints of a GPU's jobs "
+                           "are not built yet",
+                           verb, job->name, cp->dp->backend.device_name);
+  return 0;
+}
+
+/* A load (a resume's too) or a save, once the caller's own conditions hold. */
+static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
+                          uint64_t step, fsdp_checkpoints_done_fn done, void *data,
+                          fsdp_status_t *st) {
+  const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
+  if (checkpoints_refused(cp, job, verb, st) < 0)
+    return st->code;
+  checkpoint_work_t *c = calloc(1, sizeof *c);
+  if (!c)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
+  if (strlen(dir) >= sizeof c->dir) {
+    free(c);
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
+  }
+  *c = (checkpoint_work_t){.cp = cp, .owner = job, .load = load, .keep = cp->keep,
+                           .asked_step = step, .done = done, .data = data};
+  snprintf(c->dir, sizeof c->dir, "%s", dir);
+  if (load) {
+    int r = queue_checkpoint(cp, job, c, st);
+    if (r < 0)
+      free_checkpoint_work(c);
+    return r;
+  }
+  /* One save of a job at a time in its staging memory: later ones wait their turn. */
+  c->stage = job_saves(cp, job) ? SAVE_WAITING : SAVE_SNAPSHOT;
+  append_save(cp, c);
+  if (c->stage == SAVE_WAITING)
+    return 0;
+  int r = queue_checkpoint(cp, job, c, st);
+  if (r < 0) {
+    unlink_save(cp, c);
+    free_checkpoint_work(c);
+  }
+  return r;
+}
+
+int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
+                           uint64_t step, fsdp_checkpoints_done_fn done, void *data,
+                           fsdp_status_t *st) {
+  /* A collective that only waits for ranks runs after the load, in turn. */
+  for (const fsdp_unit_t *u = job->units; load && u; u = u->next)
+    if (u->gather.running || u->reduce.running)
+      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                             "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
+                             "load between steps",
+                             job->name, u->spec->unit);
+  return checkpoint_job(cp, job, dir, load, step, done, data, st);
+}
+
+/* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
+static bool daemon_steps_every_unit(fsdp_job_t *job) {
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->trainable && !u->spec->scratch && !fsdp_optimizer_steps_unit(job, u))
+      return false;
+  return true;
+}
+
+int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                                      bool attached, fsdp_checkpoints_done_fn done, void *data,
+                                      fsdp_status_t *st) {
+  if (checkpoints_refused(cp, job, "SaveCheckpoint", st) < 0)
+    return st->code;
+  uint64_t step = 0;
+  bool trained = false, even = true, reducing = false;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (u->spec->scratch)
+      continue;
+    reducing |= u->reduce.running;
+    if (!u->trainable)
+      continue;
+    even &= !trained || u->reduced_step == step;
+    step = trained && u->reduced_step > step ? step : u->reduced_step;
+    trained = true;
+  }
+  if (!trained || (even && step == 0))
+    return 1; /* nothing trained: its trainers start it again from their initial values */
+  bool between = even && !reducing;
+  if (!between && !attached)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "job '%s' stopped inside a step (its units have reduced different "
+                           "steps) and no trainer is attached to finish it: not saved",
+                           job->name);
+  /* Its masters are final for `step` once the daemon's optimizer stepped them, or once every
+   * local rank asked a gather of the next step (a trainer's optimizer wrote them). */
+  bool final = !attached || daemon_steps_every_unit(job) || job->masters_final_step > step;
+  if (between && final)
+    return checkpoint_job(cp, job, dir, false, 0, done, data, st);
+  checkpoint_work_t *c = calloc(1, sizeof *c);
+  if (!c || strlen(dir) >= sizeof c->dir) {
+    free(c);
+    return fsdp_status_set(st, c ? FSDP_E_INVALID_ARGUMENT : FSDP_E_RESOURCE_EXHAUSTED,
+                           "SaveCheckpoint: %s", c ? "path too long" : "out of memory");
+  }
+  *c = (checkpoint_work_t){.cp = cp, .owner = job, .stage = SAVE_AT_BOUNDARY, .keep = cp->keep,
+                           .done = done, .data = data};
+  snprintf(c->dir, sizeof c->dir, "%s", dir);
+  append_save(cp, c);
+  log_info("job '%s': saves at its next step boundary", job->name);
+  return 0;
+}
+
+typedef struct resume_call {
+  fsdp_checkpoints_t *cp;
+  fsdp_job_t *job;
+} resume_call_t;
+
+static void resumed(void *data, const fsdp_status_t *st, const char *path, uint64_t step) {
+  resume_call_t call = *(resume_call_t *)data;
+  free(data);
+  (void)path, (void)step; /* end_checkpoint logged them */
+  fsdp_dataplane_resumed(call.cp->dp, call.job, st);
+}
+
+/* Loads the checkpoint the job resumes from, once; its gathers wait for it. */
+static void resume(void *ctx, fsdp_job_t *job) {
+  fsdp_checkpoints_t *cp = ctx;
+  if (job->resuming)
+    return;
+  char *from = job->resume_from;
+  job->resume_from = NULL;
+  job->resuming = true;
+  fsdp_status_t st;
+  resume_call_t *call = malloc(sizeof *call);
+  int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");
+  if (call) {
+    *call = (resume_call_t){.cp = cp, .job = job};
+    r = checkpoint_job(cp, job, from, true, 0, resumed, call, &st);
+  }
+  free(from);
+  if (r < 0) {
+    free(call);
+    fsdp_dataplane_resumed(cp->dp, job, &st);
+  }
+}
+
+/* Describes the job as it is now into c and queues its work. */
+static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
+                            fsdp_status_t *st) {
+  int r = describe_checkpoint(job, c, st);
+  if (r < 0)
+    return r;
+  if (c->asked_step)
+    c->job.step = c->asked_step;
+  c->step = c->job.step; /* a load's is the checkpoint's, read with it */
+  return fsdp_dataplane_queue_call(cp->dp, job, run_checkpoint, checkpoint_ran, c, st);
+}
+
+const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
+  static const char *const names[] = {"waiting for the step boundary",
+                                      "waiting for the save before", "taking its snapshot",
+                                      "writing"};
+  int stage = -1;
+  for (const checkpoint_work_t *c = cp->saves; c; c = c->next)
+    if (c->owner == job && (int)c->stage > stage)
+      stage = (int)c->stage;
+  return stage < 0 ? "" : names[stage];
+}
+
+void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp) {
+  *cp = (fsdp_checkpoints_t){.dp = dp};
+  dp->hooks = (fsdp_dataplane_hooks_t){
+      .ctx = cp, .job_starts = job_starts, .resume = resume, .step_boundary = step_boundary};
+}
+
+void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
+                                unsigned keep, bool resume) {
+  snprintf(cp->dir, sizeof cp->dir, "%s", dir);
+  cp->every_steps = every_steps;
+  cp->keep = keep;
+  cp->resume = resume;
+}
+

@@ -1,0 +1,81 @@
+/* The checkpoints of the daemon's jobs, over the data plane (checkpoint/checkpoint.h writes
+ * and reads the files). A load, and a save's snapshot (a copy of the job's masters,
+ * optimizer arrays and step counts into the job's staging memory), are calls on the data
+ * plane's queue, in turn with its casts, reduces and optimizer steps, so that none of the
+ * daemon's runs meanwhile; a trainer's own optimizer writing its masters is not seen: save
+ * between steps (fsdp_checkpoints_save_at_boundary). A save's files are written from the
+ * snapshot beside the queue while training goes on; a save asked while another of the
+ * job's runs waits for it. Through the data plane's hooks: the saves that wait for a step
+ * boundary, the schedule's (checkpoint.every_steps), and the resume of a job new to this
+ * daemon (checkpoint.resume). Loop thread only. */
+#ifndef FSDP_DATAPLANE_CHECKPOINTS_H
+#define FSDP_DATAPLANE_CHECKPOINTS_H
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "daemon/dataplane/dataplane.h"
+
+typedef struct fsdp_checkpoints {
+  fsdp_dataplane_t *dp;
+  struct checkpoint_work *saves; /* each waiting, taking its snapshot, or writing */
+  /* checkpoint.*: where and how often the jobs are saved on schedule, how many are kept. */
+  char dir[PATH_MAX];
+  uint64_t every_steps;
+  unsigned keep;
+  bool resume; /* checkpoint.resume = latest */
+} fsdp_checkpoints_t;
+
+/* Checkpoints of dp's jobs (no schedule, no resume until configured); takes dp's hooks. */
+void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp);
+
+/* Once the loop has ended: frees the saves left waiting for a boundary that never came.
+ * NULL-safe. */
+void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp);
+
+/* checkpoint.dir, .every_steps, .keep, .resume: a job is saved into dir/<job>/ every
+ * every_steps steps (0 or an empty dir: never), at the step boundary, and every save keeps
+ * `keep` checkpoints (0: all). With resume, a job new to this daemon goes on from its
+ * newest checkpoint there: its units report that step as reduced when they register, and
+ * it is loaded before the job's first gather (one that fails to load fails the job's
+ * units, naming why). */
+void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
+                                unsigned keep, bool resume);
+
+/* A checkpoint's end, on the loop: st->code 0 with the step directory written or read and
+ * its step, or an error that st explains. */
+typedef void (*fsdp_checkpoints_done_fn)(void *data, const fsdp_status_t *st, const char *path,
+                                         uint64_t step);
+
+/* Saves the job's state on this host (every unit's masters, the optimizer's state) into a
+ * checkpoint of `step` under dir (0: the least reduced_step of its trainable units), or loads
+ * the one at dir into the job's registered units (`step` unused). done is called once, on
+ * the loop, once the files are written or read, unless this fails at once (st says why:
+ * FAILED_PRECONDITION for a job in a GPU's memory, a unit without buffers, or a load while
+ * a collective runs). dir is copied. */
+int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
+                           uint64_t step, fsdp_checkpoints_done_fn done, void *data,
+                           fsdp_status_t *st);
+
+/* Saves the job into dir (as fsdp_checkpoints_start) at its step boundary: at once when it
+ * is at one (no reduce running, every trainable unit reduced the same step, and that step's
+ * masters final: the daemon's optimizer stepped them, every local rank asked a gather of
+ * the next step, or no trainer is attached to write them), otherwise when every local rank
+ * asks the forward's gather of the next step. Returns 0 (done is called once), 1 when the
+ * job has not trained a step (nothing to save; done is not called), or an error:
+ * FAILED_PRECONDITION for a job stopped inside a step with no trainer attached (attached
+ * false) to finish it. */
+int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                                      bool attached, fsdp_checkpoints_done_fn done, void *data,
+                                      fsdp_status_t *st);
+
+/* What the job's saves are doing, the furthest along: "" (none), "waiting for the step
+ * boundary", "waiting for the save before", "taking its snapshot", "writing". Static. */
+const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
+
+/* Whether a save of the job waits or is under way (its memory must stay). */
+bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
+
+#endif
