@@ -69,13 +69,25 @@ typedef struct fsdp_checkpoint_job {
 /* The bytes of staging memory a snapshot of the units takes (fsdp_checkpoint_stage). */
 size_t fsdp_checkpoint_staging_bytes(const fsdp_checkpoint_unit_t *units, size_t n_units);
 
-/* Copies the units' buffers (masters, optimizer state, step counts) into staging, of
- * fsdp_checkpoint_staging_bytes and 64-byte aligned, with copy(ctx, dst, src, bytes), and
- * points the units at the copies: a save from them then writes what the job held at this
- * moment while the job goes on. */
-void fsdp_checkpoint_stage(fsdp_checkpoint_unit_t *units, size_t n_units, void *staging,
-                           void (*copy)(void *ctx, void *dst, const void *src, size_t bytes),
-                           void *ctx);
+/* How a buffer of the job's memory (which may be a GPU's) goes to or from staging, which is
+ * the host's: 0, or an error that st explains. */
+typedef int (*fsdp_checkpoint_copy_fn)(void *ctx, void *dst, const void *src, size_t bytes,
+                                       fsdp_status_t *st);
+
+/* Points the units' buffers (masters, optimizer state, step counts) at their places in
+ * staging (of fsdp_checkpoint_staging_bytes, 64-byte aligned), each copied there first with
+ * copy(ctx, ...) unless copy is NULL: a save from the copies then writes what the job held
+ * at this moment while the job goes on; a load into places not copied to reads a checkpoint
+ * into staging. Returns 0 or copy's error. */
+int fsdp_checkpoint_stage(fsdp_checkpoint_unit_t *units, size_t n_units, void *staging,
+                          fsdp_checkpoint_copy_fn copy, void *ctx, fsdp_status_t *st);
+
+/* Copies every buffer of staged (units pointed at staging by fsdp_checkpoint_stage) into the
+ * same buffer of units (the job's): a load read into staging goes into the job's memory.
+ * Returns 0 or copy's error. */
+int fsdp_checkpoint_unstage(const fsdp_checkpoint_unit_t *staged,
+                            const fsdp_checkpoint_unit_t *units, size_t n_units,
+                            fsdp_checkpoint_copy_fn copy, void *ctx, fsdp_status_t *st);
 
 /* Writes this host's part of the job's state into dir/step-<step>/ (dir and its parents are
  * made if missing;

@@ -263,6 +263,15 @@ static int reduce(fsdp_cuda_stream_t *s, float *dst, bool accumulate, const void
                                   pre_scale, post_scale, n, s->stream, st);
 }
 
+static int copy(fsdp_cuda_stream_t *s, void *dst, const void *src, size_t bytes,
+                fsdp_status_t *st) {
+  int r = on_device(s, st);
+  if (r < 0)
+    return r;
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s->stream);
+  return e == cudaSuccess ? 0 : cuda_failed(st, "cudaMemcpyAsync", e);
+}
+
 static int synchronize(fsdp_cuda_stream_t *s, fsdp_status_t *st) {
   cudaError_t e = cudaStreamSynchronize(s->stream);
   return e == cudaSuccess ? 0 : cuda_failed(st, "cudaStreamSynchronize", e);
@@ -278,6 +287,7 @@ static const fsdp_cuda_module_t module = {
     .stream_free = stream_free,
     .cast = cast,
     .reduce = reduce,
+    .copy = copy,
     .synchronize = synchronize,
 };
 

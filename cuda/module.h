@@ -16,7 +16,7 @@
 #include "common/status.h"
 #include "kernels/dtype.h"
 
-#define FSDP_CUDA_MODULE_VERSION 2u
+#define FSDP_CUDA_MODULE_VERSION 3u
 #define FSDP_CUDA_MODULE_SYMBOL "fsdp_cuda_module"
 #define FSDP_CUDA_DEVICES_MAX 16
 
@@ -72,6 +72,10 @@ typedef struct fsdp_cuda_module {
                 const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
                 fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
                 fsdp_status_t *st);
+  /* bytes from src to dst, each in the GPU's memory or the host's (unified addressing tells
+   * which). */
+  int (*copy)(fsdp_cuda_stream_t *stream, void *dst, const void *src, size_t bytes,
+              fsdp_status_t *st);
   /* Waits until everything queued on the stream has run; its error is the first that any of
    * that work met. */
   int (*synchronize)(fsdp_cuda_stream_t *stream, fsdp_status_t *st);

@@ -4,6 +4,7 @@
 #include "daemon/backend/backend.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "common/status.h"
 #include "cuda/loader.h"
@@ -72,5 +73,18 @@ int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
                        "reduce", st);
   int r = b->cuda->reduce(b->stream, dst, accumulate, srcs, n_srcs, src_type, reduce_type,
                           pre_scale, post_scale, n, st);
+  return r < 0 ? r : b->cuda->synchronize(b->stream, st);
+}
+
+int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
+                      fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_HOST) {
+    /* Split over the workers as an fp32 "cast"; the odd bytes of a tail by memcpy. */
+    size_t words = bytes / sizeof(float), tail = words * sizeof(float);
+    int r = fsdp_cast_parallel(b->workers, dst, FSDP_DTYPE_FP32, src, FSDP_DTYPE_FP32, words);
+    memcpy((char *)dst + tail, (const char *)src + tail, bytes - tail);
+    return host_result(r, "copy", st);
+  }
+  int r = b->cuda->copy(b->stream, dst, src, bytes, st);
   return r < 0 ? r : b->cuda->synchronize(b->stream, st);
 }

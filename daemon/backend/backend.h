@@ -64,4 +64,7 @@ int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
                         const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
                         fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
                         fsdp_status_t *st);
+/* bytes from src to dst, each the backend's memory or the host's (a checkpoint's staging). */
+int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
+                      fsdp_status_t *st);
 #endif

@@ -42,37 +42,61 @@ typedef struct checkpoint_work {
   struct checkpoint_work *next; /* in cp->saves */
 } checkpoint_work_t;
 
-static void copy_parallel(void *workers, void *dst, const void *src, size_t bytes) {
-  fsdp_cast_parallel(workers, dst, FSDP_DTYPE_FP32, src, FSDP_DTYPE_FP32, bytes / sizeof(float));
+/* The job's memory, the backend's, to or from staging, the host's. */
+static int copy_by_backend(void *backend, void *dst, const void *src, size_t bytes,
+                           fsdp_status_t *st) {
+  return fsdp_backend_copy(backend, dst, src, bytes, st);
 }
 
-/* A save's snapshot into the job's staging memory, made or grown on first need and kept for
- * the next save; no write of the job's runs meanwhile. */
-static int take_snapshot(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c) {
+/* The job's staging memory, made or grown on first need and kept for the next checkpoint:
+ * a save's snapshot, or what a load reads before it goes into the job's memory. Only one
+ * checkpoint of the job uses it at a time. */
+static void *staging(fsdp_job_t *job, checkpoint_work_t *c) {
   size_t bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
   if (bytes > job->checkpoint_staging_bytes) {
     free(job->checkpoint_staging);
     job->checkpoint_staging_bytes = 0;
     job->checkpoint_staging = aligned_alloc(64, bytes);
-    if (!job->checkpoint_staging)
-      return fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
-                             "checkpoint: no memory for the %zu bytes of a snapshot", bytes);
+    if (!job->checkpoint_staging) {
+      fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
+                      "checkpoint: no memory for the %zu bytes of its staging", bytes);
+      return NULL;
+    }
     job->checkpoint_staging_bytes = bytes;
   }
-  fsdp_checkpoint_stage(c->units, c->job.n_units, job->checkpoint_staging, copy_parallel,
-                        cp->dp->workers);
-  return 0;
+  return job->checkpoint_staging;
 }
 
-/* On a pool thread: a load, or a save's snapshot. */
+/* A load reads into staging, every block checked before anything is copied, so a refusal
+ * leaves the job as it was; then the copy goes into the job's memory. */
+static int load(fsdp_backend_t *backend, void *at, checkpoint_work_t *c) {
+  size_t n = c->job.n_units;
+  fsdp_checkpoint_unit_t *staged = malloc((n ? n : 1) * sizeof *staged);
+  if (!staged)
+    return fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED, "checkpoint: out of memory");
+  memcpy(staged, c->units, n * sizeof *staged);
+  fsdp_checkpoint_job_t into = c->job;
+  into.units = staged;
+  int r = fsdp_checkpoint_stage(staged, n, at, NULL, NULL, &c->st);
+  if (r == 0)
+    r = fsdp_checkpoint_load(c->dir, &into, c->path, sizeof c->path, &c->step, &c->st);
+  if (r == 0)
+    r = fsdp_checkpoint_unstage(staged, c->units, n, copy_by_backend, backend, &c->st);
+  free(staged);
+  return r;
+}
+
+/* On a pool thread: a load, or a save's snapshot (the job's buffers copied into staging,
+ * which the save then writes from). */
 static void run_checkpoint(void *arg) {
   checkpoint_work_t *c = arg;
-  fsdp_checkpoints_t *cp = c->cp;
-  fsdp_job_t *job = c->owner;
+  fsdp_backend_t *backend = &c->cp->dp->backend;
   uint64_t start_ns = fsdp_clock_now_ns();
-  int r = c->load
-              ? fsdp_checkpoint_load(c->dir, &c->job, c->path, sizeof c->path, &c->step, &c->st)
-              : take_snapshot(cp, job, c);
+  void *at = staging(c->owner, c);
+  int r = !at       ? c->st.code
+          : c->load ? load(backend, at, c)
+                    : fsdp_checkpoint_stage(c->units, c->job.n_units, at, copy_by_backend,
+                                            backend, &c->st);
   c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
   if (r == 0)
     fsdp_status_clear(&c->st);
@@ -231,6 +255,11 @@ void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp) {
   }
 }
 
+/* Whether the job's memory waits for the checkpoint it resumes from. */
+static bool resuming(const fsdp_job_t *job) {
+  return job->resume_from || job->resuming;
+}
+
 /* checkpoint.resume = latest: a job new to this daemon goes on from its newest checkpoint in
  * checkpoint.dir/<job>/, loaded before its first gather. One that cannot be read is still
  * loaded then, and fails the job naming why: it does not start anew without a word. */
@@ -254,6 +283,7 @@ static void job_starts(void *ctx, fsdp_job_t *job) {
   }
   job->resume_from = strdup(fsdp_checkpoint_path(r));
   job->resume_step = fsdp_checkpoint_step(r);
+  job->checkpointed_step = job->resume_step; /* the schedule does not save it again */
   fsdp_checkpoint_close(r);
   if (job->resume_from)
     log_info("job '%s': resumes from %s, after step %llu, at its first gather", job->name,
@@ -270,6 +300,8 @@ static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const c
  * the queue: the job is saved into checkpoint.dir/<job>/ when step is one of every N. */
 static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_checkpoints_t *cp = ctx;
+  if (resuming(job))
+    return; /* its state is the checkpoint's, not loaded yet */
   for (checkpoint_work_t *c = cp->saves; c && step; c = c->next)
     if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
       c->stage = SAVE_WAITING;
@@ -370,24 +402,22 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   return 0;
 }
 
-/* Whether the job's memory is one checkpoints are built for: st says why not. */
-static int checkpoints_refused(const fsdp_checkpoints_t *cp, const fsdp_job_t *job,
-                               const char *verb, fsdp_status_t *st) {
-  if (cp->dp->backend.kind != FSDP_BACKEND_HOST)
-    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "%s: job '%s' is in the memory of %s: checkpoints of a GPU's jobs "
-                           "are not built yet",
-                           verb, job->name, cp->dp->backend.device_name);
-  return 0;
-}
-
 /* A load (a resume's too) or a save, once the caller's own conditions hold. */
 static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
                           uint64_t step, fsdp_checkpoints_done_fn done, void *data,
                           fsdp_status_t *st) {
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
-  if (checkpoints_refused(cp, job, verb, st) < 0)
-    return st->code;
+  if (!load && resuming(job))
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "%s: job '%s' resumes from a checkpoint not loaded yet: save once "
+                           "its first gather has loaded it",
+                           verb, job->name);
+  /* A load reads through the staging memory a save writes from. */
+  if (load && job_saves(cp, job))
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "%s: job '%s' has a save under way: load once it ends (fsdpctl "
+                           "status shows it)",
+                           verb, job->name);
   checkpoint_work_t *c = calloc(1, sizeof *c);
   if (!c)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
@@ -441,8 +471,8 @@ static bool daemon_steps_every_unit(fsdp_job_t *job) {
 int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
                                       bool attached, fsdp_checkpoints_done_fn done, void *data,
                                       fsdp_status_t *st) {
-  if (checkpoints_refused(cp, job, "SaveCheckpoint", st) < 0)
-    return st->code;
+  if (resuming(job))
+    return 1; /* its state is still the checkpoint it resumes from */
   uint64_t step = 0;
   bool trained = false, even = true, reducing = false;
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {

@@ -1,6 +1,7 @@
 """The CUDA backend on one GPU, through fsdpd.torch: trainers sharing the daemon's GPU train
-like one process on that GPU, and a trainer killed in the middle of a collective leaves the
-daemon and the other trainer whole.
+like one process on that GPU, a trainer killed in the middle of a collective leaves the
+daemon and the other trainer whole, and a checkpoint of the GPU's job brings it back on a
+new daemon.
 
 Needs a GPU and a python3 with CUDA torch (FSDP_TEST_PYTHON, default python3 on PATH, which
 runs the trainers); every test skips otherwise, and the file exits 77 when run as a CTest test
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.skipif(not _cuda_torch(),
 
 class Daemon:
     def __init__(self, tmp_path):
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.run_dir = tmp_path / "run"
         self.socket_path = self.run_dir / "fsdpd.sock"
         self.log_path = tmp_path / "fsdpd.log"
@@ -178,6 +180,38 @@ def test_a_trainer_killed_mid_collective_leaves_the_daemon_and_the_job_whole(dae
         got = [{**_losses(a), **_losses(b)}[step] for a, b in ((r0, s0), (r1, s1))]
         assert abs(sum(got) / 2 - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
     assert max(_worst(_final(s), _final(ref)) for s in (s0, s1)) <= 1e-5
+
+
+def test_a_checkpoint_of_the_gpus_job_brings_it_back_on_a_new_daemon(tmp_path):
+    """The ranks train 2 steps on the daemon's GPU and save a checkpoint (the masters copied
+    from the GPU into host staging, then written); that daemon goes. On a new one, new ranks
+    load it (read into staging, then copied onto the GPU) and train steps 3 and 4: they end
+    where one process on the whole batch ends."""
+    saves = tmp_path / "checkpoints"
+    ref = _start(None, "reference", 2, 0)
+    d = Daemon(tmp_path / "first")
+    try:
+        first = _finish([_start(d, "rank", 2, r, "--save-at-step", "2", "--checkpoint",
+                                str(saves)) for r in range(2)])
+    finally:
+        d.stop()
+    assert all({"saved": 2} in records for records in first)
+    d = Daemon(tmp_path / "again")
+    try:
+        again = _finish([_start(d, "rank", 2, r, "--load", str(saves)) for r in range(2)])
+    finally:
+        d.stop()
+    (ref,) = _finish([ref])
+    for records in again:
+        assert records[0]["start"] == 3 and sorted(_losses(records)) == [3, 4]
+    want = _losses(ref)
+    for step in range(1, STEPS + 1):
+        got = [{**_losses(a), **_losses(b)}[step] for a, b in zip(first, again)]
+        assert abs(sum(got) / 2 - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+    worst = max(_worst(_final(s), _final(ref)) for s in again)
+    _report(test="checkpoint of a GPU job, saved at step 2 and loaded on a new daemon",
+            worst_param_rel=worst)
+    assert worst <= 1e-5
 
 
 if __name__ == "__main__":

@@ -292,11 +292,17 @@ def test_the_daemon_saves_every_n_steps_and_keeps_the_newest(fsdpd, tmp_path):
         j = tmp_path / "j"
         return sorted(p.name for p in j.iterdir()) if j.exists() else []
 
+    def ended(step):  # the save is over, not only its files there: the next is not skipped
+        (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+        return job["checkpoint_state"] == "" and job["last_checkpoint_step"] == step
+
     for step in (3, 4):
         assert on_all(ranks, "Unshard", step=step) == [None, None]
-    poll(lambda: saved() == ["step-2"], 10, what="step 2's checkpoint")
+    poll(lambda: ended(2), 10, what="step 2's save")
+    assert saved() == ["step-2"]
     assert on_all(ranks, "Unshard", step=5) == [None, None]
-    poll(lambda: saved() == ["step-4"], 10, what="step 4's checkpoint, step 2's gone")
+    poll(lambda: ended(4), 10, what="step 4's save")
+    assert saved() == ["step-4"]  # step 2's gone
     garble(ranks[0], regions)
     assert checkpoint(d, "LoadCheckpoint", tmp_path / "j").step == 4
     assert snapshot(ranks[0], regions) == want

@@ -317,7 +317,8 @@ def test_a_killed_daemon_comes_back_from_its_last_checkpoint(fsdpd, tmp_path):
     with its AdamW, and is then SIGKILLed: steps 3 and 4 are lost with it. A new daemon with
     checkpoint.resume = latest takes the job up from step 2; the same ranks' script, started
     again, finds the model trained (model.resumed, completed_steps 2) and trains steps 3
-    and 4 again: the end is the uninterrupted run's bit for bit."""
+    and 4 again: the end is the uninterrupted run's bit for bit, and step 2's checkpoint is
+    as it was."""
     options = (*DAEMON_ARGS, "--set", f"checkpoint.dir={tmp_path}",
                "--set", "checkpoint.every_steps=2", "--set", "checkpoint.resume=latest")
     args = ("--optim", "adamw")
@@ -327,11 +328,15 @@ def test_a_killed_daemon_comes_back_from_its_last_checkpoint(fsdpd, tmp_path):
     poll(lambda: (tmp_path / "train" / "step-2" / "manifest.json").exists(), 20,
          what="step 2's checkpoint")
     d.kill()
+    resumed_from = (tmp_path / "train" / "step-2" / "host-0.bin").read_bytes()
     d = fsdpd(*options, name="again")
     again = _finish([_start(d, "rank", 2, r, *args) for r in range(2)])
     for records in again:
         assert records[0]["resumed"] and records[0]["start"] == 3
         assert sorted(_losses(records)) == [3, 4]
+    # The step boundary of step 2 came before the load: no save then wrote the job's
+    # memory, not loaded yet, over the checkpoint it resumed from.
+    assert (tmp_path / "train" / "step-2" / "host-0.bin").read_bytes() == resumed_from
     (ref,) = _finish([ref])
     done = [{**{k: v for k, v in _losses(a).items() if k <= 2}, **_losses(b)}
             for a, b in zip(first, again)]
