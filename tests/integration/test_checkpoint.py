@@ -338,6 +338,10 @@ def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
                          timeout=30)
     (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
     assert job["checkpoint_state"] == "writing" and job["last_checkpoint_path"] == ""
+    # A load reads through the staging memory the write is writing from.
+    code, details = refused(lambda: checkpoint(d, "LoadCheckpoint", tmp_path / "a"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "job 'j' has a save under way: load once it ends" in details, details
     assert job["checkpoint_staging_bytes"] >= sum(n for _, n in regions), job
     assert first.result().step == 1
     assert second.result().step == 2
