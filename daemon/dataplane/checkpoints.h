@@ -53,8 +53,10 @@ typedef void (*fsdp_checkpoints_done_fn)(void *data, const fsdp_status_t *st, co
  * checkpoint of `step` under dir (0: the least reduced_step of its trainable units), or loads
  * the one at dir into the job's registered units (`step` unused). done is called once, on
  * the loop, once the files are written or read, unless this fails at once (st says why:
- * FAILED_PRECONDITION for a job in a GPU's memory, a unit without buffers, or a load while
- * a collective runs). dir is copied. */
+ * FAILED_PRECONDITION for a unit without buffers, a save of a job whose resume has not
+ * loaded yet, a load while a collective runs or while a save of the job is under way: it
+ * writes from the staging memory a load reads into). The job's memory may be a GPU's: it
+ * goes to and from the host's staging memory through the backend. dir is copied. */
 int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
                            uint64_t step, fsdp_checkpoints_done_fn done, void *data,
                            fsdp_status_t *st);

@@ -75,7 +75,8 @@ typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
 typedef struct ring_run ring_run_t;
 
 /* What the jobs' checkpoints (daemon/dataplane/checkpoints.h), which the data plane does not
- * know, hear of it; each optional, called on the loop with ctx. */
+ * know, hear of it, on the loop with ctx. Each may be NULL, but resume must be set with
+ * job_starts, the one that makes a job resume. */
 typedef struct fsdp_dataplane_hooks {
   void *ctx;
   /* A job's first unit registers: it may set job->resume_from (and resume_step), which its
