@@ -7,7 +7,8 @@ Starts fsdpd (FSDP_BUILD_DIR's) and attaches one trainer with one unit of --mib 
 masters and the daemon's AdamW (two state arrays: 3x the masters on disk), trained one step
 from random values with a random gradient, so that no byte written is a zero a virtual disk
 could skip. Then, --runs times each, medians: SaveCheckpoint of a new step each time (the
-call's time: the snapshot taken, the files written, fsynced and renamed),
+call's time: the snapshot taken, the files written, fsynced and renamed; and the host's busy
+CPU time meanwhile, every core, from /proc/stat),
 `dd if=DIR/random.bin of=DIR/dd.bin bs=4M conv=fdatasync` of as many random bytes (read
 from the page cache),
 LoadCheckpoint (every block read and checked twice: checked, then read into the job's
@@ -50,15 +51,25 @@ def drop_caches():
         return False
 
 
+def busy_cpu_s():
+    """The CPU time every core of the host has spent busy so far (/proc/stat: user, nice,
+    system, irq, softirq, steal), the kernel's writeback threads included."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(fn, runs, before=None):
-    times = []
+    """Medians of runs: the wall time of fn and the host's busy CPU time meanwhile."""
+    times, cpus = [], []
     for _ in range(runs):
         if before:
             before()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), busy_cpu_s()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        cpus.append(busy_cpu_s() - c)
+    return statistics.median(times), statistics.median(cpus)
 
 
 def start_daemon(run, job_bytes, *options):
@@ -127,20 +138,20 @@ def main():
             unit = trained_unit(client, numel)
             ckpt = base / "ckpt"
             steps = iter(range(1, args.runs + 1))  # a new step each time, as in training
-            save = timed(lambda: client.save_checkpoint(ckpt, step=next(steps)), args.runs)
+            save, save_cpu = timed(lambda: client.save_checkpoint(ckpt, step=next(steps)), args.runs)
             size = (ckpt / "step-1" / "host-0.bin").stat().st_size
             random_file, dd_file = base / "random.bin", base / "dd.bin"
             with open(random_file, "wb") as f:
                 for _ in range(0, size, 4 << 20):
                     f.write(os.urandom(4 << 20))
-            dd_write = timed(lambda: subprocess.run(
+            dd_write, dd_write_cpu = timed(lambda: subprocess.run(
                 ["dd", f"if={random_file}", f"of={dd_file}", "bs=4M",
                  f"count={size // (4 << 20)}", "conv=fdatasync"], check=True,
                 capture_output=True), args.runs)
             dropped = drop_caches()
-            load = timed(lambda: client.load_checkpoint(ckpt), args.runs,
+            load, _ = timed(lambda: client.load_checkpoint(ckpt), args.runs,
                          before=drop_caches if dropped else None)
-            dd_read = timed(lambda: subprocess.run(
+            dd_read, _ = timed(lambda: subprocess.run(
                 ["dd", f"if={dd_file}", "of=/dev/null", "bs=4M"], check=True,
                 capture_output=True), args.runs, before=drop_caches if dropped else None)
             unit.master_shard[0] = 1.0  # the job's memory is mapped and alive to the end
@@ -158,6 +169,9 @@ def main():
           f"reads: {'yes' if dropped else 'no (not root)'}")
     print(f"save  {save:7.3f} s  {gb / save:6.2f} GB/s   dd write+fdatasync {dd_write:7.3f} s  "
           f"{gb / dd_write:6.2f} GB/s   save / dd: {(gb / save) / (gb / dd_write):.2f}x")
+    print(f"CPU   save {save_cpu:6.3f} s ({save_cpu / gb:5.3f} s/GB)   dd write+fdatasync "
+          f"{dd_write_cpu:6.3f} s ({dd_write_cpu / gb:5.3f} s/GB): the host's busy time, every "
+          f"core, during each")
     print(f"load  {load:7.3f} s  {gb / load:6.2f} GB/s   dd read            {dd_read:7.3f} s  "
           f"{gb / dd_read:6.2f} GB/s   load / dd: {(gb / load) / (gb / dd_read):.2f}x "
           "(a load reads every block twice: checked first, then into the job)")

@@ -3,7 +3,8 @@
  *
  * On disk, under the directory a caller names: step-<S>/ per checkpoint (S: the job's last
  * completed step), holding for each host h of the job host-<h>.bin (the units' blocks of its
- * shards, one after the other) and host-<h>.json (the job, the units' layouts and original
+ * shards, one after the other, each where its metadata says: on a 4 KiB boundary when
+ * written with direct I/O) and host-<h>.json (the job, the units' layouts and original
  * parameters, each block's offset, length and XXH64), and manifest.json, written last by
  * host 0 once every host's files are there: a step directory without it is not a
  * checkpoint. Every file is written under a temporary name, fsynced and renamed, the step
@@ -75,7 +76,8 @@ typedef int (*fsdp_checkpoint_copy_fn)(void *ctx, void *dst, const void *src, si
                                        fsdp_status_t *st);
 
 /* Points the units' buffers (masters, optimizer state, step counts) at their places in
- * staging (of fsdp_checkpoint_staging_bytes, 64-byte aligned), each copied there first with
+ * staging (of fsdp_checkpoint_staging_bytes, 4096-byte aligned: a save writes from it with
+ * direct I/O), each copied there first with
  * copy(ctx, ...) unless copy is NULL: a save from the copies then writes what the job held
  * at this moment while the job goes on; a load into places not copied to reads a checkpoint
  * into staging. Returns 0 or copy's error. */

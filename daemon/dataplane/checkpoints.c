@@ -56,7 +56,7 @@ static void *staging(fsdp_job_t *job, checkpoint_work_t *c) {
   if (bytes > job->checkpoint_staging_bytes) {
     free(job->checkpoint_staging);
     job->checkpoint_staging_bytes = 0;
-    job->checkpoint_staging = aligned_alloc(64, bytes);
+    job->checkpoint_staging = aligned_alloc(4096, bytes); /* checkpoint.h's alignment */
     if (!job->checkpoint_staging) {
       fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
                       "checkpoint: no memory for the %zu bytes of its staging", bytes);
@@ -183,8 +183,9 @@ static void *write_files(void *arg) {
   return NULL;
 }
 
-/* The write's thread yields the CPU to training: copying into the page cache and hashing
- * take as long as the cores that training leaves idle allow. */
+/* The write's thread yields the CPU to training: its hashing (and, where a filesystem has no
+ * direct I/O, its copying into the page cache) take as long as the cores that training
+ * leaves idle allow. */
 static void *write_files_niced(void *arg) {
   setpriority(PRIO_PROCESS, (id_t)gettid(), 19); /* best effort */
   return write_files(arg);

@@ -317,6 +317,23 @@ def _train_step(ranks, regions, step):
 
 
 @pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.parametrize("nth", [1, 3], ids=["at-open", "at-the-second-block"])
+def test_a_filesystem_without_direct_io_gets_its_checkpoint_through_the_page_cache(
+        fsdpd, tmp_path, nth):
+    """A save writes its blocks with direct I/O. A filesystem that refuses it (EINVAL, made
+    by a failpoint) when the file opens, or at the second block's write (the first block
+    then lies direct, padded to 4 KiB), gets the rest through the page cache, and the
+    checkpoint loads back bit for bit."""
+    d = fsdpd(env={"FSDPD_FAILPOINT": f"checkpoint-direct:{nth}:fail"})
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    garble(ranks[0], regions)
+    assert checkpoint(d, "LoadCheckpoint", tmp_path).step == 1
+    assert snapshot(ranks[0], regions) == want
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
 def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
     """The first save's write stalls 3 s (a failpoint) after its snapshot: meanwhile the job
     trains step 2 with the daemon's AdamW, and a second save waits for the first. The first
