@@ -345,8 +345,9 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
     json_object_object_add(o, "blocks", blocks);
     json_object_array_add(units, o);
   }
-  /* The last block's padding goes: the file ends where its data does. */
-  if (r == 0 && file.written > file.end && ftruncate(file.fd, file.end) < 0)
+  /* The last block's padding, or what a refused direct write left past it, goes: the file
+   * ends where its data does. */
+  if (r == 0 && ftruncate(file.fd, file.end) < 0)
     r = -errno;
   stream_cleanup(&file);
   return finish_durably(file.fd, r, tmp, path, st);
