@@ -655,8 +655,17 @@ static unsigned group_reap(group_t *g) {
       kill(g->pid[i], SIGKILL);
       waitpid(g->pid[i], &status, 0);
     }
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
       ok++;
+    } else { /* why, when the member said: its last report, if any came after the test's */
+      char last[1024];
+      uint32_t len = 0;
+      if (recv_blob(g->sock[i], last, sizeof last - 1, &len, 100) < 0)
+        len = 0;
+      last[len] = '\0';
+      print_message("member %u ended with status 0x%x: %s\n", i, (unsigned)status,
+                    len ? last : "(no report)");
+    }
     close(g->sock[i]);
   }
   return ok;
