@@ -559,6 +559,11 @@ static void drive(fsdp_ucx_t *u) {
     }
     if (u->again)
       continue;
+    /* Closing, with nothing of ours queued and every endpoint's close done: what the worker
+     * still holds (sends stuck behind a dead shared-memory peer's FIFO keep it BUSY for
+     * good) ends with it, so the close need not wait for it to arm. */
+    if (u->closing && !u->ep_closes)
+      break;
     ucs_status_t st = ucp_worker_arm(u->worker);
     if (st == UCS_OK)
       break;
