@@ -4,6 +4,7 @@
                                           [--max-inflight 2] [--param-dtype fp32|bf16]
                                           [--repeat 1] [--steps 20] [--warmup 3]
                                           [--daemon-optimizer] [--checkpoint-every N]
+                                          [--checkpoint-only]
                                           [--global-batch 8] [--seq-len 64] [--json]
 
 For each L in --ranks, the same L processes' worth of work runs three times, one after the
@@ -27,6 +28,9 @@ units of about 4 % of the model each, so that the units in flight are small next
            under /var/tmp: on disk), each save's snapshot taken at the step boundary and its
            files written beside training; a boundary that finds the previous save still
            writing is skipped, so with a small N saves run back to back
+           With --checkpoint-only, fsdpd+opt and fsdpd+ckpt alone run, and each run's
+           ratio of their steps is printed with the median of those ratios: pairs measured
+           next to each other, so that the machine's drift between runs cancels out.
   DDP      torch.nn.parallel.DistributedDataParallel over gloo (a FileStore in a temporary dir)
   compute  the compute-only baseline: the same ShardedModel (same units, hooks, prefetch
            calls, Adam on the same shards) over an in-process stand-in for the client whose
@@ -580,6 +584,8 @@ CHECKPOINTING = "fsdpd+ckpt"  # fsdpd+opt saved every --checkpoint-every steps
 
 
 def systems(args):
+    if args.checkpoint_only:
+        return (DAEMON_OPTIMIZER, CHECKPOINTING)
     return (SYSTEMS + ((DAEMON_OPTIMIZER,) if args.daemon_optimizer else ()) +
             ((CHECKPOINTING,) if args.checkpoint_every else ()))
 # What the formula and the daemon's accounting may differ by without the daemon holding more
@@ -694,6 +700,20 @@ def report(results, ratios, args):
             print(f"L={r['ranks']} {r['system']} step ms of the {args.repeat} runs: {runs}")
 
 
+def checkpoint_report(runs, args):
+    """--checkpoint-only: per L, each run's step with saves over its neighbour's without."""
+    for world in args.ranks:
+        pairs = list(zip(runs[(world, DAEMON_OPTIMIZER)], runs[(world, CHECKPOINTING)]))
+        ratios = [k["step_ms"] / o["step_ms"] for o, k in pairs]
+        each = ", ".join(f"{o['step_ms']:.1f}/{k['step_ms']:.1f}" for o, k in pairs)
+        saves = sum(k["saves"] for _, k in pairs)
+        print(f"L={world} step ms without/with saves every {args.checkpoint_every} step(s), "
+              f"run by run: {each}")
+        print(f"L={world} step while the daemon saves over without: median "
+              f"{statistics.median(ratios):.3f}x of {len(ratios)} runs "
+              f"({', '.join(f'{x:.3f}' for x in ratios)}; {saves} saves)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--build", default=os.environ.get("BUILD", "build"))
@@ -712,6 +732,9 @@ def main(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also run fsdpd+opt with the daemon saving every N steps (implies "
                         "--daemon-optimizer)")
+    p.add_argument("--checkpoint-only", action="store_true",
+                   help="with --checkpoint-every: run fsdpd+opt and fsdpd+ckpt alone and "
+                        "print each run's ratio of their steps")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each configuration; figures are their medians (default 1)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
@@ -738,6 +761,8 @@ def main(argv=None):
     args.d_model = args.d_model or d_model
     args.layers = args.layers or layers
     args.daemon_optimizer |= bool(args.checkpoint_every)
+    if args.checkpoint_only and not args.checkpoint_every:
+        p.error("--checkpoint-only needs --checkpoint-every")
     if args.worker:
         return worker(args)
 
@@ -777,6 +802,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("train_bench: interrupted", file=sys.stderr)
         return 1
+    if args.checkpoint_only:
+        checkpoint_report(runs, args)
+        return 0
     results = [_median_runs(runs[(world, system)])
                for world in args.ranks for system in systems(args)]
     ratios = figures(results, args)

@@ -19,14 +19,21 @@ int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,
   *b = (fsdp_backend_t){.kind = FSDP_BACKEND_CUDA, .cuda = cuda, .device = *device};
   fsdp_cuda_device_format(device, b->device_name, sizeof b->device_name);
   int r = cuda->stream_new(device->ordinal, &b->stream, st);
-  if (r < 0)
+  if (r == 0)
+    r = cuda->stream_new(device->ordinal, &b->beside_stream, st);
+  if (r < 0) {
+    cuda->stream_free(b->stream);
+    b->stream = NULL;
     return fsdp_status_set(st, r, "%s: %s", b->device_name, st->message);
+  }
   return 0;
 }
 
 void fsdp_backend_cleanup(fsdp_backend_t *b) {
-  if (b && b->kind == FSDP_BACKEND_CUDA)
+  if (b && b->kind == FSDP_BACKEND_CUDA) {
+    b->cuda->stream_free(b->beside_stream);
     b->cuda->stream_free(b->stream);
+  }
 }
 
 const char *fsdp_backend_name(const fsdp_backend_t *b) {
@@ -87,4 +94,14 @@ int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src, size_
   }
   int r = b->cuda->copy(b->stream, dst, src, bytes, st);
   return r < 0 ? r : b->cuda->synchronize(b->stream, st);
+}
+
+int fsdp_backend_copy_beside(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
+                             fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_HOST) {
+    memcpy(dst, src, bytes);
+    return 0;
+  }
+  int r = b->cuda->copy(b->beside_stream, dst, src, bytes, st);
+  return r < 0 ? r : b->cuda->synchronize(b->beside_stream, st);
 }

@@ -11,7 +11,7 @@
  * event is shared).
  *
  * Every call but init/cleanup may run on any thread, but one at a time: the data plane runs
- * one work item at a time. */
+ * one work item at a time. fsdp_backend_copy_beside alone may run beside them. */
 #ifndef FSDP_BACKEND_H
 #define FSDP_BACKEND_H
 
@@ -31,12 +31,13 @@ typedef enum fsdp_backend_kind {
 typedef struct fsdp_backend {
   fsdp_backend_kind_t kind;
   fsdp_workers_t *workers; /* the host's kernels split over them; borrowed */
-  /* CUDA: the module, the GPU (its ordinal and what it is called in messages) and the
-   * daemon's stream on it. */
+  /* CUDA: the module, the GPU (its ordinal and what it is called in messages), the
+   * daemon's stream on it, and the stream of the copies beside it. */
   const fsdp_cuda_module_t *cuda;
   fsdp_cuda_device_t device;
   char device_name[320];
   fsdp_cuda_stream_t *stream;
+  fsdp_cuda_stream_t *beside_stream;
 } fsdp_backend_t;
 
 /* The host backend: the CPU kernels over workers (borrowed). */
@@ -67,4 +68,9 @@ int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
 /* bytes from src to dst, each the backend's memory or the host's (a checkpoint's staging). */
 int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
                       fsdp_status_t *st);
+/* The same copy, run beside the other calls (a checkpoint's snapshot while the data plane
+ * works on): on the calling thread alone on the host (the workers are the data plane's), on
+ * a stream of its own on a GPU. */
+int fsdp_backend_copy_beside(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
+                             fsdp_status_t *st);
 #endif

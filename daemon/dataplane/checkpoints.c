@@ -11,21 +11,22 @@
 
 #include "checkpoint/checkpoint.h"
 #include "common/clock.h"
+#include "common/failpoint.h"
 #include "common/log.h"
 #include "daemon/dataplane/optimizer.h"
 
-/* A checkpoint's work (fsdp_checkpoints_start): the job described on the loop, the
- * directory, and who hears the end. A load runs on the queue. A save's snapshot does (a copy
- * of the job's state into its staging memory, at its place among the steps), and its write
- * runs beside the queue, from the snapshot, while training goes on; one write per job at a
- * time, a save asked meanwhile waiting for it (both in cp->saves). */
+/* A checkpoint's work (fsdp_checkpoints_start), in cp->works: the job described on the
+ * loop, the directory, and who hears the end. A load runs on the queue. A save's snapshot (a
+ * copy of the job's state into its staging memory) runs beside the queue, with the job's
+ * reduces held (fsdp_dataplane_hold_reduces), and so does its write, from the snapshot,
+ * while training goes on. One of the job's at a time uses its staging memory; a save asked
+ * meanwhile waits for it. */
 typedef struct checkpoint_work {
   fsdp_checkpoints_t *cp;
   fsdp_job_t *owner;
-  bool load;
-  /* A save's, in cp->saves: waiting for the job's step boundary, for its staging memory,
-   * taking its snapshot, writing its files. */
-  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING } stage;
+  /* A save waits for the job's step boundary, or for its staging memory, then takes its
+   * snapshot (once no reduce of the job runs) and writes its files; a load loads. */
+  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING, LOADING } stage;
   unsigned keep; /* a save's: how many of the directory's checkpoints stay */
   uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
   char dir[PATH_MAX];
@@ -38,14 +39,20 @@ typedef struct checkpoint_work {
   fsdp_status_t st;
   fsdp_checkpoints_done_fn done;
   void *data;
-  uv_work_t write;
-  struct checkpoint_work *next; /* in cp->saves */
+  uv_work_t work; /* a save's snapshot, then its write */
+  struct checkpoint_work *next; /* in cp->works */
 } checkpoint_work_t;
 
-/* The job's memory, the backend's, to or from staging, the host's. */
+/* The job's memory, the backend's, to or from staging, the host's: in the queue's turn, or
+ * beside it. */
 static int copy_by_backend(void *backend, void *dst, const void *src, size_t bytes,
                            fsdp_status_t *st) {
   return fsdp_backend_copy(backend, dst, src, bytes, st);
+}
+
+static int copy_beside(void *backend, void *dst, const void *src, size_t bytes,
+                       fsdp_status_t *st) {
+  return fsdp_backend_copy_beside(backend, dst, src, bytes, st);
 }
 
 /* The job's staging memory, made or grown on first need and kept for the next checkpoint:
@@ -86,20 +93,28 @@ static int load(fsdp_backend_t *backend, void *at, checkpoint_work_t *c) {
   return r;
 }
 
-/* On a pool thread: a load, or a save's snapshot (the job's buffers copied into staging,
- * which the save then writes from). */
-static void run_checkpoint(void *arg) {
+/* On a pool thread, in the queue's turn: a load. */
+static void run_load(void *arg) {
   checkpoint_work_t *c = arg;
-  fsdp_backend_t *backend = &c->cp->dp->backend;
   uint64_t start_ns = fsdp_clock_now_ns();
   void *at = staging(c->owner, c);
-  int r = !at       ? c->st.code
-          : c->load ? load(backend, at, c)
-                    : fsdp_checkpoint_stage(c->units, c->job.n_units, at, copy_by_backend,
-                                            backend, &c->st);
-  c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
-  if (r == 0)
+  if ((at ? load(&c->cp->dp->backend, at, c) : c->st.code) == 0)
     fsdp_status_clear(&c->st);
+  c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
+}
+
+/* On a pool thread, beside the queue, the job's reduces held: a save's snapshot, the job's
+ * buffers copied into staging, which the save then writes from. */
+static void take_snapshot(uv_work_t *req) {
+  checkpoint_work_t *c = req->data;
+  fsdp_failpoint("checkpoint-snapshot");
+  uint64_t start_ns = fsdp_clock_now_ns();
+  void *at = staging(c->owner, c);
+  if ((at ? fsdp_checkpoint_stage(c->units, c->job.n_units, at, copy_beside,
+                                  &c->cp->dp->backend, &c->st)
+          : c->st.code) == 0)
+    fsdp_status_clear(&c->st);
+  c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
 }
 
 
@@ -116,7 +131,7 @@ static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
                     fsdp_strerror(status));
   if (c->st.code < 0)
     log_error("job '%s': %s", job->name, c->st.message);
-  else if (c->load)
+  else if (c->stage == LOADING)
     log_info("job '%s': checkpoint of step %llu loaded from %s in %.1f ms", job->name,
              (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6);
   else {
@@ -135,41 +150,43 @@ static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
   free_checkpoint_work(c);
 }
 
-static void unlink_save(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
-  for (checkpoint_work_t **p = &cp->saves; *p; p = &(*p)->next)
+static void unlink_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
+  for (checkpoint_work_t **p = &cp->works; *p; p = &(*p)->next)
     if (*p == c) {
       *p = c->next;
       return;
     }
 }
 
-static void append_save(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
-  checkpoint_work_t **tail = &cp->saves;
+static void append_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
+  checkpoint_work_t **tail = &cp->works;
   while (*tail)
     tail = &(*tail)->next;
   *tail = c;
 }
 
-/* Whether a save of the job takes its snapshot or writes: the staging memory is in use. */
-static bool job_saves(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
-  for (const checkpoint_work_t *c = cp->saves; c; c = c->next)
-    if (c->owner == job && (c->stage == SAVE_SNAPSHOT || c->stage == SAVE_WRITING))
-      return true;
-  return false;
+/* The checkpoint of the job that uses its staging memory (a save taking its snapshot or
+ * writing, a load), or NULL. */
+static const checkpoint_work_t *staging_user(const fsdp_checkpoints_t *cp,
+                                             const fsdp_job_t *job) {
+  for (const checkpoint_work_t *c = cp->works; c; c = c->next)
+    if (c->owner == job && c->stage >= SAVE_SNAPSHOT)
+      return c;
+  return NULL;
 }
 
 static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
                             fsdp_status_t *st);
 
-/* A save of the job ended: the first one waiting for it takes its snapshot. */
+/* A checkpoint of the job ended: the first save waiting for it takes its snapshot. */
 static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
-  for (checkpoint_work_t *c = cp->saves; c; c = c->next) {
+  for (checkpoint_work_t *c = cp->works; c; c = c->next) {
     if (c->owner != job || c->stage != SAVE_WAITING)
       continue;
     c->stage = SAVE_SNAPSHOT;
     if (queue_checkpoint(cp, job, c, &c->st) == 0)
       return;
-    unlink_save(cp, c);
+    unlink_work(cp, c);
     end_checkpoint(job, c, 0);
     start_waiting_save(cp, job);
     return;
@@ -205,53 +222,81 @@ static void write_checkpoint(uv_work_t *req) {
   c->write_ns = fsdp_clock_now_ns() - start_ns;
 }
 
-static void end_save(fsdp_checkpoints_t *cp, checkpoint_work_t *c, int status) {
+/* On the loop: a checkpoint ends, and the save waiting for it, if any, starts. */
+static void end_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c, int status) {
   fsdp_job_t *job = c->owner;
-  unlink_save(cp, c);
+  unlink_work(cp, c);
   end_checkpoint(job, c, status);
   start_waiting_save(cp, job);
 }
 
 static void checkpoint_written(uv_work_t *req, int status) {
   checkpoint_work_t *c = req->data;
-  end_save(c->cp, c, status);
+  end_work(c->cp, c, status);
 }
 
 /* A save's snapshot is taken: its write starts. */
 static void start_write(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
   c->stage = SAVE_WRITING;
-  c->write.data = c;
-  int r = uv_queue_work(cp->dp->loop, &c->write, write_checkpoint, checkpoint_written);
+  int r = uv_queue_work(cp->dp->loop, &c->work, write_checkpoint, checkpoint_written);
   if (r < 0) {
     fsdp_status_set(&c->st, FSDP_E_INTERNAL, "checkpoint: cannot start its write: %s",
                     uv_strerror(r));
-    end_save(cp, c, 0);
+    end_work(cp, c, 0);
   }
 }
 
-/* On the loop, once run_checkpoint ran: a load ends, a save's write starts. */
-static void checkpoint_ran(void *arg, int status) {
-  checkpoint_work_t *c = arg;
-  fsdp_checkpoints_t *cp = c->cp;
-  if (c->load)
-    end_checkpoint(c->owner, c, status);
-  else if (status == 0 && c->st.code == 0)
-    start_write(cp, c);
+/* On the loop, once the snapshot is taken: the job's reduces go on, and the write starts. */
+static void snapshot_taken(uv_work_t *req, int status) {
+  checkpoint_work_t *c = req->data;
+  fsdp_dataplane_release_reduces(c->cp->dp, c->owner);
+  if (status == 0 && c->st.code == 0)
+    start_write(c->cp, c);
   else
-    end_save(cp, c, status);
+    end_work(c->cp, c, status);
+}
+
+static int start_snapshot(fsdp_checkpoints_t *cp, checkpoint_work_t *c, fsdp_status_t *st) {
+  c->work.data = c;
+  int r = uv_queue_work(cp->dp->loop, &c->work, take_snapshot, snapshot_taken);
+  if (r < 0) {
+    fsdp_dataplane_release_reduces(cp->dp, c->owner);
+    return fsdp_status_set(st, FSDP_E_INTERNAL, "checkpoint: cannot start its snapshot: %s",
+                           uv_strerror(r));
+  }
+  return 0;
+}
+
+static int describe(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st);
+
+/* On the loop: the reduces of the job that ran when its save asked to hold them ended; the
+ * job is described again, as they left it. */
+static void reduces_quiet(void *arg) {
+  checkpoint_work_t *c = arg;
+  if (describe(c->owner, c, &c->st) < 0)
+    fsdp_dataplane_release_reduces(c->cp->dp, c->owner);
+  else if (start_snapshot(c->cp, c, &c->st) == 0)
+    return;
+  end_work(c->cp, c, 0);
+}
+
+/* On the loop, once run_load ran. */
+static void load_ran(void *arg, int status) {
+  checkpoint_work_t *c = arg;
+  end_work(c->cp, c, status);
 }
 
 bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
-  for (const checkpoint_work_t *c = cp->saves; c; c = c->next)
+  for (const checkpoint_work_t *c = cp->works; c; c = c->next)
     if (c->owner == job)
       return true;
   return false;
 }
 
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp) {
-  while (cp && cp->saves) {
-    checkpoint_work_t *c = cp->saves;
-    cp->saves = c->next;
+  while (cp && cp->works) {
+    checkpoint_work_t *c = cp->works;
+    cp->works = c->next;
     free_checkpoint_work(c);
   }
 }
@@ -297,16 +342,18 @@ static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const c
 }
 
 /* checkpoint.every_steps: every local rank asked the forward's gather of step + 1, so their
- * masters are final for `step` and stay so until its reduces, which the save goes before in
- * the queue: the job is saved into checkpoint.dir/<job>/ when step is one of every N. */
+ * masters are final for `step` and stay so until its reduces, which the save holds until
+ * its snapshot is taken: the job is saved into checkpoint.dir/<job>/ when step is one of
+ * every N. */
 static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_checkpoints_t *cp = ctx;
   if (resuming(job))
     return; /* its state is the checkpoint's, not loaded yet */
-  for (checkpoint_work_t *c = cp->saves; c && step; c = c->next)
+  for (checkpoint_work_t *c = cp->works; c && step; c = c->next)
     if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
       c->stage = SAVE_WAITING;
-      if (!job_saves(cp, job))
+      c->asked_step = step;
+      if (!staging_user(cp, job))
         start_waiting_save(cp, job);
       return; /* the save the stop asked for is the schedule's too */
     }
@@ -314,7 +361,7 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
       step <= job->checkpointed_step)
     return;
   job->checkpointed_step = step;
-  if (job_saves(cp, job)) {
+  if (staging_user(cp, job)) {
     log_warning("job '%s': no checkpoint of step %llu: the previous save is still being "
                 "written (checkpoint.every_steps is shorter than a save)",
                 job->name, (unsigned long long)step);
@@ -414,11 +461,12 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
                            "its first gather has loaded it",
                            verb, job->name);
   /* A load reads through the staging memory a save writes from. */
-  if (load && job_saves(cp, job))
+  const checkpoint_work_t *user = staging_user(cp, job);
+  if (load && user)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "%s: job '%s' has a save under way: load once it ends (fsdpctl "
+                           "%s: job '%s' has a %s under way: load once it ends (fsdpctl "
                            "status shows it)",
-                           verb, job->name);
+                           verb, job->name, user->stage == LOADING ? "load" : "save");
   checkpoint_work_t *c = calloc(1, sizeof *c);
   if (!c)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
@@ -426,23 +474,17 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
     free(c);
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
   }
-  *c = (checkpoint_work_t){.cp = cp, .owner = job, .load = load, .keep = cp->keep,
-                           .asked_step = step, .done = done, .data = data};
+  *c = (checkpoint_work_t){.cp = cp, .owner = job, .keep = cp->keep, .asked_step = step,
+                           .done = done, .data = data};
   snprintf(c->dir, sizeof c->dir, "%s", dir);
-  if (load) {
-    int r = queue_checkpoint(cp, job, c, st);
-    if (r < 0)
-      free_checkpoint_work(c);
-    return r;
-  }
-  /* One save of a job at a time in its staging memory: later ones wait their turn. */
-  c->stage = job_saves(cp, job) ? SAVE_WAITING : SAVE_SNAPSHOT;
-  append_save(cp, c);
+  /* One checkpoint of a job at a time in its staging memory: later saves wait their turn. */
+  c->stage = load ? LOADING : user ? SAVE_WAITING : SAVE_SNAPSHOT;
+  append_work(cp, c);
   if (c->stage == SAVE_WAITING)
     return 0;
   int r = queue_checkpoint(cp, job, c, st);
   if (r < 0) {
-    unlink_save(cp, c);
+    unlink_work(cp, c);
     free_checkpoint_work(c);
   }
   return r;
@@ -508,7 +550,7 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
   *c = (checkpoint_work_t){.cp = cp, .owner = job, .stage = SAVE_AT_BOUNDARY, .keep = cp->keep,
                            .done = done, .data = data};
   snprintf(c->dir, sizeof c->dir, "%s", dir);
-  append_save(cp, c);
+  append_work(cp, c);
   log_info("job '%s': saves at its next step boundary", job->name);
   return 0;
 }
@@ -547,16 +589,45 @@ static void resume(void *ctx, fsdp_job_t *job) {
   }
 }
 
-/* Describes the job as it is now into c and queues its work. */
-static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
-                            fsdp_status_t *st) {
+/* Describes the job as it is now into c. */
+static int describe(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st) {
+  free(c->params);
+  free(c->units);
+  c->params = NULL;
+  c->units = NULL;
   int r = describe_checkpoint(job, c, st);
   if (r < 0)
     return r;
   if (c->asked_step)
     c->job.step = c->asked_step;
   c->step = c->job.step; /* a load's is the checkpoint's, read with it */
-  return fsdp_dataplane_queue_call(cp->dp, job, run_checkpoint, checkpoint_ran, c, st);
+  return 0;
+}
+
+/* The newest step a reduce of the job ran or runs: a save asked with no step holds the
+ * reduces of later ones. */
+static uint64_t step_in_progress(const fsdp_job_t *job) {
+  uint64_t step = 0;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+    uint64_t s = u->reduce.running ? u->reduce.step : u->reduced_step;
+    step = s > step ? s : step;
+  }
+  return step;
+}
+
+/* Starts c's work, described as the job is now: a load in the queue's turn, a save's
+ * snapshot once no reduce of the job runs, holding those of later steps. */
+static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
+                            fsdp_status_t *st) {
+  int r = describe(job, c, st);
+  if (r < 0)
+    return r;
+  if (c->stage == LOADING)
+    return fsdp_dataplane_queue_call(cp->dp, job, run_load, load_ran, c, st);
+  uint64_t hold_after = c->asked_step ? c->asked_step : step_in_progress(job);
+  if (!fsdp_dataplane_hold_reduces(cp->dp, job, hold_after, reduces_quiet, c))
+    return 0;
+  return start_snapshot(cp, c, st);
 }
 
 const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
@@ -564,8 +635,8 @@ const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp
                                       "waiting for the save before", "taking its snapshot",
                                       "writing"};
   int stage = -1;
-  for (const checkpoint_work_t *c = cp->saves; c; c = c->next)
-    if (c->owner == job && (int)c->stage > stage)
+  for (const checkpoint_work_t *c = cp->works; c; c = c->next)
+    if (c->owner == job && c->stage != LOADING && (int)c->stage > stage)
       stage = (int)c->stage;
   return stage < 0 ? "" : names[stage];
 }

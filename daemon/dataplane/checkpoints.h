@@ -1,11 +1,13 @@
 /* The checkpoints of the daemon's jobs, over the data plane (checkpoint/checkpoint.h writes
- * and reads the files). A load, and a save's snapshot (a copy of the job's masters,
- * optimizer arrays and step counts into the job's staging memory), are calls on the data
- * plane's queue, in turn with its casts, reduces and optimizer steps, so that none of the
- * daemon's runs meanwhile; a trainer's own optimizer writing its masters is not seen: save
- * between steps (fsdp_checkpoints_save_at_boundary). A save's files are written from the
- * snapshot beside the queue while training goes on; a save asked while another of the
- * job's runs waits for it. Through the data plane's hooks: the saves that wait for a step
+ * and reads the files). A load is a call on the data plane's queue, in turn with its casts,
+ * reduces and optimizer steps, so that none of them runs meanwhile. A save's snapshot (a
+ * copy of the job's masters, optimizer arrays and step counts into the job's staging
+ * memory) runs beside the queue once no reduce of the job runs, with the job's later
+ * reduces held until it ends (fsdp_dataplane_hold_reduces): the gathers of the next step go
+ * on meanwhile. A trainer's own optimizer writing its masters is not seen: save between
+ * steps (fsdp_checkpoints_save_at_boundary). A save's files are written from the snapshot
+ * beside the queue while training goes on; a save asked while another checkpoint of the
+ * job runs waits for it. Through the data plane's hooks: the saves that wait for a step
  * boundary, the schedule's (checkpoint.every_steps), and the resume of a job new to this
  * daemon (checkpoint.resume). Loop thread only. */
 #ifndef FSDP_DATAPLANE_CHECKPOINTS_H
@@ -20,7 +22,7 @@
 
 typedef struct fsdp_checkpoints {
   fsdp_dataplane_t *dp;
-  struct checkpoint_work *saves; /* each waiting, taking its snapshot, or writing */
+  struct checkpoint_work *works; /* loads, and saves waiting, taking a snapshot or writing */
   /* checkpoint.*: where and how often the jobs are saved on schedule, how many are kept. */
   char dir[PATH_MAX];
   uint64_t every_steps;
@@ -54,8 +56,9 @@ typedef void (*fsdp_checkpoints_done_fn)(void *data, const fsdp_status_t *st, co
  * the one at dir into the job's registered units (`step` unused). done is called once, on
  * the loop, once the files are written or read, unless this fails at once (st says why:
  * FAILED_PRECONDITION for a unit without buffers, a save of a job whose resume has not
- * loaded yet, a load while a collective runs or while a save of the job is under way: it
- * writes from the staging memory a load reads into). The job's memory may be a GPU's: it
+ * loaded yet, a load while a collective runs or while another checkpoint of the job is
+ * under way: a save writes from the staging memory a load reads into; a save asked while
+ * one is under way waits for it). The job's memory may be a GPU's: it
  * goes to and from the host's staging memory through the backend. dir is copied. */
 int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
                            uint64_t step, fsdp_checkpoints_done_fn done, void *data,
@@ -77,7 +80,7 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
  * boundary", "waiting for the save before", "taking its snapshot", "writing". Static. */
 const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
 
-/* Whether a save of the job waits or is under way (its memory must stay). */
+/* Whether a checkpoint of the job waits or is under way (its memory must stay). */
 bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
 
 #endif

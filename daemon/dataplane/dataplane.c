@@ -186,6 +186,36 @@ static void give_back_sum(fsdp_job_t *job, fsdp_unit_t *u) {
   fsdp_pool_give(&job->sums, u->sum_offset);
 }
 
+/* Reduces held for a snapshot (fsdp_dataplane_hold_reduces). */
+
+static void unhold_reduce(fsdp_job_t *job, fsdp_unit_t *u) {
+  if (!u->reduce_held)
+    return;
+  u->reduce_held = false;
+  for (fsdp_unit_t **p = &job->held_reduces; *p; p = &(*p)->held_next)
+    if (*p == u) {
+      *p = u->held_next;
+      break;
+    }
+}
+
+/* Whether a reduce of the job runs (one held waits, and does not). */
+static bool reducing(const fsdp_job_t *job) {
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->reduce.running && !u->reduce_held)
+      return true;
+  return false;
+}
+
+/* Tells the holder, once, that no reduce of the job runs any more. */
+static void tell_if_quiet(fsdp_job_t *job) {
+  void (*quiet)(void *arg) = job->reduces_quiet;
+  if (!quiet || reducing(job))
+    return;
+  job->reduces_quiet = NULL;
+  quiet(job->reduces_quiet_arg);
+}
+
 /* Ends the collection of `kind`: every waiter gets err and the message. What it held goes
  * back: the gradient buffers of the ranks that submitted to a reduce, and the copy a gather
  * was writing. */
@@ -216,6 +246,10 @@ static void abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind
   if (kind == WAIT_UNSHARD)
     u->gather_ahead = false;
   fsdp_collection_reset(c);
+  if (kind == WAIT_REDUCE) {
+    unhold_reduce(job, u);
+    tell_if_quiet(job);
+  }
 }
 
 /* How a message names a step's second gather, the one for its backward. */
@@ -455,6 +489,7 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
   give_back_sum(job, u);
   wake(u, kind);
   fsdp_collection_reset(c);
+  tell_if_quiet(job);
 }
 
 static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit);
@@ -1514,6 +1549,17 @@ static void on_sum_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp
   }
 }
 
+/* Every local rank asked the unit's reduce: its rings among hosts, or its work here. */
+static void start_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit) {
+  if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
+    start_reduce_rings(dp, job, unit);
+    return;
+  }
+  int r = queue(dp, WORK_REDUCE, job, unit);
+  if (r < 0)
+    abort_collection(job, unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
+}
+
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                            const fsdp_dataplane_rank_t *who, uint64_t step,
                            const fsdp_dataplane_reduce_how_t *how, uint64_t deadline_ms,
@@ -1568,13 +1614,39 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   }
   if (collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms) <= 0)
     return;
-  if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
-    start_reduce_rings(dp, job, unit);
+  if (job->reduces_held && step > job->hold_after_step) {
+    fsdp_unit_t **tail = &job->held_reduces;
+    while (*tail)
+      tail = &(*tail)->held_next;
+    *tail = unit;
+    unit->held_next = NULL;
+    unit->reduce_held = true;
     return;
   }
-  int r = queue(dp, WORK_REDUCE, job, unit);
-  if (r < 0)
-    abort_collection(job, unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
+  start_reduce(dp, job, unit);
+}
+
+bool fsdp_dataplane_hold_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t after_step,
+                                 void (*quiet)(void *arg), void *arg) {
+  (void)dp;
+  job->reduces_held = true;
+  job->hold_after_step = after_step;
+  if (!reducing(job))
+    return true;
+  job->reduces_quiet = quiet;
+  job->reduces_quiet_arg = arg;
+  return false;
+}
+
+void fsdp_dataplane_release_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job) {
+  job->reduces_held = false;
+  job->reduces_quiet = NULL;
+  while (job->held_reduces) {
+    fsdp_unit_t *u = job->held_reduces;
+    job->held_reduces = u->held_next;
+    u->reduce_held = false;
+    start_reduce(dp, job, u);
+  }
 }
 
 static const waiter_kind_t collective_kinds[] = {WAIT_UNSHARD, WAIT_REDUCE};

@@ -245,6 +245,17 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
 int fsdp_dataplane_queue_call(fsdp_dataplane_t *dp, fsdp_job_t *job, void (*run)(void *arg),
                               void (*ran)(void *arg, int status), void *arg, fsdp_status_t *st);
 
+/* Holds the job's reduces while another module copies its masters and optimizer state
+ * beside the work queue (a checkpoint's snapshot): a reduce of a step after `after_step`
+ * whose ranks have all asked waits, and starts once fsdp_dataplane_release_reduces lets it
+ * go, in the order its ranks completed it. Nothing else changes that state (a trainer's
+ * optimizer writes the masters only once its reduce ended), so gathers go on meanwhile.
+ * Returns whether no reduce of the job runs; if one does, quiet(arg) is called on the loop
+ * once the last running one ends. One holder at a time. */
+bool fsdp_dataplane_hold_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t after_step,
+                                 void (*quiet)(void *arg), void *arg);
+void fsdp_dataplane_release_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job);
+
 /* The resume the hooks started ended (st->code 0: the job's state is loaded): the gathers
  * waiting for it start, or, when it failed, the job's units fail naming why. */
 void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st);

@@ -122,6 +122,10 @@ typedef struct fsdp_unit {
   uint64_t sum_offset;
   fsdp_pool_waiter_t sum_waiter; /* a reduce waiting for a pool buffer; data: the data plane */
   uint64_t reduced_step; /* of the last reduce-scatter that completed */
+  /* Its ranks have all asked its reduce, which waits for the job's reduces to be let go
+   * (fsdp_dataplane_hold_reduces), in the job's held_reduces through held_next. */
+  bool reduce_held;
+  struct fsdp_unit *held_next;
   /* Operations waiting until a collection or the buffers' preparation ends. */
   fsdp_dataplane_op_t *waiters;
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
@@ -168,6 +172,14 @@ typedef struct fsdp_job {
   unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
   uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
   uint64_t checkpointed_step;  /* the last step checkpoint.every_steps saved */
+  /* While a save's snapshot copies the job's state beside the work queue
+   * (fsdp_dataplane_hold_reduces): reduces of steps after hold_after_step wait in
+   * held_reduces, and reduces_quiet(reduces_quiet_arg) waits for the running ones' end. */
+  bool reduces_held;
+  uint64_t hold_after_step;
+  fsdp_unit_t *held_reduces;
+  void (*reduces_quiet)(void *arg);
+  void *reduces_quiet_arg;
   /* A save's snapshot of the job's state, written from while training goes on (the
    * dataplane's), kept for the next save; owned. */
   void *checkpoint_staging;

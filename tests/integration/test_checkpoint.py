@@ -5,6 +5,7 @@ job's memory as it was), and `fsdpctl export` to safetensors from the files alon
 by this test's own parser of the format."""
 
 import array
+import concurrent.futures
 import json
 import signal
 import struct
@@ -281,8 +282,8 @@ def test_a_daemon_killed_while_saving_leaves_a_checkpoint_whole(fsdpd, tmp_path,
 
 def test_the_daemon_saves_every_n_steps_and_keeps_the_newest(fsdpd, tmp_path):
     """checkpoint.every_steps 2, keep 1: when both ranks have asked the forward's gather of
-    steps 3 and 5, the job is saved as of steps 2 and 4 (in the work queue before anything
-    of those steps that writes masters), and only the newest stays."""
+    steps 3 and 5, the job is saved as of steps 2 and 4 (holding the reduces of those steps,
+    which write masters, until the snapshot is taken), and only the newest stays."""
     d = fsdpd("--set", f"checkpoint.dir={tmp_path}", "--set", "checkpoint.every_steps=2",
               "--set", "checkpoint.keep=1")
     ranks, regions = trained(d)
@@ -371,6 +372,43 @@ def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
         garble(ranks[0], regions)
         checkpoint(d, "LoadCheckpoint", tmp_path / where)
         assert snapshot(ranks[0], regions) == want, where
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_snapshot_holds_the_reduces_and_lets_the_gathers_go_on(fsdpd, tmp_path):
+    """A save's snapshot runs beside the work queue. Stalled 3 s (a failpoint), it lets the
+    next step's gather through and holds its reduce (whose AdamW step would change the
+    masters) until it ends: the checkpoint holds the job as of step 1, and step 2 then
+    trains on."""
+    d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-snapshot:1:sleep-3000"})
+    ranks, regions = trained(d)
+    after_1 = snapshot(ranks[0], regions)
+    save = d.channel().unary_unary(
+        "/fsdp.v1.Operator/SaveCheckpoint",
+        request_serializer=operator_pb2.CheckpointRequest.SerializeToString,
+        response_deserializer=operator_pb2.CheckpointReply.FromString)
+    saved = save.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path)), timeout=30)
+
+    def save_state():
+        (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+        return job["checkpoint_state"]
+    poll(lambda: save_state() == "taking its snapshot", 10, what="the snapshot")
+    assert on_all(ranks, "Unshard", step=2, backward=True) == [None, None]
+    n = regions[0][1] // 4
+    for r in ranks:
+        r.write_full_grad([0.0625 * (i % 3) - 0.0625 for i in range(n)], FP32)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reduced = pool.submit(on_all, ranks, "ReduceScatter", step=2, step_optimizer=True)
+        held = snapshot(ranks[0], regions)
+        assert save_state() == "taking its snapshot", "the gather waited for the snapshot"
+        assert held == after_1 and not reduced.done()
+        assert reduced.result(timeout=30) == [None, None]
+    assert saved.result().step == 1
+    after_2 = snapshot(ranks[0], regions)
+    assert after_2 != after_1
+    garble(ranks[0], regions)
+    checkpoint(d, "LoadCheckpoint", tmp_path)
+    assert snapshot(ranks[0], regions) == after_1
 
 
 def test_a_stopped_daemon_saves_and_a_restarted_one_resumes(fsdpd, tmp_path):
