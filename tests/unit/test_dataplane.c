@@ -1,8 +1,9 @@
 /* The data plane driven through its header on a real libuv loop, with no daemon, no RPC and
  * no socket: the rendezvous of the local ranks and the results it computes, the order of a
  * rank's steps, the deadline of a rank that never asks, the loss of a rank's session, a
- * cancelled operation, every refusal with the message the daemon gives, and the memory
- * model: copies and gradient buffers lent from bounded pools and given back. */
+ * cancelled operation, every refusal with the message the daemon gives, the memory model
+ * (copies and gradient buffers lent from bounded pools and given back), and reduces held
+ * for a checkpoint's snapshot. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -822,6 +823,46 @@ static void test_gradient_buffers_wait_for_a_reduce(void **state) {
   fixture_cleanup(&f);
 }
 
+static void count_quiet(void *arg) {
+  (*(unsigned *)arg)++;
+}
+
+/* A checkpoint's hold on the job's reduces: it hears when the reduce that runs has ended,
+ * the next step's gather goes on, and the next step's reduce waits until let go. */
+static void test_held_reduces_start_when_let_go(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_dataplane_op_t ops[2];
+  result_t results[2] = {0};
+  unsigned quiet = 0;
+  lend_gradients(&f, 1, ops);
+  for (unsigned r = 0; r < 2; r++)
+    reduce(&f, r, 1, false, &ops[r], &results[r]); /* queued: it runs with the loop */
+  assert_false(fsdp_dataplane_hold_reduces(&f.dp, f.job, 1, count_quiet, &quiet));
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&results[0], 0, "");
+  expect(&results[1], 0, "");
+  assert_int_equal(quiet, 1);
+
+  lend_gradients(&f, 2, ops);
+  memset(results, 0, sizeof results);
+  for (unsigned r = 0; r < 2; r++)
+    reduce(&f, r, 2, false, &ops[r], &results[r]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  assert_int_equal(results[0].calls + results[1].calls, 0);
+  assert_int_equal(f.unit->reduced_step, 1);
+  fsdp_dataplane_release_reduces(&f.dp, f.job);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  expect(&results[0], 0, "");
+  expect(&results[1], 0, "");
+  assert_int_equal(f.unit->reduced_step, 2);
+  assert_int_equal(quiet, 1);
+  assert_true(fsdp_dataplane_hold_reduces(&f.dp, f.job, 2, count_quiet, &quiet));
+  fsdp_dataplane_release_reduces(&f.dp, f.job);
+  fixture_cleanup(&f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_buffers_of_each_rank),
@@ -840,6 +881,7 @@ int main(void) {
       cmocka_unit_test(test_prefetch_follows_the_order),
       cmocka_unit_test(test_out_of_order_asks),
       cmocka_unit_test(test_gradient_buffers_wait_for_a_reduce),
+      cmocka_unit_test(test_held_reduces_start_when_let_go),
   };
   return cmocka_run_group_tests_name("dataplane", tests, NULL, NULL);
 }
