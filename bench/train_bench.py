@@ -28,9 +28,13 @@ units of about 4 % of the model each, so that the units in flight are small next
            under /var/tmp: on disk), each save's snapshot taken at the step boundary and its
            files written beside training; a boundary that finds the previous save still
            writing is skipped, so with a small N saves run back to back
-           With --checkpoint-only, fsdpd+opt and fsdpd+ckpt alone run, and each run's
-           ratio of their steps is printed with the median of those ratios: pairs measured
-           next to each other, so that the machine's drift between runs cancels out.
+           With --checkpoint-only, fsdpd+opt, fsdpd+ckpt and fsdpd+dd alone run, and each
+           run's ratios of their steps are printed with the medians of those ratios: runs
+           measured next to each other, so that the machine's drift between runs cancels out.
+  fsdpd+dd  with --checkpoint-only: fsdpd+opt while dd writes to the same disk beside it,
+           over and over, with direct I/O and fdatasync (256 MiB a pass): the peer that
+           says what writing at the disk's speed costs the step on this machine, whoever
+           writes
   DDP      torch.nn.parallel.DistributedDataParallel over gloo (a FileStore in a temporary dir)
   compute  the compute-only baseline: the same ShardedModel (same units, hooks, prefetch
            calls, Adam on the same shards) over an in-process stand-in for the client whose
@@ -493,7 +497,8 @@ def run_config(system, world, args, build):
                        if system == CHECKPOINTING else [])
             daemon, socket = _start_daemon(build, tmp / "run", daemon_log, options)
             base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB)
-            extra = ["--daemon-optimizer"] if system in (DAEMON_OPTIMIZER, CHECKPOINTING) else []
+            extra = (["--daemon-optimizer"]
+                     if system in (DAEMON_OPTIMIZER, CHECKPOINTING, DD_BESIDE) else [])
         elif system == "compute":
             extra = []
         else:
@@ -512,7 +517,15 @@ def run_config(system, world, args, build):
         before = _pss_sum(pids)
         cpu_before = [cpu_seconds(pid) for pid in pids]
         workers.release()
+        if system == DD_BESIDE:
+            dd = subprocess.Popen(
+                ["sh", "-c", f"while :; do dd if=/dev/zero of={saves}/dd.bin bs=4M count=64 "
+                             "oflag=direct conv=fdatasync status=none || exit; done"],
+                start_new_session=True)
         ready = workers.collect("ready")
+        if system == DD_BESIDE:
+            os.killpg(dd.pid, signal.SIGKILL)
+            dd.wait()
         after = _pss_sum(pids)
         cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu_before)]
         daemon_bytes = 0
@@ -581,11 +594,12 @@ MODELS = {"bench": (128, 4), "blocks24": (64, 24)}  # (d_model, blocks) of each 
 SYSTEMS = ("fsdpd", "DDP", "compute")
 DAEMON_OPTIMIZER = "fsdpd+opt"  # fsdpd with the daemon's Adam (fsdpd.optim), --daemon-optimizer
 CHECKPOINTING = "fsdpd+ckpt"  # fsdpd+opt saved every --checkpoint-every steps
+DD_BESIDE = "fsdpd+dd"  # fsdpd+opt while dd writes to the disk, --checkpoint-only
 
 
 def systems(args):
     if args.checkpoint_only:
-        return (DAEMON_OPTIMIZER, CHECKPOINTING)
+        return (DAEMON_OPTIMIZER, CHECKPOINTING, DD_BESIDE)
     return (SYSTEMS + ((DAEMON_OPTIMIZER,) if args.daemon_optimizer else ()) +
             ((CHECKPOINTING,) if args.checkpoint_every else ()))
 # What the formula and the daemon's accounting may differ by without the daemon holding more
@@ -701,17 +715,25 @@ def report(results, ratios, args):
 
 
 def checkpoint_report(runs, args):
-    """--checkpoint-only: per L, each run's step with saves over its neighbour's without."""
+    """--checkpoint-only: per L, each run's step with saves, and with dd writing beside it,
+    over its neighbour's without."""
     for world in args.ranks:
-        pairs = list(zip(runs[(world, DAEMON_OPTIMIZER)], runs[(world, CHECKPOINTING)]))
-        ratios = [k["step_ms"] / o["step_ms"] for o, k in pairs]
-        each = ", ".join(f"{o['step_ms']:.1f}/{k['step_ms']:.1f}" for o, k in pairs)
-        saves = sum(k["saves"] for _, k in pairs)
-        print(f"L={world} step ms without/with saves every {args.checkpoint_every} step(s), "
-              f"run by run: {each}")
-        print(f"L={world} step while the daemon saves over without: median "
-              f"{statistics.median(ratios):.3f}x of {len(ratios)} runs "
-              f"({', '.join(f'{x:.3f}' for x in ratios)}; {saves} saves)")
+        trios = list(zip(*(runs[(world, s)] for s in systems(args))))
+        each = ", ".join("/".join(f"{r['step_ms']:.1f}" for r in t) for t in trios)
+        print(f"L={world} step ms without / with saves every {args.checkpoint_every} step(s) / "
+              f"with dd beside, run by run: {each}")
+        pairs = [(o, k) for o, k, _ in trios]
+        for name, at in (("the daemon saves", 1), ("dd writes beside it", 2)):
+            ratios = [t[at]["step_ms"] / t[0]["step_ms"] for t in trios]
+            print(f"L={world} step while {name} over without: median "
+                  f"{statistics.median(ratios):.3f}x of {len(ratios)} runs "
+                  f"({', '.join(f'{x:.3f}' for x in ratios)})")
+        print(f"L={world} saves written: {sum(k['saves'] for _, k in pairs)}")
+        extra = [(k["daemon_cpu_s"] - o["daemon_cpu_s"]) / k["saves"] * 1e3
+                 for o, k in pairs if k["saves"]]
+        if extra:
+            print(f"L={world} the daemon's CPU time per save (with saves less without): median "
+                  f"{statistics.median(extra):.0f} ms ({', '.join(f'{x:.0f}' for x in extra)})")
 
 
 def main(argv=None):
