@@ -25,6 +25,15 @@ def checkpoint(d, method, path, job="j"):
                   operator_pb2.CheckpointReply, timeout=30)
 
 
+def save_later(d, path, job="j"):
+    """SaveCheckpoint started: its future."""
+    save = d.channel().unary_unary(
+        "/fsdp.v1.Operator/SaveCheckpoint",
+        request_serializer=operator_pb2.CheckpointRequest.SerializeToString,
+        response_deserializer=operator_pb2.CheckpointReply.FromString)
+    return save.future(operator_pb2.CheckpointRequest(job=job, path=str(path)), timeout=30)
+
+
 def with_adamw(d):
     """Two ranks of job 'j' with AdamW in the daemon: the ranks, their layouts, and where the
     masters and the optimizer's state lie in the job's memory."""
@@ -342,18 +351,12 @@ def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
     d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-begun:1:sleep-3000"})
     ranks, regions = trained(d)
     after_1 = snapshot(ranks[0], regions)
-    save = d.channel().unary_unary(
-        "/fsdp.v1.Operator/SaveCheckpoint",
-        request_serializer=operator_pb2.CheckpointRequest.SerializeToString,
-        response_deserializer=operator_pb2.CheckpointReply.FromString)
-    first = save.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path / "a")),
-                        timeout=30)
+    first = save_later(d, tmp_path / "a")
     _train_step(ranks, regions, 2)  # queued after the snapshot, done before the write
     assert not first.done()
     after_2 = snapshot(ranks[0], regions)
     assert after_2 != after_1
-    second = save.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path / "b")),
-                         timeout=30)
+    second = save_later(d, tmp_path / "b")
     (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
     assert job["checkpoint_state"] == "writing" and job["last_checkpoint_path"] == ""
     # A load reads through the staging memory the write is writing from.
@@ -383,11 +386,7 @@ def test_a_snapshot_holds_the_reduces_and_lets_the_gathers_go_on(fsdpd, tmp_path
     d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-snapshot:1:sleep-3000"})
     ranks, regions = trained(d)
     after_1 = snapshot(ranks[0], regions)
-    save = d.channel().unary_unary(
-        "/fsdp.v1.Operator/SaveCheckpoint",
-        request_serializer=operator_pb2.CheckpointRequest.SerializeToString,
-        response_deserializer=operator_pb2.CheckpointReply.FromString)
-    saved = save.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path)), timeout=30)
+    saved = save_later(d, tmp_path)
 
     def save_state():
         (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
