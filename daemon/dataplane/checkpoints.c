@@ -16,6 +16,15 @@
 #include "common/log.h"
 #include "daemon/dataplane/optimizer.h"
 
+/* Where the job stands among its steps. */
+typedef struct job_steps {
+  uint64_t completed; /* the least step its trainable units reduced; 0: none */
+  bool trained;       /* it has a trainable unit */
+  bool even;          /* they all reduced that step */
+  bool reducing;      /* a reduce of the job runs */
+  uint64_t newest;    /* the newest step a reduce of the job ran or runs */
+} job_steps_t;
+
 /* A checkpoint's work (fsdp_checkpoints_start), in cp->works: the job described on the
  * loop, the directory, and who hears the end. A load runs on the queue. A save's snapshot (a
  * copy of the job's state into its staging memory) runs beside the queue, with the job's
@@ -30,6 +39,12 @@ typedef struct checkpoint_work {
   enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING, LOADING } stage;
   unsigned keep; /* a save's: how many of the directory's checkpoints stay */
   uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
+  /* A save that waits for another: where the job stood when it was asked. When its turn
+   * comes, a job that has reduced since is saved at its next step boundary, not inside a
+   * step; one that stood still is saved as it is, as asked. A save promoted at a boundary
+   * (at_boundary) is taken as it is. */
+  job_steps_t asked_at;
+  bool at_boundary;
   char dir[PATH_MAX];
   fsdp_checkpoint_job_t job;
   fsdp_checkpoint_unit_t *units;
@@ -184,14 +199,41 @@ static const checkpoint_work_t *staging_user(const fsdp_checkpoints_t *cp,
   return NULL;
 }
 
+static job_steps_t job_steps(const fsdp_job_t *job) {
+  job_steps_t s = {.even = true};
+  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (u->spec->scratch)
+      continue;
+    s.reducing |= u->reduce.running;
+    uint64_t reduced = u->reduce.running ? u->reduce.step : u->reduced_step;
+    s.newest = reduced > s.newest ? reduced : s.newest;
+    if (!u->trainable)
+      continue;
+    s.even &= !s.trained || u->reduced_step == s.completed;
+    s.completed = s.trained && u->reduced_step > s.completed ? s.completed : u->reduced_step;
+    s.trained = true;
+  }
+  return s;
+}
+
 static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
                             fsdp_status_t *st);
 
-/* A checkpoint of the job ended: the first save waiting for it takes its snapshot. */
+/* A checkpoint of the job ended: the first save waiting for it takes its snapshot, or, when
+ * the job has reduced since that save was asked, waits for its next step boundary. */
 static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
   for (checkpoint_work_t *c = cp->works; c; c = c->next) {
     if (c->owner != job || c->stage != SAVE_WAITING)
       continue;
+    job_steps_t now = job_steps(job);
+    if (!c->at_boundary && (now.completed != c->asked_at.completed ||
+                            now.newest != c->asked_at.newest || now.reducing)) {
+      c->stage = SAVE_AT_BOUNDARY;
+      log_info("job '%s': a save asked after step %llu waited for another, and the job has "
+               "trained since: it saves at its next step boundary",
+               job->name, (unsigned long long)c->asked_at.completed);
+      return;
+    }
     c->stage = SAVE_SNAPSHOT;
     if (queue_checkpoint(cp, job, c, &c->st) == 0)
       return;
@@ -362,6 +404,7 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
     if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
       c->stage = SAVE_WAITING;
       c->asked_step = step;
+      c->at_boundary = true;
       if (!staging_user(cp, job))
         start_waiting_save(cp, job);
       return; /* the save the stop asked for is the schedule's too */
@@ -400,7 +443,6 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a checkpoint");
   fsdp_checkpoint_param_t *params = c->params;
   char *base = fsdp_arena_base(job->arena);
-  bool stepped = false;
   size_t n = 0;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (u->spec->scratch)
@@ -443,11 +485,8 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
         cu->state[a] = (float *)(void *)(base + state.arrays_offset + a * state.array_stride);
       cu->steps = (uint64_t *)(void *)(base + state.steps_offset);
     }
-    if (u->trainable)
-      c->job.step = stepped ? (u->reduced_step < c->job.step ? u->reduced_step : c->job.step)
-                            : u->reduced_step;
-    stepped |= u->trainable;
   }
+  c->job.step = job_steps(job).completed;
   c->job.job = job->name;
   c->job.host = c->cp->dp->peers ? fsdp_peers_host_rank(c->cp->dp->peers) : 0;
   c->job.hosts = c->cp->dp->peers ? fsdp_peers_host_count(c->cp->dp->peers) : 1;
@@ -489,8 +528,11 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
   /* One checkpoint of a job at a time in its staging memory: later saves wait their turn. */
   c->stage = load ? LOADING : user ? SAVE_WAITING : SAVE_SNAPSHOT;
   append_work(cp, c);
-  if (c->stage == SAVE_WAITING)
+  if (c->stage == SAVE_WAITING) {
+    c->asked_at = job_steps(job);
+    log_info("job '%s': a save into %s waits for the checkpoint under way", job->name, dir);
     return 0;
+  }
   int r = queue_checkpoint(cp, job, c, st);
   if (r < 0) {
     unlink_work(cp, c);
@@ -525,21 +567,11 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
                                       fsdp_status_t *st) {
   if (resuming(job))
     return 1; /* its state is still the checkpoint it resumes from */
-  uint64_t step = 0;
-  bool trained = false, even = true, reducing = false;
-  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (u->spec->scratch)
-      continue;
-    reducing |= u->reduce.running;
-    if (!u->trainable)
-      continue;
-    even &= !trained || u->reduced_step == step;
-    step = trained && u->reduced_step > step ? step : u->reduced_step;
-    trained = true;
-  }
-  if (!trained || (even && step == 0))
+  job_steps_t now = job_steps(job);
+  uint64_t step = now.completed;
+  if (!now.trained || (now.even && step == 0))
     return 1; /* nothing trained: its trainers start it again from their initial values */
-  bool between = even && !reducing;
+  bool between = now.even && !now.reducing;
   if (!between && !attached)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "job '%s' stopped inside a step (its units have reduced different "
@@ -613,17 +645,6 @@ static int describe(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st) {
   return 0;
 }
 
-/* The newest step a reduce of the job ran or runs: a save asked with no step holds the
- * reduces of later ones. */
-static uint64_t step_in_progress(const fsdp_job_t *job) {
-  uint64_t step = 0;
-  for (const fsdp_unit_t *u = job->units; u; u = u->next) {
-    uint64_t s = u->reduce.running ? u->reduce.step : u->reduced_step;
-    step = s > step ? s : step;
-  }
-  return step;
-}
-
 /* Starts c's work, described as the job is now: a load in the queue's turn, a save's
  * snapshot once no reduce of the job runs, holding those of later steps. */
 static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
@@ -633,7 +654,8 @@ static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_
     return r;
   if (c->stage == LOADING)
     return fsdp_dataplane_queue_call(cp->dp, job, run_load, load_ran, c, st);
-  uint64_t hold_after = c->asked_step ? c->asked_step : step_in_progress(job);
+  /* A save asked with no step holds the reduces of steps after the one under way. */
+  uint64_t hold_after = c->asked_step ? c->asked_step : job_steps(job).newest;
   if (!fsdp_dataplane_hold_reduces(cp->dp, job, hold_after, reduces_quiet, c))
     return 0;
   return start_snapshot(cp, c, st);

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from fsdpd_harness import fsdpd, operator_pb2, poll, run_fsdpctl, trainer_pb2  # noqa: F401
-from test_optimizer import ADAMW, group, refused, set_optimizer, two_ranks
+from test_optimizer import ADAMW, SHAPES, group, refused, set_optimizer, two_ranks
 from test_unshard import FP32, Rank, bf16_bits, on_all
 
 
@@ -408,6 +408,60 @@ def test_a_snapshot_holds_the_reduces_and_lets_the_gathers_go_on(fsdpd, tmp_path
     garble(ranks[0], regions)
     checkpoint(d, "LoadCheckpoint", tmp_path)
     assert snapshot(ranks[0], regions) == after_1
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_save_that_waited_is_taken_whole_at_the_next_step_boundary(fsdpd, tmp_path):
+    """A save asked while another is written (stalled 3 s by a failpoint) waits for it. The
+    job has since reduced unit 'u' of step 2 and not unit 'v': the waiting save does not
+    copy that mix of steps 1 and 2, but waits for the step boundary (every rank asking the
+    forward's gather of step 3) and holds step 2 whole."""
+    d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-begun:1:sleep-3000"})
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    units = ("u", "v")
+    layouts = {u: ranks[0].register(unit=u, shapes=SHAPES, param_dtype=FP32, requires_grad=True)
+               for u in units}
+    for r in ranks[1:]:
+        for u in units:
+            r.register(unit=u, shapes=SHAPES, param_dtype=FP32, requires_grad=True)
+    reply = set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW))
+    regions = []
+    for state in reply.units:
+        n = layouts[state.unit].padded_numel
+        regions += [(layouts[state.unit].master_offset, 4 * n), (state.steps_offset, 8)]
+        regions += [(state.arrays_offset + a * state.array_stride, 4 * n)
+                    for a in range(state.arrays)]
+
+    def train(unit, step):
+        n = layouts[unit].padded_numel
+        assert on_all(ranks, "Unshard", unit=unit, step=step, backward=True) == [None, None]
+        for r in ranks:
+            r.write_full_grad([0.125 * (i % 5) - 0.25 for i in range(n)], FP32, unit=unit)
+        assert on_all(ranks, "ReduceScatter", unit=unit, step=step,
+                      step_optimizer=True) == [None, None]
+
+    def save_state():
+        (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+        return job["checkpoint_state"]
+
+    for u in units:
+        train(u, 1)
+    first = save_later(d, tmp_path / "a")
+    poll(lambda: save_state() == "writing", 10, what="the first save's write")
+    second = save_later(d, tmp_path / "b")
+    poll(lambda: "waits for the checkpoint under way" in d.stderr(), 10, what="the second save")
+    train("u", 2)
+    assert first.result().step == 1
+    poll(lambda: save_state() == "waiting for the step boundary", 10,
+         what="the second save waiting for the boundary")
+    train("v", 2)
+    after_2 = snapshot(ranks[0], regions)
+    assert not second.done()
+    assert on_all(ranks, "Unshard", unit="u", step=3) == [None, None]
+    assert second.result().step == 2
+    garble(ranks[0], regions)
+    assert checkpoint(d, "LoadCheckpoint", tmp_path / "b").step == 2
+    assert snapshot(ranks[0], regions) == after_2
 
 
 def test_a_stopped_daemon_saves_and_a_restarted_one_resumes(fsdpd, tmp_path):
