@@ -511,6 +511,22 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
   return 0;
 }
 
+void fsdp_checkpoint_remove_unfinished(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d)
+    return;
+  static const char suffix[] = ".partial";
+  char path[PATH_MAX];
+  for (struct dirent *e; (e = readdir(d));) {
+    size_t n = strlen(e->d_name);
+    if (strncmp(e->d_name, "step-", 5) == 0 && n > 5 + strlen(suffix) &&
+        strcmp(e->d_name + n - strlen(suffix), suffix) == 0 &&
+        join(path, sizeof path, dir, "/", e->d_name))
+      remove_checkpoint_dir(path);
+  }
+  closedir(d);
+}
+
 /* The steps of dir's complete checkpoints (step-N/ with a manifest), at most max of them in
  * *ret (any order); how many there are. */
 static size_t complete_steps(const char *dir, uint64_t *ret, size_t max) {

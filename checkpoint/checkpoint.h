@@ -103,6 +103,12 @@ int fsdp_checkpoint_unstage(const fsdp_checkpoint_unit_t *staged,
 int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
                          char *ret_path, size_t size, fsdp_status_t *st);
 
+/* Removes what saves into dir that did not finish left there (step-<S>.partial/, every
+ * host's files). Only where no save into dir can be under way: by host 0 as a job starts on
+ * it, before any host can have trained a step of it. Otherwise host 0 would count a host's
+ * files left by a save of the same step that died as that host's part of a new one. */
+void fsdp_checkpoint_remove_unfinished(const char *dir);
+
 /* A checkpoint open for reading: its metadata, and its blocks checked as they are read. */
 typedef struct fsdp_checkpoint_reader fsdp_checkpoint_reader_t;
 

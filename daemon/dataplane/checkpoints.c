@@ -357,15 +357,20 @@ static bool resuming(const fsdp_job_t *job) {
   return job->resume_from || job->resuming;
 }
 
-/* checkpoint.resume = latest: a job new to this daemon goes on from its newest checkpoint in
- * checkpoint.dir/<job>/, loaded before its first gather. One that cannot be read is still
- * loaded then, and fails the job naming why: it does not start anew without a word. */
+/* A job new to this daemon: host 0 removes what unfinished saves left in
+ * checkpoint.dir/<job>/ (fsdp_checkpoint_remove_unfinished). With checkpoint.resume = latest
+ * the job goes on from its newest checkpoint there, loaded before its first gather. One that
+ * cannot be read is still loaded then, and fails the job naming why: it does not start anew
+ * without a word. */
 static void job_starts(void *ctx, fsdp_job_t *job) {
   const fsdp_checkpoints_t *cp = ctx;
-  if (!cp->resume || !cp->dir[0])
-    return;
   char dir[PATH_MAX];
-  if ((size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
+  if (!cp->dir[0] ||
+      (size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
+    return;
+  if (!cp->dp->peers || fsdp_peers_host_rank(cp->dp->peers) == 0)
+    fsdp_checkpoint_remove_unfinished(dir);
+  if (!cp->resume)
     return;
   fsdp_checkpoint_reader_t *r;
   fsdp_status_t st;

@@ -59,8 +59,9 @@ typedef void (*fsdp_checkpoints_done_fn)(void *data, const fsdp_status_t *st, co
  * loaded yet, a load while a collective runs or while another checkpoint of the job is
  * under way: a save writes from the staging memory a load reads into). A save asked while
  * another checkpoint of the job is under way waits for it; if the job has reduced since it
- * was asked, it is then taken at the job's next step boundary, never inside a step. The job's memory may be a GPU's: it
- * goes to and from the host's staging memory through the backend. dir is copied. */
+ * was asked, it is then taken at the job's next step boundary, never inside a step. The
+ * job's memory may be a GPU's: it goes to and from the host's staging memory through the
+ * backend. dir is copied. */
 int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
                            uint64_t step, fsdp_checkpoints_done_fn done, void *data,
                            fsdp_status_t *st);

@@ -464,6 +464,23 @@ def test_a_save_that_waited_is_taken_whole_at_the_next_step_boundary(fsdpd, tmp_
     assert snapshot(ranks[0], regions) == after_2
 
 
+def test_a_job_that_starts_finds_no_unfinished_save_of_a_run_before(fsdpd, tmp_path):
+    """Files that a save which died left in checkpoint.dir/<job>/step-S.partial/ would count
+    as a host's part of a new save of step S: host 0 removes them when the job starts on it,
+    before any step of it can be saved. Complete checkpoints stay."""
+    job_dir = tmp_path / "j"
+    stale = job_dir / "step-2.partial"
+    stale.mkdir(parents=True)
+    (stale / "host-1.json").write_text("{}")
+    (stale / "host-1.bin").write_bytes(bytes(64))
+    (job_dir / "step-1").mkdir()
+    (job_dir / "step-1" / "manifest.json").write_text("{}")
+    d = fsdpd("--set", f"checkpoint.dir={tmp_path}")
+    two_ranks(d)
+    assert sorted(p.name for p in job_dir.iterdir()) == ["step-1"]
+    assert (job_dir / "step-1" / "manifest.json").read_text() == "{}"
+
+
 def test_a_stopped_daemon_saves_and_a_restarted_one_resumes(fsdpd, tmp_path):
     """checkpoint.on_stop: SIGTERM between steps saves the job at once and the daemon exits 0.
     With checkpoint.resume = latest a new daemon takes the job up again: its units report
