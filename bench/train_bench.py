@@ -4,7 +4,7 @@
                                           [--max-inflight 2] [--param-dtype fp32|bf16]
                                           [--repeat 1] [--steps 20] [--warmup 3]
                                           [--daemon-optimizer] [--checkpoint-every N]
-                                          [--checkpoint-only]
+                                          [--checkpoint-only] [--checkpoint-write-rate RATE]
                                           [--global-batch 8] [--seq-len 64] [--json]
 
 For each L in --ranks, the same L processes' worth of work runs three times, one after the
@@ -493,7 +493,8 @@ def run_config(system, world, args, build):
         if worker == "fsdpd":
             daemon_log = open(tmp / "fsdpd.log", "wb")
             options = ([f"checkpoint.dir={saves}",
-                        f"checkpoint.every_steps={args.checkpoint_every}"]
+                        f"checkpoint.every_steps={args.checkpoint_every}",
+                        f"checkpoint.write_rate={args.checkpoint_write_rate}"]
                        if system == CHECKPOINTING else [])
             daemon, socket = _start_daemon(build, tmp / "run", daemon_log, options)
             base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB)
@@ -720,8 +721,10 @@ def checkpoint_report(runs, args):
     for world in args.ranks:
         trios = list(zip(*(runs[(world, s)] for s in systems(args))))
         each = ", ".join("/".join(f"{r['step_ms']:.1f}" for r in t) for t in trios)
-        print(f"L={world} step ms without / with saves every {args.checkpoint_every} step(s) / "
-              f"with dd beside, run by run: {each}")
+        rate = "" if args.checkpoint_write_rate == "0" else \
+            f" at {args.checkpoint_write_rate}/s at most"
+        print(f"L={world} step ms without / with saves every {args.checkpoint_every} step(s)"
+              f"{rate} / with dd beside, run by run: {each}")
         pairs = [(o, k) for o, k, _ in trios]
         for name, at in (("the daemon saves", 1), ("dd writes beside it", 2)):
             ratios = [t[at]["step_ms"] / t[0]["step_ms"] for t in trios]
@@ -754,6 +757,9 @@ def main(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also run fsdpd+opt with the daemon saving every N steps (implies "
                         "--daemon-optimizer)")
+    p.add_argument("--checkpoint-write-rate", default="0", metavar="RATE",
+                   help="fsdpd+ckpt's checkpoint.write_rate, bytes per second a save writes "
+                        "at most (\"100MiB\"; default 0: unpaced)")
     p.add_argument("--checkpoint-only", action="store_true",
                    help="with --checkpoint-every: run fsdpd+opt and fsdpd+ckpt alone and "
                         "print each run's ratio of their steps")

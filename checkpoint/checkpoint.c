@@ -18,6 +18,7 @@
 #include <json-c/json.h>
 #include <xxhash.h>
 
+#include "common/clock.h"
 #include "common/failpoint.h"
 #include "common/io.h"
 
@@ -146,11 +147,14 @@ typedef struct streamed_file {
   off_t written; /* bytes written so far, the padding after a block's tail included */
   off_t end;     /* the end of the last block, its padding not included */
   off_t settled; /* through the page cache: bytes written back and dropped */
+  uint64_t rate; /* bytes per second at most (fsdp_checkpoint_job_t.write_rate); 0: unpaced */
+  uint64_t opened_ns;
 } streamed_file_t;
 
-/* Opens path for a streamed write, direct where the filesystem allows it. */
-static int stream_open(streamed_file_t *f, const char *path) {
-  *f = (streamed_file_t){.fd = -1};
+/* Opens path for a streamed write, direct where the filesystem allows it, at most `rate`
+ * bytes per second. */
+static int stream_open(streamed_file_t *f, const char *path, uint64_t rate) {
+  *f = (streamed_file_t){.fd = -1, .rate = rate, .opened_ns = fsdp_clock_now_ns()};
   f->bounce = aligned_alloc(DIRECT_ALIGN, IO_CHUNK);
   if (!f->bounce)
     return -ENOMEM;
@@ -230,7 +234,22 @@ static int stream_write(streamed_file_t *f, const void *buf, size_t len) {
   return buffered_write(f, buf, len);
 }
 
-/* Writes len bytes and their XXH64, a chunk at a time. */
+/* Waits until the bytes written so far are within the file's rate since it opened. */
+static void pace(const streamed_file_t *f) {
+  if (!f->rate)
+    return;
+  uint64_t due_ns = (uint64_t)((double)f->written / (double)f->rate * 1e9);
+  uint64_t elapsed_ns = fsdp_clock_now_ns() - f->opened_ns;
+  if (due_ns <= elapsed_ns)
+    return;
+  uint64_t wait_ns = due_ns - elapsed_ns;
+  struct timespec t = {.tv_sec = (time_t)(wait_ns / 1000000000),
+                       .tv_nsec = (long)(wait_ns % 1000000000)};
+  while (nanosleep(&t, &t) < 0 && errno == EINTR) {
+  }
+}
+
+/* Writes len bytes and their XXH64, a chunk at a time, paced. */
 static int write_hashed(streamed_file_t *f, const void *buf, size_t len,
                         XXH64_hash_t *ret_hash) {
   XXH64_state_t *h = XXH64_createState();
@@ -244,6 +263,7 @@ static int write_hashed(streamed_file_t *f, const void *buf, size_t len,
     r = stream_write(f, p + done, n);
     XXH64_update(h, p + done, n);
     done += n;
+    pace(f);
   }
   *ret_hash = XXH64_digest(h);
   XXH64_freeState(h);
@@ -298,7 +318,7 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
   if (!join(path, sizeof path, dir, "/", name) || !join(tmp, sizeof tmp, path, "", ".tmp"))
     return io_failed(st, "naming", dir, ENAMETOOLONG);
   streamed_file_t file;
-  int r = stream_open(&file, tmp);
+  int r = stream_open(&file, tmp, job->write_rate);
   if (r < 0) {
     stream_cleanup(&file);
     return io_failed(st, "creating", tmp, -r);

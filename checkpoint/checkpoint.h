@@ -63,6 +63,7 @@ typedef struct fsdp_checkpoint_job {
   uint64_t hosts_wait_ms; /* host 0's wait for the other hosts' files (hosts > 1) */
   uint64_t step;          /* the job's last completed step, which names the checkpoint */
   const char *optimizer; /* its kind ("ADAMW"), "" without one */
+  uint64_t write_rate;   /* a save's blocks: bytes per second at most; 0: unpaced */
   const fsdp_checkpoint_unit_t *units;
   size_t n_units;
 } fsdp_checkpoint_job_t;

@@ -498,6 +498,7 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   /* Host 0 waits for the others' files as long as a collective among hosts may take. */
   c->job.hosts_wait_ms = c->cp->dp->collective_timeout_ms;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
+  c->job.write_rate = c->cp->write_rate;
   c->job.units = c->units;
   c->job.n_units = n;
   return 0;
@@ -684,10 +685,11 @@ void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp) {
 }
 
 void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
-                                unsigned keep, bool resume) {
+                                unsigned keep, uint64_t write_rate, bool resume) {
   snprintf(cp->dir, sizeof cp->dir, "%s", dir);
   cp->every_steps = every_steps;
   cp->keep = keep;
+  cp->write_rate = write_rate;
   cp->resume = resume;
 }
 

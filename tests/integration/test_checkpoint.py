@@ -10,6 +10,7 @@ import json
 import signal
 import struct
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -462,6 +463,31 @@ def test_a_save_that_waited_is_taken_whole_at_the_next_step_boundary(fsdpd, tmp_
     garble(ranks[0], regions)
     assert checkpoint(d, "LoadCheckpoint", tmp_path / "b").step == 2
     assert snapshot(ranks[0], regions) == after_2
+
+
+def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
+    """checkpoint.write_rate 8MiB: a save of 12 MiB of blocks (a unit of 1 Mi fp32 masters
+    and AdamW's two arrays) lasts 1.5 s at least, and loads back bit for bit."""
+    d = fsdpd("--set", "checkpoint.write_rate=8MiB")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    layouts = [r.register(shapes=((1024, 1024),), param_dtype=FP32, requires_grad=True)
+               for r in ranks]
+    (state,) = set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW)).units
+    n = layouts[0].padded_numel
+    regions = [(layouts[0].master_offset, 4 * n), (state.steps_offset, 8)]
+    regions += [(state.arrays_offset + a * state.array_stride, 4 * n)
+                for a in range(state.arrays)]
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
+    for r in ranks:
+        r.write_full_grad([0.125 * (i % 5) - 0.25 for i in range(n)], FP32)
+    assert on_all(ranks, "ReduceScatter", step=1, step_optimizer=True) == [None, None]
+    want = snapshot(ranks[0], regions)
+    start = time.monotonic()
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    assert time.monotonic() - start >= 1.5 - 0.01  # 12 MiB at 8 MiB/s
+    garble(ranks[0], regions)
+    assert checkpoint(d, "LoadCheckpoint", tmp_path).step == 1
+    assert snapshot(ranks[0], regions) == want
 
 
 def test_a_job_that_starts_finds_no_unfinished_save_of_a_run_before(fsdpd, tmp_path):
