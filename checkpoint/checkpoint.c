@@ -38,6 +38,9 @@ static const char *const state_names[FSDP_CHECKPOINT_ARRAYS_MAX] = {"state0", "s
                                                                    "state2"};
 
 static int io_failed(fsdp_status_t *st, const char *what, const char *path, int err) {
+  if (err == ECANCELED)
+    return fsdp_status_set(st, FSDP_E_ABORTED, "checkpoint: %s %s: abandoned by the daemon's stop",
+                           what, path);
   return fsdp_status_set(st,
                          err == ENOSPC || err == EDQUOT ? FSDP_E_RESOURCE_EXHAUSTED
                                                         : FSDP_E_UNAVAILABLE,
@@ -149,12 +152,13 @@ typedef struct streamed_file {
   off_t settled; /* through the page cache: bytes written back and dropped */
   uint64_t rate; /* bytes per second at most (fsdp_checkpoint_job_t.write_rate); 0: unpaced */
   uint64_t opened_ns;
+  const atomic_bool *abandon; /* fsdp_checkpoint_job_t's */
 } streamed_file_t;
 
-/* Opens path for a streamed write, direct where the filesystem allows it, at most `rate`
- * bytes per second. */
-static int stream_open(streamed_file_t *f, const char *path, uint64_t rate) {
-  *f = (streamed_file_t){.fd = -1, .rate = rate, .opened_ns = fsdp_clock_now_ns()};
+/* Opens path for a streamed write of the job's, direct where the filesystem allows it. */
+static int stream_open(streamed_file_t *f, const char *path, const fsdp_checkpoint_job_t *job) {
+  *f = (streamed_file_t){.fd = -1, .rate = job->write_rate, .opened_ns = fsdp_clock_now_ns(),
+                         .abandon = job->abandon};
   f->bounce = aligned_alloc(DIRECT_ALIGN, IO_CHUNK);
   if (!f->bounce)
     return -ENOMEM;
@@ -234,18 +238,25 @@ static int stream_write(streamed_file_t *f, const void *buf, size_t len) {
   return buffered_write(f, buf, len);
 }
 
-/* Waits until the bytes written so far are within the file's rate since it opened. */
-static void pace(const streamed_file_t *f) {
-  if (!f->rate)
-    return;
-  uint64_t due_ns = (uint64_t)((double)f->written / (double)f->rate * 1e9);
-  uint64_t elapsed_ns = fsdp_clock_now_ns() - f->opened_ns;
-  if (due_ns <= elapsed_ns)
-    return;
-  uint64_t wait_ns = due_ns - elapsed_ns;
-  struct timespec t = {.tv_sec = (time_t)(wait_ns / 1000000000),
-                       .tv_nsec = (long)(wait_ns % 1000000000)};
-  while (nanosleep(&t, &t) < 0 && errno == EINTR) {
+static bool abandoned(const streamed_file_t *f) {
+  return f->abandon && atomic_load(f->abandon);
+}
+
+/* Waits until the bytes written so far are within the file's rate since it opened, in
+ * slices of at most 100 ms, so that an abandoned save stops soon: -ECANCELED then. */
+static int pace(const streamed_file_t *f) {
+  for (;;) {
+    if (abandoned(f))
+      return -ECANCELED;
+    if (!f->rate)
+      return 0;
+    double due_ns = (double)f->written / (double)f->rate * 1e9;
+    double elapsed_ns = (double)(fsdp_clock_now_ns() - f->opened_ns);
+    if (due_ns <= elapsed_ns)
+      return 0;
+    double wait_ns = due_ns - elapsed_ns < 1e8 ? due_ns - elapsed_ns : 1e8;
+    struct timespec t = {.tv_nsec = (long)wait_ns};
+    nanosleep(&t, NULL); /* a signal: the loop looks again */
   }
 }
 
@@ -263,7 +274,8 @@ static int write_hashed(streamed_file_t *f, const void *buf, size_t len,
     r = stream_write(f, p + done, n);
     XXH64_update(h, p + done, n);
     done += n;
-    pace(f);
+    if (r == 0)
+      r = pace(f);
   }
   *ret_hash = XXH64_digest(h);
   XXH64_freeState(h);
@@ -318,7 +330,7 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
   if (!join(path, sizeof path, dir, "/", name) || !join(tmp, sizeof tmp, path, "", ".tmp"))
     return io_failed(st, "naming", dir, ENAMETOOLONG);
   streamed_file_t file;
-  int r = stream_open(&file, tmp, job->write_rate);
+  int r = stream_open(&file, tmp, job);
   if (r < 0) {
     stream_cleanup(&file);
     return io_failed(st, "creating", tmp, -r);

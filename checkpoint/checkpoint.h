@@ -22,6 +22,7 @@
 #ifndef FSDP_CHECKPOINT_H
 #define FSDP_CHECKPOINT_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -64,6 +65,9 @@ typedef struct fsdp_checkpoint_job {
   uint64_t step;          /* the job's last completed step, which names the checkpoint */
   const char *optimizer; /* its kind ("ADAMW"), "" without one */
   uint64_t write_rate;   /* a save's blocks: bytes per second at most; 0: unpaced */
+  /* When set (by another thread), a save under way stops at its next chunk with ABORTED,
+   * the checkpoints before it as they were; NULL: never. */
+  const atomic_bool *abandon;
   const fsdp_checkpoint_unit_t *units;
   size_t n_units;
 } fsdp_checkpoint_job_t;
@@ -105,9 +109,10 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
                          char *ret_path, size_t size, fsdp_status_t *st);
 
 /* Removes what saves into dir that did not finish left there (step-<S>.partial/, every
- * host's files). Only where no save into dir can be under way: by host 0 as a job starts on
- * it, before any host can have trained a step of it. Otherwise host 0 would count a host's
- * files left by a save of the same step that died as that host's part of a new one. */
+ * host's files), so that host 0 does not count a host's files left by a save of the same
+ * step that died as that host's part of a new one. By host 0 as a job starts on it: no new
+ * save can be under way (the others' saves of a run that went on while host 0's daemon
+ * restarted cannot complete without it, and fail). */
 void fsdp_checkpoint_remove_unfinished(const char *dir);
 
 /* A checkpoint open for reading: its metadata, and its blocks checked as they are read. */

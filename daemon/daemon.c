@@ -230,6 +230,7 @@ static void on_housekeeping(uv_timer_t *timer) {
                        on_session_expired, daemon);
   fsdp_channel_expire(&daemon->channel, uv_now(&daemon->loop));
   fsdp_dataplane_expire(&daemon->store, uv_now(&daemon->loop));
+  fsdp_checkpoints_expire(&daemon->checkpoints, uv_now(&daemon->loop));
   retire_idle_jobs(daemon, uv_now(&daemon->loop));
 }
 
@@ -359,6 +360,8 @@ static void stop_now(fsdp_daemon_t *daemon, const char *why) {
   fsdp_health_cleanup(&daemon->health);
   /* The peers hear it at once and count this host LEFT rather than wait out peer.timeout. */
   fsdp_peers_leave(daemon->peers, why);
+  /* The saves the stop waited for are written (or given up on): others stop writing. */
+  fsdp_checkpoints_abandon(&daemon->checkpoints);
   fsdp_rpc_server_stop(daemon->rpc, drain_ms, on_rpc_stopped, daemon);
 }
 

@@ -27,10 +27,10 @@ typedef struct job_steps {
 
 /* A checkpoint's work (fsdp_checkpoints_start), in cp->works: the job described on the
  * loop, the directory, and who hears the end. A load runs on the queue. A save's snapshot (a
- * copy of the job's state into its staging memory) runs beside the queue, with the job's
- * reduces held (fsdp_dataplane_hold_reduces), and so does its write, from the snapshot,
- * while training goes on. One of the job's at a time uses its staging memory; a save asked
- * meanwhile waits for it. */
+ * copy of the job's state into its staging memory) runs beside the queue while the job's
+ * reduces are held (fsdp_dataplane_hold_reduces); its write then runs beside the queue too,
+ * from the snapshot, while training goes on. One of the job's at a time uses its staging
+ * memory; a save asked meanwhile waits for it. */
 typedef struct checkpoint_work {
   fsdp_checkpoints_t *cp;
   fsdp_job_t *owner;
@@ -40,11 +40,13 @@ typedef struct checkpoint_work {
   unsigned keep; /* a save's: how many of the directory's checkpoints stay */
   uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
   /* A save that waits for another: where the job stood when it was asked. When its turn
-   * comes, a job that has reduced since is saved at its next step boundary, not inside a
-   * step; one that stood still is saved as it is, as asked. A save promoted at a boundary
-   * (at_boundary) is taken as it is. */
+   * comes, a job that stood still is saved as it is, as asked; one that has reduced since is
+   * saved as it is if it is between steps, else at its next step boundary, not inside a
+   * step, which must come by boundary_deadline_ms (loop time). A save promoted at a
+   * boundary (at_boundary) is taken as it is. */
   job_steps_t asked_at;
   bool at_boundary;
+  uint64_t boundary_deadline_ms; /* 0: none (a stop's save: the stop has its own) */
   char dir[PATH_MAX];
   fsdp_checkpoint_job_t job;
   fsdp_checkpoint_unit_t *units;
@@ -128,9 +130,12 @@ static void run_load(void *arg) {
 }
 
 /* On a pool thread, beside the queue, the job's reduces held: a save's snapshot, the job's
- * buffers copied into staging, which the save then writes from. */
+ * buffers copied into staging, which the save then writes from. Nothing, when describing
+ * the job failed (c->st says why). */
 static void take_snapshot(uv_work_t *req) {
   checkpoint_work_t *c = req->data;
+  if (c->st.code < 0)
+    return;
   fsdp_failpoint("checkpoint-snapshot");
   uint64_t start_ns = fsdp_clock_now_ns();
   void *at = staging(c->owner, c);
@@ -219,29 +224,43 @@ static job_steps_t job_steps(const fsdp_job_t *job) {
 static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
                             fsdp_status_t *st);
 
-/* A checkpoint of the job ended: the first save waiting for it takes its snapshot, or, when
- * the job has reduced since that save was asked, waits for its next step boundary. */
-static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
-  for (checkpoint_work_t *c = cp->works; c; c = c->next) {
-    if (c->owner != job || c->stage != SAVE_WAITING)
-      continue;
-    job_steps_t now = job_steps(job);
-    if (!c->at_boundary && (now.completed != c->asked_at.completed ||
-                            now.newest != c->asked_at.newest || now.reducing)) {
-      c->stage = SAVE_AT_BOUNDARY;
-      log_info("job '%s': a save asked after step %llu waited for another, and the job has "
-               "trained since: it saves at its next step boundary",
-               job->name, (unsigned long long)c->asked_at.completed);
-      return;
-    }
-    c->stage = SAVE_SNAPSHOT;
-    if (queue_checkpoint(cp, job, c, &c->st) == 0)
-      return;
-    unlink_work(cp, c);
-    end_checkpoint(job, c, 0);
-    start_waiting_save(cp, job);
+static bool daemon_steps_every_unit(fsdp_job_t *job);
+
+static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job);
+
+/* The staging memory is free: the save c, waiting, takes its snapshot, unless the job has
+ * trained since it was asked and is inside a step (see asked_at). */
+static void start_save(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c) {
+  job_steps_t now = job_steps(job);
+  bool moved = now.completed != c->asked_at.completed || now.newest != c->asked_at.newest ||
+               now.reducing;
+  bool between = now.even && !now.reducing &&
+                 (daemon_steps_every_unit(job) || job->masters_final_step > now.completed);
+  if (!c->at_boundary && moved && !between) {
+    c->stage = SAVE_AT_BOUNDARY;
+    c->boundary_deadline_ms = uv_now(cp->dp->loop) + cp->dp->collective_timeout_ms;
+    log_info("job '%s': a save asked after step %llu waited for another, and the job is "
+             "inside a step since: it saves at its next step boundary",
+             job->name, (unsigned long long)c->asked_at.completed);
     return;
   }
+  if (!c->at_boundary && moved)
+    c->asked_step = now.completed; /* the step it holds, not the one asked */
+  c->stage = SAVE_SNAPSHOT;
+  if (queue_checkpoint(cp, job, c, &c->st) == 0)
+    return;
+  unlink_work(cp, c);
+  end_checkpoint(job, c, 0);
+  start_waiting_save(cp, job);
+}
+
+/* A checkpoint of the job ended: the first save waiting for it starts. */
+static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
+  for (checkpoint_work_t *c = cp->works; c; c = c->next)
+    if (c->owner == job && c->stage == SAVE_WAITING) {
+      start_save(cp, job, c);
+      return;
+    }
 }
 
 static void *write_files(void *arg) {
@@ -320,21 +339,43 @@ static int start_snapshot(fsdp_checkpoints_t *cp, checkpoint_work_t *c, fsdp_sta
 
 static int describe(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st);
 
-/* On the loop: the reduces of the job that ran when its save asked to hold them ended; the
- * job is described again, as they left it. */
+/* On the loop, from inside the data plane: the reduces of the job that ran when its save
+ * asked to hold them ended. The job is described again, as they left it, and the snapshot
+ * starts; a description that fails ends the save from the snapshot's end, outside the data
+ * plane. */
 static void reduces_quiet(void *arg) {
   checkpoint_work_t *c = arg;
-  if (describe(c->owner, c, &c->st) < 0)
-    fsdp_dataplane_release_reduces(c->cp->dp, c->owner);
-  else if (start_snapshot(c->cp, c, &c->st) == 0)
-    return;
-  end_work(c->cp, c, 0);
+  if (describe(c->owner, c, &c->st) == 0)
+    fsdp_status_clear(&c->st);
+  if (start_snapshot(c->cp, c, &c->st) < 0)
+    end_work(c->cp, c, 0); /* libuv refused work: it cannot, but for a missing callback */
 }
 
 /* On the loop, once run_load ran. */
 static void load_ran(void *arg, int status) {
   checkpoint_work_t *c = arg;
   end_work(c->cp, c, status);
+}
+
+void fsdp_checkpoints_abandon(fsdp_checkpoints_t *cp) {
+  atomic_store(&cp->abandon, true);
+}
+
+void fsdp_checkpoints_expire(fsdp_checkpoints_t *cp, uint64_t now_ms) {
+  for (checkpoint_work_t *c = cp->works; c; c = c->next) {
+    if (c->stage != SAVE_AT_BOUNDARY || !c->boundary_deadline_ms ||
+        now_ms < c->boundary_deadline_ms)
+      continue;
+    fsdp_status_set(&c->st, FSDP_E_DEADLINE_EXCEEDED,
+                    "SaveCheckpoint: job '%s' came to no step boundary within "
+                    "store.collective_timeout (%llu ms) once the checkpoint it waited for had "
+                    "ended: not saved",
+                    c->owner->name, (unsigned long long)cp->dp->collective_timeout_ms);
+    unlink_work(cp, c);
+    end_checkpoint(c->owner, c, 0);
+    fsdp_checkpoints_expire(cp, now_ms); /* the list changed: from its start again */
+    return;
+  }
 }
 
 bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
@@ -405,14 +446,14 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_checkpoints_t *cp = ctx;
   if (resuming(job))
     return; /* its state is the checkpoint's, not loaded yet */
+  /* A save waiting for a boundary takes this one, unless the staging memory is in use: then
+   * it waits for the next. */
   for (checkpoint_work_t *c = cp->works; c && step; c = c->next)
-    if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
-      c->stage = SAVE_WAITING;
+    if (c->owner == job && c->stage == SAVE_AT_BOUNDARY && !staging_user(cp, job)) {
       c->asked_step = step;
       c->at_boundary = true;
-      if (!staging_user(cp, job))
-        start_waiting_save(cp, job);
-      return; /* the save the stop asked for is the schedule's too */
+      start_save(cp, job, c);
+      return; /* the staging memory is its: a scheduled save of the step would be skipped */
     }
   if (!cp->every_steps || !cp->dir[0] || step == 0 || step % cp->every_steps != 0 ||
       step <= job->checkpointed_step)
@@ -499,6 +540,7 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   c->job.hosts_wait_ms = c->cp->dp->collective_timeout_ms;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
   c->job.write_rate = c->cp->write_rate;
+  c->job.abandon = &c->cp->abandon;
   c->job.units = c->units;
   c->job.n_units = n;
   return 0;
@@ -660,9 +702,8 @@ static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_
     return r;
   if (c->stage == LOADING)
     return fsdp_dataplane_queue_call(cp->dp, job, run_load, load_ran, c, st);
-  /* A save asked with no step holds the reduces of steps after the one under way. */
-  uint64_t hold_after = c->asked_step ? c->asked_step : job_steps(job).newest;
-  if (!fsdp_dataplane_hold_reduces(cp->dp, job, hold_after, reduces_quiet, c))
+  /* While a reduce runs, the step under way ends: the snapshot starts after it. */
+  if (!fsdp_dataplane_hold_reduces(cp->dp, job, job_steps(job).newest, reduces_quiet, c))
     return 0;
   return start_snapshot(cp, c, st);
 }

@@ -14,6 +14,7 @@
 #define FSDP_DATAPLANE_CHECKPOINTS_H
 
 #include <limits.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -29,6 +30,7 @@ typedef struct fsdp_checkpoints {
   unsigned keep;
   uint64_t write_rate; /* bytes per second; 0: unpaced */
   bool resume; /* checkpoint.resume = latest */
+  atomic_bool abandon; /* fsdp_checkpoints_abandon: the writes under way stop */
 } fsdp_checkpoints_t;
 
 /* Checkpoints of dp's jobs (no schedule, no resume until configured); takes dp's hooks. */
@@ -60,7 +62,9 @@ typedef void (*fsdp_checkpoints_done_fn)(void *data, const fsdp_status_t *st, co
  * loaded yet, a load while a collective runs or while another checkpoint of the job is
  * under way: a save writes from the staging memory a load reads into). A save asked while
  * another checkpoint of the job is under way waits for it; if the job has reduced since it
- * was asked, it is then taken at the job's next step boundary, never inside a step. The
+ * was asked, it then holds the job's step as it is then (its reply says which) when the job
+ * is between steps, else the one of its next step boundary, never the inside of a step
+ * (fsdp_checkpoints_expire ends it if none comes). The
  * job's memory may be a GPU's: it goes to and from the host's staging memory through the
  * backend. dir is copied. */
 int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
@@ -82,6 +86,15 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
 /* What the job's saves are doing, the furthest along: "" (none), "waiting for the step
  * boundary", "waiting for the save before", "taking its snapshot", "writing". Static. */
 const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
+
+/* Ends with DEADLINE_EXCEEDED the saves that waited for another and then for a step
+ * boundary that has not come within store.collective_timeout; from the housekeeping timer
+ * (now_ms: loop time). */
+void fsdp_checkpoints_expire(fsdp_checkpoints_t *cp, uint64_t now_ms);
+
+/* The daemon stops: saves writing stop at their next chunk and fail (ABORTED), the
+ * checkpoints before them as they were, so that a stop never waits out a paced write. */
+void fsdp_checkpoints_abandon(fsdp_checkpoints_t *cp);
 
 /* Whether a checkpoint of the job waits or is under way (its memory must stay). */
 bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);

@@ -207,12 +207,14 @@ static bool reducing(const fsdp_job_t *job) {
   return false;
 }
 
-/* Tells the holder, once, that no reduce of the job runs any more. */
+/* Tells the holder, once, that no reduce of the job runs any more: from then on every
+ * reduce of the job waits, whatever its step. */
 static void tell_if_quiet(fsdp_job_t *job) {
   void (*quiet)(void *arg) = job->reduces_quiet;
   if (!quiet || reducing(job))
     return;
   job->reduces_quiet = NULL;
+  job->hold_after_step = 0;
   quiet(job->reduces_quiet_arg);
 }
 
@@ -1631,8 +1633,10 @@ bool fsdp_dataplane_hold_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t
   (void)dp;
   job->reduces_held = true;
   job->hold_after_step = after_step;
-  if (!reducing(job))
+  if (!reducing(job)) {
+    job->hold_after_step = 0;
     return true;
+  }
   job->reduces_quiet = quiet;
   job->reduces_quiet_arg = arg;
   return false;

@@ -86,7 +86,7 @@ typedef struct fsdp_dataplane_hooks {
    * not, and the gather waits for fsdp_dataplane_resumed. */
   void (*resume)(void *ctx, fsdp_job_t *job);
   /* Every local rank asked the forward's gather of step + 1: their masters are final for
-   * step, and stay so until its reduces, which work queued now goes before. */
+   * step, and stay so until its reduces (fsdp_dataplane_hold_reduces holds them). */
   void (*step_boundary)(void *ctx, fsdp_job_t *job, uint64_t step);
 } fsdp_dataplane_hooks_t;
 
@@ -246,12 +246,14 @@ int fsdp_dataplane_queue_call(fsdp_dataplane_t *dp, fsdp_job_t *job, void (*run)
                               void (*ran)(void *arg, int status), void *arg, fsdp_status_t *st);
 
 /* Holds the job's reduces while another module copies its masters and optimizer state
- * beside the work queue (a checkpoint's snapshot): a reduce of a step after `after_step`
- * whose ranks have all asked waits, and starts once fsdp_dataplane_release_reduces lets it
- * go, in the order its ranks completed it. Nothing else changes that state (a trainer's
- * optimizer writes the masters only once its reduce ended), so gathers go on meanwhile.
- * Returns whether no reduce of the job runs; if one does, quiet(arg) is called on the loop
- * once the last running one ends. One holder at a time. */
+ * beside the work queue (a checkpoint's snapshot): a reduce whose ranks have all asked
+ * waits, and starts once fsdp_dataplane_release_reduces lets it go, in the order its ranks
+ * completed it. Nothing else changes that state (a trainer's optimizer writes the masters
+ * only once its reduce ended), so gathers go on meanwhile. Returns whether no reduce of the
+ * job runs: then every reduce waits. If one does, reduces of steps up to after_step (the
+ * step under way) still start, so that it can end, and quiet(arg) is called on the loop
+ * once none runs (from inside the data plane's own calls: it must not end the hold or call
+ * back into them); from then on every reduce waits. One holder at a time. */
 bool fsdp_dataplane_hold_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t after_step,
                                  void (*quiet)(void *arg), void *arg);
 void fsdp_dataplane_release_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job);

@@ -411,58 +411,125 @@ def test_a_snapshot_holds_the_reduces_and_lets_the_gathers_go_on(fsdpd, tmp_path
     assert snapshot(ranks[0], regions) == after_1
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
-def test_a_save_that_waited_is_taken_whole_at_the_next_step_boundary(fsdpd, tmp_path):
-    """A save asked while another is written (stalled 3 s by a failpoint) waits for it. The
-    job has since reduced unit 'u' of step 2 and not unit 'v': the waiting save does not
-    copy that mix of steps 1 and 2, but waits for the step boundary (every rank asking the
-    forward's gather of step 3) and holds step 2 whole."""
-    d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-begun:1:sleep-3000"})
-    ranks = [Rank(d, r, 2) for r in range(2)]
-    units = ("u", "v")
-    layouts = {u: ranks[0].register(unit=u, shapes=SHAPES, param_dtype=FP32, requires_grad=True)
-               for u in units}
-    for r in ranks[1:]:
-        for u in units:
-            r.register(unit=u, shapes=SHAPES, param_dtype=FP32, requires_grad=True)
-    reply = set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW))
-    regions = []
-    for state in reply.units:
-        n = layouts[state.unit].padded_numel
-        regions += [(layouts[state.unit].master_offset, 4 * n), (state.steps_offset, 8)]
-        regions += [(state.arrays_offset + a * state.array_stride, 4 * n)
-                    for a in range(state.arrays)]
+class TwoUnits:
+    """Two ranks of job 'j' with units 'u' and 'v' and AdamW in the daemon, both trained
+    step 1; a first save into dir/a stalled 3 s in its write (the daemon's failpoint), and a
+    second into dir/b asked meanwhile, waiting for it."""
 
-    def train(unit, step):
-        n = layouts[unit].padded_numel
-        assert on_all(ranks, "Unshard", unit=unit, step=step, backward=True) == [None, None]
-        for r in ranks:
+    def __init__(self, d, tmp_path):
+        self.d = d
+        self.ranks = ranks = [Rank(d, r, 2) for r in range(2)]
+        self.layouts = {}
+        for u in ("u", "v"):
+            for r in ranks:
+                self.layouts[u] = r.register(unit=u, shapes=SHAPES, param_dtype=FP32,
+                                             requires_grad=True)
+        self.regions = []
+        for state in set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW)).units:
+            n = self.layouts[state.unit].padded_numel
+            self.regions += [(self.layouts[state.unit].master_offset, 4 * n),
+                             (state.steps_offset, 8)]
+            self.regions += [(state.arrays_offset + a * state.array_stride, 4 * n)
+                             for a in range(state.arrays)]
+        for u in ("u", "v"):
+            self.train(u, 1)
+        self.first = save_later(d, tmp_path / "a")
+        poll(lambda: self.save_state() == "writing", 10, what="the first save's write")
+        self.second = save_later(d, tmp_path / "b")
+        poll(lambda: "waits for the checkpoint under way" in d.stderr(), 10,
+             what="the second save")
+
+    def train(self, unit, step):
+        n = self.layouts[unit].padded_numel
+        assert on_all(self.ranks, "Unshard", unit=unit, step=step, backward=True) == [None] * 2
+        for r in self.ranks:
             r.write_full_grad([0.125 * (i % 5) - 0.25 for i in range(n)], FP32, unit=unit)
-        assert on_all(ranks, "ReduceScatter", unit=unit, step=step,
+        assert on_all(self.ranks, "ReduceScatter", unit=unit, step=step,
                       step_optimizer=True) == [None, None]
 
-    def save_state():
-        (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    def save_state(self):
+        (job,) = json.loads(self.d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
         return job["checkpoint_state"]
 
-    for u in units:
-        train(u, 1)
-    first = save_later(d, tmp_path / "a")
-    poll(lambda: save_state() == "writing", 10, what="the first save's write")
-    second = save_later(d, tmp_path / "b")
-    poll(lambda: "waits for the checkpoint under way" in d.stderr(), 10, what="the second save")
-    train("u", 2)
-    assert first.result().step == 1
-    poll(lambda: save_state() == "waiting for the step boundary", 10,
+    def loads_back(self, path, step, want):
+        garble(self.ranks[0], self.regions)
+        assert checkpoint(self.d, "LoadCheckpoint", path).step == step
+        assert snapshot(self.ranks[0], self.regions) == want
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_save_that_waited_is_taken_whole_at_the_next_step_boundary(fsdpd, tmp_path):
+    """A save asked while another is written waits for it. The job has since reduced unit
+    'u' of step 2 and not unit 'v': the waiting save does not copy that mix of steps 1 and
+    2, but waits for the step boundary (every rank asking the forward's gather of step 3)
+    and holds step 2 whole."""
+    t = TwoUnits(fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-begun:1:sleep-3000"}), tmp_path)
+    t.train("u", 2)
+    assert t.first.result().step == 1
+    poll(lambda: t.save_state() == "waiting for the step boundary", 10,
          what="the second save waiting for the boundary")
-    train("v", 2)
-    after_2 = snapshot(ranks[0], regions)
-    assert not second.done()
-    assert on_all(ranks, "Unshard", unit="u", step=3) == [None, None]
-    assert second.result().step == 2
-    garble(ranks[0], regions)
-    assert checkpoint(d, "LoadCheckpoint", tmp_path / "b").step == 2
-    assert snapshot(ranks[0], regions) == after_2
+    t.train("v", 2)
+    after_2 = snapshot(t.ranks[0], t.regions)
+    assert not t.second.done()
+    assert on_all(t.ranks, "Unshard", unit="u", step=3) == [None, None]
+    assert t.second.result().step == 2
+    t.loads_back(tmp_path / "b", 2, after_2)
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_save_that_waited_holds_the_step_the_job_is_between(fsdpd, tmp_path):
+    """The job trained the whole of step 2 while the second save waited: it holds step 2 at
+    once (its reply says so), not step 1 as asked, which is gone."""
+    t = TwoUnits(fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-begun:1:sleep-3000"}), tmp_path)
+    for u in ("u", "v"):
+        t.train(u, 2)
+    after_2 = snapshot(t.ranks[0], t.regions)
+    assert t.first.result().step == 1
+    assert t.second.result().step == 2
+    t.loads_back(tmp_path / "b", 2, after_2)
+
+
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_save_that_waits_for_a_boundary_that_does_not_come_ends(fsdpd, tmp_path):
+    """The job stopped inside step 2 while the second save waited: that save waits for the
+    step boundary as long as a collective may take (store.collective_timeout), then ends
+    with DEADLINE_EXCEEDED naming why; the job goes on."""
+    d = fsdpd("--set", "store.collective_timeout=2s",
+              env={"FSDPD_FAILPOINT": "checkpoint-begun:1:sleep-3000"})
+    t = TwoUnits(d, tmp_path)
+    t.train("u", 2)
+    assert t.first.result().step == 1
+    with pytest.raises(grpc.RpcError) as info:
+        t.second.result()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+    assert "job 'j' came to no step boundary within store.collective_timeout (2000 ms)" in \
+        info.value.details(), info.value.details()
+    assert t.save_state() == ""
+    t.train("v", 2)
+    assert not (tmp_path / "b").exists() or not list((tmp_path / "b").glob("step-*"))
+
+
+def test_a_stop_abandons_a_paced_write(fsdpd, tmp_path):
+    """A save paced to 256 KiB/s (checkpoint.write_rate) would write its 12 MiB for 48 s:
+    SIGTERM stops it at its next chunk, the save fails with ABORTED naming the stop, nothing
+    of it is left, and the daemon exits 0 at once."""
+    d = fsdpd("--set", "checkpoint.write_rate=256KiB")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    for r in ranks:
+        r.register(shapes=((1024, 1024),), param_dtype=FP32, requires_grad=True)
+    set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW))
+    saves = tmp_path / "saves"
+    saving = save_later(d, saves)
+    poll(lambda: list(saves.glob("step-*.partial/host-0.bin.tmp")), 10, what="the write")
+    start = time.monotonic()
+    d.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as info:
+        saving.result()
+    assert info.value.code() == grpc.StatusCode.ABORTED, info.value
+    assert "abandoned by the daemon's stop" in info.value.details(), info.value.details()
+    assert d.wait() == 0
+    assert time.monotonic() - start < 20  # not the 48 s the write would take
+    assert list(saves.iterdir()) == []
 
 
 def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
