@@ -721,7 +721,7 @@ def checkpoint_report(runs, args):
     for world in args.ranks:
         trios = list(zip(*(runs[(world, s)] for s in systems(args))))
         each = ", ".join("/".join(f"{r['step_ms']:.1f}" for r in t) for t in trios)
-        rate = "" if args.checkpoint_write_rate == "0" else \
+        rate = "" if args.checkpoint_write_rate == "0B" else \
             f" at {args.checkpoint_write_rate}/s at most"
         print(f"L={world} step ms without / with saves every {args.checkpoint_every} step(s)"
               f"{rate} / with dd beside, run by run: {each}")
@@ -757,7 +757,7 @@ def main(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also run fsdpd+opt with the daemon saving every N steps (implies "
                         "--daemon-optimizer)")
-    p.add_argument("--checkpoint-write-rate", default="0", metavar="RATE",
+    p.add_argument("--checkpoint-write-rate", default="0B", metavar="RATE",
                    help="fsdpd+ckpt's checkpoint.write_rate, bytes per second a save writes "
                         "at most (\"100MiB\"; default 0: unpaced)")
     p.add_argument("--checkpoint-only", action="store_true",

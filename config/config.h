@@ -110,7 +110,7 @@
     "never.")                                                                                    \
   X(CHECKPOINT_KEEP, "checkpoint.keep", FSDP_OPT_INT, "0", 0, 100000, NULL, NULL, true, NULL,   \
     "How many checkpoints a job's directory keeps after each save, the newest; 0: all.")        \
-  X(CHECKPOINT_WRITE_RATE, "checkpoint.write_rate", FSDP_OPT_SIZE, "0", 0, 1099511627776,     \
+  X(CHECKPOINT_WRITE_RATE, "checkpoint.write_rate", FSDP_OPT_SIZE, "0B", 0, 1099511627776,    \
     NULL, "B", true, NULL,                                                                       \
     "Bytes per second a save writes at most, so that writing costs training less where the "    \
     "disk's writes take CPU from it (a virtual disk's do); a save then lasts as long as its "   \
