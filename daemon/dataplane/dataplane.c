@@ -214,7 +214,6 @@ static void tell_if_quiet(fsdp_job_t *job) {
   if (!quiet || reducing(job))
     return;
   job->reduces_quiet = NULL;
-  job->hold_after_step = 0;
   quiet(job->reduces_quiet_arg);
 }
 
@@ -1616,7 +1615,8 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   }
   if (collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms) <= 0)
     return;
-  if (job->reduces_held && step > job->hold_after_step) {
+  /* While the hold waits for the running reduces, those of their step may still start. */
+  if (job->reduces_held && (!job->reduces_quiet || step > job->hold_after_step)) {
     fsdp_unit_t **tail = &job->held_reduces;
     while (*tail)
       tail = &(*tail)->held_next;
@@ -1633,10 +1633,8 @@ bool fsdp_dataplane_hold_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t
   (void)dp;
   job->reduces_held = true;
   job->hold_after_step = after_step;
-  if (!reducing(job)) {
-    job->hold_after_step = 0;
+  if (!reducing(job))
     return true;
-  }
   job->reduces_quiet = quiet;
   job->reduces_quiet_arg = arg;
   return false;

@@ -173,9 +173,9 @@ typedef struct fsdp_job {
   uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
   uint64_t checkpointed_step;  /* the last step checkpoint.every_steps saved */
   /* While a save's snapshot copies the job's state beside the work queue
-   * (fsdp_dataplane_hold_reduces): reduces of steps after hold_after_step (all once no
-   * reduce runs) wait in held_reduces, and reduces_quiet(reduces_quiet_arg) waits for the
-   * running ones' end. */
+   * (fsdp_dataplane_hold_reduces): reduces wait in held_reduces, but while
+   * reduces_quiet(reduces_quiet_arg) waits for the running ones' end, those of steps up to
+   * hold_after_step still start. */
   bool reduces_held;
   uint64_t hold_after_step;
   fsdp_unit_t *held_reduces;
