@@ -39,13 +39,12 @@ typedef struct checkpoint_work {
   enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING, LOADING } stage;
   unsigned keep; /* a save's: how many of the directory's checkpoints stay */
   uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
-  /* A save that waits for another: where the job stood when it was asked. When its turn
-   * comes, a job that stood still is saved as it is, as asked; one that has reduced since is
-   * saved as it is if it is between steps, else at its next step boundary, not inside a
-   * step, which must come by boundary_deadline_ms (loop time). A save promoted at a
-   * boundary (at_boundary) is taken as it is. */
+  /* A save that waits for another: where the job stood when it was asked, or at the step
+   * boundary it waited for. When its turn comes, a job that stood still is saved as it is,
+   * as asked; one that has reduced since is saved as it is if it is between steps, else at
+   * its next step boundary, not inside a step, which must come by boundary_deadline_ms
+   * (loop time). */
   job_steps_t asked_at;
-  bool at_boundary;
   uint64_t boundary_deadline_ms; /* 0: none (a stop's save: the stop has its own) */
   char dir[PATH_MAX];
   fsdp_checkpoint_job_t job;
@@ -236,7 +235,7 @@ static void start_save(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_
                now.reducing;
   bool between = now.even && !now.reducing &&
                  (daemon_steps_every_unit(job) || job->masters_final_step > now.completed);
-  if (!c->at_boundary && moved && !between) {
+  if (moved && !between) {
     c->stage = SAVE_AT_BOUNDARY;
     c->boundary_deadline_ms = uv_now(cp->dp->loop) + cp->dp->collective_timeout_ms;
     log_info("job '%s': a save asked after step %llu waited for another, and the job is "
@@ -244,7 +243,7 @@ static void start_save(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_
              job->name, (unsigned long long)c->asked_at.completed);
     return;
   }
-  if (!c->at_boundary && moved)
+  if (moved)
     c->asked_step = now.completed; /* the step it holds, not the one asked */
   c->stage = SAVE_SNAPSHOT;
   if (queue_checkpoint(cp, job, c, &c->st) == 0)
@@ -446,14 +445,16 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_checkpoints_t *cp = ctx;
   if (resuming(job))
     return; /* its state is the checkpoint's, not loaded yet */
-  /* A save waiting for a boundary takes this one, unless the staging memory is in use: then
-   * it waits for the next. */
+  /* A save waiting for a boundary takes this one: at once, or when the staging memory is
+   * free, as any save that waited. */
   for (checkpoint_work_t *c = cp->works; c && step; c = c->next)
-    if (c->owner == job && c->stage == SAVE_AT_BOUNDARY && !staging_user(cp, job)) {
+    if (c->owner == job && c->stage == SAVE_AT_BOUNDARY) {
+      c->stage = SAVE_WAITING;
       c->asked_step = step;
-      c->at_boundary = true;
-      start_save(cp, job, c);
-      return; /* the staging memory is its: a scheduled save of the step would be skipped */
+      c->asked_at = job_steps(job);
+      if (!staging_user(cp, job))
+        start_save(cp, job, c);
+      return; /* a scheduled save of the step would find the staging memory in use */
     }
   if (!cp->every_steps || !cp->dir[0] || step == 0 || step % cp->every_steps != 0 ||
       step <= job->checkpointed_step)
