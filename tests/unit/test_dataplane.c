@@ -863,6 +863,36 @@ static void test_held_reduces_start_when_let_go(void **state) {
   fixture_cleanup(&f);
 }
 
+/* While a hold waits for the running reduce of step 1, another unit's reduce of that step
+ * still starts, so that the step ends; the holder hears once when both have. */
+static void test_a_hold_lets_the_step_under_way_end(void **state) {
+  (void)state;
+  fixture_t f;
+  fixture_init(&f, 2, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_unit_t *v = add_unit(&f, "v", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_UNSPECIFIED);
+  fsdp_dataplane_op_t u_ops[2], v_ops[2];
+  on_every_rank(&f, f.unit, 1, true, u_ops);
+  on_every_rank(&f, v, 1, true, v_ops);
+  result_t u_results[2] = {0}, v_results[2] = {0};
+  unsigned quiet = 0;
+  for (unsigned r = 0; r < 2; r++)
+    reduce(&f, r, 1, false, &u_ops[r], &u_results[r]);
+  assert_false(fsdp_dataplane_hold_reduces(&f.dp, f.job, 1, count_quiet, &quiet));
+  fsdp_dataplane_reduce_how_t how = {0};
+  for (unsigned r = 0; r < 2; r++)
+    fsdp_dataplane_reduce(&f.dp, f.job, v, &f.ranks[r], 1, &how, UINT64_MAX, &v_ops[r],
+                          on_done, &v_results[r]);
+  uv_run(&f.loop, UV_RUN_DEFAULT);
+  for (unsigned r = 0; r < 2; r++) {
+    expect(&u_results[r], 0, "");
+    expect(&v_results[r], 0, "");
+  }
+  assert_int_equal(v->reduced_step, 1);
+  assert_int_equal(quiet, 1);
+  fsdp_dataplane_release_reduces(&f.dp, f.job);
+  fixture_cleanup(&f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_buffers_of_each_rank),
@@ -882,6 +912,7 @@ int main(void) {
       cmocka_unit_test(test_out_of_order_asks),
       cmocka_unit_test(test_gradient_buffers_wait_for_a_reduce),
       cmocka_unit_test(test_held_reduces_start_when_let_go),
+      cmocka_unit_test(test_a_hold_lets_the_step_under_way_end),
   };
   return cmocka_run_group_tests_name("dataplane", tests, NULL, NULL);
 }
