@@ -225,6 +225,12 @@ static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_
 
 static bool daemon_steps_every_unit(fsdp_job_t *job);
 
+/* Whether the job's masters are final for `step`: the daemon's optimizer stepped them, or
+ * every local rank asked a gather of the next step (a trainer's optimizer wrote them). */
+static bool masters_final(fsdp_job_t *job, uint64_t step) {
+  return daemon_steps_every_unit(job) || job->masters_final_step > step;
+}
+
 static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job);
 
 /* The staging memory is free: the save c, waiting, takes its snapshot, unless the job has
@@ -233,8 +239,7 @@ static void start_save(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_
   job_steps_t now = job_steps(job);
   bool moved = now.completed != c->asked_at.completed || now.newest != c->asked_at.newest ||
                now.reducing;
-  bool between = now.even && !now.reducing &&
-                 (daemon_steps_every_unit(job) || job->masters_final_step > now.completed);
+  bool between = now.even && !now.reducing && masters_final(job, now.completed);
   if (moved && !between) {
     c->stage = SAVE_AT_BOUNDARY;
     c->boundary_deadline_ms = uv_now(cp->dp->loop) + cp->dp->collective_timeout_ms;
@@ -547,6 +552,27 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   return 0;
 }
 
+/* A checkpoint's work at `stage` into dir, in cp->works; NULL with st set (verb naming the
+ * call) for want of memory or a path too long. */
+static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                                   int stage, uint64_t step, fsdp_checkpoints_done_fn done,
+                                   void *data, const char *verb, fsdp_status_t *st) {
+  if (strlen(dir) >= sizeof ((checkpoint_work_t *)NULL)->dir) {
+    fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
+    return NULL;
+  }
+  checkpoint_work_t *c = calloc(1, sizeof *c);
+  if (!c) {
+    fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
+    return NULL;
+  }
+  *c = (checkpoint_work_t){.cp = cp, .owner = job, .stage = stage, .keep = cp->keep,
+                           .asked_step = step, .done = done, .data = data};
+  snprintf(c->dir, sizeof c->dir, "%s", dir);
+  append_work(cp, c);
+  return c;
+}
+
 /* A load (a resume's too) or a save, once the caller's own conditions hold. */
 static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
                           uint64_t step, fsdp_checkpoints_done_fn done, void *data,
@@ -564,19 +590,12 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
                            "%s: job '%s' has a %s under way: load once it ends (fsdpctl "
                            "status shows it)",
                            verb, job->name, user->stage == LOADING ? "load" : "save");
-  checkpoint_work_t *c = calloc(1, sizeof *c);
-  if (!c)
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
-  if (strlen(dir) >= sizeof c->dir) {
-    free(c);
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
-  }
-  *c = (checkpoint_work_t){.cp = cp, .owner = job, .keep = cp->keep, .asked_step = step,
-                           .done = done, .data = data};
-  snprintf(c->dir, sizeof c->dir, "%s", dir);
   /* One checkpoint of a job at a time in its staging memory: later saves wait their turn. */
-  c->stage = load ? LOADING : user ? SAVE_WAITING : SAVE_SNAPSHOT;
-  append_work(cp, c);
+  checkpoint_work_t *c = new_work(cp, job, dir,
+                                  load ? LOADING : user ? SAVE_WAITING : SAVE_SNAPSHOT, step,
+                                  done, data, verb, st);
+  if (!c)
+    return st->code;
   if (c->stage == SAVE_WAITING) {
     c->asked_at = job_steps(job);
     log_info("job '%s': a save into %s waits for the checkpoint under way", job->name, dir);
@@ -626,21 +645,11 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
                            "job '%s' stopped inside a step (its units have reduced different "
                            "steps) and no trainer is attached to finish it: not saved",
                            job->name);
-  /* Its masters are final for `step` once the daemon's optimizer stepped them, or once every
-   * local rank asked a gather of the next step (a trainer's optimizer wrote them). */
-  bool final = !attached || daemon_steps_every_unit(job) || job->masters_final_step > step;
+  bool final = !attached || masters_final(job, step);
   if (between && final)
     return checkpoint_job(cp, job, dir, false, 0, done, data, st);
-  checkpoint_work_t *c = calloc(1, sizeof *c);
-  if (!c || strlen(dir) >= sizeof c->dir) {
-    free(c);
-    return fsdp_status_set(st, c ? FSDP_E_INVALID_ARGUMENT : FSDP_E_RESOURCE_EXHAUSTED,
-                           "SaveCheckpoint: %s", c ? "path too long" : "out of memory");
-  }
-  *c = (checkpoint_work_t){.cp = cp, .owner = job, .stage = SAVE_AT_BOUNDARY, .keep = cp->keep,
-                           .done = done, .data = data};
-  snprintf(c->dir, sizeof c->dir, "%s", dir);
-  append_work(cp, c);
+  if (!new_work(cp, job, dir, SAVE_AT_BOUNDARY, 0, done, data, "SaveCheckpoint", st))
+    return st->code;
   log_info("job '%s': saves at its next step boundary", job->name);
   return 0;
 }
