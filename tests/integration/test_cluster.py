@@ -35,22 +35,10 @@ L = 2
 SHAPES = ((37, 11), (5,), (3, 7))  # 433 elements: prime, so every layout pads
 
 
-class UcxCluster(Cluster):
-    """test_peers' Cluster, with an environment for the daemons (UCX_TLS)."""
-
-    def __init__(self, fsdpd, n, env=None, **kwargs):
-        self.env = env or {}
-        super().__init__(fsdpd, n, **kwargs)
-
-    def start(self, rank, run_dir=None, name=None):
-        return self.fsdpd(*self.args(rank), run_dir=run_dir, env=self.env,
-                          name=name or f"{self.tag}-host{rank}")
-
-
 def start_cluster(fsdpd, hosts, tls=None, extra=(), timeout="1s"):
     env = {"UCX_TLS": tls} if tls else {}
-    c = UcxCluster(fsdpd, hosts, env=env, lws=L, timeout=timeout,
-                   extra=["--set", "memory.job_limit=64MiB", *extra])
+    c = Cluster(fsdpd, hosts, env=env, lws=L, timeout=timeout,
+                extra=["--set", "memory.job_limit=64MiB", *extra])
     wait_all_joined(c)
     return c
 
