@@ -500,11 +500,6 @@ int fsdp_config_check(const fsdp_config_t *cfg, fsdp_status_t *st) {
     return fsdp_status_set(st, FSDP_E_CONFIG,
                            "key 'checkpoint.dir': value '%s'%s: expected an absolute path",
                            checkpoints, from(cfg, FSDP_OPTION_CHECKPOINT_DIR, a, sizeof a));
-  if (n > 1 && fsdp_config_number(cfg, FSDP_OPTION_BACKEND) != 0)
-    return fsdp_status_set(st, FSDP_E_CONFIG,
-                           "key 'daemon.backend': value 'cuda'%s with %u hosts in cluster.hosts: "
-                           "the CUDA backend serves one host in this release; use 'host'",
-                           from(cfg, FSDP_OPTION_BACKEND, a, sizeof a), n);
   if (n > 1 && lws == 0)
     return fsdp_status_set(st, FSDP_E_CONFIG,
                            "key 'cluster.local_world_size' is required with %u hosts in "

@@ -213,6 +213,19 @@ fail:
   return st ? st->code : FSDP_E_UNAVAILABLE;
 }
 
+static int host_new(size_t bytes, void **ret, fsdp_status_t *st) {
+  cudaError_t e = cudaHostAlloc(ret, bytes, cudaHostAllocPortable);
+  if (e == cudaErrorMemoryAllocation)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "out of pinned host memory for %zu bytes (cudaHostAlloc)", bytes);
+  return e == cudaSuccess ? 0 : cuda_failed(st, "cudaHostAlloc", e);
+}
+
+static void host_free(void *memory) {
+  if (memory)
+    cudaFreeHost(memory);
+}
+
 struct fsdp_cuda_stream {
   int ordinal;
   cudaStream_t stream;
@@ -283,6 +296,8 @@ static const fsdp_cuda_module_t module = {
     .probe = probe,
     .memory_new = memory_new,
     .memory_free = memory_free,
+    .host_new = host_new,
+    .host_free = host_free,
     .stream_new = stream_new,
     .stream_free = stream_free,
     .cast = cast,

@@ -16,7 +16,7 @@
 #include "common/status.h"
 #include "kernels/dtype.h"
 
-#define FSDP_CUDA_MODULE_VERSION 3u
+#define FSDP_CUDA_MODULE_VERSION 4u
 #define FSDP_CUDA_MODULE_SYMBOL "fsdp_cuda_module"
 #define FSDP_CUDA_DEVICES_MAX 16
 
@@ -62,6 +62,11 @@ typedef struct fsdp_cuda_module {
    * imported it keeps the memory until it lets go). */
   int (*memory_new)(int ordinal, size_t bytes, fsdp_cuda_memory_t *ret, fsdp_status_t *st);
   void (*memory_free)(fsdp_cuda_memory_t *memory);
+
+  /* Pinned host memory (page-locked, known to every GPU): what the rings among hosts move,
+   * staged there, copied to and from a GPU at the link's speed. */
+  int (*host_new)(size_t bytes, void **ret, fsdp_status_t *st);
+  void (*host_free)(void *memory); /* NULL-safe */
 
   int (*stream_new)(int ordinal, fsdp_cuda_stream_t **ret, fsdp_status_t *st);
   void (*stream_free)(fsdp_cuda_stream_t *stream); /* NULL-safe */

@@ -710,7 +710,6 @@ static int use_cuda_backend(fsdp_daemon_t *daemon, fsdp_status_t *st) {
     if (fsdp_dataplane_use_cuda(&daemon->dataplane, module, &devices[i], st) < 0)
       return fsdp_status_set(st, FSDP_E_CONFIG, "key 'daemon.backend': value 'cuda': %s",
                              st->message);
-    daemon->store.backend = &daemon->dataplane.backend;
     char versions[96];
     module->versions(versions, sizeof versions);
     log_info("backend cuda on %s (%s)", daemon->dataplane.backend.device_name, versions);
@@ -754,6 +753,9 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
     goto fail_loop;
   fsdp_checkpoints_init(&daemon->checkpoints, &daemon->dataplane);
+  daemon->store.backend = &daemon->dataplane.backend;
+  if (daemon->dataplane.backend.stages_rings)
+    log_info("backend host stages the rings among hosts as a GPU's does (failpoint stage-rings)");
   if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0 &&
       (r = use_cuda_backend(daemon, st)) < 0)
     goto fail_loop;

@@ -344,6 +344,10 @@ static json_object *status_json(const ctl_t *ctl, const Fsdp__V1__StatusReply *s
                            json_object_new_uint64(s->jobs[i]->optimizer_bytes));
     json_object_object_add(jo, "checkpoint_staging_bytes",
                            json_object_new_uint64(s->jobs[i]->checkpoint_staging_bytes));
+    json_object_object_add(jo, "ring_staging_buffers",
+                           json_object_new_int64(s->jobs[i]->ring_staging_buffers));
+    json_object_object_add(jo, "ring_staging_bytes",
+                           json_object_new_uint64(s->jobs[i]->ring_staging_bytes));
     json_object_object_add(jo, "last_checkpoint_step",
                            json_object_new_uint64(s->jobs[i]->last_checkpoint_step));
     json_object_object_add(jo, "last_checkpoint_path",
@@ -434,6 +438,12 @@ static void print_pools(const Fsdp__V1__JobMemory *j) {
     char bytes[32];
     format_bytes(j->optimizer_bytes, bytes, sizeof bytes);
     printf(LABEL "  optimizer %s in the daemon, state %s\n", "", j->optimizer, bytes);
+  }
+  if (j->ring_staging_buffers) {
+    char bytes[32];
+    format_bytes(j->ring_staging_bytes, bytes, sizeof bytes);
+    printf(LABEL "  rings among hosts staged in %" PRIu32 " host buffer%s, %s\n", "",
+           j->ring_staging_buffers, j->ring_staging_buffers == 1 ? "" : "s", bytes);
   }
   if ((j->last_checkpoint_path && *j->last_checkpoint_path) ||
       (j->checkpoint_state && *j->checkpoint_state)) {

@@ -4,19 +4,23 @@
 #include "daemon/backend/backend.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "common/failpoint.h"
 #include "common/status.h"
 #include "cuda/loader.h"
 #include "kernels/kernels.h"
 
 void fsdp_backend_init_host(fsdp_backend_t *b, fsdp_workers_t *workers) {
-  *b = (fsdp_backend_t){.kind = FSDP_BACKEND_HOST, .workers = workers};
+  *b = (fsdp_backend_t){.kind = FSDP_BACKEND_HOST, .workers = workers,
+                        .stages_rings = fsdp_failpoint("stage-rings")};
 }
 
 int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,
                            const fsdp_cuda_device_t *device, fsdp_status_t *st) {
-  *b = (fsdp_backend_t){.kind = FSDP_BACKEND_CUDA, .cuda = cuda, .device = *device};
+  *b = (fsdp_backend_t){.kind = FSDP_BACKEND_CUDA, .cuda = cuda, .device = *device,
+                        .stages_rings = true};
   fsdp_cuda_device_format(device, b->device_name, sizeof b->device_name);
   int r = cuda->stream_new(device->ordinal, &b->stream, st);
   if (r == 0)
@@ -54,6 +58,24 @@ int fsdp_backend_memory_new(const fsdp_backend_t *b, size_t bytes, fsdp_cuda_mem
 void fsdp_backend_memory_free(const fsdp_backend_t *b, fsdp_cuda_memory_t *memory) {
   if (b->kind == FSDP_BACKEND_CUDA)
     b->cuda->memory_free(memory);
+}
+
+int fsdp_backend_host_new(const fsdp_backend_t *b, size_t bytes, void **ret, fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_CUDA)
+    return b->cuda->host_new(bytes, ret, st);
+  void *memory;
+  if (posix_memalign(&memory, 4096, bytes ? bytes : 1) != 0)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                           "out of host memory for %zu bytes of staging", bytes);
+  *ret = memory;
+  return 0;
+}
+
+void fsdp_backend_host_free(const fsdp_backend_t *b, void *memory) {
+  if (b->kind == FSDP_BACKEND_CUDA)
+    b->cuda->host_free(memory);
+  else
+    free(memory);
 }
 
 /* The host kernels explain no failure but their -EINVAL. */

@@ -31,6 +31,10 @@ typedef enum fsdp_backend_kind {
 typedef struct fsdp_backend {
   fsdp_backend_kind_t kind;
   fsdp_workers_t *workers; /* the host's kernels split over them; borrowed */
+  /* The rings among hosts move host memory: a GPU's jobs stage what they move in host
+   * buffers (daemon/store/staging.h). The host backend's jobs stage only where a test asks
+   * (the failpoint "stage-rings"), to run that path on a machine without a GPU. */
+  bool stages_rings;
   /* CUDA: the module, the GPU (its ordinal and what it is called in messages), the
    * daemon's stream on it, and the stream of the copies beside it. */
   const fsdp_cuda_module_t *cuda;
@@ -57,6 +61,11 @@ int fsdp_backend_device(const fsdp_backend_t *b);
 int fsdp_backend_memory_new(const fsdp_backend_t *b, size_t bytes, fsdp_cuda_memory_t *ret,
                             fsdp_status_t *st);
 void fsdp_backend_memory_free(const fsdp_backend_t *b, fsdp_cuda_memory_t *memory);
+
+/* Host memory of at least `bytes` in *ret, for staging (pinned on a GPU); freed by
+ * fsdp_backend_host_free, NULL-safe. RESOURCE_EXHAUSTED when there is none. */
+int fsdp_backend_host_new(const fsdp_backend_t *b, size_t bytes, void **ret, fsdp_status_t *st);
+void fsdp_backend_host_free(const fsdp_backend_t *b, void *memory);
 
 /* kernels/kernels.h's contracts, on the backend's memory. */
 int fsdp_backend_cast(const fsdp_backend_t *b, void *dst, fsdp_dtype_t dst_type,

@@ -22,8 +22,9 @@ typedef enum waiter_kind { WAIT_REGISTER, WAIT_UNSHARD, WAIT_REDUCE } waiter_kin
  * one host writes the gradient shards in one pass; across hosts the same work is done by
  * the rings' hooks, chunk by chunk, as the transfers go (see "Rings among hosts"), but for
  * a reduce that defers its all-reduce when the host is its own shard group: no ring runs,
- * and one pass adds the host sum to the deferred sum. Another module's work (a checkpoint's)
- * runs in turn with them as a call. */
+ * and one pass adds the host sum to the deferred sum. A backend that stages the rings adds
+ * the copies to and from its host buffers around them (see "Staged rings"). Another
+ * module's work (a checkpoint's) runs in turn with them as a call. */
 typedef enum work_kind {
   WORK_PREFAULT,
   WORK_GATHER,
@@ -31,6 +32,9 @@ typedef enum work_kind {
   WORK_DEFER,
   WORK_OPTIMIZE,
   WORK_NORM,
+  WORK_STAGE_SUM,
+  WORK_UNSTAGE_GATHER,
+  WORK_UNSTAGE_SUM,
   WORK_CALL,
 } work_kind_t;
 
@@ -57,6 +61,9 @@ struct fsdp_dataplane_work {
 static const char *const work_names[] = {"preparing its buffers", "the gather",
                                          "the reduce-scatter", "the deferred reduce",
                                          "the optimizer step", "the gradient's norm",
+                                         "the host sum's staging",
+                                         "the gathered copy's return from staging",
+                                         "the sum's return from staging",
                                          "another module's work"};
 
 /* A unit's element types, as the kernels name them. */
@@ -176,14 +183,26 @@ static void drop_deferred(fsdp_job_t *job, fsdp_unit_t *u) {
     return;
   u->has_deferred = false;
   u->n_deferred = 0;
-  fsdp_arena_release(job->arena, u->deferred_offset);
+  if (u->deferred_stage) {
+    fsdp_staging_give(u->deferred_stage);
+    u->deferred_stage = NULL;
+  } else {
+    fsdp_arena_release(job->arena, u->deferred_offset);
+  }
 }
 
 static void give_back_sum(fsdp_job_t *job, fsdp_unit_t *u) {
+  fsdp_staging_give(u->sum_stage);
+  u->sum_stage = NULL;
   if (!u->has_sum)
     return;
   u->has_sum = false;
   fsdp_pool_give(&job->sums, u->sum_offset);
+}
+
+static void give_back_gather_stage(fsdp_unit_t *u) {
+  fsdp_staging_give(u->gather_stage);
+  u->gather_stage = NULL;
 }
 
 /* Reduces held for a snapshot (fsdp_dataplane_hold_reduces). */
@@ -243,6 +262,7 @@ static void abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind
   } else if (c->running) {
     fsdp_pool_cancel(&u->copy_waiter);
     give_back_copy(job, u);
+    give_back_gather_stage(u);
   }
   if (kind == WAIT_UNSHARD)
     u->gather_ahead = false;
@@ -357,9 +377,15 @@ static float *host_sum_fp32(const fsdp_job_t *job, const fsdp_unit_t *u) {
   return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->sum_offset);
 }
 
-static void *host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
+/* The host sum in reduce_dtype, in the arena. */
+static char *arena_host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
   bool fp32 = reduce_dtype(u) == FSDP_DTYPE_FP32;
   return (char *)host_sum_fp32(job, u) + (fp32 ? 0 : host_sum_fp32_bytes(u));
+}
+
+/* The host sum the rings move: its staged copy, where the backend stages the rings. */
+static void *host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  return u->sum_stage ? u->sum_stage->base : arena_host_sum(job, u);
 }
 
 /* The local ranks' lent full gradients, in local rank order. */
@@ -372,7 +398,8 @@ static void full_grads(const fsdp_job_t *job, const fsdp_unit_t *u,
 
 /* HYBRID_SHARD's deferred sum (fsdp_unit_t says when): this host's region in reduce_dtype. */
 static char *deferred_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  return (char *)fsdp_arena_base(job->arena) + u->deferred_offset;
+  return u->deferred_stage ? u->deferred_stage->base
+                           : (char *)fsdp_arena_base(job->arena) + u->deferred_offset;
 }
 
 /* Elements [begin, end) of the unit, from the host sum into the deferred sum: copied by the
@@ -394,6 +421,105 @@ static int add_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t be
   size_t size = fsdp_dtype_size(type);
   return fsdp_add((char *)host_sum(job, u) + begin * size,
                   deferred_sum(job, u) + (begin - host_first(u)) * size, type, end - begin);
+}
+
+/* Staged rings.
+ *
+ * Where the backend's memory is not the host's (a GPU's), the rings among hosts move host
+ * buffers of the job's staging (daemon/store/staging.h) and the work around them copies to
+ * and from the backend's memory, whole regions at once on the work queue, while the rings'
+ * hooks that add on the host keep working there. A gather casts its region on the device
+ * and copies it out (WORK_GATHER); the all-gather fills the other regions of the staged
+ * copy, which WORK_UNSTAGE_GATHER copies in. A reduce makes the host sum on the device and
+ * copies out what the first ring sends (WORK_STAGE_SUM); the rings reduce it on the host
+ * (the host's kernels give the device's bits), the deferred sum of HYBRID_SHARD's
+ * accumulation staying in host memory throughout; WORK_UNSTAGE_SUM copies this host's
+ * region of the result in and writes the gradient shards from it on the device. The
+ * additions are the one-host path's, in the same order, so the bits are too. */
+
+static bool stages_rings(const fsdp_job_t *job) {
+  return job->staging.backend && job->staging.backend->stages_rings;
+}
+
+static void forget_staging(void *arg, const void *base, size_t bytes) {
+  fsdp_dataplane_t *dp = arg;
+  if (dp->fabric)
+    fsdp_fabric_forget_memory(dp->fabric, base, bytes);
+}
+
+static int take_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, size_t bytes,
+                      fsdp_staging_buffer_t **ret, fsdp_status_t *st) {
+  return fsdp_staging_take(&job->staging, bytes, forget_staging, dp, ret, st);
+}
+
+/* The local ranks' full gradients from element `first` on. */
+static void full_grads_from(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t first,
+                            const void *srcs[FSDP_LOCAL_WORLD_MAX]) {
+  full_grads(job, u, srcs);
+  for (unsigned r = 0; r < job->local_world_size; r++)
+    srcs[r] = (const char *)srcs[r] + first * fsdp_dtype_size(param_dtype(u));
+}
+
+/* WORK_STAGE_SUM: the host sum of what the first ring moves (the whole unit for a
+ * reduce-scatter among the shard group, else this host's region, all that the all-reduce
+ * among replicas moves), made on the device as fsdp_host_sum_range makes it on the host,
+ * then staged. A host that is its own shard group then adds the deferred sum to it, or
+ * keeps it as the deferred sum when it defers, as produce_host_sum and WORK_DEFER do. */
+static int stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                          fsdp_status_t *st) {
+  bool whole = u->plan.shard_ring.members > 1;
+  uint64_t begin = whole ? 0 : host_first(u);
+  uint64_t n = whole ? u->layout.padded_numel : host_numel(u);
+  fsdp_dtype_t type = reduce_dtype(u);
+  size_t size = fsdp_dtype_size(type);
+  const void *srcs[FSDP_LOCAL_WORLD_MAX];
+  full_grads_from(job, u, begin, srcs);
+  float *sum_fp32 = host_sum_fp32(job, u) + begin;
+  char *sum = arena_host_sum(job, u) + begin * size;
+  int r = fsdp_backend_reduce(&dp->backend, sum_fp32, false, srcs, job->local_world_size,
+                              param_dtype(u), type, u->pre_scale, 1.0f, n, st);
+  if (r == 0 && type != FSDP_DTYPE_FP32)
+    r = fsdp_backend_cast(&dp->backend, sum, type, sum_fp32, FSDP_DTYPE_FP32, n, st);
+  if (r == 0)
+    r = fsdp_backend_copy(&dp->backend, (char *)host_sum(job, u) + begin * size, sum, n * size,
+                          st);
+  if (r < 0 || whole)
+    return r;
+  if (u->reduce_defer)
+    return keep_deferred(job, u, begin, begin + n);
+  return u->has_deferred ? add_deferred(job, u, begin, begin + n) : 0;
+}
+
+/* WORK_UNSTAGE_GATHER: the other hosts' regions of the staged copy into the unsharded
+ * buffer. */
+static int unstage_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                          fsdp_status_t *st) {
+  size_t size = fsdp_dtype_size(param_dtype(u));
+  char *unsharded = (char *)fsdp_arena_base(job->shared_arena) + u->copy_offset;
+  const char *staged = u->gather_stage->base;
+  size_t mine = host_first(u) * size, mine_end = mine + host_numel(u) * size;
+  int r = fsdp_backend_copy(&dp->backend, unsharded, staged, mine, st);
+  return r < 0 ? r
+               : fsdp_backend_copy(&dp->backend, unsharded + mine_end, staged + mine_end,
+                                   u->layout.padded_numel * size - mine_end, st);
+}
+
+/* WORK_UNSTAGE_SUM: this host's region of the staged result back into the arena's host sum,
+ * then divided by the postdivide factor into (or onto) the gradient shards there, as
+ * finalize_grads does on the host. */
+static int unstage_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                       fsdp_status_t *st) {
+  fsdp_dtype_t type = reduce_dtype(u);
+  size_t size = fsdp_dtype_size(type);
+  uint64_t first = host_first(u), n = host_numel(u);
+  char *sum = arena_host_sum(job, u) + first * size;
+  int r = fsdp_backend_copy(&dp->backend, sum, (const char *)host_sum(job, u) + first * size,
+                            n * size, st);
+  float *grads = (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->grad_offset);
+  const void *src = sum;
+  return r < 0 ? r
+               : fsdp_backend_reduce(&dp->backend, grads, u->reduce_accumulate, &src, 1, type,
+                                     type, 1.0f, u->post_scale, n, st);
 }
 
 /* The work queue: one item at a time on libuv's thread pool. */
@@ -422,8 +548,12 @@ static void run_work(uv_work_t *req) {
     /* This host's shards: its region of the fp32 masters cast into param_dtype. */
     fsdp_dtype_t pt = param_dtype(u);
     char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->copy_offset;
-    w->result = fsdp_backend_cast(&dp->backend, unsharded + first * fsdp_dtype_size(pt), pt,
-                                  base + u->master_offset, FSDP_DTYPE_FP32, n, &w->error);
+    size_t at = first * fsdp_dtype_size(pt), bytes = n * fsdp_dtype_size(pt);
+    w->result = fsdp_backend_cast(&dp->backend, unsharded + at, pt, base + u->master_offset,
+                                  FSDP_DTYPE_FP32, n, &w->error);
+    if (w->result == 0 && u->gather_stage)
+      w->result = fsdp_backend_copy(&dp->backend, (char *)u->gather_stage->base + at,
+                                    unsharded + at, bytes, &w->error);
     break;
   }
   case WORK_REDUCE:
@@ -448,6 +578,15 @@ static void run_work(uv_work_t *req) {
     if (w->result == 0)
       w->result = keep_deferred(w->job, u, first, first + n);
     break;
+  case WORK_STAGE_SUM:
+    w->result = stage_host_sum(dp, w->job, u, &w->error);
+    break;
+  case WORK_UNSTAGE_GATHER:
+    w->result = unstage_gather(dp, w->job, u, &w->error);
+    break;
+  case WORK_UNSTAGE_SUM:
+    w->result = unstage_sum(dp, w->job, u, &w->error);
+    break;
   case WORK_CALL: /* not a unit's: run above */
     break;
   }
@@ -468,6 +607,7 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
     return;
   }
   if (kind == WAIT_UNSHARD) {
+    give_back_gather_stage(u);
     u->gathered = true;
     u->gathered_step = c->step;
     u->gathered_again = c->regather;
@@ -494,6 +634,8 @@ static void finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kin
 }
 
 static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit);
+static void queue_or_abort(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job,
+                           fsdp_unit_t *unit);
 static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                        fsdp_ring_kind_t kind);
 static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u);
@@ -517,13 +659,24 @@ static void norm_known(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, do
  * ends its collective. */
 static void next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
                        int done_ring) {
+  /* Staged rings: the staged copy's or sum's way back follows the last ring. */
+  bool wrote_grads = done_ring == FSDP_RING_ALL_REDUCE ||
+                     (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members == 1);
   if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
     start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
-  else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER)
+  else if (done_ring == FSDP_RING_ALL_GATHER && u->gather_stage)
+    queue_or_abort(dp, WORK_UNSTAGE_GATHER, job, u);
+  else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER ||
+           done_work == WORK_UNSTAGE_GATHER)
     finish_collective(job, u, WAIT_UNSHARD, NULL);
-  else if (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1 &&
-           !u->reduce_defer)
+  else if (done_work == WORK_STAGE_SUM && u->plan.shard_ring.members > 1)
+    start_ring(dp, job, u, FSDP_RING_REDUCE_SCATTER);
+  else if ((done_work == WORK_STAGE_SUM && !u->reduce_defer) ||
+           (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1 &&
+            !u->reduce_defer))
     start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
+  else if (wrote_grads && u->sum_stage)
+    queue_or_abort(dp, WORK_UNSTAGE_SUM, job, u);
   else if (done_work != WORK_OPTIMIZE && u->reduce_step) {
     /* The sum is written: its pool buffer goes back before the step, which with clipping
      * waits for every other unit's reduce, and those may need it. */
@@ -564,7 +717,8 @@ static void work_done(uv_work_t *req, int status) {
     }
     wake(u, WAIT_REGISTER);
   } else if (r < 0) {
-    waiter_kind_t kind = w->kind == WORK_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
+    waiter_kind_t kind =
+        w->kind == WORK_GATHER || w->kind == WORK_UNSTAGE_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
     if (w->kind == WORK_OPTIMIZE) /* which elements it stepped is unknown: start again */
       log_error("unit '%s': its masters and optimizer state may be half stepped",
                 u->spec->unit);
@@ -787,8 +941,10 @@ static void start_run(ring_run_t *run) {
   /* The unit's buffer the rings move (its unsharded copy or its host sum) is registered
    * with UCX once, on its first ring, and stays so until its job goes; only that, since
    * registering pins memory on RDMA transports, and an arena is mostly not in use. */
-  char *whole = gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->copy_offset
-                       : host_sum(run->job, u);
+  fsdp_staging_buffer_t *stage = gather ? u->gather_stage : u->sum_stage;
+  char *whole = stage ? stage->base
+                : gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->copy_offset
+                         : host_sum(run->job, u);
   const fsdp_ucx_mem_t *whole_mem = NULL;
   if (run->norm) {
     dtype = FSDP_DTYPE_FP32;
@@ -797,8 +953,9 @@ static void start_run(ring_run_t *run) {
     run->region_numel = 1;
     whole = (char *)run->norm_parts;
   } else {
-    whole_mem =
-        fsdp_fabric_memory(dp->fabric, whole, u->layout.padded_numel * run->elem_size);
+    /* A staging buffer is registered whole: one registration whatever unit it serves. */
+    whole_mem = fsdp_fabric_memory(dp->fabric, whole,
+                                   stage ? stage->bytes : u->layout.padded_numel * run->elem_size);
   }
   char *buf = whole + run->first_elem * run->elem_size;
   /* The reduce's first ring makes the host sum, its last one writes the gradient shards; a
@@ -808,7 +965,7 @@ static void start_run(ring_run_t *run) {
   bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
   int (*finalize)(void *, unsigned, size_t, size_t) =
       gather || run->norm ? NULL
-      : last_of_reduce    ? finalize_grads
+      : last_of_reduce    ? (stage ? NULL : finalize_grads) /* else WORK_UNSTAGE_SUM */
       : u->reduce_defer   ? keep_group_sum
       : u->has_deferred   ? add_to_group_sum
                           : NULL;
@@ -838,7 +995,7 @@ static void start_run(ring_run_t *run) {
       .buf_mem = whole_mem,
       .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
                                   : NULL,
-      .produce = !gather && !run->norm && first_of_reduce ? produce_host_sum : NULL,
+      .produce = !gather && !run->norm && first_of_reduce && !stage ? produce_host_sum : NULL,
       .finalize = finalize,
       .hook_arg = run,
   };
@@ -920,6 +1077,15 @@ static int queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_u
     w->bytes = fsdp_arena_block_size(job->arena, unit->buffers_offset);
   enqueue(dp, w);
   return 0;
+}
+
+/* A stage of a running collective, queued, or the collective aborted. */
+static void queue_or_abort(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job,
+                           fsdp_unit_t *unit) {
+  int r = queue(dp, kind, job, unit);
+  if (r < 0)
+    abort_collection(job, unit, kind == WORK_UNSTAGE_GATHER ? WAIT_UNSHARD : WAIT_REDUCE, r,
+                     "cannot queue the collective's next stage");
 }
 
 static void queue_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, bool clip,
@@ -1261,6 +1427,15 @@ static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsd
   }
   u->has_copy = true;
   u->copy_offset = offset;
+  if (stages_rings(job) && u->plan.shard_ring.members > 1) {
+    fsdp_status_t staged;
+    if (take_stage(waiter->data, job, copy_bytes(u), &u->gather_stage, &staged) < 0) {
+      fsdp_status_set(&staged, staged.code, "unit '%s' step %llu: no staged copy: %s",
+                      u->spec->unit, (unsigned long long)u->gather.step, staged.message);
+      finish_collective(job, u, WAIT_UNSHARD, &staged);
+      return;
+    }
+  }
   int r = queue(waiter->data, WORK_GATHER, job, u);
   if (r < 0)
     abort_collection(job, u, WAIT_UNSHARD, r, "cannot queue the gather");
@@ -1477,7 +1652,8 @@ void fsdp_dataplane_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *
 /* Before a reduce across hosts runs: a deferred sum of another run is dropped; a reduce
  * that defers makes the block when it is the first, and one that does not writes the
  * gradient shards only if every deferred reduce it takes in asked to accumulate too. */
-static int prepare_deferred(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
+static int prepare_deferred(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
+                            fsdp_status_t *st) {
   const fsdp_collection_t *c = &u->reduce;
   if (u->has_deferred && u->deferred_generation != c->generation) {
     log_warning("unit '%s': the gradients of %u reduces of generation %llu that deferred "
@@ -1496,7 +1672,8 @@ static int prepare_deferred(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) 
     return 0;
   }
   size_t bytes = round64((size_t)host_numel(u) * fsdp_dtype_size(reduce_dtype(u)));
-  int r = fsdp_arena_alloc(job->arena, bytes, 64, &u->deferred_offset, st);
+  int r = stages_rings(job) ? take_stage(dp, job, bytes, &u->deferred_stage, st)
+                            : fsdp_arena_alloc(job->arena, bytes, 64, &u->deferred_offset, st);
   if (r < 0)
     return fsdp_status_set(st, r, "unit '%s' step %llu: no room to keep the gradients whose "
                            "all-reduce among replicas is deferred: %s",
@@ -1535,11 +1712,21 @@ static void on_sum_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp
   u->has_sum = true;
   u->sum_offset = offset;
   fsdp_status_t deferred;
-  if (prepare_deferred(u->job, u, &deferred) < 0) {
+  if (prepare_deferred(waiter->data, u->job, u, &deferred) < 0) {
     finish_collective(u->job, u, WAIT_REDUCE, &deferred);
     return;
   }
-  if (u->plan.shard_ring.members > 1) {
+  if (stages_rings(u->job)) {
+    size_t bytes = (size_t)u->layout.padded_numel * fsdp_dtype_size(reduce_dtype(u));
+    fsdp_status_t staged;
+    if (take_stage(waiter->data, u->job, bytes, &u->sum_stage, &staged) < 0) {
+      fsdp_status_set(&staged, staged.code, "unit '%s' step %llu: no staged host sum: %s",
+                      u->spec->unit, (unsigned long long)u->reduce.step, staged.message);
+      finish_collective(u->job, u, WAIT_REDUCE, &staged);
+      return;
+    }
+    queue_or_abort(waiter->data, WORK_STAGE_SUM, u->job, u);
+  } else if (u->plan.shard_ring.members > 1) {
     start_ring(waiter->data, u->job, u, FSDP_RING_REDUCE_SCATTER);
   } else if (!u->reduce_defer) {
     start_ring(waiter->data, u->job, u, FSDP_RING_ALL_REDUCE);
@@ -1836,6 +2023,8 @@ void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
     if (dp->fabric && arenas[i])
       fsdp_fabric_forget_memory(dp->fabric, fsdp_arena_base(arenas[i]),
                                 arena_capacity(arenas[i]));
+  for (const fsdp_staging_buffer_t *b = job->staging.buffers; b; b = b->next)
+    forget_staging(dp, b->base, b->bytes);
 }
 
 /* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's

@@ -570,6 +570,9 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->last_checkpoint_step = j->last_checkpoint_step;
     m->last_checkpoint_path = j->last_checkpoint ? j->last_checkpoint : "";
     m->checkpoint_state = (char *)fsdp_checkpoints_save_state(ctx->checkpoints, j);
+    size_t staging_bytes;
+    fsdp_staging_count(&j->staging, &m->ring_staging_buffers, &staging_bytes);
+    m->ring_staging_bytes = staging_bytes;
     m->gradients = &s->pool_ptrs[pool];
     m->n_gradients = j->local_world_size;
     for (uint32_t r = 0; r < j->local_world_size; r++, pool++)

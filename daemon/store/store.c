@@ -147,6 +147,7 @@ static void job_free(fsdp_job_t *job) {
   }
   if (job->optimizer)
     job->optimizer_free(job->optimizer);
+  fsdp_staging_cleanup(&job->staging);
   free(job->checkpoint_staging);
   free(job->last_checkpoint);
   free(job->resume_from);
@@ -268,6 +269,7 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
   job->local_world_size = session->local_world_size;
   job->owner = session->owner;
   job->units_tail = &job->units;
+  fsdp_staging_init(&job->staging, store->backend);
   if ((r = make_arenas(job, store->backend, store->arena_capacity, st)) < 0 ||
       (r = make_pools(job, store->max_inflight, st)) < 0) {
     job_free(job);

@@ -33,6 +33,7 @@
 #include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
 #include "daemon/store/pool.h"
+#include "daemon/store/staging.h"
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
 
@@ -121,6 +122,11 @@ typedef struct fsdp_unit {
   bool has_sum;
   uint64_t sum_offset;
   fsdp_pool_waiter_t sum_waiter; /* a reduce waiting for a pool buffer; data: the data plane */
+  /* A backend that stages the rings (fsdp_backend_t.stages_rings): the host buffers of the
+   * job's staging its collectives across hosts hold while they run: the gather's copy of
+   * the unsharded buffer, the reduce's of the host sum (in reduce_dtype), and, while
+   * has_deferred, the deferred sum itself, which then lives there and not in the arena. */
+  fsdp_staging_buffer_t *gather_stage, *sum_stage, *deferred_stage;
   uint64_t reduced_step; /* of the last reduce-scatter that completed */
   /* Its ranks have all asked its reduce, which waits for the job's reduces to be let go
    * (fsdp_dataplane_hold_reduces), in the job's held_reduces through held_next. */
@@ -144,6 +150,7 @@ typedef struct fsdp_job {
   fsdp_pool_t copies;
   fsdp_pool_t *grad_pools;
   fsdp_pool_t sums;
+  fsdp_staging_t staging; /* host buffers of the rings, where the backend stages them */
   fsdp_job_owner_t owner; /* of the session that created it: whom Attach lets in */
   /* The memory every local rank maps, made on first need, owned: the unsharded buffers in
    * `shared_arena`, sealed so that trainers can only map it read-only, and every other

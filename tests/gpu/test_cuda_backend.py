@@ -1,7 +1,8 @@
 """The CUDA backend on one GPU, through fsdpd.torch: trainers sharing the daemon's GPU train
 like one process on that GPU, a trainer killed in the middle of a collective leaves the
-daemon and the other trainer whole, and a checkpoint of the GPU's job brings it back on a
-new daemon.
+daemon and the other trainer whole, a checkpoint of the GPU's job brings it back on a new
+daemon, and two daemons on the GPU, as two hosts, train like one process over the rings
+among hosts staged through pinned host memory.
 
 Needs a GPU and a python3 with CUDA torch (FSDP_TEST_PYTHON, default python3 on PATH, which
 runs the trainers); every test skips otherwise, and the file exits 77 when run as a CTest test
@@ -15,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,14 +46,15 @@ pytestmark = pytest.mark.skipif(not _cuda_torch(),
 
 
 class Daemon:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, *args):
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.run_dir = tmp_path / "run"
         self.socket_path = self.run_dir / "fsdpd.sock"
         self.log_path = tmp_path / "fsdpd.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
         self.proc = subprocess.Popen(
-            [str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", str(self.run_dir), *DAEMON_ARGS],
+            [str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", str(self.run_dir), *DAEMON_ARGS,
+             *args],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
         while "serving on" not in self.log():
@@ -62,10 +65,10 @@ class Daemon:
     def log(self):
         return self.log_path.read_text(errors="replace")
 
-    def fsdpctl(self, *args):
+    def fsdpctl(self, *args, ok=(0,)):
         r = subprocess.run([str(BUILD_DIR / "bin" / "fsdpctl"), "--socket", str(self.socket_path),
                             *args], capture_output=True, text=True, timeout=15)
-        assert r.returncode == 0, r.stderr
+        assert r.returncode in ok, r.stderr
         return r.stdout
 
     def stop(self):
@@ -81,15 +84,20 @@ def daemon(tmp_path):
     d.stop()
 
 
-def _start(d, mode, world, rank, *args, restarts=0):
+def _start(d, mode, world, rank, *args, hosts=1, restarts=0):
+    """A worker: local rank `rank` of `world` on daemon d (global rank host * world + rank
+    when there are several hosts), or the reference when d is None."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FSDPD_") and k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+           if not k.startswith("FSDPD_") and
+           k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(BUILD_DIR / "lib" / "libfsdp.so"),
                FSDP_SOURCE_DIR=str(SOURCE_DIR), OMP_NUM_THREADS="1",
                TORCHELASTIC_RESTART_COUNT=str(restarts))
     if d is not None:
         env.update(FSDPD_SOCKET=str(d.socket_path), FSDPD_JOB="train", LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world))
+    if hosts > 1:
+        env.update(LOCAL_RANK=str(rank % world), RANK=str(rank), WORLD_SIZE=str(world * hosts))
     return subprocess.Popen([PYTHON, str(WORKER), mode, "--steps", str(STEPS), "--device", "cuda",
                              *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -212,6 +220,53 @@ def test_a_checkpoint_of_the_gpus_job_brings_it_back_on_a_new_daemon(tmp_path):
     _report(test="checkpoint of a GPU job, saved at step 2 and loaded on a new daemon",
             worst_param_rel=worst)
     assert worst <= 1e-5
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_two_daemons_on_the_gpu_train_like_one_process_over_staged_rings(tmp_path, strategy):
+    """Two daemons on the one GPU as two hosts, 2 trainers each (NCCL refuses two ranks on
+    one GPU; the rings among hosts need none): FULL_SHARD's reduce-scatter and all-gather
+    and HYBRID_SHARD's all-reduce among replicas move pinned host buffers staged from the
+    GPU, over UCX. Each trainer takes the slice of the batch of its global rank, and the
+    run equals one process on the whole batch, within the CPU test's tolerance."""
+    hosts = ",".join(f"127.0.0.1:{p}" for p in _free_ports(2))
+    daemons = [Daemon(tmp_path / f"host{h}", "--hosts", hosts, "--host-rank", str(h),
+                      "--local-world-size", "2", "--set", "peer.insecure=true")
+               for h in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while not all(json.loads(d.fsdpctl("--json", "peers", ok=(0, 3)))["ready"]
+                      for d in daemons):
+            assert time.monotonic() < deadline, [d.log() for d in daemons]
+            time.sleep(0.05)
+        procs = [_start(daemons[g // 2], "rank", 2, g, "--strategy", strategy, "--features",
+                        hosts=2) for g in range(4)]
+        procs.append(_start(None, "reference", 4, 0, "--features"))
+        *ranks, ref = _finish(procs)
+        for d in daemons:
+            (job,) = json.loads(d.fsdpctl("--json", "status"))["memory"]["jobs"]
+            assert job["ring_staging_buffers"] > 0, job
+    finally:
+        for d in daemons:
+            d.stop()
+    want = _losses(ref)
+    worst_loss = max(abs(sum(_losses(r)[s] for r in ranks) / 4 - want[s]) / abs(want[s])
+                     for s in want)
+    worst_param = max(_worst(_final(r), _final(ref)) for r in ranks)
+    _report(test=f"{strategy}, 2 daemons x 2 trainers on one GPU, staged rings", steps=STEPS,
+            worst_loss_rel=worst_loss, worst_param_rel=worst_param)
+    assert worst_loss <= 1e-5 and worst_param <= 1e-5, (worst_loss, worst_param)
 
 
 if __name__ == "__main__":

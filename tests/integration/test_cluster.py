@@ -34,9 +34,15 @@ STRATEGIES = {"FULL_SHARD": common_pb2.FULL_SHARD, "SHARD_GRAD_OP": common_pb2.S
 L = 2
 SHAPES = ((37, 11), (5,), (3, 7))  # 433 elements: prime, so every layout pads
 
+# The host backend takes the GPU backend's staged path for the rings among hosts: host
+# buffers of their own, copied to and from the job's memory around the rings.
+STAGED = {"FSDPD_FAILPOINT": "stage-rings:1:fail"}
 
-def start_cluster(fsdpd, hosts, tls=None, extra=(), timeout="1s"):
+
+def start_cluster(fsdpd, hosts, tls=None, extra=(), timeout="1s", staged=False):
     env = {"UCX_TLS": tls} if tls else {}
+    if staged:
+        env.update(STAGED)
     c = Cluster(fsdpd, hosts, env=env, lws=L, timeout=timeout,
                 extra=["--set", "memory.job_limit=64MiB", *extra])
     wait_all_joined(c)
@@ -114,6 +120,29 @@ def test_every_strategy_across_hosts(fsdpd, hosts, strategy):
         assert where == [(h, rank) for h in range(hosts) for rank in range(L)]
 
 
+def staging_of(daemon, job):
+    jobs = json.loads(daemon.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+    return next((j["ring_staging_buffers"], j["ring_staging_bytes"]) for j in jobs
+                if j["job"] == job)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_staged_rings_give_every_strategy_the_same_bits(fsdpd, strategy, dtype):
+    """The path of a GPU's jobs: the rings move host buffers staged from the job's memory.
+    The same collectives as above, bit for bit, over 3 hosts, HYBRID_SHARD in shard groups
+    of 3 hosts and of 1 (each host's reduce then goes straight to the all-reduce among
+    replicas). The gather gives its staging buffer back before the reduce takes one of the
+    same size: the job keeps one."""
+    c = start_cluster(fsdpd, 3, staged=True)
+    _, layouts = check_collectives(c, strategy, dtype)
+    size = layouts[0][0].padded_numel * SIZE[dtype]
+    assert [staging_of(d, "j") for d in c.daemons] == [(1, size)] * 3
+    if strategy == "HYBRID_SHARD":
+        c = start_cluster(fsdpd, 3, staged=True, extra=["--set", "cluster.shard_group_hosts=3"])
+        check_collectives(c, strategy, dtype, group=3)
+
+
 def test_a_retired_jobs_memory_leaves_the_transport_and_a_new_job_runs(fsdpd):
     """The buffers a unit's rings move are registered with UCX on its first ring and let go
     before the job's memory is unmapped when it retires; a new job, whose arenas the kernel
@@ -185,9 +214,10 @@ def test_hybrid_shard_groups_of_two_hosts(fsdpd):
     assert [x.shard for h in layouts for x in h] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["", "staged"])
 @pytest.mark.parametrize("n_hosts,group", [(2, 1), (4, 2)])
 def test_hybrid_shard_all_reduces_among_replicas_on_the_last_micro_batch_only(fsdpd, n_hosts,
-                                                                              group):
+                                                                              group, staged):
     """Gradient accumulation over three micro-batches, bf16: the first two reduces defer
     their all-reduce among the replicas, so each host keeps its shard group's sum (FSDP2's
     partial reduce output) and no gradient shard changes; the third adds the kept sum to its
@@ -196,7 +226,8 @@ def test_hybrid_shard_all_reduces_among_replicas_on_the_last_micro_batch_only(fs
     all-reduce) and of two (a reduce-scatter among the group first). The result is bit for
     bit the roundings FSDP2 performs: the group's sum, kept = kept + sum, then (sum + kept)
     all-reduced, then the mean."""
-    c = start_cluster(fsdpd, n_hosts, extra=["--set", f"cluster.shard_group_hosts={group}"])
+    c = start_cluster(fsdpd, n_hosts, extra=["--set", f"cluster.shard_group_hosts={group}"],
+                      staged=staged)
     hosts = attach(c)
     flat = [r for host in hosts for r in host]
     layouts = [r.register(shapes=SHAPES, param_dtype=BF16, strategy=common_pb2.HYBRID_SHARD)
@@ -247,6 +278,8 @@ def test_hybrid_shard_all_reduces_among_replicas_on_the_last_micro_batch_only(fs
     for got, x in zip(shards(), layouts):
         lo = x.shard * x.shard_numel
         assert got == mean[lo:lo + x.shard_numel], f"shard {x.shard}"
+    if staged:  # the deferred sums were kept in host memory
+        assert all(staging_of(d, "j")[0] >= 2 for d in c.daemons)
 
 
 @pytest.mark.parametrize("tls", [None, "posix,sysv,cma,self"], ids=["tcp", "shm"])

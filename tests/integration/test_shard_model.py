@@ -212,13 +212,16 @@ def test_tied_frozen_no_sync_clipping_and_state_dict(fsdpd):
     _assert_matches(ranks, ref, 1e-5)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["", "staged"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
-def test_two_daemons_train_like_one_process(fsdpd, strategy):
+def test_two_daemons_train_like_one_process(fsdpd, strategy, staged):
     """2 daemons x 2 trainers: FULL_SHARD shards every unit over the 4 ranks of both hosts,
     HYBRID_SHARD over each host's 2 and replicates across; each trainer takes the slice of
-    the batch of its global rank, and the run equals one process on the whole batch."""
+    the batch of its global rank, and the run equals one process on the whole batch. Staged:
+    the rings among hosts move host buffers of their own, as a GPU's jobs do."""
+    from test_cluster import STAGED
     from test_peers import Cluster, wait_all_joined
-    c = Cluster(fsdpd, 2, lws=2, extra=list(DAEMON_ARGS))
+    c = Cluster(fsdpd, 2, lws=2, extra=list(DAEMON_ARGS), env=STAGED if staged else None)
     wait_all_joined(c)
     procs = [_start(c.daemons[g // 2], "rank", 2, g, "--strategy", strategy, "--features",
                     hosts=2) for g in range(4)]
@@ -240,6 +243,7 @@ def test_two_daemons_train_like_one_process(fsdpd, strategy):
         sums = job["sums"]
         assert 0 < sums["most_lent"] <= job["max_inflight"] and sums["lent"] == 0, job
         assert sums["buffers"] <= job["max_inflight"], job
+        assert (job["ring_staging_buffers"] > 0) == staged, job
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
