@@ -412,10 +412,12 @@ static void remove_checkpoint_dir(const char *dir) {
 }
 
 /* Host 0's wait, before it writes the manifest: every other host's metadata, written last of
- * its files, in dir. DEADLINE_EXCEEDED names the hosts missing. */
+ * its files, in dir. DEADLINE_EXCEEDED names the hosts missing; a stop abandons it. */
 static int wait_for_hosts(const char *dir, const fsdp_checkpoint_job_t *job,
                           fsdp_status_t *st) {
   for (uint64_t waited = 0;; waited += WAIT_POLL_MS) {
+    if (job->abandon && atomic_load(job->abandon))
+      return io_failed(st, "waiting for the other hosts' files in", dir, ECANCELED);
     char missing[256] = "";
     size_t len = 0;
     for (unsigned h = 1; h < job->hosts; h++) {

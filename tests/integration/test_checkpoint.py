@@ -532,6 +532,30 @@ def test_a_stop_abandons_a_paced_write(fsdpd, tmp_path):
     assert list(saves.iterdir()) == []
 
 
+def test_a_stop_abandons_host_0s_wait_for_the_other_hosts_files(fsdpd, tmp_path):
+    """Two hosts, a save asked of host 0 alone: host 0 writes its files and waits for host
+    1's, up to store.collective_timeout (60 s here). SIGTERM ends the wait at once: the save
+    fails with ABORTED naming the stop, no checkpoint is made, and the daemon exits 0."""
+    from test_cluster import attach, start_cluster
+    c = start_cluster(fsdpd, 2, extra=["--set", "store.collective_timeout=60s"])
+    for host in attach(c):
+        for r in host:
+            r.register(shapes=((64,),), param_dtype=FP32, requires_grad=True)
+    saves = tmp_path / "saves"
+    saving = save_later(c.daemons[0], saves)
+    poll(lambda: list(saves.glob("step-*.partial/host-0.json")), 10, what="host 0's files")
+    start = time.monotonic()
+    c.daemons[0].send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as info:
+        saving.result()
+    assert info.value.code() == grpc.StatusCode.ABORTED, info.value
+    assert ("waiting for the other hosts' files in" in info.value.details() and
+            "abandoned by the daemon's stop" in info.value.details()), info.value.details()
+    assert c.daemons[0].wait() == 0
+    assert time.monotonic() - start < 20  # not the 60 s the wait would take
+    assert not [p for p in saves.iterdir() if not p.name.endswith(".partial")]
+
+
 def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
     """checkpoint.write_rate 8MiB: a save of 12 MiB of blocks (a unit of 1 Mi fp32 masters
     and AdamW's two arrays) lasts 1.5 s at least, and loads back bit for bit."""
