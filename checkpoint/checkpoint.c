@@ -443,6 +443,7 @@ static int wait_for_hosts(const char *dir, const fsdp_checkpoint_job_t *job,
 }
 
 static void keep_newest(const char *dir, unsigned keep);
+static void remove_unfinished_below(const char *dir, uint64_t below);
 
 /* mkdir -p: dir and any parent missing; errno set on failure. */
 static int make_dirs(const char *dir) {
@@ -539,26 +540,36 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
     remove_checkpoint_dir(partial); /* the replaced checkpoint, or what failed */
   if (r < 0)
     return r;
+  /* Saves of older steps that died can no longer complete: every host's save of the job
+   * runs after the one before it ended, and they all wrote this step. */
+  remove_unfinished_below(dir, job->step);
   if (keep)
     keep_newest(dir, keep);
   snprintf(ret_path, size, "%s", final);
   return 0;
 }
 
-void fsdp_checkpoint_remove_unfinished(const char *dir) {
+/* Removes dir's step-<S>.partial/ for every S below `below`. */
+static void remove_unfinished_below(const char *dir, uint64_t below) {
   DIR *d = opendir(dir);
   if (!d)
     return;
   static const char suffix[] = ".partial";
   char path[PATH_MAX];
   for (struct dirent *e; (e = readdir(d));) {
-    size_t n = strlen(e->d_name);
-    if (strncmp(e->d_name, "step-", 5) == 0 && n > 5 + strlen(suffix) &&
-        strcmp(e->d_name + n - strlen(suffix), suffix) == 0 &&
+    char *end;
+    if (strncmp(e->d_name, "step-", 5) != 0)
+      continue;
+    uint64_t step = strtoull(e->d_name + 5, &end, 10);
+    if (end != e->d_name + 5 && strcmp(end, suffix) == 0 && step < below &&
         join(path, sizeof path, dir, "/", e->d_name))
       remove_checkpoint_dir(path);
   }
   closedir(d);
+}
+
+void fsdp_checkpoint_remove_unfinished(const char *dir) {
+  remove_unfinished_below(dir, UINT64_MAX);
 }
 
 /* The steps of dir's complete checkpoints (step-N/ with a manifest), at most max of them in

@@ -100,8 +100,9 @@ int fsdp_checkpoint_unstage(const fsdp_checkpoint_unit_t *staged,
  * made if missing;
  * an older checkpoint of the same step is replaced only once the new one is complete). Host
  * 0 then waits (at most hosts_wait_ms) for every other host's files, completes the
- * checkpoint, and removes all but the newest `keep` complete checkpoints in dir (0: keeps
- * them all); another host returns once its own files are written. *ret_path (size bytes):
+ * checkpoint, removes what saves of older steps into dir that died left (they can no longer
+ * complete) and all but the newest `keep` complete checkpoints in dir (0: keeps them all);
+ * another host returns once its own files are written. *ret_path (size bytes):
  * the step directory. Fails with st naming the file and the call: RESOURCE_EXHAUSTED for a
  * full disk, UNAVAILABLE for other I/O errors, DEADLINE_EXCEEDED naming the hosts whose
  * files did not come. */

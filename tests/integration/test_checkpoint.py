@@ -556,6 +556,24 @@ def test_a_stop_abandons_host_0s_wait_for_the_other_hosts_files(fsdpd, tmp_path)
     assert not [p for p in saves.iterdir() if not p.name.endswith(".partial")]
 
 
+def test_a_save_removes_what_older_saves_that_died_left_in_its_directory(fsdpd, tmp_path):
+    """A directory named by the save, not checkpoint.dir: what a save of an older step that
+    died left there (step-0.partial/) goes once a save of step 1 completes; a newer step's
+    is not this save's to judge, and stays."""
+    d = fsdpd()
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    for r in ranks:
+        r.register(shapes=((64,),), param_dtype=FP32, requires_grad=True)
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
+    assert on_all(ranks, "ReduceScatter", step=1) == [None, None]
+    saves = tmp_path / "saves"
+    for stale in ("step-0.partial", "step-9.partial"):
+        (saves / stale).mkdir(parents=True)
+        (saves / stale / "host-0.json").write_text("{}")
+    assert checkpoint(d, "SaveCheckpoint", saves).step == 1
+    assert sorted(p.name for p in saves.iterdir()) == ["step-1", "step-9.partial"]
+
+
 def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
     """checkpoint.write_rate 8MiB: a save of 12 MiB of blocks (a unit of 1 Mi fp32 masters
     and AdamW's two arrays) lasts 1.5 s at least, and loads back bit for bit."""
