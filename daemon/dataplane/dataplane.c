@@ -260,9 +260,10 @@ static void abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind
       drop_deferred(job, u);
     }
   } else if (c->running) {
+    /* The stage first: giving the copy back may start a waiting gather, which takes one. */
+    give_back_gather_stage(u);
     fsdp_pool_cancel(&u->copy_waiter);
     give_back_copy(job, u);
-    give_back_gather_stage(u);
   }
   if (kind == WAIT_UNSHARD)
     u->gather_ahead = false;
@@ -476,7 +477,14 @@ static int stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
   full_grads_from(job, u, begin, srcs);
   float *sum_fp32 = host_sum_fp32(job, u) + begin;
   char *sum = arena_host_sum(job, u) + begin * size;
-  int r = fsdp_backend_reduce(&dp->backend, sum_fp32, false, srcs, job->local_world_size,
+  /* The reduce's staging buffers get their memory here, off the loop: the sum's, and the
+   * deferred sum's, which this reduce's rings or keep_deferred below use first. */
+  int r = fsdp_staging_make(&job->staging, u->sum_stage, st);
+  if (r == 0 && u->deferred_stage)
+    r = fsdp_staging_make(&job->staging, u->deferred_stage, st);
+  if (r < 0)
+    return r;
+  r = fsdp_backend_reduce(&dp->backend, sum_fp32, false, srcs, job->local_world_size,
                               param_dtype(u), type, u->pre_scale, 1.0f, n, st);
   if (r == 0 && type != FSDP_DTYPE_FP32)
     r = fsdp_backend_cast(&dp->backend, sum, type, sum_fp32, FSDP_DTYPE_FP32, n, st);
@@ -551,7 +559,8 @@ static void run_work(uv_work_t *req) {
     size_t at = first * fsdp_dtype_size(pt), bytes = n * fsdp_dtype_size(pt);
     w->result = fsdp_backend_cast(&dp->backend, unsharded + at, pt, base + u->master_offset,
                                   FSDP_DTYPE_FP32, n, &w->error);
-    if (w->result == 0 && u->gather_stage)
+    if (w->result == 0 && u->gather_stage &&
+        (w->result = fsdp_staging_make(&w->job->staging, u->gather_stage, &w->error)) == 0)
       w->result = fsdp_backend_copy(&dp->backend, (char *)u->gather_stage->base + at,
                                     unsharded + at, bytes, &w->error);
     break;

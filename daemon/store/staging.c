@@ -25,29 +25,23 @@ int fsdp_staging_take(fsdp_staging_t *staging, size_t bytes,
   for (fsdp_staging_buffer_t *b = staging->buffers; b; b = b->next) {
     if (b->lent)
       continue;
-    if (b->bytes < bytes)
+    if (b->wanted < bytes)
       smaller = b;
-    else if (!best || b->bytes < best->bytes)
+    else if (!best || b->wanted < best->wanted)
       best = b;
   }
   if (!best && smaller) { /* remade at the new size: the count stays what was lent at once */
-    forget(arg, smaller->base, smaller->bytes);
-    fsdp_backend_host_free(staging->backend, smaller->base);
-    smaller->base = NULL;
-    smaller->bytes = 0;
+    if (smaller->base)
+      forget(arg, smaller->base, smaller->bytes);
+    smaller->wanted = bytes;
     best = smaller;
   } else if (!best) {
     if (!(best = calloc(1, sizeof *best)))
       return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
                              "out of host memory for a staging buffer of %zu bytes", bytes);
+    best->wanted = bytes;
     best->next = staging->buffers;
     staging->buffers = best;
-  }
-  if (!best->base) {
-    int r = fsdp_backend_host_new(staging->backend, bytes, &best->base, st);
-    if (r < 0)
-      return r; /* the empty buffer stays in the list, free, to be made by the next take */
-    best->bytes = bytes;
   }
   best->lent = true;
   *ret = best;
@@ -59,12 +53,28 @@ void fsdp_staging_give(fsdp_staging_buffer_t *buffer) {
     buffer->lent = false;
 }
 
+int fsdp_staging_make(const fsdp_staging_t *staging, fsdp_staging_buffer_t *buffer,
+                      fsdp_status_t *st) {
+  if (buffer->bytes >= buffer->wanted)
+    return 0;
+  fsdp_backend_host_free(staging->backend, buffer->base);
+  buffer->base = NULL;
+  buffer->bytes = 0;
+  void *base;
+  int r = fsdp_backend_host_new(staging->backend, buffer->wanted, &base, st);
+  if (r < 0)
+    return r;
+  buffer->base = base;
+  buffer->bytes = buffer->wanted;
+  return 0;
+}
+
 void fsdp_staging_count(const fsdp_staging_t *staging, unsigned *ret_buffers, size_t *ret_bytes) {
   unsigned n = 0;
   size_t bytes = 0;
   for (const fsdp_staging_buffer_t *b = staging->buffers; b; b = b->next) {
-    n += b->base != NULL;
-    bytes += b->bytes;
+    n++;
+    bytes += b->wanted;
   }
   *ret_buffers = n;
   *ret_bytes = bytes;
