@@ -17,8 +17,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from fsdpd_harness import (CHANNEL_OPTIONS, PROTOCOL_VERSION, fsdpd, peer_pb2, poll,  # noqa: F401
-                           run_fsdpd)
+from fsdpd_harness import (CHANNEL_OPTIONS, PROTOCOL_VERSION, DaemonError, fsdpd,  # noqa: F401
+                           peer_pb2, poll, run_fsdpd)
 
 HEARTBEAT = "100ms"
 TIMEOUT_S = 1.0
@@ -53,17 +53,29 @@ class Cluster:
 
     def __init__(self, fsdpd, n, lws=2, timeout="1s", extra=None, per_rank=None, started=None,
                  env=None):
-        Cluster.count += 1
-        self.tag = f"c{Cluster.count}"  # run dirs and logs of its own in the test's tmp_path
         self.fsdpd = fsdpd
-        self.ports = free_ports(n)
-        self.hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
         self.lws = lws
         self.timeout = timeout
         self.extra = list(extra or [])
         self.per_rank = per_rank or {}
         self.env = env
-        self.daemons = [self.start(i) for i in range(n if started is None else started)]
+        # The ports were free when chosen; another process may bind one before a daemon
+        # does (ctest runs tests side by side): then the cluster starts again on new ones.
+        for attempt in range(3):
+            Cluster.count += 1
+            self.tag = f"c{Cluster.count}"  # run dirs and logs of its own in the test's tmp_path
+            self.ports = free_ports(n)
+            self.hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+            self.daemons = []
+            try:
+                for i in range(n if started is None else started):
+                    self.daemons.append(self.start(i))
+                return
+            except DaemonError as e:
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise
+                for d in self.daemons:
+                    d.kill()
 
     def args(self, rank):
         lws = self.per_rank.get(rank, {}).get("lws", self.lws)
