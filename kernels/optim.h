@@ -21,11 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum fsdp_optim_rule {
-  FSDP_OPTIM_RULE_ADAMW, /* weight decay decoupled: param *= 1 - lr * weight_decay */
-  FSDP_OPTIM_RULE_ADAM,  /* weight decay added to the gradient */
-  FSDP_OPTIM_RULE_SGD,   /* momentum, dampening, nesterov, weight decay added */
-} fsdp_optim_rule_t;
+#include "kernels/optim_elements.h"
 
 /* A param_group's hyperparameters, as torch holds them (doubles). */
 typedef struct fsdp_optim_hyper {
@@ -37,11 +33,21 @@ typedef struct fsdp_optim_hyper {
   bool nesterov;
 } fsdp_optim_hyper_t;
 
-/* One step (number `step`, 1 for the first) of n elements of the parameters p with the
- * gradients g, and the state: Adam and AdamW state[0] exp_avg, state[1] exp_avg_sq,
- * state[2] max_exp_avg_sq (amsgrad only); SGD state[0] the momentum buffer (read from the
- * second step on). With clip, each gradient element is first multiplied by clip_coef and
- * stored back (as clip_grad_norm_ leaves .grad). The arrays must not overlap. */
+/* Step number `step` (1 for the first) of the rule with h's hyperparameters, clipping the
+ * gradients by clip_coef first when clip: its coefficients and flags, for fsdp_optim_run or
+ * a device's kernel. */
+fsdp_optim_step_t fsdp_optim_prepare(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h,
+                                     uint64_t step, bool clip, float clip_coef);
+
+/* The step over n elements of the parameters p with the gradients g, and the state: Adam
+ * and AdamW state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq (amsgrad only);
+ * SGD state[0] the momentum buffer (read from the second step on). With clip, each gradient
+ * element is first multiplied by clip_coef and stored back (as clip_grad_norm_ leaves
+ * .grad). The arrays must not overlap. */
+void fsdp_optim_run(const fsdp_optim_step_t *s, float *p, float *g, float *const state[3],
+                    size_t n);
+
+/* fsdp_optim_prepare, then fsdp_optim_run. */
 void fsdp_optim_step(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h, uint64_t step,
                      bool clip, float clip_coef, float *p, float *g, float *const state[3],
                      size_t n);
