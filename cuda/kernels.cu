@@ -11,6 +11,7 @@
 #include <math.h>
 
 #include "kernels/elements.h"
+#include "kernels/optim_elements.h"
 
 namespace {
 
@@ -197,7 +198,83 @@ int launched(const char *what, fsdp_status_t *st) {
                          cudaGetErrorName(e));
 }
 
+/* One optimizer step, element for element kernels/optim_elements.h's (the host's loops run
+ * the same functions). The flags are the same for every thread, so the branches on them
+ * cost nothing. */
+__global__ void optim_kernel(fsdp_optim_step_t s, float *p, float *g, float *s0, float *s1,
+                             float *s2, size_t n) {
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    if (s.rule == FSDP_OPTIM_RULE_SGD)
+      fsdp_optim_sgd_element(&s, p, g, s0, i);
+    else
+      fsdp_optim_adam_element(&s, p, g, s0, s1, s2, i);
+  }
+}
+
+/* The sum of squares in double, in a fixed order (so every run gives the same bits): each
+ * of the kSumBlocks blocks sums its grid-stride elements per thread and then in a tree over
+ * its threads into partials[block]; one block then sums the partials the same way. */
+constexpr unsigned kSumBlocks = FSDP_CUDA_SUM_PARTIALS;
+
+__device__ double block_sum(double v, double *shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half)
+      shared[threadIdx.x] += shared[threadIdx.x + half];
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+__global__ void squares_kernel(const float *x, size_t n, double *partials) {
+  __shared__ double shared[kThreads];
+  double v = 0;
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    v += (double)x[i] * x[i];
+  double sum = block_sum(v, shared);
+  if (threadIdx.x == 0)
+    partials[blockIdx.x] = sum;
+}
+
+__global__ void partials_kernel(double *partials) {
+  __shared__ double shared[kThreads];
+  double v = 0;
+  for (unsigned i = threadIdx.x; i < kSumBlocks; i += blockDim.x)
+    v += partials[i];
+  double sum = block_sum(v, shared);
+  if (threadIdx.x == 0)
+    partials[kSumBlocks] = sum;
+}
+
 } // namespace
+
+int fsdp_cuda_optim_step(const fsdp_optim_step_t *step, float *p, float *g,
+                         float *const state[3], size_t n, cudaStream_t stream,
+                         fsdp_status_t *st) {
+  bool sgd = step->rule == FSDP_OPTIM_RULE_SGD;
+  if (n > 0 && (!p || !g || (sgd ? step->momentum && !state[0]
+                                 : !state[0] || !state[1] || (step->amsgrad && !state[2]))))
+    return fsdp_status_set(st, -EINVAL, "optimizer step: a NULL array");
+  if (n == 0)
+    return 0;
+  optim_kernel<<<blocks_for(n), kThreads, 0, stream>>>(*step, p, g, state[0], state[1],
+                                                       state[2], n);
+  return launched("optimizer step", st);
+}
+
+int fsdp_cuda_sum_squares(const float *x, size_t n, double *partials, cudaStream_t stream,
+                          fsdp_status_t *st) {
+  if ((n > 0 && !x) || !partials)
+    return fsdp_status_set(st, -EINVAL, "sum of squares: a NULL buffer");
+  squares_kernel<<<kSumBlocks, kThreads, 0, stream>>>(x, n, partials);
+  int r = launched("sum of squares", st);
+  if (r == 0)
+    partials_kernel<<<1, kThreads, 0, stream>>>(partials);
+  return r < 0 ? r : launched("sum of squares", st);
+}
 
 int fsdp_cuda_cast(void *dst, fsdp_dtype_t dst_type, const void *src, fsdp_dtype_t src_type,
                    size_t n, cudaStream_t stream, fsdp_status_t *st) {

@@ -1,4 +1,5 @@
-/* The CUDA backend's kernels: device twins of fsdp_cast and fsdp_reduce (kernels/kernels.h).
+/* The CUDA backend's kernels: device twins of fsdp_cast and fsdp_reduce (kernels/kernels.h)
+ * and of the optimizers' step (kernels/optim.h), and a sum of squares (a gradient's norm).
  *
  * Same contract, same results bit for bit: both compile the element arithmetic of
  * kernels/elements.h, and the device code is built without FMA contraction (--fmad=false)
@@ -22,6 +23,7 @@
 
 #include "common/status.h"
 #include "kernels/dtype.h"
+#include "kernels/optim_elements.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -36,6 +38,19 @@ int fsdp_cuda_cast(void *dst, fsdp_dtype_t dst_type, const void *src, fsdp_dtype
 int fsdp_cuda_reduce(float *dst, bool accumulate, const void *const *srcs, unsigned n_srcs,
                      fsdp_dtype_t src_type, fsdp_dtype_t reduce_type, float pre_scale,
                      float post_scale, size_t n, cudaStream_t stream, fsdp_status_t *st);
+
+/* One optimizer step over n elements (kernels/optim.h's fsdp_optim_run, whose bits it
+ * gives): state as there, the arrays the step's rule and flags use non-NULL. */
+int fsdp_cuda_optim_step(const fsdp_optim_step_t *step, float *p, float *g,
+                         float *const state[3], size_t n, cudaStream_t stream,
+                         fsdp_status_t *st);
+
+/* The sum of x[i]^2 over n elements, in double, into partials[FSDP_CUDA_SUM_PARTIALS]
+ * (device memory of FSDP_CUDA_SUM_PARTIALS + 1 doubles, the blocks' parts before it); the
+ * same bits on every run, not the host's sequential sum's. */
+#define FSDP_CUDA_SUM_PARTIALS 1024
+int fsdp_cuda_sum_squares(const float *x, size_t n, double *partials, cudaStream_t stream,
+                          fsdp_status_t *st);
 
 #ifdef __cplusplus
 }

@@ -229,7 +229,11 @@ static void host_free(void *memory) {
 struct fsdp_cuda_stream {
   int ordinal;
   cudaStream_t stream;
+  double *partials; /* a sum of squares' parts and result, on the device (FSDP_CUDA_SUM_PARTIALS + 1) */
+  double *sum;      /* its result, pinned host memory */
 };
+
+static void stream_free(fsdp_cuda_stream_t *s);
 
 static int stream_new(int ordinal, fsdp_cuda_stream_t **ret, fsdp_status_t *st) {
   fsdp_cuda_stream_t *s = calloc(1, sizeof *s);
@@ -238,11 +242,20 @@ static int stream_new(int ordinal, fsdp_cuda_stream_t **ret, fsdp_status_t *st) 
   s->ordinal = ordinal;
   cudaError_t e = cudaSetDevice(ordinal);
   /* Non-blocking: the daemon's work never waits behind the legacy default stream. */
+  const char *call = "cudaStreamCreateWithFlags";
   if (e == cudaSuccess)
     e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
+  if (e == cudaSuccess) {
+    call = "cudaMalloc";
+    e = cudaMalloc((void **)&s->partials, (FSDP_CUDA_SUM_PARTIALS + 1) * sizeof(double));
+  }
+  if (e == cudaSuccess) {
+    call = "cudaHostAlloc";
+    e = cudaHostAlloc((void **)&s->sum, sizeof(double), cudaHostAllocDefault);
+  }
   if (e != cudaSuccess) {
-    free(s);
-    return cuda_failed(st, "cudaStreamCreateWithFlags", e);
+    stream_free(s);
+    return cuda_failed(st, call, e);
   }
   *ret = s;
   return 0;
@@ -251,7 +264,12 @@ static int stream_new(int ordinal, fsdp_cuda_stream_t **ret, fsdp_status_t *st) 
 static void stream_free(fsdp_cuda_stream_t *s) {
   if (!s)
     return;
-  cudaStreamDestroy(s->stream);
+  if (s->stream)
+    cudaStreamDestroy(s->stream);
+  if (s->partials)
+    cudaFree(s->partials);
+  if (s->sum)
+    cudaFreeHost(s->sum);
   free(s);
 }
 
@@ -274,6 +292,40 @@ static int reduce(fsdp_cuda_stream_t *s, float *dst, bool accumulate, const void
   return r < 0 ? r
                : fsdp_cuda_reduce(dst, accumulate, srcs, n_srcs, src_type, reduce_type,
                                   pre_scale, post_scale, n, s->stream, st);
+}
+
+static int optim_step(fsdp_cuda_stream_t *s, const fsdp_optim_step_t *step, float *p, float *g,
+                      float *const state[3], size_t n, fsdp_status_t *st) {
+  int r = on_device(s, st);
+  return r < 0 ? r : fsdp_cuda_optim_step(step, p, g, state, n, s->stream, st);
+}
+
+static int synchronize(fsdp_cuda_stream_t *s, fsdp_status_t *st);
+
+static int sum_squares(fsdp_cuda_stream_t *s, const float *x, size_t n, double *ret,
+                       fsdp_status_t *st) {
+  int r = on_device(s, st);
+  if (r == 0)
+    r = fsdp_cuda_sum_squares(x, n, s->partials, s->stream, st);
+  if (r < 0)
+    return r;
+  cudaError_t e = cudaMemcpyAsync(s->sum, s->partials + FSDP_CUDA_SUM_PARTIALS, sizeof(double),
+                                  cudaMemcpyDeviceToHost, s->stream);
+  if (e != cudaSuccess)
+    return cuda_failed(st, "cudaMemcpyAsync", e);
+  if ((r = synchronize(s, st)) < 0)
+    return r;
+  *ret = *s->sum;
+  return 0;
+}
+
+static int zero(int ordinal, void *dst, size_t bytes, fsdp_status_t *st) {
+  cudaError_t e = cudaSetDevice(ordinal);
+  if (e == cudaSuccess)
+    e = cudaMemset(dst, 0, bytes);
+  if (e == cudaSuccess)
+    e = cudaStreamSynchronize(cudaStreamLegacy);
+  return e == cudaSuccess ? 0 : cuda_failed(st, "zeroing memory", e);
 }
 
 static int copy(fsdp_cuda_stream_t *s, void *dst, const void *src, size_t bytes,
@@ -302,6 +354,9 @@ static const fsdp_cuda_module_t module = {
     .stream_free = stream_free,
     .cast = cast,
     .reduce = reduce,
+    .optim_step = optim_step,
+    .sum_squares = sum_squares,
+    .zero = zero,
     .copy = copy,
     .synchronize = synchronize,
 };

@@ -15,6 +15,7 @@
 
 #include "common/status.h"
 #include "kernels/dtype.h"
+#include "kernels/optim_elements.h"
 
 #define FSDP_CUDA_MODULE_VERSION 4u
 #define FSDP_CUDA_MODULE_SYMBOL "fsdp_cuda_module"
@@ -77,6 +78,15 @@ typedef struct fsdp_cuda_module {
                 const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
                 fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
                 fsdp_status_t *st);
+  /* One optimizer step of n elements (cuda/kernels.h). */
+  int (*optim_step)(fsdp_cuda_stream_t *stream, const fsdp_optim_step_t *step, float *p,
+                    float *g, float *const state[3], size_t n, fsdp_status_t *st);
+  /* The sum of the squares of n fp32 elements, in double, in *ret: waits for the stream. */
+  int (*sum_squares)(fsdp_cuda_stream_t *stream, const float *x, size_t n, double *ret,
+                     fsdp_status_t *st);
+  /* Zeroes bytes of GPU `ordinal`'s memory and waits for it, on no stream of the daemon's
+   * (memory just allocated, which nothing else uses yet). */
+  int (*zero)(int ordinal, void *dst, size_t bytes, fsdp_status_t *st);
   /* bytes from src to dst, each in the GPU's memory or the host's (unified addressing tells
    * which). */
   int (*copy)(fsdp_cuda_stream_t *stream, void *dst, const void *src, size_t bytes,

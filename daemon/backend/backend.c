@@ -105,6 +105,52 @@ int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
   return r < 0 ? r : b->cuda->synchronize(b->stream, st);
 }
 
+/* A range of a step's elements on one worker. */
+typedef struct optim_range {
+  const fsdp_optim_step_t *step;
+  float *p, *g;
+  float *const *state;
+} optim_range_t;
+
+static void step_range(void *arg, size_t begin, size_t end) {
+  const optim_range_t *r = arg;
+  float *state[3] = {NULL, NULL, NULL};
+  for (size_t a = 0; a < 3; a++)
+    if (r->state[a])
+      state[a] = r->state[a] + begin;
+  fsdp_optim_run(r->step, r->p + begin, r->g + begin, state, end - begin);
+}
+
+int fsdp_backend_optim_step(const fsdp_backend_t *b, const fsdp_optim_step_t *step, float *p,
+                            float *g, float *const state[3], size_t n, fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_HOST) {
+    optim_range_t r = {.step = step, .p = p, .g = g, .state = state};
+    /* 16 K elements a chunk: about 450 KiB of traffic, worth a wake-up. */
+    return host_result(fsdp_workers_for(b->workers, n, 16384, step_range, &r),
+                       "optimizer step", st);
+  }
+  int r = b->cuda->optim_step(b->stream, step, p, g, state, n, st);
+  return r < 0 ? r : b->cuda->synchronize(b->stream, st);
+}
+
+int fsdp_backend_sum_squares(const fsdp_backend_t *b, const float *x, size_t n, double *ret,
+                             fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_CUDA)
+    return b->cuda->sum_squares(b->stream, x, n, ret, st);
+  double sum = 0;
+  for (size_t i = 0; i < n; i++)
+    sum += (double)x[i] * x[i];
+  *ret = sum;
+  return 0;
+}
+
+int fsdp_backend_zero(const fsdp_backend_t *b, void *dst, size_t bytes, fsdp_status_t *st) {
+  if (b->kind == FSDP_BACKEND_CUDA)
+    return b->cuda->zero(b->device.ordinal, dst, bytes, st);
+  memset(dst, 0, bytes);
+  return 0;
+}
+
 int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
                       fsdp_status_t *st) {
   if (b->kind == FSDP_BACKEND_HOST) {

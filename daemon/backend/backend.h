@@ -21,6 +21,7 @@
 #include "common/status.h"
 #include "cuda/module.h"
 #include "kernels/dtype.h"
+#include "kernels/optim.h"
 #include "kernels/workers.h"
 
 typedef enum fsdp_backend_kind {
@@ -74,6 +75,19 @@ int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
                         const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
                         fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
                         fsdp_status_t *st);
+/* One optimizer step (kernels/optim.h's fsdp_optim_run, the same bits) over n elements of
+ * the backend's memory: split over the workers on the host, one kernel on a GPU. */
+int fsdp_backend_optim_step(const fsdp_backend_t *b, const fsdp_optim_step_t *step, float *p,
+                            float *g, float *const state[3], size_t n, fsdp_status_t *st);
+/* The sum of the squares of n fp32 elements in double, in *ret: in element order on the
+ * host, in a GPU's fixed order of its own there (the same on every run, not the host's
+ * bits). */
+int fsdp_backend_sum_squares(const fsdp_backend_t *b, const float *x, size_t n, double *ret,
+                             fsdp_status_t *st);
+/* Zeroes new memory of the backend's (a GPU's is waited for on none of the backend's
+ * streams: any thread, the loop included, as the memory's own making). */
+int fsdp_backend_zero(const fsdp_backend_t *b, void *dst, size_t bytes, fsdp_status_t *st);
+
 /* bytes from src to dst, each the backend's memory or the host's (a checkpoint's staging). */
 int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
                       fsdp_status_t *st);

@@ -439,7 +439,7 @@ static int add_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t be
  * additions are the one-host path's, in the same order, so the bits are too. */
 
 static bool stages_rings(const fsdp_job_t *job) {
-  return job->staging.backend && job->staging.backend->stages_rings;
+  return job->backend && job->backend->stages_rings;
 }
 
 static void forget_staging(void *arg, const void *base, size_t bytes) {
@@ -574,11 +574,10 @@ static void run_work(uv_work_t *req) {
                                     u->layout.padded_numel, &w->error);
     break;
   case WORK_OPTIMIZE:
-    w->result = fsdp_optimizer_run(&w->plan, dp->workers);
+    w->result = fsdp_optimizer_run(&w->plan, &dp->backend, &w->error);
     break;
   case WORK_NORM:
-    w->norm_sq = fsdp_optimizer_grad_norm_sq(w->job, u);
-    w->result = 0;
+    w->result = fsdp_optimizer_grad_norm_sq(w->job, u, &dp->backend, &w->norm_sq, &w->error);
     break;
   case WORK_DEFER:
     w->result = fsdp_host_sum_range(host_sum(w->job, u), host_sum_fp32(w->job, u), srcs, world,
@@ -743,6 +742,8 @@ static void work_done(uv_work_t *req, int status) {
     else
       norm_known(dp, w->job, u, w->norm_sq);
   } else {
+    if (w->kind == WORK_OPTIMIZE)
+      fsdp_optimizer_stepped(w->job, u, w->plan.step);
     next_stage(dp, w->job, u, (int)w->kind, -1);
   }
   fsdp_optimizer_plan_cleanup(&w->plan);

@@ -17,6 +17,7 @@ typedef struct unit_plan {
   size_t n_pieces;
   bool has_state;
   uint64_t state_offset;
+  uint64_t stepped; /* the count its last run stepped with */
 } unit_plan_t;
 
 struct fsdp_optimizer {
@@ -233,14 +234,12 @@ double fsdp_optimizer_max_grad_norm(const fsdp_job_t *job) {
   return job->optimizer ? job->optimizer->max_grad_norm : 0;
 }
 
-double fsdp_optimizer_grad_norm_sq(const fsdp_job_t *job, const fsdp_unit_t *u) {
+int fsdp_optimizer_grad_norm_sq(const fsdp_job_t *job, const fsdp_unit_t *u,
+                                const fsdp_backend_t *backend, double *ret, fsdp_status_t *st) {
   const float *g = (const float *)(const void *)((const char *)fsdp_arena_base(job->arena) +
                                                  u->grad_offset);
-  uint64_t n = (uint64_t)u->plan.local_shards * u->layout.shard_numel;
-  double sum = 0;
-  for (uint64_t i = 0; i < n; i++)
-    sum += (double)g[i] * g[i];
-  return sum;
+  return fsdp_backend_sum_squares(backend, g, (size_t)u->plan.local_shards * u->layout.shard_numel,
+                                  ret, st);
 }
 
 bool fsdp_optimizer_is_set(const fsdp_job_t *job) {
@@ -332,7 +331,12 @@ int fsdp_optimizer_unit_state(fsdp_job_t *job, fsdp_unit_t *u, fsdp_optimizer_st
       return fsdp_status_set(st, r, "unit '%s': no room for its optimizer state: %s",
                              u->spec->unit, st->message);
     /* State starts at zero, as torch's does (its step count too). */
-    memset((char *)fsdp_arena_base(job->arena) + offset, 0, bytes);
+    if ((r = fsdp_backend_zero(job->backend, (char *)fsdp_arena_base(job->arena) + offset, bytes,
+                               st)) < 0) {
+      fsdp_arena_release(job->arena, offset);
+      return fsdp_status_set(st, r, "unit '%s': its optimizer state: %s", u->spec->unit,
+                             st->message);
+    }
     p->has_state = true;
     p->state_offset = offset;
   }
@@ -350,7 +354,13 @@ uint64_t fsdp_optimizer_unit_steps(const fsdp_job_t *job, const fsdp_unit_t *u) 
   const struct fsdp_optimizer *o = job->optimizer;
   if (!o || u->id >= o->n_units || !o->units[u->id].has_state)
     return 0;
-  return *step_count(job, &o->units[u->id]);
+  const unit_plan_t *p = &o->units[u->id];
+  return job->backend->kind == FSDP_BACKEND_HOST ? *step_count(job, p) : p->stepped;
+}
+
+void fsdp_optimizer_stepped(fsdp_job_t *job, const fsdp_unit_t *u, uint64_t step) {
+  if (job->optimizer && u->id < job->optimizer->n_units)
+    job->optimizer->units[u->id].stepped = step;
 }
 
 size_t fsdp_optimizer_state_bytes(const fsdp_job_t *job) {
@@ -377,7 +387,7 @@ int fsdp_optimizer_plan(fsdp_job_t *job, fsdp_unit_t *u, fsdp_optimizer_plan_t *
   char *base = fsdp_arena_base(job->arena);
   *ret_plan = (fsdp_optimizer_plan_t){
       .kind = o->kind,
-      .step = ++*step_count(job, p),
+      .steps = step_count(job, p),
       .pieces = p->pieces,
       .n_pieces = p->n_pieces,
       .groups = groups,
@@ -408,39 +418,30 @@ static void optimizer_free(struct fsdp_optimizer *o) {
   free(o);
 }
 
-/* One piece of a step, split over the worker pool: each range of its elements is the
- * kernel's (kernels/optim.h) on the same offset of every array. */
-typedef struct piece_run {
-  const fsdp_optimizer_plan_t *plan;
-  fsdp_optim_rule_t rule;
-  const fsdp_optim_hyper_t *hyper;
-  uint64_t first; /* the piece's first element */
-} piece_run_t;
-
-static void step_range(void *arg, size_t begin, size_t end) {
-  const piece_run_t *r = arg;
-  const fsdp_optimizer_plan_t *plan = r->plan;
-  size_t at = r->first + begin;
-  float *state[3] = {NULL, NULL, NULL};
-  for (size_t a = 0; a < 3; a++)
-    if (plan->state[a])
-      state[a] = plan->state[a] + at;
-  fsdp_optim_step(r->rule, r->hyper, plan->step, plan->clip, plan->clip_coef,
-                  plan->master + at, plan->grad + at, state, end - begin);
-}
-
-int fsdp_optimizer_run(const fsdp_optimizer_plan_t *plan, fsdp_workers_t *workers) {
+int fsdp_optimizer_run(fsdp_optimizer_plan_t *plan, const fsdp_backend_t *backend,
+                       fsdp_status_t *st) {
   fsdp_optim_rule_t rule = plan->kind == FSDP_OPTIMIZER_ADAMW ? FSDP_OPTIM_RULE_ADAMW
                            : plan->kind == FSDP_OPTIMIZER_ADAM ? FSDP_OPTIM_RULE_ADAM
                                                                : FSDP_OPTIM_RULE_SGD;
+  uint64_t steps;
+  int r = fsdp_backend_copy(backend, &steps, plan->steps, sizeof steps, st);
+  if (r < 0)
+    return r;
+  plan->step = ++steps;
+  if ((r = fsdp_backend_copy(backend, plan->steps, &steps, sizeof steps, st)) < 0)
+    return r;
   for (size_t k = 0; k < plan->n_pieces; k++) {
     const fsdp_optimizer_piece_t *piece = &plan->pieces[k];
-    piece_run_t r = {.plan = plan, .rule = rule, .hyper = &plan->groups[piece->group].hyper,
-                     .first = piece->begin};
-    /* 16 K elements a chunk: about 450 KiB of traffic, worth a wake-up. */
-    int rc = fsdp_workers_for(workers, piece->end - piece->begin, 16384, step_range, &r);
-    if (rc < 0)
-      return rc;
+    fsdp_optim_step_t step = fsdp_optim_prepare(rule, &plan->groups[piece->group].hyper,
+                                                plan->step, plan->clip, plan->clip_coef);
+    float *state[3] = {NULL, NULL, NULL};
+    for (size_t a = 0; a < 3; a++)
+      if (plan->state[a])
+        state[a] = plan->state[a] + piece->begin;
+    r = fsdp_backend_optim_step(backend, &step, plan->master + piece->begin,
+                                plan->grad + piece->begin, state, piece->end - piece->begin, st);
+    if (r < 0)
+      return r;
   }
   return 0;
 }

@@ -15,7 +15,8 @@
  * padding is never stepped.
  *
  * This is the configuration and the state's place; the data plane runs the steps from a
- * plan (fsdp_optimizer_plan_t). Loop thread only. */
+ * plan (fsdp_optimizer_plan_t) through the job's backend (daemon/backend/backend.h), on the
+ * host's workers or on the GPU that holds the job. Loop thread only, but for the runs. */
 #ifndef FSDP_DATAPLANE_OPTIMIZER_H
 #define FSDP_DATAPLANE_OPTIMIZER_H
 
@@ -24,9 +25,9 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "daemon/backend/backend.h"
 #include "daemon/store/store.h"
 #include "kernels/optim.h"
-#include "kernels/workers.h"
 
 typedef enum fsdp_optimizer_kind {
   FSDP_OPTIMIZER_NONE = 0,
@@ -94,7 +95,10 @@ typedef struct fsdp_optimizer_piece {
  * stay as they are while the job lives. */
 typedef struct fsdp_optimizer_plan {
   fsdp_optimizer_kind_t kind;
-  uint64_t step; /* the step count after this step: 1 for the first */
+  /* The unit's step count in the job's memory, which the run reads and counts up (trainers
+   * write it too: a state_dict loaded), and the count the run stepped with: 1 the first. */
+  uint64_t *steps;
+  uint64_t step;
   const fsdp_optimizer_piece_t *pieces;
   size_t n_pieces;
   fsdp_optimizer_group_t *groups; /* owned; their params are not copied */
@@ -107,18 +111,24 @@ typedef struct fsdp_optimizer_plan {
   float clip_coef;
 } fsdp_optimizer_plan_t;
 
-/* Plans the unit's next step, making its state on first need, and counts it (the unit's
- * step count is the plan's from now on). */
+/* Plans the unit's next step, making its state on first need. */
 int fsdp_optimizer_plan(fsdp_job_t *job, fsdp_unit_t *u, fsdp_optimizer_plan_t *ret_plan,
                         fsdp_status_t *st);
 void fsdp_optimizer_plan_cleanup(fsdp_optimizer_plan_t *plan); /* NULL-safe plans and groups */
 
-/* On a pool thread: the step the plan says, each piece split over workers. */
-int fsdp_optimizer_run(const fsdp_optimizer_plan_t *plan, fsdp_workers_t *workers);
+/* On a pool thread: counts the unit's step and runs it, piece by piece, through the
+ * backend. */
+int fsdp_optimizer_run(fsdp_optimizer_plan_t *plan, const fsdp_backend_t *backend,
+                       fsdp_status_t *st);
+
+/* On the loop, once the plan ran: the count the unit stepped with (what fsdpctl shows of a
+ * GPU's job, whose count the loop cannot read). */
+void fsdp_optimizer_stepped(fsdp_job_t *job, const fsdp_unit_t *u, uint64_t step);
 
 /* On a pool thread: the sum of the squares of the unit's gradient shards on this host, in
- * double, element by element in order (the same sum on every run). */
-double fsdp_optimizer_grad_norm_sq(const fsdp_job_t *job, const fsdp_unit_t *u);
+ * double (fsdp_backend_sum_squares: the same sum on every run), in *ret. */
+int fsdp_optimizer_grad_norm_sq(const fsdp_job_t *job, const fsdp_unit_t *u,
+                                const fsdp_backend_t *backend, double *ret, fsdp_status_t *st);
 
 
 #endif

@@ -420,16 +420,6 @@ static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage 
                        "SetOptimizer: job '%s' has no units yet: register them first", s->job);
     return;
   }
-  if (ctx->store->backend && ctx->store->backend->kind != FSDP_BACKEND_HOST) {
-    /* Its kernels read and write host memory; a GPU's optimizer is not built yet. */
-    fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
-                       "SetOptimizer: job '%s': the daemon's optimizer steps masters in host "
-                       "memory, and this daemon's backend is %s (%s): step a trainer "
-                       "optimizer over the master shards instead",
-                       s->job, fsdp_backend_name(ctx->store->backend),
-                       ctx->store->backend->device_name);
-    return;
-  }
   fsdp_optimizer_group_t *groups = calloc(rq->n_groups ? rq->n_groups : 1, sizeof *groups);
   Fsdp__V1__OptimizerUnitState *states = calloc(job->n_units, sizeof *states);
   Fsdp__V1__OptimizerUnitState **state_ptrs = calloc(job->n_units, sizeof *state_ptrs);

@@ -269,6 +269,7 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
   job->local_world_size = session->local_world_size;
   job->owner = session->owner;
   job->units_tail = &job->units;
+  job->backend = store->backend;
   fsdp_staging_init(&job->staging, store->backend);
   if ((r = make_arenas(job, store->backend, store->arena_capacity, st)) < 0 ||
       (r = make_pools(job, store->max_inflight, st)) < 0) {

@@ -150,6 +150,7 @@ typedef struct fsdp_job {
   fsdp_pool_t copies;
   fsdp_pool_t *grad_pools;
   fsdp_pool_t sums;
+  const fsdp_backend_t *backend; /* whose memory the arenas are: the store's */
   fsdp_staging_t staging; /* host buffers of the rings, where the backend stages them */
   fsdp_job_owner_t owner; /* of the session that created it: whom Attach lets in */
   /* The memory every local rank maps, made on first need, owned: the unsharded buffers in

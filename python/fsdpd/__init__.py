@@ -253,21 +253,32 @@ class Unit:
         amsgrad; SGD: the momentum buffer), empty before Client.set_optimizer."""
         v = _lib.lib().fsdp_unit_view(self._handle).contents
         host = self.host_shards * self.shard_numel
-        return [_view(v.optimizer_state[a], 0, host, _lib.SCALAR_FP32, True)
+        return [_view(v.optimizer_state[a], 0, host, _lib.SCALAR_FP32, True, self.device)
                 for a in range(v.optimizer_arrays)]
+
+    def _steps_count(self):
+        """The unit's step count where the daemon keeps it: a ctypes uint64, or on a GPU a
+        one-element int64 tensor; None without optimizer state."""
+        v = _lib.lib().fsdp_unit_view(self._handle).contents
+        if not v.optimizer_steps:
+            return None
+        if self.device < 0:
+            return v.optimizer_steps
+        address = ctypes.cast(v.optimizer_steps, ctypes.c_void_p).value
+        return _device_view(address, 2, _lib.SCALAR_FP32, self.device).view(_torch.int64)
 
     @property
     def optimizer_steps(self):
         """How many optimizer steps the daemon took on this unit (0 before the first)."""
-        v = _lib.lib().fsdp_unit_view(self._handle).contents
-        return int(v.optimizer_steps[0]) if v.optimizer_steps else 0
+        count = self._steps_count()
+        return 0 if count is None else int(count[0])
 
     @optimizer_steps.setter
     def optimizer_steps(self, steps):
-        v = _lib.lib().fsdp_unit_view(self._handle).contents
-        if not v.optimizer_steps:
+        count = self._steps_count()
+        if count is None:
             raise ValueError(f"unit '{self.name}' has no optimizer state: set_optimizer first")
-        v.optimizer_steps[0] = int(steps)
+        count[0] = int(steps)
 
     def reduce_scatter(self, step=0, accumulate=False, defer_all_reduce=False,
                        step_optimizer=False):

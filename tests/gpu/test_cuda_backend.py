@@ -222,6 +222,30 @@ def test_a_checkpoint_of_the_gpus_job_brings_it_back_on_a_new_daemon(tmp_path):
     assert worst <= 1e-5
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["adamw", "adamw-clipped"])
+def test_the_daemons_optimizer_on_the_gpu_trains_like_torch_optim(daemon, clip):
+    """fsdpd.optim's AdamW stepping the masters on the daemon's GPU (the host kernels'
+    arithmetic, bit for bit as tests/gpu/test_cuda_kernels.c checks), against torch's AdamW
+    on the same GPU in one process on the whole batch; clipped to a norm of 0.5 with the
+    squares summed in double, as the reference clips. torch's CUDA kernels round as they
+    do, hence the fp32 tolerance."""
+    args = ("--optim", "adamw", *(("--clip",) if clip else ()))
+    procs = [_start(daemon, "rank", 2, r, *args) for r in range(2)]
+    procs.append(_start(None, "reference", 2, 0, *args, "--world", "2",
+                        *(("--daemon-clip",) if clip else ())))
+    *ranks, ref = _finish(procs)
+    want = _losses(ref)
+    worst_loss = max(abs(sum(_losses(r)[s] for r in ranks) / 2 - want[s]) / abs(want[s])
+                     for s in want)
+    worst_param = max(_worst(_final(r), _final(ref)) for r in ranks)
+    _report(test=f"the daemon's AdamW on the GPU{', clipped' if clip else ''}", steps=STEPS,
+            worst_loss_rel=worst_loss, worst_param_rel=worst_param)
+    assert abs(want[STEPS] - want[1]) > 1e-3 * abs(want[1])  # training moved
+    assert worst_loss <= 1e-5 and worst_param <= 1e-5, (worst_loss, worst_param)
+    unit = json.loads(daemon.fsdpctl("--json", "unit", "blocks.0"))
+    assert unit["optimizer_steps"] == STEPS, unit
+
+
 def _free_ports(n):
     socks = [socket.socket() for _ in range(n)]
     try:

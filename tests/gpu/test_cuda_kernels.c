@@ -1,10 +1,14 @@
 /* The CUDA kernels against the host kernels, bit for bit: every cast between fp32, bf16 and
  * fp16 over every kind of bit pattern (NaNs, infinities, subnormals, values that round
- * across a binade or past the largest finite value), and the reduce for every pair of
- * source and reduce dtype, 1 to 5 sources, with and without scaling and accumulation. A
- * reduce's NaN may differ in its bits (a GPU computes the canonical NaN); it must be a NaN
- * where the host's is one. Needs a GPU: exits 77 (skipped) where the CUDA runtime sees none. */
+ * across a binade or past the largest finite value), the reduce for every pair of source
+ * and reduce dtype, 1 to 5 sources, with and without scaling and accumulation, and the
+ * optimizers' steps (AdamW, Adam, SGD, with each flag that changes the work). A computed
+ * NaN may differ in its bits (a GPU computes the canonical NaN); it must be a NaN where the
+ * host's is one. The sum of squares (a gradient's norm) is the host's within double's
+ * rounding, and the same on every run. Needs a GPU: exits 77 (skipped) where the CUDA
+ * runtime sees none. */
 #include <errno.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -18,6 +22,7 @@
 
 #include "cuda/kernels.h"
 #include "kernels/kernels.h"
+#include "kernels/optim.h"
 
 #define N 100003 /* odd, and more elements than one wave of blocks covers */
 
@@ -176,6 +181,107 @@ static void test_every_reduce_gives_the_host_bits(void **state) {
                            off);
 }
 
+/* Bits equal, or both NaNs. */
+static void check_same(const float *got, const float *want, const char *what, const char *step) {
+  for (size_t i = 0; i < N; i++) {
+    uint32_t g, w;
+    memcpy(&g, &got[i], 4);
+    memcpy(&w, &want[i], 4);
+    if (g != w && !(is_nan_bits(g) && is_nan_bits(w)))
+      fail_msg("%s: %s element %zu is 0x%08x, the host's 0x%08x", step, what, i, g, w);
+  }
+}
+
+/* One step on the GPU and on the host from the same arrays: parameters, gradients and
+ * state (second moments made non-negative, as steps leave them). */
+static void check_optim(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h, uint64_t step,
+                        bool clip, const char *name) {
+  static const char *const names[5] = {"parameter", "gradient", "state 0", "state 1",
+                                       "state 2"};
+  float *host[5], *got[5];
+  void *dev[5];
+  for (size_t a = 0; a < 5; a++) {
+    host[a] = malloc(N * 4);
+    got[a] = malloc(N * 4);
+    assert_true(host[a] && got[a]);
+    fill_values(host[a], FSDP_DTYPE_FP32);
+    for (size_t i = 0; a >= 3 && i < N; i++)
+      host[a][i] = fabsf(host[a][i]);
+    dev[a] = to_device(host[a], N * 4);
+  }
+  float *host_state[3] = {host[2], host[3], host[4]};
+  float *dev_state[3] = {dev[2], dev[3], dev[4]};
+  fsdp_optim_step(rule, h, step, clip, 0.37f, host[0], host[1], host_state, N);
+  fsdp_optim_step_t s = fsdp_optim_prepare(rule, h, step, clip, 0.37f);
+  fsdp_status_t status;
+  assert_int_equal(fsdp_cuda_optim_step(&s, dev[0], dev[1], dev_state, N, 0, &status), 0);
+  for (size_t a = 0; a < 5; a++) {
+    from_device(got[a], dev[a], N * 4);
+    check_same(got[a], host[a], names[a], name);
+    cudaFree(dev[a]);
+    free(host[a]);
+    free(got[a]);
+  }
+}
+
+static void test_every_optimizer_step_gives_the_host_bits(void **state) {
+  (void)state;
+  const fsdp_optim_hyper_t adamw = {.lr = 1e-3, .weight_decay = 0.01, .beta1 = 0.9,
+                                    .beta2 = 0.999, .eps = 1e-8};
+  fsdp_optim_hyper_t h = adamw;
+  for (int clip = 0; clip < 2; clip++) {
+    check_optim(FSDP_OPTIM_RULE_ADAMW, &adamw, 1, clip, "AdamW, step 1");
+    check_optim(FSDP_OPTIM_RULE_ADAMW, &adamw, 7, clip, "AdamW, step 7");
+    h = adamw;
+    h.amsgrad = true;
+    h.maximize = true;
+    check_optim(FSDP_OPTIM_RULE_ADAMW, &h, 3, clip, "AdamW, amsgrad, maximize");
+    h = adamw;
+    h.weight_decay = 0.1;
+    check_optim(FSDP_OPTIM_RULE_ADAM, &h, 2, clip, "Adam, weight decay");
+    h.weight_decay = 0;
+    check_optim(FSDP_OPTIM_RULE_ADAM, &h, 2, clip, "Adam");
+    const fsdp_optim_hyper_t sgd = {.lr = 0.05, .momentum = 0.9, .dampening = 0.1,
+                                    .weight_decay = 1e-4};
+    check_optim(FSDP_OPTIM_RULE_SGD, &sgd, 1, clip, "SGD, momentum, first step");
+    check_optim(FSDP_OPTIM_RULE_SGD, &sgd, 4, clip, "SGD, momentum");
+    h = sgd;
+    h.dampening = 0;
+    h.nesterov = true;
+    check_optim(FSDP_OPTIM_RULE_SGD, &h, 4, clip, "SGD, nesterov");
+    h = sgd;
+    h.momentum = 0;
+    h.weight_decay = 0;
+    check_optim(FSDP_OPTIM_RULE_SGD, &h, 1, clip, "SGD, plain");
+  }
+}
+
+static void test_the_sum_of_squares_is_the_hosts_and_the_same_every_run(void **state) {
+  (void)state;
+  float *x = malloc(N * 4);
+  assert_non_null(x);
+  double want = 0;
+  for (size_t i = 0; i < N; i++) {
+    x[i] = (float)(int32_t)next_bits() / 2147483648.0f * 3.0f;
+    want += (double)x[i] * x[i];
+  }
+  void *dx = to_device(x, N * 4);
+  double *partials = NULL;
+  assert_int_equal(cudaMalloc((void **)&partials, (FSDP_CUDA_SUM_PARTIALS + 1) * sizeof(double)),
+                   cudaSuccess);
+  double got[2];
+  for (int run = 0; run < 2; run++) {
+    fsdp_status_t status;
+    assert_int_equal(fsdp_cuda_sum_squares(dx, N, partials, 0, &status), 0);
+    from_device(&got[run], partials + FSDP_CUDA_SUM_PARTIALS, sizeof got[run]);
+  }
+  assert_memory_equal(&got[0], &got[1], sizeof got[0]);
+  assert_true(fabs(got[0] - want) <= 1e-12 * want);
+  cudaFree(partials);
+  cudaFree(dx);
+  free(x);
+}
+
 static void test_bad_arguments_queue_nothing(void **state) {
   (void)state;
   fsdp_status_t status;
@@ -202,6 +308,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_cast_gives_the_host_bits),
       cmocka_unit_test(test_every_reduce_gives_the_host_bits),
+      cmocka_unit_test(test_every_optimizer_step_gives_the_host_bits),
+      cmocka_unit_test(test_the_sum_of_squares_is_the_hosts_and_the_same_every_run),
       cmocka_unit_test(test_bad_arguments_queue_nothing),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
