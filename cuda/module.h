@@ -17,7 +17,7 @@
 #include "kernels/dtype.h"
 #include "kernels/optim_elements.h"
 
-#define FSDP_CUDA_MODULE_VERSION 4u
+#define FSDP_CUDA_MODULE_VERSION 5u
 #define FSDP_CUDA_MODULE_SYMBOL "fsdp_cuda_module"
 #define FSDP_CUDA_DEVICES_MAX 16
 

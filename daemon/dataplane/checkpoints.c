@@ -52,6 +52,9 @@ typedef struct checkpoint_work {
   fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
   char path[PATH_MAX]; /* the step directory written or read */
   uint64_t step;
+  /* A load's: each unit's optimizer step count as read (units[i].steps non-NULL), for the
+   * optimizer's record of a GPU's counts, which the loop cannot read (optimizer.h). */
+  uint64_t *loaded_steps;
   uint64_t snapshot_ns, write_ns;
   fsdp_status_t st;
   fsdp_checkpoints_done_fn done;
@@ -114,6 +117,9 @@ static int load(fsdp_backend_t *backend, void *at, checkpoint_work_t *c) {
     r = fsdp_checkpoint_load(c->dir, &into, c->path, sizeof c->path, &c->step, &c->st);
   if (r == 0)
     r = fsdp_checkpoint_unstage(staged, c->units, n, copy_by_backend, backend, &c->st);
+  if (r == 0 && (c->loaded_steps = calloc(n ? n : 1, sizeof *c->loaded_steps)))
+    for (size_t i = 0; i < n; i++)
+      c->loaded_steps[i] = staged[i].steps ? *staged[i].steps : 0;
   free(staged);
   return r;
 }
@@ -147,6 +153,7 @@ static void take_snapshot(uv_work_t *req) {
 
 
 static void free_checkpoint_work(checkpoint_work_t *c) {
+  free(c->loaded_steps);
   free(c->params);
   free(c->units);
   free(c);
@@ -358,6 +365,10 @@ static void reduces_quiet(void *arg) {
 /* On the loop, once run_load ran. */
 static void load_ran(void *arg, int status) {
   checkpoint_work_t *c = arg;
+  for (size_t i = 0; c->loaded_steps && i < c->job.n_units; i++)
+    if (c->units[i].steps)
+      fsdp_optimizer_stepped(c->owner, fsdp_store_find_unit(c->owner, c->units[i].name),
+                             c->loaded_steps[i]);
   end_work(c->cp, c, status);
 }
 

@@ -742,10 +742,10 @@ static void work_done(uv_work_t *req, int status) {
     else
       norm_known(dp, w->job, u, w->norm_sq);
   } else {
-    if (w->kind == WORK_OPTIMIZE)
-      fsdp_optimizer_stepped(w->job, u, w->plan.step);
     next_stage(dp, w->job, u, (int)w->kind, -1);
   }
+  if (w->kind == WORK_OPTIMIZE && w->plan.step)
+    fsdp_optimizer_stepped(w->job, u, w->plan.step);
   fsdp_optimizer_plan_cleanup(&w->plan);
   free(w);
   dp->busy = false;

@@ -359,7 +359,7 @@ uint64_t fsdp_optimizer_unit_steps(const fsdp_job_t *job, const fsdp_unit_t *u) 
 }
 
 void fsdp_optimizer_stepped(fsdp_job_t *job, const fsdp_unit_t *u, uint64_t step) {
-  if (job->optimizer && u->id < job->optimizer->n_units)
+  if (job->optimizer && u && u->id < job->optimizer->n_units)
     job->optimizer->units[u->id].stepped = step;
 }
 

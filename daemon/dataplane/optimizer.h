@@ -121,8 +121,9 @@ void fsdp_optimizer_plan_cleanup(fsdp_optimizer_plan_t *plan); /* NULL-safe plan
 int fsdp_optimizer_run(fsdp_optimizer_plan_t *plan, const fsdp_backend_t *backend,
                        fsdp_status_t *st);
 
-/* On the loop, once the plan ran: the count the unit stepped with (what fsdpctl shows of a
- * GPU's job, whose count the loop cannot read). */
+/* On the loop: the unit's step count as a run counted it (whether or not the step then
+ * succeeded) or a checkpoint load wrote it. What fsdpctl shows of a GPU's job, whose count
+ * the loop cannot read (a trainer's own write of it shows from its next step). */
 void fsdp_optimizer_stepped(fsdp_job_t *job, const fsdp_unit_t *u, uint64_t step);
 
 /* On a pool thread: the sum of the squares of the unit's gradient shards on this host, in
