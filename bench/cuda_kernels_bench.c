@@ -5,6 +5,9 @@
  * + bytes written) in GB/s and the ratio of the op's GB/s to the copy's. Every measurement
  * starts with untimed warm-up runs. The data is one fp32 buffer of --mib MiB (default 256)
  * and its bf16 sources; every value is finite and normal, so no subnormal slows a kernel.
+ * The daemon's AdamW step on as many fp32 parameters reads parameters, gradients and both
+ * moments and writes parameters and both moments (28 bytes an element): its ratio is to
+ * the memory-traffic bound a copy sets.
  * Needs a GPU: exits 77 (skipped) where the CUDA runtime sees none. */
 #include <errno.h>
 #include <getopt.h>
@@ -18,6 +21,7 @@
 
 #include "cuda/kernels.h"
 #include "kernels/kernels.h"
+#include "kernels/optim.h"
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIPPED = 77 };
 
@@ -25,7 +29,7 @@ enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2, EXIT_SKIPPED = 77 };
 #define WARMUP_RUNS 3
 #define MAX_SRCS 4
 
-typedef enum { OP_MEMCPY, OP_CAST, OP_REDUCE } op_kind_t;
+typedef enum { OP_MEMCPY, OP_CAST, OP_REDUCE, OP_ADAMW } op_kind_t;
 
 typedef struct {
   const char *name;
@@ -43,6 +47,7 @@ static const op_t OPS[] = {
     {"reduce L=4 bf16->fp32 in fp32", OP_REDUCE, FSDP_DTYPE_BF16, FSDP_DTYPE_FP32, 4},
     {"reduce L=2 bf16->fp32 in bf16", OP_REDUCE, FSDP_DTYPE_BF16, FSDP_DTYPE_BF16, 2},
     {"reduce L=4 bf16->fp32 in bf16", OP_REDUCE, FSDP_DTYPE_BF16, FSDP_DTYPE_BF16, 4},
+    {"AdamW step (fp32 state)", OP_ADAMW, FSDP_DTYPE_FP32, FSDP_DTYPE_FP32, 1},
 };
 #define N_OPS (sizeof OPS / sizeof OPS[0])
 
@@ -53,6 +58,7 @@ typedef struct {
   uint16_t *h16[MAX_SRCS];
   float *dst32;
   uint16_t *dst16;
+  float *exp_avg, *exp_avg_sq; /* AdamW's moments; its parameters f32, its gradients dst32 */
   void *copy_src, *copy_dst; /* the reference copy's, as large as the largest op's traffic / 2 */
   size_t copy_bytes;
   cudaStream_t stream;
@@ -68,6 +74,8 @@ static int cmp_float(const void *a, const void *b) {
 static size_t traffic_of(const op_t *op, size_t n) {
   if (op->kind == OP_CAST)
     return n * (fsdp_dtype_size(op->src) + fsdp_dtype_size(op->dst));
+  if (op->kind == OP_ADAMW)
+    return n * 28;
   return n * (op->n_srcs * fsdp_dtype_size(op->src) + sizeof(float));
 }
 
@@ -84,6 +92,8 @@ static void free_buffers(buffers_t *b) {
     cudaFree(b->h16[k]);
   cudaFree(b->dst32);
   cudaFree(b->dst16);
+  cudaFree(b->exp_avg);
+  cudaFree(b->exp_avg_sq);
   cudaFree(b->copy_src);
   cudaFree(b->copy_dst);
   if (b->start)
@@ -109,6 +119,8 @@ static bool alloc_buffers(buffers_t *b, size_t n) {
             cuda_ok(cudaMalloc((void **)&b->f32, n * 4), "cudaMalloc") &&
             cuda_ok(cudaMalloc((void **)&b->dst32, n * 4), "cudaMalloc") &&
             cuda_ok(cudaMalloc((void **)&b->dst16, n * 2), "cudaMalloc") &&
+            cuda_ok(cudaMalloc((void **)&b->exp_avg, n * 4), "cudaMalloc") &&
+            cuda_ok(cudaMalloc((void **)&b->exp_avg_sq, n * 4), "cudaMalloc") &&
             cuda_ok(cudaMalloc(&b->copy_src, b->copy_bytes), "cudaMalloc") &&
             cuda_ok(cudaMalloc(&b->copy_dst, b->copy_bytes), "cudaMalloc");
   for (int k = 0; ok && k < MAX_SRCS; k++)
@@ -116,6 +128,9 @@ static bool alloc_buffers(buffers_t *b, size_t n) {
   /* Byte 0x3f makes fp32 0x3f3f3f3f (0.747) and bf16 0x3f3f (0.746): normal values whose
    * sums stay finite. */
   ok = ok && cuda_ok(cudaMemset(b->f32, 0x3f, n * 4), "cudaMemset") &&
+       cuda_ok(cudaMemset(b->dst32, 0x3f, n * 4), "cudaMemset") &&
+       cuda_ok(cudaMemset(b->exp_avg, 0x3f, n * 4), "cudaMemset") &&
+       cuda_ok(cudaMemset(b->exp_avg_sq, 0x3f, n * 4), "cudaMemset") &&
        cuda_ok(cudaMemset(b->copy_src, 0x3f, b->copy_bytes), "cudaMemset");
   for (int k = 0; ok && k < MAX_SRCS; k++)
     ok = cuda_ok(cudaMemset(b->h16[k], 0x3f, n * 2), "cudaMemset");
@@ -146,6 +161,14 @@ static bool launch(const op_t *op, buffers_t *b, size_t copy_bytes) {
       srcs[k] = b->h16[k];
     r = fsdp_cuda_reduce(b->dst32, false, srcs, op->n_srcs, op->src, op->dst, 1.0f, 1.0f, b->n,
                          b->stream, &st);
+    break;
+  }
+  case OP_ADAMW: {
+    static const fsdp_optim_hyper_t adamw = {.lr = 1e-3, .weight_decay = 0.01, .beta1 = 0.9,
+                                             .beta2 = 0.999, .eps = 1e-8};
+    fsdp_optim_step_t step = fsdp_optim_prepare(FSDP_OPTIM_RULE_ADAMW, &adamw, 10, false, 1.0f);
+    float *state[3] = {b->exp_avg, b->exp_avg_sq, NULL};
+    r = fsdp_cuda_optim_step(&step, b->f32, b->dst32, state, b->n, b->stream, &st);
     break;
   }
   }
