@@ -114,6 +114,15 @@ def _worst(state, ref_state):
                for k, v in ref_state.items())
 
 
+def _worst_against(ranks, ref):
+    """The worst relative difference from the reference of the ranks' mean loss, step by
+    step, and of any rank's final parameters."""
+    want = _losses(ref)
+    worst_loss = max(abs(sum(_losses(r)[s] for r in ranks) / len(ranks) - want[s]) /
+                     abs(want[s]) for s in want)
+    return worst_loss, max(_worst(_final(r), _final(ref)) for r in ranks)
+
+
 def _report(**figures):
     """One line the GPU run's log keeps for docs/PERFORMANCE.md."""
     print("RESULT " + json.dumps(figures), file=sys.stderr)
@@ -127,9 +136,7 @@ def test_two_trainers_sharing_the_gpu_train_like_one_process(daemon):
     procs.append(_start(None, "reference", 2, 0))
     *ranks, ref = _finish(procs)
     want = _losses(ref)
-    worst_loss = max(abs(sum(_losses(r)[s] for r in ranks) / 2 - want[s]) / abs(want[s])
-                     for s in want)
-    worst_param = max(_worst(_final(r), _final(ref)) for r in ranks)
+    worst_loss, worst_param = _worst_against(ranks, ref)
     _report(test="fp32 equivalence, 2 trainers on one GPU", steps=STEPS, worst_loss_rel=worst_loss,
             worst_param_rel=worst_param, loss_first=want[1], loss_last=want[STEPS])
     assert abs(want[STEPS] - want[1]) > 1e-3 * abs(want[1])  # training moved
@@ -235,9 +242,7 @@ def test_the_daemons_optimizer_on_the_gpu_trains_like_torch_optim(daemon, clip):
                         *(("--daemon-clip",) if clip else ())))
     *ranks, ref = _finish(procs)
     want = _losses(ref)
-    worst_loss = max(abs(sum(_losses(r)[s] for r in ranks) / 2 - want[s]) / abs(want[s])
-                     for s in want)
-    worst_param = max(_worst(_final(r), _final(ref)) for r in ranks)
+    worst_loss, worst_param = _worst_against(ranks, ref)
     _report(test=f"the daemon's AdamW on the GPU{', clipped' if clip else ''}", steps=STEPS,
             worst_loss_rel=worst_loss, worst_param_rel=worst_param)
     assert abs(want[STEPS] - want[1]) > 1e-3 * abs(want[1])  # training moved
@@ -284,10 +289,7 @@ def test_two_daemons_on_the_gpu_train_like_one_process_over_staged_rings(tmp_pat
     finally:
         for d in daemons:
             d.stop()
-    want = _losses(ref)
-    worst_loss = max(abs(sum(_losses(r)[s] for r in ranks) / 4 - want[s]) / abs(want[s])
-                     for s in want)
-    worst_param = max(_worst(_final(r), _final(ref)) for r in ranks)
+    worst_loss, worst_param = _worst_against(ranks, ref)
     _report(test=f"{strategy}, 2 daemons x 2 trainers on one GPU, staged rings", steps=STEPS,
             worst_loss_rel=worst_loss, worst_param_rel=worst_param)
     assert worst_loss <= 1e-5 and worst_param <= 1e-5, (worst_loss, worst_param)
