@@ -485,7 +485,7 @@ static int stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
   if (r < 0)
     return r;
   r = fsdp_backend_reduce(&dp->backend, sum_fp32, false, srcs, job->local_world_size,
-                              param_dtype(u), type, u->pre_scale, 1.0f, n, st);
+                          param_dtype(u), type, u->pre_scale, 1.0f, n, st);
   if (r == 0 && type != FSDP_DTYPE_FP32)
     r = fsdp_backend_cast(&dp->backend, sum, type, sum_fp32, FSDP_DTYPE_FP32, n, st);
   if (r == 0)
