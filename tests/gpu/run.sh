@@ -4,14 +4,18 @@
 # nothing of the build machine. Prints PASS, FAIL or SKIP (exit 77: no usable GPU) for each and
 # exits 1 if any failed.
 #   tests/gpu/run.sh          run them all
+#   tests/gpu/run.sh 1 3      run steps 1 and 3 of the list below (a device call's time is
+#                             limited: the list may take two)
 #   tests/gpu/run.sh --list   print the executables they need (scripts/gpu-bundle.sh bundles these)
 set -uo pipefail
 
-# One command line each, its first word an executable of .gpu/bin or python3 (the target's,
-# with CUDA torch: it runs a script of the tree); a new gpu test or bench is one more line.
+# One command line each (shell words: quotes group), its first word an executable of
+# .gpu/bin or python3 (the target's, with CUDA torch: it runs a script of the tree); a new gpu
+# test or bench is one more line.
 steps=(
   "test_cuda_kernels"
-  "python3 tests/gpu/test_cuda_backend.py"
+  "python3 tests/gpu/test_cuda_backend.py -k 'not optimizer and not two_daemons'"
+  "python3 tests/gpu/test_cuda_backend.py -k 'optimizer or two_daemons'"
   "fsdp-cuda-kernels-bench --mib 256 --runs 20"
   "python3 bench/cuda_unshard_bench.py --mib 64 1024 --runs 20"
 )
@@ -30,19 +34,29 @@ if [[ ! -f $root/.gpu/env.sh ]]; then
 fi
 # shellcheck source=/dev/null
 source "$root/.gpu/env.sh"
-cd "$root"
+cd "$root" || exit 2
 
 # Which GPU and driver answered, so that a skip can be told from a missing GPU.
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null ||
   echo "(nvidia-smi not found)"
 
+# The steps asked for by number, or all.
+chosen=("$@")
+if [[ ${#chosen[@]} -eq 0 ]]; then
+  for i in "${!steps[@]}"; do chosen+=($((i + 1))); done
+fi
+
 failed=0
 summary=()
-for step in "${steps[@]}"; do
+for n in "${chosen[@]}"; do
+  if [[ ! $n =~ ^[0-9]+$ ]] || ((n < 1 || n > ${#steps[@]})); then
+    echo "tests/gpu/run.sh: no step '$n' (1..${#steps[@]})" >&2
+    exit 2
+  fi
+  step=${steps[n - 1]}
   echo "== $step"
-  # Word splitting of the step's arguments is intended.
-  # shellcheck disable=SC2086
-  timeout 300 $step
+  # A step is shell words: its quotes group its arguments.
+  eval "timeout 300 $step"
   rc=$?
   case $rc in
     0) verdict=PASS ;;

@@ -299,4 +299,5 @@ if __name__ == "__main__":
     if not _cuda_torch():
         print(f"skipped: {PYTHON} has no torch that sees a GPU")
         sys.exit(77)
-    sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", __file__]))  # -s: RESULT lines
+    # -s: the RESULT lines; further arguments (-k EXPR) choose tests.
+    sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", __file__, *sys.argv[1:]]))
