@@ -3,15 +3,17 @@
  * kernels (the CUDA module, cuda/module.h).
  *
  * The data plane and the arenas know only this interface: memory a trainer maps (made once
- * per arena; the host's is the arena's own memfd, see daemon/store/arena.h), and the
- * operations on it, each complete when its call returns (the GPU's are queued on the
+ * per arena; the host's is the arena's own memfd, see daemon/store/arena.h), host memory
+ * for staging, and the operations on the memory (cast, reduce, copy, an optimizer's step,
+ * a sum of squares), each complete when its call returns (the GPU's are queued on the
  * daemon's stream and waited for), so a caller on the thread pool holds no handle to wait
  * on and a trainer's next request sees the result. Trainers' streams order themselves after
  * the daemon's work by that reply (the fallback the CUDA backend's design allows where no
  * event is shared).
  *
- * Every call but init/cleanup may run on any thread, but one at a time: the data plane runs
- * one work item at a time. fsdp_backend_copy_beside alone may run beside them. */
+ * Every call but init/cleanup may run on any thread, but the operations one at a time: the
+ * data plane runs one work item at a time. fsdp_backend_copy_beside may run beside them, and
+ * so may the calls that make, zero or free memory nothing else uses yet. */
 #ifndef FSDP_BACKEND_H
 #define FSDP_BACKEND_H
 
