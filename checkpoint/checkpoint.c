@@ -152,13 +152,13 @@ typedef struct streamed_file {
   off_t settled; /* through the page cache: bytes written back and dropped */
   uint64_t rate; /* bytes per second at most (fsdp_checkpoint_job_t.write_rate); 0: unpaced */
   uint64_t opened_ns;
-  const atomic_bool *abandon; /* fsdp_checkpoint_job_t's */
+  const atomic_int *stopping; /* fsdp_checkpoint_job_t's */
 } streamed_file_t;
 
 /* Opens path for a streamed write of the job's, direct where the filesystem allows it. */
 static int stream_open(streamed_file_t *f, const char *path, const fsdp_checkpoint_job_t *job) {
   *f = (streamed_file_t){.fd = -1, .rate = job->write_rate, .opened_ns = fsdp_clock_now_ns(),
-                         .abandon = job->abandon};
+                         .stopping = job->stopping};
   f->bounce = aligned_alloc(DIRECT_ALIGN, IO_CHUNK);
   if (!f->bounce)
     return -ENOMEM;
@@ -238,17 +238,19 @@ static int stream_write(streamed_file_t *f, const void *buf, size_t len) {
   return buffered_write(f, buf, len);
 }
 
-static bool abandoned(const streamed_file_t *f) {
-  return f->abandon && atomic_load(f->abandon);
+static int stop_level(const atomic_int *stopping) {
+  return stopping ? atomic_load(stopping) : FSDP_CHECKPOINT_GO_ON;
 }
 
 /* Waits until the bytes written so far are within the file's rate since it opened, in
- * slices of at most 100 ms, so that an abandoned save stops soon: -ECANCELED then. */
+ * slices of at most 100 ms, so that a save the daemon's stop hurries goes on soon and one it
+ * abandons stops soon: -ECANCELED then. */
 static int pace(const streamed_file_t *f) {
   for (;;) {
-    if (abandoned(f))
+    int stop = stop_level(f->stopping);
+    if (stop == FSDP_CHECKPOINT_ABANDON)
       return -ECANCELED;
-    if (!f->rate)
+    if (!f->rate || stop == FSDP_CHECKPOINT_HURRY)
       return 0;
     double due_ns = (double)f->written / (double)f->rate * 1e9;
     double elapsed_ns = (double)(fsdp_clock_now_ns() - f->opened_ns);
@@ -416,7 +418,7 @@ static void remove_checkpoint_dir(const char *dir) {
 static int wait_for_hosts(const char *dir, const fsdp_checkpoint_job_t *job,
                           fsdp_status_t *st) {
   for (uint64_t waited = 0;; waited += WAIT_POLL_MS) {
-    if (job->abandon && atomic_load(job->abandon))
+    if (stop_level(job->stopping) == FSDP_CHECKPOINT_ABANDON)
       return io_failed(st, "waiting for the other hosts' files in", dir, ECANCELED);
     char missing[256] = "";
     size_t len = 0;

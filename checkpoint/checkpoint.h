@@ -28,6 +28,9 @@
 
 #include "common/status.h"
 
+/* fsdp_checkpoint_job_t.stopping: how a save under way goes on as the daemon stops. */
+enum { FSDP_CHECKPOINT_GO_ON, FSDP_CHECKPOINT_HURRY, FSDP_CHECKPOINT_ABANDON };
+
 /* The format this fsdpd writes and reads (manifest.json's "format"). */
 #define FSDP_CHECKPOINT_FORMAT 1
 #define FSDP_CHECKPOINT_ARRAYS_MAX 3
@@ -65,9 +68,10 @@ typedef struct fsdp_checkpoint_job {
   uint64_t step;          /* the job's last completed step, which names the checkpoint */
   const char *optimizer; /* its kind ("ADAMW"), "" without one */
   uint64_t write_rate;   /* a save's blocks: bytes per second at most; 0: unpaced */
-  /* When set (by another thread), a save under way stops at its next chunk with ABORTED,
-   * the checkpoints before it as they were; NULL: never. */
-  const atomic_bool *abandon;
+  /* Set by another thread as the daemon stops (NULL: never): a save under way stops pacing
+   * at FSDP_CHECKPOINT_HURRY, and stops at its next chunk with ABORTED at
+   * FSDP_CHECKPOINT_ABANDON, the checkpoints before it as they were. */
+  const atomic_int *stopping;
   const fsdp_checkpoint_unit_t *units;
   size_t n_units;
 } fsdp_checkpoint_job_t;

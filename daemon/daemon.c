@@ -419,6 +419,8 @@ void fsdp_daemon_stop(fsdp_daemon_t *daemon, const char *why) {
     return;
   }
   snprintf(daemon->stop_why, sizeof daemon->stop_why, "%s", why);
+  /* Training stops: pacing the saves would only make the stop wait. */
+  fsdp_checkpoints_hurry(&daemon->checkpoints);
   daemon->stop_saves = save_before_stop(daemon);
   if (!daemon->stop_saves) {
     stop_now(daemon, why);

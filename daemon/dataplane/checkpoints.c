@@ -372,8 +372,13 @@ static void load_ran(void *arg, int status) {
   end_work(c->cp, c, status);
 }
 
+void fsdp_checkpoints_hurry(fsdp_checkpoints_t *cp) {
+  int go_on = FSDP_CHECKPOINT_GO_ON;
+  atomic_compare_exchange_strong(&cp->stopping, &go_on, FSDP_CHECKPOINT_HURRY);
+}
+
 void fsdp_checkpoints_abandon(fsdp_checkpoints_t *cp) {
-  atomic_store(&cp->abandon, true);
+  atomic_store(&cp->stopping, FSDP_CHECKPOINT_ABANDON);
 }
 
 void fsdp_checkpoints_expire(fsdp_checkpoints_t *cp, uint64_t now_ms) {
@@ -557,7 +562,7 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   c->job.hosts_wait_ms = c->cp->dp->collective_timeout_ms;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
   c->job.write_rate = c->cp->write_rate;
-  c->job.abandon = &c->cp->abandon;
+  c->job.stopping = &c->cp->stopping;
   c->job.units = c->units;
   c->job.n_units = n;
   return 0;

@@ -30,7 +30,7 @@ typedef struct fsdp_checkpoints {
   unsigned keep;
   uint64_t write_rate; /* bytes per second; 0: unpaced */
   bool resume; /* checkpoint.resume = latest */
-  atomic_bool abandon; /* fsdp_checkpoints_abandon: the writes under way stop */
+  atomic_int stopping; /* FSDP_CHECKPOINT_HURRY, _ABANDON: the daemon stops */
 } fsdp_checkpoints_t;
 
 /* Checkpoints of dp's jobs (no schedule, no resume until configured); takes dp's hooks. */
@@ -92,8 +92,13 @@ const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp
  * (now_ms: loop time). */
 void fsdp_checkpoints_expire(fsdp_checkpoints_t *cp, uint64_t now_ms);
 
+/* The daemon begins to stop: saves under way and to come write at the disk's speed,
+ * checkpoint.write_rate no longer holding them back, so that the saves the stop waits for
+ * (and those they wait for) end soon. */
+void fsdp_checkpoints_hurry(fsdp_checkpoints_t *cp);
+
 /* The daemon stops: saves writing stop at their next chunk and fail (ABORTED), the
- * checkpoints before them as they were, so that a stop never waits out a paced write. */
+ * checkpoints before them as they were. */
 void fsdp_checkpoints_abandon(fsdp_checkpoints_t *cp);
 
 /* Whether a checkpoint of the job waits or is under way (its memory must stay). */

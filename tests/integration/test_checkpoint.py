@@ -532,6 +532,31 @@ def test_a_stop_abandons_a_paced_write(fsdpd, tmp_path):
     assert list(saves.iterdir()) == []
 
 
+def test_a_stop_hurries_a_paced_save_and_saves_after_it(fsdpd, tmp_path):
+    """checkpoint.on_stop with a save under way, paced to 256 KiB/s (its 12 MiB would take
+    48 s): SIGTERM lifts the pacing, so that save ends at the disk's speed, then the stop's
+    own save of the job is written, at the disk's speed too, and the daemon exits 0, well
+    within checkpoint.stop_timeout (60 s)."""
+    saves = tmp_path / "saves"
+    d = fsdpd("--set", "checkpoint.write_rate=256KiB", "--set", f"checkpoint.dir={saves}")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    for r in ranks:
+        r.register(shapes=((1024, 1024),), param_dtype=FP32, requires_grad=True)
+    set_optimizer(ranks[0], trainer_pb2.ADAMW, group(**ADAMW))
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
+    assert on_all(ranks, "ReduceScatter", step=1, step_optimizer=True) == [None, None]
+    asked = tmp_path / "asked"
+    saving = save_later(d, asked)
+    poll(lambda: list(asked.glob("step-*.partial/host-0.bin.tmp")), 10, what="the write")
+    start = time.monotonic()
+    d.send_signal(signal.SIGTERM)
+    assert saving.result().step == 1
+    assert d.wait(timeout=40) == 0
+    assert time.monotonic() - start < 20  # not the 48 s of either paced write
+    assert (asked / "step-1" / "manifest.json").exists()
+    assert (saves / "j" / "step-1" / "manifest.json").exists()
+
+
 def test_a_stop_abandons_host_0s_wait_for_the_other_hosts_files(fsdpd, tmp_path):
     """Two hosts, a save asked of host 0 alone: host 0 writes its files and waits for host
     1's, up to store.collective_timeout (60 s here). SIGTERM ends the wait at once: the save
