@@ -5,6 +5,7 @@
                                           [--repeat 1] [--steps 20] [--warmup 3]
                                           [--daemon-optimizer] [--checkpoint-every N]
                                           [--checkpoint-only] [--checkpoint-write-rate RATE]
+                                          [--checkpoint-disk-share PCT [PCT ...]]
                                           [--global-batch 8] [--seq-len 64] [--json]
 
 For each L in --ranks, the same L processes' worth of work runs three times, one after the
@@ -27,7 +28,8 @@ units of about 4 % of the model each, so that the units in flight are small next
            daemon that saves the job every N steps (checkpoint.every_steps, into a directory
            under /var/tmp: on disk), each save's snapshot taken at the step boundary and its
            files written beside training; a boundary that finds the previous save still
-           writing is skipped, so with a small N saves run back to back
+           writing is skipped, so with a small N saves run back to back. With several
+           --checkpoint-disk-share values, one fsdpd+ckpt@PCT% per value
            With --checkpoint-only, fsdpd+opt, fsdpd+ckpt and fsdpd+dd alone run, and each
            run's ratios of their steps are printed with the medians of those ratios: runs
            measured next to each other, so that the machine's drift between runs cancels out.
@@ -494,12 +496,14 @@ def run_config(system, world, args, build):
             daemon_log = open(tmp / "fsdpd.log", "wb")
             options = ([f"checkpoint.dir={saves}",
                         f"checkpoint.every_steps={args.checkpoint_every}",
-                        f"checkpoint.write_rate={args.checkpoint_write_rate}"]
-                       if system == CHECKPOINTING else [])
+                        f"checkpoint.write_rate={args.checkpoint_write_rate}"] +
+                       [f"checkpoint.disk_share={share}" for share in
+                        disk_share_of(system, args)]
+                       if system.startswith(CHECKPOINTING) else [])
             daemon, socket = _start_daemon(build, tmp / "run", daemon_log, options)
             base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB)
             extra = (["--daemon-optimizer"]
-                     if system in (DAEMON_OPTIMIZER, CHECKPOINTING, DD_BESIDE) else [])
+                     if system != "fsdpd" else [])
         elif system == "compute":
             extra = []
         else:
@@ -561,7 +565,7 @@ def run_config(system, world, args, build):
                "daemon_cpu_s": sum(cpu[world:]),
                "measured_pss_bytes": after["all"] - before["all"],
                "measured_data_pss_bytes": after["data"] - before["data"]}
-        if system == CHECKPOINTING:
+        if system.startswith(CHECKPOINTING):
             written = list((saves / JOB).glob("step-*"))
             res["saves"] = len(written)
             res["save_bytes"] = sum(f.stat().st_size for d in written for f in d.iterdir())
@@ -598,11 +602,26 @@ CHECKPOINTING = "fsdpd+ckpt"  # fsdpd+opt saved every --checkpoint-every steps
 DD_BESIDE = "fsdpd+dd"  # fsdpd+opt while dd writes to the disk, --checkpoint-only
 
 
+def checkpointing(args):
+    """The fsdpd+ckpt systems: one, or one per --checkpoint-disk-share when several."""
+    shares = args.checkpoint_disk_share or []
+    if len(shares) < 2:
+        return (CHECKPOINTING,)
+    return tuple(f"{CHECKPOINTING}@{share}%" for share in shares)
+
+
+def disk_share_of(system, args):
+    """The checkpoint.disk_share a fsdpd+ckpt system sets: [] for the daemon's default."""
+    if "@" in system:
+        return [system.split("@")[1].rstrip("%")]
+    return args.checkpoint_disk_share or []
+
+
 def systems(args):
     if args.checkpoint_only:
-        return (DAEMON_OPTIMIZER, CHECKPOINTING, DD_BESIDE)
+        return (DAEMON_OPTIMIZER, *checkpointing(args), DD_BESIDE)
     return (SYSTEMS + ((DAEMON_OPTIMIZER,) if args.daemon_optimizer else ()) +
-            ((CHECKPOINTING,) if args.checkpoint_every else ()))
+            (checkpointing(args) if args.checkpoint_every else ()))
 # What the formula and the daemon's accounting may differ by without the daemon holding more
 # than FSDP: each unit padded to a multiple of L elements, each buffer rounded up to 64
 # bytes, the private 1-element unit fsdpd.torch registers for its barriers.
@@ -656,7 +675,7 @@ def figures(results, args):
             o = by[(world, DAEMON_OPTIMIZER)]
             out[-1]["daemon_optimizer_step_vs_trainers"] = o["step_ms"] / f["step_ms"]
         if args.checkpoint_every:
-            k = by[(world, CHECKPOINTING)]
+            k = by[(world, checkpointing(args)[0])]
             out[-1].update(saving_step_vs_not=k["step_ms"] / o["step_ms"], saves=k["saves"],
                            save_mib=k["save_bytes"] / max(k["saves"], 1) / MiB)
     return out
@@ -716,27 +735,31 @@ def report(results, ratios, args):
 
 
 def checkpoint_report(runs, args):
-    """--checkpoint-only: per L, each run's step with saves, and with dd writing beside it,
-    over its neighbour's without."""
+    """--checkpoint-only: per L, each run's step with saves (per fsdpd+ckpt system), and with dd
+    writing beside it, over its neighbour's without."""
+    names = systems(args)
     for world in args.ranks:
-        trios = list(zip(*(runs[(world, s)] for s in systems(args))))
-        each = ", ".join("/".join(f"{r['step_ms']:.1f}" for r in t) for t in trios)
+        each_run = list(zip(*(runs[(world, s)] for s in names)))
+        each = ", ".join("/".join(f"{r['step_ms']:.1f}" for r in t) for t in each_run)
         rate = "" if args.checkpoint_write_rate == "0B" else \
             f" at {args.checkpoint_write_rate}/s at most"
-        print(f"L={world} step ms without / with saves every {args.checkpoint_every} step(s)"
-              f"{rate} / with dd beside, run by run: {each}")
-        pairs = [(o, k) for o, k, _ in trios]
-        for name, at in (("the daemon saves", 1), ("dd writes beside it", 2)):
-            ratios = [t[at]["step_ms"] / t[0]["step_ms"] for t in trios]
-            print(f"L={world} step while {name} over without: median "
+        print(f"L={world} step ms of {' / '.join(names)}, saves every {args.checkpoint_every} "
+              f"step(s){rate}, run by run: {each}")
+        for at, name in enumerate(names[1:], 1):
+            ratios = [t[at]["step_ms"] / t[0]["step_ms"] for t in each_run]
+            print(f"L={world} step of {name} over {names[0]}: median "
                   f"{statistics.median(ratios):.3f}x of {len(ratios)} runs "
                   f"({', '.join(f'{x:.3f}' for x in ratios)})")
-        print(f"L={world} saves written: {sum(k['saves'] for _, k in pairs)}")
-        extra = [(k["daemon_cpu_s"] - o["daemon_cpu_s"]) / k["saves"] * 1e3
-                 for o, k in pairs if k["saves"]]
-        if extra:
-            print(f"L={world} the daemon's CPU time per save (with saves less without): median "
-                  f"{statistics.median(extra):.0f} ms ({', '.join(f'{x:.0f}' for x in extra)})")
+        for at, name in enumerate(names):
+            if not name.startswith(CHECKPOINTING):
+                continue
+            saves = [t[at] for t in each_run]
+            extra = [(k["daemon_cpu_s"] - t[0]["daemon_cpu_s"]) / k["saves"] * 1e3
+                     for t, k in zip(each_run, saves) if k["saves"]]
+            print(f"L={world} {name}: {sum(k['saves'] for k in saves)} saves written; the "
+                  f"daemon's CPU time per save (with saves less without): median "
+                  f"{statistics.median(extra) if extra else 0:.0f} ms "
+                  f"({', '.join(f'{x:.0f}' for x in extra)})")
 
 
 def main(argv=None):
@@ -760,6 +783,10 @@ def main(argv=None):
     p.add_argument("--checkpoint-write-rate", default="0B", metavar="RATE",
                    help="fsdpd+ckpt's checkpoint.write_rate, bytes per second a save writes "
                         "at most (\"100MiB\"; default 0: unpaced)")
+    p.add_argument("--checkpoint-disk-share", type=int, nargs="+", metavar="PCT",
+                   help="fsdpd+ckpt's checkpoint.disk_share, the share of the time a save keeps "
+                        "the disk writing (default: the daemon's); several: one fsdpd+ckpt "
+                        "per value, in the same runs")
     p.add_argument("--checkpoint-only", action="store_true",
                    help="with --checkpoint-every: run fsdpd+opt and fsdpd+ckpt alone and "
                         "print each run's ratio of their steps")

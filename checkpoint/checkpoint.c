@@ -151,13 +151,19 @@ typedef struct streamed_file {
   off_t end;     /* the end of the last block, its padding not included */
   off_t settled; /* through the page cache: bytes written back and dropped */
   uint64_t rate; /* bytes per second at most (fsdp_checkpoint_job_t.write_rate); 0: unpaced */
+  unsigned share; /* percent of the time the writes may take (.disk_share); 100: all */
   uint64_t opened_ns;
+  uint64_t busy_ns; /* the time the writes took, their waits for the disk included */
   const atomic_int *stopping; /* fsdp_checkpoint_job_t's */
 } streamed_file_t;
 
 /* Opens path for a streamed write of the job's, direct where the filesystem allows it. */
 static int stream_open(streamed_file_t *f, const char *path, const fsdp_checkpoint_job_t *job) {
-  *f = (streamed_file_t){.fd = -1, .rate = job->write_rate, .opened_ns = fsdp_clock_now_ns(),
+  *f = (streamed_file_t){.fd = -1,
+                         .rate = job->write_rate,
+                         .share = job->disk_share && job->disk_share < 100 ? job->disk_share
+                                                                           : 100,
+                         .opened_ns = fsdp_clock_now_ns(),
                          .stopping = job->stopping};
   f->bounce = aligned_alloc(DIRECT_ALIGN, IO_CHUNK);
   if (!f->bounce)
@@ -242,17 +248,25 @@ static int stop_level(const atomic_int *stopping) {
   return stopping ? atomic_load(stopping) : FSDP_CHECKPOINT_GO_ON;
 }
 
-/* Waits until the bytes written so far are within the file's rate since it opened, in
- * slices of at most 100 ms, so that a save the daemon's stop hurries goes on soon and one it
- * abandons stops soon: -ECANCELED then. */
+/* When the file's writes so far are paced out since it opened: its bytes at its rate, and
+ * its writes' time at its share of the time, whichever comes later; 0: now. */
+static double paced_until_ns(const streamed_file_t *f) {
+  double by_rate = f->rate ? (double)f->written / (double)f->rate * 1e9 : 0;
+  double by_share = (double)f->busy_ns * 100 / f->share;
+  return by_rate > by_share ? by_rate : by_share;
+}
+
+/* Waits until the file's writes so far are paced out (paced_until_ns), in slices of at most
+ * 100 ms, so that a save the daemon's stop hurries goes on soon and one it abandons stops
+ * soon: -ECANCELED then. */
 static int pace(const streamed_file_t *f) {
   for (;;) {
     int stop = stop_level(f->stopping);
     if (stop == FSDP_CHECKPOINT_ABANDON)
       return -ECANCELED;
-    if (!f->rate || stop == FSDP_CHECKPOINT_HURRY)
+    if (stop == FSDP_CHECKPOINT_HURRY)
       return 0;
-    double due_ns = (double)f->written / (double)f->rate * 1e9;
+    double due_ns = paced_until_ns(f);
     double elapsed_ns = (double)(fsdp_clock_now_ns() - f->opened_ns);
     if (due_ns <= elapsed_ns)
       return 0;
@@ -273,7 +287,9 @@ static int write_hashed(streamed_file_t *f, const void *buf, size_t len,
   int r = 0;
   for (size_t done = 0; r == 0 && done < len;) {
     size_t n = len - done < IO_CHUNK ? len - done : IO_CHUNK;
+    uint64_t start_ns = fsdp_clock_now_ns();
     r = stream_write(f, p + done, n);
+    f->busy_ns += fsdp_clock_now_ns() - start_ns;
     XXH64_update(h, p + done, n);
     done += n;
     if (r == 0)

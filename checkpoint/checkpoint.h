@@ -68,6 +68,9 @@ typedef struct fsdp_checkpoint_job {
   uint64_t step;          /* the job's last completed step, which names the checkpoint */
   const char *optimizer; /* its kind ("ADAMW"), "" without one */
   uint64_t write_rate;   /* a save's blocks: bytes per second at most; 0: unpaced */
+  /* A save's blocks: the share of the time, in percent, their writes take at most (the
+   * writer waits after a chunk to keep to it); 0 or 100: back to back. */
+  unsigned disk_share;
   /* Set by another thread as the daemon stops (NULL: never): a save under way stops pacing
    * at FSDP_CHECKPOINT_HURRY, and stops at its next chunk with ABORTED at
    * FSDP_CHECKPOINT_ABANDON, the checkpoints before it as they were. */

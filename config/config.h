@@ -36,7 +36,8 @@
   X(BACKEND, "daemon.backend", FSDP_OPT_ENUM, "host", 0, 0, "host|cuda", NULL, false,           \
     "--backend", "Where parameters live and what computes on them: host memory and the CPUs, " \
     "or one GPU's memory and its kernels through CUDA (daemon.cuda_device), shared by the "     \
-    "host's trainers; cuda serves one host in this release.")                                 \
+    "host's trainers; with several hosts, cuda's rings among them go through pinned host "    \
+    "memory.")                                                                                   \
   X(CUDA_DEVICE, "daemon.cuda_device", FSDP_OPT_INT, "0", 0, 15, NULL, NULL, false, NULL,       \
     "With backend = cuda: the ordinal of the GPU whose memory holds the jobs' buffers.")       \
   X(HOUSEKEEPING_INTERVAL, "daemon.housekeeping_interval", FSDP_OPT_DURATION, "1s", 10, 60000,  \
@@ -114,7 +115,16 @@
     NULL, "B", true, NULL,                                                                       \
     "Bytes per second a save writes at most, so that writing costs training less where the "    \
     "disk's writes take CPU from it (a virtual disk's do); a save then lasts as long as its "   \
-    "bytes take at this rate. 0: as fast as the disk takes them.")                              \
+    "bytes take at this rate. 0: as fast as the disk takes them. A stop's saves write at full " \
+    "speed.")                                                                                    \
+  X(CHECKPOINT_DISK_SHARE, "checkpoint.disk_share", FSDP_OPT_INT, "50", 1, 100, NULL, NULL,     \
+    true, NULL,                                                                                  \
+    "The share of the time, in percent, that a save keeps the disk writing at most: after "    \
+    "each chunk it waits until its writes have taken no more than this share of the time "    \
+    "since its file opened, so that it writes at this share of the disk's speed, whatever "   \
+    "that is, and leaves the rest to training (its own reads and writes and, on a virtual "   \
+    "disk, the CPU that writes take); 100: back to back. A stop's saves write at full "        \
+    "speed.")                                                                                    \
   X(CHECKPOINT_RESUME, "checkpoint.resume", FSDP_OPT_ENUM, "none", 0, 0, "none|latest", NULL,   \
     true, NULL,                                                                                  \
     "With checkpoint.dir, latest: a job new to this daemon (after a restart) goes on from its "  \

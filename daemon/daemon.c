@@ -60,6 +60,7 @@ static void apply_config(fsdp_daemon_t *daemon) {
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_EVERY_STEPS),
       (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_KEEP),
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_WRITE_RATE),
+      (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_DISK_SHARE),
       fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_RESUME) == 1 /* latest */);
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(

@@ -562,6 +562,7 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   c->job.hosts_wait_ms = c->cp->dp->collective_timeout_ms;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
   c->job.write_rate = c->cp->write_rate;
+  c->job.disk_share = c->cp->disk_share;
   c->job.stopping = &c->cp->stopping;
   c->job.units = c->units;
   c->job.n_units = n;
@@ -752,11 +753,13 @@ void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp) {
 }
 
 void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
-                                unsigned keep, uint64_t write_rate, bool resume) {
+                                unsigned keep, uint64_t write_rate, unsigned disk_share,
+                                bool resume) {
   snprintf(cp->dir, sizeof cp->dir, "%s", dir);
   cp->every_steps = every_steps;
   cp->keep = keep;
   cp->write_rate = write_rate;
+  cp->disk_share = disk_share;
   cp->resume = resume;
 }
 

@@ -29,6 +29,7 @@ typedef struct fsdp_checkpoints {
   uint64_t every_steps;
   unsigned keep;
   uint64_t write_rate; /* bytes per second; 0: unpaced */
+  unsigned disk_share; /* percent of the time a save's writes take at most; 100: all */
   bool resume; /* checkpoint.resume = latest */
   atomic_int stopping; /* FSDP_CHECKPOINT_HURRY, _ABANDON: the daemon stops */
 } fsdp_checkpoints_t;
@@ -40,14 +41,17 @@ void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp);
  * NULL-safe. */
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp);
 
-/* checkpoint.dir, .every_steps, .keep, .write_rate, .resume: a job is saved into dir/<job>/
- * every every_steps steps (0 or an empty dir: never), at the step boundary, every save keeps
- * `keep` checkpoints (0: all) and writes at most write_rate bytes per second (0: unpaced). With resume, a job new to this daemon goes on from its
- * newest checkpoint there: its units report that step as reduced when they register, and
- * it is loaded before the job's first gather (one that fails to load fails the job's
- * units, naming why). */
+/* checkpoint.dir, .every_steps, .keep, .write_rate, .disk_share, .resume: a job is saved
+ * into dir/<job>/ every every_steps steps (0 or an empty dir: never), at the step boundary,
+ * every save keeps `keep` checkpoints (0: all) and writes at most write_rate bytes per
+ * second (0: unpaced) and keeps the disk writing at most disk_share percent of the time
+ * (100: all of it). With resume, a job new to this daemon goes on from its newest
+ * checkpoint there: its units report that step as reduced when they register, and it is
+ * loaded before the job's first gather (one that fails to load fails the job's units,
+ * naming why). */
 void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
-                                unsigned keep, uint64_t write_rate, bool resume);
+                                unsigned keep, uint64_t write_rate, unsigned disk_share,
+                                bool resume);
 
 /* A checkpoint's end, on the loop: st->code 0 with the step directory written or read and
  * its step, or an error that st explains. */

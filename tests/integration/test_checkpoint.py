@@ -624,6 +624,24 @@ def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
     assert snapshot(ranks[0], regions) == want
 
 
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_save_keeps_to_the_disk_share(fsdpd, tmp_path):
+    """checkpoint.disk_share 20: the first block's write takes 1 s (a failpoint stalls it,
+    as a slow disk would), so the save's writes have taken 1 s of its time: it waits until
+    they are a fifth of it, 5 s at least (back to back it would end after about 1 s), and
+    the checkpoint loads back bit for bit."""
+    d = fsdpd("--set", "checkpoint.disk_share=20",
+              env={"FSDPD_FAILPOINT": "checkpoint-direct:2:sleep-1000"})  # 1: the open
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    start = time.monotonic()
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    assert time.monotonic() - start >= 5 - 0.01
+    garble(ranks[0], regions)
+    assert checkpoint(d, "LoadCheckpoint", tmp_path).step == 1
+    assert snapshot(ranks[0], regions) == want
+
+
 def test_a_job_that_starts_finds_no_unfinished_save_of_a_run_before(fsdpd, tmp_path):
     """Files that a save which died left in checkpoint.dir/<job>/step-S.partial/ would count
     as a host's part of a new save of step S: host 0 removes them when the job starts on it,
