@@ -97,8 +97,8 @@ const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp
 void fsdp_checkpoints_expire(fsdp_checkpoints_t *cp, uint64_t now_ms);
 
 /* The daemon begins to stop: saves under way and to come write at the disk's speed,
- * checkpoint.write_rate no longer holding them back, so that the saves the stop waits for
- * (and those they wait for) end soon. */
+ * checkpoint.write_rate and .disk_share no longer holding them back, so that the saves the
+ * stop waits for (and those they wait for) end soon. */
 void fsdp_checkpoints_hurry(fsdp_checkpoints_t *cp);
 
 /* The daemon stops: saves writing stop at their next chunk and fail (ABORTED), the
