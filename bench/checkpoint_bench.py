@@ -16,7 +16,7 @@ LoadCheckpoint (every block read and checked twice: checked, then read into the 
 memory) and `dd if=DIR/dd.bin of=/dev/null bs=4M` (the page cache dropped before each read
 when allowed: root). Prints GB/s and each ratio to dd's. The daemon's checkpoint.disk_share
 is --disk-share: 100 by default, the save at the disk's speed as dd writes (the daemon's
-default, 50, paces a save to half of it, so that training keeps the rest).
+default, 25, paces a save to a quarter of it, so that training keeps the rest).
 
 Then, --runs times, a stop with a save (checkpoint.on_stop): a fresh fsdpd with
 checkpoint.dir, the same job trained one step (so there is something to save), and the time

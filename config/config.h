@@ -117,7 +117,7 @@
     "disk's writes take CPU from it (a virtual disk's do); a save then lasts as long as its "   \
     "bytes take at this rate. 0: as fast as the disk takes them. A stop's saves write at full " \
     "speed.")                                                                                    \
-  X(CHECKPOINT_DISK_SHARE, "checkpoint.disk_share", FSDP_OPT_INT, "50", 1, 100, NULL, NULL,     \
+  X(CHECKPOINT_DISK_SHARE, "checkpoint.disk_share", FSDP_OPT_INT, "25", 1, 100, NULL, NULL,     \
     true, NULL,                                                                                  \
     "The share of the time, in percent, that a save keeps the disk writing at most: after "    \
     "each chunk it waits until its writes have taken no more than this share of the time "    \
