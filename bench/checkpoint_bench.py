@@ -2,7 +2,6 @@
 bytes on the same filesystem, in one run (docs/PERFORMANCE.md).
 
     /usr/bin/python3 bench/checkpoint_bench.py [--dir DIR] [--mib 256] [--runs 3]
-                                               [--disk-share 100]
 
 Starts fsdpd (FSDP_BUILD_DIR's) and attaches one trainer with one unit of --mib MiB of fp32
 masters and the daemon's AdamW (two state arrays: 3x the masters on disk), trained one step
@@ -14,9 +13,7 @@ CPU time meanwhile, every core, from /proc/stat),
 from the page cache),
 LoadCheckpoint (every block read and checked twice: checked, then read into the job's
 memory) and `dd if=DIR/dd.bin of=/dev/null bs=4M` (the page cache dropped before each read
-when allowed: root). Prints GB/s and each ratio to dd's. The daemon's checkpoint.disk_share
-is --disk-share: 100 by default, the save at the disk's speed as dd writes (the daemon's
-default, 25, paces a save to a quarter of it, so that training keeps the rest).
+when allowed: root). Prints GB/s and each ratio to dd's.
 
 Then, --runs times, a stop with a save (checkpoint.on_stop): a fresh fsdpd with
 checkpoint.dir, the same job trained one step (so there is something to save), and the time
@@ -130,15 +127,12 @@ def main():
                                  "under /var/tmp, on disk)")
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--disk-share", type=int, default=100,
-                   help="checkpoint.disk_share, percent (default 100: back to back)")
     args = p.parse_args()
-    share = f"checkpoint.disk_share={args.disk_share}"
     base = Path(args.dir or tempfile.mkdtemp(prefix="fsdp-ckpt-", dir="/var/tmp"))
     numel = args.mib << 18  # fp32 elements
     job_bytes = 5 * (args.mib << 20) + (64 << 20)
     with tempfile.TemporaryDirectory() as run:
-        d, socket = start_daemon(run, job_bytes, share)
+        d, socket = start_daemon(run, job_bytes)
         try:
             client = fsdpd.Client(socket=socket, job="bench", timeout=600)
             unit = trained_unit(client, numel)
@@ -172,7 +166,7 @@ def main():
     gb = size / 1e9
     print(f"{size / 2**20:.0f} MiB per checkpoint (masters and AdamW state of {args.mib} MiB "
           f"of parameters) in {base}; medians of {args.runs}; page cache dropped before "
-          f"reads: {'yes' if dropped else 'no (not root)'}; {share}")
+          f"reads: {'yes' if dropped else 'no (not root)'}")
     print(f"save  {save:7.3f} s  {gb / save:6.2f} GB/s   dd write+fdatasync {dd_write:7.3f} s  "
           f"{gb / dd_write:6.2f} GB/s   save / dd: {(gb / save) / (gb / dd_write):.2f}x")
     print(f"CPU   save {save_cpu:6.3f} s ({save_cpu / gb:5.3f} s/GB)   dd write+fdatasync "

@@ -29,7 +29,7 @@ units of about 4 % of the model each, so that the units in flight are small next
            under /var/tmp: on disk), each save's snapshot taken at the step boundary and its
            files written beside training; a boundary that finds the previous save still
            writing is skipped, so with a small N saves run back to back. With several
-           --checkpoint-disk-share values, one fsdpd+ckpt@PCT% per value
+           --checkpoint-disk-share values (--checkpoint-only), one fsdpd+ckpt@PCT% per value.
            With --checkpoint-only, fsdpd+opt, fsdpd+ckpt and fsdpd+dd alone run, and each
            run's ratios of their steps are printed with the medians of those ratios: runs
            measured next to each other, so that the machine's drift between runs cancels out.
@@ -502,8 +502,7 @@ def run_config(system, world, args, build):
                        if system.startswith(CHECKPOINTING) else [])
             daemon, socket = _start_daemon(build, tmp / "run", daemon_log, options)
             base_env.update(FSDPD_SOCKET=str(socket), FSDPD_JOB=JOB)
-            extra = (["--daemon-optimizer"]
-                     if system != "fsdpd" else [])
+            extra = ["--daemon-optimizer"] if system != "fsdpd" else []
         elif system == "compute":
             extra = []
         else:
@@ -788,8 +787,8 @@ def main(argv=None):
                         "the disk writing (default: the daemon's); several: one fsdpd+ckpt "
                         "per value, in the same runs")
     p.add_argument("--checkpoint-only", action="store_true",
-                   help="with --checkpoint-every: run fsdpd+opt and fsdpd+ckpt alone and "
-                        "print each run's ratio of their steps")
+                   help="with --checkpoint-every: run fsdpd+opt, fsdpd+ckpt and fsdpd+dd alone "
+                        "and print each run's ratios of their steps")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each configuration; figures are their medians (default 1)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
@@ -818,6 +817,13 @@ def main(argv=None):
     args.daemon_optimizer |= bool(args.checkpoint_every)
     if args.checkpoint_only and not args.checkpoint_every:
         p.error("--checkpoint-only needs --checkpoint-every")
+    shares = args.checkpoint_disk_share or []
+    if shares and not args.checkpoint_every:
+        p.error("--checkpoint-disk-share needs --checkpoint-every")
+    if len(shares) > 1 and not args.checkpoint_only:
+        p.error("several --checkpoint-disk-share values need --checkpoint-only")
+    if any(not 1 <= share <= 100 for share in shares) or len(set(shares)) != len(shares):
+        p.error("--checkpoint-disk-share takes distinct percentages from 1 to 100")
     if args.worker:
         return worker(args)
 

@@ -150,7 +150,7 @@ typedef struct streamed_file {
   off_t written; /* bytes written so far, the padding after a block's tail included */
   off_t end;     /* the end of the last block, its padding not included */
   off_t settled; /* through the page cache: bytes written back and dropped */
-  uint64_t rate; /* bytes per second at most (fsdp_checkpoint_job_t.write_rate); 0: unpaced */
+  uint64_t rate; /* bytes per second at most (fsdp_checkpoint_job_t.write_rate); 0: no cap */
   unsigned share; /* percent of the time the writes may take (.disk_share); 100: all */
   uint64_t opened_ns;
   uint64_t busy_ns; /* the time the writes took, their waits for the disk included */
@@ -248,17 +248,17 @@ static int stop_level(const atomic_int *stopping) {
   return stopping ? atomic_load(stopping) : FSDP_CHECKPOINT_GO_ON;
 }
 
-/* When the file's writes so far are paced out since it opened: its bytes at its rate, and
- * its writes' time at its share of the time, whichever comes later; 0: now. */
-static double paced_until_ns(const streamed_file_t *f) {
+/* How long after the file opened its writes so far are paced out: its bytes at its rate,
+ * and its writes' time at its share of the time, whichever is later. */
+static double paced_since_open_ns(const streamed_file_t *f) {
   double by_rate = f->rate ? (double)f->written / (double)f->rate * 1e9 : 0;
   double by_share = (double)f->busy_ns * 100 / f->share;
   return by_rate > by_share ? by_rate : by_share;
 }
 
-/* Waits until the file's writes so far are paced out (paced_until_ns), in slices of at most
- * 100 ms, so that a save the daemon's stop hurries goes on soon and one it abandons stops
- * soon: -ECANCELED then. */
+/* Waits until the file's writes so far are paced out (paced_since_open_ns), in slices of
+ * at most 100 ms, so that a save the daemon's stop hurries goes on soon and one it abandons
+ * stops soon: -ECANCELED then. */
 static int pace(const streamed_file_t *f) {
   for (;;) {
     int stop = stop_level(f->stopping);
@@ -266,7 +266,7 @@ static int pace(const streamed_file_t *f) {
       return -ECANCELED;
     if (stop == FSDP_CHECKPOINT_HURRY)
       return 0;
-    double due_ns = paced_until_ns(f);
+    double due_ns = paced_since_open_ns(f);
     double elapsed_ns = (double)(fsdp_clock_now_ns() - f->opened_ns);
     if (due_ns <= elapsed_ns)
       return 0;
@@ -288,6 +288,7 @@ static int write_hashed(streamed_file_t *f, const void *buf, size_t len,
   for (size_t done = 0; r == 0 && done < len;) {
     size_t n = len - done < IO_CHUNK ? len - done : IO_CHUNK;
     uint64_t start_ns = fsdp_clock_now_ns();
+    fsdp_failpoint("checkpoint-write"); /* its sleep: a slow disk */
     r = stream_write(f, p + done, n);
     f->busy_ns += fsdp_clock_now_ns() - start_ns;
     XXH64_update(h, p + done, n);

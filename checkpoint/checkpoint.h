@@ -28,8 +28,12 @@
 
 #include "common/status.h"
 
-/* fsdp_checkpoint_job_t.stopping: how a save under way goes on as the daemon stops. */
-enum { FSDP_CHECKPOINT_GO_ON, FSDP_CHECKPOINT_HURRY, FSDP_CHECKPOINT_ABANDON };
+/* How a save under way goes on as the daemon stops (fsdp_checkpoint_job_t.stopping). */
+enum fsdp_checkpoint_stopping {
+  FSDP_CHECKPOINT_GO_ON,
+  FSDP_CHECKPOINT_HURRY,
+  FSDP_CHECKPOINT_ABANDON
+};
 
 /* The format this fsdpd writes and reads (manifest.json's "format"). */
 #define FSDP_CHECKPOINT_FORMAT 1
@@ -67,13 +71,13 @@ typedef struct fsdp_checkpoint_job {
   uint64_t hosts_wait_ms; /* host 0's wait for the other hosts' files (hosts > 1) */
   uint64_t step;          /* the job's last completed step, which names the checkpoint */
   const char *optimizer; /* its kind ("ADAMW"), "" without one */
-  uint64_t write_rate;   /* a save's blocks: bytes per second at most; 0: unpaced */
+  uint64_t write_rate;   /* a save's blocks: bytes per second at most; 0: no cap */
   /* A save's blocks: the share of the time, in percent, their writes take at most (the
    * writer waits after a chunk to keep to it); 0 or 100: back to back. */
   unsigned disk_share;
-  /* Set by another thread as the daemon stops (NULL: never): a save under way stops pacing
-   * at FSDP_CHECKPOINT_HURRY, and stops at its next chunk with ABORTED at
-   * FSDP_CHECKPOINT_ABANDON, the checkpoints before it as they were. */
+  /* An enum fsdp_checkpoint_stopping, set by another thread as the daemon stops (NULL:
+   * never): a save under way stops pacing at FSDP_CHECKPOINT_HURRY, and stops at its next
+   * chunk with ABORTED at FSDP_CHECKPOINT_ABANDON, the checkpoints before it as they were. */
   const atomic_int *stopping;
   const fsdp_checkpoint_unit_t *units;
   size_t n_units;

@@ -113,18 +113,17 @@
     "How many checkpoints a job's directory keeps after each save, the newest; 0: all.")        \
   X(CHECKPOINT_WRITE_RATE, "checkpoint.write_rate", FSDP_OPT_SIZE, "0B", 0, 1099511627776,    \
     NULL, "B", true, NULL,                                                                       \
-    "Bytes per second a save writes at most, so that writing costs training less where the "    \
-    "disk's writes take CPU from it (a virtual disk's do); a save then lasts as long as its "   \
-    "bytes take at this rate. 0: as fast as the disk takes them. A stop's saves write at full " \
-    "speed.")                                                                                    \
+    "Bytes per second any save writes at most, for the disk's or a shared filesystem's sake; "  \
+    "a save then lasts at least as long as its bytes take at this rate. 0: no cap. A stop's "   \
+    "saves write at full speed.")                                                                \
   X(CHECKPOINT_DISK_SHARE, "checkpoint.disk_share", FSDP_OPT_INT, "25", 1, 100, NULL, NULL,     \
     true, NULL,                                                                                  \
-    "The share of the time, in percent, that a save keeps the disk writing at most: after "    \
-    "each chunk it waits until its writes have taken no more than this share of the time "    \
-    "since its file opened, so that it writes at this share of the disk's speed, whatever "   \
-    "that is, and leaves the rest to training (its own reads and writes and, on a virtual "   \
-    "disk, the CPU that writes take); 100: back to back. A stop's saves write at full "        \
-    "speed.")                                                                                    \
+    "The share of the time, in percent, that a save of checkpoint.every_steps keeps the disk " \
+    "writing at most, as training goes on: after each chunk it waits until its writes have "   \
+    "taken no more than this share of the time since its file opened, so that it writes at "   \
+    "this share of the disk's speed, whatever that is, and leaves the rest to training (its "  \
+    "own reads and writes and, on a virtual disk, the CPU that writes take); 100: back to "    \
+    "back. A save that a caller waits for (SaveCheckpoint) and a stop's write at full speed.") \
   X(CHECKPOINT_RESUME, "checkpoint.resume", FSDP_OPT_ENUM, "none", 0, 0, "none|latest", NULL,   \
     true, NULL,                                                                                  \
     "With checkpoint.dir, latest: a job new to this daemon (after a restart) goes on from its "  \

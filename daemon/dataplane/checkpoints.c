@@ -38,6 +38,10 @@ typedef struct checkpoint_work {
    * snapshot (once no reduce of the job runs) and writes its files; a load loads. */
   enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING, LOADING } stage;
   unsigned keep; /* a save's: how many of the directory's checkpoints stay */
+  /* A save of the schedule's (checkpoint.every_steps): training goes on while it writes and
+   * nobody waits for it, so it keeps to checkpoint.disk_share. A save a caller waits for
+   * (or a stop) writes at the disk's speed. */
+  bool scheduled;
   uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
   /* A save that waits for another: where the job stood when it was asked, or at the step
    * boundary it waited for. When its turn comes, a job that stood still is saved as it is,
@@ -229,6 +233,9 @@ static job_steps_t job_steps(const fsdp_job_t *job) {
 
 static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
                             fsdp_status_t *st);
+static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
+                          bool scheduled, uint64_t step, fsdp_checkpoints_done_fn done,
+                          void *data, fsdp_status_t *st);
 
 static bool daemon_steps_every_unit(fsdp_job_t *job);
 
@@ -491,8 +498,8 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_status_t st;
   if ((size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
     fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long");
-  else if (fsdp_checkpoints_start(cp, job, dir, false, step, on_scheduled_checkpoint, NULL,
-                                  &st) == 0)
+  else if (checkpoint_job(cp, job, dir, false, true, step, on_scheduled_checkpoint, NULL,
+                          &st) == 0)
     return;
   log_error("job '%s': no checkpoint of step %llu: %s", job->name, (unsigned long long)step,
             st.message);
@@ -558,11 +565,12 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   c->job.job = job->name;
   c->job.host = c->cp->dp->peers ? fsdp_peers_host_rank(c->cp->dp->peers) : 0;
   c->job.hosts = c->cp->dp->peers ? fsdp_peers_host_count(c->cp->dp->peers) : 1;
-  /* Host 0 waits for the others' files as long as a collective among hosts may take. */
-  c->job.hosts_wait_ms = c->cp->dp->collective_timeout_ms;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
   c->job.write_rate = c->cp->write_rate;
-  c->job.disk_share = c->cp->disk_share;
+  c->job.disk_share = c->scheduled && c->cp->disk_share ? c->cp->disk_share : 100;
+  /* Host 0 waits for the others' files as long as a collective among hosts may take, and
+   * as many times longer as pacing makes the saves last. */
+  c->job.hosts_wait_ms = c->cp->dp->collective_timeout_ms * 100 / c->job.disk_share;
   c->job.stopping = &c->cp->stopping;
   c->job.units = c->units;
   c->job.n_units = n;
@@ -590,10 +598,11 @@ static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, cons
   return c;
 }
 
-/* A load (a resume's too) or a save, once the caller's own conditions hold. */
+/* A load (a resume's too) or a save (the schedule's when scheduled), once the caller's own
+ * conditions hold. */
 static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
-                          uint64_t step, fsdp_checkpoints_done_fn done, void *data,
-                          fsdp_status_t *st) {
+                          bool scheduled, uint64_t step, fsdp_checkpoints_done_fn done,
+                          void *data, fsdp_status_t *st) {
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
   if (!load && resuming(job))
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
@@ -613,6 +622,7 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
                                   done, data, verb, st);
   if (!c)
     return st->code;
+  c->scheduled = scheduled;
   if (c->stage == SAVE_WAITING) {
     c->asked_at = job_steps(job);
     log_info("job '%s': a save into %s waits for the checkpoint under way", job->name, dir);
@@ -636,7 +646,7 @@ int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *
                              "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
                              "load between steps",
                              job->name, u->spec->unit);
-  return checkpoint_job(cp, job, dir, load, step, done, data, st);
+  return checkpoint_job(cp, job, dir, load, false, step, done, data, st);
 }
 
 /* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
@@ -664,7 +674,7 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
                            job->name);
   bool final = !attached || masters_final(job, step);
   if (between && final)
-    return checkpoint_job(cp, job, dir, false, 0, done, data, st);
+    return checkpoint_job(cp, job, dir, false, false, 0, done, data, st);
   if (!new_work(cp, job, dir, SAVE_AT_BOUNDARY, 0, done, data, "SaveCheckpoint", st))
     return st->code;
   log_info("job '%s': saves at its next step boundary", job->name);
@@ -696,7 +706,7 @@ static void resume(void *ctx, fsdp_job_t *job) {
   int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");
   if (call) {
     *call = (resume_call_t){.cp = cp, .job = job};
-    r = checkpoint_job(cp, job, from, true, 0, resumed, call, &st);
+    r = checkpoint_job(cp, job, from, true, false, 0, resumed, call, &st);
   }
   free(from);
   if (r < 0) {

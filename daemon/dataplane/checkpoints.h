@@ -28,8 +28,8 @@ typedef struct fsdp_checkpoints {
   char dir[PATH_MAX];
   uint64_t every_steps;
   unsigned keep;
-  uint64_t write_rate; /* bytes per second; 0: unpaced */
-  unsigned disk_share; /* percent of the time a save's writes take at most; 100: all */
+  uint64_t write_rate; /* bytes per second; 0: no cap */
+  unsigned disk_share; /* percent of the time a scheduled save writes at most; 100: all */
   bool resume; /* checkpoint.resume = latest */
   atomic_int stopping; /* FSDP_CHECKPOINT_HURRY, _ABANDON: the daemon stops */
 } fsdp_checkpoints_t;
@@ -43,9 +43,9 @@ void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp);
 
 /* checkpoint.dir, .every_steps, .keep, .write_rate, .disk_share, .resume: a job is saved
  * into dir/<job>/ every every_steps steps (0 or an empty dir: never), at the step boundary,
- * every save keeps `keep` checkpoints (0: all) and writes at most write_rate bytes per
- * second (0: unpaced) and keeps the disk writing at most disk_share percent of the time
- * (100: all of it). With resume, a job new to this daemon goes on from its newest
+ * and keeps the disk writing at most disk_share percent of the time (100: all of it); every
+ * save keeps `keep` checkpoints (0: all) and writes at most write_rate bytes per second (0:
+ * no cap). With resume, a job new to this daemon goes on from its newest
  * checkpoint there: its units report that step as reduced when they register, and it is
  * loaded before the job's first gather (one that fails to load fails the job's units,
  * naming why). */

@@ -625,21 +625,36 @@ def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
 
 
 @pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
-def test_a_save_keeps_to_the_disk_share(fsdpd, tmp_path):
-    """checkpoint.disk_share 20: the first block's write takes 1 s (a failpoint stalls it,
-    as a slow disk would), so the save's writes have taken 1 s of its time: it waits until
-    they are a fifth of it, 5 s at least (back to back it would end after about 1 s), and
-    the checkpoint loads back bit for bit."""
-    d = fsdpd("--set", "checkpoint.disk_share=20",
-              env={"FSDPD_FAILPOINT": "checkpoint-direct:2:sleep-1000"})  # 1: the open
+def test_a_scheduled_save_keeps_to_the_disk_share(fsdpd, tmp_path):
+    """checkpoint.disk_share 20 and a save every step: the first block's write takes 1 s (a
+    failpoint stalls it, as a slow disk would), so the save of step 1, written while the job
+    goes on, waits until its writes are a fifth of its time: 5 s at least, where back to
+    back it would end after about 1 s. It loads back bit for bit. A save asked by a call
+    (SaveCheckpoint), which its caller waits for, writes back to back: the same stall, and
+    it ends well before 5 s."""
+    options = ("--set", "checkpoint.disk_share=20")
+    stall = {"FSDPD_FAILPOINT": "checkpoint-write:1:sleep-1000"}
+    d = fsdpd(*options, "--set", f"checkpoint.dir={tmp_path}", "--set",
+              "checkpoint.every_steps=1", env=stall)
     ranks, regions = trained(d)
     want = snapshot(ranks[0], regions)
+    def ended():
+        (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
+        return job["checkpoint_state"] == "" and job["last_checkpoint_step"] == 1
+
     start = time.monotonic()
-    checkpoint(d, "SaveCheckpoint", tmp_path)
+    assert on_all(ranks, "Unshard", step=2) == [None, None]  # step 1's boundary: the save
+    poll(ended, 30, what="the scheduled save")
     assert time.monotonic() - start >= 5 - 0.01
     garble(ranks[0], regions)
-    assert checkpoint(d, "LoadCheckpoint", tmp_path).step == 1
+    assert checkpoint(d, "LoadCheckpoint", tmp_path / "j").step == 1
     assert snapshot(ranks[0], regions) == want
+
+    asked = fsdpd(*options, env=stall, name="asked")
+    trained(asked)
+    start = time.monotonic()
+    checkpoint(asked, "SaveCheckpoint", tmp_path / "asked")
+    assert time.monotonic() - start < 4
 
 
 def test_a_job_that_starts_finds_no_unfinished_save_of_a_run_before(fsdpd, tmp_path):
