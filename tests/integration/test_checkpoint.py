@@ -638,6 +638,7 @@ def test_a_scheduled_save_keeps_to_the_disk_share(fsdpd, tmp_path):
               "checkpoint.every_steps=1", env=stall)
     ranks, regions = trained(d)
     want = snapshot(ranks[0], regions)
+
     def ended():
         (job,) = json.loads(d.fsdpctl("--json", "status").stdout)["memory"]["jobs"]
         return job["checkpoint_state"] == "" and job["last_checkpoint_step"] == 1
