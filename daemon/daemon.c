@@ -163,7 +163,7 @@ static void release_session(fsdp_daemon_t *daemon, fsdp_session_t *session,
   /* Its retention counts from its last session's end, and the job idle longest is the
    * first to give way to a new one (fsdp_store_job_for). */
   if (!job_has_session(daemon, job, session))
-    job->idle_since_ms = now_ms(daemon);
+    fsdp_store_job_went_idle(&daemon->store, job, now_ms(daemon));
 }
 
 static void end_session(void *data, fsdp_session_t *session, const char *why) {
@@ -210,7 +210,7 @@ static void retire_idle_jobs(fsdp_daemon_t *daemon, uint64_t now_ms) {
       continue;
     }
     if (job->idle_since_ms == 0) {
-      job->idle_since_ms = now_ms;
+      fsdp_store_job_went_idle(&daemon->store, job, now_ms);
       continue;
     }
     if (now_ms - job->idle_since_ms < retention)

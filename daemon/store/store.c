@@ -180,16 +180,23 @@ static size_t job_reserved(const fsdp_job_t *job) {
   return capacity;
 }
 
+void fsdp_store_job_went_idle(fsdp_store_t *store, fsdp_job_t *job, uint64_t now_ms) {
+  job->idle_since_ms = now_ms;
+  job->idle_order = ++store->idle_serial;
+}
+
 /* The retained job that went idle first (idle_since_ms 0: its work ended after its last
  * session and the housekeeping has not looked since, so the most recent), or NULL when
- * every job is in use. */
+ * every job is in use. Jobs are compared by idle_order, not by idle_since_ms: jobs that
+ * went idle in the same millisecond would tie, and the newest of them (first in the list)
+ * would win. */
 static fsdp_job_t *oldest_idle_job(const fsdp_store_t *store) {
   fsdp_job_t *oldest = NULL;
   for (fsdp_job_t *j = store->jobs; j; j = j->next) {
     if (!store->hooks.job_idle || !store->hooks.job_idle(store->hooks.data, j))
       continue;
     if (!oldest || (j->idle_since_ms != 0 &&
-                    (oldest->idle_since_ms == 0 || j->idle_since_ms < oldest->idle_since_ms)))
+                    (oldest->idle_since_ms == 0 || j->idle_order < oldest->idle_order)))
       oldest = j;
   }
   return oldest;

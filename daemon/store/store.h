@@ -209,6 +209,10 @@ typedef struct fsdp_job {
   /* Loop time since which nothing refers to it (set as its last session ends, or by the
    * housekeeping when its work ends after that); 0 while in use. */
   uint64_t idle_since_ms;
+  /* When it went idle among the jobs, from fsdp_store_job_went_idle: the clock counts whole
+   * milliseconds, in which several jobs may go idle, and the first of them is still the one
+   * idle longest. */
+  uint64_t idle_order;
   /* For each rank whose session ended and that has not attached again: the serial of the
    * first session attached after, 0 otherwise. A session older than that (it was there when
    * the rank went) fails a collective that needs the rank at once: the rank died under it.
@@ -240,6 +244,7 @@ typedef struct fsdp_store {
   unsigned max_inflight; /* a new job's (store.max_inflight) */
   const fsdp_backend_t *backend; /* whose memory the arenas are (daemon.backend) */
   size_t reserved; /* the capacities of every job's arenas */
+  uint64_t idle_serial; /* the last idle_order given */
   fsdp_store_hooks_t hooks;
   /* Set by the daemon from cluster.*: the hosts, and the local world size every job must
    * have when there are several (0: any). */
@@ -258,6 +263,9 @@ int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
                              fsdp_status_t *st);
 
 fsdp_job_t *fsdp_store_find_job(const fsdp_store_t *store, const char *name);
+/* Records that nothing refers to job any more since now_ms (loop time, not 0): its
+ * retention counts from then, and it gives way to a new job after those idle before it. */
+void fsdp_store_job_went_idle(fsdp_store_t *store, fsdp_job_t *job, uint64_t now_ms);
 fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
 /* The unit whose id (fsdp_unit_t.id) is id, or NULL. */
 fsdp_unit_t *fsdp_store_unit_by_id(const fsdp_job_t *job, uint32_t id);

@@ -146,6 +146,14 @@ def test_set_schedule_names_what_it_refuses(fsdpd):
                  "SetSchedule: units[1].unit 'layer4' is not registered in job 'j'",
                  units=[trainer_pb2.UnitSchedule(unit="layer3"),
                         trainer_pb2.UnitSchedule(unit="layer4")])
+    # Two entries for one unit: the last won silently; now refused naming both.
+    register(d, spec(s, unit="layer4"))
+    refused_with(grpc.StatusCode.INVALID_ARGUMENT,
+                 "SetSchedule: units[2].unit 'layer3' is units[0].unit already: a unit takes "
+                 "one entry",
+                 units=[trainer_pb2.UnitSchedule(unit="layer3", reshard_after_forward=True),
+                        trainer_pb2.UnitSchedule(unit="layer4"),
+                        trainer_pb2.UnitSchedule(unit="layer3", reshard_after_forward=False)])
     refused_with(grpc.StatusCode.INVALID_ARGUMENT,
                  "SetSchedule: backward_prefetch 65 is outside [0, 64]", backward_prefetch=65)
     refused_with(grpc.StatusCode.NOT_FOUND,
@@ -255,3 +263,25 @@ def test_finished_jobs_never_keep_new_ones_out(fsdpd, limits, full):
     assert full in details, details
     assert sorted(j.job for j in d.status().jobs) == ["live0", "live1"]
     d.assert_serving()
+
+
+def test_the_job_idle_longest_gives_way_even_within_one_millisecond(fsdpd):
+    """Issue 29 item 3: of two jobs whose last sessions end one after the other, the first
+    gives way to a new job first, also when both ended in the same millisecond (the loop's
+    clock); before, such a tie freed the newer job, and
+    test_finished_jobs_never_keep_new_ones_out failed now and then. Each round detaches two
+    jobs back to back (a tie, more often than not) and makes two new ones."""
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "memory.limit=256MiB")
+    for i in range(12):
+        sessions = []
+        for name in (f"a{i}", f"b{i}"):
+            s = attach(d, 0, 1, job=name)
+            register(d, spec(s, shapes=((64,),), names=("w",)))
+            sessions.append(s)
+            if i:
+                gone = f"a{i - 1}" if name == f"a{i}" else f"b{i - 1}"
+                assert (f"job '{gone}': retained with no session, but job '{name}' needs the "
+                        "room" in d.stderr()), (i, name)
+        for s in sessions:
+            d.call(DETACH, trainer_pb2.DetachRequest(session_id=s), trainer_pb2.DetachReply)
+    assert sorted(j.job for j in d.status().jobs) == ["a11", "b11"]
