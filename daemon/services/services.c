@@ -360,13 +360,33 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
                          depth_names[i], depths[i], FSDP_POOL_CAPACITY_MAX);
       return;
     }
-  for (size_t i = 0; i < rq->n_units; i++)
-    if (!fsdp_store_find_unit(job, rq->units[i]->unit)) {
+  /* Each unit's entry once: where two disagree, neither silently wins. Indexed by unit id,
+   * which is below n_units, so that a long list costs one pass. */
+  size_t *entry_of = calloc(job->n_units ? job->n_units : 1, sizeof *entry_of);
+  if (!entry_of) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetSchedule: out of memory");
+    return;
+  }
+  for (size_t i = 0; i < rq->n_units; i++) {
+    const fsdp_unit_t *u = fsdp_store_find_unit(job, rq->units[i]->unit);
+    if (!u) {
       fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
                          "SetSchedule: units[%zu].unit '%s' is not registered in job '%s'", i,
                          rq->units[i]->unit, job->name);
+      free(entry_of);
       return;
     }
+    if (entry_of[u->id]) { /* the index plus one: 0 is none yet */
+      fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
+                         "SetSchedule: units[%zu].unit '%s' is units[%zu].unit already: a unit "
+                         "takes one entry",
+                         i, rq->units[i]->unit, entry_of[u->id] - 1);
+      free(entry_of);
+      return;
+    }
+    entry_of[u->id] = i + 1;
+  }
+  free(entry_of);
   fsdp_unit_t **order = calloc(rq->n_forward_order ? rq->n_forward_order : 1, sizeof *order);
   if (!order) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetSchedule: out of memory");
