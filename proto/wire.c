@@ -8,6 +8,7 @@
 #include <fsdp/fsdp_error.h>
 
 #include "fsdp/v1/operator.pb-c.h"
+#include "fsdp/v1/trainer.pb-c.h"
 
 int fsdp_wire_method_path(const ProtobufCServiceDescriptor *service, unsigned method, char *buf,
                           size_t size) {
@@ -177,7 +178,14 @@ static int visit_nul_in_strings(const wire_field_t *field, const char *prefix, v
 typedef struct field_count {
   const char *request;
   unsigned n;
+  unsigned max;
 } field_count_t;
+
+unsigned fsdp_wire_request_max_fields(const ProtobufCMessageDescriptor *desc) {
+  if (desc == &fsdp__v1__register_unit_request__descriptor)
+    return FSDP_WIRE_REGISTER_UNIT_MAX_FIELDS;
+  return FSDP_WIRE_MAX_FIELDS;
+}
 
 /* protobuf-c allocates on its own every element of a repeated message, string or bytes
  * field, and every field the message does not know, and one 16 MiB request can hold
@@ -189,15 +197,15 @@ static int visit_count_fields(const wire_field_t *field, const char *prefix, voi
   field_count_t *count = ctx;
   bool message = field->desc && field->desc->type == PROTOBUF_C_TYPE_MESSAGE &&
                  field->wire_type == 2;
-  if (++count->n <= FSDP_WIRE_MAX_FIELDS && !message)
+  if (++count->n <= count->max && !message)
     return 0;
   char path[256];
   field_path(path, sizeof path, prefix, field);
-  if (count->n > FSDP_WIRE_MAX_FIELDS)
+  if (count->n > count->max)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
                            "field '%s': %s holds more than %u fields (each element of a list "
-                           "counts, at every level), the most a request may",
-                           path, count->request, FSDP_WIRE_MAX_FIELDS);
+                           "counts, at every level), the most one may",
+                           path, count->request, count->max);
   return walk_fields(field->desc->descriptor, field->value, field->size, path, visit_count_fields,
                      ctx, st);
 }
@@ -222,7 +230,7 @@ int fsdp_wire_decode_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t
 
 int fsdp_wire_decode_request_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
                                    size_t len, ProtobufCMessage **ret_msg, fsdp_status_t *st) {
-  field_count_t count = {.request = desc->name};
+  field_count_t count = {.request = desc->name, .max = fsdp_wire_request_max_fields(desc)};
   int r = walk_fields(desc, data, len, "", visit_count_fields, &count, st);
   return r < 0 ? r : fsdp_wire_decode_bytes(desc, data, len, ret_msg, st);
 }

@@ -16,6 +16,7 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "common/status.h"
+#include "proto/limits.h"
 
 /* Longest method path we build: "/" service "/" method. */
 #define FSDP_WIRE_PATH_MAX 128
@@ -33,10 +34,19 @@ bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *serv
  * a few ids and names; the few that carry lists (RegisterUnit, SetSchedule) may take all of
  * rpc.max_message_size. Its fields (each element of a list, and fields the message does not
  * know, many of which protobuf-c allocates one by one) are counted at every level in the
- * wire bytes before anything is unpacked: 65,536 hold a unit of over 16,000 parameters. */
+ * wire bytes before anything is unpacked: at most FSDP_WIRE_MAX_FIELDS, except that a
+ * RegisterUnit may also hold FSDP_WIRE_PARAM_FIELDS for each of the FSDP_UNIT_MAX_PARAMS
+ * parameters the API promises (the entry, its name, its packed shape, dtype and
+ * requires_grad), so that the unit's own check names a count past that limit. */
 #define FSDP_WIRE_HEALTH_REQUEST_MAX 1024
 #define FSDP_WIRE_SMALL_REQUEST_MAX 65536
 #define FSDP_WIRE_MAX_FIELDS 65536
+#define FSDP_WIRE_PARAM_FIELDS 5
+#define FSDP_WIRE_REGISTER_UNIT_MAX_FIELDS \
+  (FSDP_WIRE_MAX_FIELDS + FSDP_WIRE_PARAM_FIELDS * FSDP_UNIT_MAX_PARAMS)
+
+/* The most fields a request of type desc may hold, at every level. */
+unsigned fsdp_wire_request_max_fields(const ProtobufCMessageDescriptor *desc);
 
 /* The most bytes a request of method index `method` of `service` may have, given the
  * configured maximum max_message_size (which it never exceeds). */
@@ -52,8 +62,8 @@ int fsdp_wire_encode(const ProtobufCMessage *msg, grpc_byte_buffer **ret_buffer)
 int fsdp_wire_decode(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                      ProtobufCMessage **ret_msg, fsdp_status_t *st);
 /* The same for a request a server received, which must first hold at most
- * FSDP_WIRE_MAX_FIELDS fields at all levels (RESOURCE_EXHAUSTED naming the field where the
- * count passed it). */
+ * fsdp_wire_request_max_fields(desc) fields at all levels (RESOURCE_EXHAUSTED naming the
+ * field where the count passed it). */
 int fsdp_wire_decode_request(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buffer,
                              ProtobufCMessage **ret_msg, fsdp_status_t *st);
 int fsdp_wire_decode_request_bytes(const ProtobufCMessageDescriptor *desc, const uint8_t *data,

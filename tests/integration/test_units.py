@@ -115,6 +115,28 @@ def test_bad_specs(fsdpd, request_kwargs, text):
     d.assert_serving()
 
 
+def test_the_most_parameters_the_api_promises_register(fsdpd):
+    """65,536 parameters, each with every field set (name, shape, dtype, requires_grad),
+    register: the request's field budget refused them at about 13,100. One more gets the
+    unit's own error naming the count and the limit."""
+    d = fsdpd()
+    s = attach(d, 0, 1)
+
+    def many(n, unit):
+        return trainer_pb2.RegisterUnitRequest(
+            session_id=s, unit=unit, strategy=FULL_SHARD,
+            params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=[2], dtype=FP32,
+                                          requires_grad=True) for i in range(n)])
+
+    reply = register(d, many(65536, "wide"))
+    assert reply.numel == 2 * 65536 and len(reply.param_offsets) == 65536
+    assert reply.param_offsets[-1] == 2 * 65535
+    code, details = refused(d, many(65537, "wider"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "unit 'wider' has 65537 parameters, more than 65536" in details
+    d.assert_serving()
+
+
 def test_unknown_session(fsdpd):
     d = fsdpd()
     code, details = refused(d, spec(12345))

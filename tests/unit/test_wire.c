@@ -288,25 +288,25 @@ static void test_fields_are_counted_before_unpacking(void **state) {
   size_t len;
   ProtobufCMessage *msg;
   fsdp_status_t st;
-  uint8_t *data = empty_params(FSDP_WIRE_MAX_FIELDS, &len);
-  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
-                                                  data, len, &msg, &st),
-                   0);
-  assert_int_equal(((Fsdp__V1__RegisterUnitRequest *)msg)->n_params, FSDP_WIRE_MAX_FIELDS);
+  const ProtobufCMessageDescriptor *reg = &fsdp__v1__register_unit_request__descriptor;
+  assert_int_equal(fsdp_wire_request_max_fields(reg), 65536 + 5 * 65536);
+  uint8_t *data = empty_params(FSDP_WIRE_REGISTER_UNIT_MAX_FIELDS, &len);
+  assert_int_equal(fsdp_wire_decode_request_bytes(reg, data, len, &msg, &st), 0);
+  assert_int_equal(((Fsdp__V1__RegisterUnitRequest *)msg)->n_params,
+                   FSDP_WIRE_REGISTER_UNIT_MAX_FIELDS);
   protobuf_c_message_free_unpacked(msg, NULL);
   free(data);
 
   /* Millions of entries in 16 MiB: refused at the first field over, whatever follows. */
   data = empty_params(8u << 20, &len);
-  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
-                                                  data, len, &msg, &st),
+  assert_int_equal(fsdp_wire_decode_request_bytes(reg, data, len, &msg, &st),
                    FSDP_E_RESOURCE_EXHAUSTED);
-  assert_string_equal(st.message, "field 'params[65536]': fsdp.v1.RegisterUnitRequest holds "
-                                  "more than 65536 fields (each element of a list counts, at "
-                                  "every level), the most a request may");
+  assert_string_equal(st.message, "field 'params[393216]': fsdp.v1.RegisterUnitRequest holds "
+                                  "more than 393216 fields (each element of a list counts, at "
+                                  "every level), the most one may");
   /* Replies are not counted: the daemon's own may be long lists. */
-  assert_int_equal(fsdp_wire_decode_bytes(&fsdp__v1__register_unit_request__descriptor, data,
-                                          2 * (FSDP_WIRE_MAX_FIELDS + 1), &msg, &st),
+  assert_int_equal(fsdp_wire_decode_bytes(reg, data, 2 * (FSDP_WIRE_REGISTER_UNIT_MAX_FIELDS + 1),
+                                          &msg, &st),
                    0);
   protobuf_c_message_free_unpacked(msg, NULL);
 
@@ -315,28 +315,42 @@ static void test_fields_are_counted_before_unpacking(void **state) {
     data[2 * i] = 15 << 3;
     data[2 * i + 1] = 0;
   }
-  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
-                                                  data, len, &msg, &st),
+  assert_int_equal(fsdp_wire_decode_request_bytes(reg, data, len, &msg, &st),
                    FSDP_E_RESOURCE_EXHAUSTED);
   assert_string_equal(st.message, "field '#15': fsdp.v1.RegisterUnitRequest holds more than "
-                                  "65536 fields (each element of a list counts, at every "
-                                  "level), the most a request may");
+                                  "393216 fields (each element of a list counts, at every "
+                                  "level), the most one may");
 
-  /* And so do the fields of every element: parameters of three fields each (the entry, its
-   * name, its packed shape) pass the limit at the name of the 21,846th. */
-  free(data);
-  const uint8_t param[] = {3 << 3 | 2, 6, 1 << 3 | 2, 1, 'w', 2 << 3 | 2, 1, 4};
-  len = 21846 * sizeof param;
-  data = malloc(len);
-  assert_non_null(data);
-  for (size_t i = 0; i < 21846; i++)
-    memcpy(data + i * sizeof param, param, sizeof param);
-  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__register_unit_request__descriptor,
+  /* Another request keeps the smaller budget: SetSchedule's forward_order (field 2). */
+  for (size_t i = 0; i < len / 2; i++) {
+    data[2 * i] = 2 << 3 | 2;
+    data[2 * i + 1] = 0;
+  }
+  assert_int_equal(fsdp_wire_decode_request_bytes(&fsdp__v1__set_schedule_request__descriptor,
                                                   data, len, &msg, &st),
                    FSDP_E_RESOURCE_EXHAUSTED);
-  assert_string_equal(st.message, "field 'params[21845].name': fsdp.v1.RegisterUnitRequest "
+  assert_string_equal(st.message, "field 'forward_order[65536]': fsdp.v1.SetScheduleRequest "
                                   "holds more than 65536 fields (each element of a list counts, "
-                                  "at every level), the most a request may");
+                                  "at every level), the most one may");
+  free(data);
+
+  /* And so do the fields of every element. The API's most parameters, each of every field
+   * (the entry, its name, its packed shape, its dtype and requires_grad), fit; the budget
+   * held only about 13,100 of them before. */
+  const uint8_t param[] = {3 << 3 | 2, 10, 1 << 3 | 2, 1, 'w', 2 << 3 | 2, 1, 4,
+                           3 << 3, 1, 4 << 3, 1};
+  size_t n = FSDP_UNIT_MAX_PARAMS + 1;
+  data = malloc(n * sizeof param);
+  assert_non_null(data);
+  for (size_t i = 0; i < n; i++)
+    memcpy(data + i * sizeof param, param, sizeof param);
+  for (size_t k = 0; k < 2; k++) { /* the limit, and one past it (which RegisterUnit names) */
+    assert_int_equal(fsdp_wire_decode_request_bytes(reg, data, (n - 1 + k) * sizeof param,
+                                                    &msg, &st),
+                     0);
+    assert_int_equal(((Fsdp__V1__RegisterUnitRequest *)msg)->n_params, n - 1 + k);
+    protobuf_c_message_free_unpacked(msg, NULL);
+  }
   free(data);
 }
 
