@@ -19,6 +19,10 @@ The loss rank 0 prints is the mean over all ranks, averaged by the daemon itself
 writes its loss into a one-element unit ("demo.loss") and reduce-scatters it, exactly as
 gradients are averaged; element 0 of the result lands in rank 0's shard. With equal slices
 this is the loss of the whole global batch.
+
+A job the daemon holds already (its trainers ran within store.job_retention, or crashed and
+were restarted) goes on after its last completed step, up to --steps; the loss unit's steps
+are the model's, which go on too.
 """
 
 import argparse
@@ -39,7 +43,8 @@ LOSS_UNIT = "demo.loss"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--steps", type=int, default=30,
+                   help="the step the job trains up to (default 30)")
     p.add_argument("--global-batch", type=int, default=8,
                    help="sequences per step over all ranks (default 8)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
@@ -60,15 +65,20 @@ def main(argv=None):
         rank, world = client.rank, client.local_world_size
         model = fsdpd.torch.shard_model(TinyGPT(cfg, seed=args.seed), client, wrap={Block})
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-        loss_unit = client.register_unit(LOSS_UNIT, [("loss", (1,), True)])
+        # Not the model's (scratch): checkpoints leave it out.
+        loss_unit = client.register_unit(LOSS_UNIT, [("loss", (1,), True)], scratch=True)
+        first = model.completed_steps + 1
         if rank == 0:
             units = model.units
             n = sum(u.numel for u in units)
             print(f"job {client.job!r}: {world} ranks, {len(units)} units, {n:,} parameters "
                   f"({', '.join(u.name for u in units)}); global batch {args.global_batch} x "
                   f"{cfg.seq_len} tokens", flush=True)
+            if model.resumed:
+                print(f"the daemon holds the job trained to step {first - 1}: going on "
+                      f"from step {first} to {args.steps}", flush=True)
 
-        for step in range(1, args.steps + 1):
+        for step in range(first, args.steps + 1):
             t0 = time.perf_counter()
             tokens, targets = rank_slice(
                 batch(step, args.global_batch, cfg.seq_len, cfg.vocab, seed=args.seed),
@@ -80,12 +90,13 @@ def main(argv=None):
             step_ms = (time.perf_counter() - t0) * 1e3
 
             # The mean over ranks, reduced by the daemon (fp32): the backward's Unshard lends
-            # the buffer to reduce from.
-            loss_unit.unshard(step, backward=True)
-            loss_unit.reshard(step)
+            # the buffer to reduce from. Its steps are the model's, which go on after a
+            # restart, past those the unit holds (the daemon refuses an older one).
+            loss_unit.unshard(model.step, backward=True)
+            loss_unit.reshard(model.step)
             loss_unit.full_grad.zero_()
             loss_unit.full_grad[0] = loss.item()
-            loss_unit.reduce_scatter(step)
+            loss_unit.reduce_scatter(model.step)
             if rank == 0:
                 mean = loss_unit.grad_shard[0].item()
                 print(f"step {step:3d}  loss {mean:.4f}  ({step_ms:6.1f} ms)", flush=True)

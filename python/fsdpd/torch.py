@@ -64,7 +64,9 @@ Restarts. The masters live in the daemon: a trainer process that dies and starts
 attaches, registers the same model, and finds its units trained (`model.resumed`); it does
 not write initial values and goes on at `model.completed_steps + 1`. The optimizer's state is
 the trainer's own: with a stateless optimizer (SGD without momentum) the run continues
-exactly; otherwise restore the optimizer state yourself.
+exactly; otherwise restore the optimizer state yourself. The model's own scratch units go on
+after the steps they hold; a unit of the trainer's (a loss to average) must too, as the
+daemon refuses a step older than its unit's: number its steps by `model.step`.
 
 Several hosts. The daemon's units span every host (FULL_SHARD, SHARD_GRAD_OP) or a shard
 group (HYBRID_SHARD); gradients are averaged over every rank of every host. full_state_dict()
@@ -677,12 +679,19 @@ class ShardedModel(_nn.Module):
     # --- collectives of the whole model --------------------------------------------------
     def _summing_unit(self, name, numel):
         """A private NO_SHARD unit whose AllReduce sums over every rank of every host."""
-        return self.client.register_unit(name, [("x", (numel,), True)], strategy="NO_SHARD",
+        unit = self.client.register_unit(name, [("x", (numel,), True)], strategy="NO_SHARD",
                                          gradient_predivide_factor=1.0,
                                          gradient_postdivide_factor=1.0, scratch=True)
+        # The job's earlier trainers (a process that attaches again) left the unit at their
+        # last step, and the daemon refuses an older one: the count goes on after it. Every
+        # rank reads the same, since no gather or reduce of a newer step completes before
+        # every local rank asks for it, this one included.
+        self._sync_count = max(self._sync_count, unit.gathered_step, unit.reduced_step)
+        return unit
 
     def _lend(self, unit):
-        """The summing unit's buffer for the next all-reduce, zeroed."""
+        """The summing unit's buffer for the next all-reduce, zeroed. The summing units
+        share one step count, past the steps either holds."""
         self._sync_count += 1
         unit.unshard(self._sync_count, backward=True)
         unit.reshard(self._sync_count)

@@ -753,3 +753,76 @@ def test_sync_module_states_and_a_bfloat16_model(fsdpd, tmp_path):
         assert json.loads(out.strip().splitlines()[-1]) == {
             "synced": True, "bf16_masters": True, "bf16_compute": "torch.bfloat16",
             "grads": True}
+
+
+AGAIN = r'''
+import json, sys
+import torch
+from torch import nn
+import fsdpd, fsdpd.torch
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+client = fsdpd.Client(job="again")
+model = fsdpd.torch.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)),
+                                client, wrap={nn.Linear})
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+out = {"resumed": model.resumed, "start": model.completed_steps + 1}
+x = torch.randn(3, 4)
+for _ in range(2):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    model.clip_grad_norm_(1.0)
+    opt.step()
+out["keys"] = sorted(model.state_dict())
+out["saved"] = model.save_checkpoint(sys.argv[1])
+out["loaded"] = model.load_checkpoint(sys.argv[1])
+client.close()
+print(json.dumps(out))
+'''
+
+
+def _run_ranks(d, world, argv, job=None):
+    """world local ranks of `argv` against daemon d; returns each one's stdout."""
+    procs = []
+    for r in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
+        env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
+                   FSDPD_SOCKET=str(d.socket_path), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                   **({"FSDPD_JOB": job} if job else {}))
+        procs.append(subprocess.Popen([PYTHON, *map(str, argv)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=CHILD_TIMEOUT)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out)
+    return outs
+
+
+def test_trainers_that_attach_again_use_every_collective_of_the_model(fsdpd, tmp_path):
+    """Issue 29 item 3: the model's scratch units (the sums behind clip_grad_norm_,
+    state_dict, save_checkpoint and load_checkpoint) go on after the steps the job's earlier
+    trainers left them at. Before, the trainers of a second run of the same job got
+    FAILED_PRECONDITION ("unit '__fsdpd_sync__': local rank 0 asked for step 1, but the
+    unsharded copy already holds step ..."). examples/train.py run twice goes on too: its
+    loss unit follows the model's steps."""
+    d = fsdpd(*DAEMON_ARGS)
+    script = tmp_path / "again.py"
+    script.write_text(AGAIN)
+    ckpt = tmp_path / "ckpt"
+    for run, (resumed, start, end) in enumerate([(False, 1, 2), (True, 3, 4)]):
+        for out in _run_ranks(d, 2, [script, ckpt]):
+            got = json.loads(out.strip().splitlines()[-1])
+            assert (got["resumed"], got["start"], got["saved"], got["loaded"]) == \
+                (resumed, start, end, end), (run, got)
+            assert got["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+    train = SOURCE_DIR / "examples" / "train.py"
+    small = ["--d-model", "32", "--layers", "1", "--global-batch", "2"]
+    (first,) = _run_ranks(d, 1, [train, "--steps", "2", *small], job="demo-again")
+    assert re.findall(r"^step +(\d+) +loss", first, re.M) == ["1", "2"], first
+    (second,) = _run_ranks(d, 1, [train, "--steps", "4", *small], job="demo-again")
+    assert "trained to step 2: going on from step 3 to 4" in second, second
+    assert re.findall(r"^step +(\d+) +loss", second, re.M) == ["3", "4"], second
