@@ -137,6 +137,7 @@ static int store(fsdp_config_t *cfg, fsdp_option_id_t id, const char *text,
   v->text = copy;
   v->number = number;
   v->source = source;
+  v->derived = false;
   snprintf(v->origin, sizeof v->origin, "%s", origin);
   return 0;
 }
@@ -474,6 +475,73 @@ static const char *from(const fsdp_config_t *cfg, fsdp_option_id_t id, char *buf
   else
     snprintf(buf, size, " (from %s)", v->origin);
   return buf;
+}
+
+/* The least memory.limit and memory.job_limit other than 0, and the unit derived values
+ * are rounded down to (the largest page an arena uses). */
+#define MEMORY_MIN ((int64_t)64 << 20)
+#define MEMORY_ROUND ((int64_t)2 << 20)
+
+static void derive_size(fsdp_config_t *cfg, fsdp_option_id_t id, int64_t bytes,
+                        const char *how) {
+  fsdp_config_value_t *v = &cfg->values[id];
+  bytes = bytes / MEMORY_ROUND * MEMORY_ROUND;
+  if (bytes < MEMORY_MIN)
+    bytes = MEMORY_MIN;
+  if (bytes > options[id].max)
+    bytes = options[id].max;
+  v->number = bytes;
+  v->derived = true;
+  snprintf(v->origin, sizeof v->origin, "%s%.80s", v->source == FSDP_SOURCE_DEFAULT ? "" : "0: ",
+           how);
+}
+
+int fsdp_config_derive(fsdp_config_t *cfg, uint64_t host_memory, fsdp_status_t *st) {
+  static const fsdp_option_id_t sizes[2] = {FSDP_OPTION_MEMORY_LIMIT, FSDP_OPTION_JOB_MEMORY};
+  char a[128], min[32];
+  for (int i = 0; i < 2; i++) {
+    int64_t v = fsdp_config_number(cfg, sizes[i]);
+    if (v != 0 && v < MEMORY_MIN) {
+      fsdp_config_value_format(&options[sizes[i]], MEMORY_MIN, min, sizeof min);
+      return fsdp_status_set(st, FSDP_E_CONFIG,
+                             "key '%s': value %lld bytes%s is below %s; 0 derives it from the "
+                             "host's memory",
+                             options[sizes[i]].key, (long long)v, from(cfg, sizes[i], a, sizeof a),
+                             min);
+    }
+  }
+  if (fsdp_config_number(cfg, FSDP_OPTION_MEMORY_LIMIT) == 0) {
+    char host[32], how[96];
+    int64_t half = (int64_t)(host_memory > INT64_MAX ? INT64_MAX : host_memory) / 2;
+    fsdp_config_value_format(&options[FSDP_OPTION_MEMORY_LIMIT],
+                             (int64_t)(host_memory > INT64_MAX ? INT64_MAX : host_memory) /
+                                 MEMORY_ROUND * MEMORY_ROUND,
+                             host, sizeof host);
+    snprintf(how, sizeof how, "half of the host's %s", host);
+    derive_size(cfg, FSDP_OPTION_MEMORY_LIMIT, half, how);
+  }
+  if (fsdp_config_number(cfg, FSDP_OPTION_JOB_MEMORY) == 0) {
+    /* A GPU's arenas are its memory, made whole with the job, which the host's says nothing
+     * of. */
+    if (fsdp_config_number(cfg, FSDP_OPTION_BACKEND) == 1 /* cuda */)
+      derive_size(cfg, FSDP_OPTION_JOB_MEMORY, (int64_t)1 << 30, "1GiB with backend cuda");
+    else
+      derive_size(cfg, FSDP_OPTION_JOB_MEMORY,
+                  fsdp_config_number(cfg, FSDP_OPTION_MEMORY_LIMIT) / 4,
+                  "a quarter of memory.limit");
+  }
+  return 0;
+}
+
+void fsdp_config_keep_derived(fsdp_config_t *next, const fsdp_config_t *running) {
+  for (int i = 0; i < FSDP_OPTION_COUNT; i++) {
+    fsdp_config_value_t *v = &next->values[i];
+    const fsdp_config_value_t *was = &running->values[i];
+    if (!options[i].reloadable && v->derived && was->derived) {
+      v->number = was->number;
+      memcpy(v->origin, was->origin, sizeof v->origin);
+    }
+  }
 }
 
 int fsdp_config_check(const fsdp_config_t *cfg, fsdp_status_t *st) {

@@ -74,17 +74,18 @@
     NULL, true, NULL,                                                                            \
     "Connections the health port holds, more than rpc.max_streams; at the limit the oldest "    \
     "idle one is closed for a new one, or the new one is refused.")                              \
-  X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "8GiB", 67108864, 1099511627776, NULL, "B",    \
-    true, NULL,                                                                                  \
+  X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "0B", 0, 1099511627776, NULL, "B", true, NULL, \
     "Host memory the jobs' arenas may hold together: each job reserves both of its arenas "    \
     "whole (2 x memory.job_limit, what its trainers can make resident) when it is created; a " \
     "job that does not fit is refused with RESOURCE_EXHAUSTED once no retained job is left "   \
-    "to free.")                                                                                  \
-  X(JOB_MEMORY, "memory.job_limit", FSDP_OPT_SIZE, "1GiB", 67108864, 1099511627776, NULL, "B",  \
-    false, NULL,                                                                                 \
+    "to free. 0: half of the host's memory; else at least 64MiB.")                              \
+  X(JOB_MEMORY, "memory.job_limit", FSDP_OPT_SIZE, "0B", 0, 1099511627776, NULL, "B", false,    \
+    NULL,                                                                                        \
     "Size of each of a job's two memory arenas (memfds every local rank maps: the unsharded "   \
     "buffers, read-only, and the rest); its buffers come out of them, RESOURCE_EXHAUSTED "      \
-    "beyond. Both count whole against memory.limit.")                                           \
+    "beyond. Both count whole against memory.limit. 0: a quarter of memory.limit, so that two " \
+    "jobs fit at once (with daemon.backend = cuda, whose arenas are the GPU's memory, 1GiB); "  \
+    "else at least 64MiB.")                                                                      \
   X(COLLECTIVE_TIMEOUT, "store.collective_timeout", FSDP_OPT_DURATION, "30s", 100, 3600000,     \
     NULL, "ms", true, NULL,                                                                      \
     "How long a collective (the gather of a new step, a ReduceScatter) waits for every local "  \
@@ -210,6 +211,7 @@ typedef struct fsdp_config_value {
   char *text;     /* STRING, PATH, ADDRESS; owned */
   fsdp_config_source_t source;
   char origin[96]; /* "path:line", "FSDPD_X" or "--flag"; empty for defaults */
+  bool derived;    /* 0 made into a value by fsdp_config_derive, which origin explains */
 } fsdp_config_value_t;
 
 typedef struct fsdp_config {
@@ -252,6 +254,18 @@ int fsdp_config_format(const fsdp_config_t *cfg, fsdp_option_id_t id, char *buf,
  * return value is their number. */
 size_t fsdp_config_diff(const fsdp_config_t *old_cfg, const fsdp_config_t *new_cfg,
                         fsdp_option_id_t *ret_ids);
+
+/* Gives the options whose value 0 stands for one derived from the host (memory.limit from
+ * host_memory, the host's physical memory in bytes; memory.job_limit from memory.limit)
+ * that value, keeping its source and saying how in its origin. Errors name the key when a
+ * value other than 0 is below the least one. Run after every source is applied and before
+ * fsdp_config_check (fsdp_args_build_config does). */
+int fsdp_config_derive(fsdp_config_t *cfg, uint64_t host_memory, fsdp_status_t *st);
+
+/* On a reload: each option that cannot change at run time and whose value both configs
+ * derived keeps the running value (memory.job_limit stays what it was at start when the
+ * memory.limit it derives from is reloaded). */
+void fsdp_config_keep_derived(fsdp_config_t *next, const fsdp_config_t *running);
 
 /* Checks what no single value can: the options that must agree with each other (the
  * cluster topology, the Peer endpoint, TLS files all or none). Errors name the keys and

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <string.h>
+#include <unistd.h>
 
 static int add_setting(fsdp_args_t *args, fsdp_option_id_t id, const char *value,
                        const char *origin, fsdp_status_t *st) {
@@ -94,6 +95,11 @@ int fsdp_args_build_config(const fsdp_args_t *args, char *const *envp, fsdp_conf
     if (r < 0)
       return r;
   }
+  /* The host's physical memory sizes memory.limit and memory.job_limit left at 0. */
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  uint64_t host_memory = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+  if ((r = fsdp_config_derive(cfg, host_memory, st)) < 0)
+    return r;
   return fsdp_config_check(cfg, st);
 }
 

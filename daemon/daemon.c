@@ -251,6 +251,7 @@ static int reload(void *data, fsdp_option_id_t *ret_changed, size_t *ret_n, fsdp
     fsdp_config_cleanup(&next);
     return r;
   }
+  fsdp_config_keep_derived(&next, &daemon->config);
   fsdp_option_id_t changed[FSDP_OPTION_COUNT];
   size_t n = fsdp_config_diff(&daemon->config, &next, changed);
   for (size_t i = 0; i < n; i++) {

@@ -51,6 +51,7 @@ typedef struct block {
 
 struct fsdp_arena {
   char name[FSDP_ARENA_NAME_MAX + 1];
+  const char *capacity_key; /* options->capacity_key, borrowed; NULL: none */
   int fd;
   int peer_fd; /* what trainers receive: fd, or an O_RDONLY one when peers_read_only */
   void *base; /* MAP_FAILED until mapped */
@@ -245,6 +246,7 @@ int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t
   arena->fd = arena->peer_fd = -1;
   arena->base = MAP_FAILED;
   snprintf(arena->name, sizeof arena->name, "%s", name);
+  arena->capacity_key = opt->capacity_key;
   arena->cap_blocks = 16;
   arena->blocks = malloc(arena->cap_blocks * sizeof *arena->blocks);
   int r;
@@ -396,11 +398,14 @@ int fsdp_arena_alloc(fsdp_arena_t *arena, size_t size, size_t align, uint64_t *r
       snprintf(aligned, sizeof aligned, " aligned to %s",
                format_size(align_s, sizeof align_s, align));
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                           "job '%s': need %s%s, %s free (largest block %s) of the %s limit",
+                           "job '%s': need %s%s, %s free (largest block %s) of the %s limit%s%s%s",
                            arena->name, format_size(need_s, sizeof need_s, need), aligned,
                            format_size(free_s, sizeof free_s, arena->capacity - arena->used),
                            format_size(largest_s, sizeof largest_s, largest),
-                           format_size(cap_s, sizeof cap_s, arena->capacity));
+                           format_size(cap_s, sizeof cap_s, arena->capacity),
+                           arena->capacity_key ? " (" : "",
+                           arena->capacity_key ? arena->capacity_key : "",
+                           arena->capacity_key ? ")" : "");
   }
   if (!reserve_blocks(arena, 2))
     return fsdp_status_set(st, -ENOMEM, "job '%s': out of memory for the block list",

@@ -111,9 +111,14 @@ typedef struct fsdp_arena_options {
    * the unsharded buffers is the trainer library's, not enforced). Borrowed: it must
    * outlive the arena. */
   const fsdp_backend_t *backend;
+  /* The setting that sized the capacity ("memory.job_limit"), named with the limit in an
+   * allocation's RESOURCE_EXHAUSTED so that the reader knows what to raise; NULL: none.
+   * Borrowed: a string that outlives the arena. */
+  const char *capacity_key;
 } fsdp_arena_options_t;
 
-#define FSDP_ARENA_OPTIONS_INIT {FSDP_ARENA_HUGETLB_AUTO, FSDP_ARENA_PREFAULT_AUTO, false, NULL}
+#define FSDP_ARENA_OPTIONS_INIT                                                              \
+  {FSDP_ARENA_HUGETLB_AUTO, FSDP_ARENA_PREFAULT_AUTO, false, NULL, NULL}
 
 typedef struct fsdp_arena_stats {
   size_t capacity;     /* bytes, a whole number of pages */

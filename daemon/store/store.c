@@ -104,6 +104,7 @@ static int make_arenas(fsdp_job_t *job, const fsdp_backend_t *backend, size_t ca
   fsdp_arena_options_t options = FSDP_ARENA_OPTIONS_INIT;
   options.prefault = FSDP_ARENA_PREFAULT_NONE;
   options.backend = backend;
+  options.capacity_key = fsdp_option_get(FSDP_OPTION_JOB_MEMORY)->key;
   fsdp_arena_t *arena, *shared;
   int r = fsdp_arena_new(job->name, capacity, &options, &arena, st);
   if (r < 0)

@@ -117,7 +117,9 @@ def test_status_over_unix(fsdpd):
     assert s.config_file == ""
     assert s.backend == "host"
     assert (s.topology.host_rank, s.topology.hosts) == (0, 1)
-    assert s.memory.limit_bytes == 8 << 30
+    # memory.limit by default: half of the host's memory, in whole 2 MiB pages.
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert s.memory.limit_bytes == max(host // 2 // (2 << 20) * (2 << 20), 64 << 20)
     listeners = {l.address: list(l.services) for l in s.listeners}
     assert listeners == {
         # Peer is served on its own TCP port, and only with several hosts (test_peers).

@@ -102,7 +102,12 @@ def test_config_show(fsdpd, tmp_path):
     assert shown["config_file"] == str(conf)
     entries = {e["key"]: e for e in shown["config"]}
     assert entries["memory.limit"]["source"] == "file"
-    assert entries["memory.limit"]["default_value"] == "8GiB"
+    assert entries["memory.limit"]["default_value"] == "0B"
+    # Issue 29 item 3: memory.job_limit follows memory.limit (here the file's 1GiB), not a
+    # fixed 1GiB, and says so.
+    job_limit = entries["memory.job_limit"]
+    assert (job_limit["value"], job_limit["source"], job_limit["origin"]) == \
+        ("256MiB", "default", "a quarter of memory.limit")
     assert entries["memory.limit"]["reloadable"] is True
     assert entries["health.listen"]["reloadable"] is False
     assert set(entries["daemon.log_level"]) >= {"key", "value", "default_value", "source",

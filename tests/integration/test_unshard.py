@@ -296,10 +296,12 @@ def test_bad_unit_ops(fsdpd):
     code, details = refused(lambda: r1.op("Unshard"))  # registered by rank 0 only
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "unit 'u' is not registered by job 'j' local rank 1" in details
-    # More than the job's arena holds: the message says what was needed and what is free.
+    # More than the job's arena holds: the message says what was needed and what is free,
+    # and which option sets the limit.
     code, details = refused(lambda: r0.register(unit="huge", shapes=((4096, 4096),)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "job 'j': need" in details and "free" in details and "of the 64.0 MiB limit" in details
+    assert "job 'j': need" in details and "free" in details
+    assert "of the 64.0 MiB limit (memory.job_limit)" in details, details
     d.assert_serving()
 
 

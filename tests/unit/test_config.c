@@ -102,7 +102,9 @@ static void test_defaults(void **state) {
   assert_int_equal(fsdp_config_number(&cfg, FSDP_OPTION_MAX_MESSAGE_SIZE), 16 << 20);
   assert_int_equal(fsdp_config_number(&cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS), 1024);
   assert_string_equal(fsdp_config_text(&cfg, FSDP_OPTION_HEALTH_LISTEN), "127.0.0.1:7071");
-  assert_int_equal(fsdp_config_number(&cfg, FSDP_OPTION_MEMORY_LIMIT), INT64_C(8) << 30);
+  /* Derived from the host's memory by fsdp_config_derive. */
+  assert_int_equal(fsdp_config_number(&cfg, FSDP_OPTION_MEMORY_LIMIT), 0);
+  assert_int_equal(fsdp_config_number(&cfg, FSDP_OPTION_JOB_MEMORY), 0);
   fsdp_config_cleanup(&cfg);
   /* Cleanup leaves a zeroed config, so a second cleanup is harmless. */
   fsdp_config_cleanup(&cfg);
@@ -820,6 +822,81 @@ static void test_cluster_check(void **state) {
   expect_check_ok("[peer]\ntls_cert = c.pem\ntls_key = k.pem\ntls_ca = ca.pem\n");
 }
 
+/* Loads text, derives with host_memory and returns memory.limit and memory.job_limit, and
+ * the origin of memory.job_limit. */
+static void derived(const char *text, uint64_t host_memory, int64_t *ret_limit,
+                    int64_t *ret_job, char *ret_origin, size_t size) {
+  fsdp_config_t cfg;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  init(&cfg);
+  load_ok(&cfg, text);
+  assert_int_equal(fsdp_config_derive(&cfg, host_memory, &st), 0);
+  *ret_limit = fsdp_config_number(&cfg, FSDP_OPTION_MEMORY_LIMIT);
+  *ret_job = fsdp_config_number(&cfg, FSDP_OPTION_JOB_MEMORY);
+  snprintf(ret_origin, size, "%s", cfg.values[FSDP_OPTION_JOB_MEMORY].origin);
+  fsdp_config_cleanup(&cfg);
+}
+
+/* Issue 29 item 3: memory.job_limit was 1GiB whatever the host, refusing a model of 130 M
+ * fp32 parameters; both memory sizes now follow the host's memory unless set. */
+static void test_memory_sizes_derive_from_the_host(void **state) {
+  (void)state;
+  const int64_t gib = INT64_C(1) << 30, mib = INT64_C(1) << 20;
+  int64_t limit, job;
+  char origin[96];
+  derived("", (uint64_t)24 * gib, &limit, &job, origin, sizeof origin);
+  assert_int_equal(limit, 12 * gib);
+  assert_int_equal(job, 3 * gib);
+  assert_string_equal(origin, "a quarter of memory.limit");
+  /* Whole 2 MiB pages, rounded down. */
+  derived("", (uint64_t)(1000 * mib + 12345), &limit, &job, origin, sizeof origin);
+  assert_int_equal(limit, 500 * mib);
+  assert_int_equal(job, 124 * mib);
+  /* A small host still gets the least sizes. */
+  derived("", (uint64_t)(32 * mib), &limit, &job, origin, sizeof origin);
+  assert_int_equal(limit, 64 * mib);
+  assert_int_equal(job, 64 * mib);
+  /* A limit that is set sizes the arenas; arenas that are set stay. */
+  derived("[memory]\nlimit = 8GiB\n", (uint64_t)512 * gib, &limit, &job, origin, sizeof origin);
+  assert_int_equal(limit, 8 * gib);
+  assert_int_equal(job, 2 * gib);
+  derived("[memory]\njob_limit = 1GiB\n", (uint64_t)24 * gib, &limit, &job, origin,
+          sizeof origin);
+  assert_int_equal(limit, 12 * gib);
+  assert_int_equal(job, gib);
+  /* A GPU's arenas are not the host's memory. */
+  derived("[daemon]\nbackend = cuda\n", (uint64_t)512 * gib, &limit, &job, origin,
+          sizeof origin);
+  assert_int_equal(job, gib);
+  assert_string_equal(origin, "1GiB with backend cuda");
+
+  /* A reload that changes memory.limit keeps the arenas' size the daemon started with,
+   * which cannot change without a restart. */
+  fsdp_config_t running, next;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  init(&running);
+  assert_int_equal(fsdp_config_derive(&running, (uint64_t)24 * gib, &st), 0);
+  init(&next);
+  load_ok(&next, "[memory]\nlimit = 1GiB\n");
+  assert_int_equal(fsdp_config_derive(&next, (uint64_t)24 * gib, &st), 0);
+  fsdp_config_keep_derived(&next, &running);
+  assert_int_equal(fsdp_config_number(&next, FSDP_OPTION_MEMORY_LIMIT), gib);
+  assert_int_equal(fsdp_config_number(&next, FSDP_OPTION_JOB_MEMORY), 3 * gib);
+  fsdp_option_id_t ids[FSDP_OPTION_COUNT];
+  assert_int_equal(fsdp_config_diff(&running, &next, ids), 1);
+  assert_int_equal(ids[0], FSDP_OPTION_MEMORY_LIMIT);
+  fsdp_config_cleanup(&running);
+  fsdp_config_cleanup(&next);
+
+  fsdp_config_t cfg;
+  init(&cfg);
+  load_ok(&cfg, "[memory]\njob_limit = 1MiB\n");
+  assert_int_equal(fsdp_config_derive(&cfg, (uint64_t)24 * gib, &st), FSDP_E_CONFIG);
+  assert_string_equal(st.message, "key 'memory.job_limit': value 1048576 bytes (from fsdpd.conf:2) "
+                                  "is below 64MiB; 0 derives it from the host's memory");
+  fsdp_config_cleanup(&cfg);
+}
+
 int main(int argc, char **argv) {
   if (argc == 2 && strcmp(argv[1], "--write-example") == 0) {
     fsdp_config_write_example(stdout);
@@ -852,6 +929,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_example_loads_to_defaults),
       cmocka_unit_test(test_host_list_values),
       cmocka_unit_test(test_cluster_check),
+      cmocka_unit_test(test_memory_sizes_derive_from_the_host),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
