@@ -14,6 +14,8 @@ reach the socket. Their daemons run in a run directory those users can reach (py
 temporary directories are private to root)."""
 
 import array
+import atexit
+import functools
 import os
 import shutil
 import subprocess
@@ -24,8 +26,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fsdpd_harness import (FSDPCTL, PYTHON_GEN, clean_env, fsdpd, operator_pb2,  # noqa: F401
-                           status_code_and_details, trainer_pb2)
+from fsdpd_harness import (FSDPCTL, PYTHON_GEN, SOURCE_DIR, clean_env,  # noqa: F401
+                           fsdpd, operator_pb2, status_code_and_details, trainer_pb2)
 from test_unshard import FP32, Rank, on_all, values_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as other uids needs root")
@@ -36,6 +38,28 @@ DAEMON_GID = os.getegid()  # the daemon runs as we do: its group lets a user ont
 SHAPES = ((5, 7), (3,))
 DETACH = "/fsdp.v1.Trainer/Detach"
 HERE = Path(__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=None)
+def _world_readable():
+    """A copy, under a directory every user may traverse, of what the other users' processes
+    run: this folder's modules, the generated protobuf modules and fsdpctl. A clone under a
+    home directory of mode 0700 (Debian's default) is closed to them (issue 29 item 3)."""
+    root = Path(tempfile.mkdtemp(prefix="fsdpd-access-harness-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    root.chmod(0o755)
+    (root / "integration").mkdir(mode=0o755)
+    for module in HERE.glob("*.py"):
+        shutil.copy(module, root / "integration")
+    shutil.copytree(PYTHON_GEN, root / "build" / "python-gen",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "build" / "bin").mkdir(parents=True)
+    shutil.copy(FSDPCTL, root / "build" / "bin")
+    (root / "include" / "fsdp").mkdir(parents=True)  # the harness reads the version there
+    shutil.copy(SOURCE_DIR / "include" / "fsdp" / "fsdp_version.h.in", root / "include" / "fsdp")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+    return root
 
 
 @pytest.fixture
@@ -49,7 +73,9 @@ def run_dir():
 
 def as_user(argv, uid, gid, groups=(DAEMON_GID,)):
     """Runs argv as uid:gid with supplementary groups; returns the CompletedProcess."""
-    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/"})
+    shared = _world_readable()
+    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/",
+                     "FSDP_SOURCE_DIR": str(shared), "FSDP_BUILD_DIR": str(shared / "build")})
     return subprocess.run(argv, user=uid, group=gid, extra_groups=list(groups), env=env,
                           cwd="/", capture_output=True, text=True, timeout=60)
 
@@ -80,8 +106,9 @@ print("ATTACHED")
 
 
 def intrude(d, job, rank, world, uid, gid, write=True):
-    r = as_user([sys.executable, "-c", _INTRUDER, str(HERE), str(d.run_dir), job, str(rank),
-                 str(world), "write" if write else "attach"], uid, gid)
+    r = as_user([sys.executable, "-c", _INTRUDER, str(_world_readable() / "integration"),
+                 str(d.run_dir), job, str(rank), str(world), "write" if write else "attach"],
+                uid, gid)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
@@ -139,8 +166,11 @@ def test_a_job_with_no_units_yet_belongs_to_its_first_trainer(fsdpd, run_dir):
         f"(whose trainer attached it first), not to the calling uid {OTHER}")
 
     # Another user's job, its trainer attached and waiting: root cannot attach to it.
-    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/"})
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(HERE), str(d.run_dir)],
+    shared = _world_readable()
+    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/",
+                     "FSDP_SOURCE_DIR": str(shared), "FSDP_BUILD_DIR": str(shared / "build")})
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(shared / "integration"),
+                               str(d.run_dir)],
                               user=OTHER, group=OTHER, extra_groups=[DAEMON_GID], env=env,
                               cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
@@ -176,7 +206,8 @@ sys.stdin.read()
 
 
 def fsdpctl_as(d, uid, gid, *args, groups=(DAEMON_GID,)):
-    return as_user([str(FSDPCTL), "--socket", str(d.socket_path), *args], uid, gid, groups)
+    fsdpctl = _world_readable() / "build" / "bin" / "fsdpctl"
+    return as_user([str(fsdpctl), "--socket", str(d.socket_path), *args], uid, gid, groups)
 
 
 # Operator calls over grpcio as another user: prints "OK" or "CODE details" per method.
@@ -199,8 +230,8 @@ for method in sys.argv[3:]:
 
 
 def operator_calls(d, uid, gid, *methods, groups=(DAEMON_GID,)):
-    r = as_user([sys.executable, "-c", _OPERATOR_CALLS, str(HERE), str(d.socket_path),
-                 *methods], uid, gid, groups)
+    r = as_user([sys.executable, "-c", _OPERATOR_CALLS, str(_world_readable() / "integration"),
+                 str(d.socket_path), *methods], uid, gid, groups)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split("\n")
 
