@@ -30,4 +30,9 @@
 #define FSDP_UNIT_MAX_DIMS 64            /* dimensions of one parameter */
 #define FSDP_UNIT_MAX_NUMEL (1ull << 40) /* elements in one unit */
 
+/* Trainer.Unshard, ReduceScatter and AllReduce (and the fast path's): the most steps past
+ * its job's last one an operation may name. Steps only go forward, so one far ahead would
+ * hold the unit until the job's steps came to it: at 2^64 - 1, for the rest of the job. */
+#define FSDP_STEP_AHEAD_MAX 64
+
 #endif

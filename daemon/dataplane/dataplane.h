@@ -258,6 +258,10 @@ bool fsdp_dataplane_hold_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t
                                  void (*quiet)(void *arg), void *arg);
 void fsdp_dataplane_release_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job);
 
+/* The job's state is that of `step`: one of its collectives completed it, or a checkpoint of
+ * it was loaded. Its trainers go on after it, so job->last_step rises to it. */
+void fsdp_dataplane_reached_step(fsdp_job_t *job, uint64_t step);
+
 /* The resume the hooks started ended (st->code 0: the job's state is loaded): the gathers
  * waiting for it start, or, when it failed, the job's units fail naming why. */
 void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st);

@@ -177,7 +177,9 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
   bool all_reduce = rq->kind == FSDP_FAST_ALL_REDUCE;
   if (fsdp_unit_ops_check_unit(s, u, u ? u->spec->unit : name, &st) < 0 ||
       ((rq->kind == FSDP_FAST_REDUCE_SCATTER || all_reduce) &&
-       fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0)) {
+       fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0) ||
+      (rq->kind != FSDP_FAST_RESHARD &&
+       fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0)) {
     reply(fp, rq->seq, method, &st, NULL);
     return;
   }

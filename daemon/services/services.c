@@ -272,7 +272,14 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_session_t *s;
   fsdp_job_t *job;
   fsdp_unit_t *u = op_unit(call, ctx, rq, &s, &job);
-  parked_call_t *p = u ? park_call(call, ctx, s) : NULL;
+  if (!u)
+    return;
+  fsdp_status_t st;
+  if (fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0) {
+    fail_call(call, &st);
+    return;
+  }
+  parked_call_t *p = park_call(call, ctx, s);
   if (!p)
     return;
   fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
@@ -289,7 +296,8 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
   if (!u)
     return;
   fsdp_status_t st;
-  if (fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0) {
+  if (fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0 ||
+      fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0) {
     fail_call(call, &st);
     return;
   }

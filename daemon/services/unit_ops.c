@@ -1,6 +1,8 @@
 /* Checks and arguments shared by the Trainer handlers and the fast path. */
 #include "daemon/services/unit_ops.h"
 
+#include "proto/limits.h"
+
 fsdp_dataplane_rank_t fsdp_unit_ops_rank(const fsdp_session_t *s) {
   return (fsdp_dataplane_rank_t){.local_rank = s->local_rank, .session_id = s->id,
                                  .serial = s->serial, .generation = s->generation};
@@ -27,4 +29,17 @@ int fsdp_unit_ops_check_reduce(const fsdp_unit_t *unit, bool all_reduce, fsdp_st
   return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION, "unit '%s' is %s: use %s",
                          unit->spec->unit, no_shard ? "NO_SHARD" : "sharded",
                          no_shard ? "AllReduce" : "ReduceScatter");
+}
+
+int fsdp_unit_ops_check_step(const fsdp_job_t *job, const fsdp_unit_t *unit, uint64_t step,
+                             fsdp_status_t *st) {
+  uint64_t last = job->last_step > job->resume_step ? job->last_step : job->resume_step;
+  if (step <= last || step - last <= FSDP_STEP_AHEAD_MAX)
+    return 0;
+  return fsdp_status_set(st, FSDP_E_OUT_OF_RANGE,
+                         "unit '%s': field 'step' = %llu is outside [0, %llu]: job '%s' is at "
+                         "step %llu, and an operation may name at most %d steps past it",
+                         unit->spec->unit, (unsigned long long)step,
+                         (unsigned long long)(last + FSDP_STEP_AHEAD_MAX), job->name,
+                         (unsigned long long)last, FSDP_STEP_AHEAD_MAX);
 }

@@ -24,6 +24,12 @@ uint64_t fsdp_unit_ops_deadline(const fsdp_services_context_t *ctx);
 int fsdp_unit_ops_check_unit(const fsdp_session_t *s, const fsdp_unit_t *unit, const char *name,
                              fsdp_status_t *st);
 
+/* Whether an Unshard, ReduceScatter or AllReduce may name `step` of the unit: at most
+ * FSDP_STEP_AHEAD_MAX past its job's last step (job->last_step, or the step it resumed
+ * from); else OUT_OF_RANGE naming the unit, the field, the value and the range. */
+int fsdp_unit_ops_check_step(const fsdp_job_t *job, const fsdp_unit_t *unit, uint64_t step,
+                             fsdp_status_t *st);
+
 /* Whether method (ReduceScatter: all_reduce false; AllReduce: true) suits the unit's
  * strategy: NO_SHARD units all-reduce, the others reduce-scatter. */
 int fsdp_unit_ops_check_reduce(const fsdp_unit_t *unit, bool all_reduce, fsdp_status_t *st);

@@ -179,6 +179,10 @@ typedef struct fsdp_job {
   uint64_t forward_step[FSDP_LOCAL_WORLD_MAX];
   unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
   uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
+  /* The newest step a collective of the job completed or a checkpoint loaded into it holds
+   * (fsdp_dataplane_reached_step): with resume_step, where the steps its unit operations
+   * may name start (fsdp_unit_ops_check_step). */
+  uint64_t last_step;
   uint64_t checkpointed_step;  /* the last step checkpoint.every_steps saved */
   /* While a save's snapshot copies the job's state beside the work queue
    * (fsdp_dataplane_hold_reduces): reduces wait in held_reduces, but while

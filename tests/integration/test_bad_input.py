@@ -1,9 +1,11 @@
 """Bad input from clients: each gets the right gRPC status and a message that names the
 problem, and the daemon still answers a health Check SERVING afterwards."""
 
+import mmap
 import os
 import random
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from fsdpd_harness import (PROTOCOL_VERSION, SERVING, fsdpd, operator_pb2, peer_pb2,  # noqa: F401
-                           poll, run_fsdpd, trainer_pb2)
+from fsdpd_harness import (PROTOCOL_VERSION, SERVING, common_pb2, fsdpd,  # noqa: F401
+                           operator_pb2, peer_pb2, poll, run_fsdpd, trainer_pb2)
 
 
 # --- hand encoding, for bytes a well-behaved protobuf library refuses to produce ---------
@@ -380,3 +382,86 @@ def test_health_connections_must_outnumber_the_streams():
     assert r.returncode == 78, r.stdout + r.stderr
     assert "key 'health.max_connections': value 64 (from --set health.max_connections) must " \
         "exceed rpc.max_streams = 64 (the default)" in r.stderr, r.stderr
+
+
+# --- steps ---------------------------------------------------------------------------------
+
+class FastPath:
+    """A session's fast path (proto/fastpath.h) driven by hand: one request at a time."""
+    REQUESTS, REPLIES, REPLY_BYTES = 448, 448 + 64 * 24, 40 + 512
+
+    def __init__(self, welcome, fds):
+        self.region = mmap.mmap(fds[welcome.fast_path.memory],
+                                welcome.memories[welcome.fast_path.memory].bytes)
+        self.bell = fds[3]
+        self.seq = 0
+
+    def op(self, kind, unit_id, step, backward=0):
+        """kind: 1 Unshard, 3 ReduceScatter, 4 AllReduce; returns (code, message)."""
+        head = struct.unpack_from("<I", self.region, 64)[0]
+        struct.pack_into("<QQIBBBB", self.region, self.REQUESTS + head % 64 * 24, self.seq,
+                         step, unit_id, kind, backward, 0, 0)
+        struct.pack_into("<I", self.region, 64, head + 1)
+        os.write(self.bell, struct.pack("<Q", 1))
+        tail = struct.unpack_from("<I", self.region, 256)[0]
+        poll(lambda: struct.unpack_from("<I", self.region, 192)[0] != tail, 5, what="a reply")
+        at = self.REPLIES + tail % 64 * self.REPLY_BYTES
+        seq, code = struct.unpack_from("<Qi", self.region, at)
+        message = self.region[at + 40:at + self.REPLY_BYTES].split(b"\0")[0].decode()
+        struct.pack_into("<I", self.region, 256, tail + 1)
+        assert seq == self.seq
+        self.seq += 1
+        return code, message
+
+
+def test_a_step_far_ahead_is_refused_and_leaves_the_unit_working(fsdpd):
+    """Issue 29 item 3: an Unshard of step 2^64 - 1 was accepted and then held the unit for
+    the rest of the job (every later step was older than the one it held). Unshard,
+    ReduceScatter and AllReduce, through gRPC and through the fast path, refuse a step more
+    than 64 past the job's last one, naming the field, the value and the range; the unit then
+    trains on, and the range follows the job's steps."""
+    from test_memory_channel import attach, hello
+    d = fsdpd()
+    session = attach(d, 0, world=1).session_id
+    s, welcome, fds = hello(str(d.run_dir / "fsdpd.mem.sock"), session)
+    fast = FastPath(welcome, fds)
+    ids = {}
+    for unit, strategy in (("u", common_pb2.FULL_SHARD), ("n", common_pb2.NO_SHARD)):
+        ids[unit] = d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
+            session_id=session, unit=unit, strategy=strategy, params=[
+                trainer_pb2.ParamSpec(name="w", shape=[8], dtype=common_pb2.DTYPE_FP32,
+                                      requires_grad=True)]), trainer_pb2.RegisterUnitReply).unit_id
+
+    def op(name, unit="u", step=0, **fields):
+        return d.call(f"/fsdp.v1.Trainer/{name}", trainer_pb2.UnitOpRequest(
+            session_id=session, unit=unit, step=step, **fields), trainer_pb2.UnitOpReply)
+
+    def refused(name, unit, step, last, **fields):
+        expected = (f"unit '{unit}': field 'step' = {step} is outside [0, {last + 64}]: job 'j' "
+                    f"is at step {last}, and an operation may name at most 64 steps past it")
+        with pytest.raises(grpc.RpcError) as e:
+            op(name, unit, step, **fields)
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE, e.value.details()
+        assert expected in e.value.details()
+        kind = {"Unshard": 1, "ReduceScatter": 3, "AllReduce": 4}[name]
+        code, message = fast.op(kind, ids[unit], step, fields.get("backward", 0))
+        assert code == -5008 and expected in message, (code, message)  # FSDP_E_OUT_OF_RANGE
+
+    huge = 2 ** 64 - 1
+    for name, unit, fields in (("Unshard", "u", {}), ("Unshard", "u", {"backward": True}),
+                               ("ReduceScatter", "u", {}), ("AllReduce", "n", {})):
+        refused(name, unit, huge, 0, **fields)
+    refused("Unshard", "u", 65, 0)
+    for step in (1, 2):  # the unit was not held
+        op("Unshard", step=step)
+        op("Unshard", step=step, backward=True)
+        refused("ReduceScatter", "u", huge, step)
+        op("ReduceScatter", step=step)
+    refused("Unshard", "u", 67, 2)
+    code, message = fast.op(1, ids["u"], 66)
+    assert code == 0, message
+    d.assert_serving()
+    fast.region.close()
+    for fd in fds:
+        os.close(fd)
+    s.close()
