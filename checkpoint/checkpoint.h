@@ -23,6 +23,7 @@
 #define FSDP_CHECKPOINT_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -67,6 +68,10 @@ typedef struct fsdp_checkpoint_unit {
 
 typedef struct fsdp_checkpoint_job {
   const char *job;
+  /* A load's: only a checkpoint whose manifest names uid (PERMISSION_DENIED for another
+   * uid's or one that names none), where the job's trainers could not read the files
+   * themselves. */
+  bool same_uid_only;
   unsigned host, hosts;   /* this host's rank among the job's hosts */
   uint64_t hosts_wait_ms; /* host 0's wait for the other hosts' files (hosts > 1) */
   uint64_t step;          /* the job's last completed step, which names the checkpoint */
@@ -76,8 +81,9 @@ typedef struct fsdp_checkpoint_job {
    * writer waits after a chunk to keep to it); 0 or 100: back to back. */
   unsigned disk_share;
   /* An enum fsdp_checkpoint_stopping, set by another thread as the daemon stops (NULL:
-   * never): a save under way stops pacing at FSDP_CHECKPOINT_HURRY, and stops at its next
-   * chunk with ABORTED at FSDP_CHECKPOINT_ABANDON, the checkpoints before it as they were. */
+   * never): a save under way stops pacing at FSDP_CHECKPOINT_HURRY, and a save or a load
+   * stops at its next chunk with ABORTED at FSDP_CHECKPOINT_ABANDON, the checkpoints before
+   * it as they were. */
   const atomic_int *stopping;
   const fsdp_checkpoint_unit_t *units;
   size_t n_units;
@@ -130,15 +136,22 @@ void fsdp_checkpoint_remove_unfinished(const char *dir);
 /* A checkpoint open for reading: its metadata, and its blocks checked as they are read. */
 typedef struct fsdp_checkpoint_reader fsdp_checkpoint_reader_t;
 
-/* Opens the checkpoint at dir (a step directory, or the newest complete one under it):
- * NOT_FOUND without one; FAILED_PRECONDITION for another format; DATA_LOSS for metadata
- * that cannot be read or does not hold together. */
-int fsdp_checkpoint_open(const char *dir, fsdp_checkpoint_reader_t **ret, fsdp_status_t *st);
+/* Opens the checkpoint at dir (absolute: a step directory, or the newest complete one under
+ * it of job's, NULL: of any job's), every file through the step directory's descriptor,
+ * following no link and opening nothing but regular files: NOT_FOUND without one;
+ * FAILED_PRECONDITION for another format; DATA_LOSS naming the file and the key for
+ * metadata that cannot be read, is not of its type (every value is checked) or describes
+ * more than its layout and the .bin files hold (every size is checked, overflow included),
+ * or a unit whose elements no file holds. */
+int fsdp_checkpoint_open(const char *dir, const char *job, fsdp_checkpoint_reader_t **ret,
+                         fsdp_status_t *st);
 void fsdp_checkpoint_close(fsdp_checkpoint_reader_t *reader); /* NULL-safe */
 
 const char *fsdp_checkpoint_path(const fsdp_checkpoint_reader_t *reader); /* the step dir */
 const char *fsdp_checkpoint_job(const fsdp_checkpoint_reader_t *reader);
 uint64_t fsdp_checkpoint_step(const fsdp_checkpoint_reader_t *reader);
+/* The uid that saved it, as its manifest says; false where it says none (fsdpd < 0.2). */
+bool fsdp_checkpoint_uid(const fsdp_checkpoint_reader_t *reader, uint64_t *ret_uid);
 unsigned fsdp_checkpoint_hosts(const fsdp_checkpoint_reader_t *reader); /* that saved it */
 /* Its units as host 0 saved them: names, parameters, numel and how many optimizer arrays
  * (the shards fields are host 0's); no buffers. Valid while the reader is open. */
@@ -154,13 +167,14 @@ uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *reader,
 int fsdp_checkpoint_read_elements(fsdp_checkpoint_reader_t *reader, size_t unit, unsigned b,
                                   uint64_t first, uint64_t n, float *dst, fsdp_status_t *st);
 
-/* Reads the checkpoint at dir (a step directory, or the newest complete one under it) into
- * the job's buffers: each unit's elements this host holds (host_first_shard, host_shards,
- * shard_numel), whatever layout saved them, padding the saved layout lacks zeroed;
- * everything checked first,
- * so that a refusal changes nothing. Refused: FAILED_PRECONDITION for another format,
+/* Reads the checkpoint at dir (a step directory, or the newest complete one of the job's
+ * under it) into the job's buffers: each unit's elements this host holds (host_first_shard,
+ * host_shards, shard_numel), whatever layout saved them, padding the saved layout lacks
+ * zeroed; everything checked first, so that a refusal changes nothing. Refused: FAILED_PRECONDITION for another format,
  * another job, a unit missing or of another numel, optimizer state the job has no room for;
- * DATA_LOSS naming the file and the byte range that does not match its checksum; NOT_FOUND
+ * DATA_LOSS as fsdp_checkpoint_open's, or naming the file and the byte range that does not
+ * match its checksum; PERMISSION_DENIED for another uid's (same_uid_only); ABORTED when the
+ * job's stopping reaches FSDP_CHECKPOINT_ABANDON (checked between chunks); NOT_FOUND
  * without a checkpoint there. *ret_path (size bytes): the step directory read; *ret_step:
  * its step. */
 int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,

@@ -442,7 +442,7 @@ static void job_starts(void *ctx, fsdp_job_t *job) {
     return;
   fsdp_checkpoint_reader_t *r;
   fsdp_status_t st;
-  if (fsdp_checkpoint_open(dir, &r, &st) < 0) {
+  if (fsdp_checkpoint_open(dir, job->name, &r, &st) < 0) {
     if (st.code == FSDP_E_NOT_FOUND) {
       log_info("job '%s': nothing to resume from in %s: it starts anew", job->name, dir);
       return;

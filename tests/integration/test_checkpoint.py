@@ -143,8 +143,12 @@ def test_refusals_name_what_is_wrong(fsdpd, tmp_path):
     for edit, text in [(lambda m: dict(m, job="other"), "is of job 'other', not 'j'"),
                        (lambda m: dict(m, format=2), "is of format 2, this fsdpd reads 1")]:
         manifest.write_text(json.dumps(edit(json.loads(good))))
-        got, details = refused(lambda: checkpoint(d, "LoadCheckpoint", tmp_path))
+        got, details = refused(lambda: checkpoint(d, "LoadCheckpoint", tmp_path / "step-1"))
         assert got == grpc.StatusCode.FAILED_PRECONDITION and text in details, details
+    # The newest checkpoint under a directory is the job's own: another job's is not one.
+    manifest.write_text(json.dumps(dict(json.loads(good), job="other")))
+    got, details = refused(lambda: checkpoint(d, "LoadCheckpoint", tmp_path))
+    assert got == grpc.StatusCode.NOT_FOUND and "no complete checkpoint of job 'j'" in details
     manifest.write_text(good)
     assert checkpoint(d, "LoadCheckpoint", tmp_path).step == 1
 
