@@ -40,6 +40,8 @@ enum fsdp_checkpoint_stopping {
 #define FSDP_CHECKPOINT_FORMAT 1
 #define FSDP_CHECKPOINT_ARRAYS_MAX 3
 #define FSDP_CHECKPOINT_HOSTS_MAX 4096
+/* The bytes of a job's name a checkpoint records (the daemon's are shorter). */
+#define FSDP_CHECKPOINT_JOB_MAX 255
 
 /* An original parameter of a unit: its elements [offset, offset + the shape's product) of the
  * unit's flat buffer, and its own dtype (the .proto's name, "DTYPE_FP32"). */
@@ -67,7 +69,8 @@ typedef struct fsdp_checkpoint_unit {
 } fsdp_checkpoint_unit_t;
 
 typedef struct fsdp_checkpoint_job {
-  const char *job;
+  const char *job; /* its name, of [A-Za-z0-9._-] */
+  uint64_t uid;    /* of the job's trainers, recorded in the manifest */
   /* A load's: only a checkpoint whose manifest names uid (PERMISSION_DENIED for another
    * uid's or one that names none), where the job's trainers could not read the files
    * themselves. */
@@ -114,24 +117,31 @@ int fsdp_checkpoint_unstage(const fsdp_checkpoint_unit_t *staged,
                             fsdp_checkpoint_copy_fn copy, void *ctx, fsdp_status_t *st);
 
 /* Writes this host's part of the job's state into dir/step-<step>/ (dir and its parents are
- * made if missing;
- * an older checkpoint of the same step is replaced only once the new one is complete). Host
- * 0 then waits (at most hosts_wait_ms) for every other host's files, completes the
- * checkpoint, removes what saves of older steps into dir that died left (they can no longer
- * complete) and all but the newest `keep` complete checkpoints in dir (0: keeps them all);
- * another host returns once its own files are written. *ret_path (size bytes):
- * the step directory. Fails with st naming the file and the call: RESOURCE_EXHAUSTED for a
- * full disk, UNAVAILABLE for other I/O errors, DEADLINE_EXCEEDED naming the hosts whose
- * files did not come. */
+ * made if missing). Every file operation goes through directory descriptors that follow no
+ * symbolic link (common/dirs.h), with the calling thread's rights: a link or anything but a
+ * directory or regular file in a checkpoint's place is refused, never followed. The files
+ * are written into dir/step-<step>.<job>.partial/, the job's own, and the step directory is
+ * made by renaming it; a step directory already there is replaced only once the new one is
+ * complete, and only if it is a complete checkpoint of the same job (FAILED_PRECONDITION
+ * otherwise: a save never replaces another job's checkpoint, nor what is not one). Host 0
+ * then waits (at most hosts_wait_ms) for every other host's files, completes the
+ * checkpoint, removes what the job's saves of older steps into dir that died left (they can
+ * no longer complete) and all but the newest `keep` complete checkpoints of the job in dir
+ * (0: keeps them all; other jobs' are never counted nor removed); another host returns once
+ * its own files are written. *ret_path (size bytes): the step directory. Fails with st
+ * naming the file and the call: PERMISSION_DENIED where the thread's rights do not reach,
+ * RESOURCE_EXHAUSTED for a full disk, UNAVAILABLE for other I/O errors, DEADLINE_EXCEEDED
+ * naming the hosts whose files did not come. */
 int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
                          char *ret_path, size_t size, fsdp_status_t *st);
 
-/* Removes what saves into dir that did not finish left there (step-<S>.partial/, every
- * host's files), so that host 0 does not count a host's files left by a save of the same
- * step that died as that host's part of a new one. By host 0 as a job starts on it: no new
- * save can be under way (the others' saves of a run that went on while host 0's daemon
- * restarted cannot complete without it, and fail). */
-void fsdp_checkpoint_remove_unfinished(const char *dir);
+/* Removes what the job's saves into dir that did not finish left there
+ * (step-<S>.<job>.partial/, every host's files), so that host 0 does not count a host's
+ * files left by a save of the same step that died as that host's part of a new one. By host
+ * 0 as a job starts on it: no new save can be under way (the others' saves of a run that
+ * went on while host 0's daemon restarted cannot complete without it, and fail). Other
+ * jobs' are left; links are removed as links, never followed. */
+void fsdp_checkpoint_remove_unfinished(const char *dir, const char *job);
 
 /* A checkpoint open for reading: its metadata, and its blocks checked as they are read. */
 typedef struct fsdp_checkpoint_reader fsdp_checkpoint_reader_t;

@@ -9,6 +9,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <json-c/json.h>
+
+#include "common/dirs.h"
+
 void host_file(char *buf, size_t size, unsigned host, const char *ext) {
   snprintf(buf, size, "host-%u.%s", host, ext);
 }
@@ -17,6 +21,14 @@ int io_failed(fsdp_status_t *st, const char *what, const char *path, int err) {
   if (err == ECANCELED)
     return fsdp_status_set(st, FSDP_E_ABORTED, "checkpoint: %s %s: abandoned by the daemon's stop",
                            what, path);
+  if (err == EACCES || err == EPERM)
+    return fsdp_status_set(st, FSDP_E_PERMISSION_DENIED,
+                           "checkpoint: %s %s: %s (with the rights of the caller)", what, path,
+                           strerror(err));
+  if (err == ELOOP || err == FSDP_ENOTREG || err == ENOTDIR)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint: %s %s: a component is %s", what, path,
+                           err == ENOTDIR ? "not a directory" : fsdp_dirs_strerror(err));
   return fsdp_status_set(st,
                          err == ENOSPC || err == EDQUOT ? FSDP_E_RESOURCE_EXHAUSTED
                                                         : FSDP_E_UNAVAILABLE,
@@ -34,19 +46,133 @@ const char *block_name(unsigned b) {
   return b == 0 ? "masters" : state_names[b - 1];
 }
 
-size_t complete_steps(const char *dir, uint64_t *ret, size_t max) {
-  DIR *d = opendir(dir);
+json_object *read_json_at(int dirfd, const char *dir_path, const char *name, size_t max,
+                          fsdp_status_t *st, int *ret_code) {
+  char *text;
+  size_t len;
+  int r = fsdp_file_read_at(dirfd, name, max, &text, &len);
+  if (r < 0) {
+    *ret_code = r == -ENOENT ? fsdp_status_set(st, FSDP_E_NOT_FOUND, "checkpoint: no %s/%s",
+                                               dir_path, name)
+                : r == -EFBIG ? fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                                                "checkpoint: %s/%s holds more than the %zu "
+                                                "bytes such a file may", dir_path, name, max)
+                : r == -ELOOP || r == -FSDP_ENOTREG
+                    ? fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint: %s/%s is %s",
+                                      dir_path, name, fsdp_dirs_strerror(-r))
+                    : io_failed(st, "reading", name, -r);
+    return NULL;
+  }
+  json_tokener *tok = json_tokener_new_ex(JSON_DEPTH_MAX);
+  json_object *o = tok ? json_tokener_parse_ex(tok, text, (int)len) : NULL;
+  bool whole = tok && o && json_tokener_get_error(tok) == json_tokener_success &&
+               tok->char_offset == (int)len && len <= INT_MAX;
+  if (!whole) {
+    *ret_code = fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint: %s/%s is not JSON: %s",
+                                dir_path, name,
+                                tok ? json_tokener_error_desc(json_tokener_get_error(tok))
+                                    : "out of memory");
+    json_object_put(o);
+    o = NULL;
+  }
+  json_tokener_free(tok);
+  free(text);
+  return o;
+}
+
+json_object *json_array_at(json_object *o, const char *key) {
+  json_object *v = NULL;
+  return o && json_object_object_get_ex(o, key, &v) && json_object_is_type(v, json_type_array)
+             ? v
+             : NULL;
+}
+
+const char *json_string_at(json_object *o, const char *key) {
+  json_object *v = NULL;
+  return o && json_object_object_get_ex(o, key, &v) && json_object_is_type(v, json_type_string)
+             ? json_object_get_string(v)
+             : NULL;
+}
+
+bool json_u64_at(json_object *o, const char *key, uint64_t *ret) {
+  json_object *v = NULL;
+  if (!o || !json_object_object_get_ex(o, key, &v) || !json_object_is_type(v, json_type_int))
+    return false;
+  /* json-c keeps a value past INT64_MAX as unsigned, read back here as INT64_MAX; it reads
+   * any integer past 2^64 - 1 as 2^64 - 1, which so cannot be told from them and is
+   * refused too. */
+  if (json_object_get_int64(v) < 0 || json_object_get_uint64(v) == UINT64_MAX)
+    return false;
+  *ret = json_object_get_uint64(v);
+  return true;
+}
+
+int read_manifest(int step_fd, const char *step_path, manifest_t *ret, fsdp_status_t *st) {
+  int code = 0;
+  json_object *m = read_json_at(step_fd, step_path, MANIFEST, MANIFEST_MAX, st, &code);
+  if (!m)
+    return code;
+  manifest_t out = {0};
+  const char *job = json_string_at(m, "job"), *bad = NULL;
+  if (!json_u64_at(m, "format", &out.format))
+    bad = "format";
+  else if (!job || strlen(job) > FSDP_CHECKPOINT_JOB_MAX)
+    bad = "job";
+  else if (!json_u64_at(m, "step", &out.step))
+    bad = "step";
+  else if (!json_u64_at(m, "hosts", &out.hosts))
+    bad = "hosts";
+  else if (json_object_object_get_ex(m, "uid", NULL) &&
+           !(out.has_uid = json_u64_at(m, "uid", &out.uid)))
+    bad = "uid";
+  if (!bad)
+    snprintf(out.job, sizeof out.job, "%s", job);
+  json_object_put(m);
+  if (bad)
+    return fsdp_status_set(st, FSDP_E_DATA_LOSS,
+                           "checkpoint: %s/" MANIFEST ": key '%s' is missing or not %s",
+                           step_path, bad,
+                           strcmp(bad, "job") == 0 ? "a job's name" : "a non-negative integer");
+  *ret = out;
+  return 0;
+}
+
+bool parse_step_name(const char *name, const char *suffix, uint64_t *ret_step) {
+  if (strncmp(name, "step-", 5) != 0)
+    return false;
+  uint64_t step = 0;
+  const char *p = name + 5;
+  for (; *p >= '0' && *p <= '9'; p++) {
+    if (step > (UINT64_MAX - (uint64_t)(*p - '0')) / 10)
+      return false;
+    step = step * 10 + (uint64_t)(*p - '0');
+  }
+  if (p == name + 5 || strcmp(p, suffix) != 0)
+    return false;
+  *ret_step = step;
+  return true;
+}
+
+/* complete_steps, of uid's only where uid is not NULL. */
+static size_t steps_where(int dirfd, const char *job, const uint64_t *uid, uint64_t *ret,
+                          size_t max) {
+  DIR *d = fsdp_dir_list(dirfd);
   if (!d)
     return 0;
   size_t n = 0;
-  char step_dir[PATH_MAX], path[PATH_MAX];
   for (struct dirent *e; (e = readdir(d));) {
-    char *end;
-    if (strncmp(e->d_name, "step-", 5) != 0)
+    uint64_t step;
+    if (!parse_step_name(e->d_name, "", &step))
       continue;
-    uint64_t step = strtoull(e->d_name + 5, &end, 10);
-    if (*end || end == e->d_name + 5 || !join(step_dir, sizeof step_dir, dir, "/", e->d_name) ||
-        !join(path, sizeof path, step_dir, "/", MANIFEST) || access(path, F_OK) != 0)
+    int step_fd = fsdp_dir_open_at(dirfd, e->d_name, false, 0, NULL);
+    manifest_t m;
+    fsdp_status_t st;
+    bool complete = step_fd >= 0 && read_manifest(step_fd, e->d_name, &m, &st) == 0 &&
+                    m.step == step && (!job || strcmp(m.job, job) == 0) &&
+                    (!uid || (m.has_uid && m.uid == *uid));
+    if (step_fd >= 0)
+      close(step_fd);
+    if (!complete)
       continue;
     if (n < max)
       ret[n] = step;
@@ -56,7 +182,26 @@ size_t complete_steps(const char *dir, uint64_t *ret, size_t max) {
   return n;
 }
 
+size_t complete_steps(int dirfd, const char *job, uint64_t *ret, size_t max) {
+  return steps_where(dirfd, job, NULL, ret, max);
+}
+
+size_t complete_steps_of(int dirfd, const char *job, uint64_t uid, uint64_t *ret, size_t max) {
+  return steps_where(dirfd, job, &uid, ret, max);
+}
 int steps_descending(const void *a, const void *b) {
   uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
   return x < y ? 1 : x > y ? -1 : 0;
+}
+
+bool newest_step(int dirfd, const char *job, uint64_t *ret) {
+  size_t n = complete_steps(dirfd, job, NULL, 0);
+  uint64_t *steps = n ? malloc(n * sizeof *steps) : NULL;
+  n = steps ? complete_steps(dirfd, job, steps, n) : 0;
+  for (size_t i = 1; i < n; i++)
+    steps[0] = steps[i] > steps[0] ? steps[i] : steps[0];
+  if (n)
+    *ret = steps[0];
+  free(steps);
+  return n > 0;
 }

@@ -20,6 +20,7 @@
 
 #include "checkpoint/files.h"
 #include "common/clock.h"
+#include "common/dirs.h"
 #include "common/failpoint.h"
 #include "common/io.h"
 
@@ -53,8 +54,10 @@ typedef struct streamed_file {
   const atomic_int *stopping; /* fsdp_checkpoint_job_t's */
 } streamed_file_t;
 
-/* Opens path for a streamed write of the job's, direct where the filesystem allows it. */
-static int stream_open(streamed_file_t *f, const char *path, const fsdp_checkpoint_job_t *job) {
+/* Makes name under dirfd, a new file, for a streamed write of the job's, direct where the
+ * filesystem allows it. */
+static int stream_open(streamed_file_t *f, int dirfd, const char *name,
+                       const fsdp_checkpoint_job_t *job) {
   *f = (streamed_file_t){.fd = -1,
                          .rate = job->write_rate,
                          .share = job->disk_share && job->disk_share < 100 ? job->disk_share
@@ -64,13 +67,13 @@ static int stream_open(streamed_file_t *f, const char *path, const fsdp_checkpoi
   f->bounce = aligned_alloc(DIRECT_ALIGN, IO_CHUNK);
   if (!f->bounce)
     return -ENOMEM;
-  int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  const int flags = O_WRONLY | O_CREAT | O_EXCL;
   bool refused = fsdp_failpoint("checkpoint-direct"); /* as a filesystem without it */
-  f->fd = refused ? -1 : open(path, flags | O_DIRECT, 0640);
+  f->fd = refused ? -EINVAL : fsdp_file_open_at(dirfd, name, flags | O_DIRECT, 0640);
   f->direct = f->fd >= 0;
-  if (f->fd < 0 && (refused || errno == EINVAL)) /* a filesystem without direct I/O */
-    f->fd = open(path, flags, 0640);
-  return f->fd < 0 ? -errno : 0;
+  if (f->fd == -EINVAL) /* a filesystem without direct I/O */
+    f->fd = fsdp_file_open_at(dirfd, name, flags, 0640);
+  return f->fd < 0 ? f->fd : 0;
 }
 
 /* Closes nothing: finish_durably does. */
@@ -197,58 +200,65 @@ static int write_hashed(streamed_file_t *f, const void *buf, size_t len,
   return r;
 }
 
-/* Ends the writing of fd (r: how it went so far) at tmp: synced, closed and renamed to path;
- * on any failure tmp goes and st names path. */
-static int finish_durably(int fd, int r, const char *tmp, const char *path, fsdp_status_t *st) {
+/* Ends the writing of fd (r: how it went so far) at tmp under dirfd: synced, closed and
+ * renamed to name; on any failure tmp goes and st names dir_path/name. */
+static int finish_durably(int dirfd, const char *dir_path, int fd, int r, const char *tmp,
+                          const char *name, fsdp_status_t *st) {
   if (r == 0 && fsync(fd) < 0)
     r = -errno;
   close(fd);
-  if (r == 0 && rename(tmp, path) < 0)
+  if (r == 0 && renameat(dirfd, tmp, dirfd, name) < 0)
     r = -errno;
   if (r < 0) {
-    unlink(tmp);
+    unlinkat(dirfd, tmp, 0);
+    char path[PATH_MAX];
+    join(path, sizeof path, dir_path, "/", name);
     return io_failed(st, "writing", path, -r);
   }
   return 0;
 }
 
-/* path's bytes made durable under their name: written to path.tmp, fsynced, renamed. */
-static int write_durably(const char *path, const void *data, size_t len, fsdp_status_t *st) {
-  char tmp[PATH_MAX];
-  if (!join(tmp, sizeof tmp, path, "", ".tmp"))
-    return io_failed(st, "naming", path, ENAMETOOLONG);
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
-  if (fd < 0)
-    return io_failed(st, "creating", tmp, errno);
-  int r = fsdp_write_all(fd, data, len);
-  return finish_durably(fd, r, tmp, path, st);
+/* A new file's temporary name under dirfd made free: what a save that died left there is
+ * ours to remove (a link goes as itself). */
+static void clear_tmp(int dirfd, const char *tmp) {
+  unlinkat(dirfd, tmp, 0);
 }
 
-static int fsync_dir(const char *path, fsdp_status_t *st) {
-  int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  int r = fd < 0 ? -errno : fsync(fd) < 0 ? -errno : 0;
-  if (fd >= 0)
-    close(fd);
-  return r < 0 ? io_failed(st, "syncing the directory", path, -r) : 0;
+/* name's bytes under dirfd made durable: written to name.tmp, fsynced, renamed. */
+static int write_durably(int dirfd, const char *dir_path, const char *name, const void *data,
+                         size_t len, fsdp_status_t *st) {
+  char tmp[NAME_MAX + 1];
+  if (!join(tmp, sizeof tmp, name, "", ".tmp"))
+    return io_failed(st, "naming", name, ENAMETOOLONG);
+  clear_tmp(dirfd, tmp);
+  int fd = fsdp_file_open_at(dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL, 0640);
+  if (fd < 0)
+    return io_failed(st, "creating a file in", dir_path, -fd);
+  int r = fsdp_write_all(fd, data, len);
+  return finish_durably(dirfd, dir_path, fd, r, tmp, name, st);
+}
+
+static int fsync_dir(int dirfd, const char *dir_path, fsdp_status_t *st) {
+  return fsync(dirfd) < 0 ? io_failed(st, "syncing the directory", dir_path, errno) : 0;
 }
 
 static json_object *json_u64(uint64_t v) {
   return json_object_new_uint64(v);
 }
 
-/* Writes the units' blocks to dir/host-<h>.bin, hashing them as they go, and each unit's
- * metadata into the array units. */
-static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_object *units,
-                        fsdp_status_t *st) {
-  char name[32], path[PATH_MAX], tmp[PATH_MAX];
+/* Writes the units' blocks to host-<h>.bin under dirfd, hashing them as they go, and each
+ * unit's metadata into the array units. */
+static int write_blocks(int dirfd, const char *dir_path, const fsdp_checkpoint_job_t *job,
+                        json_object *units, fsdp_status_t *st) {
+  char name[32], tmp[40];
   host_file(name, sizeof name, job->host, "bin");
-  if (!join(path, sizeof path, dir, "/", name) || !join(tmp, sizeof tmp, path, "", ".tmp"))
-    return io_failed(st, "naming", dir, ENAMETOOLONG);
+  snprintf(tmp, sizeof tmp, "%s.tmp", name);
+  clear_tmp(dirfd, tmp);
   streamed_file_t file;
-  int r = stream_open(&file, tmp, job);
+  int r = stream_open(&file, dirfd, tmp, job);
   if (r < 0) {
     stream_cleanup(&file);
-    return io_failed(st, "creating", tmp, -r);
+    return io_failed(st, "creating a file in", dir_path, -r);
   }
   for (size_t i = 0; r == 0 && i < job->n_units; i++) {
     const fsdp_checkpoint_unit_t *u = &job->units[i];
@@ -297,48 +307,42 @@ static int write_blocks(const char *dir, const fsdp_checkpoint_job_t *job, json_
   if (r == 0 && ftruncate(file.fd, file.end) < 0)
     r = -errno;
   stream_cleanup(&file);
-  return finish_durably(file.fd, r, tmp, path, st);
+  return finish_durably(dirfd, dir_path, file.fd, r, tmp, name, st);
 }
 
-static int write_json(const char *dir, const char *name, json_object *o, fsdp_status_t *st) {
-  char path[PATH_MAX];
-  if (!join(path, sizeof path, dir, "/", name))
-    return io_failed(st, "naming", dir, ENAMETOOLONG);
+static int write_json(int dirfd, const char *dir_path, const char *name, json_object *o,
+                      fsdp_status_t *st) {
   const char *text = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY);
-  return write_durably(path, text, strlen(text), st);
+  return write_durably(dirfd, dir_path, name, text, strlen(text), st);
 }
 
-/* Removes dir's files whose names start with prefix ("": every file). */
-static void remove_files(const char *dir, const char *prefix) {
-  DIR *d = opendir(dir);
+/* Removes the files whose names start with prefix from the directory open at dirfd (links
+ * as themselves). */
+static void remove_files(int dirfd, const char *prefix) {
+  DIR *d = fsdp_dir_list(dirfd);
   if (!d)
     return;
-  char path[PATH_MAX];
   for (struct dirent *e; (e = readdir(d));)
-    if (e->d_name[0] != '.' && strncmp(e->d_name, prefix, strlen(prefix)) == 0 &&
-        join(path, sizeof path, dir, "/", e->d_name))
-      unlink(path);
+    if (e->d_name[0] != '.' && strncmp(e->d_name, prefix, strlen(prefix)) == 0)
+      unlinkat(dirfd, e->d_name, 0);
   closedir(d);
 }
 
-static void remove_checkpoint_dir(const char *dir) {
-  remove_files(dir, "");
-  rmdir(dir);
-}
-
 /* Host 0's wait, before it writes the manifest: every other host's metadata, written last of
- * its files, in dir. DEADLINE_EXCEEDED names the hosts missing; a stop abandons it. */
-static int wait_for_hosts(const char *dir, const fsdp_checkpoint_job_t *job,
+ * its files, in the partial directory open at dirfd (dir_path). DEADLINE_EXCEEDED names the
+ * hosts missing; a stop abandons it. */
+static int wait_for_hosts(int dirfd, const char *dir_path, const fsdp_checkpoint_job_t *job,
                           fsdp_status_t *st) {
   for (uint64_t waited = 0;; waited += WAIT_POLL_MS) {
     if (stop_level(job->stopping) == FSDP_CHECKPOINT_ABANDON)
-      return io_failed(st, "waiting for the other hosts' files in", dir, ECANCELED);
+      return io_failed(st, "waiting for the other hosts' files in", dir_path, ECANCELED);
     char missing[256] = "";
     size_t len = 0;
     for (unsigned h = 1; h < job->hosts; h++) {
-      char name[32], path[PATH_MAX];
+      char name[32];
+      struct stat s;
       host_file(name, sizeof name, h, "json");
-      if (join(path, sizeof path, dir, "/", name) && access(path, F_OK) == 0)
+      if (fstatat(dirfd, name, &s, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(s.st_mode))
         continue;
       if (len < sizeof missing)
         len += (size_t)snprintf(missing + len, sizeof missing - len, "%s%u", len ? ", " : "",
@@ -351,53 +355,97 @@ static int wait_for_hosts(const char *dir, const fsdp_checkpoint_job_t *job,
                              "checkpoint: the files of host(s) %s did not appear in %s within "
                              "%" PRIu64 " ms (the checkpoint's directory must be shared by "
                              "every host, and each saves the same step)",
-                             missing, dir, job->hosts_wait_ms);
+                             missing, dir_path, job->hosts_wait_ms);
     struct timespec t = {.tv_nsec = WAIT_POLL_MS * 1000000L};
     nanosleep(&t, NULL);
   }
 }
 
-static void keep_newest(const char *dir, unsigned keep);
-static void remove_unfinished_below(const char *dir, uint64_t below);
-
-/* mkdir -p: dir and any parent missing; errno set on failure. */
-static int make_dirs(const char *dir) {
-  char path[PATH_MAX];
-  if (!join(path, sizeof path, dir, "", "")) {
-    errno = ENAMETOOLONG;
-    return -1;
-  }
-  for (char *p = path + 1; *p; p++) {
-    if (*p != '/')
-      continue;
-    *p = '\0';
-    int r = mkdir(path, 0750);
-    *p = '/';
-    if (r < 0 && errno != EEXIST)
-      return -1;
-  }
-  return mkdir(path, 0750) < 0 && errno != EEXIST ? -1 : 0;
+/* A job's name as a checkpoint records it and as its partial directories carry it: the
+ * characters of the daemon's job names ([A-Za-z0-9._-]), not "." or "..". */
+static bool job_name_ok(const char *job) {
+  size_t n = strlen(job);
+  if (n == 0 || n > FSDP_CHECKPOINT_JOB_MAX || strcmp(job, ".") == 0 || strcmp(job, "..") == 0)
+    return false;
+  for (const char *p = job; *p; p++)
+    if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+          *p == '.' || *p == '_' || *p == '-'))
+      return false;
+  return true;
 }
 
-int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
-                         char *ret_path, size_t size, fsdp_status_t *st) {
-  char name[32], final[PATH_MAX], partial[PATH_MAX], own[32];
-  snprintf(name, sizeof name, "step-%" PRIu64, job->step);
-  snprintf(own, sizeof own, "host-%u.", job->host);
-  if (!join(final, sizeof final, dir, "/", name) ||
-      !join(partial, sizeof partial, final, "", ".partial"))
-    return io_failed(st, "naming the checkpoint under", dir, ENAMETOOLONG);
-  if (make_dirs(dir) < 0)
-    return io_failed(st, "making", dir, errno);
-  /* What a save of this host that died left; the other hosts' files are theirs. */
-  if (job->hosts == 1)
-    remove_checkpoint_dir(partial);
-  else
-    remove_files(partial, own);
-  if (mkdir(partial, 0750) < 0 && (errno != EEXIST || job->hosts == 1))
-    return io_failed(st, "making", partial, errno);
-  fsdp_failpoint("checkpoint-begun");
+/* "step-<S>.<job>.partial": where the job's save of step S is written until complete. Each
+ * job's are its own, so that a save never takes up what another job's left. */
+static void partial_name(char *buf, size_t size, uint64_t step, const char *job) {
+  snprintf(buf, size, "step-%" PRIu64 ".%s.partial", step, job);
+}
 
+/* Whether the step directory `name` under dirfd may be replaced by the job's save: it is
+ * missing, or a complete checkpoint of the same job. 0, or FAILED_PRECONDITION naming whose
+ * it is. */
+static int replaceable(int dirfd, const char *dir_path, const char *name,
+                       const fsdp_checkpoint_job_t *job, fsdp_status_t *st) {
+  int fd = fsdp_dir_open_at(dirfd, name, false, 0, NULL);
+  if (fd == -ENOENT)
+    return 0;
+  if (fd < 0)
+    return fsdp_status_set(st, fd == -EACCES ? FSDP_E_PERMISSION_DENIED
+                                             : FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint: %s/%s is there and is %s: a save replaces only a "
+                           "complete checkpoint of its own job",
+                           dir_path, name, fsdp_dirs_strerror(-fd));
+  manifest_t m;
+  fsdp_status_t why;
+  int r = read_manifest(fd, name, &m, &why);
+  close(fd);
+  if (r < 0 || strcmp(m.job, job->job) != 0)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint: %s/%s is %s%s%s: a save replaces only a complete "
+                           "checkpoint of its own job ('%s')",
+                           dir_path, name, r < 0 ? "no checkpoint (" : "job '",
+                           r < 0 ? why.message : m.job, r < 0 ? ")" : "''s", job->job);
+  if (!m.has_uid || m.uid != job->uid)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "checkpoint: %s/%s is of a job '%s' of %s, not of uid %" PRIu64
+                           ": a save replaces only a complete checkpoint of its own job",
+                           dir_path, name, m.job, m.has_uid ? "another uid" : "no known uid",
+                           job->uid);
+  return 0;
+}
+
+/* What a save of this host that died left in the partial directory `name` under dirfd: all
+ * of it with one host, this host's files with several (the others' are theirs). */
+static int clear_partial(int dirfd, const char *dir_path, const char *name,
+                         const fsdp_checkpoint_job_t *job, fsdp_status_t *st) {
+  int r;
+  if (job->hosts == 1) {
+    r = fsdp_dir_remove_at(dirfd, name);
+  } else {
+    char own[32];
+    snprintf(own, sizeof own, "host-%u.", job->host);
+    int fd = fsdp_dir_open_at(dirfd, name, false, 0, NULL);
+    if (fd >= 0) {
+      remove_files(fd, own);
+      close(fd);
+    }
+    r = fd;
+  }
+  if (r < 0 && r != -ENOENT) {
+    char path[PATH_MAX];
+    join(path, sizeof path, dir_path, "/", name);
+    return io_failed(st, "clearing", path, -r);
+  }
+  return 0;
+}
+
+static void keep_newest(int dirfd, const fsdp_checkpoint_job_t *job, unsigned keep);
+static void remove_unfinished_below(int dirfd, const char *job, uint64_t below);
+
+/* This host's part of the checkpoint into the partial directory open at pfd (partial_path),
+ * and on host 0 the manifest once every host's part is there. */
+static int write_part(int pfd, const char *partial_path, const fsdp_checkpoint_job_t *job,
+                      fsdp_status_t *st) {
+  char name[32];
   json_object *host = json_object_new_object(), *units = json_object_new_array();
   json_object_object_add(host, "format", json_u64(FSDP_CHECKPOINT_FORMAT));
   json_object_object_add(host, "job", json_object_new_string(job->job));
@@ -408,25 +456,20 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
   json_object_object_add(host, "units", units);
 
   /* This host's metadata after its blocks: once it is there, the host's part is whole. */
-  int r = write_blocks(partial, job, units, st);
+  int r = write_blocks(pfd, partial_path, job, units, st);
   fsdp_failpoint("checkpoint-blocks");
   host_file(name, sizeof name, job->host, "json");
   if (r == 0)
-    r = write_json(partial, name, host, st);
+    r = write_json(pfd, partial_path, name, host, st);
   json_object_put(host);
-  if (job->host != 0) { /* host 0 completes the checkpoint */
-    if (r == 0)
-      r = fsync_dir(partial, st);
-    if (r == 0)
-      snprintf(ret_path, size, "%s", final);
+  if (r < 0 || job->host != 0) /* host 0 completes the checkpoint */
     return r;
-  }
-  if (r == 0)
-    r = wait_for_hosts(partial, job, st);
+  r = wait_for_hosts(pfd, partial_path, job, st);
   /* The manifest last: until it is there, the directory is no checkpoint. */
   json_object *manifest = json_object_new_object(), *files = json_object_new_array();
   json_object_object_add(manifest, "format", json_u64(FSDP_CHECKPOINT_FORMAT));
   json_object_object_add(manifest, "job", json_object_new_string(job->job));
+  json_object_object_add(manifest, "uid", json_u64(job->uid));
   json_object_object_add(manifest, "step", json_u64(job->step));
   json_object_object_add(manifest, "hosts", json_u64(job->hosts));
   for (unsigned h = 0; h < job->hosts; h++)
@@ -436,71 +479,106 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
     }
   json_object_object_add(manifest, "files", files);
   if (r == 0)
-    r = write_json(partial, MANIFEST, manifest, st);
-  if (r == 0)
-    r = fsync_dir(partial, st);
+    r = write_json(pfd, partial_path, MANIFEST, manifest, st);
   json_object_put(manifest);
+  return r;
+}
+
+int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsigned keep,
+                         char *ret_path, size_t size, fsdp_status_t *st) {
+  if (!job_name_ok(job->job))
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "checkpoint: job name '%.64s' is not one a checkpoint records "
+                           "(1 to %d of [A-Za-z0-9._-])",
+                           job->job, FSDP_CHECKPOINT_JOB_MAX);
+  char name[32], partial[NAME_MAX + 1], final_path[PATH_MAX], partial_path[PATH_MAX];
+  snprintf(name, sizeof name, "step-%" PRIu64, job->step);
+  partial_name(partial, sizeof partial, job->step, job->job);
+  if (!join(final_path, sizeof final_path, dir, "/", name) ||
+      !join(partial_path, sizeof partial_path, dir, "/", partial))
+    return io_failed(st, "naming the checkpoint under", dir, ENAMETOOLONG);
+  int root = fsdp_dir_open(dir, true, 0750);
+  if (root < 0)
+    return io_failed(st, "opening", dir, -root);
+  int pfd = -1, r = replaceable(root, dir, name, job, st);
+  if (r == 0)
+    r = clear_partial(root, dir, partial, job, st);
+  if (r == 0 && (pfd = fsdp_dir_open_at(root, partial, true, 0750, NULL)) < 0)
+    r = io_failed(st, "making", partial_path, -pfd);
+  fsdp_failpoint("checkpoint-begun");
+  if (r == 0)
+    r = write_part(pfd, partial_path, job, st);
+  if (r == 0)
+    r = fsync_dir(pfd, partial_path, st);
+  if (pfd >= 0)
+    close(pfd);
+  if (job->host != 0) {
+    close(root);
+    if (r == 0)
+      snprintf(ret_path, size, "%s", final_path);
+    return r;
+  }
   fsdp_failpoint("checkpoint-written");
-  /* A checkpoint of the same step is swapped for this one in one step (the old one then has
-   * the partial name, and goes): there is no moment without one of them complete. */
-  if (r == 0 && rename(partial, final) < 0) {
-    if ((errno != ENOTEMPTY && errno != EEXIST) ||
-        renameat2(AT_FDCWD, partial, AT_FDCWD, final, RENAME_EXCHANGE) < 0)
-      r = io_failed(st, "renaming", partial, errno);
+  /* A checkpoint of the same step (the job's own: replaceable) is swapped for this one in
+   * one step (the old one then has the partial name, and goes): there is no moment without
+   * one of them complete. */
+  if (r == 0 && renameat2(root, partial, root, name, RENAME_NOREPLACE) < 0) {
+    if (errno != EEXIST || renameat2(root, partial, root, name, RENAME_EXCHANGE) < 0)
+      r = io_failed(st, "renaming", partial_path, errno);
   }
   fsdp_failpoint("checkpoint-renamed");
   if (r == 0)
-    r = fsync_dir(dir, st);
+    r = fsync_dir(root, dir, st);
   if (r == 0 || job->hosts == 1)
-    remove_checkpoint_dir(partial); /* the replaced checkpoint, or what failed */
-  if (r < 0)
-    return r;
-  /* Saves of older steps that died can no longer complete: every host's save of the job
-   * runs after the one before it ended, and they all wrote this step. */
-  remove_unfinished_below(dir, job->step);
-  if (keep)
-    keep_newest(dir, keep);
-  snprintf(ret_path, size, "%s", final);
-  return 0;
+    fsdp_dir_remove_at(root, partial); /* the replaced checkpoint, or what failed */
+  if (r == 0) {
+    /* Saves of older steps that died can no longer complete: every host's save of the job
+     * runs after the one before it ended, and they all wrote this step. */
+    remove_unfinished_below(root, job->job, job->step);
+    if (keep)
+      keep_newest(root, job, keep);
+    snprintf(ret_path, size, "%s", final_path);
+  }
+  close(root);
+  return r;
 }
 
-/* Removes dir's step-<S>.partial/ for every S below `below`. */
-static void remove_unfinished_below(const char *dir, uint64_t below) {
-  DIR *d = opendir(dir);
+/* Removes the job's step-<S>.<job>.partial/ under dirfd for every S below `below`. */
+static void remove_unfinished_below(int dirfd, const char *job, uint64_t below) {
+  DIR *d = fsdp_dir_list(dirfd);
   if (!d)
     return;
-  static const char suffix[] = ".partial";
-  char path[PATH_MAX];
+  char suffix[NAME_MAX + 1];
+  snprintf(suffix, sizeof suffix, ".%s.partial", job);
   for (struct dirent *e; (e = readdir(d));) {
-    char *end;
-    if (strncmp(e->d_name, "step-", 5) != 0)
-      continue;
-    uint64_t step = strtoull(e->d_name + 5, &end, 10);
-    if (end != e->d_name + 5 && strcmp(end, suffix) == 0 && step < below &&
-        join(path, sizeof path, dir, "/", e->d_name))
-      remove_checkpoint_dir(path);
+    uint64_t step;
+    if (parse_step_name(e->d_name, suffix, &step) && step < below)
+      fsdp_dir_remove_at(dirfd, e->d_name); /* a link or a file in its place stays */
   }
   closedir(d);
 }
 
-void fsdp_checkpoint_remove_unfinished(const char *dir) {
-  remove_unfinished_below(dir, UINT64_MAX);
+void fsdp_checkpoint_remove_unfinished(const char *dir, const char *job) {
+  int fd = job_name_ok(job) ? fsdp_dir_open(dir, false, 0) : -EINVAL;
+  if (fd < 0)
+    return;
+  remove_unfinished_below(fd, job, UINT64_MAX);
+  close(fd);
 }
 
-/* Removes all but dir's newest `keep` complete checkpoints (best effort: a save has already
- * succeeded). */
-static void keep_newest(const char *dir, unsigned keep) {
-  size_t n = complete_steps(dir, NULL, 0);
+/* Removes all but the newest `keep` complete checkpoints of the job (its name and uid) under
+ * dirfd (best effort: a save has already succeeded); other jobs' stay. */
+static void keep_newest(int dirfd, const fsdp_checkpoint_job_t *job, unsigned keep) {
+  size_t n = complete_steps_of(dirfd, job->job, job->uid, NULL, 0);
   uint64_t *steps = n > keep ? malloc(n * sizeof *steps) : NULL;
   if (!steps)
     return;
-  n = complete_steps(dir, steps, n);
+  n = complete_steps_of(dirfd, job->job, job->uid, steps, n);
   qsort(steps, n, sizeof *steps, steps_descending);
-  char name[32], step_dir[PATH_MAX];
+  char name[32];
   for (size_t i = keep; i < n; i++) {
     snprintf(name, sizeof name, "step-%" PRIu64, steps[i]);
-    if (join(step_dir, sizeof step_dir, dir, "/", name))
-      remove_checkpoint_dir(step_dir);
+    fsdp_dir_remove_at(dirfd, name);
   }
   free(steps);
 }

@@ -13,6 +13,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/clock.h"
 #include "common/failpoint.h"
+#include "common/identity.h"
 #include "common/log.h"
 #include "daemon/dataplane/optimizer.h"
 
@@ -51,6 +52,11 @@ typedef struct checkpoint_work {
   job_steps_t asked_at;
   uint64_t boundary_deadline_ms; /* 0: none (a stop's save: the stop has its own) */
   char dir[PATH_MAX];
+  /* Whose rights its files are used with: a caller's, for a path of its own choosing, or
+   * (as_daemon) the daemon's, in checkpoint.dir/<job>/, where a load reads only the
+   * checkpoints of the job's own uid. */
+  bool as_daemon;
+  fsdp_identity_t as;
   fsdp_checkpoint_job_t job;
   fsdp_checkpoint_unit_t *units;
   fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
@@ -128,13 +134,34 @@ static int load(fsdp_backend_t *backend, void *at, checkpoint_work_t *c) {
   return r;
 }
 
+/* This thread takes the rights c's files are used with (see as_daemon); false, with c->st
+ * set, where the daemon may not take them. */
+static bool enter_identity(checkpoint_work_t *c, fsdp_identity_t *ret_saved) {
+  if (c->as_daemon) {
+    fsdp_identity_self(ret_saved);
+    return true;
+  }
+  if (fsdp_identity_enter(&c->as, ret_saved) == 0)
+    return true;
+  fsdp_status_set(&c->st, FSDP_E_PERMISSION_DENIED,
+                  "checkpoint: %s: the daemon cannot act with the rights of uid %u (it runs "
+                  "without the privilege to), and uses no rights of its own for a caller's "
+                  "path: name a directory under checkpoint.dir/%s/",
+                  c->dir, (unsigned)c->as.uid, c->owner->name);
+  return false;
+}
+
 /* On a pool thread, in the queue's turn: a load. */
 static void run_load(void *arg) {
   checkpoint_work_t *c = arg;
   uint64_t start_ns = fsdp_clock_now_ns();
   void *at = staging(c->owner, c);
-  if ((at ? load(&c->cp->dp->backend, at, c) : c->st.code) == 0)
-    fsdp_status_clear(&c->st);
+  fsdp_identity_t saved;
+  if (at && enter_identity(c, &saved)) {
+    if (load(&c->cp->dp->backend, at, c) == 0)
+      fsdp_status_clear(&c->st);
+    fsdp_identity_leave(&saved);
+  }
   c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
 }
 
@@ -233,9 +260,9 @@ static job_steps_t job_steps(const fsdp_job_t *job) {
 
 static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
                             fsdp_status_t *st);
-static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
-                          bool scheduled, uint64_t step, fsdp_checkpoints_done_fn done,
-                          void *data, fsdp_status_t *st);
+static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                          const fsdp_identity_t *as, bool load, bool scheduled, uint64_t step,
+                          fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st);
 
 static bool daemon_steps_every_unit(fsdp_job_t *job);
 
@@ -283,8 +310,12 @@ static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
 
 static void *write_files(void *arg) {
   checkpoint_work_t *c = arg;
+  fsdp_identity_t saved;
+  if (!enter_identity(c, &saved))
+    return NULL;
   if (fsdp_checkpoint_save(c->dir, &c->job, c->keep, c->path, sizeof c->path, &c->st) == 0)
     fsdp_status_clear(&c->st);
+  fsdp_identity_leave(&saved);
   return NULL;
 }
 
@@ -437,7 +468,7 @@ static void job_starts(void *ctx, fsdp_job_t *job) {
       (size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
     return;
   if (!cp->dp->peers || fsdp_peers_host_rank(cp->dp->peers) == 0)
-    fsdp_checkpoint_remove_unfinished(dir);
+    fsdp_checkpoint_remove_unfinished(dir, job->name);
   if (!cp->resume)
     return;
   fsdp_checkpoint_reader_t *r;
@@ -498,7 +529,7 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_status_t st;
   if ((size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
     fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long");
-  else if (checkpoint_job(cp, job, dir, false, true, step, on_scheduled_checkpoint, NULL,
+  else if (checkpoint_job(cp, job, dir, NULL, false, true, step, on_scheduled_checkpoint, NULL,
                           &st) == 0)
     return;
   log_error("job '%s': no checkpoint of step %llu: %s", job->name, (unsigned long long)step,
@@ -563,6 +594,8 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   }
   c->job.step = job_steps(job).completed;
   c->job.job = job->name;
+  c->job.uid = job->owner.uid;
+  c->job.same_uid_only = c->as_daemon; /* the job's trainers cannot read its files */
   c->job.host = c->cp->dp->peers ? fsdp_peers_host_rank(c->cp->dp->peers) : 0;
   c->job.hosts = c->cp->dp->peers ? fsdp_peers_host_count(c->cp->dp->peers) : 1;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
@@ -577,11 +610,22 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   return 0;
 }
 
-/* A checkpoint's work at `stage` into dir, in cp->works; NULL with st set (verb naming the
+/* Whether dir is checkpoint.dir/<job>/ or below it. */
+static bool in_job_dir(const fsdp_checkpoints_t *cp, const fsdp_job_t *job, const char *dir) {
+  char own[PATH_MAX];
+  int n = snprintf(own, sizeof own, "%s/%s", cp->dir, job->name);
+  /* Paths are walked with ".." refused (common/dirs.h): a prefix is a place. */
+  return cp->dir[0] && n > 0 && (size_t)n < sizeof own && strncmp(dir, own, (size_t)n) == 0 &&
+         (dir[n] == '\0' || dir[n] == '/');
+}
+
+/* A checkpoint's work at `stage` into dir, in cp->works, with the rights of as (NULL, or a
+ * dir in checkpoint.dir/<job>/: the daemon's own); NULL with st set (verb naming the
  * call) for want of memory or a path too long. */
 static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
-                                   int stage, uint64_t step, fsdp_checkpoints_done_fn done,
-                                   void *data, const char *verb, fsdp_status_t *st) {
+                                   const fsdp_identity_t *as, int stage, uint64_t step,
+                                   fsdp_checkpoints_done_fn done, void *data, const char *verb,
+                                   fsdp_status_t *st) {
   if (strlen(dir) >= sizeof ((checkpoint_work_t *)NULL)->dir) {
     fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
     return NULL;
@@ -592,7 +636,10 @@ static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, cons
     return NULL;
   }
   *c = (checkpoint_work_t){.cp = cp, .owner = job, .stage = stage, .keep = cp->keep,
-                           .asked_step = step, .done = done, .data = data};
+                           .asked_step = step, .done = done, .data = data,
+                           .as_daemon = !as || in_job_dir(cp, job, dir)};
+  if (!c->as_daemon)
+    c->as = *as;
   snprintf(c->dir, sizeof c->dir, "%s", dir);
   append_work(cp, c);
   return c;
@@ -600,9 +647,9 @@ static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, cons
 
 /* A load (a resume's too) or a save (the schedule's when scheduled), once the caller's own
  * conditions hold. */
-static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
-                          bool scheduled, uint64_t step, fsdp_checkpoints_done_fn done,
-                          void *data, fsdp_status_t *st) {
+static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                          const fsdp_identity_t *as, bool load, bool scheduled, uint64_t step,
+                          fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st) {
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
   if (!load && resuming(job))
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
@@ -617,7 +664,7 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
                            "status shows it)",
                            verb, job->name, user->stage == LOADING ? "load" : "save");
   /* One checkpoint of a job at a time in its staging memory: later saves wait their turn. */
-  checkpoint_work_t *c = new_work(cp, job, dir,
+  checkpoint_work_t *c = new_work(cp, job, dir, as,
                                   load ? LOADING : user ? SAVE_WAITING : SAVE_SNAPSHOT, step,
                                   done, data, verb, st);
   if (!c)
@@ -636,9 +683,9 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
   return r;
 }
 
-int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
-                           uint64_t step, fsdp_checkpoints_done_fn done, void *data,
-                           fsdp_status_t *st) {
+int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                           const fsdp_checkpoints_caller_t *caller, bool load, uint64_t step,
+                           fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st) {
   /* A collective that only waits for ranks runs after the load, in turn. */
   for (const fsdp_unit_t *u = job->units; load && u; u = u->next)
     if (u->gather.running || u->reduce.running)
@@ -646,7 +693,15 @@ int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *
                              "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
                              "load between steps",
                              job->name, u->spec->unit);
-  return checkpoint_job(cp, job, dir, load, false, step, done, data, st);
+  uint64_t completed = job_steps(job).completed;
+  if (!load && caller && caller->trainer && step > completed)
+    return fsdp_status_set(st, FSDP_E_OUT_OF_RANGE,
+                           "SaveCheckpoint: field 'step' = %llu: job '%s' has completed step "
+                           "%llu; a checkpoint is named for a step the job has reached (0: "
+                           "its last)",
+                           (unsigned long long)step, job->name, (unsigned long long)completed);
+  return checkpoint_job(cp, job, dir, caller ? &caller->as : NULL, load, false, step, done,
+                        data, st);
 }
 
 /* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
@@ -674,8 +729,8 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
                            job->name);
   bool final = !attached || masters_final(job, step);
   if (between && final)
-    return checkpoint_job(cp, job, dir, false, false, 0, done, data, st);
-  if (!new_work(cp, job, dir, SAVE_AT_BOUNDARY, 0, done, data, "SaveCheckpoint", st))
+    return checkpoint_job(cp, job, dir, NULL, false, false, 0, done, data, st);
+  if (!new_work(cp, job, dir, NULL, SAVE_AT_BOUNDARY, 0, done, data, "SaveCheckpoint", st))
     return st->code;
   log_info("job '%s': saves at its next step boundary", job->name);
   return 0;
@@ -706,7 +761,7 @@ static void resume(void *ctx, fsdp_job_t *job) {
   int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");
   if (call) {
     *call = (resume_call_t){.cp = cp, .job = job};
-    r = checkpoint_job(cp, job, from, true, false, 0, resumed, call, &st);
+    r = checkpoint_job(cp, job, from, NULL, true, false, 0, resumed, call, &st);
   }
   free(from);
   if (r < 0) {

@@ -18,6 +18,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/identity.h"
 #include "common/status.h"
 #include "daemon/dataplane/dataplane.h"
 
@@ -53,14 +54,28 @@ void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_
                                 unsigned keep, uint64_t write_rate, unsigned disk_share,
                                 bool resume);
 
+/* Who asks for a checkpoint: whose rights its files are used with (the caller's, as it
+ * connected), and whether a trainer of the job asks, whose saves name at most the job's
+ * last completed step (an operator may name any). */
+typedef struct fsdp_checkpoints_caller {
+  fsdp_identity_t as;
+  bool trainer;
+} fsdp_checkpoints_caller_t;
+
 /* A checkpoint's end, on the loop: st->code 0 with the step directory written or read and
  * its step, or an error that st explains. */
 typedef void (*fsdp_checkpoints_done_fn)(void *data, const fsdp_status_t *st, const char *path,
                                          uint64_t step);
 
 /* Saves the job's state on this host (every unit's masters, the optimizer's state) into a
- * checkpoint of `step` under dir (0: the least reduced_step of its trainable units), or loads
- * the one at dir into the job's registered units (`step` unused). done is called once, on
+ * checkpoint of `step` under dir (0: the least reduced_step of its trainable units, beyond
+ * which a trainer may name none: OUT_OF_RANGE), or loads the one at dir into the job's
+ * registered units (`step` unused). The files are used with the caller's rights
+ * (checkpoint/checkpoint.h: no link followed): the daemon's own rights serve only its own
+ * directory for the job, checkpoint.dir/<job>/ and below (and a NULL caller: the daemon),
+ * where a load reads only a checkpoint saved by a job of the same uid. A daemon that may not take a
+ * caller's rights (it is not root) refuses other paths of a caller of another uid
+ * (PERMISSION_DENIED, at the work's start). done is called once, on
  * the loop, once the files are written or read, unless this fails at once (st says why:
  * FAILED_PRECONDITION for a unit without buffers, a save of a job whose resume has not
  * loaded yet, a load while a collective runs or while another checkpoint of the job is
@@ -71,9 +86,9 @@ typedef void (*fsdp_checkpoints_done_fn)(void *data, const fsdp_status_t *st, co
  * (fsdp_checkpoints_expire ends it if none comes). The
  * job's memory may be a GPU's: it goes to and from the host's staging memory through the
  * backend. dir is copied. */
-int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir, bool load,
-                           uint64_t step, fsdp_checkpoints_done_fn done, void *data,
-                           fsdp_status_t *st);
+int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                           const fsdp_checkpoints_caller_t *caller, bool load, uint64_t step,
+                           fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st);
 
 /* Saves the job into dir (as fsdp_checkpoints_start) at its step boundary: at once when it
  * is at one (no reduce running, every trainable unit reduced the same step, and that step's

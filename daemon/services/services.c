@@ -946,7 +946,8 @@ static void on_checkpoint_done(void *data, const fsdp_status_t *st, const char *
 }
 
 /* SaveCheckpoint and LoadCheckpoint: an operator's, or a trainer's of the job (its session),
- * into or from an absolute path (the daemon's user writes it). */
+ * into or from an absolute path, used with the caller's rights (or the daemon's in
+ * checkpoint.dir/<job>/: fsdp_checkpoints_start). */
 static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                 fsdp_services_context_t *ctx, bool load) {
   const Fsdp__V1__CheckpointRequest *rq = (const void *)request;
@@ -975,6 +976,16 @@ static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *r
                        "%s: field 'path' = '%.256s': expected an absolute path", verb, rq->path);
     return;
   }
+  /* The caller's rights, not the daemon's, for the path it names. */
+  fsdp_credentials_t cred;
+  fsdp_checkpoints_caller_t asking = {.trainer = rq->session_id != 0};
+  const fsdp_credentials_t *who = caller(ctx, call, &cred);
+  if (!who || fsdp_identity_of_peer(fsdp_rpc_call_peer_fd(call), who, &asking.as) < 0) {
+    fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED,
+                       "%s: the caller's credentials cannot be read: its path is not used",
+                       verb);
+    return;
+  }
   checkpoint_call_t *c = calloc(1, sizeof *c);
   if (!c) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
@@ -982,8 +993,8 @@ static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *r
   }
   c->call = call;
   fsdp_status_t st;
-  if (fsdp_checkpoints_start(ctx->checkpoints, job, rq->path, load, rq->step,
-                                on_checkpoint_done, c, &st) < 0) {
+  if (fsdp_checkpoints_start(ctx->checkpoints, job, rq->path, &asking, load, rq->step,
+                             on_checkpoint_done, c, &st) < 0) {
     free(c);
     fail_call(call, &st);
     return;

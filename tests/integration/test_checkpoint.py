@@ -587,8 +587,8 @@ def test_a_stop_abandons_host_0s_wait_for_the_other_hosts_files(fsdpd, tmp_path)
 
 def test_a_save_removes_what_older_saves_that_died_left_in_its_directory(fsdpd, tmp_path):
     """A directory named by the save, not checkpoint.dir: what a save of an older step that
-    died left there (step-0.partial/) goes once a save of step 1 completes; a newer step's
-    is not this save's to judge, and stays."""
+    died left there (step-0.j.partial/) goes once a save of step 1 completes; a newer step's
+    is not this save's to judge, and stays, as does what another job's saves left."""
     d = fsdpd()
     ranks = [Rank(d, r, 2) for r in range(2)]
     for r in ranks:
@@ -596,11 +596,12 @@ def test_a_save_removes_what_older_saves_that_died_left_in_its_directory(fsdpd, 
     assert on_all(ranks, "Unshard", step=1, backward=True) == [None, None]
     assert on_all(ranks, "ReduceScatter", step=1) == [None, None]
     saves = tmp_path / "saves"
-    for stale in ("step-0.partial", "step-9.partial"):
+    for stale in ("step-0.j.partial", "step-9.j.partial", "step-0.other.partial"):
         (saves / stale).mkdir(parents=True)
         (saves / stale / "host-0.json").write_text("{}")
     assert checkpoint(d, "SaveCheckpoint", saves).step == 1
-    assert sorted(p.name for p in saves.iterdir()) == ["step-1", "step-9.partial"]
+    assert sorted(p.name for p in saves.iterdir()) == ["step-0.other.partial", "step-1",
+                                                       "step-9.j.partial"]
 
 
 def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
@@ -663,11 +664,11 @@ def test_a_scheduled_save_keeps_to_the_disk_share(fsdpd, tmp_path):
 
 
 def test_a_job_that_starts_finds_no_unfinished_save_of_a_run_before(fsdpd, tmp_path):
-    """Files that a save which died left in checkpoint.dir/<job>/step-S.partial/ would count
+    """Files that a save which died left in checkpoint.dir/<job>/step-S.<job>.partial/ would count
     as a host's part of a new save of step S: host 0 removes them when the job starts on it,
     before any step of it can be saved. Complete checkpoints stay."""
     job_dir = tmp_path / "j"
-    stale = job_dir / "step-2.partial"
+    stale = job_dir / "step-2.j.partial"
     stale.mkdir(parents=True)
     (stale / "host-1.json").write_text("{}")
     (stale / "host-1.bin").write_bytes(bytes(64))
