@@ -62,6 +62,8 @@ typedef struct checkpoint_work {
   fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
   char path[PATH_MAX]; /* the step directory written or read */
   uint64_t step;
+  /* A load's: the units pointed at what it read into staging. */
+  fsdp_checkpoint_unit_t *staged;
   /* A load's: each unit's optimizer step count as read (units[i].steps non-NULL), for the
    * optimizer's record of a GPU's counts, which the loop cannot read (optimizer.h). */
   uint64_t *loaded_steps;
@@ -112,28 +114,6 @@ static void *staging(fsdp_job_t *job, checkpoint_work_t *c) {
   return job->checkpoint_staging;
 }
 
-/* A load reads into staging, every block checked before anything is copied, so a refusal
- * leaves the job as it was; then the copy goes into the job's memory. */
-static int load(fsdp_backend_t *backend, void *at, checkpoint_work_t *c) {
-  size_t n = c->job.n_units;
-  fsdp_checkpoint_unit_t *staged = malloc((n ? n : 1) * sizeof *staged);
-  if (!staged)
-    return fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED, "checkpoint: out of memory");
-  memcpy(staged, c->units, n * sizeof *staged);
-  fsdp_checkpoint_job_t into = c->job;
-  into.units = staged;
-  int r = fsdp_checkpoint_stage(staged, n, at, NULL, NULL, &c->st);
-  if (r == 0)
-    r = fsdp_checkpoint_load(c->dir, &into, c->path, sizeof c->path, &c->step, &c->st);
-  if (r == 0)
-    r = fsdp_checkpoint_unstage(staged, c->units, n, copy_by_backend, backend, &c->st);
-  if (r == 0 && (c->loaded_steps = calloc(n ? n : 1, sizeof *c->loaded_steps)))
-    for (size_t i = 0; i < n; i++)
-      c->loaded_steps[i] = staged[i].steps ? *staged[i].steps : 0;
-  free(staged);
-  return r;
-}
-
 /* This thread takes the rights c's files are used with (see as_daemon); false, with c->st
  * set, where the daemon may not take them. */
 static bool enter_identity(checkpoint_work_t *c, fsdp_identity_t *ret_saved) {
@@ -151,18 +131,46 @@ static bool enter_identity(checkpoint_work_t *c, fsdp_identity_t *ret_saved) {
   return false;
 }
 
-/* On a pool thread, in the queue's turn: a load. */
-static void run_load(void *arg) {
-  checkpoint_work_t *c = arg;
+/* On a pool thread, beside the queue (the other jobs' work goes on, whatever the disk or
+ * the files do): a load reads the checkpoint into the job's staging memory, every block
+ * checked before anything goes into the job's memory, so that a refusal leaves the job as
+ * it was. */
+static void read_load(uv_work_t *req) {
+  checkpoint_work_t *c = req->data;
   uint64_t start_ns = fsdp_clock_now_ns();
+  size_t n = c->job.n_units;
   void *at = staging(c->owner, c);
   fsdp_identity_t saved;
-  if (at && enter_identity(c, &saved)) {
-    if (load(&c->cp->dp->backend, at, c) == 0)
+  if (!at || !enter_identity(c, &saved))
+    return;
+  fsdp_failpoint("checkpoint-load"); /* its sleep: a slow disk */
+  c->staged = malloc((n ? n : 1) * sizeof *c->staged);
+  if (c->staged) {
+    memcpy(c->staged, c->units, n * sizeof *c->staged);
+    fsdp_checkpoint_job_t into = c->job;
+    into.units = c->staged;
+    if (fsdp_checkpoint_stage(c->staged, n, at, NULL, NULL, &c->st) == 0 &&
+        fsdp_checkpoint_load(c->dir, &into, c->path, sizeof c->path, &c->step, &c->st) == 0)
       fsdp_status_clear(&c->st);
-    fsdp_identity_leave(&saved);
+  } else {
+    fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED, "checkpoint: out of memory");
   }
+  fsdp_identity_leave(&saved);
   c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
+}
+
+/* On a pool thread, in the queue's turn (none of the job's casts, reduces or optimizer
+ * steps runs meanwhile): what the load read goes into the job's memory. */
+static void copy_load(void *arg) {
+  checkpoint_work_t *c = arg;
+  size_t n = c->job.n_units;
+  uint64_t start_ns = fsdp_clock_now_ns();
+  if (fsdp_checkpoint_unstage(c->staged, c->units, n, copy_by_backend, &c->cp->dp->backend,
+                              &c->st) == 0 &&
+      (c->loaded_steps = calloc(n ? n : 1, sizeof *c->loaded_steps)))
+    for (size_t i = 0; i < n; i++)
+      c->loaded_steps[i] = c->staged[i].steps ? *c->staged[i].steps : 0;
+  c->snapshot_ns += fsdp_clock_now_ns() - start_ns;
 }
 
 /* On a pool thread, beside the queue, the job's reduces held: a save's snapshot, the job's
@@ -184,6 +192,7 @@ static void take_snapshot(uv_work_t *req) {
 
 
 static void free_checkpoint_work(checkpoint_work_t *c) {
+  free(c->staged);
   free(c->loaded_steps);
   free(c->params);
   free(c->units);
@@ -400,14 +409,24 @@ static void reduces_quiet(void *arg) {
     end_work(c->cp, c, 0); /* libuv refused work: it cannot, but for a missing callback */
 }
 
-/* On the loop, once run_load ran. */
-static void load_ran(void *arg, int status) {
+/* On the loop, once copy_load ran: the job's state is the checkpoint's step. */
+static void load_copied(void *arg, int status) {
   checkpoint_work_t *c = arg;
   for (size_t i = 0; c->loaded_steps && i < c->job.n_units; i++)
     if (c->units[i].steps)
       fsdp_optimizer_stepped(c->owner, fsdp_store_find_unit(c->owner, c->units[i].name),
                              c->loaded_steps[i]);
+  if (status == 0 && c->st.code == 0)
+    fsdp_dataplane_reached_step(c->owner, c->step);
   end_work(c->cp, c, status);
+}
+
+/* On the loop, once read_load ran: the copy into the job's memory waits for the queue. */
+static void load_read(uv_work_t *req, int status) {
+  checkpoint_work_t *c = req->data;
+  if (status < 0 || c->st.code < 0 ||
+      fsdp_dataplane_queue_call(c->cp->dp, c->owner, copy_load, load_copied, c, &c->st) < 0)
+    end_work(c->cp, c, status);
 }
 
 void fsdp_checkpoints_hurry(fsdp_checkpoints_t *cp) {
@@ -792,8 +811,13 @@ static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_
   int r = describe(job, c, st);
   if (r < 0)
     return r;
-  if (c->stage == LOADING)
-    return fsdp_dataplane_queue_call(cp->dp, job, run_load, load_ran, c, st);
+  if (c->stage == LOADING) {
+    c->work.data = c;
+    int q = uv_queue_work(cp->dp->loop, &c->work, read_load, load_read);
+    return q < 0 ? fsdp_status_set(st, FSDP_E_INTERNAL, "checkpoint: cannot start its load: %s",
+                                   uv_strerror(q))
+                 : 0;
+  }
   /* While a reduce runs, the step under way ends: the snapshot starts after it. */
   if (!fsdp_dataplane_hold_reduces(cp->dp, job, job_steps(job).newest, reduces_quiet, c))
     return 0;

@@ -1,6 +1,8 @@
 /* The checkpoints of the daemon's jobs, over the data plane (checkpoint/checkpoint.h writes
- * and reads the files). A load is a call on the data plane's queue, in turn with its casts,
- * reduces and optimizer steps, so that none of them runs meanwhile. A save's snapshot (a
+ * and reads the files). A load reads its files into the job's staging memory beside the
+ * data plane's queue, so that the other jobs' work goes on whatever the disk or the files
+ * do, then copies them into the job's memory as a call on the queue, in turn with its
+ * casts, reduces and optimizer steps, so that none of them runs meanwhile. A save's snapshot (a
  * copy of the job's masters, optimizer arrays and step counts into the job's staging
  * memory) runs beside the queue once no reduce of the job runs, with the job's later
  * reduces held until it ends (fsdp_dataplane_hold_reduces): the gathers of the next step go

@@ -415,6 +415,33 @@ def test_a_snapshot_holds_the_reduces_and_lets_the_gathers_go_on(fsdpd, tmp_path
     assert snapshot(ranks[0], regions) == after_1
 
 
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_load_reads_beside_the_queue_that_serves_the_other_jobs(fsdpd, tmp_path):
+    """A load's files are read beside the data plane's queue: stalled 3 s (a failpoint, as a
+    slow disk or a hostile file would), it holds no other job's collectives, and then loads
+    the job's state whole."""
+    d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-load:1:sleep-3000"})
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    checkpoint(d, "SaveCheckpoint", tmp_path)
+    garble(ranks[0], regions)
+    load = d.channel().unary_unary(
+        "/fsdp.v1.Operator/LoadCheckpoint",
+        request_serializer=operator_pb2.CheckpointRequest.SerializeToString,
+        response_deserializer=operator_pb2.CheckpointReply.FromString)
+    loaded = load.future(operator_pb2.CheckpointRequest(job="j", path=str(tmp_path)), timeout=30)
+    time.sleep(0.5)  # the read is under way, stalled
+    start = time.monotonic()
+    others = [Rank(d, r, 2, job="other") for r in range(2)]
+    for r in others:
+        r.register(shapes=((64,),), param_dtype=FP32, requires_grad=True)
+    assert on_all(others, "Unshard", step=1, backward=True) == [None, None]
+    assert on_all(others, "ReduceScatter", step=1) == [None, None]
+    assert time.monotonic() - start < 2 and not loaded.done(), "the other job waited"
+    assert loaded.result().step == 1
+    assert snapshot(ranks[0], regions) == want
+
+
 class TwoUnits:
     """Two ranks of job 'j' with units 'u' and 'v' and AdamW in the daemon, both trained
     step 1; a first save into dir/a stalled 3 s in its write (the daemon's failpoint), and a
