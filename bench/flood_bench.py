@@ -34,6 +34,9 @@ checks that the daemon keeps serving through them; the latency figures are this 
                 connection (past rpc.max_streams = 64), held
   mem-channel   200 connections to the memory channel's socket that never send their hello,
                 held
+  fast-counters a trainer of another job claiming 2^31 requests in its fast path's ring
+                while consuming every reply, attaching again whenever its session ends
+  fast-doorbell a trainer of another job ringing its fast path's doorbell in a loop, the same
 
 Only loopback and the daemons' unix sockets; every daemon is killed at the end, whatever
 happens. Absolute times differ between machines: compare the ratios.
@@ -110,7 +113,8 @@ class Trainers:
 
 
 PROBES = ("Status", "Check", "Unshard")
-FLOODS = ("reset-health", "reset-peer", "idle-conns", "fields", "watches", "mem-channel")
+FLOODS = ("reset-health", "reset-peer", "idle-conns", "fields", "watches", "mem-channel",
+          "fast-counters", "fast-doorbell")
 
 
 def phase(d, trainers, floods, seconds):
@@ -281,8 +285,14 @@ def main(argv=None):
             return d, t, lambda: [floods.silent_memory_connections_flood(
                 str(d.run_dir / "fsdpd.mem.sock"), 200)]
 
+        def fast_path(mode):
+            def setup():
+                d, t = single(f"fast-{mode}")
+                return d, t, lambda: [floods.fast_path_abuse_flood(d, mode)]
+            return setup
+
         cases = dict(zip(FLOODS, (reset_health, reset_peer, idle_conns, fields, watches,
-                                  mem_channel)))
+                                  mem_channel, fast_path("counters"), fast_path("doorbell"))))
         try:
             for name, setup in cases.items():
                 if args.only and name not in args.only:

@@ -27,6 +27,13 @@
  * idle daemon costs no CPU. */
 #define POLL_WINDOW_NS 50000
 
+/* Turns in a row (doorbells, and turns of the polling that took requests) that served
+ * nothing before the session ends. A trainer rings only after it pushed a request, and its
+ * requests are unit operations of its own units, so it makes at most one or two in a row
+ * (a ring that races the polling's last look); one that rings in a loop, or forges
+ * requests, would otherwise hold the loop that serves every other session. */
+#define FRUITLESS_TURNS_MAX 64
+
 /* An operation the data plane holds; its storage, until it is called back or cancelled. */
 typedef struct fast_op {
   fsdp_fastpath_t *fp;
@@ -50,6 +57,9 @@ struct fsdp_fastpath {
   uint64_t poll_until_ns; /* fsdp_clock_now_ns() time */
   unsigned open_handles;  /* the last one's close callback frees the fast path */
   unsigned busy; /* ops in flight */
+  unsigned fruitless; /* turns in a row that served nothing */
+  char misused[160]; /* why the session ends, set by a turn; empty while it is used right */
+  uint64_t dropped; /* replies that found no room, logged the first time and at the end */
   fast_op_t ops[FSDP_FASTPATH_ENTRIES];
 };
 
@@ -81,9 +91,11 @@ static void ring_trainer(fsdp_fastpath_t *fp) {
 static void reply(fsdp_fastpath_t *fp, uint64_t seq, const char *method, const fsdp_status_t *st,
                   const fsdp_dataplane_lent_t *lent) {
   int slot = fsdp_fast_ring_slot(&fp->region->replies_ring);
-  if (slot < 0) {
-    log_warning("session %016llx: fast path reply to %llu dropped: the trainer consumes none",
-                (unsigned long long)fp->session->id, (unsigned long long)seq);
+  if (slot < 0) { /* once per session: a trainer that never reads would fill the log */
+    if (fp->dropped++ == 0)
+      log_warning("session %016llx: fast path reply to %llu dropped: the trainer consumes "
+                  "none (further drops are counted, and logged when the session ends)",
+                  (unsigned long long)fp->session->id, (unsigned long long)seq);
     return;
   }
   fsdp_fast_reply_t *r = &fp->region->replies[slot];
@@ -103,13 +115,13 @@ static void reply(fsdp_fastpath_t *fp, uint64_t seq, const char *method, const f
   }
   fsdp_fast_ring_push(&fp->region->replies_ring);
   ring_trainer(fp);
-  keep_polling(fp); /* a trainer answered often asks again soon */
 }
 
 static void on_op_done(void *data, const fsdp_status_t *st) {
   fast_op_t *o = data;
   fsdp_fastpath_t *fp = o->fp;
   reply(fp, o->seq, o->method, st, &o->op.lent);
+  keep_polling(fp); /* a trainer answered often asks again soon */
   o->busy = false;
   fp->busy--;
   fsdp_session_call_ended(fp->session, uv_now(fp->ctx->loop));
@@ -122,7 +134,8 @@ static fast_op_t *free_op(fsdp_fastpath_t *fp) {
   return NULL;
 }
 
-static void cancel(fsdp_fastpath_t *fp, uint64_t seq) {
+/* Returns whether seq was in flight. */
+static bool cancel(fsdp_fastpath_t *fp, uint64_t seq) {
   for (size_t i = 0; i < FSDP_FASTPATH_ENTRIES; i++) {
     fast_op_t *o = &fp->ops[i];
     if (o->busy && o->seq == seq) {
@@ -130,9 +143,10 @@ static void cancel(fsdp_fastpath_t *fp, uint64_t seq) {
       fsdp_status_t st;
       fsdp_status_set(&st, FSDP_E_CANCELLED, "the trainer gave up waiting");
       on_op_done(o, &st);
-      return;
+      return true;
     }
   }
+  return false;
 }
 
 static const char *method_of(uint8_t kind) {
@@ -150,8 +164,10 @@ static const char *method_of(uint8_t kind) {
   }
 }
 
-/* Runs one request as its gRPC handler would, answering it now or from the data plane. */
-static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
+/* Runs one request as its gRPC handler would, answering it now or from the data plane.
+ * Returns whether it served it: handed it to the data plane, or resharded; a refusal, which
+ * a correct trainer does not provoke over and over, serves nothing. */
+static bool run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
   fsdp_services_context_t *ctx = fp->ctx;
   fsdp_session_t *s = fp->session;
   const char *method = method_of(rq->kind);
@@ -163,12 +179,12 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
     fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "request kind %u is not a unit operation",
                     rq->kind);
     reply(fp, rq->seq, method, &st, NULL);
-    return;
+    return false;
   }
   if (ctx->lifecycle.state(ctx->lifecycle.data) != FSDP_SERVICES_SERVING) {
     fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "fsdpd is draining and takes no new work");
     reply(fp, rq->seq, method, &st, NULL);
-    return;
+    return true; /* the daemon's refusal, not the trainer's fault */
   }
   fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
   fsdp_unit_t *u = job ? fsdp_store_unit_by_id(job, rq->unit_id) : NULL;
@@ -181,13 +197,13 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
       (rq->kind != FSDP_FAST_RESHARD &&
        fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0)) {
     reply(fp, rq->seq, method, &st, NULL);
-    return;
+    return false;
   }
   fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   if (rq->kind == FSDP_FAST_RESHARD) {
-    fsdp_dataplane_reshard(job, u, &who, &st);
+    int r = fsdp_dataplane_reshard(job, u, &who, &st);
     reply(fp, rq->seq, method, &st, NULL);
-    return;
+    return r >= 0;
   }
   fast_op_t *o = free_op(fp);
   if (!o) {
@@ -195,7 +211,7 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
                     "the session has %u fast path operations in flight, the most it may",
                     FSDP_FASTPATH_ENTRIES);
     reply(fp, rq->seq, method, &st, NULL);
-    return;
+    return false;
   }
   *o = (fast_op_t){.fp = fp, .busy = true, .seq = rq->seq, .method = method};
   fp->busy++;
@@ -211,15 +227,35 @@ static void run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
     fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, &how,
                           fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
   }
+  return true;
+}
+
+/* Whether a ring's counters say what its producer and consumer can make: at most a ring's
+ * worth unread. A trainer writes one counter of each ring, and could claim billions. */
+static bool ring_is_sane(fsdp_fast_ring_t *ring, const char *which, fsdp_fastpath_t *fp) {
+  uint32_t unread = atomic_load_explicit(&ring->head, memory_order_acquire) -
+                    atomic_load_explicit(&ring->tail, memory_order_acquire);
+  if (unread <= FSDP_FASTPATH_ENTRIES)
+    return true;
+  snprintf(fp->misused, sizeof fp->misused,
+           "its fast path's %s ring claims %u unread entries, more than its %u: the trainer "
+           "forged its counters",
+           which, unread, FSDP_FASTPATH_ENTRIES);
+  return false;
 }
 
 /* Takes the trainer's requests while their replies are sure to find room (each operation in
  * flight, and each reply not yet read, holds one), and at most a ring's worth: the counters
  * are in the trainer's memory, and a trainer that forged them must not hold the loop that
- * serves every other session. Returns how many it took. */
-static unsigned take_requests(fsdp_fastpath_t *fp) {
+ * serves every other session. Returns how many it served (run), and counts the turn as
+ * fruitless when that is none: after FRUITLESS_TURNS_MAX in a row, or counters no trainer
+ * can make, fp->misused says why the session must end. */
+static unsigned take_requests(fsdp_fastpath_t *fp, bool rung) {
   fsdp_fast_region_t *region = fp->region;
-  unsigned taken = 0;
+  unsigned taken = 0, served = 0;
+  if (!ring_is_sane(&region->requests_ring, "request", fp) ||
+      !ring_is_sane(&region->replies_ring, "reply", fp))
+    return 0;
   for (; taken < FSDP_FASTPATH_ENTRIES; taken++) {
     uint32_t unread = atomic_load_explicit(&region->replies_ring.head, memory_order_relaxed) -
                       atomic_load_explicit(&region->replies_ring.tail, memory_order_acquire);
@@ -230,12 +266,32 @@ static unsigned take_requests(fsdp_fastpath_t *fp) {
       break;
     fsdp_fast_request_t rq = region->requests[slot]; /* a copy the trainer cannot change */
     fsdp_fast_ring_pop(&region->requests_ring);
-    if (rq.kind == FSDP_FAST_CANCEL)
-      cancel(fp, rq.seq);
-    else
-      run(fp, &rq);
+    if (rq.kind == FSDP_FAST_CANCEL ? cancel(fp, rq.seq) : run(fp, &rq))
+      served++;
   }
-  return taken;
+  if (served) {
+    fp->fruitless = 0;
+  } else if ((taken || rung) && ++fp->fruitless >= FRUITLESS_TURNS_MAX) {
+    snprintf(fp->misused, sizeof fp->misused,
+             "its fast path served nothing in %u turns in a row (doorbells with no request, "
+             "or requests refused): the trainer rings in a loop or forges its requests",
+             fp->fruitless);
+  }
+  return served;
+}
+
+/* A turn found the fast path misused: the session ends (its trainer sees its channel close,
+ * and later calls name the session as gone), which closes the fast path. Nothing of fp may
+ * be used after. */
+static bool end_if_misused(fsdp_fastpath_t *fp) {
+  if (!fp->misused[0])
+    return false;
+  log_warning("session %016llx (job '%s' local rank %u): %s; the session ends",
+              (unsigned long long)fp->session->id, fp->session->job, fp->session->local_rank,
+              fp->misused);
+  fsdp_services_context_t *ctx = fp->ctx;
+  ctx->lifecycle.end_session(ctx->lifecycle.data, fp->session, "its fast path was misused");
+  return true;
 }
 
 /* The trainer rang: it found the daemon not polling. */
@@ -245,16 +301,23 @@ static void on_doorbell(uv_poll_t *handle, int status, int events) {
   fsdp_fastpath_t *fp = handle->data;
   uint64_t rings;
   (void)!read(fp->daemon_bell, &rings, sizeof rings);
-  if (take_requests(fp) > 0)
+  unsigned served = take_requests(fp, true);
+  if (end_if_misused(fp))
+    return;
+  if (served > 0)
     keep_polling(fp);
 }
 
 /* One turn of the loop while it polls: takes what came, or ends the window. Ending it clears
  * daemon_polling, then looks once more: the fence pairs with the trainer's between its push
- * and its reading of the flag, so a request pushed meanwhile is either seen here or rung. */
+ * and its reading of the flag, so a request pushed meanwhile is either seen here or rung.
+ * Only turns that serve something keep the window open. */
 static void on_poll_turn(uv_idle_t *handle) {
   fsdp_fastpath_t *fp = handle->data;
-  if (take_requests(fp) > 0) {
+  unsigned served = take_requests(fp, false);
+  if (end_if_misused(fp))
+    return;
+  if (served > 0) {
     keep_polling(fp);
     return;
   }
@@ -263,7 +326,10 @@ static void on_poll_turn(uv_idle_t *handle) {
   uv_idle_stop(handle);
   atomic_store_explicit(&fp->region->daemon_polling, 0, memory_order_relaxed);
   atomic_thread_fence(memory_order_seq_cst);
-  if (take_requests(fp) > 0)
+  served = take_requests(fp, false);
+  if (end_if_misused(fp))
+    return;
+  if (served > 0)
     keep_polling(fp);
 }
 
@@ -338,6 +404,10 @@ int fsdp_fastpath_open(fsdp_services_context_t *ctx, fsdp_session_t *session, in
 void fsdp_fastpath_close(fsdp_fastpath_t *fp) {
   if (!fp)
     return;
+  if (fp->dropped > 1)
+    log_warning("session %016llx: %llu fast path replies dropped in all: the trainer consumed "
+                "none of them",
+                (unsigned long long)fp->session->id, (unsigned long long)fp->dropped);
   fsdp_status_t st;
   fsdp_status_set(&st, FSDP_E_ABORTED, "session %016llx ended", (unsigned long long)fp->session->id);
   for (size_t i = 0; i < FSDP_FASTPATH_ENTRIES; i++)

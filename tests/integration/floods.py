@@ -136,3 +136,79 @@ def silent_memory_connections_flood(path, n):
             for s in held:
                 s.close()
     return flood
+
+
+# A trainer misusing its fast path (proto/fastpath.h), as a process of its own (a Python loop
+# in a thread would hold the GIL the probes need): it attaches to a job of its own, opens its
+# memory channel and then, until the daemon closes the channel, either claims 2^31 requests
+# in its ring while it consumes every reply ("counters"), or rings the daemon's doorbell in a
+# loop ("doorbell"); then attaches again, until `seconds` pass. It prints its sessions and
+# rings at the end.
+_FAST_PATH_ABUSER = r"""
+import mmap, os, select, socket, struct, sys, time
+sys.path.append(sys.argv[2])
+import grpc
+from fsdp.v1 import trainer_pb2 as t, channel_pb2 as c
+sock_path, mode, seconds, version = sys.argv[1], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+stop = time.monotonic() + seconds
+ch = grpc.insecure_channel("unix:" + sock_path)
+attach = ch.unary_unary("/fsdp.v1.Trainer/Attach",
+                        request_serializer=t.AttachRequest.SerializeToString,
+                        response_deserializer=t.AttachReply.FromString)
+sessions = rings = 0
+while time.monotonic() < stop:
+    try:
+        r = attach(t.AttachRequest(protocol_version=version, job="abuser", local_rank=0,
+                                   local_world_size=1, pid=os.getpid()), timeout=5)
+    except grpc.RpcError:
+        time.sleep(0.01)
+        continue
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(r.memory_socket)
+    h = c.ChannelHello(protocol_version=version, session_id=r.session_id).SerializeToString()
+    s.send(struct.pack("<I", len(h)) + h + b"\0" * (4092 - len(h)))
+    msg, fds, _, _ = socket.recv_fds(s, 4096, 8)
+    w = c.ChannelWelcome.FromString(msg[4:4 + struct.unpack("<I", msg[:4])[0]])
+    region = mmap.mmap(fds[w.fast_path.memory], w.memories[w.fast_path.memory].bytes)
+    bell = fds[3]
+    sessions += 1
+    one = struct.pack("<Q", 1)
+    n = 0
+    while time.monotonic() < stop:
+        if mode == "counters":
+            tail = struct.unpack_from("<I", region, 128)[0]
+            struct.pack_into("<I", region, 64, (tail + (1 << 31)) & 0xffffffff)
+            struct.pack_into("<I", region, 256, struct.unpack_from("<I", region, 192)[0])
+            if not struct.unpack_from("<I", region, 320)[0]:
+                os.write(bell, one)
+                rings += 1
+        else:
+            os.write(bell, one)
+            rings += 1
+        n += 1
+        if n % 256 == 0 and select.select([s], [], [], 0)[0]:
+            break  # the daemon ended the session
+    region.close()
+    for fd in fds:
+        os.close(fd)
+    s.close()
+print(sessions, rings, flush=True)
+"""
+
+
+def fast_path_abuse_flood(d, mode, result=None):
+    """A flood(stop) running _FAST_PATH_ABUSER against daemon d in `mode` ("counters" or
+    "doorbell"); result, a list, receives (sessions, rings)."""
+    import subprocess
+    import sys
+
+    from fsdpd_harness import PROTOCOL_VERSION, PYTHON_GEN
+
+    def flood(stop):
+        seconds = max(0.0, stop - time.monotonic())
+        p = subprocess.run([sys.executable, "-c", _FAST_PATH_ABUSER, str(d.socket_path),
+                            str(PYTHON_GEN), mode, str(seconds), str(PROTOCOL_VERSION)],
+                           capture_output=True, text=True, timeout=seconds + 30)
+        if result is not None and p.stdout.split():
+            result.append(tuple(int(x) for x in p.stdout.split()))
+    return flood

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 import h2raw
-from floods import (half_headers, open_connections, rapid_reset_flood,
+from floods import (fast_path_abuse_flood, half_headers, open_connections, rapid_reset_flood,
                     repeated_call_flood)
 from fsdpd_harness import SERVING, fsdpd, health_pb2, poll, trainer_pb2  # noqa: F401
 from test_peers import Cluster, peers, token_args, wait_all_joined
@@ -345,3 +345,27 @@ def test_join_of_millions_of_entries_is_refused_before_decoding(fsdpd, tmp_path)
         assert "65536" in e.value.details(), e.value.details()
     assert d.rss_mb() - rss_before < RSS_GROWTH_MAX_MB
     d.assert_serving()
+
+
+@pytest.mark.parametrize("mode,why", [
+    ("counters", "its fast path's request ring claims 2147483648 unread entries, more than its "
+                 "64: the trainer forged its counters; the session ends"),
+    ("doorbell", "its fast path served nothing in 64 turns in a row (doorbells with no request, "
+                 "or requests refused): the trainer rings in a loop or forges its requests; the "
+                 "session ends")])
+def test_a_trainer_misusing_its_fast_path_loses_its_session(fsdpd, mode, why):
+    """Issue 29 item 3: a trainer claiming 2^31 requests in its fast path's ring (while it
+    consumed every reply), or ringing its doorbell in a loop, kept the loop polling or waking
+    (up to 90 % of a core) for as long as it went on, and other trainers' p99 went from 0.3 to
+    4.1 ms. Now its session ends, with a warning saying why, at once for counters no trainer
+    can make and after 64 turns in a row that served nothing; the abuser has to attach again
+    (floods.py's does), which is what it costs, and the daemon keeps serving."""
+    d = fsdpd(env=DAEMON_ENV)
+    rss_before = d.rss_mb()
+    result = []
+    failures, peak = under_flood(d, fast_path_abuse_flood(d, mode, result), 3)
+    assert_kept_serving(d, failures, peak, rss_before)
+    assert result and result[0][0] >= 2, f"the abuser's (sessions, rings): {result}"
+    log = d.stderr()
+    assert f"(job 'abuser' local rank 0): {why}" in log
+    assert "ended: its fast path was misused" in log

@@ -123,9 +123,9 @@ time.sleep(60)
 
 def test_a_forged_fast_path_cannot_hold_the_daemon(fsdpd):
     """The fast path's ring counters are in the trainer's memory. A trainer that claims two
-    billion requests gets at most a ring's worth read per doorbell, each answered as what it
-    is (not a unit operation), and every other caller is served meanwhile; the daemon's
-    polling of the ring ends with its window, the unread replies filling the ring."""
+    billion requests read up to a ring's worth per turn, for as long as it went on; now its
+    session ends at the first look, with a warning saying why, and every other caller is
+    served meanwhile."""
     d = fsdpd()
     a = attach(d, 0, world=1)
     s, w, fds = hello(a.memory_socket, a.session_id)
@@ -133,14 +133,48 @@ def test_a_forged_fast_path_cannot_hold_the_daemon(fsdpd):
     region = mmap.mmap(fds[w.fast_path.memory], w.memories[w.fast_path.memory].bytes)
     struct.pack_into("<I", region, 64, 1 << 31)  # the request ring's head
     os.write(fds[3], struct.pack("<Q", 1))         # the daemon's doorbell
+    assert closed_by_daemon(s)
     d.assert_serving()
-    # The replies: one per request read, until the unread replies fill the ring.
-    poll(lambda: struct.unpack_from("<I", region, 192)[0] == 64, 5, what="64 replies")
-    poll(lambda: struct.unpack_from("<I", region, 320)[0] == 0, 5, what="daemon_polling 0")
-    reply = 448 + 64 * 24  # the first reply: after the header, rings, flags and requests
-    seq, code = struct.unpack_from("<Qi", region, reply)
-    message = region[reply + 40:reply + 40 + 200].split(b"\0")[0].decode()
-    assert (seq, code) == (0, -5001) and "request kind 0 is not a unit operation" in message
+    assert not sessions(d)
+    assert (f"session {a.session_id:016x} (job 'j' local rank 0): its fast path's request ring "
+            "claims 2147483648 unread entries, more than its 64: the trainer forged its "
+            "counters; the session ends") in d.stderr()
+    assert struct.unpack_from("<I", region, 192)[0] == 0  # nothing was read, nor answered
+    region.close()
+    for fd in fds:
+        os.close(fd)
+    s.close()
+
+
+def test_dropped_fast_path_replies_are_logged_once_with_their_count(fsdpd):
+    """Replies that find no room in the ring (a trainer that says it read none) were logged
+    one line each: tens of thousands of lines. Now the first is logged, and the count when
+    the session ends."""
+    from test_unshard import Rank
+    d = fsdpd()
+    a = attach(d, 0, world=2)
+    s, w, fds = hello(a.memory_socket, a.session_id)
+    other = Rank(d, 1, 2)
+    unit_id = d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
+        session_id=a.session_id, unit="u", strategy=1, param_dtype=1,
+        params=[trainer_pb2.ParamSpec(name="p0", shape=[37, 11], dtype=1)]),
+        trainer_pb2.RegisterUnitReply).unit_id
+    other.register()
+    region = mmap.mmap(fds[w.fast_path.memory], w.memories[w.fast_path.memory].bytes)
+    for seq in range(5):  # five Unshards of step 1, waiting for rank 1
+        struct.pack_into("<QQIBBBB", region, 448 + seq * 24, seq, 1, unit_id, 1, 0, 0, 0)
+    struct.pack_into("<I", region, 64, 5)
+    os.write(fds[3], struct.pack("<Q", 1))
+    poll(lambda: struct.unpack_from("<I", region, 128)[0] == 5, 5, what="the requests taken")
+    struct.pack_into("<I", region, 256, (0 - 64) & 0xffffffff)  # "64 replies unread"
+    other.op("Unshard", step=1)  # the gather runs: five replies find no room
+    d.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=a.session_id),
+           trainer_pb2.DetachReply)
+    log = d.stderr()
+    assert log.count("fast path reply to") == 1, log
+    assert (f"session {a.session_id:016x}: 5 fast path replies dropped in all: the trainer "
+            "consumed none of them") in log
+    d.assert_serving()
     region.close()
     for fd in fds:
         os.close(fd)
