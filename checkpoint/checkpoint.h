@@ -143,6 +143,13 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
  * jobs' are left; links are removed as links, never followed. */
 void fsdp_checkpoint_remove_unfinished(const char *dir, const char *job);
 
+/* The newest complete checkpoint of job under dir (a directory of step directories), of
+ * uid's only unless uid is NULL: its step directory into *ret_path (size bytes) and its
+ * step, from the manifests alone, which are small (so that the loop may decide on it; the
+ * checkpoint is checked whole when it is loaded). NOT_FOUND without one. */
+int fsdp_checkpoint_find(const char *dir, const char *job, const uint64_t *uid, char *ret_path,
+                         size_t size, uint64_t *ret_step, fsdp_status_t *st);
+
 /* A checkpoint open for reading: its metadata, and its blocks checked as they are read. */
 typedef struct fsdp_checkpoint_reader fsdp_checkpoint_reader_t;
 

@@ -2,6 +2,7 @@
 #include "checkpoint/files.h"
 
 #include <dirent.h>
+#include <inttypes.h>
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -194,14 +195,41 @@ int steps_descending(const void *a, const void *b) {
   return x < y ? 1 : x > y ? -1 : 0;
 }
 
-bool newest_step(int dirfd, const char *job, uint64_t *ret) {
-  size_t n = complete_steps(dirfd, job, NULL, 0);
+/* newest_step, of uid's only where uid is not NULL. */
+static bool newest_where(int dirfd, const char *job, const uint64_t *uid, uint64_t *ret) {
+  size_t n = steps_where(dirfd, job, uid, NULL, 0);
   uint64_t *steps = n ? malloc(n * sizeof *steps) : NULL;
-  n = steps ? complete_steps(dirfd, job, steps, n) : 0;
+  n = steps ? steps_where(dirfd, job, uid, steps, n) : 0;
   for (size_t i = 1; i < n; i++)
     steps[0] = steps[i] > steps[0] ? steps[i] : steps[0];
   if (n)
     *ret = steps[0];
   free(steps);
   return n > 0;
+}
+
+bool newest_step(int dirfd, const char *job, uint64_t *ret) {
+  return newest_where(dirfd, job, NULL, ret);
+}
+
+int fsdp_checkpoint_find(const char *dir, const char *job, const uint64_t *uid, char *ret_path,
+                         size_t size, uint64_t *ret_step, fsdp_status_t *st) {
+  int fd = fsdp_dir_open(dir, false, 0);
+  if (fd == -ENOENT)
+    return fsdp_status_set(st, FSDP_E_NOT_FOUND, "checkpoint: no directory %s", dir);
+  if (fd < 0)
+    return io_failed(st, "opening", dir, -fd);
+  uint64_t step;
+  bool found = newest_where(fd, job, uid, &step);
+  close(fd);
+  if (!found)
+    return fsdp_status_set(st, FSDP_E_NOT_FOUND,
+                           "checkpoint: no complete checkpoint of job '%s'%s in %s", job,
+                           uid ? " of its uid" : "", dir);
+  char name[32];
+  snprintf(name, sizeof name, "step-%" PRIu64, step);
+  if (!join(ret_path, size, dir, "/", name))
+    return io_failed(st, "naming", dir, ENAMETOOLONG);
+  *ret_step = step;
+  return 0;
 }

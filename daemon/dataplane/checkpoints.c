@@ -490,9 +490,10 @@ static void job_starts(void *ctx, fsdp_job_t *job) {
     fsdp_checkpoint_remove_unfinished(dir, job->name);
   if (!cp->resume)
     return;
-  fsdp_checkpoint_reader_t *r;
+  char from[PATH_MAX];
+  uint64_t uid = job->owner.uid, step;
   fsdp_status_t st;
-  if (fsdp_checkpoint_open(dir, job->name, &r, &st) < 0) {
+  if (fsdp_checkpoint_find(dir, job->name, &uid, from, sizeof from, &step, &st) < 0) {
     if (st.code == FSDP_E_NOT_FOUND) {
       log_info("job '%s': nothing to resume from in %s: it starts anew", job->name, dir);
       return;
@@ -501,10 +502,9 @@ static void job_starts(void *ctx, fsdp_job_t *job) {
     job->resume_from = strdup(dir);
     return;
   }
-  job->resume_from = strdup(fsdp_checkpoint_path(r));
-  job->resume_step = fsdp_checkpoint_step(r);
+  job->resume_from = strdup(from);
+  job->resume_step = step;
   job->checkpointed_step = job->resume_step; /* the schedule does not save it again */
-  fsdp_checkpoint_close(r);
   if (job->resume_from)
     log_info("job '%s': resumes from %s, after step %llu, at its first gather", job->name,
              job->resume_from, (unsigned long long)job->resume_step);
