@@ -28,7 +28,7 @@
 #define POLL_WINDOW_NS 50000
 
 /* Turns in a row (doorbells, and turns of the polling that took requests) that served
- * nothing before the session ends. A trainer rings only after it pushed a request, and its
+ * nothing before the session's fast path stops. A trainer rings only after it pushed a request, and its
  * requests are unit operations of its own units, so it makes at most one or two in a row
  * (a ring that races the polling's last look); one that rings in a loop, or forges
  * requests, would otherwise hold the loop that serves every other session. */
@@ -58,7 +58,8 @@ struct fsdp_fastpath {
   unsigned open_handles;  /* the last one's close callback frees the fast path */
   unsigned busy; /* ops in flight */
   unsigned fruitless; /* turns in a row that served nothing */
-  char misused[160]; /* why the session ends, set by a turn; empty while it is used right */
+  char misused[160]; /* why the fast path stops, set by a turn; empty while used right */
+  bool stopped;      /* misused: neither the doorbell nor the ring is looked at again */
   uint64_t dropped; /* replies that found no room, logged the first time and at the end */
   fast_op_t ops[FSDP_FASTPATH_ENTRIES];
 };
@@ -67,7 +68,7 @@ static void on_poll_turn(uv_idle_t *handle);
 
 /* Polls the request ring for POLL_WINDOW_NS from now, and says so to the trainer. */
 static void keep_polling(fsdp_fastpath_t *fp) {
-  if (!fp->polls)
+  if (!fp->polls || fp->stopped)
     return;
   fp->poll_until_ns = fsdp_clock_now_ns() + POLL_WINDOW_NS;
   if (uv_is_active((uv_handle_t *)&fp->idle))
@@ -249,7 +250,7 @@ static bool ring_is_sane(fsdp_fast_ring_t *ring, const char *which, fsdp_fastpat
  * are in the trainer's memory, and a trainer that forged them must not hold the loop that
  * serves every other session. Returns how many it served (run), and counts the turn as
  * fruitless when that is none: after FRUITLESS_TURNS_MAX in a row, or counters no trainer
- * can make, fp->misused says why the session must end. */
+ * can make, fp->misused says why the fast path must stop. */
 static unsigned take_requests(fsdp_fastpath_t *fp, bool rung) {
   fsdp_fast_region_t *region = fp->region;
   unsigned taken = 0, served = 0;
@@ -280,17 +281,23 @@ static unsigned take_requests(fsdp_fastpath_t *fp, bool rung) {
   return served;
 }
 
-/* A turn found the fast path misused: the session ends (its trainer sees its channel close,
- * and later calls name the session as gone), which closes the fast path. Nothing of fp may
- * be used after. */
-static bool end_if_misused(fsdp_fastpath_t *fp) {
+/* A turn found the fast path misused: it stops for good, its doorbell and ring no longer
+ * looked at, so that the trainer costs the loop nothing more; the session goes on through
+ * gRPC, which has limits of its own (ending it instead let an abuser attach again, each
+ * time at the cost of an Attach and its log lines). Operations in flight still answer. */
+static bool stop_if_misused(fsdp_fastpath_t *fp) {
   if (!fp->misused[0])
     return false;
-  log_warning("session %016llx (job '%s' local rank %u): %s; the session ends",
+  if (fp->stopped)
+    return true;
+  log_warning("session %016llx (job '%s' local rank %u): %s; its fast path stops (the session "
+              "goes on through gRPC)",
               (unsigned long long)fp->session->id, fp->session->job, fp->session->local_rank,
               fp->misused);
-  fsdp_services_context_t *ctx = fp->ctx;
-  ctx->lifecycle.end_session(ctx->lifecycle.data, fp->session, "its fast path was misused");
+  fp->stopped = true;
+  uv_poll_stop(&fp->poll);
+  uv_idle_stop(&fp->idle);
+  atomic_store_explicit(&fp->region->daemon_polling, 0, memory_order_relaxed);
   return true;
 }
 
@@ -302,7 +309,7 @@ static void on_doorbell(uv_poll_t *handle, int status, int events) {
   uint64_t rings;
   (void)!read(fp->daemon_bell, &rings, sizeof rings);
   unsigned served = take_requests(fp, true);
-  if (end_if_misused(fp))
+  if (stop_if_misused(fp))
     return;
   if (served > 0)
     keep_polling(fp);
@@ -315,7 +322,7 @@ static void on_doorbell(uv_poll_t *handle, int status, int events) {
 static void on_poll_turn(uv_idle_t *handle) {
   fsdp_fastpath_t *fp = handle->data;
   unsigned served = take_requests(fp, false);
-  if (end_if_misused(fp))
+  if (stop_if_misused(fp))
     return;
   if (served > 0) {
     keep_polling(fp);
@@ -327,7 +334,7 @@ static void on_poll_turn(uv_idle_t *handle) {
   atomic_store_explicit(&fp->region->daemon_polling, 0, memory_order_relaxed);
   atomic_thread_fence(memory_order_seq_cst);
   served = take_requests(fp, false);
-  if (end_if_misused(fp))
+  if (stop_if_misused(fp))
     return;
   if (served > 0)
     keep_polling(fp);

@@ -140,10 +140,10 @@ def silent_memory_connections_flood(path, n):
 
 # A trainer misusing its fast path (proto/fastpath.h), as a process of its own (a Python loop
 # in a thread would hold the GIL the probes need): it attaches to a job of its own, opens its
-# memory channel and then, until the daemon closes the channel, either claims 2^31 requests
-# in its ring while it consumes every reply ("counters"), or rings the daemon's doorbell in a
-# loop ("doorbell"); then attaches again, until `seconds` pass. It prints its sessions and
-# rings at the end.
+# memory channel and then, for `seconds`, either claims 2^31 requests in its ring while it
+# consumes every reply ("counters"), or rings the daemon's doorbell in a loop ("doorbell"),
+# attaching again whenever the daemon closes the channel. It prints its sessions and rings at
+# the end.
 _FAST_PATH_ABUSER = r"""
 import mmap, os, select, socket, struct, sys, time
 sys.path.append(sys.argv[2])
