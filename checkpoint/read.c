@@ -225,17 +225,23 @@ static int check_params(const meta_file_t *f, json_object *m, const fsdp_checkpo
                  NAME_MAX_BYTES);
     json_object *shape = json_array_at(p, "shape");
     size_t ndim = shape ? json_object_array_length(shape) : 0;
-    uint64_t offset, numel = 1;
+    uint64_t offset, nonzero = 1;
+    bool empty = false;
     if (!shape || ndim > PARAM_DIMS_MAX)
       return bad(f, "parameter '%s': key 'shape' is missing or not an array of at most %d "
                  "dimensions", name, PARAM_DIMS_MAX);
+    /* As the daemon registers them: the nonzero dimensions' product within a unit's limit,
+     * so that a zero hides no dimension no tensor could have ([2^63, 0]). */
     for (size_t d = 0; d < ndim; d++) {
       uint64_t dim;
       if (!dim_at(shape, d, &dim))
         return bad(f, "parameter '%s': 'shape'[%zu] is not an integer in [0, 2^63)", name, d);
-      if (__builtin_mul_overflow(numel, dim, &numel))
-        return bad(f, "parameter '%s': the product of 'shape' overflows", name);
+      empty |= dim == 0;
+      if (dim && (__builtin_mul_overflow(nonzero, dim, &nonzero) || nonzero > UNIT_NUMEL_MAX))
+        return bad(f, "parameter '%s': the product of the nonzero dimensions of 'shape' is "
+                   "past the %" PRIu64 " elements a unit may have", name, UNIT_NUMEL_MAX);
     }
+    uint64_t numel = empty ? 0 : nonzero;
     if (!json_u64_at(p, "offset", &offset))
       return bad(f, "parameter '%s': key 'offset' is missing or not a non-negative integer",
                  name);

@@ -211,7 +211,8 @@ static void test_host_file_values_of_the_wrong_type_or_size(void **state) {
       {"units.0.params.0.shape.0", "\"a\"", "'shape'[0]"},
       {"units.0.params.0.shape.0", "9223372036854775808", "'shape'[0]"},
       {"units.0.params.0.shape",
-       "[4294967296, 4294967296, 4294967296]", "the product of 'shape' overflows"},
+       "[4294967296, 4294967296, 4294967296]", "the nonzero dimensions of 'shape' is past"},
+      {"units.0.params.0.shape", "[9223372036584775808, 0]", "nonzero dimensions"},
       {"units.0.params.0.shape", "[3, 3]", "lie past the unit's 6 ('numel')"},
       {"units.0.params.0.shape",
        "[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,"
