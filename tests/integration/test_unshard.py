@@ -323,7 +323,7 @@ def test_other_strategies_shard_over_the_host(fsdpd, strategy):
 
 
 def test_status_shows_each_jobs_memory(fsdpd):
-    d = fsdpd("--set", "memory.job_limit=64MiB")
+    d = fsdpd("--set", "memory.job_limit=64MiB", "--set", "memory.limit=8GiB")
     r = Rank(d, 0, 1, job="llama")
     lay = r.register(shapes=((1024, 1024),))
     st = d.status()

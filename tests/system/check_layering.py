@@ -19,7 +19,7 @@ import sys
 # Bottom to top: a folder may use the ones it names, each of them lower.
 LAYERS = {
     'common': [],
-    'proto': ['common'],
+    'proto': ['common', 'proto/limits.h'],
     # Plain constants both sides agree on, apart from the gRPC side of proto/.
     'proto/limits.h': [],
     # The byte formats between the data planes, apart from gRPC and protobuf.
