@@ -185,20 +185,26 @@ void fsdp_checkpoint_close(fsdp_checkpoint_reader_t *r) {
   free(r);
 }
 
+/* Host h's .bin as messages name it: "<step directory>/host-<h>.bin". */
+static void bin_path(const fsdp_checkpoint_reader_t *r, unsigned h, char *buf, size_t size) {
+  snprintf(buf, size, "%s/host-%u.bin", r->path, h);
+}
+
 /* Host h's .bin, open, and its size. */
 static int open_bin(fsdp_checkpoint_reader_t *r, unsigned h, fsdp_status_t *st) {
-  char name[32];
+  char name[32], path[PATH_MAX + 32];
   host_file(name, sizeof name, h, "bin");
+  bin_path(r, h, path, sizeof path);
   int fd = fsdp_file_open_at(r->step_fd, name, O_RDONLY, 0);
   if (fd == -ENOENT || fd == -ELOOP || fd == -FSDP_ENOTREG)
-    return fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s/%s is %s", r->path, name,
+    return fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint %s is %s", path,
                            fd == -ENOENT ? "missing" : fsdp_dirs_strerror(-fd));
   if (fd < 0)
-    return io_failed(st, "opening", name, -fd);
+    return io_failed(st, "opening", path, -fd);
   r->bin_fds[h] = fd;
   struct stat s;
   if (fstat(fd, &s) < 0)
-    return io_failed(st, "reading", name, errno);
+    return io_failed(st, "reading", path, errno);
   r->bin_bytes[h] = (uint64_t)s.st_size;
   return 0;
 }
@@ -573,20 +579,20 @@ uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *r, size
  * it between chunks. */
 static int read_at(fsdp_checkpoint_reader_t *r, unsigned h, uint64_t offset, void *dst,
                    size_t n, fsdp_status_t *st) {
-  char name[32];
-  host_file(name, sizeof name, h, "bin");
+  char path[PATH_MAX + 32];
+  bin_path(r, h, path, sizeof path);
   for (size_t done = 0; done < n;) {
     if (r->stopping && atomic_load(r->stopping) == FSDP_CHECKPOINT_ABANDON)
-      return io_failed(st, "reading", r->path, ECANCELED);
+      return io_failed(st, "reading", path, ECANCELED);
     size_t want = n - done < IO_CHUNK ? n - done : IO_CHUNK;
     ssize_t got = pread(r->bin_fds[h], (char *)dst + done, want, (off_t)(offset + done));
     if (got < 0 && errno == EINTR)
       continue;
     if (got <= 0)
-      return got < 0 ? io_failed(st, "reading", name, errno)
+      return got < 0 ? io_failed(st, "reading", path, errno)
                      : fsdp_status_set(st, FSDP_E_DATA_LOSS,
-                                       "checkpoint %s/%s ends at byte %" PRIu64 ", before %" PRIu64,
-                                       r->path, name, offset + done, offset + n);
+                                       "checkpoint %s ends at byte %" PRIu64 ", before %" PRIu64,
+                                       path, offset + done, offset + n);
     done += (size_t)got;
   }
   return 0;
