@@ -6,7 +6,7 @@
 #include <stdlib.h>
 
 #include "checkpoint/checkpoint.h"
-#include "checkpoint_files.h"
+#include "tests/fuzz/checkpoint_files.h"
 
 /* Elements read per call, as a load or an export reads them: a few chunks of a unit. */
 #define READ_ELEMS 4096

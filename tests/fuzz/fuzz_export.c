@@ -11,7 +11,7 @@
 
 #include <json-c/json.h>
 
-#include "checkpoint_files.h"
+#include "tests/fuzz/checkpoint_files.h"
 #include "fsdpctl/export.h"
 #include "kernels/kernels.h"
 
