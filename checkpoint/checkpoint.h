@@ -146,7 +146,9 @@ void fsdp_checkpoint_remove_unfinished(const char *dir, const char *job);
 /* The newest complete checkpoint of job under dir (a directory of step directories), of
  * uid's only unless uid is NULL: its step directory into *ret_path (size bytes) and its
  * step, from the manifests alone, which are small (so that the loop may decide on it; the
- * checkpoint is checked whole when it is loaded). NOT_FOUND without one. */
+ * checkpoint is checked whole when it is loaded). NOT_FOUND without one; DATA_LOSS naming a
+ * step directory above the newest whose manifest cannot be read, that directory then in
+ * *ret_path (a damaged newest checkpoint is never passed over for an older one). */
 int fsdp_checkpoint_find(const char *dir, const char *job, const uint64_t *uid, char *ret_path,
                          size_t size, uint64_t *ret_step, fsdp_status_t *st);
 

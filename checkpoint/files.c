@@ -212,6 +212,35 @@ bool newest_step(int dirfd, const char *job, uint64_t *ret) {
   return newest_where(dirfd, job, NULL, ret);
 }
 
+/* A step directory under dirfd above `above` (all of them, with none found) whose manifest
+ * cannot be read: DATA_LOSS naming it, so that a damaged newest checkpoint is not passed
+ * over for an older one without a word. 0 when there is none. */
+static int damaged_above(int dirfd, const char *dir, bool none, uint64_t above,
+                         char *ret_name, size_t size, fsdp_status_t *st) {
+  DIR *d = fsdp_dir_list(dirfd);
+  int code = 0;
+  for (struct dirent *e; code == 0 && d && (e = readdir(d));) {
+    uint64_t step;
+    if (!parse_step_name(e->d_name, "", &step) || (!none && step <= above))
+      continue;
+    int step_fd = fsdp_dir_open_at(dirfd, e->d_name, false, 0, NULL);
+    manifest_t m;
+    fsdp_status_t why;
+    if (step_fd < 0)
+      code = fsdp_status_set(st, FSDP_E_DATA_LOSS, "checkpoint: %s/%s is %s", dir, e->d_name,
+                             fsdp_dirs_strerror(-step_fd));
+    else if (read_manifest(step_fd, e->d_name, &m, &why) < 0 && why.code != FSDP_E_NOT_FOUND)
+      code = fsdp_status_set(st, FSDP_E_DATA_LOSS, "%s (in %s)", why.message, dir);
+    if (step_fd >= 0)
+      close(step_fd);
+    if (code < 0)
+      snprintf(ret_name, size, "%s", e->d_name);
+  }
+  if (d)
+    closedir(d);
+  return code;
+}
+
 int fsdp_checkpoint_find(const char *dir, const char *job, const uint64_t *uid, char *ret_path,
                          size_t size, uint64_t *ret_step, fsdp_status_t *st) {
   int fd = fsdp_dir_open(dir, false, 0);
@@ -219,14 +248,19 @@ int fsdp_checkpoint_find(const char *dir, const char *job, const uint64_t *uid, 
     return fsdp_status_set(st, FSDP_E_NOT_FOUND, "checkpoint: no directory %s", dir);
   if (fd < 0)
     return io_failed(st, "opening", dir, -fd);
-  uint64_t step;
+  uint64_t step = 0;
   bool found = newest_where(fd, job, uid, &step);
+  char name[NAME_MAX + 1];
+  int damaged = damaged_above(fd, dir, !found, step, name, sizeof name, st);
   close(fd);
+  if (damaged < 0) {
+    join(ret_path, size, dir, "/", name);
+    return damaged;
+  }
   if (!found)
     return fsdp_status_set(st, FSDP_E_NOT_FOUND,
                            "checkpoint: no complete checkpoint of job '%s'%s in %s", job,
                            uid ? " of its uid" : "", dir);
-  char name[32];
   snprintf(name, sizeof name, "step-%" PRIu64, step);
   if (!join(ret_path, size, dir, "/", name))
     return io_failed(st, "naming", dir, ENAMETOOLONG);

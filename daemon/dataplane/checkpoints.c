@@ -499,7 +499,8 @@ static void job_starts(void *ctx, fsdp_job_t *job) {
       return;
     }
     log_error("job '%s': cannot resume: %s", job->name, st.message);
-    job->resume_from = strdup(dir);
+    /* Loaded all the same at the first gather, which fails naming why. */
+    job->resume_from = strdup(st.code == FSDP_E_DATA_LOSS ? from : dir);
     return;
   }
   job->resume_from = strdup(from);

@@ -192,6 +192,25 @@ def test_a_daemon_resuming_from_a_hostile_newest_step_starts_and_names_it(fsdpd,
     assert again.running()
 
 
+def test_a_damaged_newest_manifest_is_named_not_passed_over(fsdpd, tmp_path):
+    """checkpoint.resume = latest with the newest step's manifest damaged: the job does not
+    start anew (nor from an older step) without a word; its first gather fails naming the
+    manifest."""
+    options = ("--set", f"checkpoint.dir={tmp_path}", "--set", "checkpoint.resume=latest")
+    d = fsdpd(*options)
+    trained(d)
+    d.stop()
+    (tmp_path / "j" / "step-1" / "manifest.json").write_text('{"format": 1, "job": ')
+    again = fsdpd(*options, name="again")
+    ranks = [Rank(again, r, 2) for r in range(2)]
+    for r in ranks:
+        r.register(shapes=((4, 3), (5,)), requires_grad=True)
+    for e in on_all(ranks, "Unshard", step=2):
+        assert e is not None and "cannot resume" in e.details(), e
+        assert "step-1/manifest.json is not JSON" in e.details(), e.details()
+    assert again.running()
+
+
 def export(step_dir, out):
     return run_fsdpctl("export", step_dir, "--out", out, timeout=DEADLINE_S)
 
