@@ -17,9 +17,12 @@ all: build
 setup:
 	@scripts/setup.sh
 
-# What the tests need beyond the build (Python, grpcio, PyTorch, systemd's tools).
+# What the tests need beyond the build: systemd's tools and python3-venv from Debian, then
+# .venv/ with python/requirements-test.txt (grpcio, protobuf, pytest, PyTorch 2.13).
+PYTHON = .venv/bin/python
 setup-test:
 	@scripts/setup.sh --test
+	@scripts/venv.sh
 
 build: setup
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_WERROR=$(FSDP_WERROR) $(CMAKE_ARGS) >/dev/null
@@ -49,13 +52,13 @@ clean:
 # the loss per step, then fsdpctl status and units.
 .PHONY: demo
 demo: setup-test build
-	/usr/bin/python3 examples/demo.py --build $(BUILD)
+	$(PYTHON) examples/demo.py --build $(BUILD)
 
 # A training step and its host memory, fsdpd against PyTorch DDP over gloo, L = 2 and 4
 # (bench/train_bench.py; results in docs/PERFORMANCE.md). `make bench` covers the daemon alone.
 .PHONY: bench-train
 bench-train: setup-test build
-	/usr/bin/python3 bench/train_bench.py --build $(BUILD)
+	$(PYTHON) bench/train_bench.py --build $(BUILD)
 
 # The same against the FSDP memory model: a 24-block model at L = 2, 4 and 8, the medians of
 # three runs, with fsdpd's bytes against 16P + the units in flight and the share of its step
@@ -64,18 +67,18 @@ bench-train: setup-test build
 # and on) on shards of 1, 16 and 256 MiB (bench/optim_torch.py; results in docs/PERFORMANCE.md).
 .PHONY: bench-optim
 bench-optim: setup-test build
-	/usr/bin/python3 bench/optim_torch.py --build $(BUILD)
+	$(PYTHON) bench/optim_torch.py --build $(BUILD)
 
 .PHONY: bench-train-memory
 bench-train-memory: setup-test build
-	/usr/bin/python3 bench/train_bench.py --build $(BUILD) --model blocks24 --ranks 2 4 8 \
+	$(PYTHON) bench/train_bench.py --build $(BUILD) --model blocks24 --ranks 2 4 8 \
 	  --repeat 3 --steps 10 --warmup 2
 
 # Status, a health Check and a trainer's Unshard under each flood a local user can send, against
 # the same calls without it in the same run (bench/flood_bench.py; results in docs/PERFORMANCE.md).
 .PHONY: bench-floods
 bench-floods: setup-test build
-	/usr/bin/python3 bench/flood_bench.py --build $(BUILD)
+	$(PYTHON) bench/flood_bench.py --build $(BUILD)
 
 # The ring collectives between hosts, timed between member processes on this machine over
 # UCX tcp and shared memory, against ucx_perftest and OpenMPI (bench/ucx_bench.c; results in

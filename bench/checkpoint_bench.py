@@ -1,7 +1,7 @@
 """Checkpoint save and load through fsdpd against a sequential write and read of the same
 bytes on the same filesystem, in one run (docs/PERFORMANCE.md).
 
-    /usr/bin/python3 bench/checkpoint_bench.py [--dir DIR] [--mib 256] [--runs 3]
+    .venv/bin/python bench/checkpoint_bench.py [--dir DIR] [--mib 256] [--runs 3]
 
 Starts fsdpd (FSDP_BUILD_DIR's) and attaches one trainer with one unit of --mib MiB of fp32
 masters and the daemon's AdamW (two state arrays: 3x the masters on disk), trained one step

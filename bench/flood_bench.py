@@ -1,7 +1,7 @@
 """Callers' latency under the floods a local user can send at fsdpd, against the same calls
 measured without a flood in the same run.
 
-    /usr/bin/python3 bench/flood_bench.py [--build build] [--rounds 3] [--seconds 2]
+    .venv/bin/python bench/flood_bench.py [--build build] [--rounds 3] [--seconds 2]
 
 For each flood the bench starts a fresh fsdpd (two, peering with a token, for the peer-port
 flood) from the build dir, with two trainer ranks attached (a job of 2 local ranks, one unit

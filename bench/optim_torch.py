@@ -1,6 +1,6 @@
 """The daemon's AdamW step against torch.optim.AdamW on shards of the same sizes, in one run.
 
-    /usr/bin/python3 bench/optim_torch.py [--build build] [--sizes 1,16,256] [--runs 7]
+    .venv/bin/python bench/optim_torch.py [--build build] [--sizes 1,16,256] [--runs 7]
 
 Runs build/bin/fsdp-optim-bench (the kernel of kernels/optim.h with 1 thread and with every
 CPU, and a pass of AdamW's memory traffic: 16 bytes read and 12 written per element), then

@@ -1,6 +1,6 @@
 """Training step and host memory: fsdpd (fsdpd.torch.shard_model) against PyTorch DDP over gloo.
 
-    /usr/bin/python3 bench/train_bench.py [--build build] [--ranks 2 4] [--model bench|blocks24]
+    .venv/bin/python bench/train_bench.py [--build build] [--ranks 2 4] [--model bench|blocks24]
                                           [--max-inflight 2] [--param-dtype fp32|bf16]
                                           [--repeat 1] [--steps 20] [--warmup 3]
                                           [--daemon-optimizer] [--checkpoint-every N]
@@ -119,7 +119,7 @@ import time
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
-PYTHON = "/usr/bin/python3"  # Debian's, with python3-torch
+PYTHON = sys.executable  # .venv/bin/python, with torch (scripts/venv.sh)
 JOB = "bench"
 MiB = 1024 * 1024
 

@@ -1,7 +1,7 @@
 """make demo: start an fsdpd, train the small transformer with L trainer processes through
 it, show what the daemon holds, and stop everything.
 
-    /usr/bin/python3 examples/demo.py [--build build] [--ranks 2] [--steps 30] [--timeout 300]
+    .venv/bin/python examples/demo.py [--build build] [--ranks 2] [--steps 30] [--timeout 300]
                                       [train.py options: --lr 0.01 --global-batch 8 ...]
 
 The daemon runs on a fresh run dir under $TMPDIR with its TCP health port disabled, so it
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
-PYTHON = "/usr/bin/python3"  # Debian's, with python3-torch
+PYTHON = sys.executable  # .venv/bin/python, with torch (scripts/venv.sh)
 JOB = "demo"
 
 

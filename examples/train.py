@@ -7,7 +7,7 @@ Environment (as torchrun sets it, plus fsdpd's own):
   FSDPD_LIB                      libfsdp.so, when not in the default build tree (build/lib)
 
     PYTHONPATH=python FSDPD_SOCKET=run/fsdpd.sock FSDPD_JOB=demo LOCAL_RANK=0 \
-        LOCAL_WORLD_SIZE=2 /usr/bin/python3 examples/train.py --steps 30 &
+        LOCAL_WORLD_SIZE=2 .venv/bin/python examples/train.py --steps 30 &
     ... the same with LOCAL_RANK=1 ...
 
 Every rank builds the same model (same seed), hands it to fsdpd.torch.shard_model with one

@@ -18,10 +18,8 @@ for arg in "$@"; do
   case "$arg" in
     --test)
       packages+=(
-        python3-grpcio python3-protobuf python3-pytest # integration tests, as a scheduler's probe
-        python3-torch                                  # the Python package's PyTorch tests
-        python3-venv                                   # pip install ./python into a fresh venv
-        systemd                                        # systemd-analyze verify of the unit
+        python3-venv   # .venv/ (scripts/venv.sh): the tests' grpcio, protobuf, pytest, torch
+        systemd        # systemd-analyze verify of the unit
       )
       ;;
     --bench)

@@ -17,8 +17,8 @@ Why the generated modules are imported the way they are: build/python-gen holds 
 `grpc/health/v1` folder that would shadow the grpcio package if imported as `grpc.health`,
 so health_pb2 is imported from its own folder as a top-level module.
 
-Run with /usr/bin/python3 (Debian's, which has python3-grpcio); CTest sets FSDP_BUILD_DIR
-and FSDP_SOURCE_DIR.
+Run with the project's .venv/bin/python (scripts/venv.sh: grpcio, protobuf, pytest, torch);
+CTest sets FSDP_BUILD_DIR and FSDP_SOURCE_DIR.
 """
 
 import os

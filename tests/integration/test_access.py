@@ -38,13 +38,18 @@ DAEMON_GID = os.getegid()  # the daemon runs as we do: its group lets a user ont
 SHAPES = ((5, 7), (3,))
 DETACH = "/fsdp.v1.Trainer/Detach"
 HERE = Path(__file__).resolve().parent
+# The other users' interpreter: the one the tests' environment was made from, which they may
+# run (the environment's own lies in the clone); _world_readable gives it grpcio and protobuf.
+OTHER_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
 
 @functools.lru_cache(maxsize=None)
 def _world_readable():
     """A copy, under a directory every user may traverse, of what the other users' processes
-    run: this folder's modules, the generated protobuf modules and fsdpctl. A clone under a
-    home directory of mode 0700 (Debian's default) is closed to them (issue 29 item 3)."""
+    run: this folder's modules, the generated protobuf modules, fsdpctl, and grpcio and
+    protobuf from the tests' environment (.venv/, in the clone), which they import into the
+    interpreter that environment was made from (OTHER_PYTHON). A clone under a home
+    directory of mode 0700 (Debian's default) is closed to them (issue 29 item 3)."""
     root = Path(tempfile.mkdtemp(prefix="fsdpd-access-harness-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     root.chmod(0o755)
@@ -57,6 +62,10 @@ def _world_readable():
     shutil.copy(FSDPCTL, root / "build" / "bin")
     (root / "include" / "fsdp").mkdir(parents=True)  # the harness reads the version there
     shutil.copy(SOURCE_DIR / "include" / "fsdp" / "fsdp_version.h.in", root / "include" / "fsdp")
+    site = Path(grpc.__file__).resolve().parent.parent
+    for package in ("grpc", "google"):
+        shutil.copytree(site / package, root / "site" / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
     return root
@@ -71,11 +80,17 @@ def run_dir():
     shutil.rmtree(parent, ignore_errors=True)
 
 
+def other_env():
+    """The environment of the other users' processes: _world_readable's copy."""
+    shared = _world_readable()
+    return clean_env({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/",
+                      "PYTHONPATH": str(shared / "site"), "FSDP_SOURCE_DIR": str(shared),
+                      "FSDP_BUILD_DIR": str(shared / "build")})
+
+
 def as_user(argv, uid, gid, groups=(DAEMON_GID,)):
     """Runs argv as uid:gid with supplementary groups; returns the CompletedProcess."""
-    shared = _world_readable()
-    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/",
-                     "FSDP_SOURCE_DIR": str(shared), "FSDP_BUILD_DIR": str(shared / "build")})
+    env = other_env()
     return subprocess.run(argv, user=uid, group=gid, extra_groups=list(groups), env=env,
                           cwd="/", capture_output=True, text=True, timeout=60)
 
@@ -106,7 +121,7 @@ print("ATTACHED")
 
 
 def intrude(d, job, rank, world, uid, gid, write=True):
-    r = as_user([sys.executable, "-c", _INTRUDER, str(_world_readable() / "integration"),
+    r = as_user([OTHER_PYTHON, "-c", _INTRUDER, str(_world_readable() / "integration"),
                  str(d.run_dir), job, str(rank), str(world), "write" if write else "attach"],
                 uid, gid)
     assert r.returncode == 0, r.stderr
@@ -167,9 +182,8 @@ def test_a_job_with_no_units_yet_belongs_to_its_first_trainer(fsdpd, run_dir):
 
     # Another user's job, its trainer attached and waiting: root cannot attach to it.
     shared = _world_readable()
-    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/",
-                     "FSDP_SOURCE_DIR": str(shared), "FSDP_BUILD_DIR": str(shared / "build")})
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(shared / "integration"),
+    env = other_env()
+    holder = subprocess.Popen([OTHER_PYTHON, "-c", _HOLDER, str(shared / "integration"),
                                str(d.run_dir)],
                               user=OTHER, group=OTHER, extra_groups=[DAEMON_GID], env=env,
                               cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -230,7 +244,7 @@ for method in sys.argv[3:]:
 
 
 def operator_calls(d, uid, gid, *methods, groups=(DAEMON_GID,)):
-    r = as_user([sys.executable, "-c", _OPERATOR_CALLS, str(_world_readable() / "integration"),
+    r = as_user([OTHER_PYTHON, "-c", _OPERATOR_CALLS, str(_world_readable() / "integration"),
                  str(d.socket_path), *methods], uid, gid, groups)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split("\n")

@@ -15,12 +15,11 @@ mistaken for."""
 
 import json
 import os
-import sys
 
 import pytest
 
 from fsdpd_harness import fsdpd, poll, trainer_pb2  # noqa: F401
-from test_access import OTHER, _world_readable, as_user, run_dir  # noqa: F401
+from test_access import OTHER, OTHER_PYTHON, _world_readable, as_user, run_dir  # noqa: F401
 from test_checkpoint import checkpoint, trained
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as other uids needs root")
@@ -53,7 +52,7 @@ for method, path, step in json.loads(sys.argv[4]):
 
 def as_trainer(d, job, calls, uid=OTHER):
     """The replies, a line each, to calls [(method, path, step)] of a trainer of uid."""
-    out = as_user([sys.executable, "-c", _TRAINER, str(_world_readable() / "integration"),
+    out = as_user([OTHER_PYTHON, "-c", _TRAINER, str(_world_readable() / "integration"),
                    str(d.run_dir), job,
                    json.dumps([[m, str(p), s] for m, p, s in calls])], uid, uid)
     assert out.returncode == 0, out.stderr

@@ -21,7 +21,7 @@ import pytest
 
 from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd  # noqa: F401
 
-PYTHON = "/usr/bin/python3"
+PYTHON = sys.executable  # .venv/bin/python, with torch (scripts/venv.sh)
 LIB = BUILD_DIR / "lib" / "libfsdp.so"
 DAEMON_ARGS = ("--set", "memory.job_limit=64MiB")
 CHILD_TIMEOUT = 60
@@ -39,18 +39,9 @@ def _sanitized_build():
 
 pytestmark = pytest.mark.skipif(
     _sanitized_build(),
-    reason="ASan/UBSan build: libfsdp.so would need libasan preloaded into /usr/bin/python3; "
+    reason="ASan/UBSan build: libfsdp.so would need libasan preloaded into the interpreter; "
            "the package is tested against the regular build")
 
-
-def _have_torch():
-    return subprocess.run([PYTHON, "-c", "import torch"], capture_output=True).returncode == 0
-
-
-HAVE_TORCH = _have_torch()
-needs_torch = pytest.mark.skipif(not HAVE_TORCH,
-                                 reason="torch is not importable with /usr/bin/python3 "
-                                        "(apt-get install python3-torch)")
 
 # The rank process. argv: mode, then mode-specific arguments; prints one JSON line.
 WORKER = textwrap.dedent(r'''
@@ -255,7 +246,6 @@ def sessions(d):
     return {s.session_id: s for s in d.status().sessions}
 
 
-@needs_torch
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_ranks_unshard_reduce_scatter(fsdpd, worker, dtype):
     d = fsdpd(*DAEMON_ARGS)

@@ -10,7 +10,7 @@ accumulation, clip_grad_norm_ and the state dict round trip; and a trainer SIGKI
 middle of a backward, after which the job's trainers start again, attach, find their
 parameters in the daemon and finish the run with the uninterrupted run's results.
 
-torch runs only in the child processes, under /usr/bin/python3.
+torch runs only in the child processes, under the tests' interpreter (.venv/bin/python).
 """
 
 import array
@@ -19,13 +19,14 @@ import math
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
 from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd, poll  # noqa: F401
 from worker_records import final as _final, finish, losses as _losses
 
-PYTHON = "/usr/bin/python3"
+PYTHON = sys.executable  # .venv/bin/python, with torch (scripts/venv.sh)
 LIB = BUILD_DIR / "lib" / "libfsdp.so"
 WORKER = SOURCE_DIR / "tests" / "integration" / "shard_model_worker.py"
 DAEMON_ARGS = ("--set", "memory.job_limit=64MiB")
@@ -41,18 +42,9 @@ def _sanitized_build():
     return "FSDP_SANITIZE:BOOL=ON" in cache
 
 
-def _have_torch():
-    return subprocess.run([PYTHON, "-c", "import torch"], capture_output=True).returncode == 0
-
-
-pytestmark = [
-    pytest.mark.skipif(_sanitized_build(),
-                       reason="ASan/UBSan build: libfsdp.so would need libasan preloaded into "
-                              "/usr/bin/python3"),
-    pytest.mark.skipif(not _have_torch(),
-                       reason="torch is not importable with /usr/bin/python3 "
-                              "(apt-get install python3-torch)"),
-]
+pytestmark = pytest.mark.skipif(_sanitized_build(),
+                                reason="ASan/UBSan build: libfsdp.so would need libasan "
+                                       "preloaded into the interpreter")
 
 
 def _start(d, mode, world, rank, *args, job="train", hosts=1, restarts=0):
