@@ -41,8 +41,9 @@ typedef struct op_kind {
  * whole, so a lent buffer is where it lies in the memory's one mapping (base is that). */
 typedef struct lent_area {
   uint8_t *base;
-  int memory;
+  int memory;      /* of the buffer mapped there, -1 for none */
   uint64_t offset;
+  int prot;        /* its protection now */
 } lent_area_t;
 
 struct fsdp_unit_handle {
@@ -87,6 +88,11 @@ struct fsdp_trainer {
    * and mapped whole here (no descriptors kept: a lent buffer is an offset in a mapping). */
   int device;
   fsdp_device_memory_t device_memory[2];
+  /* FSDP_FENCES=1: a buffer given back is made inaccessible (PROT_NONE) at once, so that a
+   * read of it after its Reshard or ReduceScatter faults. A debugging aid, off by default:
+   * each fence is a page-table walk of the whole unit and a TLB shootdown across the
+   * process's threads, a fifth of the CPU of a 64 MiB reduce-scatter. */
+  bool fences;
   fsdp_unit_handle_t **units;
   size_t n_units, units_cap;
   /* Unit operations through shared memory (client/fastpath.h), where the daemon offers it
@@ -402,6 +408,8 @@ int fsdp_trainer_attach(fsdp_client_t *client, const fsdp_trainer_options_t *opt
   snprintf(t->job, sizeof t->job, "%s", opts->job);
   t->channel_fd = t->memory_fd = t->shared_fd = -1;
   t->device = -1;
+  const char *fences = getenv("FSDP_FENCES");
+  t->fences = fences && strcmp(fences, "1") == 0;
   bool detach = true;
 
   /* The daemon checks the job name, so that its message (and its one rule) is what users see. */
@@ -793,8 +801,11 @@ static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, 
     return 0;
   }
   int prot = writable ? PROT_READ | PROT_WRITE : PROT_READ;
-  if (a->memory == memory && a->offset == offset && mprotect(a->base, u->area_bytes, prot) == 0)
+  if (a->memory == memory && a->offset == offset &&
+      (a->prot == prot || mprotect(a->base, u->area_bytes, prot) == 0)) {
+    a->prot = prot;
     return 0;
+  }
   int fd = memory == 0 ? t->memory_fd : t->shared_fd;
   if (mmap(a->base, u->area_bytes, prot, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd,
            (off_t)offset) == MAP_FAILED) {
@@ -805,16 +816,19 @@ static int map_lent(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *what, 
   }
   a->memory = memory;
   a->offset = offset;
+  a->prot = prot;
   return 0;
 }
 
-/* Takes a lent buffer off a unit's area: a read there faults from now on (host memory; a
- * GPU's lent buffer is only no longer in the view). */
+/* Takes a lent buffer off a unit's view. With FSDP_FENCES=1 a read of its area faults from
+ * then on (host memory); otherwise the area keeps its mapping, which the buffer's next
+ * lending, the usual case, then costs no system call. */
 static void unmap_lent(const fsdp_unit_handle_t *u, lent_area_t *a) {
   /* Fails only for lack of kernel memory for its bookkeeping; the buffer then stays
    * readable, which is harmless. */
-  if (u->trainer->device < 0)
-    (void)mprotect(a->base, u->area_bytes, PROT_NONE);
+  if (u->trainer->device < 0 && u->trainer->fences && a->prot != PROT_NONE &&
+      mprotect(a->base, u->area_bytes, PROT_NONE) == 0)
+    a->prot = PROT_NONE;
 }
 
 /* Points the view at what an operation's outcome lends: after an Unshard the copy (in the
