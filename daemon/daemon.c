@@ -393,7 +393,7 @@ static void on_stop_saves_late(uv_timer_t *timer) {
  * saves the stop waits for. */
 static unsigned save_before_stop(fsdp_daemon_t *daemon) {
   const fsdp_config_t *cfg = &daemon->config;
-  const char *dir = fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR);
+  const char *dir = daemon->checkpoints.dir; /* checkpoint.dir, its links resolved */
   if (!dir[0] || !fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_ON_STOP))
     return 0;
   unsigned saves = 0;

@@ -1,6 +1,7 @@
 /* The checkpoints of the daemon's jobs, over the data plane (see checkpoints.h). */
 #include "daemon/dataplane/checkpoints.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -842,10 +843,33 @@ void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp) {
       .ctx = cp, .job_starts = job_starts, .resume = resume, .step_boundary = step_boundary};
 }
 
+/* checkpoint.dir with the links in the part of it that exists resolved: the operator's
+ * configuration may go through links (a /var on another disk), which the walks of
+ * checkpoint/ refuse in a path a caller names. */
+static void resolve_configured(const char *dir, char *out, size_t size) {
+  char head[PATH_MAX], real[PATH_MAX];
+  snprintf(out, size, "%s", dir);
+  if (!dir[0] || strlen(dir) >= sizeof head)
+    return;
+  snprintf(head, sizeof head, "%s", dir);
+  for (char *cut = NULL;; ) {
+    if (realpath(head, real)) {
+      int n = snprintf(out, size, "%s%s%s", strcmp(real, "/") == 0 && cut ? "" : real,
+                       cut ? "/" : "", cut ? dir + (cut - head) + 1 : "");
+      if (n < 0 || (size_t)n >= size) /* too long resolved: as configured */
+        snprintf(out, size, "%s", dir);
+      return;
+    }
+    if (errno != ENOENT || !(cut = strrchr(head, '/')) || cut == head)
+      return;
+    *cut = '\0';
+  }
+}
+
 void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
                                 unsigned keep, uint64_t write_rate, unsigned disk_share,
                                 bool resume) {
-  snprintf(cp->dir, sizeof cp->dir, "%s", dir);
+  resolve_configured(dir, cp->dir, sizeof cp->dir);
   cp->every_steps = every_steps;
   cp->keep = keep;
   cp->write_rate = write_rate;

@@ -28,7 +28,7 @@ typedef struct fsdp_checkpoints {
   fsdp_dataplane_t *dp;
   struct checkpoint_work *works; /* loads, and saves waiting, taking a snapshot or writing */
   /* checkpoint.*: where and how often the jobs are saved on schedule, how many are kept. */
-  char dir[PATH_MAX];
+  char dir[PATH_MAX]; /* with the links of its existing part resolved */
   uint64_t every_steps;
   unsigned keep;
   uint64_t write_rate; /* bytes per second; 0: no cap */
@@ -45,13 +45,13 @@ void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp);
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp);
 
 /* checkpoint.dir, .every_steps, .keep, .write_rate, .disk_share, .resume: a job is saved
- * into dir/<job>/ every every_steps steps (0 or an empty dir: never), at the step boundary,
- * and keeps the disk writing at most disk_share percent of the time (100: all of it); every
- * save keeps `keep` checkpoints (0: all) and writes at most write_rate bytes per second (0:
- * no cap). With resume, a job new to this daemon goes on from its newest
- * checkpoint there: its units report that step as reduced when they register, and it is
- * loaded before the job's first gather (one that fails to load fails the job's units,
- * naming why). */
+ * into dir/<job>/ (dir's links resolved: it is the operator's) every every_steps steps (0
+ * or an empty dir: never), at the step boundary, and keeps the disk writing at most
+ * disk_share percent of the time (100: all of it); every save keeps `keep` checkpoints (0:
+ * all) and writes at most write_rate bytes per second (0: no cap). With resume, a job new to
+ * this daemon goes on from its newest checkpoint there: its units report that step as
+ * reduced when they register, and it is loaded before the job's first gather (one that fails
+ * to load fails the job's units, naming why). */
 void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
                                 unsigned keep, uint64_t write_rate, unsigned disk_share,
                                 bool resume);

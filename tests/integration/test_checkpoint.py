@@ -707,6 +707,25 @@ def test_a_job_that_starts_finds_no_unfinished_save_of_a_run_before(fsdpd, tmp_p
     assert (job_dir / "step-1" / "manifest.json").read_text() == "{}"
 
 
+def test_the_configured_directory_may_go_through_a_link(fsdpd, tmp_path):
+    """checkpoint.dir is the operator's: a link in it (a /var on another disk) is followed,
+    where a path a caller names is refused one (test_checkpoint_access)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    options = ("--set", f"checkpoint.dir={tmp_path / 'link' / 'saves'}",
+               "--set", "checkpoint.resume=latest")
+    d = fsdpd(*options)
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    d.stop()
+    assert (tmp_path / "real" / "saves" / "j" / "step-1" / "manifest.json").exists()
+    again = fsdpd(*options, name="again")
+    ranks, layouts, regions = with_adamw(again)
+    assert [lay.reduced_step for lay in layouts] == [1, 1]
+    assert on_all(ranks, "Unshard", step=2) == [None, None]
+    assert snapshot(ranks[0], regions) == want
+
+
 def test_a_stopped_daemon_saves_and_a_restarted_one_resumes(fsdpd, tmp_path):
     """checkpoint.on_stop: SIGTERM between steps saves the job at once and the daemon exits 0.
     With checkpoint.resume = latest a new daemon takes the job up again: its units report
