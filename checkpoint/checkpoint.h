@@ -22,6 +22,7 @@
 #ifndef FSDP_CHECKPOINT_H
 #define FSDP_CHECKPOINT_H
 
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -75,6 +76,11 @@ typedef struct fsdp_checkpoint_job {
    * uid's or one that names none), where the job's trainers could not read the files
    * themselves. */
   bool same_uid_only;
+  /* A load's: only a checkpoint of this job (FAILED_PRECONDITION for another job's), where
+   * the daemon reads with its own rights (checkpoint.dir/<job>/). Without it the caller's
+   * rights guard the files, and a checkpoint of any job loads (a new launch of a trainer
+   * has a new run id, and so a new job name). */
+  bool own_job_only;
   unsigned host, hosts;   /* this host's rank among the job's hosts */
   uint64_t hosts_wait_ms; /* host 0's wait for the other hosts' files (hosts > 1) */
   uint64_t step;          /* the job's last completed step, which names the checkpoint */
@@ -186,17 +192,34 @@ uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *reader,
 int fsdp_checkpoint_read_elements(fsdp_checkpoint_reader_t *reader, size_t unit, unsigned b,
                                   uint64_t first, uint64_t n, float *dst, fsdp_status_t *st);
 
-/* Reads the checkpoint at dir (a step directory, or the newest complete one of the job's
- * under it) into the job's buffers: each unit's elements this host holds (host_first_shard,
+/* What a load read (fsdp_checkpoint_load). */
+typedef struct fsdp_checkpoint_loaded {
+  char path[PATH_MAX]; /* the step directory */
+  uint64_t step;
+  char job[FSDP_CHECKPOINT_JOB_MAX + 1]; /* the job that saved it, which may be another */
+  bool optimizer_state;                  /* it holds some unit's optimizer state */
+  /* Units whose saved optimizer state was left out (the job keeps none for them: a
+   * trainer's optimizer, or none), and units whose optimizer state the checkpoint lacks and
+   * which start at zero, step 0 (it was saved without the daemon's optimizer). */
+  size_t state_left_out, state_zeroed;
+} fsdp_checkpoint_loaded_t;
+
+/* Reads the checkpoint at dir into the job's buffers: dir is a step directory (of any job's
+ * unless job->own_job_only), or a directory whose newest complete checkpoint of the job's
+ * is read, or, without one and unless job->own_job_only, its newest of any job's
+ * (ret->job says whose). Each unit's elements this host holds (host_first_shard,
  * host_shards, shard_numel), whatever layout saved them, padding the saved layout lacks
- * zeroed; everything checked first, so that a refusal changes nothing. Refused: FAILED_PRECONDITION for another format,
- * another job, a unit missing or of another numel, optimizer state the job has no room for;
- * DATA_LOSS as fsdp_checkpoint_open's, or naming the file and the byte range that does not
- * match its checksum; PERMISSION_DENIED for another uid's (same_uid_only); ABORTED when the
- * job's stopping reaches FSDP_CHECKPOINT_ABANDON (checked between chunks); NOT_FOUND
- * without a checkpoint there. *ret_path (size bytes): the step directory read; *ret_step:
- * its step. */
-int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
-                         size_t size, uint64_t *ret_step, fsdp_status_t *st);
+ * zeroed; everything checked first, so that a refusal changes nothing. The optimizer's
+ * state loads where both the checkpoint and the job have it; a unit saved with it into a
+ * job without (a trainer's optimizer) takes the masters alone, and a unit saved without it
+ * into a job with it starts its state at zero and its step count at 0 (ret counts both).
+ * Refused: FAILED_PRECONDITION for another format, another job with own_job_only, a unit
+ * missing or of another numel, optimizer state of another number of arrays than the job's
+ * (another optimizer); DATA_LOSS as fsdp_checkpoint_open's, or naming the file and the byte
+ * range that does not match its checksum; PERMISSION_DENIED for another uid's
+ * (same_uid_only); ABORTED when the job's stopping reaches FSDP_CHECKPOINT_ABANDON (checked
+ * between chunks); NOT_FOUND without a checkpoint there. *ret: what was read. */
+int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job,
+                         fsdp_checkpoint_loaded_t *ret, fsdp_status_t *st);
 
 #endif

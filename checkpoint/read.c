@@ -669,8 +669,10 @@ int fsdp_checkpoint_read_elements(fsdp_checkpoint_reader_t *r, size_t unit, unsi
 
 /* ---- Loading ---- */
 
-/* The checkpoint's unit of u's name, of as many elements, with as much optimizer state as
- * u has room for. */
+/* The checkpoint's unit of u's name, of as many elements, and of as many optimizer arrays
+ * where both hold some: a checkpoint saved without the daemon's optimizer loads into a job
+ * with it (its state then starts at zero), and one saved with it into a job without (its
+ * state is left out), but another optimizer's arrays are not this one's. */
 static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_unit_t *u,
                       size_t *ret, fsdp_status_t *st) {
   json_object *index;
@@ -683,10 +685,11 @@ static int match_unit(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_u
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "checkpoint %s: unit '%s' has numel %" PRIu64 ", the job's %" PRIu64,
                            r->path, u->name, c->numel, u->numel);
-  if (c->arrays != u->arrays)
+  if (c->arrays && u->arrays && c->arrays != u->arrays)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "checkpoint %s: unit '%s' holds %u arrays of optimizer state, the "
-                           "job's optimizer %u (set the same optimizer before loading)",
+                           "job's optimizer %u: it was saved with another optimizer (set the "
+                           "same one before loading, or none to load the masters alone)",
                            r->path, u->name, c->arrays, u->arrays);
   *ret = i;
   return 0;
@@ -710,40 +713,75 @@ static int check_uid(const fsdp_checkpoint_reader_t *r, const fsdp_checkpoint_jo
   return 0;
 }
 
-int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job, char *ret_path,
-                         size_t size, uint64_t *ret_step, fsdp_status_t *st) {
+/* The checkpoint a load reads: dir's own, or its newest of the job's, or (for a caller's
+ * load, which its own rights guard) its newest of any job's where the job has none there. */
+static int open_to_load(const char *dir, const fsdp_checkpoint_job_t *job,
+                        fsdp_checkpoint_reader_t **ret, fsdp_status_t *st) {
+  int code = fsdp_checkpoint_open(dir, job->job, ret, st);
+  if (code != FSDP_E_NOT_FOUND || job->own_job_only)
+    return code;
+  fsdp_status_t any;
+  code = fsdp_checkpoint_open(dir, NULL, ret, &any);
+  if (code == FSDP_E_NOT_FOUND)
+    return st->code; /* st names the job's: there is nothing else either */
+  if (code < 0)
+    *st = any;
+  return code;
+}
+
+int fsdp_checkpoint_load(const char *dir, const fsdp_checkpoint_job_t *job,
+                         fsdp_checkpoint_loaded_t *ret, fsdp_status_t *st) {
   fsdp_checkpoint_reader_t *r;
-  int code = fsdp_checkpoint_open(dir, job->job, &r, st);
+  int code = open_to_load(dir, job, &r, st);
   if (code < 0)
     return code;
   r->stopping = job->stopping;
   size_t *matched = calloc(job->n_units + 1, sizeof *matched);
   if (!matched)
     code = fsdp_status_set(st, -ENOMEM, "checkpoint: out of memory");
-  else if (strcmp(fsdp_checkpoint_job(r), job->job) != 0)
+  else if (job->own_job_only && strcmp(fsdp_checkpoint_job(r), job->job) != 0)
     code = fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                           "checkpoint %s is of job '%s', not '%s'", r->path,
-                           fsdp_checkpoint_job(r), job->job);
+                           "checkpoint %s is of job '%s', not '%s' (the daemon reads only the "
+                           "job's own checkpoints in its checkpoint.dir/<job>/: load another "
+                           "job's by its path as its owner)",
+                           r->path, fsdp_checkpoint_job(r), job->job);
   else
     code = check_uid(r, job, st);
   for (size_t i = 0; code == 0 && i < job->n_units; i++)
     code = match_unit(r, &job->units[i], &matched[i], st);
   /* Each unit's elements this host holds now, from whichever hosts' files hold them. Every
    * block read is checked before anything is written: a refusal changes nothing. */
+  size_t left_out = 0, zeroed = 0;
   for (int pass = 0; code == 0 && pass < 2; pass++) {
     for (size_t i = 0; code == 0 && i < job->n_units; i++) {
       const fsdp_checkpoint_unit_t *u = &job->units[i];
+      unsigned saved = r->units[matched[i]].arrays;
       uint64_t first = (uint64_t)u->host_first_shard * u->shard_numel;
-      for (unsigned b = 0; code == 0 && b < n_blocks(u); b++)
+      /* The masters, and the optimizer's arrays where the checkpoint has them too. */
+      unsigned blocks = saved ? n_blocks(u) : 1;
+      for (unsigned b = 0; code == 0 && b < blocks; b++)
         code = fsdp_checkpoint_read_elements(r, matched[i], b, first, host_numel(u),
                                              pass ? block(u, b) : NULL, st);
-      if (code == 0 && pass && u->steps)
-        *u->steps = fsdp_checkpoint_optimizer_steps(r, matched[i]);
+      if (code < 0 || !pass)
+        continue;
+      left_out += saved && !u->arrays;
+      if (u->arrays && !saved) {
+        zeroed++;
+        for (unsigned b = 1; b < n_blocks(u); b++)
+          memset(block(u, b), 0, host_numel(u) * sizeof(float));
+      }
+      if (u->steps)
+        *u->steps = saved ? fsdp_checkpoint_optimizer_steps(r, matched[i]) : 0;
     }
   }
   if (code == 0) {
-    snprintf(ret_path, size, "%s", r->path);
-    *ret_step = fsdp_checkpoint_step(r);
+    *ret = (fsdp_checkpoint_loaded_t){.step = fsdp_checkpoint_step(r),
+                                      .state_left_out = left_out,
+                                      .state_zeroed = zeroed};
+    snprintf(ret->path, sizeof ret->path, "%s", r->path);
+    snprintf(ret->job, sizeof ret->job, "%s", fsdp_checkpoint_job(r));
+    for (size_t i = 0; i < r->n_units; i++)
+      ret->optimizer_state |= r->units[i].arrays > 0;
   }
   free(matched);
   fsdp_checkpoint_close(r);

@@ -18,6 +18,9 @@
 #include "common/log.h"
 #include "daemon/dataplane/optimizer.h"
 
+/* Who asked for a checkpoint's work (checkpoint_job). */
+enum origin { BY_CALLER, BY_TRAINER, BY_SCHEDULE, BY_STOP, BY_RESUME };
+
 /* Where the job stands among its steps. */
 typedef struct job_steps {
   uint64_t completed; /* the least step its trainable units reduced; 0: none */
@@ -63,6 +66,13 @@ typedef struct checkpoint_work {
   fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
   char path[PATH_MAX]; /* the step directory written or read */
   uint64_t step;
+  /* A save a caller asked for through a trainer's session, which saves its own optimizer's
+   * state beside the checkpoint where it wants it (fsdpd.torch's optimizer.pt); other saves
+   * warn that they hold no trainer's optimizer state. */
+  bool by_trainer;
+  /* A load's: what it read, and whether it is the resume's (checkpoint.resume). */
+  fsdp_checkpoint_loaded_t loaded;
+  bool resume;
   /* A load's: the units pointed at what it read into staging. */
   fsdp_checkpoint_unit_t *staged;
   /* A load's: each unit's optimizer step count as read (units[i].steps non-NULL), for the
@@ -151,8 +161,11 @@ static void read_load(uv_work_t *req) {
     fsdp_checkpoint_job_t into = c->job;
     into.units = c->staged;
     if (fsdp_checkpoint_stage(c->staged, n, at, NULL, NULL, &c->st) == 0 &&
-        fsdp_checkpoint_load(c->dir, &into, c->path, sizeof c->path, &c->step, &c->st) == 0)
+        fsdp_checkpoint_load(c->dir, &into, &c->loaded, &c->st) == 0) {
+      snprintf(c->path, sizeof c->path, "%s", c->loaded.path);
+      c->step = c->loaded.step;
       fsdp_status_clear(&c->st);
+    }
   } else {
     fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED, "checkpoint: out of memory");
   }
@@ -200,6 +213,31 @@ static void free_checkpoint_work(checkpoint_work_t *c) {
   free(c);
 }
 
+static bool daemon_steps_every_unit(fsdp_job_t *job);
+
+/* On the loop: what a load read, said once: whose checkpoint it was, and what of the
+ * optimizer's state it could not give back. */
+static void log_loaded(fsdp_job_t *job, const checkpoint_work_t *c) {
+  const fsdp_checkpoint_loaded_t *l = &c->loaded;
+  bool other = strcmp(l->job, job->name) != 0;
+  log_info("job '%s': checkpoint of step %llu%s%s%s loaded from %s in %.1f ms", job->name,
+           (unsigned long long)c->step, other ? " of job '" : "", other ? l->job : "",
+           other ? "'" : "", c->path, (double)c->snapshot_ns / 1e6);
+  if (l->state_left_out)
+    log_info("job '%s': the daemon optimizer's state of %zu unit(s) in %s is left out: the "
+             "job has no optimizer in the daemon (the masters alone loaded)",
+             job->name, l->state_left_out, c->path);
+  if (l->state_zeroed)
+    log_warning("job '%s': %s holds no optimizer state: the daemon's optimizer starts at "
+                "zero, step 0, for %zu unit(s)",
+                job->name, c->path, l->state_zeroed);
+  if (c->resume && !l->optimizer_state && !daemon_steps_every_unit(job))
+    log_warning("job '%s': resumes from %s, which holds no optimizer state: a trainer's torch "
+                "optimizer starts afresh (its moments at zero); only fsdpd.optim's state is in "
+                "the daemon's checkpoints",
+                job->name, c->path);
+}
+
 /* On the loop: a checkpoint's end. */
 static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
   if (status < 0)
@@ -208,13 +246,20 @@ static void end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
   if (c->st.code < 0)
     log_error("job '%s': %s", job->name, c->st.message);
   else if (c->stage == LOADING)
-    log_info("job '%s': checkpoint of step %llu loaded from %s in %.1f ms", job->name,
-             (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6);
+    log_loaded(job, c);
   else {
     log_info("job '%s': checkpoint of step %llu saved in %s (snapshot %.1f ms, written in "
              "%.1f ms beside training)",
              job->name, (unsigned long long)c->step, c->path, (double)c->snapshot_ns / 1e6,
              (double)c->write_ns / 1e6);
+    if (!c->by_trainer && !daemon_steps_every_unit(job))
+      log_warning("job '%s': the checkpoint of step %llu in %s holds the masters but no "
+                  "optimizer state of the trainers' (a torch optimizer's, which the daemon "
+                  "does not see): a resume from it starts that optimizer afresh (its moments "
+                  "at zero). fsdpd.optim keeps its state in every checkpoint; a trainer's "
+                  "model.save_checkpoint(dir, optimizer=opt) saves a torch optimizer's "
+                  "beside it",
+                  job->name, (unsigned long long)c->step, c->path);
     char *path = strdup(c->path);
     if (path) {
       free(job->last_checkpoint);
@@ -271,10 +316,9 @@ static job_steps_t job_steps(const fsdp_job_t *job) {
 static int queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
                             fsdp_status_t *st);
 static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
-                          const fsdp_identity_t *as, bool load, bool scheduled, uint64_t step,
+                          const fsdp_identity_t *as, bool load, enum origin origin,
+                          uint64_t step,
                           fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st);
-
-static bool daemon_steps_every_unit(fsdp_job_t *job);
 
 /* Whether the job's masters are final for `step`: the daemon's optimizer stepped them, or
  * every local rank asked a gather of the next step (a trainer's optimizer wrote them). */
@@ -550,7 +594,8 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_status_t st;
   if ((size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
     fsdp_status_set(&st, FSDP_E_INVALID_ARGUMENT, "checkpoint.dir is too long");
-  else if (checkpoint_job(cp, job, dir, NULL, false, true, step, on_scheduled_checkpoint, NULL,
+  else if (checkpoint_job(cp, job, dir, NULL, false, BY_SCHEDULE, step, on_scheduled_checkpoint,
+                          NULL,
                           &st) == 0)
     return;
   log_error("job '%s': no checkpoint of step %llu: %s", job->name, (unsigned long long)step,
@@ -617,6 +662,7 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   c->job.job = job->name;
   c->job.uid = job->owner.uid;
   c->job.same_uid_only = c->as_daemon; /* the job's trainers cannot read its files */
+  c->job.own_job_only = c->as_daemon;  /* nor another job's there: the daemon's rights */
   c->job.host = c->cp->dp->peers ? fsdp_peers_host_rank(c->cp->dp->peers) : 0;
   c->job.hosts = c->cp->dp->peers ? fsdp_peers_host_count(c->cp->dp->peers) : 1;
   c->job.optimizer = fsdp_optimizer_kind_name(job);
@@ -666,10 +712,11 @@ static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, cons
   return c;
 }
 
-/* A load (a resume's too) or a save (the schedule's when scheduled), once the caller's own
+/* A load (a resume's too) or a save (the schedule's, a stop's...: origin), once the caller's own
  * conditions hold. */
 static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
-                          const fsdp_identity_t *as, bool load, bool scheduled, uint64_t step,
+                          const fsdp_identity_t *as, bool load, enum origin origin,
+                          uint64_t step,
                           fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st) {
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
   if (!load && resuming(job))
@@ -690,7 +737,9 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
                                   done, data, verb, st);
   if (!c)
     return st->code;
-  c->scheduled = scheduled;
+  c->scheduled = origin == BY_SCHEDULE;
+  c->by_trainer = origin == BY_TRAINER;
+  c->resume = origin == BY_RESUME;
   if (c->stage == SAVE_WAITING) {
     c->asked_at = job_steps(job);
     log_info("job '%s': a save into %s waits for the checkpoint under way", job->name, dir);
@@ -721,8 +770,9 @@ int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *
                            "%llu; a checkpoint is named for a step the job has reached (0: "
                            "its last)",
                            (unsigned long long)step, job->name, (unsigned long long)completed);
-  return checkpoint_job(cp, job, dir, caller ? &caller->as : NULL, load, false, step, done,
-                        data, st);
+  return checkpoint_job(cp, job, dir, caller ? &caller->as : NULL, load,
+                        caller && caller->trainer ? BY_TRAINER : BY_CALLER, step, done, data,
+                        st);
 }
 
 /* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
@@ -750,7 +800,7 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
                            job->name);
   bool final = !attached || masters_final(job, step);
   if (between && final)
-    return checkpoint_job(cp, job, dir, NULL, false, false, 0, done, data, st);
+    return checkpoint_job(cp, job, dir, NULL, false, BY_STOP, 0, done, data, st);
   if (!new_work(cp, job, dir, NULL, SAVE_AT_BOUNDARY, 0, done, data, "SaveCheckpoint", st))
     return st->code;
   log_info("job '%s': saves at its next step boundary", job->name);
@@ -782,7 +832,7 @@ static void resume(void *ctx, fsdp_job_t *job) {
   int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");
   if (call) {
     *call = (resume_call_t){.cp = cp, .job = job};
-    r = checkpoint_job(cp, job, from, NULL, true, false, 0, resumed, call, &st);
+    r = checkpoint_job(cp, job, from, NULL, true, BY_RESUME, 0, resumed, call, &st);
   }
   free(from);
   if (r < 0) {

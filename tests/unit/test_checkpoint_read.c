@@ -374,10 +374,9 @@ static fsdp_checkpoint_job_t load_job(float *into, const atomic_int *stopping) {
 }
 
 static int load(const fsdp_checkpoint_job_t *job, fsdp_status_t *st) {
-  char path[256];
-  uint64_t step;
+  fsdp_checkpoint_loaded_t loaded;
   alarm(DEADLINE_S);
-  int code = fsdp_checkpoint_load(root, job, path, sizeof path, &step, st);
+  int code = fsdp_checkpoint_load(root, job, &loaded, st);
   alarm(0);
   return code;
 }
@@ -411,6 +410,111 @@ static void test_a_load_keeps_to_the_uid_and_gives_up_at_a_stop(void **state) {
   assert_non_null(strstr(st.message, "abandoned"));
 }
 
+static int load_into(const char *dir, const fsdp_checkpoint_job_t *job,
+                     fsdp_checkpoint_loaded_t *ret, fsdp_status_t *st) {
+  alarm(DEADLINE_S);
+  int code = fsdp_checkpoint_load(dir, job, ret, st);
+  alarm(0);
+  return code;
+}
+
+/* A caller's load (its rights guard the files) takes another job's checkpoint that it names
+ * (a new launch is a new job), and under a directory the job's own first, else the newest
+ * of another's; a load with the daemon's rights (own_job_only) keeps to the job's own. */
+static void test_a_load_takes_another_jobs_checkpoint_where_the_caller_names_it(void **state) {
+  (void)state;
+  char dir[128];
+  step_dir(dir, sizeof dir, "step-3");
+  write_checkpoint(dir, "old-run", 3);
+  float into[6] = {0};
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  fsdp_checkpoint_loaded_t loaded;
+  fsdp_checkpoint_job_t job = load_job(into, NULL);
+  assert_int_equal(load_into(dir, &job, &loaded, &st), 0);
+  assert_string_equal(loaded.job, "old-run");
+  assert_int_equal(loaded.step, 3);
+  assert_memory_equal(into, masters, sizeof masters);
+  memset(into, 0, sizeof into);
+  assert_int_equal(load_into(root, &job, &loaded, &st), 0); /* only another's: its newest */
+  assert_string_equal(loaded.job, "old-run");
+  assert_string_equal(loaded.path, dir);
+  step_dir(dir, sizeof dir, "step-2");
+  write_checkpoint(dir, "j", 2);
+  assert_int_equal(load_into(root, &job, &loaded, &st), 0); /* the job's own first */
+  assert_string_equal(loaded.job, "j");
+  assert_int_equal(loaded.step, 2);
+
+  job.own_job_only = true;
+  step_dir(dir, sizeof dir, "step-3");
+  assert_int_equal(load_into(dir, &job, &loaded, &st), FSDP_E_FAILED_PRECONDITION);
+  assert_non_null(strstr(st.message, "is of job 'old-run', not 'j'"));
+  assert_int_equal(load_into(root, &job, &loaded, &st), 0);
+  assert_int_equal(loaded.step, 2);
+  step_dir(dir, sizeof dir, "step-2");
+  write_json(dir, "manifest.json", manifest_json("other", 2));
+  assert_int_equal(load_into(root, &job, &loaded, &st), FSDP_E_NOT_FOUND);
+  assert_non_null(strstr(st.message, "no complete checkpoint of job 'j'"));
+}
+
+/* The optimizer's state loads where both have it; a checkpoint's state a job has no room
+ * for is left out, and a job's state the checkpoint lacks starts at zero, step 0; another
+ * optimizer's arrays are refused. */
+static void test_optimizer_state_loads_into_a_job_with_or_without_it(void **state) {
+  (void)state;
+  char dir[128];
+  step_dir(dir, sizeof dir, "step-1");
+  write_checkpoint(dir, "j", 1); /* no optimizer state */
+  float into[6] = {0}, m1[6], m2[6];
+  uint64_t steps = 7;
+  for (int i = 0; i < 6; i++)
+    m1[i] = m2[i] = 9;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  fsdp_checkpoint_loaded_t loaded;
+  fsdp_checkpoint_job_t job = load_job(into, NULL);
+  fsdp_checkpoint_unit_t *u = (fsdp_checkpoint_unit_t *)job.units;
+  u->arrays = 2;
+  u->state[0] = m1;
+  u->state[1] = m2;
+  u->steps = &steps;
+  assert_int_equal(load_into(dir, &job, &loaded, &st), 0);
+  assert_memory_equal(into, masters, sizeof masters);
+  const float zeros[6] = {0};
+  assert_memory_equal(m1, zeros, sizeof zeros);
+  assert_memory_equal(m2, zeros, sizeof zeros);
+  assert_int_equal(steps, 0);
+  assert_int_equal(loaded.state_zeroed, 1);
+  assert_false(loaded.optimizer_state);
+
+  /* A checkpoint with one array of state (SGD's momentum). */
+  float both[12];
+  memcpy(both, masters, sizeof masters);
+  for (int i = 0; i < 6; i++)
+    both[6 + i] = 0.5f * (float)i;
+  write_file(dir, "host-0.bin", both, sizeof both);
+  json_object *h = host_json();
+  char block[160];
+  snprintf(block, sizeof block,
+           "{\"what\": \"state0\", \"offset\": 24, \"bytes\": 24, \"xxh64\": %llu}",
+           (unsigned long long)XXH64(both + 6, 24, 0));
+  set_path(h, "units.0.blocks.1", block);
+  write_json(dir, "host-0.json", h);
+  assert_int_equal(load_into(dir, &job, &loaded, &st), FSDP_E_FAILED_PRECONDITION);
+  assert_non_null(strstr(st.message, "holds 1 arrays of optimizer state, the job's optimizer 2"));
+  u->arrays = 0;
+  u->steps = NULL;
+  memset(into, 0, sizeof into);
+  assert_int_equal(load_into(dir, &job, &loaded, &st), 0);
+  assert_memory_equal(into, masters, sizeof masters);
+  assert_int_equal(loaded.state_left_out, 1);
+  assert_true(loaded.optimizer_state);
+  u->arrays = 1;
+  u->steps = &steps;
+  assert_int_equal(load_into(dir, &job, &loaded, &st), 0);
+  assert_memory_equal(m1, both + 6, 6 * sizeof(float));
+  assert_int_equal(steps, 1);
+  assert_int_equal(loaded.state_left_out + loaded.state_zeroed, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_a_whole_checkpoint_reads_back, set_up, tear_down),
@@ -423,6 +527,11 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_the_newest_checkpoint_is_the_jobs_own, set_up,
                                       tear_down),
       cmocka_unit_test_setup_teardown(test_a_load_keeps_to_the_uid_and_gives_up_at_a_stop,
+                                      set_up, tear_down),
+      cmocka_unit_test_setup_teardown(
+          test_a_load_takes_another_jobs_checkpoint_where_the_caller_names_it, set_up,
+          tear_down),
+      cmocka_unit_test_setup_teardown(test_optimizer_state_loads_into_a_job_with_or_without_it,
                                       set_up, tear_down),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
