@@ -79,6 +79,7 @@ import contextlib
 import fnmatch
 import math
 import os
+import warnings
 import weakref
 
 import torch as _torch
@@ -89,6 +90,7 @@ __all__ = ["shard_model", "ShardedModel", "WrapPolicy", "wrap_by_class", "wrap_b
 
 _SYNC_UNIT = "__fsdpd_sync__"
 _GATHER_UNIT = "__fsdpd_gather__"
+_BUFFER_UNIT = "root#buffers"  # the module's persistent buffers (no module name has a '#')
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 _RESHARD_AFTER_FORWARD = ("FULL_SHARD", "HYBRID_SHARD")
 
@@ -463,6 +465,13 @@ class ShardedModel(_nn.Module):
             fu.detach_params()
         self._materialize(None, param_init_fn)  # modules of meta buffers alone
         self.module.to(self.device)  # what of a meta model was elsewhere
+        self._buffer_unit, self._buffer_list = self._register_buffers()
+        # Resumed: the daemon's buffers (of the job's earlier trainers, or of the checkpoint
+        # it resumes from, loaded at the job's first gather) replace the module's at the
+        # first forward.
+        self._buffers_pending = self.resumed
+        if not self.resumed:
+            self._write_buffers()
 
         for fu in self._units:
             fu.module.register_forward_pre_hook(self._pre_forward(fu))
@@ -573,6 +582,8 @@ class ShardedModel(_nn.Module):
     def forward(self, *args, **kwargs):
         if self._optimizer is not None:
             self._optimizer._sync()  # an LR scheduler's new values, before this step's reduces
+        if self._buffers_pending:
+            self._resume_buffers()
         self.step += 1
         self._callback_queued = False
         if self.param_dtype is not None:
@@ -658,6 +669,10 @@ class ShardedModel(_nn.Module):
         if all(fu.reduced for fu in self._units if fu.trainable) and \
                 any(fu.trainable for fu in self._units):
             self.completed_steps = self.step
+        # The step's buffers, once its reduces ended: a snapshot of the step before has been
+        # taken (it holds them), and the daemon's next save (at the next step's gathers, or
+        # at a stop once the trainers are gone) holds these.
+        self._write_buffers()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -742,6 +757,67 @@ class ShardedModel(_nn.Module):
     def _trainable_units(self):
         return [fu.unit for fu in self._units if fu.trainable]
 
+    # --- the module's buffers in the daemon ----------------------------------------------
+    def _register_buffers(self):
+        """The persistent buffers of the module (BatchNorm's running statistics: its
+        state dict's entries that are no parameter) as a unit of the daemon's, NO_SHARD and
+        not trainable, so that every checkpoint (the schedule's and the stop's too) and
+        `fsdpctl export` hold them under their names. The daemon keeps them in fp32 (an
+        integer buffer such as num_batches_tracked exactly up to 2^24). None without any."""
+        params = {id(p) for p in self.module.parameters()}
+        seen, buffers = set(), []
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in params or id(t) in seen or not isinstance(t, _torch.Tensor) or \
+                    t.is_complex():
+                continue
+            seen.add(id(t))
+            buffers.append((name, tuple(t.shape)))
+        if not buffers:
+            return None, []
+        unit = self.client.register_unit(_BUFFER_UNIT, [(n, s, False) for n, s in buffers],
+                                         strategy="NO_SHARD")
+        return unit, [n for n, _ in buffers]
+
+    def _module_buffers(self):
+        entries = self.module.state_dict(keep_vars=True)
+        return [entries[n] for n in self._buffer_list]
+
+    def _write_buffers(self):
+        """Local rank 0 copies the module's buffers into the daemon's unit (the host's one
+        copy, which a save then holds), between steps: the other ranks' are alike or, as
+        FSDP's state dict takes them, not the saved ones."""
+        if self._buffer_unit is None or self.client.rank != 0:
+            return
+        u = self._buffer_unit
+        with _torch.no_grad():
+            for off, t in zip(u.param_offsets, self._module_buffers()):
+                u.master[off:off + t.numel()].copy_(t.detach().reshape(-1))
+
+    def _read_buffers(self):
+        """The module's buffers from the daemon's unit (a checkpoint's once loaded)."""
+        u = self._buffer_unit
+        with _torch.no_grad():
+            for off, t in zip(u.param_offsets, self._module_buffers()):
+                t.copy_(u.master[off:off + t.numel()].view(t.shape))
+
+    def _resume_buffers(self):
+        """At a resumed model's first forward: a gather (which waits for the checkpoint the
+        job resumes from, if any), then the daemon's buffers into the module, on every rank
+        before local rank 0 writes them again. Also says once that a trainer's own
+        optimizer does not resume from the daemon."""
+        self._buffers_pending = False
+        if self._optimizer is None:
+            warnings.warn(
+                f"fsdpd.torch: job resumed after step {self.completed_steps} with the "
+                "daemon's masters, but no optimizer state of a torch optimizer is kept "
+                "there (the daemon's checkpoints hold fsdpd.optim's alone): load it "
+                "(load_checkpoint(dir, optimizer=opt), load_optim_state_dict) or it starts "
+                "afresh, its moments at zero", stacklevel=3)
+        if self._buffer_unit is None:
+            return
+        self._all_reduce_scalar(0.0)
+        self._read_buffers()
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Scales every gradient shard so that the norm of the whole gradient (all ranks'
         shards together) is at most max_norm; returns that norm before clipping. Every local
@@ -771,12 +847,14 @@ class ShardedModel(_nn.Module):
         state) into directory/step-N/, N the last completed step, which every rank gets
         back. Every rank calls it between steps, after its optimizer step. A torch
         optimizer given here has its state saved beside, by original names
-        (optim_state_dict), as step-N/optimizer.pt."""
+        (optim_state_dict), as step-N/optimizer.pt (fsdpd.optim's is in the checkpoint).
+        The module's buffers are in the checkpoint too."""
+        self._write_buffers()
         self._all_reduce_scalar(0.0)  # every rank's masters are final
         if self.client.rank == 0:
             self.client.save_checkpoint(directory, step=self.step)
         self._all_reduce_scalar(0.0)  # the files are written
-        if optimizer is not None:
+        if optimizer is not None and optimizer is not self._optimizer:
             state = self.optim_state_dict(optimizer, rank0_only=True)
             if self._global_rank == 0:
                 path = os.path.join(os.path.abspath(directory), f"step-{self.step}",
@@ -790,7 +868,11 @@ class ShardedModel(_nn.Module):
         """Reads directory (or its newest step-N/) into the daemons' units, at this model's
         layout whatever the saved one, and goes on after its step N, which every rank gets
         back: the next forward is step N + 1. Every rank calls it between steps; a torch
-        optimizer given here takes its state from the checkpoint's optimizer.pt."""
+        optimizer given here takes its state from the checkpoint's optimizer.pt, or, where
+        the checkpoint has none (saved with fsdpd.optim, or without optimizer=), starts
+        afresh with a warning. A checkpoint of another job (an earlier launch) loads too, and
+        with or without the daemon's optimizer on either side (its state is left out, or
+        starts at zero, as the daemon's log says). The module's buffers come back with it."""
         self._all_reduce_scalar(0.0)  # nobody is in a step
         first = self.client.rank == 0  # each host's local rank 0 loads its daemon's part
         step = self.client.load_checkpoint(directory) if first else 0
@@ -798,12 +880,23 @@ class ShardedModel(_nn.Module):
         step = int(self._all_reduce_scalar(float(step)) / hosts)
         self.completed_steps = self.step = step
         self._daemon_gathered = 0
-        if optimizer is not None:
+        if self._buffer_unit is not None:
+            self._read_buffers()
+            self._all_reduce_scalar(0.0)  # read before local rank 0 writes them again
+        self._buffers_pending = False
+        if optimizer is not None and optimizer is not self._optimizer:
             step_dir = os.path.abspath(directory)
             if not os.path.exists(os.path.join(step_dir, "manifest.json")):
                 step_dir = os.path.join(step_dir, f"step-{step}")
-            self.load_optim_state_dict(
-                optimizer, _torch.load(os.path.join(step_dir, "optimizer.pt")))
+            path = os.path.join(step_dir, "optimizer.pt")
+            if os.path.exists(path):
+                self.load_optim_state_dict(optimizer, _torch.load(path))
+            else:
+                warnings.warn(f"fsdpd.torch: {step_dir} holds no torch optimizer state "
+                              f"(optimizer.pt): the {type(optimizer).__name__} starts afresh, "
+                              "its moments at zero (it was saved with fsdpd.optim, whose "
+                              "state is the daemon's, or without save_checkpoint's "
+                              "optimizer=)", stacklevel=2)
         return step
 
     @contextlib.contextmanager
