@@ -2,8 +2,9 @@
 
 The structures mirror fsdp_trainer.h field for field; a change there must be made here too.
 The library is found once, on first use: $FSDPD_LIB if set (a path to libfsdp.so), else the
-build tree next to this package (<repo>/build/lib/libfsdp.so, <repo>/build/libfsdp.so), else
-the installed one: in the libdir of its pkg-config file (fsdp.pc, which `cmake --install`
+one `pip install ./python` built into this package (fsdpd/libfsdp.so), else the build tree
+next to this package (<repo>/build/lib/libfsdp.so, <repo>/build/libfsdp.so), else the
+installed one: in the libdir of its pkg-config file (fsdp.pc, which `cmake --install`
 writes), else libfsdp.so.0 through the dynamic loader's search path.
 """
 
@@ -136,8 +137,10 @@ def library_candidates():
     env = os.environ.get("FSDPD_LIB")
     if env:
         return [env]
-    repo = Path(__file__).resolve().parents[2]
-    candidates = [str(repo / "build" / "lib" / "libfsdp.so"), str(repo / "build" / "libfsdp.so")]
+    here = Path(__file__).resolve().parent
+    repo = here.parent.parent
+    candidates = [str(here / "libfsdp.so"), str(repo / "build" / "lib" / "libfsdp.so"),
+                  str(repo / "build" / "libfsdp.so")]
     libdir = _pkg_config_libdir()
     if libdir:
         candidates.append(str(Path(libdir) / "libfsdp.so.0"))
@@ -166,9 +169,10 @@ def lib():
                 fn.restype, fn.argtypes = restype, argtypes
             _lib = handle
             return _lib
-        raise OSError("fsdpd: cannot load libfsdp.so (install it with cmake --install where "
-                      "pkg-config or the dynamic loader finds it, set FSDPD_LIB to its path, "
-                      "or build the repository's build/ tree): " + "; ".join(errors))
+        raise OSError("fsdpd: cannot load libfsdp.so (`pip install ./python` builds it into "
+                      "the package; else install it with cmake --install where pkg-config or "
+                      "the dynamic loader finds it, set FSDPD_LIB to its path, or build the "
+                      "repository's build/ tree): " + "; ".join(errors))
 
 
 def memory(address, nbytes, writable):

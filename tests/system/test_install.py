@@ -1,16 +1,21 @@
-"""fsdpd installed as a user installs it: `cmake --install` into a prefix of its own, a C
-program built against libfsdp through pkg-config (fsdp.pc), and `pip install ./python` into a
-fresh virtual environment (with the system's site packages, for torch), which then finds the
-installed libfsdp through pkg-config and imports with no environment at all.
+"""fsdpd installed as a user installs it: `cmake --install` into a prefix of its own and a C
+program built against libfsdp through pkg-config (fsdp.pc); and `pip install ./python` alone
+into a fresh virtual environment of the system's python3 (no system site packages, no
+FSDPD_LIB, no installed libfsdp): the package builds libfsdp from the repository
+(scikit-build-core, which pip fetches from PyPI) and carries it, so that its first call to a
+daemon works (issue 30 item 4: it failed with "cannot load libfsdp.so").
 """
 
+import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from fsdpd_harness import fsdpd  # noqa: E402,F401
 
 SOURCE_DIR = Path(os.environ.get("FSDP_SOURCE_DIR", Path(__file__).resolve().parents[2]))
 BUILD_DIR = Path(os.environ.get("FSDP_BUILD_DIR", SOURCE_DIR / "build"))
@@ -59,19 +64,36 @@ def test_install_pkg_config_and_the_python_package(tmp_path):
     out = run(tmp_path / "hello", env={**env, "LD_LIBRARY_PATH": libdir})
     assert out.strip() == "data loss", out
 
-    # From a copy: pip builds a local directory in place, which would leave files in the tree.
-    package = tmp_path / "python"
-    shutil.copytree(SOURCE_DIR / "python", package,
-                    ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    # The package still finds an installed libfsdp through pkg-config when it carries none.
+    check = ("import sys; sys.path.insert(0, sys.argv[1]); import fsdpd._lib as l; "
+             "print(l.library_candidates())")
+    out = run(sys.executable, "-c", check, SOURCE_DIR / "python", env=env, cwd=tmp_path)
+    assert str(Path(libdir) / "libfsdp.so.0") in out, out
+
+
+def test_pip_install_alone_gives_a_package_that_talks_to_a_daemon(fsdpd, tmp_path):
     venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", "--system-site-packages", venv)
-    run(venv / "bin" / "pip", "install", "-q", "--no-build-isolation", "--no-index",
-        "--no-deps", package, env={**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    python = venv / "bin" / "python"
-    out = run(python, "-c", "import fsdpd; print(fsdpd.__file__)", env={}, cwd=tmp_path)
-    assert out.startswith(str(venv)), out
-    check = ("import fsdpd._lib as l; lib = l.lib(); "
-             "print(lib._name); print(lib.fsdp_strerror(-22).decode())")
-    name, message = run(python, "-c", check, env=env, cwd=tmp_path).split("\n")[:2]
-    assert Path(name).resolve().parent == Path(libdir).resolve(), name
-    assert message == "Invalid argument"
+    run("/usr/bin/python3", "-m", "venv", venv)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    # pip builds a local directory in place; scikit-build-core builds in a directory of its
+    # own, so the tree is left as it was (checked below).
+    before = run("git", "-C", SOURCE_DIR, "status", "--porcelain", "--ignored", "python")
+    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(SOURCE_DIR / "python")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, f"pip install ./python: exit {r.returncode}\n{r.stderr[-4000:]}"
+    after = run("git", "-C", SOURCE_DIR, "status", "--porcelain", "--ignored", "python")
+    assert before == after, (before, after)
+    d = fsdpd()
+    call = """
+import json, fsdpd, fsdpd._lib
+with fsdpd.Client(socket=%r, job="installed") as client:
+    unit = client.register_unit("u", [("w", (4, 2))])
+    unit.master_shard[0] = 1.5
+    print(json.dumps({"lib": fsdpd._lib.lib()._name, "numel": unit.numel,
+                      "file": fsdpd.__file__}))
+""" % str(d.socket_path)
+    out = run(venv / "bin" / "python", "-c", call, env={"PATH": os.environ["PATH"]},
+              cwd=tmp_path)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["numel"] == 8 and got["file"].startswith(str(venv)), got
+    assert got["lib"].startswith(str(venv)) and got["lib"].endswith("fsdpd/libfsdp.so"), got
