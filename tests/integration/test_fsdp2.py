@@ -65,7 +65,11 @@ def _start(mode, out, rank, world, per_host, args, daemon=None):
     env.update(PYTHONPATH=str(SOURCE_DIR / "python"), FSDPD_LIB=str(LIB),
                FSDP_SOURCE_DIR=str(SOURCE_DIR), OMP_NUM_THREADS="1", RANK=str(rank),
                WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_host),
-               LOCAL_WORLD_SIZE=str(per_host), GLOO_SOCKET_IFNAME="lo")
+               LOCAL_WORLD_SIZE=str(per_host), GLOO_SOCKET_IFNAME="lo",
+               # The parameters are views at other offsets on each side (of fsdpd's flat
+               # copy, of FSDP2's all-gather output): MKL's strict reproducible mode makes
+               # its sgemm's sums independent of the operands' alignment, on any x86 CPU.
+               MKL_CBWR="AUTO,STRICT")
     if daemon is not None:
         env.update(FSDPD_SOCKET=str(daemon.socket_path), FSDPD_JOB="fsdp2-compare")
         if world == per_host:  # one host: the daemon's ranks alone
