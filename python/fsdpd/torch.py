@@ -110,6 +110,13 @@ def _tensors(value):
 _FLOATS = (_torch.float32, _torch.bfloat16, _torch.float16)
 
 
+def _in_backward():
+    """Whether autograd's engine is running a backward on this thread: a module's forward
+    then is activation checkpointing's recomputation (torch.utils.checkpoint), as FSDP2's
+    hooks tell it."""
+    return _torch._C._current_graph_task_id() != -1
+
+
 def _is_meta(module):
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
@@ -595,6 +602,13 @@ class ShardedModel(_nn.Module):
             fu.unshard(self.step)
             if not _torch.is_grad_enabled():
                 return
+            if _in_backward() and (fu.ran_step == self.step or not fu.trainable):
+                # Activation checkpointing recomputes the forward of a unit whose backward
+                # is under way or next: it needs the copy (gathered again if let go), and
+                # the unit's backward goes on as it stood. (A reentrant checkpoint's
+                # forward ran without gradients: its recomputation is the unit's forward
+                # for the backward that follows it, below.)
+                return
             fu.backward_started = False
             if fu.trainable:
                 fu.hook_accumulators()
@@ -609,7 +623,12 @@ class ShardedModel(_nn.Module):
             if not _torch.is_grad_enabled():
                 fu.reshard()
                 return None
-            if self.strategy in _RESHARD_AFTER_FORWARD and fu not in self._root_units:
+            # A recomputation inside the backward (activation checkpointing) keeps the copy:
+            # the tensors it saved for the unit's backward view it, and the copy given back
+            # would be another unit's soon (or, with FSDP_FENCES=1, unreadable: a segfault).
+            # The unit's reduce lets go of it, or the end of the backward.
+            if self.strategy in _RESHARD_AFTER_FORWARD and fu not in self._root_units and \
+                    not _in_backward():
                 fu.reshard()
             for t in _tensors(output):
                 if t.requires_grad:
