@@ -91,7 +91,7 @@ __all__ = ["shard_model", "ShardedModel", "WrapPolicy", "wrap_by_class", "wrap_b
 _SYNC_UNIT = "__fsdpd_sync__"
 _GATHER_UNIT = "__fsdpd_gather__"
 _BUFFER_UNIT = "root#buffers"  # the module's persistent buffers (no module name has a '#')
-_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 _RESHARD_AFTER_FORWARD = ("FULL_SHARD", "HYBRID_SHARD")
 
 
@@ -108,6 +108,13 @@ def _tensors(value):
 
 
 _FLOATS = (_torch.float32, _torch.bfloat16, _torch.float16)
+
+
+def _in_backward():
+    """Whether autograd's engine is running a backward on this thread: a module's forward
+    then is activation checkpointing's recomputation (torch.utils.checkpoint), as FSDP2's
+    hooks tell it."""
+    return _torch._C._current_graph_task_id() != -1
 
 
 def _in_backward():
@@ -248,9 +255,14 @@ class _FlatUnit:
         self.own = _torch.empty(u.padded_numel, dtype=u.dtype, device=u.master.device) \
             if u.device >= 0 else None
         self.own_step = 0  # the step the storage holds (0: freed)
+        # How much of its shard this rank steps: all of it, but with NO_SHARD, whose one
+        # shard (the whole unit) every rank of a host shares in the host's memory, local rank
+        # 0 alone, as each host's one replica (the ranks' optimizers would step it each).
+        self.owned = u.shard_numel if owner.strategy != "NO_SHARD" or \
+            owner.client.rank == 0 else 0
         # This rank's master shard as an optimizer parameter (shares the mapped memory): the
         # flat form (model.flat_parameters()).
-        self.shard_param = _nn.Parameter(u.master_shard, requires_grad=trainable)
+        self.shard_param = _nn.Parameter(u.master_shard[:self.owned], requires_grad=trainable)
         self.shard_param._fsdpd_model = weakref.ref(owner)  # the clip_grad_norm_ guard
         # Each original parameter's part of this rank's shard, as an optimizer parameter of
         # its own (a 1-d view of the same memory, empty when the rank holds none of it), as
@@ -258,8 +270,8 @@ class _FlatUnit:
         lo = u.shard * u.shard_numel
         self.orig = []
         for (pname, _), off, n in zip(params, self.offsets, self.sizes):
-            begin = min(max(off, lo), lo + u.shard_numel) - lo
-            end = max(min(off + n, lo + u.shard_numel), lo) - lo
+            begin = min(max(off, lo), lo + self.owned) - lo
+            end = max(min(off + n, lo + self.owned), lo) - lo
             view = _nn.Parameter(u.master_shard[begin:end], requires_grad=trainable)
             view._fsdpd_model = weakref.ref(owner)
             self.orig.append((pname, view, begin, end))
@@ -287,7 +299,7 @@ class _FlatUnit:
         """Writes this rank's slice of a flat buffer of the unit into its master shard."""
         u = self.unit
         lo = u.shard * u.shard_numel
-        u.master_shard.copy_(flat[lo:lo + u.shard_numel])
+        u.master_shard[:self.owned].copy_(flat[lo:lo + self.owned])
 
     def part(self, i):
         """This rank's part of parameter i: its view, its first element in the parameter and
@@ -305,7 +317,7 @@ class _FlatUnit:
     def point_shard_grads(self):
         """The .grad of the flat and the original parameters: views of the gradient shard."""
         grad = self.unit.grad_shard
-        self.shard_param.grad = grad
+        self.shard_param.grad = grad[:self.owned]
         for _, p, begin, end in self.orig:
             p.grad = grad[begin:end]
 
@@ -405,11 +417,6 @@ class ShardedModel(_nn.Module):
                  sync_module_states=False):
         super().__init__()
         strategy = str(strategy).upper()
-        if strategy == "NO_SHARD":
-            raise NotImplementedError(
-                "fsdpd.torch: strategy NO_SHARD is not supported: on one host every rank's "
-                "replica is the daemon's one master copy, which each rank's optimizer would "
-                "step; use FULL_SHARD or SHARD_GRAD_OP")
         if strategy not in _STRATEGIES:
             raise ValueError(f"fsdpd.torch: strategy {strategy!r}: expected one of "
                              f"{', '.join(_STRATEGIES)}")
@@ -849,7 +856,8 @@ class ShardedModel(_nn.Module):
         if norm_type == float("inf") or norm_type <= 0:
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported "
                              "(a positive finite p-norm is)")
-        grads = [fu.unit.grad_shard for fu in self._units if fu.trainable and fu.grads_kept()]
+        grads = [fu.unit.grad_shard[:fu.owned] for fu in self._units
+                 if fu.trainable and fu.grads_kept()]
         # Each shard counts once, however many hosts keep a copy of it.
         local = sum(float(_torch.sum(fu.unit.grad_shard.abs().double() ** norm_type))
                     for fu in self._units if fu.trainable and fu.grads_kept()
@@ -938,8 +946,7 @@ class ShardedModel(_nn.Module):
                 if writeback:
                     for off, n, p in zip(fu.offsets, fu.sizes, fu.params):
                         flat[off:off + n].copy_(p.detach().reshape(-1))
-                    lo = fu.unit.shard * fu.unit.shard_numel
-                    fu.unit.master_shard.copy_(flat[lo:lo + fu.unit.shard_numel])
+                    fu.write_shard(flat)
                 fu.detach_params()
             self._all_reduce_scalar(0.0)  # nobody reads masters another rank still writes
 
@@ -1177,7 +1184,9 @@ def shard_model(model, client, wrap=None, strategy="FULL_SHARD", param_dtype=Non
     wrap: a set of module classes whose instances each become a unit (like
     transformer_auto_wrap_policy), a WrapPolicy (wrap_by_class, wrap_by_name, wrap_by_size),
     or a predicate on a module, or None for one unit; the root takes the rest. strategy:
-    FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the same as FULL_SHARD).
+    FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (on one host, the same as FULL_SHARD), or
+    NO_SHARD (DDP: every rank gathers nothing and all-reduces its gradients; each host keeps
+    one replica, which its local rank 0 steps: the other ranks' parameters are empty).
     param_dtype: the unsharded parameters' dtype, in which forward and backward compute
     (floating inputs are cast to it; default: a bfloat16 or float16 model's own dtype);
     reduce_dtype: the gradient reduction's (default param_dtype); masters are float32, made
