@@ -124,6 +124,13 @@ def _in_backward():
     return _torch._C._current_graph_task_id() != -1
 
 
+def _in_backward():
+    """Whether autograd's engine is running a backward on this thread: a module's forward
+    then is activation checkpointing's recomputation (torch.utils.checkpoint), as FSDP2's
+    hooks tell it."""
+    return _torch._C._current_graph_task_id() != -1
+
+
 def _is_meta(module):
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
@@ -654,6 +661,14 @@ class ShardedModel(_nn.Module):
 
     def _queue_finish(self):
         if not self._callback_queued:
+            opt = self._optimizer
+            if opt is not None and opt.step_in_backward and opt._stepped_in_backward:
+                raise RuntimeError(
+                    "fsdpd.optim: a second backward before optimizer.step(), with "
+                    "step_in_backward=True: the daemon stepped in the first already. To "
+                    "accumulate gradients, run the backwards but the last under "
+                    "model.no_sync(), or make the optimizer with step_in_backward=False "
+                    "(the default), which steps at step()")
             self._callback_queued = True
             _torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -676,8 +691,14 @@ class ShardedModel(_nn.Module):
             fu.unshard(fu.ran_step, backward=True)
         fu.reshard()
         keep = fu.grads_kept()
+        # fsdpd.optim steps at its step(), as a torch optimizer does (so that gradients
+        # accumulate over backwards), or here with step_in_backward, outside no_sync.
+        now = self._optimizer is not None and self._optimizer.step_in_backward and \
+            not self._no_sync
+        if now:
+            self._optimizer._stepped_in_backward = True
         fu.reduce_async(fu.ran_step, accumulate=keep, defer_all_reduce=self._no_sync,
-                        step_optimizer=self._optimizer is not None and not self._no_sync)
+                        step_optimizer=now)
         if not keep:
             fu.point_shard_grads()
 
@@ -777,8 +798,49 @@ class ShardedModel(_nn.Module):
         return self._gather
 
     def _attach_optimizer(self, optimizer):
-        """fsdpd.optim's: from now on the reduces of a step step the units in the daemon."""
+        """fsdpd.optim's: from now on the daemon steps the units, at optimizer.step() (or in
+        the reduces of a step, with step_in_backward)."""
         self._optimizer = optimizer
+
+    def _optimizer_names(self):
+        """What fsdpd.optim maps an optimizer's parameters with: {"by_id": {id(parameter):
+        its original names}, for the original parameters' parts and the flat shards (every
+        name of the unit), "by_name": {name: original parameter's part}, "trainable": the
+        names of the trainable ones}."""
+        by_id, by_name, trainable = {}, {}, set()
+        for fu in self._units:
+            by_id[id(fu.shard_param)] = [n for n, _, _, _ in fu.orig]
+            for n, view, _, _ in fu.orig:
+                by_id[id(view)] = [n]
+                by_name[n] = view
+                if fu.trainable:
+                    trainable.add(n)
+        return {"by_id": by_id, "by_name": by_name, "trainable": trainable}
+
+    def _step_optimizer(self):
+        """fsdpd.optim's step(): the daemon steps each trainable unit whose gradient shards
+        hold a gradient (every one with max_grad_norm, whose norm is all of theirs), once,
+        with what the backwards since zero_grad() reduced into them, as torch's optimizers
+        step after gradient accumulation. The daemon steps in a reduce: each unit's reduce
+        of a zero gradient, added to the shards (adding +0.0 changes no value), asks for it,
+        at the step of the last forward. Every local rank calls it together."""
+        units = [fu for fu in self._units if fu.trainable and
+                 (fu.grads_kept() or self._optimizer.max_grad_norm)]
+        step = self.step
+        try:
+            for fu in reversed(units):  # the backward's order
+                fu.unshard(step, backward=True)  # the gradient buffer, zeroed
+                fu.reshard()
+                kept = fu.grads_kept()  # else its shards hold an older gradient: zeros
+                fu.reduce_async(step, accumulate=kept, defer_all_reduce=False,
+                                step_optimizer=True)
+                if not kept:
+                    fu.point_shard_grads()
+            for fu in units:
+                fu.settle()
+        finally:
+            for fu in units:
+                fu.detach_params()
 
     def _trainable_units(self):
         return [fu.unit for fu in self._units if fu.trainable]
