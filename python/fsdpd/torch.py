@@ -117,20 +117,6 @@ def _in_backward():
     return _torch._C._current_graph_task_id() != -1
 
 
-def _in_backward():
-    """Whether autograd's engine is running a backward on this thread: a module's forward
-    then is activation checkpointing's recomputation (torch.utils.checkpoint), as FSDP2's
-    hooks tell it."""
-    return _torch._C._current_graph_task_id() != -1
-
-
-def _in_backward():
-    """Whether autograd's engine is running a backward on this thread: a module's forward
-    then is activation checkpointing's recomputation (torch.utils.checkpoint), as FSDP2's
-    hooks tell it."""
-    return _torch._C._current_graph_task_id() != -1
-
-
 def _is_meta(module):
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
