@@ -15,6 +15,8 @@ fsdp_optim_step_t fsdp_optim_prepare(fsdp_optim_rule_t rule, const fsdp_optim_hy
                                      uint64_t step, bool clip, float clip_coef) {
   double bias_correction1 = 1 - pow(h->beta1, (double)step);
   double bias_correction2 = 1 - pow(h->beta2, (double)step);
+  float lerp_weight = (float)(1 - h->beta1);
+  bool lerp_small = fabsf(lerp_weight) < 0.5f;
   bool sgd = rule == FSDP_OPTIM_RULE_SGD;
   return (fsdp_optim_step_t){
       .rule = rule,
@@ -28,11 +30,11 @@ fsdp_optim_step_t fsdp_optim_prepare(fsdp_optim_rule_t rule, const fsdp_optim_hy
       .clip_coef = clip_coef,
       .decay_factor = rule == FSDP_OPTIM_RULE_ADAMW ? (float)(1 - h->lr * h->weight_decay) : 1.0f,
       .weight_decay = (float)h->weight_decay,
-      .beta1 = (float)h->beta1,
-      .one_minus_beta1 = (float)(1 - h->beta1),
+      .lerp_small = lerp_small,
+      .lerp_weight = lerp_small ? lerp_weight : lerp_weight - 1.0f,
       .beta2 = (float)h->beta2,
       .one_minus_beta2 = (float)(1 - h->beta2),
-      .bias_correction2_sqrt = (float)sqrt(bias_correction2),
+      .bias_correction2_sqrt = (float)pow(bias_correction2, 0.5),
       .eps = (float)h->eps,
       .neg_step_size = (float)-(h->lr / bias_correction1),
       .momentum_factor = (float)h->momentum,

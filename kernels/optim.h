@@ -1,13 +1,18 @@
-/* Optimizer steps over fp32 arrays: torch 1.13's AdamW, Adam and SGD (its single-tensor
- * path), for the daemon's optimizer (daemon/dataplane/optimizer.h).
+/* Optimizer steps over fp32 arrays: torch 2.13's AdamW, Adam and SGD (its single-tensor
+ * path, which torch.optim takes for CPU tensors by default), for the daemon's optimizer
+ * (daemon/dataplane/optimizer.h). torch 1.13's arithmetic is no longer followed: it formed
+ * exp_avg as mul_(beta1).add_(grad), where 2.x takes lerp_.
  *
  * Numbers: torch's own, bit for bit, as its x86-64 CPU kernels (AVX2, AVX-512) compute
- * them. The coefficients torch computes in Python doubles (1 - lr * weight_decay, the bias
- * corrections, the step size, sqrt(bias_correction2)) are computed here in double the same
- * way and rounded to fp32 once, as torch does with a Python scalar. Per element, in torch's
- * order: what torch fuses is one fused multiply-add (fmaf, rounded once: its vectorized
- * `add(x, alpha=a)` is Vectorized::fmadd, and its addcmul's a + v*t1*t2 is contracted
- * into one); every other product, sum, quotient and square root rounds to fp32 on its own.
+ * them, but for the square root, which is IEEE's (sqrtf) here, as in torch's CUDA kernels:
+ * the x86-64 wheels take a CPU tensor's sqrt from MKL, one ulp off for about a sixth of fp32
+ * values and by CPU (tests/integration/ieee_sqrt.py). The coefficients torch computes in
+ * Python doubles (1 - lr * weight_decay, the bias corrections, the step size,
+ * bias_correction2 ** 0.5) are computed here in double the same way and rounded to fp32
+ * once, as torch does with a Python scalar. Per element, in torch's order: what torch fuses
+ * is one fused multiply-add (fmaf, rounded once: its vectorized `add(x, alpha=a)` and
+ * lerp are Vectorized::fmadd, and its addcmul's a + v*t1*t2 is contracted into one); every
+ * other product, sum, quotient and square root rounds to fp32 on its own.
  * The loops are compiled for several instruction sets (kernels/clones.h) with contraction
  * off and each fusion explicit, so every x86-64 CPU gives the same bits (a CPU without FMA
  * gets them from libm's fmaf, slower).

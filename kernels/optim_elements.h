@@ -34,7 +34,9 @@ typedef struct fsdp_optim_step {
   float clip_coef;
   float decay_factor; /* AdamW: 1 - lr * weight_decay; else 1 */
   float weight_decay; /* Adam, SGD: added to the gradient times the parameter */
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  bool lerp_small;    /* Adam, AdamW: 1 - beta1 < 0.5, torch.lerp's choice of its two forms */
+  float lerp_weight;  /* Adam, AdamW: 1 - beta1 when lerp_small, else (1 - beta1) - 1 */
+  float beta2, one_minus_beta2;
   float bias_correction2_sqrt, eps, neg_step_size;
   float momentum_factor, one_minus_dampening, neg_lr;
 } fsdp_optim_step_t;
@@ -55,6 +57,14 @@ FSDP_ELEMENT float fsdp_optim_maximum(float a, float b) {
   return (a > b || a != a) ? a : b;
 }
 
+/* exp_avg.lerp_(grad, w = 1 - beta1) as torch's CPU kernel (ATen's lerp_vec) computes it:
+ * below a weight of 0.5 from the start, m + w * (g - m), else from the end,
+ * g + (w - 1) * (g - m), each one fused multiply-add (the scalar form for a loop's tail is
+ * contracted into the same). */
+FSDP_ELEMENT float fsdp_optim_lerp(const fsdp_optim_step_t *s, float m, float g) {
+  return fmaf(s->lerp_weight, g - m, s->lerp_small ? m : g);
+}
+
 /* Element i of Adam's or AdamW's step: m exp_avg, v exp_avg_sq, vmax max_exp_avg_sq. */
 FSDP_ELEMENT void fsdp_optim_adam_element(const fsdp_optim_step_t *s, float *p, float *g,
                                           float *m, float *v, float *vmax, size_t i) {
@@ -62,7 +72,7 @@ FSDP_ELEMENT void fsdp_optim_adam_element(const fsdp_optim_step_t *s, float *p, 
   float pi = p[i] * s->decay_factor;
   if (s->coupled_decay)
     gi = fmaf(pi, s->weight_decay, gi);
-  float mi = fmaf(gi, s->one_minus_beta1, m[i] * s->beta1);
+  float mi = fsdp_optim_lerp(s, m[i], gi);
   float vi = fmaf(gi * s->one_minus_beta2, gi, v[i] * s->beta2);
   m[i] = mi;
   v[i] = vi;

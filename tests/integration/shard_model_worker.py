@@ -23,6 +23,7 @@ the ranks step with fsdpd.optim's optimizer in the daemon, the reference with to
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.environ["FSDP_SOURCE_DIR"], "examples"))
 from transformer import Block, Config, TinyGPT, batch, loss_fn, rank_slice  # noqa: E402
+from ieee_sqrt import ieee_sqrt  # noqa: E402
 
 CFG = Config(vocab=300, d_model=32, n_heads=4, n_layers=2, seq_len=16, mlp_ratio=2)
 GLOBAL_BATCH = 24  # its halves (the micro-batches) divide by 2, 3 and 4
@@ -181,7 +183,10 @@ def reference(args):
             clip_as_the_daemon(model, MAX_NORM)
         elif args.features or args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
+        # Against the daemon's optimizer, torch.optim's with the IEEE square root that the
+        # daemon's kernels take (ieee_sqrt.py says why).
+        with ieee_sqrt() if args.optim in DAEMON_OPTIM else contextlib.nullcontext():
+            opt.step()
         if schedule:
             schedule.step()
         emit(step=step, loss=total)

@@ -204,3 +204,71 @@ def test_adam_with_amsgrad_steps_as_torch_does(fsdpd):
     for k, key in enumerate(("exp_avg", "exp_avg_sq", "max_exp_avg_sq")):
         got = floats(ranks[0].memory, state.arrays_offset + k * stride, n)
         assert got == flat(key) + pad, key
+
+
+TORCH_CASES = {  # torch.optim's class and hyperparameters, and the daemon's kind
+    "adamw": ("AdamW", dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)),
+    "adamw-amsgrad-maximize-beta1-0.3": ("AdamW", dict(lr=1e-2, betas=(0.3, 0.99), eps=1e-8,
+                                                       weight_decay=0.1, amsgrad=True,
+                                                       maximize=True)),
+    "adam-weight-decay": ("Adam", dict(lr=1e-2, betas=(0.5, 0.999), eps=1e-6,
+                                       weight_decay=0.05)),
+    "sgd-momentum-dampening": ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1,
+                                           weight_decay=1e-2)),
+    "sgd-nesterov-maximize": ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True,
+                                          weight_decay=1e-2, maximize=True)),
+}
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_every_rule_steps_as_torch_optim_does(fsdpd, case):
+    """Three steps of each rule and flag that changes the arithmetic (lerp's two forms for
+    exp_avg: a weight 1 - beta1 below and above 0.5) on values whose every operation rounds,
+    over two parameters of 1320 and 41 elements (the vector loops and their tails): the
+    masters and the state arrays are torch.optim's single-tensor step's on the same
+    parameters bit for bit, with the IEEE square root the daemon takes (ieee_sqrt.py)."""
+    import torch
+    from ieee_sqrt import ieee_sqrt
+    name, hyper = TORCH_CASES[case]
+    d = fsdpd()
+    shapes = ((40, 33), (41,))
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    layouts = [r.register(shapes=shapes, param_dtype=FP32, requires_grad=True) for r in ranks]
+    lay = layouts[0]
+    n, numel = lay.padded_numel, 40 * 33 + 41
+    rng = torch.Generator().manual_seed(7)
+
+    def values(scale):  # fp32 values
+        return (torch.randn(n, generator=rng) * scale).tolist()
+    start = values(1.0)
+    for r, x in zip(ranks, layouts):
+        r.write_master_shard(x, start)
+    fields = {k: v for k, v in hyper.items() if k != "betas"}
+    if "betas" in hyper:
+        fields.update(beta1=hyper["betas"][0], beta2=hyper["betas"][1])
+    kind = trainer_pb2.SGD if name == "SGD" else getattr(trainer_pb2, name.upper())
+    (state,) = set_optimizer(ranks[0], kind, group(**fields)).units
+    params = [torch.nn.Parameter(torch.tensor(start[:1320])),
+              torch.nn.Parameter(torch.tensor(start[1320:numel]))]
+    opt = getattr(torch.optim, name)(params, **hyper)
+    for step, scale in ((1, 1.0), (2, 0.01), (3, 0.3)):
+        g = values(scale)
+        assert on_all(ranks, "Unshard", step=step, backward=True) == [None, None]
+        for r in ranks:  # both write g: the reduce's mean is g exactly
+            r.write_full_grad(g, FP32)
+        assert on_all(ranks, "ReduceScatter", step=step, step_optimizer=True) == [None, None]
+        params[0].grad, params[1].grad = torch.tensor(g[:1320]), torch.tensor(g[1320:numel])
+        with ieee_sqrt():
+            opt.step()
+    keys = ["momentum_buffer"] if name == "SGD" else ["exp_avg", "exp_avg_sq"]
+    keys += ["max_exp_avg_sq"] if hyper.get("amsgrad") else []
+    assert state.arrays == len(keys)
+
+    def flat(key):
+        return [float(x) for p in params for x in (p.detach() if key is None
+                                                    else opt.state[p][key])]
+    got = floats(ranks[0].memory, lay.master_offset, n)[:numel]
+    assert got == flat(None), [i for i, (a, b) in enumerate(zip(got, flat(None))) if a != b]
+    for k, key in enumerate(keys):
+        got = floats(ranks[0].memory, state.arrays_offset + k * state.array_stride, n)[:numel]
+        assert got == flat(key), key

@@ -1,10 +1,11 @@
 /* The optimizer step kernels (kernels/optim.h) against a scalar reference written from
- * torch 1.13's formulas as its x86-64 kernels round them (fmaf where torch fuses), bit for
- * bit: every rule and flag
- * (clipping, maximize, weight decay, amsgrad, momentum, dampening, nesterov), three steps
- * so that the state is read back, odd lengths and unaligned starts (the vector loops' edges),
- * and a range stepped in pieces equal to the range stepped whole (the daemon splits a unit
- * over its workers). This file is compiled without FMA contraction, as the kernels are. */
+ * torch 2.13's single-tensor formulas as its x86-64 kernels round them (fmaf where torch
+ * fuses; exp_avg by torch.lerp's rule; the square root IEEE's), bit for bit: every rule and flag
+ * (clipping, maximize, weight decay, amsgrad, momentum, dampening, nesterov), beta1 on both
+ * sides of lerp's switch, three steps so that the state is read back, odd lengths and
+ * unaligned starts (the vector loops' edges), and a range stepped in pieces equal to the
+ * range stepped whole (the daemon splits a unit over its workers). This file is compiled
+ * without FMA contraction, as the kernels are. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -41,7 +42,7 @@ static void fill(arrays_t *a) {
 /* The formulas, element by element. */
 static void reference(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h, uint64_t step,
                       bool clip, float coef, float *p, float *g, float *const s[3], size_t n) {
-  float bc2s = (float)sqrt(1 - pow(h->beta2, (double)step));
+  float bc2s = (float)pow(1 - pow(h->beta2, (double)step), 0.5); /* Python's ** 0.5 */
   float neg_step = (float)-(h->lr / (1 - pow(h->beta1, (double)step)));
   for (size_t i = 0; i < n; i++) {
     if (clip)
@@ -62,7 +63,10 @@ static void reference(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h, uint6
       p[i] = p[i] * (float)(1 - h->lr * h->weight_decay);
     else if (h->weight_decay != 0)
       gi = fmaf(p[i], (float)h->weight_decay, gi);
-    s[0][i] = fmaf(gi, (float)(1 - h->beta1), s[0][i] * (float)h->beta1);
+    /* exp_avg.lerp_(grad, 1 - beta1): ATen's lerp, from the start below a weight of 0.5,
+     * from the end above it, each one fused multiply-add. */
+    float w = (float)(1 - h->beta1);
+    s[0][i] = fabsf(w) < 0.5f ? fmaf(w, gi - s[0][i], s[0][i]) : fmaf(w - 1, gi - s[0][i], gi);
     s[1][i] = fmaf(gi * (float)(1 - h->beta2), gi, s[1][i] * (float)h->beta2);
     float second = s[1][i];
     if (h->amsgrad) {
@@ -112,8 +116,10 @@ static void check(fsdp_optim_rule_t rule, const fsdp_optim_hyper_t *h, bool clip
 static void test_adam_and_adamw(void **state) {
   (void)state;
   for (int rule = FSDP_OPTIM_RULE_ADAMW; rule <= FSDP_OPTIM_RULE_ADAM; rule++)
-    for (int flags = 0; flags < 16; flags++) {
-      fsdp_optim_hyper_t h = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+    for (int flags = 0; flags < 32; flags++) {
+      /* beta1 0.3: lerp's weight 0.7, its other form */
+      fsdp_optim_hyper_t h = {.lr = 1e-2, .beta1 = (flags & 16) ? 0.3 : 0.9, .beta2 = 0.999,
+                              .eps = 1e-8,
                               .weight_decay = (flags & 1) ? 0.1 : 0.0,
                               .amsgrad = flags & 2, .maximize = flags & 4};
       check((fsdp_optim_rule_t)rule, &h, flags & 8,
