@@ -575,10 +575,9 @@ def test_wrap_policies_and_torch_clip_grad_norm_on_a_sharded_model(fsdpd, tmp_pa
 
 
 def _torchrun(d, nnodes, node_rank, port, log_dir, *args):
-    """torchrun (Debian's) of 2 workers on daemon d, node node_rank of nnodes, their stdout
-    in log_dir; job, ranks and sizes come from torchrun alone. Debian's torch 1.13 on Python
-    3.11 cannot parse a redirect or tee of 0 or 3 (its defaults among them: IntFlag no longer
-    iterates those), so both are given as 1 (stdout)."""
+    """torchrun (the tests' torch's, as `python -m torch.distributed.run`) of 2 workers on
+    daemon d, node node_rank of nnodes, their stdout in log_dir (redirected and teed, 1: a
+    stdout.log per worker); job, ranks and sizes come from torchrun alone."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FSDPD_", "TORCHELASTIC_")) and
            k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
@@ -588,8 +587,8 @@ def _torchrun(d, nnodes, node_rank, port, log_dir, *args):
     log_dir.mkdir()
     out = open(log_dir / "torchrun.out", "w")  # not a pipe: a full one would stall it
     return subprocess.Popen(
-        ["/usr/bin/torchrun", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
-         "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+        [PYTHON, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+         "--node_rank", str(node_rank), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
          "--rdzv_id", "torchrun-job", "--log_dir", str(log_dir), "--redirects", "1", "--tee", "1",
          str(WORKER), "rank", "--steps", str(STEPS), *args],
         env=env, stdout=out, stderr=subprocess.STDOUT)
