@@ -54,25 +54,40 @@ clean:
 demo: setup-test build
 	$(PYTHON) examples/demo.py --build $(BUILD)
 
-# A training step and its host memory, fsdpd against PyTorch DDP over gloo, L = 2 and 4
-# (bench/train_bench.py; results in docs/PERFORMANCE.md). `make bench` covers the daemon alone.
-.PHONY: bench-train
-bench-train: setup-test build
-	$(PYTHON) bench/train_bench.py --build $(BUILD)
+# A training step and the bytes each system holds for the model: fsdpd (with the trainers'
+# torch AdamW, and with the daemon's, fsdpd+opt) against FSDP2 and DDP over gloo, interleaved
+# in the same runs, medians of 3, at L = 2, 4 and 8 (bench/train_bench.py; results in
+# docs/PERFORMANCE.md). The matrix is four commands, one per model and param dtype, each a
+# target of its own, since the whole takes more than an hour on 2 cores; bench-train runs
+# the four one after the other. Each writes its JSON to $(BUILD)/train_bench/MODEL-DTYPE.json
+# besides the text report. `make bench` covers the daemon alone.
+TRAIN_BENCH_MATRIX = bench-fp32 bench-bf16 blocks24-fp32 blocks24-bf16
+TRAIN_BENCH_STEPS_bench = --steps 20 --warmup 3
+TRAIN_BENCH_STEPS_blocks24 = --steps 10 --warmup 2
+.PHONY: bench-train $(addprefix bench-train-,$(TRAIN_BENCH_MATRIX))
+bench-train:
+	@$(foreach m,$(TRAIN_BENCH_MATRIX),$(MAKE) --no-print-directory bench-train-$(m) &&) true
 
-# The same against the FSDP memory model: a 24-block model at L = 2, 4 and 8, the medians of
-# three runs, with fsdpd's bytes against 16P + the units in flight and the share of its step
-# that waiting on the daemon exposes (results in docs/PERFORMANCE.md).
+$(addprefix bench-train-,$(TRAIN_BENCH_MATRIX)): bench-train-%: setup-test build
+	$(PYTHON) bench/train_bench.py --build $(BUILD) --ranks 2 4 8 --repeat 3 \
+	  --model $(word 1,$(subst -, ,$*)) --param-dtype $(word 2,$(subst -, ,$*)) \
+	  $(TRAIN_BENCH_STEPS_$(word 1,$(subst -, ,$*))) --json-out $(BUILD)/train_bench/$*.json
+
+# The bytes alone, against the FSDP memory model: the 24-block model at L = 2, 4 and 8, fp32
+# and bf16, fsdpd, fsdpd+opt, FSDP2 and DDP, one run of 3 steps each (the accounted bytes
+# are exact and repeat from run to run; the step times of this target mean nothing; results
+# in docs/PERFORMANCE.md).
+.PHONY: bench-train-memory
+bench-train-memory: setup-test build
+	$(foreach d,fp32 bf16,$(PYTHON) bench/train_bench.py --build $(BUILD) --model blocks24 \
+	  --ranks 2 4 8 --systems fsdpd fsdpd+opt FSDP2 DDP --steps 3 --warmup 1 \
+	  --param-dtype $(d) &&) true
+
 # The daemon's AdamW step against its memory-traffic bound and torch.optim.AdamW (foreach off
 # and on) on shards of 1, 16 and 256 MiB (bench/optim_torch.py; results in docs/PERFORMANCE.md).
 .PHONY: bench-optim
 bench-optim: setup-test build
 	$(PYTHON) bench/optim_torch.py --build $(BUILD)
-
-.PHONY: bench-train-memory
-bench-train-memory: setup-test build
-	$(PYTHON) bench/train_bench.py --build $(BUILD) --model blocks24 --ranks 2 4 8 \
-	  --repeat 3 --steps 10 --warmup 2
 
 # Status, a health Check and a trainer's Unshard under each flood a local user can send, against
 # the same calls without it in the same run (bench/flood_bench.py; results in docs/PERFORMANCE.md).

@@ -373,6 +373,7 @@ def worker(args):
     client = timer = None
     if args.worker == "fsdpd":
         import fsdpd
+        import fsdpd.optim
         import fsdpd.torch
         client = fsdpd.Client(rank=rank, local_world_size=world, timeout=60)
         timer = _CallTimer(fsdpd.Unit)
@@ -397,31 +398,30 @@ def worker(args):
 
     net = TinyGPT(cfg, seed=args.seed)
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[args.param_dtype]
-    tracker = None
+    tracker = tracker_class = None
     if client is not None:
         # Gradients are reduced in fp32 whatever the param dtype, as FSDP2's policy below.
         model = fsdpd.torch.shard_model(net, client, wrap={Block}, param_dtype=param_dtype,
                                         reduce_dtype=param_dtype and torch.float32,
                                         max_inflight=args.max_inflight)
     elif args.worker == "fsdp2":
-        model, tracker = _fully_shard(net, Block, param_dtype, world)
+        model, tracker_class = _fully_shard(net, Block, param_dtype, world)
     else:
         model = DistributedDataParallel(net)
     if args.daemon_optimizer:
-        import fsdpd.optim
         opt = fsdpd.optim.AdamW(model, lr=args.lr)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     times, call_times, cpu_times, losses = [], [], [], []
-    tracked = max(args.warmup - 1, 0) if tracker else -1  # the last warm-up step
+    tracked = max(args.warmup - 1, 0) if tracker_class else -1  # the last warm-up step
     for step in range(args.warmup + args.steps):
         tokens, targets = rank_slice(
             batch(step, args.global_batch, cfg.seq_len, cfg.vocab, seed=args.seed), rank, world)
         in_calls = timer.seconds if timer else 0.0
         cpu0 = time.process_time()
         if step == tracked:
-            tracker = tracker(model, opt)
+            tracker = tracker_class(model, opt)
             tracker.__enter__()
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -788,11 +788,11 @@ def fsdp_formula(fsdpd, args):
 
 
 def _versus(x, peer):
-    """x's step, accounted bytes and PSS (anon+shmem, and all) over peer's."""
-    return {"step": x["step_ms"] / peer["step_ms"],
-            "accounted": x["accounted_bytes"] / peer["accounted_bytes"],
-            "pss": x["measured_data_pss_bytes"] / peer["measured_data_pss_bytes"],
-            "pss_all": x["measured_pss_bytes"] / peer["measured_pss_bytes"]}
+    """x's step, accounted bytes and PSS (anon+shmem, and all) over peer's; a ratio whose
+    peer's figure is not above 0 (a PSS change can be, on a busy host) is left out."""
+    keys = {"step": "step_ms", "accounted": "accounted_bytes",
+            "pss": "measured_data_pss_bytes", "pss_all": "measured_pss_bytes"}
+    return {what: x[key] / peer[key] for what, key in keys.items() if peer[key] > 0}
 
 
 def figures(results, args):
@@ -815,9 +815,9 @@ def figures(results, args):
             formula = fsdp_formula(f, args)
             x.update(formula=formula, accounted_vs_formula=f["accounted_bytes"] / formula["bytes"],
                      in_calls=f["call_share"])
-            if d:  # the names the figures of earlier sittings have
-                x.update(accounted_vs_ddp=x["fsdpd_accounted_vs_ddp"],
-                         pss_vs_ddp=x["fsdpd_pss_vs_ddp"], step_vs_ddp=x["fsdpd_step_vs_ddp"])
+            for what in ("accounted", "pss", "step"):  # the names of earlier sittings
+                if f"fsdpd_{what}_vs_ddp" in x:
+                    x[f"{what}_vs_ddp"] = x[f"fsdpd_{what}_vs_ddp"]
             if c:
                 x["exposed"] = (f["step_ms"] - c["step_ms"]) / f["step_ms"]
             if o:
