@@ -1036,7 +1036,9 @@ static void start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
 }
 
 /* Clipping a unit that spans hosts: its shard group's parts of the norm are summed among
- * them (each group holds every shard once, and replicas hold the same gradient shards). */
+ * them (each group holds every shard once, and replicas hold the same gradient shards), each
+ * part rounded to fp32 and added in fp32 in the ring's order: member 1's, plus member 2's,
+ * ..., plus member 0's, which every member then receives. */
 static void start_norm_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                             double part) {
   launch_run(&(ring_run_t){.dp = dp, .job = job, .unit = u, .kind = FSDP_RING_ALL_REDUCE,
@@ -1124,9 +1126,13 @@ static void start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
 }
 
 /* Once the reduce of the step of every unit the optimizer steps wrote its gradient shards
- * and summed its part of the norm: the clip coefficient (torch's clip_grad_norm_: max_norm
- * over the norm plus 1e-6, at most 1), and every unit's step with it. The parts are added in
- * the units' order of registration, the same on every run. */
+ * and summed its part of the norm: the clip coefficient, and every unit's step with it. The
+ * parts are added in the units' order of registration, the same on every run. The
+ * coefficient is torch 2.13's clip_grad_norm_'s arithmetic on its fp32 total_norm tensor,
+ * so that equal norms clip to equal bits: max_norm / (total_norm + 1e-6) is the fp32 sum
+ * with the fp32 rounding of 1e-6, its reciprocal (Tensor.__rtruediv__) times max_norm in
+ * fp32, then clamp(max=1.0), which keeps a NaN. A direct division differs from it in the
+ * last bit for a tenth of norms when max_norm is no power of two. */
 static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t step) {
   double total = 0;
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {
@@ -1136,12 +1142,15 @@ static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t s
       return; /* its reduce of the step has not written its gradient yet */
     total += u->norm_sq;
   }
-  double coef = fsdp_optimizer_max_grad_norm(job) / (sqrt(total) + 1e-6);
+  float norm = (float)sqrt(total);
+  float coef = 1.0f / (norm + (float)1e-6) * (float)fsdp_optimizer_max_grad_norm(job);
+  if (coef > 1.0f)
+    coef = 1.0f;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (!fsdp_optimizer_steps_unit(job, u))
       continue;
     u->awaiting_norm = false;
-    queue_step(dp, job, u, true, (float)(coef < 1 ? coef : 1));
+    queue_step(dp, job, u, true, coef);
   }
 }
 

@@ -911,11 +911,16 @@ class ShardedModel(_nn.Module):
                     for fu in self._units if fu.trainable and fu.grads_kept()
                     and fu.unit.replica == 0)
         total = self._all_reduce_scalar(local) ** (1.0 / norm_type)
-        coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0:
+        # torch 2.13's clip_grad_norm_ from here on, rounding for rounding, so that equal
+        # norms clip to equal bits: its total_norm is an fp32 tensor, and its coefficient
+        # that tensor's arithmetic (1e-6 added in fp32, max_norm / t as t.reciprocal() *
+        # max_norm, clamped to 1). A coefficient of 1 would change no gradient.
+        norm = _torch.tensor(total, dtype=_torch.float32)
+        coef = _torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        if coef.item() != 1.0:
             for g in grads:
                 g.mul_(coef)
-        return _torch.tensor(total)
+        return norm
 
     def save_checkpoint(self, directory, optimizer=None):
         """The daemons write the job's state (the units' masters and the daemon optimizer's

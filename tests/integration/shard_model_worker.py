@@ -102,16 +102,64 @@ def no_decay(model):
             if p.requires_grad and (n.endswith(".bias") or ".ln" in n or n.startswith("ln"))]
 
 
+def daemon_units(model):
+    """The trainable units shard_model(model, wrap={Block}) registers, in its order (the
+    root, then the blocks), each as (name, its parameters in the order of its flat buffer):
+    a parameter belongs to the deepest wrapped module holding it."""
+    wrapped = [n for n, m in model.named_modules() if n == "" or isinstance(m, Block)]
+    units = {w: [] for w in wrapped}
+    for pname, p in model.named_parameters():
+        if p.requires_grad:
+            owner = max((w for w in wrapped if w == "" or pname.startswith(w + ".")),
+                        key=lambda w: w.count(".") + 1 if w else 0)
+            units[owner].append(p)
+    return [(w or "root", ps) for w, ps in units.items() if ps]
+
+
+def sum_squares(values):
+    """fsdp_backend_sum_squares on the host: each element's square (exact in double) added
+    in double, in element order."""
+    total = 0.0
+    for v in values.double().tolist():
+        total += v * v
+    return total
+
+
 @torch.no_grad()
-def clip_as_the_daemon(model, max_norm):
-    """clip_grad_norm_ as the daemon computes it: the squares summed in double, the
-    coefficient max_norm / (norm + 1e-6), at most 1, in double, then each gradient times its
-    fp32 rounding."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = sum(float((g.double() ** 2).sum()) for g in grads)
-    coef = torch.tensor(min(max_norm / (math.sqrt(total) + 1e-6), 1.0), dtype=torch.float32)
-    for g in grads:
-        g.mul_(coef)
+def clip_as_the_daemon(model, max_norm, strategy, world, hosts):
+    """The daemon's clipping (max_grad_norm), rounding for rounding (daemon/dataplane:
+    start_step, start_norm_ring, step_if_every_norm). Each unit's part of the squared norm:
+    the squares of each host's gradient shards summed in double (sum_squares); when the
+    unit's shard group spans several hosts (FULL_SHARD and SHARD_GRAD_OP across hosts;
+    HYBRID_SHARD's group is cluster.shard_group_hosts, 1 by default), each host's part
+    rounded to fp32 and added among them in fp32 in the ring's order (host 1's, plus host
+    2's, ..., plus host 0's). The units' parts are added in double in registration order,
+    the norm is its square root rounded to fp32, and the coefficient is torch's
+    clip_grad_norm_'s from that norm. Emits the units it assumed, for the test to check
+    against the ranks'."""
+    group = hosts if strategy in ("FULL_SHARD", "SHARD_GRAD_OP") else 1
+    local = world // hosts
+    shards = group * local
+    pad = shards * (hosts // group)  # the layout's pad_multiple (daemon/store/topology.c)
+    total, units = 0.0, []
+    for name, params in daemon_units(model):
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else
+                          torch.zeros(p.numel(), device=p.device) for p in params])
+        units.append({"name": name, "numel": flat.numel()})
+        if group == 1:
+            total += sum_squares(flat)
+            continue
+        shard_numel = -(-flat.numel() // pad) * pad // shards
+        region = local * shard_numel
+        parts = [torch.tensor(sum_squares(flat[h * region:(h + 1) * region]),
+                              dtype=torch.float32) for h in range(group)]
+        ring = parts[1]
+        for part in parts[2:] + parts[:1]:
+            ring = ring + part
+        total += float(ring)
+    norm = torch.tensor(math.sqrt(total), dtype=torch.float32)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return units
 
 
 def torch_optimizer(model, args):
@@ -180,7 +228,9 @@ def reference(args):
             loss.backward()
             total += loss.item()
         if args.clip and args.daemon_clip:
-            clip_as_the_daemon(model, MAX_NORM)
+            units = clip_as_the_daemon(model, MAX_NORM, args.strategy, world, hosts)
+            if step == 1:
+                emit(units=units)
         elif args.features or args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         # Against the daemon's optimizer, torch.optim's with the IEEE square root that the

@@ -15,8 +15,8 @@ computes its forward and backward on the same values with the same kernels, and 
 (foreach=False on both) is elementwise. Where this holds the comparison is bit for bit:
 FULL_SHARD, SHARD_GRAD_OP, bf16 parameters, HYBRID_SHARD, and accumulation against FSDP2
 reducing every micro-batch. Where the order differs (accumulation under
-set_requires_gradient_sync(False); the clipping norm) the bound is what that order explains,
-stated at each comparison, on the first step: from the second on, the first step's rounding
+set_requires_gradient_sync(False); the clipping norm, though equal norms clip to equal bits)
+the bound is what that order explains, stated at each comparison, on the first step: from the second on, the first step's rounding
 differences have gone through the model, which no order argument bounds.
 
 FSDP2 runs every case on the CPU with gloo (MixedPrecisionPolicy with bf16, the 2-D mesh),
@@ -245,14 +245,17 @@ def test_clipping_against_fsdp2s_clip_grad_norm(fsdpd, tmp_path):
     """fsdpd's model.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_ on FSDP2's
     DTensor gradients, to a norm (MAX_NORM) below the gradient's, then AdamW. The gradients
     before clipping are summed in the same order: bit for bit, and so are the losses. The
-    norms are not: fsdpd sums the squares of its flat shards in double, torch those of
+    norms need not be: fsdpd sums the squares of its flat shards in double, torch those of
     FSDP2's per-parameter shards in fp32 (a blocked sum of n terms errs by at most
     ceil(log2 n) U relative, the squares, the norms of norms and the root a few U more):
-    |difference| <= (ceil(log2 n) + 6) U norm. The coefficients max_norm / (norm + 1e-6)
-    then differ by that relative difference and each side's roundings of it (fsdpd in
-    double, torch in fp32: 2 U), and so the clipped gradients (another U each); the
-    parameters after the step lie within _adamw_step_bound of the clipped gradients. On the
-    first step only (see the module's docstring)."""
+    |difference| <= (ceil(log2 n) + 6) U norm. From its fp32 norm each side makes torch's
+    coefficient with torch's arithmetic (clamp(max_norm / (norm + 1e-6), max=1) on an fp32
+    tensor: fsdpd follows torch 2.13's clip_grad_norm_ rounding for rounding) and multiplies
+    it into the gradients in fp32, so each side's clipped gradients are known exactly here.
+    Equal norms (as measured on the AMD EPYC test VM) then clip to equal bits, and the
+    parameters after the step are equal bit for bit; norms apart, the parameters lie within
+    _adamw_step_bound of the two clipped gradients. On the first step only (see the module's
+    docstring)."""
     import math
 
     import torch
@@ -267,15 +270,24 @@ def test_clipping_against_fsdp2s_clip_grad_norm(fsdpd, tmp_path):
     assert a > MAX_NORM  # it clips
     norm_bound = (math.ceil(math.log2(n)) + 6) * U * a
     assert abs(a - b) <= norm_bound, (a, b, norm_bound)
-    ca, cb = MAX_NORM / (a + 1e-6), MAX_NORM / (b + 1e-6)
+
+    def coef(norm):  # torch.nn.utils.clip_grads_with_norm_'s, from an fp32 norm
+        return torch.clamp(MAX_NORM / (torch.tensor(norm, dtype=torch.float32) + 1e-6),
+                           max=1.0)
+
+    ca, cb = coef(a), coef(b)
     p, q = ours.whole(1, "params", numel), theirs.whole(1, "params", numel)
     worst = 0.0
     for name in numel:
-        x, y = g[name] * ca, g[name] * cb
-        dx = (x - y).abs() + 3 * U * x.abs()
+        if a == b:  # the same clipped gradients, the same AdamW
+            assert torch.equal(p[name], q[name]), \
+                (name, float((p[name] - q[name]).abs().max()))
+            continue
+        x, y = g[name] * ca, g[name] * cb  # each side's clipped gradient, exactly
         d = (p[name] - q[name]).abs()
-        bound = _adamw_step_bound(x, x + dx * torch.where(y < x, -1.0, 1.0), p[name])
+        bound = _adamw_step_bound(x, y, p[name])
         assert bool((d <= bound).all()), (name, float((d - bound).max()))
         worst = max(worst, float((d / bound).max()))
     print(f"clipping: norms {a!r} and {b!r} ({abs(a - b) / (U * a):.1f} U apart, bound "
-          f"{norm_bound / (U * a):.0f} U), parameters within {worst:.3f} of the AdamW bound")
+          f"{norm_bound / (U * a):.0f} U), parameters "
+          + ("bit for bit" if a == b else f"within {worst:.3f} of the AdamW bound"))
