@@ -154,9 +154,11 @@ bool parse_step_name(const char *name, const char *suffix, uint64_t *ret_step) {
   return true;
 }
 
-/* complete_steps, of uid's only where uid is not NULL. */
-static size_t steps_where(int dirfd, const char *job, const uint64_t *uid, uint64_t *ret,
-                          size_t max) {
+/* Calls each(step, ctx) for every complete checkpoint under dirfd of job's (NULL: any job's),
+ * of uid's where uid is not NULL: step-<S>/, a directory and no link, whose manifest is of
+ * step S. Returns how many there were. */
+static size_t steps_where(int dirfd, const char *job, const uint64_t *uid,
+                          void (*each)(uint64_t step, void *ctx), void *ctx) {
   DIR *d = fsdp_dir_list(dirfd);
   if (!d)
     return 0;
@@ -173,39 +175,60 @@ static size_t steps_where(int dirfd, const char *job, const uint64_t *uid, uint6
                     (!uid || (m.has_uid && m.uid == *uid));
     if (step_fd >= 0)
       close(step_fd);
-    if (!complete)
-      continue;
-    if (n < max)
-      ret[n] = step;
-    n++;
+    if (complete) {
+      each(step, ctx);
+      n++;
+    }
   }
   closedir(d);
   return n;
 }
 
-size_t complete_steps(int dirfd, const char *job, uint64_t *ret, size_t max) {
-  return steps_where(dirfd, job, NULL, ret, max);
+/* A growing list of steps; on want of memory it stops growing (ok false). */
+typedef struct step_list {
+  uint64_t *steps;
+  size_t n, cap;
+  bool ok;
+} step_list_t;
+
+static void add_step(uint64_t step, void *ctx) {
+  step_list_t *l = ctx;
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 16;
+    uint64_t *grown = l->ok ? realloc(l->steps, cap * sizeof *grown) : NULL;
+    if (!grown) {
+      l->ok = false;
+      return;
+    }
+    l->steps = grown;
+    l->cap = cap;
+  }
+  l->steps[l->n++] = step;
 }
 
-size_t complete_steps_of(int dirfd, const char *job, uint64_t uid, uint64_t *ret, size_t max) {
-  return steps_where(dirfd, job, &uid, ret, max);
-}
-int steps_descending(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-  return x < y ? 1 : x > y ? -1 : 0;
+size_t complete_steps_of(int dirfd, const char *job, uint64_t uid, uint64_t **ret) {
+  step_list_t l = {.ok = true};
+  steps_where(dirfd, job, &uid, add_step, &l);
+  if (!l.ok) {
+    free(l.steps);
+    return 0;
+  }
+  *ret = l.steps;
+  return l.n;
 }
 
-/* newest_step, of uid's only where uid is not NULL. */
+static void take_highest(uint64_t step, void *ctx) {
+  uint64_t *highest = ctx;
+  *highest = step > *highest ? step : *highest;
+}
+
+/* newest_step, of uid's only where uid is not NULL: one pass, the highest kept. */
 static bool newest_where(int dirfd, const char *job, const uint64_t *uid, uint64_t *ret) {
-  size_t n = steps_where(dirfd, job, uid, NULL, 0);
-  uint64_t *steps = n ? malloc(n * sizeof *steps) : NULL;
-  n = steps ? steps_where(dirfd, job, uid, steps, n) : 0;
-  for (size_t i = 1; i < n; i++)
-    steps[0] = steps[i] > steps[0] ? steps[i] : steps[0];
-  if (n)
-    *ret = steps[0];
-  free(steps);
-  return n > 0;
+  uint64_t highest = 0;
+  if (steps_where(dirfd, job, uid, take_highest, &highest) == 0)
+    return false;
+  *ret = highest;
+  return true;
 }
 
 bool newest_step(int dirfd, const char *job, uint64_t *ret) {
@@ -266,4 +289,9 @@ int fsdp_checkpoint_find(const char *dir, const char *job, const uint64_t *uid, 
     return io_failed(st, "naming", dir, ENAMETOOLONG);
   *ret_step = step;
   return 0;
+}
+
+int steps_descending(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? 1 : x > y ? -1 : 0;
 }

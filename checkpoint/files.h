@@ -86,16 +86,13 @@ int read_manifest(int step_fd, const char *step_path, manifest_t *ret, fsdp_stat
 /* "step-<S>" with S in decimal digits only, as the step directories are named; the step. */
 bool parse_step_name(const char *name, const char *suffix, uint64_t *ret_step);
 
-/* The steps of the complete checkpoints in the directory open at dirfd (step-<S>/, a
- * directory and no link, with a manifest of step S), of job's only (NULL: any job's), at
- * most max of them in *ret (any order); how many there are. */
-size_t complete_steps(int dirfd, const char *job, uint64_t *ret, size_t max);
+/* The steps of the complete checkpoints of job and uid in the directory open at dirfd
+ * (step-<S>/, a directory and no link, with a manifest of step S naming both), in *ret (any
+ * order; free it; NULL with none); how many. 0 too for want of memory. */
+size_t complete_steps_of(int dirfd, const char *job, uint64_t uid, uint64_t **ret);
 
-/* The same, of the checkpoints whose manifests name uid too (a job's own, where jobs of one
- * name but of other uids saved before). */
-size_t complete_steps_of(int dirfd, const char *job, uint64_t uid, uint64_t *ret, size_t max);
-
-/* The highest of those steps in *ret; false when there is none. */
+/* The highest step of the complete checkpoints of job's (NULL: any job's) in the directory
+ * open at dirfd in *ret; false when there is none. */
 bool newest_step(int dirfd, const char *job, uint64_t *ret);
 
 /* For qsort: steps from the highest down. */

@@ -67,13 +67,15 @@ static int stream_open(streamed_file_t *f, int dirfd, const char *name,
   f->bounce = aligned_alloc(DIRECT_ALIGN, IO_CHUNK);
   if (!f->bounce)
     return -ENOMEM;
-  const int flags = O_WRONLY | O_CREAT | O_EXCL;
+  f->fd = fsdp_file_open_at(dirfd, name, O_WRONLY | O_CREAT | O_EXCL, 0640);
+  if (f->fd < 0)
+    return f->fd;
+  /* Direct once made, not at the open: a filesystem without direct I/O refuses it then
+   * (EINVAL), where an open with O_DIRECT may have made the file before refusing. */
   bool refused = fsdp_failpoint("checkpoint-direct"); /* as a filesystem without it */
-  f->fd = refused ? -EINVAL : fsdp_file_open_at(dirfd, name, flags | O_DIRECT, 0640);
-  f->direct = f->fd >= 0;
-  if (f->fd == -EINVAL) /* a filesystem without direct I/O */
-    f->fd = fsdp_file_open_at(dirfd, name, flags, 0640);
-  return f->fd < 0 ? f->fd : 0;
+  int fl = fcntl(f->fd, F_GETFL);
+  f->direct = !refused && fl >= 0 && fcntl(f->fd, F_SETFL, fl | O_DIRECT) == 0;
+  return 0;
 }
 
 /* Closes nothing: finish_durably does. */
@@ -438,6 +440,23 @@ static int clear_partial(int dirfd, const char *dir_path, const char *name,
   return 0;
 }
 
+/* The complete save at `partial` under dirfd takes the place of the step directory `name`
+ * that is there, in one step (RENAME_EXCHANGE), if that is a complete checkpoint of the
+ * same job: looked at again now, as another job's save may have put its own there since
+ * this one began, and once more after the swap (the displaced one, now at `partial`), which
+ * a save that came in between is undone for. */
+static int swap_in(int dirfd, const char *dir, const char *partial, const char *name,
+                   const fsdp_checkpoint_job_t *job, fsdp_status_t *st) {
+  int r = replaceable(dirfd, dir, name, job, st);
+  if (r < 0)
+    return r;
+  if (renameat2(dirfd, partial, dirfd, name, RENAME_EXCHANGE) < 0)
+    return io_failed(st, "renaming into", name, errno);
+  if ((r = replaceable(dirfd, dir, partial, job, st)) < 0)
+    (void)renameat2(dirfd, partial, dirfd, name, RENAME_EXCHANGE); /* theirs back */
+  return r;
+}
+
 static void keep_newest(int dirfd, const fsdp_checkpoint_job_t *job, unsigned keep);
 static void remove_unfinished_below(int dirfd, const char *job, uint64_t below);
 
@@ -522,10 +541,9 @@ int fsdp_checkpoint_save(const char *dir, const fsdp_checkpoint_job_t *job, unsi
   /* A checkpoint of the same step (the job's own: replaceable) is swapped for this one in
    * one step (the old one then has the partial name, and goes): there is no moment without
    * one of them complete. */
-  if (r == 0 && renameat2(root, partial, root, name, RENAME_NOREPLACE) < 0) {
-    if (errno != EEXIST || renameat2(root, partial, root, name, RENAME_EXCHANGE) < 0)
-      r = io_failed(st, "renaming", partial_path, errno);
-  }
+  if (r == 0 && renameat2(root, partial, root, name, RENAME_NOREPLACE) < 0)
+    r = errno == EEXIST ? swap_in(root, dir, partial, name, job, st)
+                        : io_failed(st, "renaming", partial_path, errno);
   fsdp_failpoint("checkpoint-renamed");
   if (r == 0)
     r = fsync_dir(root, dir, st);
@@ -569,11 +587,12 @@ void fsdp_checkpoint_remove_unfinished(const char *dir, const char *job) {
 /* Removes all but the newest `keep` complete checkpoints of the job (its name and uid) under
  * dirfd (best effort: a save has already succeeded); other jobs' stay. */
 static void keep_newest(int dirfd, const fsdp_checkpoint_job_t *job, unsigned keep) {
-  size_t n = complete_steps_of(dirfd, job->job, job->uid, NULL, 0);
-  uint64_t *steps = n > keep ? malloc(n * sizeof *steps) : NULL;
-  if (!steps)
+  uint64_t *steps = NULL;
+  size_t n = complete_steps_of(dirfd, job->job, job->uid, &steps);
+  if (n <= keep) {
+    free(steps);
     return;
-  n = complete_steps_of(dirfd, job->job, job->uid, steps, n);
+  }
   qsort(steps, n, sizeof *steps, steps_descending);
   char name[32];
   for (size_t i = keep; i < n; i++) {

@@ -446,6 +446,30 @@ def test_a_load_reads_beside_the_queue_that_serves_the_other_jobs(fsdpd, tmp_pat
     assert snapshot(ranks[0], regions) == want
 
 
+@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+def test_a_save_that_finds_another_jobs_step_in_its_place_at_the_end_leaves_it(fsdpd, tmp_path):
+    """Job j's save of step 1 stalls before its rename (a failpoint); meanwhile job k saves
+    its step 1 into the same directory. j's save, looking again at the end, finds k's there
+    and fails naming it: k's checkpoint stays whole (before, j's exchanged it out and
+    deleted it)."""
+    d = fsdpd(env={"FSDPD_FAILPOINT": "checkpoint-written:1:sleep-3000"})
+    trained(d)
+    others = [Rank(d, r, 2, job="k") for r in range(2)]
+    for r in others:
+        r.register(shapes=((64,),), param_dtype=FP32, requires_grad=True)
+    assert on_all(others, "Unshard", step=1, backward=True) == [None, None]
+    assert on_all(others, "ReduceScatter", step=1) == [None, None]
+    stalled = save_later(d, tmp_path)
+    time.sleep(0.5)  # j's save is written and stalled before its rename
+    assert checkpoint(d, "SaveCheckpoint", tmp_path, job="k").step == 1
+    k_files = {p.name: p.read_bytes() for p in (tmp_path / "step-1").iterdir()}
+    with pytest.raises(grpc.RpcError) as e:
+        stalled.result()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+    assert "job 'k'" in e.value.details(), e.value.details()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "step-1").iterdir()} == k_files
+
+
 class TwoUnits:
     """Two ranks of job 'j' with units 'u' and 'v' and AdamW in the daemon, both trained
     step 1; a first save into dir/a stalled 3 s in its write (the daemon's failpoint), and a
