@@ -147,7 +147,7 @@ static int open_step_dir(fsdp_checkpoint_reader_t *r, const char *dir, const cha
                                                       : io_failed(st, "naming", dir,
                                                                   ENAMETOOLONG);
   }
-  uint64_t step;
+  uint64_t step = 0;
   bool found = newest_step(fd, job, &step);
   char name[32];
   snprintf(name, sizeof name, "step-%" PRIu64, step);

@@ -220,19 +220,13 @@ static int finish_durably(int dirfd, const char *dir_path, int fd, int r, const 
   return 0;
 }
 
-/* A new file's temporary name under dirfd made free: what a save that died left there is
- * ours to remove (a link goes as itself). */
-static void clear_tmp(int dirfd, const char *tmp) {
-  unlinkat(dirfd, tmp, 0);
-}
-
 /* name's bytes under dirfd made durable: written to name.tmp, fsynced, renamed. */
 static int write_durably(int dirfd, const char *dir_path, const char *name, const void *data,
                          size_t len, fsdp_status_t *st) {
   char tmp[NAME_MAX + 1];
   if (!join(tmp, sizeof tmp, name, "", ".tmp"))
     return io_failed(st, "naming", name, ENAMETOOLONG);
-  clear_tmp(dirfd, tmp);
+  unlinkat(dirfd, tmp, 0); /* what a save that died left: ours (a link goes as itself) */
   int fd = fsdp_file_open_at(dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL, 0640);
   if (fd < 0)
     return io_failed(st, "creating a file in", dir_path, -fd);
@@ -255,7 +249,7 @@ static int write_blocks(int dirfd, const char *dir_path, const fsdp_checkpoint_j
   char name[32], tmp[40];
   host_file(name, sizeof name, job->host, "bin");
   snprintf(tmp, sizeof tmp, "%s.tmp", name);
-  clear_tmp(dirfd, tmp);
+  unlinkat(dirfd, tmp, 0); /* what a save that died left: ours (a link goes as itself) */
   streamed_file_t file;
   int r = stream_open(&file, dirfd, tmp, job);
   if (r < 0) {

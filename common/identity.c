@@ -24,6 +24,7 @@ int fsdp_identity_of_peer(int fd, const fsdp_credentials_t *cred, fsdp_identity_
     for (size_t i = 0; i < len / sizeof *groups && ret->n_groups < FSDP_IDENTITY_GROUPS_MAX;
          i++)
       ret->groups[ret->n_groups++] = groups[i];
+    ret->partial = len / sizeof *groups > FSDP_IDENTITY_GROUPS_MAX; /* fewer rights, not more */
   }
   if (groups != small)
     free(groups);
@@ -35,6 +36,7 @@ void fsdp_identity_self(fsdp_identity_t *ret) {
   /* The raw call: this thread's groups, which glibc's getgroups reads too. */
   int n = (int)syscall(SYS_getgroups, FSDP_IDENTITY_GROUPS_MAX, ret->groups);
   ret->n_groups = n > 0 ? (unsigned)n : 0;
+  ret->partial = n < 0 && errno == EINVAL; /* more than FSDP_IDENTITY_GROUPS_MAX */
 }
 
 bool fsdp_identity_equal(const fsdp_identity_t *a, const fsdp_identity_t *b) {
@@ -59,6 +61,8 @@ static int take(const fsdp_identity_t *id) {
 int fsdp_identity_enter(const fsdp_identity_t *id, fsdp_identity_t *ret_saved) {
   fsdp_identity_t saved;
   fsdp_identity_self(&saved);
+  if (saved.partial)
+    return -E2BIG;
   if (fsdp_identity_equal(id, &saved)) {
     *ret_saved = saved;
     return 0;

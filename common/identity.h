@@ -24,6 +24,7 @@ typedef struct fsdp_identity {
   gid_t gid;
   unsigned n_groups;
   gid_t groups[FSDP_IDENTITY_GROUPS_MAX];
+  bool partial; /* it has more groups than these */
 } fsdp_identity_t;
 
 /* The identity of the process on connected unix socket fd, with credentials cred: its uid
@@ -39,7 +40,8 @@ bool fsdp_identity_equal(const fsdp_identity_t *a, const fsdp_identity_t *b);
 
 /* This thread takes id's file-system identity; *ret_saved is what fsdp_identity_leave
  * gives back. Returns 0, or -EPERM where the daemon may not take it (it is not root) and
- * id is not its own: the thread is then as it was. */
+ * id's uid and gid are not its own, or -E2BIG where the thread's own groups are more than
+ * an identity holds (it could not be given them back): the thread is then as it was. */
 int fsdp_identity_enter(const fsdp_identity_t *id, fsdp_identity_t *ret_saved);
 
 /* This thread goes back to the identity saved by fsdp_identity_enter. */

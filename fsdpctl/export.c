@@ -69,7 +69,7 @@ static char *header(fsdp_checkpoint_reader_t *r, fsdp_dtype_t dtype, size_t *ret
   for (size_t i = 0; code == 0 && i < n_units; i++) {
     for (size_t k = 0; code == 0 && k < units[i].n_params; k++) {
       const fsdp_checkpoint_param_t *p = &units[i].params[k];
-      uint64_t numel, bytes, end;
+      uint64_t numel = 0, bytes = 0, end = 0;
       if ((code = param_size(&units[i], p, fsdp_dtype_size(dtype), &numel, &bytes, st)) < 0)
         break;
       if (json_object_object_get_ex(h, p->name, NULL)) {
@@ -131,7 +131,7 @@ static int write_data(fsdp_checkpoint_reader_t *r, int fd, fsdp_dtype_t dtype, c
     const fsdp_checkpoint_unit_t *u = &units[i];
     for (size_t k = 0; code == 0 && k < u->n_params; k++) {
       const fsdp_checkpoint_param_t *p = &u->params[k];
-      uint64_t numel, bytes;
+      uint64_t numel = 0, bytes = 0;
       if ((code = param_size(u, p, size, &numel, &bytes, st)) < 0)
         break;
       if (p->offset > u->numel || numel > u->numel - p->offset) {

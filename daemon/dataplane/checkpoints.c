@@ -132,13 +132,16 @@ static bool enter_identity(checkpoint_work_t *c, fsdp_identity_t *ret_saved) {
     fsdp_identity_self(ret_saved);
     return true;
   }
-  if (fsdp_identity_enter(&c->as, ret_saved) == 0)
+  int r = fsdp_identity_enter(&c->as, ret_saved);
+  if (r == 0)
     return true;
   fsdp_status_set(&c->st, FSDP_E_PERMISSION_DENIED,
-                  "checkpoint: %s: the daemon cannot act with the rights of uid %u (it runs "
-                  "without the privilege to), and uses no rights of its own for a caller's "
-                  "path: name a directory under checkpoint.dir/%s/",
-                  c->dir, (unsigned)c->as.uid, c->owner->name);
+                  "checkpoint: %s: the daemon cannot act with the rights of uid %u (%s), and "
+                  "uses no rights of its own for a caller's path: name a directory under "
+                  "checkpoint.dir/%s/",
+                  c->dir, (unsigned)c->as.uid,
+                  r == -EPERM ? "it runs without the privilege to" : strerror(-r),
+                  c->owner->name);
   return false;
 }
 
@@ -466,9 +469,26 @@ static void load_copied(void *arg, int status) {
   end_work(c->cp, c, status);
 }
 
-/* On the loop, once read_load ran: the copy into the job's memory waits for the queue. */
+/* The unit of the job with a collective running, or NULL. */
+static const fsdp_unit_t *collective_running(const fsdp_job_t *job) {
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->gather.running || u->reduce.running)
+      return u;
+  return NULL;
+}
+
+/* On the loop, once read_load ran: the copy into the job's memory waits for the queue,
+ * unless the job went into a step while the files were read (the load would land inside
+ * it, some units gathered before it and some after); a resume's gathers wait for it. */
 static void load_read(uv_work_t *req, int status) {
   checkpoint_work_t *c = req->data;
+  const fsdp_unit_t *busy =
+      status == 0 && c->st.code == 0 && !c->resume ? collective_running(c->owner) : NULL;
+  if (busy)
+    fsdp_status_set(&c->st, FSDP_E_FAILED_PRECONDITION,
+                    "LoadCheckpoint: job '%s': unit '%s' began a collective while the "
+                    "checkpoint was read: nothing loaded; load between steps",
+                    c->owner->name, busy->spec->unit);
   if (status < 0 || c->st.code < 0 ||
       fsdp_dataplane_queue_call(c->cp->dp, c->owner, copy_load, load_copied, c, &c->st) < 0)
     end_work(c->cp, c, status);
@@ -757,12 +777,12 @@ int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *
                            const fsdp_checkpoints_caller_t *caller, bool load, uint64_t step,
                            fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st) {
   /* A collective that only waits for ranks runs after the load, in turn. */
-  for (const fsdp_unit_t *u = job->units; load && u; u = u->next)
-    if (u->gather.running || u->reduce.running)
-      return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
-                             "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
-                             "load between steps",
-                             job->name, u->spec->unit);
+  const fsdp_unit_t *busy = load ? collective_running(job) : NULL;
+  if (busy)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "LoadCheckpoint: job '%s': unit '%s' has a collective running: "
+                           "load between steps",
+                           job->name, busy->spec->unit);
   uint64_t completed = job_steps(job).completed;
   if (!load && caller && caller->trainer && step > completed)
     return fsdp_status_set(st, FSDP_E_OUT_OF_RANGE,

@@ -2047,14 +2047,14 @@ void fsdp_dataplane_forget_job(fsdp_dataplane_t *dp, const fsdp_job_t *job) {
     forget_staging(dp, b->base, b->bytes);
 }
 
-/* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's
- * units fail naming why (training from the trainers' initial values would be silently
- * wrong). */
 void fsdp_dataplane_reached_step(fsdp_job_t *job, uint64_t step) {
   if (step > job->last_step)
     job->last_step = step;
 }
 
+/* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's
+ * units fail naming why (training from the trainers' initial values would be silently
+ * wrong). */
 void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st) {
   job->resuming = false;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {

@@ -27,11 +27,10 @@
  * idle daemon costs no CPU. */
 #define POLL_WINDOW_NS 50000
 
-/* Turns in a row (doorbells, and turns of the polling that took requests) that served
- * nothing before the session's fast path stops. A trainer rings only after it pushed a request, and its
- * requests are unit operations of its own units, so it makes at most one or two in a row
- * (a ring that races the polling's last look); one that rings in a loop, or forges
- * requests, would otherwise hold the loop that serves every other session. */
+/* Doorbells in a row with no request before the session's fast path stops. A trainer rings
+ * only after it pushed a request, so it makes at most one or two in a row (a ring that races
+ * the polling's last look); one that rings in a loop would otherwise hold the loop that
+ * serves every other session. */
 #define FRUITLESS_TURNS_MAX 64
 
 /* An operation the data plane holds; its storage, until it is called back or cancelled. */
@@ -270,12 +269,14 @@ static unsigned take_requests(fsdp_fastpath_t *fp, bool rung) {
     if (rq.kind == FSDP_FAST_CANCEL ? cancel(fp, rq.seq) : run(fp, &rq))
       served++;
   }
-  if (served) {
+  /* A request refused is no fruitless turn: the trainer reads its reply before it may push
+   * more, as a gRPC caller would, and one retrying in a loop must not lose its fast path. */
+  if (served || taken) {
     fp->fruitless = 0;
-  } else if ((taken || rung) && ++fp->fruitless >= FRUITLESS_TURNS_MAX) {
+  } else if (rung && ++fp->fruitless >= FRUITLESS_TURNS_MAX) {
     snprintf(fp->misused, sizeof fp->misused,
-             "its fast path served nothing in %u turns in a row (doorbells with no request, "
-             "or requests refused): the trainer rings in a loop or forges its requests",
+             "its fast path's doorbell rang %u times in a row with no request: the trainer "
+             "rings in a loop",
              fp->fruitless);
   }
   return served;
