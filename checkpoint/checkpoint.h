@@ -8,8 +8,8 @@
  * parameters, each block's offset, length and XXH64), and manifest.json, written last by
  * host 0 once every host's files are there: a step directory without it is not a
  * checkpoint. Every file is written under a temporary name, fsynced and renamed, the step
- * directory made as step-<S>.partial and renamed whole, and its parent fsynced, so a crash
- * at any point leaves the checkpoints before it as they were. With several hosts the
+ * directory made as step-<S>.<job>.partial and renamed whole, and its parent fsynced, so a
+ * crash at any point leaves the checkpoints before it as they were. With several hosts the
  * directory is one that every host sees (a shared filesystem).
  *
  * A reader serves any range of a unit's elements from whichever hosts' files hold it, so a
@@ -186,9 +186,10 @@ uint64_t fsdp_checkpoint_optimizer_steps(const fsdp_checkpoint_reader_t *reader,
 
 /* Elements [first, first + n) of unit's flat buffer in block b (0: the masters, then the
  * optimizer's arrays) into dst, from whichever hosts' files hold them (the padding too,
- * where the saved layout has it), elements past the saved padding as zeros; or, with dst NULL, only checked. Each block a read
- * touches is checked whole against its checksum the first time: DATA_LOSS names the file
- * and the byte range that does not match, or where the file ends too soon. */
+ * where the saved layout has it), elements past the saved padding as zeros; or, with dst
+ * NULL, only checked. Each block a read touches is checked whole against its checksum the
+ * first time: DATA_LOSS names the file and the byte range that does not match, or where the
+ * file ends too soon. */
 int fsdp_checkpoint_read_elements(fsdp_checkpoint_reader_t *reader, size_t unit, unsigned b,
                                   uint64_t first, uint64_t n, float *dst, fsdp_status_t *st);
 
