@@ -76,6 +76,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
 ]
 
+def built_with(option):
+    """Whether the build under test has the CMake option on (FSDP_SANITIZE, FSDP_FAILPOINTS)."""
+    try:
+        return f"{option}:BOOL=ON" in (BUILD_DIR / "CMakeCache.txt").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def clean_env(extra=None):
     """The environment for fsdpd and fsdpctl: ours without FSDPD_* and proxies, plus extra."""
     env = {k: v for k, v in os.environ.items() if not _SCRUBBED_ENV.match(k)}

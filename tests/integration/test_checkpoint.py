@@ -15,7 +15,8 @@ import time
 import grpc
 import pytest
 
-from fsdpd_harness import fsdpd, operator_pb2, poll, run_fsdpctl, trainer_pb2  # noqa: F401
+from fsdpd_harness import (built_with, fsdpd, operator_pb2, poll, run_fsdpctl,  # noqa: F401
+                           trainer_pb2)
 from test_optimizer import ADAMW, SHAPES, group, refused, set_optimizer, two_ranks
 from test_unshard import FP32, Rank, bf16_bits, on_all
 
@@ -263,15 +264,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_training(fsdpd, small_dis
     assert on_all(ranks, "ReduceScatter", step=2, step_optimizer=True) == [None, None]
 
 
-def _failpoints_built():
-    from fsdpd_harness import BUILD_DIR
-    try:
-        return "FSDP_FAILPOINTS:BOOL=ON" in (BUILD_DIR / "CMakeCache.txt").read_text()
-    except FileNotFoundError:
-        return False
-
-
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 @pytest.mark.parametrize("stage,step,survivor", [
     ("checkpoint-begun", 2, 1), ("checkpoint-blocks", 2, 1), ("checkpoint-written", 2, 1),
     ("checkpoint-renamed", 2, 2), ("checkpoint-written", 1, 1), ("checkpoint-renamed", 1, 1),
@@ -335,7 +328,7 @@ def _train_step(ranks, regions, step):
     assert on_all(ranks, "ReduceScatter", step=step, step_optimizer=True) == [None, None]
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 @pytest.mark.parametrize("nth", [1, 3], ids=["at-open", "at-the-second-block"])
 def test_a_filesystem_without_direct_io_gets_its_checkpoint_through_the_page_cache(
         fsdpd, tmp_path, nth):
@@ -352,7 +345,7 @@ def test_a_filesystem_without_direct_io_gets_its_checkpoint_through_the_page_cac
     assert snapshot(ranks[0], regions) == want
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
     """The first save's write stalls 3 s (a failpoint) after its snapshot: meanwhile the job
     trains step 2 with the daemon's AdamW, and a second save waits for the first. The first
@@ -386,7 +379,7 @@ def test_a_save_is_written_while_training_goes_on(fsdpd, tmp_path):
         assert snapshot(ranks[0], regions) == want, where
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_snapshot_holds_the_reduces_and_lets_the_gathers_go_on(fsdpd, tmp_path):
     """A save's snapshot runs beside the work queue. Stalled 3 s (a failpoint), it lets the
     next step's gather through and holds its reduce (whose AdamW step would change the
@@ -419,7 +412,7 @@ def test_a_snapshot_holds_the_reduces_and_lets_the_gathers_go_on(fsdpd, tmp_path
     assert snapshot(ranks[0], regions) == after_1
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_load_reads_beside_the_queue_that_serves_the_other_jobs(fsdpd, tmp_path):
     """A load's files are read beside the data plane's queue: stalled 3 s (a failpoint, as a
     slow disk or a hostile file would), it holds no other job's collectives, and then loads
@@ -446,7 +439,7 @@ def test_a_load_reads_beside_the_queue_that_serves_the_other_jobs(fsdpd, tmp_pat
     assert snapshot(ranks[0], regions) == want
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_save_that_finds_another_jobs_step_in_its_place_at_the_end_leaves_it(fsdpd, tmp_path):
     """Job j's save of step 1 stalls before its rename (a failpoint); meanwhile job k saves
     its step 1 into the same directory. j's save, looking again at the end, finds k's there
@@ -516,7 +509,7 @@ class TwoUnits:
         assert snapshot(self.ranks[0], self.regions) == want
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_save_that_waited_is_taken_whole_at_the_next_step_boundary(fsdpd, tmp_path):
     """A save asked while another is written waits for it. The job has since reduced unit
     'u' of step 2 and not unit 'v': the waiting save does not copy that mix of steps 1 and
@@ -535,7 +528,7 @@ def test_a_save_that_waited_is_taken_whole_at_the_next_step_boundary(fsdpd, tmp_
     t.loads_back(tmp_path / "b", 2, after_2)
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_save_that_waited_holds_the_step_the_job_is_between(fsdpd, tmp_path):
     """The job trained the whole of step 2 while the second save waited: it holds step 2 at
     once (its reply says so), not step 1 as asked, which is gone."""
@@ -548,7 +541,7 @@ def test_a_save_that_waited_holds_the_step_the_job_is_between(fsdpd, tmp_path):
     t.loads_back(tmp_path / "b", 2, after_2)
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_save_that_waits_for_a_boundary_that_does_not_come_ends(fsdpd, tmp_path):
     """The job stopped inside step 2 while the second save waited: that save waits for the
     step boundary as long as a collective may take (store.collective_timeout), then ends
@@ -684,7 +677,7 @@ def test_a_save_keeps_to_the_write_rate(fsdpd, tmp_path):
     assert snapshot(ranks[0], regions) == want
 
 
-@pytest.mark.skipif(not _failpoints_built(), reason="built without FSDP_FAILPOINTS")
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
 def test_a_scheduled_save_keeps_to_the_disk_share(fsdpd, tmp_path):
     """checkpoint.disk_share 20 and a save every step: the first block's write takes 1 s (a
     failpoint stalls it, as a slow disk would), so the save of step 1, written while the job

@@ -12,13 +12,13 @@ import json
 import shutil
 import subprocess
 
-from fsdpd_harness import SOURCE_DIR, fsdpd, poll, run_fsdpctl  # noqa: F401
-from test_shard_model import CHILD_TIMEOUT, DAEMON_ARGS, LIB, PYTHON, _sanitized_build  # noqa: F401
+from fsdpd_harness import SOURCE_DIR, built_with, fsdpd, poll, run_fsdpctl  # noqa: F401
+from test_shard_model import CHILD_TIMEOUT, DAEMON_ARGS, LIB, PYTHON  # noqa: F401
 import os
 
 import pytest
 
-pytestmark = pytest.mark.skipif(_sanitized_build(),
+pytestmark = pytest.mark.skipif(built_with("FSDP_SANITIZE"),
                                 reason="ASan/UBSan build: libfsdp.so would need libasan "
                                        "preloaded into the interpreter")
 

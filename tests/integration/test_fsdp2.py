@@ -31,7 +31,7 @@ import sys
 
 import pytest
 
-from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd  # noqa: F401
+from fsdpd_harness import BUILD_DIR, SOURCE_DIR, built_with, fsdpd  # noqa: F401
 from worker_records import finish, losses
 
 PYTHON = sys.executable  # .venv/bin/python, with torch (scripts/venv.sh)
@@ -42,14 +42,7 @@ CHILD_TIMEOUT = 120
 STEPS = 3
 
 
-def _sanitized_build():
-    try:
-        return "FSDP_SANITIZE:BOOL=ON" in (BUILD_DIR / "CMakeCache.txt").read_text()
-    except FileNotFoundError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(_sanitized_build(),
+pytestmark = pytest.mark.skipif(built_with("FSDP_SANITIZE"),
                                 reason="ASan/UBSan build: libfsdp.so would need libasan "
                                        "preloaded into the interpreter")
 

@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd  # noqa: F401
+from fsdpd_harness import BUILD_DIR, SOURCE_DIR, built_with, fsdpd  # noqa: F401
 
 PYTHON = sys.executable  # .venv/bin/python, with torch (scripts/venv.sh)
 LIB = BUILD_DIR / "lib" / "libfsdp.so"
@@ -28,18 +28,8 @@ DAEMON_ARGS = ("--set", "memory.job_limit=64MiB")
 CHILD_TIMEOUT = 60
 
 
-def _sanitized_build():
-    """An ASan build's libfsdp.so cannot be loaded into an uninstrumented python without
-    LD_PRELOAD of the sanitizer runtimes, which then also judge the interpreter's own leaks."""
-    try:
-        cache = (BUILD_DIR / "CMakeCache.txt").read_text()
-    except FileNotFoundError:
-        return False
-    return "FSDP_SANITIZE:BOOL=ON" in cache
-
-
 pytestmark = pytest.mark.skipif(
-    _sanitized_build(),
+    built_with("FSDP_SANITIZE"),
     reason="ASan/UBSan build: libfsdp.so would need libasan preloaded into the interpreter; "
            "the package is tested against the regular build")
 

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from fsdpd_harness import BUILD_DIR, SOURCE_DIR, fsdpd, poll  # noqa: F401
+from fsdpd_harness import BUILD_DIR, SOURCE_DIR, built_with, fsdpd, poll  # noqa: F401
 from worker_records import final as _final, finish, losses as _losses
 
 PYTHON = sys.executable  # .venv/bin/python, with torch (scripts/venv.sh)
@@ -34,15 +34,7 @@ CHILD_TIMEOUT = 120
 STEPS = 4
 
 
-def _sanitized_build():
-    try:
-        cache = (BUILD_DIR / "CMakeCache.txt").read_text()
-    except FileNotFoundError:
-        return False
-    return "FSDP_SANITIZE:BOOL=ON" in cache
-
-
-pytestmark = pytest.mark.skipif(_sanitized_build(),
+pytestmark = pytest.mark.skipif(built_with("FSDP_SANITIZE"),
                                 reason="ASan/UBSan build: libfsdp.so would need libasan "
                                        "preloaded into the interpreter")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from fsdpd_harness import fsdpd  # noqa: E402,F401
+from fsdpd_harness import built_with, fsdpd  # noqa: E402,F401
 
 SOURCE_DIR = Path(os.environ.get("FSDP_SOURCE_DIR", Path(__file__).resolve().parents[2]))
 BUILD_DIR = Path(os.environ.get("FSDP_BUILD_DIR", SOURCE_DIR / "build"))
@@ -31,14 +31,7 @@ int main(void) {
 '''
 
 
-def _sanitized_build():
-    try:
-        return "FSDP_SANITIZE:BOOL=ON" in (BUILD_DIR / "CMakeCache.txt").read_text()
-    except FileNotFoundError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(_sanitized_build(),
+pytestmark = pytest.mark.skipif(built_with("FSDP_SANITIZE"),
                                 reason="ASan/UBSan build: a program or python3 loading its "
                                        "libfsdp would need libasan loaded first")
 
