@@ -1,5 +1,5 @@
 /* The data path: a registered unit's buffers in its job's arena, and the
- * operations on them. It knows no RPC: the service layer (daemon/services/services.c) hands
+ * operations on them. It knows no RPC: the service layer (daemon/services/) hands
  * it an operation with a completion callback, and builds the reply when it is called back.
  *
  * Operations. Each takes the rank that asks (fsdp_dataplane_rank_t), caller-owned storage
@@ -45,7 +45,7 @@
  * end and is served then.
  *
  * Across hosts, the cast of a gather is followed by an all-gather among the hosts; a reduce
- * is rings among the hosts (see dataplane.c) that do its local work chunk by chunk on the
+ * is rings among the hosts (see rings.c) that do its local work chunk by chunk on the
  * thread pool while the transfers run: the pre-reduction of the L gradients into a host
  * sum, the post-reduction of this host's region into the gradient shards.
  *

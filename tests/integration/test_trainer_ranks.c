@@ -116,8 +116,8 @@ static float grad_value(uint64_t i, uint64_t numel, unsigned rank, uint64_t step
          (float)rank * 0.0041f;
 }
 
-/* The daemon's default gradient factors (daemon/dataplane/dataplane.c reduce_scales): pre-divide 1,
- * post-divide L. */
+/* The daemon's default gradient factors (fsdp_unit_gradient_scales in daemon/store/unit_layout.c):
+ * pre-divide 1, post-divide L. */
 static void default_scales(unsigned world, float *ret_pre, float *ret_post) {
   double pre = 1, post = world / pre;
   *ret_pre = (float)(1 / pre);

@@ -1,0 +1,99 @@
+/* The data plane's life (made, given its backend, freed), a unit's registration, and where
+ * a job's steps stand: reached, or resumed from a checkpoint. */
+#include "daemon/dataplane/internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
+                             const fsdp_dataplane_rank_t *who, fsdp_dataplane_op_t *op,
+                             fsdp_dataplane_done_fn done, void *data) {
+  dp_op_init(op, unit, who, WAIT_REGISTER, done, data);
+  fsdp_status_t st;
+  switch (unit->state) {
+  case FSDP_UNIT_NEW:
+    if (!job->resume_looked && dp->hooks.job_starts)
+      dp->hooks.job_starts(dp->hooks.ctx, job);
+    job->resume_looked = true;
+    if (job->resume_from && !unit->spec->scratch)
+      unit->reduced_step = job->resume_step; /* its trainers go on after it */
+    if (dp_allocate(job, unit, &st) < 0) {
+      dp_op_fail(op, st.code, "%s", st.message);
+      return;
+    }
+    int r = dp_queue(dp, WORK_PREFAULT, job, unit);
+    if (r < 0) {
+      fsdp_arena_release(job->arena, unit->buffers_offset);
+      dp_op_fail(op, r, "cannot queue the buffers' preparation");
+      return;
+    }
+    unit->state = FSDP_UNIT_ALLOCATING;
+    dp_park(op);
+    return;
+  case FSDP_UNIT_ALLOCATING:
+    dp_park(op);
+    return;
+  case FSDP_UNIT_FAILED:
+    dp_op_fail(op, unit->error.code, "%s", unit->error.message);
+    return;
+  default:
+    dp_op_ok(op);
+  }
+}
+
+void fsdp_dataplane_reached_step(fsdp_job_t *job, uint64_t step) {
+  if (step > job->last_step)
+    job->last_step = step;
+}
+
+/* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's
+ * units fail naming why (training from the trainers' initial values would be silently
+ * wrong). */
+void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st) {
+  job->resuming = false;
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (st->code < 0) {
+      u->state = FSDP_UNIT_FAILED;
+      fsdp_status_set(&u->error, st->code,
+                      "job '%s' cannot resume (checkpoint.resume = latest): %s", job->name,
+                      st->message);
+    }
+    if (!u->gather_after_resume)
+      continue;
+    u->gather_after_resume = false;
+    if (st->code < 0)
+      dp_abort_collection(job, u, WAIT_UNSHARD, u->error.code, u->error.message);
+    else
+      dp_start_gather(dp, job, u);
+  }
+}
+
+int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
+                        fsdp_status_t *st) {
+  memset(dp, 0, sizeof *dp);
+  dp->loop = loop;
+  int r = fsdp_workers_new(threads, &dp->workers);
+  if (r < 0)
+    return fsdp_status_set(st, r, "cannot start %u worker threads: %s", threads,
+                           fsdp_strerror(r));
+  fsdp_backend_init_host(&dp->backend, dp->workers);
+  return 0;
+}
+
+int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
+                            const fsdp_cuda_device_t *device, fsdp_status_t *st) {
+  return fsdp_backend_init_cuda(&dp->backend, cuda, device, st);
+}
+
+void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp) {
+  if (!dp)
+    return;
+  while (dp->free_scratch) {
+    void *s = dp->free_scratch;
+    memcpy(&dp->free_scratch, s, sizeof(void *));
+    free(s);
+  }
+  fsdp_backend_cleanup(&dp->backend);
+  fsdp_workers_free(dp->workers);
+  dp->workers = NULL;
+}

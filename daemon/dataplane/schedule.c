@@ -1,0 +1,118 @@
+/* The schedule the daemon runs for a job (SetSchedule): the forward order, given or
+ * recorded, the prefetch that gathers ahead on the ranks' behalf, and the pools' in-flight
+ * cap. */
+#include "daemon/dataplane/internal.h"
+
+#include <string.h>
+
+#include "collectives/local.h"
+
+static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n);
+
+uint64_t dp_gather_round(uint64_t step, bool again) {
+  return 2 * step + again;
+}
+
+void dp_record_order(fsdp_job_t *job, fsdp_unit_t *unit, uint64_t step) {
+  if (job->order_given)
+    return;
+  if (step != job->recording_step) {
+    bool same = job->n_recorded == job->n_order &&
+                memcmp(job->recorded, job->order, job->n_order * sizeof *job->order) == 0;
+    if (job->recording_step && !same && job->n_recorded)
+      use_order(job, job->recorded, job->n_recorded);
+    job->recording_step = step;
+    job->n_recorded = 0;
+  }
+  for (unsigned i = 0; i < job->n_recorded; i++)
+    if (job->recorded[i] == unit)
+      return; /* a unit run twice in a step keeps its first place */
+  job->recorded[job->n_recorded++] = unit;
+}
+
+static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
+  for (unsigned i = 0; i < job->n_order; i++)
+    job->order[i]->order_index = -1;
+  memmove(job->order, units, n * sizeof *units); /* units may be job->recorded */
+  job->n_order = n;
+  for (unsigned i = 0; i < n; i++)
+    job->order[i]->order_index = (int)i;
+}
+
+void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
+  use_order(job, units, n);
+  job->order_given = n > 0;
+  memset(job->forward_step, 0, sizeof job->forward_step); /* each rank starts the order anew */
+  job->recording_step = 0; /* recording starts afresh */
+  job->n_recorded = 0;
+}
+
+/* Gathers v for step (its backward's gather with again) on behalf of every local rank,
+ * unless something is collected, gathered or held for it already. */
+static void gather_ahead(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *v, uint64_t step,
+                         bool again, const prefetch_cause_t *cause) {
+  fsdp_collection_t *c = &v->gather;
+  if (v->state != FSDP_UNIT_READY || c->running || c->count > 0 ||
+      !fsdp_rank_set_empty(&v->holders) ||
+      (v->gathered &&
+       dp_gather_round(v->gathered_step, v->gathered_again) >= dp_gather_round(step, again)))
+    return;
+  dp_give_back_copy(job, v); /* an older copy nobody holds */
+  fsdp_rank_set_t none = {0};
+  for (uint32_t r = 0; r < job->local_world_size; r++) {
+    fsdp_collection_request_t rq = {.rank = r, .step = step, .regather = again,
+                                    .generation = cause->generation,
+                                    .deadline_ms = cause->deadline_ms};
+    fsdp_collection_join(c, job->local_world_size, &rq, &none);
+  }
+  v->gather_ahead = true;
+  dp_start_gather(dp, job, v);
+}
+
+void dp_prefetch_after(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_unit_t *unit,
+                       uint64_t step, const prefetch_cause_t *cause) {
+  unsigned depth = cause->backward ? job->backward_prefetch : job->forward_prefetch;
+  if (!depth || unit->order_index < 0 || step > job->masters_final_step)
+    return;
+  int dir = cause->backward ? -1 : 1;
+  for (int i = unit->order_index + dir; depth && i >= 0 && i < (int)job->n_order; i += dir) {
+    fsdp_unit_t *v = job->order[i];
+    if (cause->backward && !v->trainable)
+      continue;
+    gather_ahead(dp, job, v, step, cause->backward && v->reshard_after_forward, cause);
+    depth--;
+  }
+}
+
+bool dp_in_order(fsdp_job_t *job, const fsdp_unit_t *unit, fsdp_dataplane_op_t *op) {
+  uint32_t rank = op->who.local_rank;
+  if (!job->order_given || unit->order_index < 0)
+    return true;
+  if (op->step != job->forward_step[rank]) {
+    job->forward_step[rank] = op->step;
+    job->forward_next[rank] = 0;
+  }
+  unsigned at = (unsigned)unit->order_index, next = job->forward_next[rank];
+  if (at + 1 == next)
+    return true; /* the unit it asked for last, again */
+  if (at != next) {
+    dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
+               "unit '%s': local rank %u asked for it in the forward of step %llu, but the "
+               "forward order (SetSchedule) has %s%s%s next",
+               unit->spec->unit, rank, (unsigned long long)op->step,
+               next < job->n_order ? "'" : "", next < job->n_order ? job->order[next]->spec->unit
+                                                                    : "no unit",
+               next < job->n_order ? "'" : "");
+    return false;
+  }
+  job->forward_next[rank] = next + 1;
+  return true;
+}
+
+void fsdp_dataplane_set_max_inflight(fsdp_job_t *job, unsigned max_inflight) {
+  job->max_inflight = max_inflight;
+  fsdp_pool_set_capacity(&job->copies, max_inflight);
+  fsdp_pool_set_capacity(&job->sums, max_inflight);
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    fsdp_pool_set_capacity(&job->grad_pools[r], max_inflight);
+}

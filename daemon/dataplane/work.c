@@ -1,0 +1,237 @@
+/* The work queue: one item at a time on libuv's thread pool, and what follows each stage
+ * of a collective that succeeded (the next work item, a ring, or the collective's end). */
+#include "daemon/dataplane/internal.h"
+
+#include <stdlib.h>
+
+#include "collectives/local.h"
+#include "collectives/ring.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "daemon/dataplane/optimizer.h"
+
+static void start_next(fsdp_dataplane_t *dp);
+
+static const char *const work_names[] = {"preparing its buffers", "the gather",
+                                         "the reduce-scatter", "the deferred reduce",
+                                         "the optimizer step", "the gradient's norm",
+                                         "the host sum's staging",
+                                         "the gathered copy's return from staging",
+                                         "the sum's return from staging",
+                                         "another module's work"};
+
+static void run_work(uv_work_t *req) {
+  fsdp_dataplane_t *dp = req->data;
+  fsdp_dataplane_work_t *w = dp->head;
+  if (w->kind == WORK_CALL) {
+    w->call_run(w->call_arg);
+    return;
+  }
+  fsdp_unit_t *u = w->unit;
+  char *base = fsdp_arena_base(w->job->arena);
+  unsigned world = w->job->local_world_size;
+  const void *srcs[FSDP_LOCAL_WORLD_MAX];
+  dp_full_grads(w->job, u, srcs);
+  uint64_t first = host_first(u), n = host_numel(u);
+  uint64_t start_ns = fsdp_clock_now_ns();
+  switch (w->kind) {
+  case WORK_PREFAULT:
+    w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->bytes);
+    break;
+  case WORK_GATHER: {
+    /* This host's shards: its region of the fp32 masters cast into param_dtype. */
+    fsdp_dtype_t pt = param_dtype(u);
+    char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->copy_offset;
+    size_t at = first * fsdp_dtype_size(pt), bytes = n * fsdp_dtype_size(pt);
+    w->result = fsdp_backend_cast(&dp->backend, unsharded + at, pt, base + u->master_offset,
+                                  FSDP_DTYPE_FP32, n, &w->error);
+    if (w->result == 0 && u->gather_stage &&
+        (w->result = fsdp_staging_make(&w->job->staging, u->gather_stage, &w->error)) == 0)
+      w->result = fsdp_backend_copy(&dp->backend, (char *)u->gather_stage->base + at,
+                                    unsharded + at, bytes, &w->error);
+    break;
+  }
+  case WORK_REDUCE:
+    /* One host: the gradient shards lie side by side, so one reduce over the whole flat
+     * buffer writes every rank's shard. */
+    w->result = fsdp_backend_reduce(&dp->backend, (float *)(void *)(base + u->grad_offset),
+                                    u->reduce_accumulate, srcs, world, param_dtype(u),
+                                    reduce_dtype(u), u->pre_scale, u->post_scale,
+                                    u->layout.padded_numel, &w->error);
+    break;
+  case WORK_OPTIMIZE:
+    w->result = fsdp_optimizer_run(&w->plan, &dp->backend, &w->error);
+    break;
+  case WORK_NORM:
+    w->result = fsdp_optimizer_grad_norm_sq(w->job, u, &dp->backend, &w->norm_sq, &w->error);
+    break;
+  case WORK_DEFER:
+    w->result = fsdp_host_sum_range(dp_host_sum(w->job, u), dp_host_sum_fp32(w->job, u), srcs,
+                                    world, param_dtype(u), reduce_dtype(u), u->pre_scale,
+                                    first, first + n);
+    if (w->result == 0)
+      w->result = dp_keep_deferred(w->job, u, first, first + n);
+    break;
+  case WORK_STAGE_SUM:
+    w->result = dp_stage_host_sum(dp, w->job, u, &w->error);
+    break;
+  case WORK_UNSTAGE_GATHER:
+    w->result = dp_unstage_gather(dp, w->job, u, &w->error);
+    break;
+  case WORK_UNSTAGE_SUM:
+    w->result = dp_unstage_sum(dp, w->job, u, &w->error);
+    break;
+  case WORK_CALL: /* not a unit's: run above */
+    break;
+  }
+  w->run_ns = fsdp_clock_now_ns() - start_ns;
+}
+
+void dp_next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int done_work,
+                   int done_ring) {
+  /* Staged rings: the staged copy's or sum's way back follows the last ring. */
+  bool wrote_grads = done_ring == FSDP_RING_ALL_REDUCE ||
+                     (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members == 1);
+  if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
+    dp_start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
+  else if (done_ring == FSDP_RING_ALL_GATHER && u->gather_stage)
+    dp_queue_or_abort(dp, WORK_UNSTAGE_GATHER, job, u);
+  else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER ||
+           done_work == WORK_UNSTAGE_GATHER)
+    dp_finish_collective(job, u, WAIT_UNSHARD, NULL);
+  else if (done_work == WORK_STAGE_SUM && u->plan.shard_ring.members > 1)
+    dp_start_ring(dp, job, u, FSDP_RING_REDUCE_SCATTER);
+  else if ((done_work == WORK_STAGE_SUM && !u->reduce_defer) ||
+           (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1 &&
+            !u->reduce_defer))
+    dp_start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
+  else if (wrote_grads && u->sum_stage)
+    dp_queue_or_abort(dp, WORK_UNSTAGE_SUM, job, u);
+  else if (done_work != WORK_OPTIMIZE && u->reduce_step) {
+    /* The sum is written: its pool buffer goes back before the step, which with clipping
+     * waits for every other unit's reduce, and those may need it. */
+    dp_give_back_sum(job, u);
+    dp_start_step(dp, job, u);
+  }
+  else
+    dp_finish_collective(job, u, WAIT_REDUCE, NULL);
+}
+
+static void work_done(uv_work_t *req, int status) {
+  fsdp_dataplane_t *dp = req->data;
+  fsdp_dataplane_work_t *w = dp->head;
+  dp->head = w->next;
+  if (!dp->head)
+    dp->tail = NULL;
+  fsdp_unit_t *u = w->unit;
+  int r = status < 0 ? status : w->result;
+  if (w->kind == WORK_CALL) {
+    w->call_ran(w->call_arg, status);
+    free(w);
+    dp->busy = false;
+    start_next(dp);
+    return;
+  }
+  if (w->kind == WORK_GATHER)
+    u->last_gather_us = w->run_ns / 1000;
+  else if (w->kind == WORK_REDUCE)
+    u->last_reduce_us = w->run_ns / 1000;
+  if (w->kind == WORK_PREFAULT) {
+    if (r < 0) {
+      fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,
+                      work_names[w->kind], fsdp_strerror(r));
+      log_error("%s", u->error.message);
+      u->state = FSDP_UNIT_FAILED;
+    } else {
+      u->state = FSDP_UNIT_READY;
+    }
+    dp_wake(u, WAIT_REGISTER);
+  } else if (r < 0) {
+    waiter_kind_t kind =
+        w->kind == WORK_GATHER || w->kind == WORK_UNSTAGE_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
+    if (w->kind == WORK_OPTIMIZE) /* which elements it stepped is unknown: start again */
+      log_error("unit '%s': its masters and optimizer state may be half stepped",
+                u->spec->unit);
+    fsdp_status_t st;
+    fsdp_status_set(&st, FSDP_E_INTERNAL, "job '%s' unit '%s' step %llu: %s failed: %s",
+                    w->job->name, u->spec->unit,
+                    (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
+                    w->error.code < 0 ? w->error.message : fsdp_strerror(r));
+    dp_finish_collective(w->job, u, kind, &st);
+  } else if (w->kind == WORK_NORM) {
+    if (u->plan.shard_ring.members > 1)
+      dp_start_norm_ring(dp, w->job, u, w->norm_sq);
+    else
+      dp_norm_known(dp, w->job, u, w->norm_sq);
+  } else {
+    dp_next_stage(dp, w->job, u, (int)w->kind, -1);
+  }
+  if (w->kind == WORK_OPTIMIZE && w->plan.step)
+    fsdp_optimizer_stepped(w->job, u, w->plan.step);
+  fsdp_optimizer_plan_cleanup(&w->plan);
+  free(w);
+  dp->busy = false;
+  start_next(dp);
+}
+
+static void start_next(fsdp_dataplane_t *dp) {
+  if (dp->busy || !dp->head)
+    return;
+  dp->busy = true;
+  dp->req.data = dp;
+  int r = uv_queue_work(dp->loop, &dp->req, run_work, work_done);
+  if (r < 0)
+    work_done(&dp->req, r); /* fails the item and moves on */
+}
+
+int dp_queue(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job, fsdp_unit_t *unit) {
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  if (!w)
+    return -ENOMEM;
+  *w = (fsdp_dataplane_work_t){.kind = kind, .job = job, .unit = unit};
+  if (kind == WORK_PREFAULT)
+    w->bytes = fsdp_arena_block_size(job->arena, unit->buffers_offset);
+  dp_enqueue(dp, w);
+  return 0;
+}
+
+void dp_queue_or_abort(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job,
+                       fsdp_unit_t *unit) {
+  int r = dp_queue(dp, kind, job, unit);
+  if (r < 0)
+    dp_abort_collection(job, unit, kind == WORK_UNSTAGE_GATHER ? WAIT_UNSHARD : WAIT_REDUCE, r,
+                        "cannot queue the collective's next stage");
+}
+
+void dp_enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w) {
+  if (dp->tail)
+    dp->tail->next = w;
+  else
+    dp->head = w;
+  dp->tail = w;
+  start_next(dp);
+}
+
+int fsdp_dataplane_queue_call(fsdp_dataplane_t *dp, fsdp_job_t *job, void (*run)(void *arg),
+                              void (*ran)(void *arg, int status), void *arg, fsdp_status_t *st) {
+  fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
+  if (!w)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a work item");
+  *w = (fsdp_dataplane_work_t){
+      .kind = WORK_CALL, .job = job, .call_run = run, .call_ran = ran, .call_arg = arg};
+  dp_enqueue(dp, w);
+  return 0;
+}
+
+bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) {
+  for (const fsdp_dataplane_work_t *w = dp->head; w; w = w->next)
+    if (w->job == job)
+      return true;
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->waiters || u->gather.running || u->reduce.running)
+      return true;
+  for (uint32_t r = 0; r < job->local_world_size; r++)
+    if (!fsdp_list_empty(&job->grad_pools[r].waiters))
+      return true;
+  return false;
+}
