@@ -163,18 +163,25 @@ static size_t arena_capacity(const fsdp_arena_t *arena) {
   return stats.capacity;
 }
 
-/* Starts a ring of the unit's collective once the hosts it needs are connected; while the
- * cluster is still joining, it waits for it (at most peer.join_timeout after start). */
-static void start_run(ring_run_t *run) {
+/* The run's collective ends with st, and the run with it. */
+static void fail_run(ring_run_t *run, const fsdp_status_t *st) {
+  dp_finish_collective(run->job, run->unit, ring_waiter_kind(run->kind), st);
+  free(run);
+}
+
+/* The hosts of the run's ring: the replicas for an all-reduce of gradients, else the shard
+ * group. */
+static const fsdp_host_ring_t *ring_hosts(const ring_run_t *run) {
+  return run->kind == FSDP_RING_ALL_REDUCE && !run->norm ? &run->unit->plan.replica_ring
+                                                         : &run->unit->plan.shard_ring;
+}
+
+/* The other hosts' endpoints, into peers: 0 when every one is connected; 1 when the run
+ * waits for the cluster to be joined (on_cluster_ready starts it again); -1 when a host is
+ * missing for good, the run ended then. */
+static int connect_ring(ring_run_t *run, fsdp_ucx_peer_t *peers[FSDP_RING_MAX]) {
   fsdp_dataplane_t *dp = run->dp;
-  fsdp_unit_t *u = run->unit;
-  waiter_kind_t wkind = ring_waiter_kind(run->kind);
-  uint64_t step = collection_of(u, wkind)->step;
-  const fsdp_host_ring_t *hosts = run->kind == FSDP_RING_ALL_REDUCE && !run->norm
-                                       ? &u->plan.replica_ring
-                                       : &u->plan.shard_ring;
-  fsdp_ucx_peer_t *peers[FSDP_RING_MAX] = {0};
-  fsdp_status_t st;
+  const fsdp_host_ring_t *hosts = ring_hosts(run);
   for (unsigned i = 0; i < hosts->members; i++) {
     const char *why = "the data plane is not running";
     unsigned host = fsdp_host_ring_host(hosts, i);
@@ -187,90 +194,111 @@ static void start_run(ring_run_t *run) {
         dp->waiting_for_cluster = true;
         fsdp_peers_when_ready(dp->peers, &dp->cluster_waiter, on_cluster_ready, dp);
       }
-      return;
+      return 1;
     }
+    fsdp_status_t st;
     fsdp_status_set(&st, FSDP_E_UNAVAILABLE,
                     "job '%s' unit '%s' step %llu: the %s needs host %u: %s", run->job->name,
-                    u->spec->unit, (unsigned long long)step, fsdp_ring_kind_name(run->kind),
-                    host, why);
-    dp_finish_collective(run->job, u, wkind, &st);
-    free(run);
-    return;
+                    run->unit->spec->unit,
+                    (unsigned long long)collection_of(run->unit, ring_waiter_kind(run->kind))->step,
+                    fsdp_ring_kind_name(run->kind), host, why);
+    fail_run(run, &st);
+    return -1;
   }
+  return 0;
+}
+
+/* What the ring moves: sets the run's element size, its first element and its regions'
+ * length, and says where the buffer starts, and its registration with UCX (NULL for the
+ * norm's few bytes). The unit's buffer the rings move (its unsharded copy or its host sum)
+ * is registered once, on its first ring, and stays so until its job goes; only that, since
+ * registering pins memory on RDMA transports, and an arena is mostly not in use. */
+static char *ring_buffer(ring_run_t *run, fsdp_dtype_t *ret_dtype,
+                         const fsdp_ucx_mem_t **ret_mem) {
+  fsdp_unit_t *u = run->unit;
   bool gather = run->kind == FSDP_RING_ALL_GATHER;
-  fsdp_dtype_t dtype = gather ? param_dtype(u) : reduce_dtype(u);
-  run->elem_size = fsdp_dtype_size(dtype);
+  if (run->norm) {
+    *ret_dtype = FSDP_DTYPE_FP32;
+    *ret_mem = NULL;
+    run->elem_size = sizeof run->norm_parts[0];
+    run->first_elem = 0;
+    run->region_numel = 1;
+    return (char *)run->norm_parts;
+  }
+  *ret_dtype = gather ? param_dtype(u) : reduce_dtype(u);
+  run->elem_size = fsdp_dtype_size(*ret_dtype);
   run->region_numel = host_numel(u);
   if (run->kind == FSDP_RING_ALL_REDUCE) { /* this host's region, among its replicas */
     run->first_elem = host_first(u);
-    run->region_numel /= hosts->members;
+    run->region_numel /= ring_hosts(run)->members;
   }
-  /* The unit's buffer the rings move (its unsharded copy or its host sum) is registered
-   * with UCX once, on its first ring, and stays so until its job goes; only that, since
-   * registering pins memory on RDMA transports, and an arena is mostly not in use. */
   fsdp_staging_buffer_t *stage = gather ? u->gather_stage : u->sum_stage;
   char *whole = stage ? stage->base
                 : gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->copy_offset
                          : dp_host_sum(run->job, u);
-  const fsdp_ucx_mem_t *whole_mem = NULL;
-  if (run->norm) {
-    dtype = FSDP_DTYPE_FP32;
-    run->elem_size = sizeof run->norm_parts[0];
-    run->first_elem = 0;
-    run->region_numel = 1;
-    whole = (char *)run->norm_parts;
-  } else {
-    /* A staging buffer is registered whole: one registration whatever unit it serves. */
-    whole_mem = fsdp_fabric_memory(dp->fabric, whole,
-                                   stage ? stage->bytes : u->layout.padded_numel * run->elem_size);
-  }
-  char *buf = whole + run->first_elem * run->elem_size;
-  /* The reduce's first ring makes the host sum, its last one writes the gradient shards; a
-   * reduce-scatter followed by an all-reduce keeps its result for a later one, or adds what
-   * was kept, when the all-reduce is deferred. */
+  /* A staging buffer is registered whole: one registration whatever unit it serves. */
+  *ret_mem = fsdp_fabric_memory(run->dp->fabric, whole,
+                                stage ? stage->bytes : u->layout.padded_numel * run->elem_size);
+  return whole + run->first_elem * run->elem_size;
+}
+
+/* The reduce's first ring makes the host sum, its last one writes the gradient shards; a
+ * reduce-scatter followed by an all-reduce keeps its result for a later one, or adds what
+ * was kept, when the all-reduce is deferred. Where the rings are staged, the host sum is
+ * made and the shards written by the work around them (staged.c). */
+static void reduce_hooks(const ring_run_t *run, fsdp_ring_args_t *args) {
+  const fsdp_unit_t *u = run->unit;
+  if (run->kind == FSDP_RING_ALL_GATHER || run->norm)
+    return;
+  bool staged = u->sum_stage != NULL;
   bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
   bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
-  int (*finalize)(void *, unsigned, size_t, size_t) =
-      gather || run->norm ? NULL
-      : last_of_reduce    ? (stage ? NULL : finalize_grads) /* else WORK_UNSTAGE_SUM */
-      : u->reduce_defer   ? keep_group_sum
-      : u->has_deferred   ? add_to_group_sum
-                          : NULL;
-  if (!gather && !(run->scratch = take_scratch(dp))) {
+  args->produce = first_of_reduce && !staged ? produce_host_sum : NULL;
+  args->finalize = last_of_reduce  ? (staged ? NULL : finalize_grads) /* else WORK_UNSTAGE_SUM */
+                   : u->reduce_defer ? keep_group_sum
+                   : u->has_deferred ? add_to_group_sum
+                                     : NULL;
+}
+
+/* Starts a ring of the unit's collective once the hosts it needs are connected; while the
+ * cluster is still joining, it waits for it (at most peer.join_timeout after start). */
+static void start_run(ring_run_t *run) {
+  fsdp_dataplane_t *dp = run->dp;
+  fsdp_unit_t *u = run->unit;
+  const fsdp_collection_t *c = collection_of(u, ring_waiter_kind(run->kind));
+  fsdp_ucx_peer_t *peers[FSDP_RING_MAX] = {0};
+  if (connect_ring(run, peers) != 0)
+    return;
+  fsdp_ring_args_t args = {.kind = run->kind, .hook_arg = run};
+  args.buf = ring_buffer(run, &args.dtype, &args.buf_mem);
+  fsdp_status_t st;
+  if (run->kind != FSDP_RING_ALL_GATHER && !(run->scratch = take_scratch(dp))) {
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
                     "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
-                    run->job->name, u->spec->unit, (unsigned long long)step,
+                    run->job->name, u->spec->unit, (unsigned long long)c->step,
                     fsdp_ring_kind_name(run->kind));
-    dp_finish_collective(run->job, u, wkind, &st);
-    free(run);
+    fail_run(run, &st);
     return;
   }
-  fsdp_ring_args_t args = {
-      .kind = run->kind,
-      .n = hosts->members,
-      .self = hosts->self,
-      .peers = peers,
-      .buf = buf,
-      .region_bytes = run->region_numel * run->elem_size,
-      .dtype = dtype,
-      .op_id = ring_op_id(run, collection_of(u, wkind)),
-      .deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms,
-      .chunk_bytes = RING_CHUNK,
-      .window = RING_WINDOW,
-      .scratch = run->scratch,
-      .scratch_bytes = run->scratch ? RING_SCRATCH : 0,
-      .buf_mem = whole_mem,
-      .scratch_mem = run->scratch ? fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH)
-                                  : NULL,
-      .produce = !gather && !run->norm && first_of_reduce && !stage ? produce_host_sum : NULL,
-      .finalize = finalize,
-      .hook_arg = run,
-  };
+  const fsdp_host_ring_t *hosts = ring_hosts(run);
+  args.n = hosts->members;
+  args.self = hosts->self;
+  args.peers = peers;
+  args.region_bytes = run->region_numel * run->elem_size;
+  args.op_id = ring_op_id(run, c);
+  args.deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms;
+  args.chunk_bytes = RING_CHUNK;
+  args.window = RING_WINDOW;
+  if (run->scratch) {
+    args.scratch = run->scratch;
+    args.scratch_bytes = RING_SCRATCH;
+    args.scratch_mem = fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH);
+  }
+  reduce_hooks(run, &args);
   fsdp_ring_t *ring;
   if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &ring, &st) < 0) {
     give_back_scratch(dp, run->scratch);
-    dp_finish_collective(run->job, u, wkind, &st);
-    free(run);
+    fail_run(run, &st);
   }
 }
 
@@ -311,13 +339,11 @@ static void on_cluster_ready(void *data, int status, const char *why) {
       continue;
     }
     fsdp_unit_t *u = run->unit;
-    waiter_kind_t kind = ring_waiter_kind(run->kind);
     fsdp_status_t st;
     fsdp_status_set(&st, status, "job '%s' unit '%s' step %llu: the hosts did not all join: %s",
                     run->job->name, u->spec->unit,
-                    (unsigned long long)collection_of(u, kind)->step, why);
-    dp_finish_collective(run->job, u, kind, &st);
-    free(run);
+                    (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step, why);
+    fail_run(run, &st);
   }
 }
 
