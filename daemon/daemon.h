@@ -17,7 +17,7 @@
 #include "daemon/args.h"
 #include "daemon/cluster/fabric.h"
 #include "daemon/cluster/peers.h"
-#include "daemon/dataplane/checkpoints.h"
+#include "daemon/checkpoints/checkpoints.h"
 #include "daemon/dataplane/dataplane.h"
 #include "daemon/rpc/listener.h"
 #include "daemon/rpc/rpc_server.h"

@@ -74,7 +74,7 @@ typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
 
 typedef struct ring_run ring_run_t;
 
-/* What the jobs' checkpoints (daemon/dataplane/checkpoints.h), which the data plane does not
+/* What the jobs' checkpoints (daemon/checkpoints/checkpoints.h), which the data plane does not
  * know, hear of it, on the loop with ctx. Each may be NULL, but resume must be set with
  * job_starts, the one that makes a job resume. */
 typedef struct fsdp_dataplane_hooks {

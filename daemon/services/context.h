@@ -15,7 +15,7 @@
 
 #include "config/config.h"
 #include "daemon/cluster/peers.h"
-#include "daemon/dataplane/checkpoints.h"
+#include "daemon/checkpoints/checkpoints.h"
 #include "daemon/dataplane/dataplane.h"
 #include "daemon/rpc/listener.h"
 #include "daemon/rpc/rpc_server.h"

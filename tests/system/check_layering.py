@@ -40,13 +40,16 @@ LAYERS = {
                      'daemon/backend'],
     'daemon/cluster': ['common', 'proto', 'proto/host', 'config', 'transport', 'daemon/rpc'],
     'daemon/dataplane': ['common', 'proto/host', 'kernels', 'transport', 'collectives',
-                         'checkpoint', 'daemon/backend', 'daemon/store', 'daemon/cluster'],
+                         'daemon/backend', 'daemon/store', 'daemon/cluster'],
+    'daemon/checkpoints': ['common', 'checkpoint', 'daemon/backend', 'daemon/store',
+                           'daemon/dataplane'],
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
-                        'daemon/backend', 'daemon/store', 'daemon/cluster', 'daemon/dataplane'],
+                        'daemon/backend', 'daemon/store', 'daemon/cluster', 'daemon/dataplane',
+                        'daemon/checkpoints'],
     'daemon': ['common', 'proto', 'proto/host', 'config', 'kernels', 'transport', 'collectives',
                'cuda',
                'daemon/rpc', 'daemon/session', 'daemon/backend', 'daemon/store', 'daemon/cluster',
-               'daemon/dataplane', 'daemon/services'],
+               'daemon/dataplane', 'daemon/checkpoints', 'daemon/services'],
 }
 # Tools and tests sit on top and may use every layer, but nothing uses them.
 LAYERS['bench'] = LAYERS['tests'] = sorted(LAYERS)

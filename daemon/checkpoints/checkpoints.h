@@ -12,8 +12,8 @@
  * job runs waits for it. Through the data plane's hooks: the saves that wait for a step
  * boundary, the schedule's (checkpoint.every_steps), and the resume of a job new to this
  * daemon (checkpoint.resume). Loop thread only. */
-#ifndef FSDP_DATAPLANE_CHECKPOINTS_H
-#define FSDP_DATAPLANE_CHECKPOINTS_H
+#ifndef FSDP_CHECKPOINTS_H
+#define FSDP_CHECKPOINTS_H
 
 #include <limits.h>
 #include <stdatomic.h>

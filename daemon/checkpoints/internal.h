@@ -1,0 +1,150 @@
+/* What the checkpoints' files share: a checkpoint's work and where the job stands among its
+ * steps, and the steps each file offers the others. Internal to daemon/checkpoints/
+ * (checkpoints.h is the contract). */
+#ifndef FSDP_CHECKPOINTS_INTERNAL_H
+#define FSDP_CHECKPOINTS_INTERNAL_H
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "checkpoint/checkpoint.h"
+#include "daemon/checkpoints/checkpoints.h"
+
+/* Who asked for a checkpoint's work (checkpoint_job). */
+enum origin { BY_CALLER, BY_TRAINER, BY_SCHEDULE, BY_STOP, BY_RESUME };
+
+/* Where the job stands among its steps. */
+typedef struct job_steps {
+  uint64_t completed; /* the least step its trainable units reduced; 0: none */
+  bool trained;       /* it has a trainable unit */
+  bool even;          /* they all reduced that step */
+  bool reducing;      /* a reduce of the job runs */
+  uint64_t newest;    /* the newest step a reduce of the job ran or runs */
+} job_steps_t;
+
+/* A checkpoint's work (fsdp_checkpoints_start), in cp->works: the job described on the
+ * loop, the directory, and who hears the end. A load runs on the queue. A save's snapshot (a
+ * copy of the job's state into its staging memory) runs beside the queue while the job's
+ * reduces are held (fsdp_dataplane_hold_reduces); its write then runs beside the queue too,
+ * from the snapshot, while training goes on. One of the job's at a time uses its staging
+ * memory; a save asked meanwhile waits for it. */
+typedef struct checkpoint_work {
+  fsdp_checkpoints_t *cp;
+  fsdp_job_t *owner;
+  /* A save waits for the job's step boundary, or for its staging memory, then takes its
+   * snapshot (once no reduce of the job runs) and writes its files; a load loads. */
+  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING, LOADING } stage;
+  unsigned keep; /* a save's: how many of the directory's checkpoints stay */
+  /* A save of the schedule's (checkpoint.every_steps): training goes on while it writes and
+   * nobody waits for it, so it keeps to checkpoint.disk_share. A save a caller waits for
+   * (or a stop) writes at the disk's speed. */
+  bool scheduled;
+  uint64_t asked_step; /* a save's step as asked (0: the job's last completed one) */
+  /* A save that waits for another: where the job stood when it was asked, or at the step
+   * boundary it waited for. When its turn comes, a job that stood still is saved as it is,
+   * as asked; one that has reduced since is saved as it is if it is between steps, else at
+   * its next step boundary, not inside a step, which must come by boundary_deadline_ms
+   * (loop time). */
+  job_steps_t asked_at;
+  uint64_t boundary_deadline_ms; /* 0: none (a stop's save: the stop has its own) */
+  char dir[PATH_MAX];
+  /* Whose rights its files are used with: a caller's, for a path of its own choosing, or
+   * (as_daemon) the daemon's, in checkpoint.dir/<job>/, where a load reads only the
+   * checkpoints of the job's own uid. */
+  bool as_daemon;
+  fsdp_identity_t as;
+  fsdp_checkpoint_job_t job;
+  fsdp_checkpoint_unit_t *units;
+  fsdp_checkpoint_param_t *params; /* every unit's, one after the other */
+  char path[PATH_MAX]; /* the step directory written or read */
+  uint64_t step;
+  /* A save a caller asked for through a trainer's session, which saves its own optimizer's
+   * state beside the checkpoint where it wants it (fsdpd.torch's optimizer.pt); other saves
+   * warn that they hold no trainer's optimizer state. */
+  bool by_trainer;
+  /* A load's: what it read, and whether it is the resume's (checkpoint.resume). */
+  fsdp_checkpoint_loaded_t loaded;
+  bool resume;
+  /* A load's: the units pointed at what it read into staging. */
+  fsdp_checkpoint_unit_t *staged;
+  /* A load's: each unit's optimizer step count as read (units[i].steps non-NULL), for the
+   * optimizer's record of a GPU's counts, which the loop cannot read (optimizer.h). */
+  uint64_t *loaded_steps;
+  uint64_t snapshot_ns, write_ns;
+  fsdp_status_t st;
+  fsdp_checkpoints_done_fn done;
+  void *data;
+  uv_work_t work; /* a save's snapshot, then its write */
+  struct checkpoint_work *next; /* in cp->works */
+} checkpoint_work_t;
+
+/* describe.c */
+
+/* Where the job stands among its steps now (scratch units left out). */
+job_steps_t ck_job_steps(const fsdp_job_t *job);
+
+/* Whether the job's masters are final for `step`: the daemon's optimizer stepped them, or
+ * every local rank asked a gather of the next step (a trainer's optimizer wrote them). */
+bool ck_masters_final(fsdp_job_t *job, uint64_t step);
+
+/* The unit of the job with a collective running, or NULL. */
+const fsdp_unit_t *ck_collective_running(const fsdp_job_t *job);
+
+/* Whether the daemon's optimizer steps every trainable unit: no trainer writes masters. */
+bool ck_daemon_steps_every_unit(fsdp_job_t *job);
+
+/* Describes the job as it is now into c. */
+int ck_describe(fsdp_job_t *job, checkpoint_work_t *c, fsdp_status_t *st);
+
+/* io.c */
+
+/* On a pool thread, beside the queue (the other jobs' work goes on, whatever the disk or
+ * the files do): a load reads the checkpoint into the job's staging memory, every block
+ * checked before anything goes into the job's memory, so that a refusal leaves the job as
+ * it was. */
+void ck_read_load(uv_work_t *req);
+
+/* On a pool thread, in the queue's turn (none of the job's casts, reduces or optimizer
+ * steps runs meanwhile): what the load read goes into the job's memory. */
+void ck_copy_load(void *arg);
+
+/* On a pool thread, beside the queue, the job's reduces held: a save's snapshot, the job's
+ * buffers copied into staging, which the save then writes from. Nothing, when describing
+ * the job failed (c->st says why). */
+void ck_take_snapshot(uv_work_t *req);
+
+/* On a thread of libuv's pool, beside the queue: a save's files, from its snapshot, written
+ * by a thread of the lowest priority (the pool's threads run the queue's work too, so they
+ * keep theirs), or by this one when none can start. */
+void ck_write_checkpoint(uv_work_t *req);
+
+/* stages.c */
+
+/* Frees c and what it owns. */
+void ck_free_checkpoint_work(checkpoint_work_t *c);
+
+/* On the loop: a checkpoint's end. */
+void ck_end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status);
+
+/* Takes c out of cp->works, or puts it at their end. */
+void ck_unlink_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c);
+void ck_append_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c);
+
+/* The checkpoint of the job that uses its staging memory (a save taking its snapshot or
+ * writing, a load), or NULL. */
+const checkpoint_work_t *ck_staging_user(const fsdp_checkpoints_t *cp,
+                                         const fsdp_job_t *job);
+
+/* The staging memory is free: the save c, waiting, takes its snapshot, unless the job has
+ * trained since it was asked and is inside a step (see asked_at). */
+void ck_start_save(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c);
+
+/* Starts c's work, described as the job is now: a load in the queue's turn, a save's
+ * snapshot once no reduce of the job runs, holding those of later steps. */
+int ck_queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
+                        fsdp_status_t *st);
+
+#endif
