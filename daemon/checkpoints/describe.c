@@ -12,13 +12,13 @@ job_steps_t ck_job_steps(const fsdp_job_t *job) {
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {
     if (u->spec->scratch)
       continue;
-    s.reducing |= u->reduce.running;
-    uint64_t reduced = u->reduce.running ? u->reduce.step : u->reduced_step;
+    s.reducing |= u->flight->reduce.running;
+    uint64_t reduced = u->flight->reduce.running ? u->flight->reduce.step : u->flight->reduced_step;
     s.newest = reduced > s.newest ? reduced : s.newest;
     if (!u->trainable)
       continue;
-    s.even &= !s.trained || u->reduced_step == s.completed;
-    s.completed = s.trained && u->reduced_step > s.completed ? s.completed : u->reduced_step;
+    s.even &= !s.trained || u->flight->reduced_step == s.completed;
+    s.completed = s.trained && u->flight->reduced_step > s.completed ? s.completed : u->flight->reduced_step;
     s.trained = true;
   }
   return s;
@@ -30,7 +30,7 @@ bool ck_masters_final(fsdp_job_t *job, uint64_t step) {
 
 const fsdp_unit_t *ck_collective_running(const fsdp_job_t *job) {
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->gather.running || u->reduce.running)
+    if (u->flight->gather.running || u->flight->reduce.running)
       return u;
   return NULL;
 }
@@ -51,7 +51,7 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (u->spec->scratch)
       continue; /* a client's own buffer: not the model's state */
-    if (u->state != FSDP_UNIT_READY)
+    if (u->flight->state != FSDP_UNIT_READY)
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "job '%s': unit '%s' has no buffers ready yet", job->name,
                              u->spec->unit);

@@ -18,36 +18,36 @@ void fsdp_dataplane_buffers(const fsdp_unit_t *u, uint32_t rank,
       .replica = fsdp_unit_plan_replica(&u->plan, rank),
       .host_first_shard = u->plan.first_shard,
       .host_shards = u->plan.local_shards,
-      .gathered_step = u->gathered_step,
-      .reduced_step = u->reduced_step,
+      .gathered_step = u->flight->gathered_step,
+      .reduced_step = u->flight->reduced_step,
   };
 }
 
 void dp_drop_deferred(fsdp_job_t *job, fsdp_unit_t *u) {
-  if (!u->has_deferred)
+  if (!u->flight->has_deferred)
     return;
-  u->has_deferred = false;
-  u->n_deferred = 0;
-  if (u->deferred_stage) {
-    fsdp_staging_give(u->deferred_stage);
-    u->deferred_stage = NULL;
+  u->flight->has_deferred = false;
+  u->flight->n_deferred = 0;
+  if (u->flight->deferred_stage) {
+    fsdp_staging_give(u->flight->deferred_stage);
+    u->flight->deferred_stage = NULL;
   } else {
-    fsdp_arena_release(job->arena, u->deferred_offset);
+    fsdp_arena_release(job->arena, u->flight->deferred_offset);
   }
 }
 
 void dp_give_back_sum(fsdp_job_t *job, fsdp_unit_t *u) {
-  fsdp_staging_give(u->sum_stage);
-  u->sum_stage = NULL;
-  if (!u->has_sum)
+  fsdp_staging_give(u->flight->sum_stage);
+  u->flight->sum_stage = NULL;
+  if (!u->flight->has_sum)
     return;
-  u->has_sum = false;
-  fsdp_pool_give(&job->sums, u->sum_offset);
+  u->flight->has_sum = false;
+  fsdp_pool_give(&job->sums, u->flight->sum_offset);
 }
 
 void dp_give_back_gather_stage(fsdp_unit_t *u) {
-  fsdp_staging_give(u->gather_stage);
-  u->gather_stage = NULL;
+  fsdp_staging_give(u->flight->gather_stage);
+  u->flight->gather_stage = NULL;
 }
 
 static size_t host_sum_fp32_bytes(const fsdp_unit_t *u) {
@@ -61,7 +61,7 @@ size_t dp_host_sum_bytes(const fsdp_unit_t *u) {
 }
 
 float *dp_host_sum_fp32(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->sum_offset);
+  return (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->flight->sum_offset);
 }
 
 char *dp_arena_host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
@@ -70,20 +70,20 @@ char *dp_arena_host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
 }
 
 void *dp_host_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  return u->sum_stage ? u->sum_stage->base : dp_arena_host_sum(job, u);
+  return u->flight->sum_stage ? u->flight->sum_stage->base : dp_arena_host_sum(job, u);
 }
 
 void dp_full_grads(const fsdp_job_t *job, const fsdp_unit_t *u,
                    const void *srcs[FSDP_LOCAL_WORLD_MAX]) {
   const char *base = fsdp_arena_base(job->arena);
   for (unsigned r = 0; r < job->local_world_size; r++)
-    srcs[r] = base + u->full_grad_offsets[r];
+    srcs[r] = base + u->flight->full_grad_offsets[r];
 }
 
 /* HYBRID_SHARD's deferred sum (fsdp_unit_t says when): this host's region in reduce_dtype. */
 static char *deferred_sum(const fsdp_job_t *job, const fsdp_unit_t *u) {
-  return u->deferred_stage ? u->deferred_stage->base
-                           : (char *)fsdp_arena_base(job->arena) + u->deferred_offset;
+  return u->flight->deferred_stage ? u->flight->deferred_stage->base
+                           : (char *)fsdp_arena_base(job->arena) + u->flight->deferred_offset;
 }
 
 int dp_keep_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t begin,
@@ -92,7 +92,7 @@ int dp_keep_deferred(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t begin
   size_t size = fsdp_dtype_size(type);
   char *kept = deferred_sum(job, u) + (begin - host_first(u)) * size;
   const char *sum = (const char *)dp_host_sum(job, u) + begin * size;
-  return u->n_deferred == 0 ? fsdp_cast(kept, type, sum, type, end - begin)
+  return u->flight->n_deferred == 0 ? fsdp_cast(kept, type, sum, type, end - begin)
                             : fsdp_add(kept, sum, type, end - begin);
 }
 
@@ -120,18 +120,18 @@ int dp_allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
 }
 
 void dp_give_back_copy(fsdp_job_t *job, fsdp_unit_t *u) {
-  if (!u->has_copy)
+  if (!u->flight->has_copy)
     return;
-  u->has_copy = false;
-  u->gathered = false;
-  if (u->copy_pooled)
-    fsdp_pool_give(&job->copies, u->copy_offset);
+  u->flight->has_copy = false;
+  u->flight->gathered = false;
+  if (u->flight->copy_pooled)
+    fsdp_pool_give(&job->copies, u->flight->copy_offset);
   else
-    fsdp_arena_release(job->shared_arena, u->copy_offset);
+    fsdp_arena_release(job->shared_arena, u->flight->copy_offset);
 }
 
 void dp_let_go(fsdp_job_t *job, fsdp_unit_t *u, uint32_t rank) {
-  if (fsdp_rank_set_put(&u->holders, rank, false) && fsdp_rank_set_empty(&u->holders))
+  if (fsdp_rank_set_put(&u->flight->holders, rank, false) && fsdp_rank_set_empty(&u->flight->holders))
     dp_give_back_copy(job, u);
 }
 
@@ -144,12 +144,12 @@ int dp_alloc_pages(fsdp_arena_t *arena, size_t bytes, uint64_t *ret_offset,
 
 void dp_give_back_grads(fsdp_job_t *job, fsdp_unit_t *u, const fsdp_rank_set_t *ranks) {
   for (uint32_t r = 0; r < job->local_world_size; r++) {
-    if (!fsdp_rank_set_has(ranks, r) || !fsdp_rank_set_put(&u->grads_lent, r, false))
+    if (!fsdp_rank_set_has(ranks, r) || !fsdp_rank_set_put(&u->flight->grads_lent, r, false))
       continue;
-    if (u->grads_pooled)
-      fsdp_pool_give(&job->grad_pools[r], u->full_grad_offsets[r]);
+    if (u->flight->grads_pooled)
+      fsdp_pool_give(&job->grad_pools[r], u->flight->full_grad_offsets[r]);
     else
-      fsdp_arena_release(job->arena, u->full_grad_offsets[r]);
+      fsdp_arena_release(job->arena, u->flight->full_grad_offsets[r]);
   }
 }
 
@@ -157,9 +157,9 @@ void dp_give_back_grads(fsdp_job_t *job, fsdp_unit_t *u, const fsdp_rank_set_t *
 static void answer_unshard(fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
   op->lent.unsharded_in_masters = u->copy_in_masters;
-  op->lent.unsharded_offset = u->copy_in_masters ? u->master_offset : u->copy_offset;
-  if (fsdp_rank_set_has(&u->grads_lent, rank)) {
-    op->lent.full_grad_offset = u->full_grad_offsets[rank];
+  op->lent.unsharded_offset = u->copy_in_masters ? u->master_offset : u->flight->copy_offset;
+  if (fsdp_rank_set_has(&u->flight->grads_lent, rank)) {
+    op->lent.full_grad_offset = u->flight->full_grad_offsets[rank];
     op->lent.full_grad_bytes = copy_bytes(u);
   }
   dp_op_ok(op);
@@ -167,17 +167,17 @@ static void answer_unshard(fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
 
 void dp_lend(fsdp_job_t *job, fsdp_unit_t *u, fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
-  fsdp_rank_set_put(&u->holders, rank, true);
-  if (!op->backward || fsdp_rank_set_has(&u->grads_lent, rank)) {
+  fsdp_rank_set_put(&u->flight->holders, rank, true);
+  if (!op->backward || fsdp_rank_set_has(&u->flight->grads_lent, rank)) {
     answer_unshard(u, op);
     return;
   }
-  if (fsdp_rank_set_empty(&u->grads_lent))
-    u->grads_pooled = u->reshard_after_forward;
+  if (fsdp_rank_set_empty(&u->flight->grads_lent))
+    u->flight->grads_pooled = u->flight->reshard_after_forward;
   uint64_t offset = 0;
   fsdp_status_t st = FSDP_STATUS_INIT;
   int r;
-  if (u->grads_pooled) {
+  if (u->flight->grads_pooled) {
     r = fsdp_pool_take(&job->grad_pools[rank], copy_bytes(u), &op->grad_waiter, on_grad_ready,
                        &offset, &st);
     if (r == 1)
@@ -194,11 +194,11 @@ static void on_grad_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsd
   fsdp_unit_t *u = op->unit;
   if (st->code < 0) {
     dp_op_fail(op, st->code, "unit '%s' step %llu: no full-gradient buffer for local rank %u: %s",
-               u->spec->unit, (unsigned long long)u->gathered_step, op->who.local_rank,
+               u->spec->unit, (unsigned long long)u->flight->gathered_step, op->who.local_rank,
                st->message);
     return;
   }
-  u->full_grad_offsets[op->who.local_rank] = offset;
-  fsdp_rank_set_put(&u->grads_lent, op->who.local_rank, true);
+  u->flight->full_grad_offsets[op->who.local_rank] = offset;
+  fsdp_rank_set_put(&u->flight->grads_lent, op->who.local_rank, true);
   answer_unshard(u, op);
 }

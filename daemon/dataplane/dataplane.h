@@ -63,6 +63,8 @@
 
 #include <uv.h>
 
+#include "collectives/local.h"
+#include "collectives/rank_set.h"
 #include "common/status.h"
 #include "daemon/backend/backend.h"
 #include "daemon/cluster/fabric.h"
@@ -71,6 +73,96 @@
 #include "kernels/workers.h"
 
 typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
+
+/* An operation waiting on a unit: its storage, the caller's (below). */
+typedef struct fsdp_dataplane_op fsdp_dataplane_op_t;
+
+/* Where a unit's buffers are. */
+typedef enum fsdp_unit_state {
+  FSDP_UNIT_NEW,        /* registered, no buffers yet */
+  FSDP_UNIT_ALLOCATING, /* buffers taken from the arena, being pre-faulted */
+  FSDP_UNIT_READY,      /* buffers ready for unshards and reductions */
+  FSDP_UNIT_FAILED,     /* buffers could not be made ready; see `error` */
+} fsdp_unit_state_t;
+
+/* What the data plane is doing with a unit (fsdp_unit_t.flight): its buffers' preparation,
+ * the copy and the gradient buffers it lends, its collectives and what they hold. The store
+ * keeps what the unit is: its spec, plan, layout and persistent buffers. */
+typedef struct fsdp_unit_flight {
+  fsdp_unit_t *unit; /* whose */
+  int order_index;        /* its place in the job's forward order, -1 outside it */
+  fsdp_unit_state_t state;
+  fsdp_status_t error;        /* why FAILED */
+  /* The unsharded copy, lent to the ranks in `holders`, unless the masters are the copy
+   * (fsdp_unit_t.copy_in_masters). While has_copy, the copy is at copy_offset of the shared arena: from the job's pool (copy_pooled) when it
+   * was gathered for a unit that reshards after forward, else a block of its own; it holds
+   * `gathered_step` once `gathered` (`gathered_again`: the step's second gather, for the
+   * backward), and goes back when the last holder lets go. */
+  bool reshard_after_forward; /* the schedule's (SetSchedule), or the strategy's default */
+  bool copy_pooled;
+  bool has_copy;
+  uint64_t copy_offset;
+  fsdp_pool_waiter_t copy_waiter; /* a gather waiting for a pool buffer; data: the data plane */
+  fsdp_rank_set_t holders;
+  bool gathered;
+  bool gathered_again;
+  uint64_t gathered_step;
+  /* Each local rank's full-gradient buffer (arena offsets), lent by the backward's Unshard
+   * until the unit's ReduceScatter ends; local_world_size of them. From the ranks' pools
+   * (grads_pooled) for a unit resharded after forward, else blocks of their own. */
+  uint64_t *full_grad_offsets;
+  fsdp_rank_set_t grads_lent;
+  bool grads_pooled;
+  /* The local ranks' rendezvous (collectives/local.h): the gather of a step, and its
+   * reduce-scatter. */
+  fsdp_collection_t gather;
+  bool gather_ahead; /* the gather was the schedule's prefetch, not the ranks' asking */
+  bool gather_after_resume; /* the gather waits for the job's checkpoint to be loaded */
+  fsdp_collection_t reduce;
+  bool reduce_accumulate;
+  /* HYBRID_SHARD's gradient accumulation (FSDP2's set_requires_all_reduce(False)): a reduce
+   * that defers its all-reduce among replicas (reduce_defer) adds this host's region of the
+   * shard group's sum, in reduce_dtype, to a block of the arena at deferred_offset (held
+   * while has_deferred), instead of writing the gradient shards; the next reduce that does
+   * not defer adds the block to its sum before the all-reduce and writes the shards, adding
+   * to them only if it and every deferred reduce asked to accumulate (deferred_accumulate).
+   * A reduce that fails while using the block drops it. The block belongs to the run
+   * (generation) whose reduces made it: another run's first reduce drops it. */
+  bool reduce_defer;
+  bool reduce_step; /* the running reduce steps the masters after (step_optimizer) */
+  uint64_t stepped_step; /* the newest step whose reduce stepped the masters; 0: none */
+  /* With clipping by the global norm: the running reduce wrote its gradient shards and
+   * waits for every other trainable unit's of the step; norm_sq is its shards' part. */
+  bool awaiting_norm;
+  double norm_sq;
+  uint64_t norm_deadline_ms; /* by which the others must have come */
+  bool has_deferred;
+  unsigned n_deferred;
+  uint64_t deferred_offset;
+  uint64_t deferred_generation;
+  bool deferred_accumulate;
+  uint64_t replica_all_reduces; /* all-reduces among replicas run, for fsdpctl unit */
+  /* What the data plane's own work of the last gather (this host's cast) and the last
+   * one-host reduce took, in microseconds, kernels and their completion: for fsdpctl unit. */
+  uint64_t last_gather_us, last_reduce_us;
+  /* Across hosts, while the reduce's rings run (has_sum): the host's sum of its ranks'
+   * gradients, lent by the job's pool of sums, at sum_offset of the arena. */
+  bool has_sum;
+  uint64_t sum_offset;
+  fsdp_pool_waiter_t sum_waiter; /* a reduce waiting for a pool buffer; data: the data plane */
+  /* A backend that stages the rings (fsdp_backend_t.stages_rings): the host buffers of the
+   * job's staging its collectives across hosts hold while they run: the gather's copy of
+   * the unsharded buffer, the reduce's of the host sum (in reduce_dtype), and, while
+   * has_deferred, the deferred sum itself, which then lives there and not in the arena. */
+  fsdp_staging_buffer_t *gather_stage, *sum_stage, *deferred_stage;
+  uint64_t reduced_step; /* of the last reduce-scatter that completed */
+  /* Its ranks have all asked its reduce, which waits for the job's reduces to be let go
+   * (fsdp_dataplane_hold_reduces), in the job's held_reduces through held_next. */
+  bool reduce_held;
+  struct fsdp_unit *held_next;
+  /* Operations waiting until a collection or the buffers' preparation ends. */
+  fsdp_dataplane_op_t *waiters;
+} fsdp_unit_flight_t;
 
 typedef struct ring_run ring_run_t;
 
@@ -168,6 +260,12 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
  * the GPU. */
 int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
                             const fsdp_cuda_device_t *device, fsdp_status_t *st);
+
+/* A unit the store made gets its flight, which the data plane frees as the store frees the
+ * unit (the store's hooks unit_made and unit_freed call these). RESOURCE_EXHAUSTED naming
+ * the unit when there is no memory for it. */
+int fsdp_dataplane_unit_made(fsdp_unit_t *unit, fsdp_status_t *st);
+void fsdp_dataplane_unit_freed(fsdp_unit_t *unit);
 
 /* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);

@@ -68,7 +68,7 @@ static inline fsdp_dtype_t kernel_dtype(fsdp_unit_dtype_t dtype) {
 }
 
 static inline fsdp_collection_t *collection_of(fsdp_unit_t *u, waiter_kind_t kind) {
-  return kind == WAIT_UNSHARD ? &u->gather : &u->reduce;
+  return kind == WAIT_UNSHARD ? &u->flight->gather : &u->flight->reduce;
 }
 
 /* This host's region of the flat buffer, in elements. */

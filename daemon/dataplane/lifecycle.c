@@ -5,18 +5,46 @@
 #include <stdlib.h>
 #include <string.h>
 
+int fsdp_dataplane_unit_made(fsdp_unit_t *unit, fsdp_status_t *st) {
+  fsdp_unit_flight_t *f = calloc(1, sizeof *f);
+  if (f)
+    f->full_grad_offsets = calloc(unit->job->local_world_size, sizeof *f->full_grad_offsets);
+  if (!f || !f->full_grad_offsets) {
+    free(f);
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
+                           unit->spec->unit);
+  }
+  fsdp_list_init(&f->copy_waiter.link);
+  fsdp_list_init(&f->sum_waiter.link);
+  /* FSDP's default: FULL_SHARD and HYBRID_SHARD free the copy after the forward; the others
+   * hold theirs until the backward. */
+  fsdp_unit_strategy_t strategy = unit->spec->strategy;
+  f->reshard_after_forward =
+      strategy == FSDP_UNIT_FULL_SHARD || strategy == FSDP_UNIT_HYBRID_SHARD;
+  f->order_index = -1;
+  f->unit = unit;
+  unit->flight = f;
+  return 0;
+}
+
+void fsdp_dataplane_unit_freed(fsdp_unit_t *unit) {
+  free(unit->flight->full_grad_offsets);
+  free(unit->flight);
+  unit->flight = NULL;
+}
+
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                              const fsdp_dataplane_rank_t *who, fsdp_dataplane_op_t *op,
                              fsdp_dataplane_done_fn done, void *data) {
   dp_op_init(op, unit, who, WAIT_REGISTER, done, data);
   fsdp_status_t st;
-  switch (unit->state) {
+  switch (unit->flight->state) {
   case FSDP_UNIT_NEW:
     if (!job->resume_looked && dp->hooks.job_starts)
       dp->hooks.job_starts(dp->hooks.ctx, job);
     job->resume_looked = true;
     if (job->resume_from && !unit->spec->scratch)
-      unit->reduced_step = job->resume_step; /* its trainers go on after it */
+      unit->flight->reduced_step = job->resume_step; /* its trainers go on after it */
     if (dp_allocate(job, unit, &st) < 0) {
       dp_op_fail(op, st.code, "%s", st.message);
       return;
@@ -27,14 +55,14 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
       dp_op_fail(op, r, "cannot queue the buffers' preparation");
       return;
     }
-    unit->state = FSDP_UNIT_ALLOCATING;
+    unit->flight->state = FSDP_UNIT_ALLOCATING;
     dp_park(op);
     return;
   case FSDP_UNIT_ALLOCATING:
     dp_park(op);
     return;
   case FSDP_UNIT_FAILED:
-    dp_op_fail(op, unit->error.code, "%s", unit->error.message);
+    dp_op_fail(op, unit->flight->error.code, "%s", unit->flight->error.message);
     return;
   default:
     dp_op_ok(op);
@@ -53,16 +81,16 @@ void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_st
   job->resuming = false;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (st->code < 0) {
-      u->state = FSDP_UNIT_FAILED;
-      fsdp_status_set(&u->error, st->code,
+      u->flight->state = FSDP_UNIT_FAILED;
+      fsdp_status_set(&u->flight->error, st->code,
                       "job '%s' cannot resume (checkpoint.resume = latest): %s", job->name,
                       st->message);
     }
-    if (!u->gather_after_resume)
+    if (!u->flight->gather_after_resume)
       continue;
-    u->gather_after_resume = false;
+    u->flight->gather_after_resume = false;
     if (st->code < 0)
-      dp_abort_collection(job, u, WAIT_UNSHARD, u->error.code, u->error.message);
+      dp_abort_collection(job, u, WAIT_UNSHARD, u->flight->error.code, u->flight->error.message);
     else
       dp_start_gather(dp, job, u);
   }

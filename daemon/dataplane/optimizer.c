@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/dataplane/dataplane.h"
+
 /* The state block: the step count on a cache line of its own, then the arrays, each on
  * cache lines of its own. */
 #define STATE_HEADER 64
@@ -304,7 +306,7 @@ static unit_plan_t *unit_plan(struct fsdp_optimizer *o, const fsdp_unit_t *u, fs
 }
 
 bool fsdp_optimizer_steps_unit(fsdp_job_t *job, const fsdp_unit_t *u) {
-  if (!job->optimizer || !u->trainable || u->state != FSDP_UNIT_READY)
+  if (!job->optimizer || !u->trainable || u->flight->state != FSDP_UNIT_READY)
     return false;
   fsdp_status_t st;
   const unit_plan_t *p = unit_plan(job->optimizer, u, &st);

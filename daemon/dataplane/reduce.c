@@ -16,12 +16,12 @@ static void queue_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, bo
                        float clip_coef);
 
 void dp_unhold_reduce(fsdp_job_t *job, fsdp_unit_t *u) {
-  if (!u->reduce_held)
+  if (!u->flight->reduce_held)
     return;
-  u->reduce_held = false;
-  for (fsdp_unit_t **p = &job->held_reduces; *p; p = &(*p)->held_next)
+  u->flight->reduce_held = false;
+  for (fsdp_unit_t **p = &job->held_reduces; *p; p = &(*p)->flight->held_next)
     if (*p == u) {
-      *p = u->held_next;
+      *p = u->flight->held_next;
       break;
     }
 }
@@ -29,7 +29,7 @@ void dp_unhold_reduce(fsdp_job_t *job, fsdp_unit_t *u) {
 /* Whether a reduce of the job runs (one held waits, and does not). */
 static bool reducing(const fsdp_job_t *job) {
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->reduce.running && !u->reduce_held)
+    if (u->flight->reduce.running && !u->flight->reduce_held)
       return true;
   return false;
 }
@@ -43,15 +43,15 @@ void dp_tell_if_quiet(fsdp_job_t *job) {
 }
 
 void dp_norm_known(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, double norm_sq) {
-  u->norm_sq = norm_sq;
-  u->awaiting_norm = true;
-  u->norm_deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms;
-  step_if_every_norm(dp, job, u->reduce.step);
+  u->flight->norm_sq = norm_sq;
+  u->flight->awaiting_norm = true;
+  u->flight->norm_deadline_ms = uv_now(dp->loop) + dp->collective_timeout_ms;
+  step_if_every_norm(dp, job, u->flight->reduce.step);
 }
 
 void dp_start_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
-  uint64_t step = u->reduce.step;
-  if (step <= u->stepped_step) {
+  uint64_t step = u->flight->reduce.step;
+  if (step <= u->flight->stepped_step) {
     log_info("unit '%s' step %llu: its optimizer step was taken already", u->spec->unit,
              (unsigned long long)step);
     dp_finish_collective(job, u, WAIT_REDUCE, NULL);
@@ -79,9 +79,9 @@ static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t s
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {
     if (!fsdp_optimizer_steps_unit(job, u))
       continue;
-    if (!u->awaiting_norm || u->reduce.step != step)
+    if (!u->flight->awaiting_norm || u->flight->reduce.step != step)
       return; /* its reduce of the step has not written its gradient yet */
-    total += u->norm_sq;
+    total += u->flight->norm_sq;
   }
   float norm = (float)sqrt(total);
   float coef = 1.0f / (norm + (float)1e-6) * (float)fsdp_optimizer_max_grad_norm(job);
@@ -90,14 +90,14 @@ static void step_if_every_norm(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t s
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (!fsdp_optimizer_steps_unit(job, u))
       continue;
-    u->awaiting_norm = false;
+    u->flight->awaiting_norm = false;
     queue_step(dp, job, u, true, coef);
   }
 }
 
 static void queue_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, bool clip,
                        float clip_coef) {
-  uint64_t step = u->reduce.step;
+  uint64_t step = u->flight->reduce.step;
   fsdp_status_t st;
   fsdp_dataplane_work_t *w = calloc(1, sizeof *w);
   if (!w) {
@@ -116,7 +116,7 @@ static void queue_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, bo
   }
   w->plan.clip = clip;
   w->plan.clip_coef = clip_coef;
-  u->stepped_step = step;
+  u->flight->stepped_step = step;
   dp_enqueue(dp, w);
 }
 
@@ -139,14 +139,14 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   dp_op_init(op, unit, who, WAIT_REDUCE, done, data);
   if (!dp_ready(op))
     return;
-  fsdp_collection_t *c = &unit->reduce;
+  fsdp_collection_t *c = &unit->flight->reduce;
   if (c->running || fsdp_rank_set_has(&c->submitted, rank)) {
     dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
                "unit '%s' step %llu: local rank %u already submitted its gradient",
                unit->spec->unit, (unsigned long long)c->step, rank);
     return;
   }
-  if (!fsdp_rank_set_has(&unit->grads_lent, rank)) {
+  if (!fsdp_rank_set_has(&unit->flight->grads_lent, rank)) {
     dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
                "unit '%s' step %llu: local rank %u holds no full-gradient buffer to reduce: the "
                "Unshard for the unit's backward lends it",
@@ -162,7 +162,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   }
   bool defer = how->defer_all_reduce && unit->plan.replica_ring.members > 1; /* else none */
   bool asked[3] = {how->accumulate, defer, how->step_optimizer && !how->defer_all_reduce};
-  bool *kept[3] = {&unit->reduce_accumulate, &unit->reduce_defer, &unit->reduce_step};
+  bool *kept[3] = {&unit->flight->reduce_accumulate, &unit->flight->reduce_defer, &unit->flight->reduce_step};
   static const char *const names[3] = {"accumulate", "defer_all_reduce", "step_optimizer"};
   size_t differs = 3;
   for (size_t k = 0; k < 3; k++) {
@@ -189,10 +189,10 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   if (job->reduces_held && (!job->reduces_quiet || step > job->hold_after_step)) {
     fsdp_unit_t **tail = &job->held_reduces;
     while (*tail)
-      tail = &(*tail)->held_next;
+      tail = &(*tail)->flight->held_next;
     *tail = unit;
-    unit->held_next = NULL;
-    unit->reduce_held = true;
+    unit->flight->held_next = NULL;
+    unit->flight->reduce_held = true;
     return;
   }
   start_reduce(dp, job, unit);
@@ -215,8 +215,8 @@ void fsdp_dataplane_release_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job) {
   job->reduces_quiet = NULL;
   while (job->held_reduces) {
     fsdp_unit_t *u = job->held_reduces;
-    job->held_reduces = u->held_next;
-    u->reduce_held = false;
+    job->held_reduces = u->flight->held_next;
+    u->flight->reduce_held = false;
     start_reduce(dp, job, u);
   }
 }

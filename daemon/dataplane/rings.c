@@ -58,7 +58,7 @@ static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t by
                               u->pre_scale, e, e + n);
   /* The all-reduce among replicas of a host that is its own shard group: the host sum is
    * the group's, and the deferred one joins it here. */
-  if (r == 0 && run->kind == FSDP_RING_ALL_REDUCE && u->has_deferred)
+  if (r == 0 && run->kind == FSDP_RING_ALL_REDUCE && u->flight->has_deferred)
     r = dp_add_deferred(run->job, u, e, e + n);
   return r;
 }
@@ -85,7 +85,7 @@ static int finalize_grads(void *arg, unsigned region, size_t offset, size_t byte
   uint64_t e = chunk_elem(run, region, offset);
   float *grads = (float *)(void *)((char *)fsdp_arena_base(run->job->arena) + u->grad_offset);
   const void *sum = (const char *)dp_host_sum(run->job, u) + e * run->elem_size;
-  return fsdp_reduce(grads + (e - host_first(u)), u->reduce_accumulate, &sum, 1,
+  return fsdp_reduce(grads + (e - host_first(u)), u->flight->reduce_accumulate, &sum, 1,
                      reduce_dtype(u), reduce_dtype(u), 1.0f, u->post_scale,
                      bytes / run->elem_size);
 }
@@ -150,7 +150,7 @@ static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *a
     dp_norm_known(run->dp, run->job, u, run->norm_parts[0]);
   } else {
     if (run->kind == FSDP_RING_ALL_REDUCE)
-      u->replica_all_reduces++;
+      u->flight->replica_all_reduces++;
     dp_next_stage(run->dp, run->job, u, -1, (int)run->kind);
   }
   free(run);
@@ -232,9 +232,9 @@ static char *ring_buffer(ring_run_t *run, fsdp_dtype_t *ret_dtype,
     run->first_elem = host_first(u);
     run->region_numel /= ring_hosts(run)->members;
   }
-  fsdp_staging_buffer_t *stage = gather ? u->gather_stage : u->sum_stage;
+  fsdp_staging_buffer_t *stage = gather ? u->flight->gather_stage : u->flight->sum_stage;
   char *whole = stage ? stage->base
-                : gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->copy_offset
+                : gather ? (char *)fsdp_arena_base(run->job->shared_arena) + u->flight->copy_offset
                          : dp_host_sum(run->job, u);
   /* A staging buffer is registered whole: one registration whatever unit it serves. */
   *ret_mem = fsdp_fabric_memory(run->dp->fabric, whole,
@@ -250,13 +250,13 @@ static void reduce_hooks(const ring_run_t *run, fsdp_ring_args_t *args) {
   const fsdp_unit_t *u = run->unit;
   if (run->kind == FSDP_RING_ALL_GATHER || run->norm)
     return;
-  bool staged = u->sum_stage != NULL;
+  bool staged = u->flight->sum_stage != NULL;
   bool first_of_reduce = run->kind == FSDP_RING_REDUCE_SCATTER || u->plan.shard_ring.members == 1;
   bool last_of_reduce = run->kind == FSDP_RING_ALL_REDUCE || u->plan.replica_ring.members == 1;
   args->produce = first_of_reduce && !staged ? produce_host_sum : NULL;
   args->finalize = last_of_reduce  ? (staged ? NULL : finalize_grads) /* else WORK_UNSTAGE_SUM */
-                   : u->reduce_defer ? keep_group_sum
-                   : u->has_deferred ? add_to_group_sum
+                   : u->flight->reduce_defer ? keep_group_sum
+                   : u->flight->has_deferred ? add_to_group_sum
                                      : NULL;
 }
 
@@ -352,58 +352,59 @@ static void on_cluster_ready(void *data, int status, const char *why) {
  * gradient shards only if every deferred reduce it takes in asked to accumulate too. */
 static int prepare_deferred(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                             fsdp_status_t *st) {
-  const fsdp_collection_t *c = &u->reduce;
-  if (u->has_deferred && u->deferred_generation != c->generation) {
+  const fsdp_collection_t *c = &u->flight->reduce;
+  if (u->flight->has_deferred && u->flight->deferred_generation != c->generation) {
     log_warning("unit '%s': the gradients of %u reduces of generation %llu that deferred "
                 "their all-reduce among replicas are dropped: generation %llu runs now",
-                u->spec->unit, u->n_deferred, (unsigned long long)u->deferred_generation,
+                u->spec->unit, u->flight->n_deferred, (unsigned long long)u->flight->deferred_generation,
                 (unsigned long long)c->generation);
     dp_drop_deferred(job, u);
   }
-  if (!u->reduce_defer) {
-    if (u->has_deferred)
-      u->reduce_accumulate = u->reduce_accumulate && u->deferred_accumulate;
+  if (!u->flight->reduce_defer) {
+    if (u->flight->has_deferred)
+      u->flight->reduce_accumulate = u->flight->reduce_accumulate && u->flight->deferred_accumulate;
     return 0;
   }
-  if (u->has_deferred) {
-    u->deferred_accumulate = u->deferred_accumulate && u->reduce_accumulate;
+  if (u->flight->has_deferred) {
+    u->flight->deferred_accumulate = u->flight->deferred_accumulate && u->flight->reduce_accumulate;
     return 0;
   }
   size_t bytes = round64((size_t)host_numel(u) * fsdp_dtype_size(reduce_dtype(u)));
-  int r = stages_rings(job) ? dp_take_stage(dp, job, bytes, &u->deferred_stage, st)
-                            : fsdp_arena_alloc(job->arena, bytes, 64, &u->deferred_offset, st);
+  int r = stages_rings(job) ? dp_take_stage(dp, job, bytes, &u->flight->deferred_stage, st)
+                            : fsdp_arena_alloc(job->arena, bytes, 64, &u->flight->deferred_offset, st);
   if (r < 0)
     return fsdp_status_set(st, r, "unit '%s' step %llu: no room to keep the gradients whose "
                            "all-reduce among replicas is deferred: %s",
                            u->spec->unit, (unsigned long long)c->step, st->message);
-  u->has_deferred = true;
-  u->deferred_generation = c->generation;
-  u->deferred_accumulate = u->reduce_accumulate;
+  u->flight->has_deferred = true;
+  u->flight->deferred_generation = c->generation;
+  u->flight->deferred_accumulate = u->flight->reduce_accumulate;
   return 0;
 }
 
 void dp_start_reduce_rings(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
-  u->sum_waiter.data = dp;
+  u->flight->sum_waiter.data = dp;
   uint64_t offset = 0;
   fsdp_status_t st = FSDP_STATUS_INIT;
-  int r = fsdp_pool_take(&job->sums, dp_host_sum_bytes(u), &u->sum_waiter, on_sum_ready, &offset,
+  int r = fsdp_pool_take(&job->sums, dp_host_sum_bytes(u), &u->flight->sum_waiter, on_sum_ready, &offset,
                          &st);
   if (r == 1)
     return; /* on_sum_ready goes on */
-  on_sum_ready(&u->sum_waiter, offset, &st);
+  on_sum_ready(&u->flight->sum_waiter, offset, &st);
 }
 
 static void on_sum_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st) {
-  fsdp_unit_t *u = (fsdp_unit_t *)((char *)waiter - offsetof(fsdp_unit_t, sum_waiter));
+  fsdp_unit_t *u =
+      ((fsdp_unit_flight_t *)((char *)waiter - offsetof(fsdp_unit_flight_t, sum_waiter)))->unit;
   if (st->code < 0) {
     fsdp_status_t failed;
     fsdp_status_set(&failed, st->code, "unit '%s' step %llu: no host sum: %s", u->spec->unit,
-                    (unsigned long long)u->reduce.step, st->message);
+                    (unsigned long long)u->flight->reduce.step, st->message);
     dp_finish_collective(u->job, u, WAIT_REDUCE, &failed);
     return;
   }
-  u->has_sum = true;
-  u->sum_offset = offset;
+  u->flight->has_sum = true;
+  u->flight->sum_offset = offset;
   fsdp_status_t deferred;
   if (prepare_deferred(waiter->data, u->job, u, &deferred) < 0) {
     dp_finish_collective(u->job, u, WAIT_REDUCE, &deferred);
@@ -412,16 +413,16 @@ static void on_sum_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp
   if (stages_rings(u->job)) {
     size_t bytes = (size_t)u->layout.padded_numel * fsdp_dtype_size(reduce_dtype(u));
     fsdp_status_t staged;
-    if (dp_take_stage(waiter->data, u->job, bytes, &u->sum_stage, &staged) < 0) {
+    if (dp_take_stage(waiter->data, u->job, bytes, &u->flight->sum_stage, &staged) < 0) {
       fsdp_status_set(&staged, staged.code, "unit '%s' step %llu: no staged host sum: %s",
-                      u->spec->unit, (unsigned long long)u->reduce.step, staged.message);
+                      u->spec->unit, (unsigned long long)u->flight->reduce.step, staged.message);
       dp_finish_collective(u->job, u, WAIT_REDUCE, &staged);
       return;
     }
     dp_queue_or_abort(waiter->data, WORK_STAGE_SUM, u->job, u);
   } else if (u->plan.shard_ring.members > 1) {
     dp_start_ring(waiter->data, u->job, u, FSDP_RING_REDUCE_SCATTER);
-  } else if (!u->reduce_defer) {
+  } else if (!u->flight->reduce_defer) {
     dp_start_ring(waiter->data, u->job, u, FSDP_RING_ALL_REDUCE);
   } else {
     int r = dp_queue(waiter->data, WORK_DEFER, u->job, u);

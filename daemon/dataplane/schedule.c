@@ -32,11 +32,11 @@ void dp_record_order(fsdp_job_t *job, fsdp_unit_t *unit, uint64_t step) {
 
 static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
   for (unsigned i = 0; i < job->n_order; i++)
-    job->order[i]->order_index = -1;
+    job->order[i]->flight->order_index = -1;
   memmove(job->order, units, n * sizeof *units); /* units may be job->recorded */
   job->n_order = n;
   for (unsigned i = 0; i < n; i++)
-    job->order[i]->order_index = (int)i;
+    job->order[i]->flight->order_index = (int)i;
 }
 
 void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
@@ -51,11 +51,11 @@ void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsign
  * unless something is collected, gathered or held for it already. */
 static void gather_ahead(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *v, uint64_t step,
                          bool again, const prefetch_cause_t *cause) {
-  fsdp_collection_t *c = &v->gather;
-  if (v->state != FSDP_UNIT_READY || c->running || c->count > 0 ||
-      !fsdp_rank_set_empty(&v->holders) ||
-      (v->gathered &&
-       dp_gather_round(v->gathered_step, v->gathered_again) >= dp_gather_round(step, again)))
+  fsdp_collection_t *c = &v->flight->gather;
+  if (v->flight->state != FSDP_UNIT_READY || c->running || c->count > 0 ||
+      !fsdp_rank_set_empty(&v->flight->holders) ||
+      (v->flight->gathered &&
+       dp_gather_round(v->flight->gathered_step, v->flight->gathered_again) >= dp_gather_round(step, again)))
     return;
   dp_give_back_copy(job, v); /* an older copy nobody holds */
   fsdp_rank_set_t none = {0};
@@ -65,34 +65,34 @@ static void gather_ahead(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *v, 
                                     .deadline_ms = cause->deadline_ms};
     fsdp_collection_join(c, job->local_world_size, &rq, &none);
   }
-  v->gather_ahead = true;
+  v->flight->gather_ahead = true;
   dp_start_gather(dp, job, v);
 }
 
 void dp_prefetch_after(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_unit_t *unit,
                        uint64_t step, const prefetch_cause_t *cause) {
   unsigned depth = cause->backward ? job->backward_prefetch : job->forward_prefetch;
-  if (!depth || unit->order_index < 0 || step > job->masters_final_step)
+  if (!depth || unit->flight->order_index < 0 || step > job->masters_final_step)
     return;
   int dir = cause->backward ? -1 : 1;
-  for (int i = unit->order_index + dir; depth && i >= 0 && i < (int)job->n_order; i += dir) {
+  for (int i = unit->flight->order_index + dir; depth && i >= 0 && i < (int)job->n_order; i += dir) {
     fsdp_unit_t *v = job->order[i];
     if (cause->backward && !v->trainable)
       continue;
-    gather_ahead(dp, job, v, step, cause->backward && v->reshard_after_forward, cause);
+    gather_ahead(dp, job, v, step, cause->backward && v->flight->reshard_after_forward, cause);
     depth--;
   }
 }
 
 bool dp_in_order(fsdp_job_t *job, const fsdp_unit_t *unit, fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
-  if (!job->order_given || unit->order_index < 0)
+  if (!job->order_given || unit->flight->order_index < 0)
     return true;
   if (op->step != job->forward_step[rank]) {
     job->forward_step[rank] = op->step;
     job->forward_next[rank] = 0;
   }
-  unsigned at = (unsigned)unit->order_index, next = job->forward_next[rank];
+  unsigned at = (unsigned)unit->flight->order_index, next = job->forward_next[rank];
   if (at + 1 == next)
     return true; /* the unit it asked for last, again */
   if (at != next) {

@@ -45,9 +45,9 @@ int dp_stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
   char *sum = dp_arena_host_sum(job, u) + begin * size;
   /* The reduce's staging buffers get their memory here, off the loop: the sum's, and the
    * deferred sum's, which this reduce's rings or keep_deferred below use first. */
-  int r = fsdp_staging_make(&job->staging, u->sum_stage, st);
-  if (r == 0 && u->deferred_stage)
-    r = fsdp_staging_make(&job->staging, u->deferred_stage, st);
+  int r = fsdp_staging_make(&job->staging, u->flight->sum_stage, st);
+  if (r == 0 && u->flight->deferred_stage)
+    r = fsdp_staging_make(&job->staging, u->flight->deferred_stage, st);
   if (r < 0)
     return r;
   r = fsdp_backend_reduce(&dp->backend, sum_fp32, false, srcs, job->local_world_size,
@@ -59,16 +59,16 @@ int dp_stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                           st);
   if (r < 0 || whole)
     return r;
-  if (u->reduce_defer)
+  if (u->flight->reduce_defer)
     return dp_keep_deferred(job, u, begin, begin + n);
-  return u->has_deferred ? dp_add_deferred(job, u, begin, begin + n) : 0;
+  return u->flight->has_deferred ? dp_add_deferred(job, u, begin, begin + n) : 0;
 }
 
 int dp_unstage_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                       fsdp_status_t *st) {
   size_t size = fsdp_dtype_size(param_dtype(u));
-  char *unsharded = (char *)fsdp_arena_base(job->shared_arena) + u->copy_offset;
-  const char *staged = u->gather_stage->base;
+  char *unsharded = (char *)fsdp_arena_base(job->shared_arena) + u->flight->copy_offset;
+  const char *staged = u->flight->gather_stage->base;
   size_t mine = host_first(u) * size, mine_end = mine + host_numel(u) * size;
   int r = fsdp_backend_copy(&dp->backend, unsharded, staged, mine, st);
   return r < 0 ? r
@@ -87,6 +87,6 @@ int dp_unstage_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
   float *grads = (float *)(void *)((char *)fsdp_arena_base(job->arena) + u->grad_offset);
   const void *src = sum;
   return r < 0 ? r
-               : fsdp_backend_reduce(&dp->backend, grads, u->reduce_accumulate, &src, 1, type,
+               : fsdp_backend_reduce(&dp->backend, grads, u->flight->reduce_accumulate, &src, 1, type,
                                      type, 1.0f, u->post_scale, n, st);
 }

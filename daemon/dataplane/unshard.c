@@ -11,7 +11,7 @@ static void redo_unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_dataplane_o
 
 void dp_wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
   fsdp_dataplane_op_t *redo = NULL;
-  for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
+  for (fsdp_dataplane_op_t *w = u->flight->waiters, *next; w; w = next) {
     next = w->next;
     if (w->kind != WAIT_UNSHARD)
       continue;
@@ -25,17 +25,17 @@ void dp_wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
   }
   for (fsdp_dataplane_op_t *w = redo, *next; w; w = next) {
     next = w->next;
-    redo_unshard(u->copy_waiter.data, job, w);
+    redo_unshard(u->flight->copy_waiter.data, job, w);
   }
 }
 
 void dp_start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
   if (job->resume_from || job->resuming) {
-    u->gather_after_resume = true;
+    u->flight->gather_after_resume = true;
     dp->hooks.resume(dp->hooks.ctx, job);
     return;
   }
-  u->copy_waiter.data = dp;
+  u->flight->copy_waiter.data = dp;
   if (u->copy_in_masters) {
     dp_finish_collective(job, u, WAIT_UNSHARD, NULL);
     return;
@@ -43,9 +43,9 @@ void dp_start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
   uint64_t offset = 0;
   fsdp_status_t st = FSDP_STATUS_INIT;
   int r;
-  u->copy_pooled = u->reshard_after_forward;
-  if (u->copy_pooled) {
-    r = fsdp_pool_take(&job->copies, copy_bytes(u), &u->copy_waiter, on_copy_ready, &offset,
+  u->flight->copy_pooled = u->flight->reshard_after_forward;
+  if (u->flight->copy_pooled) {
+    r = fsdp_pool_take(&job->copies, copy_bytes(u), &u->flight->copy_waiter, on_copy_ready, &offset,
                        &st);
     if (r == 1)
       return; /* on_copy_ready goes on */
@@ -54,24 +54,25 @@ void dp_start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
   }
   if (r < 0)
     fsdp_status_set(&st, r, "unit '%s' step %llu: no unsharded copy: %s", u->spec->unit,
-                    (unsigned long long)u->gather.step, st.message);
-  on_copy_ready(&u->copy_waiter, offset, &st);
+                    (unsigned long long)u->flight->gather.step, st.message);
+  on_copy_ready(&u->flight->copy_waiter, offset, &st);
 }
 
 static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsdp_status_t *st) {
-  fsdp_unit_t *u = (fsdp_unit_t *)((char *)waiter - offsetof(fsdp_unit_t, copy_waiter));
+  fsdp_unit_t *u =
+      ((fsdp_unit_flight_t *)((char *)waiter - offsetof(fsdp_unit_flight_t, copy_waiter)))->unit;
   fsdp_job_t *job = u->job;
   if (st->code < 0) {
     dp_finish_collective(job, u, WAIT_UNSHARD, st);
     return;
   }
-  u->has_copy = true;
-  u->copy_offset = offset;
+  u->flight->has_copy = true;
+  u->flight->copy_offset = offset;
   if (stages_rings(job) && u->plan.shard_ring.members > 1) {
     fsdp_status_t staged;
-    if (dp_take_stage(waiter->data, job, copy_bytes(u), &u->gather_stage, &staged) < 0) {
+    if (dp_take_stage(waiter->data, job, copy_bytes(u), &u->flight->gather_stage, &staged) < 0) {
       fsdp_status_set(&staged, staged.code, "unit '%s' step %llu: no staged copy: %s",
-                      u->spec->unit, (unsigned long long)u->gather.step, staged.message);
+                      u->spec->unit, (unsigned long long)u->flight->gather.step, staged.message);
       dp_finish_collective(job, u, WAIT_UNSHARD, &staged);
       return;
     }
@@ -94,16 +95,16 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                     fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
   uint64_t step = op->step;
-  bool again = op->backward && unit->reshard_after_forward;
+  bool again = op->backward && unit->flight->reshard_after_forward;
   prefetch_cause_t cause = {.backward = op->backward, .generation = op->who.generation,
                             .deadline_ms = op->deadline_ms};
-  fsdp_collection_t *c = &unit->gather;
+  fsdp_collection_t *c = &unit->flight->gather;
   if (fsdp_rank_set_has(&c->submitted, rank)) {
     if (step == c->step && again == c->regather) {
       dp_park(op); /* a second operation of the rank shares its request */
       return;
     }
-    if (unit->gather_ahead) {
+    if (unit->flight->gather_ahead) {
       op->redo = true; /* the prefetch asked for the rank: served once it ends */
       dp_park(op);
       return;
@@ -116,8 +117,8 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
     return;
   }
   uint64_t round = dp_gather_round(step, again);
-  uint64_t held = dp_gather_round(unit->gathered_step, unit->gathered_again);
-  if (unit->gathered && round == held) {
+  uint64_t held = dp_gather_round(unit->flight->gathered_step, unit->flight->gathered_again);
+  if (unit->flight->gathered && round == held) {
     dp_lend(job, unit, op); /* the fast path: this step's copy is there */
     dp_prefetch_after(dp, job, unit, step, &cause);
     return;
@@ -127,7 +128,7 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
                "unit '%s': local rank %u asked for step %llu%s, but the unsharded copy already "
                "holds step %llu%s",
                unit->spec->unit, rank, (unsigned long long)step, dp_again_text(again),
-               (unsigned long long)unit->gathered_step, dp_again_text(unit->gathered_again));
+               (unsigned long long)unit->flight->gathered_step, dp_again_text(unit->flight->gathered_again));
     return;
   }
   if (c->running) {

@@ -37,13 +37,13 @@ void dp_op_unlink(fsdp_dataplane_op_t *op) {
   if (op->prev)
     op->prev->next = op->next;
   else
-    op->unit->waiters = op->next;
+    op->unit->flight->waiters = op->next;
   if (op->next)
     op->next->prev = op->prev;
 }
 
 static bool rank_waits(const fsdp_unit_t *u, uint32_t rank, waiter_kind_t kind) {
-  for (const fsdp_dataplane_op_t *w = u->waiters; w; w = w->next)
+  for (const fsdp_dataplane_op_t *w = u->flight->waiters; w; w = w->next)
     if (w->who.local_rank == rank && w->kind == (int)kind)
       return true;
   return false;
@@ -64,20 +64,20 @@ void fsdp_dataplane_cancel(fsdp_dataplane_op_t *op) {
 void dp_park(fsdp_dataplane_op_t *op) {
   fsdp_unit_t *unit = op->unit;
   op->prev = NULL;
-  op->next = unit->waiters;
-  if (unit->waiters)
-    unit->waiters->prev = op;
-  unit->waiters = op;
+  op->next = unit->flight->waiters;
+  if (unit->flight->waiters)
+    unit->flight->waiters->prev = op;
+  unit->flight->waiters = op;
 }
 
 void dp_wake(fsdp_unit_t *u, waiter_kind_t kind) {
-  for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
+  for (fsdp_dataplane_op_t *w = u->flight->waiters, *next; w; w = next) {
     next = w->next;
     if (w->kind != (int)kind)
       continue;
     dp_op_unlink(w);
-    if (u->state == FSDP_UNIT_FAILED)
-      dp_op_fail(w, u->error.code, "%s", u->error.message);
+    if (u->flight->state == FSDP_UNIT_FAILED)
+      dp_op_fail(w, u->flight->error.code, "%s", u->flight->error.message);
     else
       dp_op_ok(w);
   }
@@ -86,7 +86,7 @@ void dp_wake(fsdp_unit_t *u, waiter_kind_t kind) {
 void dp_abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind, int err,
                          const char *message) {
   fsdp_collection_t *c = collection_of(u, kind);
-  for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
+  for (fsdp_dataplane_op_t *w = u->flight->waiters, *next; w; w = next) {
     next = w->next;
     if (w->kind != (int)kind)
       continue;
@@ -95,9 +95,9 @@ void dp_abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind, in
   }
   if (kind == WAIT_REDUCE) {
     dp_give_back_grads(job, u, &c->submitted);
-    fsdp_pool_cancel(&u->sum_waiter);
+    fsdp_pool_cancel(&u->flight->sum_waiter);
     dp_give_back_sum(job, u);
-    if (c->running && u->has_deferred) { /* its hooks may have left it half added */
+    if (c->running && u->flight->has_deferred) { /* its hooks may have left it half added */
       log_warning("unit '%s': the gradients whose all-reduce among replicas was deferred are "
                   "dropped: the reduce of step %llu failed",
                   u->spec->unit, (unsigned long long)c->step);
@@ -106,11 +106,11 @@ void dp_abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind, in
   } else if (c->running) {
     /* The stage first: giving the copy back may start a waiting gather, which takes one. */
     dp_give_back_gather_stage(u);
-    fsdp_pool_cancel(&u->copy_waiter);
+    fsdp_pool_cancel(&u->flight->copy_waiter);
     dp_give_back_copy(job, u);
   }
   if (kind == WAIT_UNSHARD)
-    u->gather_ahead = false;
+    u->flight->gather_ahead = false;
   fsdp_collection_reset(c);
   if (kind == WAIT_REDUCE) {
     dp_unhold_reduce(job, u);
@@ -191,22 +191,22 @@ void dp_finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind,
   fsdp_dataplane_reached_step(job, c->step);
   if (kind == WAIT_UNSHARD) {
     dp_give_back_gather_stage(u);
-    u->gathered = true;
-    u->gathered_step = c->step;
-    u->gathered_again = c->regather;
-    u->holders = c->submitted;
-    u->gather_ahead = false;
+    u->flight->gathered = true;
+    u->flight->gathered_step = c->step;
+    u->flight->gathered_again = c->regather;
+    u->flight->holders = c->submitted;
+    u->flight->gather_ahead = false;
     fsdp_collection_reset(c);
-    if (fsdp_rank_set_empty(&u->holders)) { /* every rank it was for is gone */
+    if (fsdp_rank_set_empty(&u->flight->holders)) { /* every rank it was for is gone */
       dp_give_back_copy(job, u);
       return;
     }
     dp_wake_unshards(job, u);
     return;
   }
-  u->reduced_step = c->step;
-  if (u->reduce_defer)
-    u->n_deferred++;
+  u->flight->reduced_step = c->step;
+  if (u->flight->reduce_defer)
+    u->flight->n_deferred++;
   else
     dp_drop_deferred(job, u); /* the all-reduce took it */
   dp_give_back_grads(job, u, &c->submitted);
@@ -217,9 +217,9 @@ void dp_finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind,
 }
 
 int dp_check_ready(const fsdp_unit_t *unit, fsdp_status_t *st) {
-  switch (unit->state) {
+  switch (unit->flight->state) {
   case FSDP_UNIT_FAILED:
-    return fsdp_status_set(st, unit->error.code, "%s", unit->error.message);
+    return fsdp_status_set(st, unit->flight->error.code, "%s", unit->flight->error.message);
   case FSDP_UNIT_NEW:
   case FSDP_UNIT_ALLOCATING:
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
@@ -245,10 +245,10 @@ static void format_copy_holders(const fsdp_job_t *job, char *buf, size_t size) {
   size_t used = 0;
   buf[0] = '\0';
   for (const fsdp_unit_t *u = job->units; u && used < size; u = u->next) {
-    if (!u->has_copy || !u->copy_pooled)
+    if (!u->flight->has_copy || !u->flight->copy_pooled)
       continue;
     char ranks[96];
-    fsdp_rank_set_format(&u->holders, true, job->local_world_size, ranks, sizeof ranks);
+    fsdp_rank_set_format(&u->flight->holders, true, job->local_world_size, ranks, sizeof ranks);
     used += (size_t)snprintf(buf + used, size - used, "%s'%s' (ranks %s)", used ? ", " : "",
                              u->spec->unit, ranks[0] ? ranks : "none");
   }
@@ -259,7 +259,7 @@ static void format_sum_holders(const fsdp_job_t *job, char *buf, size_t size) {
   size_t used = 0;
   buf[0] = '\0';
   for (const fsdp_unit_t *u = job->units; u && used < size; u = u->next)
-    if (u->has_sum)
+    if (u->flight->has_sum)
       used += (size_t)snprintf(buf + used, size - used, "%s'%s'", used ? ", " : "",
                                u->spec->unit);
 }
@@ -271,7 +271,7 @@ static void expire_buffer_waits(fsdp_job_t *job, uint64_t now_ms, waiter_kind_t 
   char message[FSDP_STATUS_MESSAGE_MAX], holders[256];
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     const fsdp_collection_t *c = collection_of(u, kind);
-    const fsdp_pool_waiter_t *w = gather ? &u->copy_waiter : &u->sum_waiter;
+    const fsdp_pool_waiter_t *w = gather ? &u->flight->copy_waiter : &u->flight->sum_waiter;
     if (!c->running || fsdp_list_empty(&w->link) || now_ms < c->deadline_ms)
       continue;
     (gather ? format_copy_holders : format_sum_holders)(job, holders, sizeof holders);
@@ -290,20 +290,20 @@ static void expire_buffer_waits(fsdp_job_t *job, uint64_t now_ms, waiter_kind_t 
  * other units' of the step: each hears the first unit that did not come. */
 static void expire_norm_waits(fsdp_job_t *job, uint64_t now_ms) {
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (!u->awaiting_norm || now_ms < u->norm_deadline_ms)
+    if (!u->flight->awaiting_norm || now_ms < u->flight->norm_deadline_ms)
       continue;
     const fsdp_unit_t *missing = job->units;
     while (missing && (!fsdp_optimizer_steps_unit(job, missing) ||
-                       (missing->awaiting_norm && missing->reduce.step == u->reduce.step)))
+                       (missing->flight->awaiting_norm && missing->flight->reduce.step == u->flight->reduce.step)))
       missing = missing->next;
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
              "unit '%s' step %llu: clipping by the global norm (max_grad_norm) waited in vain "
              "for unit '%s''s gradient of the step (store.collective_timeout)",
-             u->spec->unit, (unsigned long long)u->reduce.step,
+             u->spec->unit, (unsigned long long)u->flight->reduce.step,
              missing ? missing->spec->unit : "?");
     log_warning("%s", message);
-    u->awaiting_norm = false;
+    u->flight->awaiting_norm = false;
     dp_abort_collection(job, u, WAIT_REDUCE, FSDP_E_ABORTED, message);
   }
 }
@@ -324,7 +324,7 @@ static void expire_pool_waits(fsdp_job_t *job, uint64_t now_ms) {
                  "unit '%s' step %llu: local rank %u of job '%s' waited in vain for a "
                  "full-gradient buffer (store.collective_timeout): it holds %u (max_inflight) "
                  "whose reduce has not ended",
-                 op->unit->spec->unit, (unsigned long long)op->unit->gathered_step, r, job->name,
+                 op->unit->spec->unit, (unsigned long long)op->unit->flight->gathered_step, r, job->name,
                  job->max_inflight);
     }
   }
@@ -374,7 +374,7 @@ void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t ses
                (unsigned long long)session_id, job->name, rank, why);
   }
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    for (fsdp_dataplane_op_t *w = u->waiters, *next; w; w = next) {
+    for (fsdp_dataplane_op_t *w = u->flight->waiters, *next; w; w = next) {
       next = w->next;
       if (w->who.session_id != session_id)
         continue;
@@ -399,9 +399,9 @@ void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t ses
     /* What it was lent comes back, and a running gather will not lend it the copy; a
      * running reduce gives its buffer back when it ends. */
     dp_let_go(job, u, rank);
-    if (u->gather.running)
-      fsdp_rank_set_put(&u->gather.submitted, rank, false);
-    if (!(u->reduce.running && fsdp_rank_set_has(&u->reduce.submitted, rank))) {
+    if (u->flight->gather.running)
+      fsdp_rank_set_put(&u->flight->gather.submitted, rank, false);
+    if (!(u->flight->reduce.running && fsdp_rank_set_has(&u->flight->reduce.submitted, rank))) {
       fsdp_rank_set_t just_rank = {0};
       fsdp_rank_set_put(&just_rank, rank, true);
       dp_give_back_grads(job, u, &just_rank);

@@ -41,13 +41,13 @@ static void run_work(uv_work_t *req) {
   case WORK_GATHER: {
     /* This host's shards: its region of the fp32 masters cast into param_dtype. */
     fsdp_dtype_t pt = param_dtype(u);
-    char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->copy_offset;
+    char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->flight->copy_offset;
     size_t at = first * fsdp_dtype_size(pt), bytes = n * fsdp_dtype_size(pt);
     w->result = fsdp_backend_cast(&dp->backend, unsharded + at, pt, base + u->master_offset,
                                   FSDP_DTYPE_FP32, n, &w->error);
-    if (w->result == 0 && u->gather_stage &&
-        (w->result = fsdp_staging_make(&w->job->staging, u->gather_stage, &w->error)) == 0)
-      w->result = fsdp_backend_copy(&dp->backend, (char *)u->gather_stage->base + at,
+    if (w->result == 0 && u->flight->gather_stage &&
+        (w->result = fsdp_staging_make(&w->job->staging, u->flight->gather_stage, &w->error)) == 0)
+      w->result = fsdp_backend_copy(&dp->backend, (char *)u->flight->gather_stage->base + at,
                                     unsharded + at, bytes, &w->error);
     break;
   }
@@ -55,7 +55,7 @@ static void run_work(uv_work_t *req) {
     /* One host: the gradient shards lie side by side, so one reduce over the whole flat
      * buffer writes every rank's shard. */
     w->result = fsdp_backend_reduce(&dp->backend, (float *)(void *)(base + u->grad_offset),
-                                    u->reduce_accumulate, srcs, world, param_dtype(u),
+                                    u->flight->reduce_accumulate, srcs, world, param_dtype(u),
                                     reduce_dtype(u), u->pre_scale, u->post_scale,
                                     u->layout.padded_numel, &w->error);
     break;
@@ -94,20 +94,20 @@ void dp_next_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, int do
                      (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members == 1);
   if (done_work == WORK_GATHER && u->plan.shard_ring.members > 1)
     dp_start_ring(dp, job, u, FSDP_RING_ALL_GATHER);
-  else if (done_ring == FSDP_RING_ALL_GATHER && u->gather_stage)
+  else if (done_ring == FSDP_RING_ALL_GATHER && u->flight->gather_stage)
     dp_queue_or_abort(dp, WORK_UNSTAGE_GATHER, job, u);
   else if (done_work == WORK_GATHER || done_ring == FSDP_RING_ALL_GATHER ||
            done_work == WORK_UNSTAGE_GATHER)
     dp_finish_collective(job, u, WAIT_UNSHARD, NULL);
   else if (done_work == WORK_STAGE_SUM && u->plan.shard_ring.members > 1)
     dp_start_ring(dp, job, u, FSDP_RING_REDUCE_SCATTER);
-  else if ((done_work == WORK_STAGE_SUM && !u->reduce_defer) ||
+  else if ((done_work == WORK_STAGE_SUM && !u->flight->reduce_defer) ||
            (done_ring == FSDP_RING_REDUCE_SCATTER && u->plan.replica_ring.members > 1 &&
-            !u->reduce_defer))
+            !u->flight->reduce_defer))
     dp_start_ring(dp, job, u, FSDP_RING_ALL_REDUCE);
-  else if (wrote_grads && u->sum_stage)
+  else if (wrote_grads && u->flight->sum_stage)
     dp_queue_or_abort(dp, WORK_UNSTAGE_SUM, job, u);
-  else if (done_work != WORK_OPTIMIZE && u->reduce_step) {
+  else if (done_work != WORK_OPTIMIZE && u->flight->reduce_step) {
     /* The sum is written: its pool buffer goes back before the step, which with clipping
      * waits for every other unit's reduce, and those may need it. */
     dp_give_back_sum(job, u);
@@ -133,17 +133,17 @@ static void work_done(uv_work_t *req, int status) {
     return;
   }
   if (w->kind == WORK_GATHER)
-    u->last_gather_us = w->run_ns / 1000;
+    u->flight->last_gather_us = w->run_ns / 1000;
   else if (w->kind == WORK_REDUCE)
-    u->last_reduce_us = w->run_ns / 1000;
+    u->flight->last_reduce_us = w->run_ns / 1000;
   if (w->kind == WORK_PREFAULT) {
     if (r < 0) {
-      fsdp_status_set(&u->error, r, "unit '%s': %s failed: %s", u->spec->unit,
+      fsdp_status_set(&u->flight->error, r, "unit '%s': %s failed: %s", u->spec->unit,
                       work_names[w->kind], fsdp_strerror(r));
-      log_error("%s", u->error.message);
-      u->state = FSDP_UNIT_FAILED;
+      log_error("%s", u->flight->error.message);
+      u->flight->state = FSDP_UNIT_FAILED;
     } else {
-      u->state = FSDP_UNIT_READY;
+      u->flight->state = FSDP_UNIT_READY;
     }
     dp_wake(u, WAIT_REGISTER);
   } else if (r < 0) {
@@ -228,7 +228,7 @@ bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job) 
     if (w->job == job)
       return true;
   for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->waiters || u->gather.running || u->reduce.running)
+    if (u->flight->waiters || u->flight->gather.running || u->flight->reduce.running)
       return true;
   for (uint32_t r = 0; r < job->local_world_size; r++)
     if (!fsdp_list_empty(&job->grad_pools[r].waiters))

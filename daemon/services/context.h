@@ -55,6 +55,14 @@ typedef struct fsdp_services_lifecycle {
   void *data;
 } fsdp_services_lifecycle_t;
 
+/* A session as the store knows it: a local rank of its job. Borrows the session. */
+static inline fsdp_store_rank_t fsdp_services_store_rank(const fsdp_session_t *s) {
+  return (fsdp_store_rank_t){.job = s->job,
+                             .local_rank = s->local_rank,
+                             .local_world_size = s->local_world_size,
+                             .owner = &s->owner};
+}
+
 typedef struct fsdp_services_context {
   uv_loop_t *loop;     /* whose clock sessions and deadlines use */
   uint64_t started_ms; /* loop time at start */

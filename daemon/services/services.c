@@ -232,7 +232,8 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
   }
   fsdp_unit_t *u;
   fsdp_status_t st;
-  int r = fsdp_store_register_unit(ctx->store, s, &spec, &u, &st);
+  fsdp_store_rank_t rank = fsdp_services_store_rank(s);
+  int r = fsdp_store_register_unit(ctx->store, &rank, &spec, &u, &st);
   fsdp_unit_spec_cleanup(&spec);
   if (r < 0) {
     fail_call(call, &st);
@@ -422,7 +423,7 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
   if (rq->max_inflight)
     fsdp_dataplane_set_max_inflight(job, rq->max_inflight);
   for (size_t i = 0; i < rq->n_units; i++)
-    fsdp_store_find_unit(job, rq->units[i]->unit)->reshard_after_forward =
+    fsdp_store_find_unit(job, rq->units[i]->unit)->flight->reshard_after_forward =
         rq->units[i]->reshard_after_forward;
   if (rq->n_forward_order || job->order_given) /* empty keeps a recorded order */
     fsdp_dataplane_set_order(job, order, (unsigned)rq->n_forward_order);
@@ -473,7 +474,7 @@ static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage 
   }
   Fsdp__V1__SetOptimizerReply reply = FSDP__V1__SET_OPTIMIZER_REPLY__INIT;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
-    if (!u->trainable || u->state != FSDP_UNIT_READY)
+    if (!u->trainable || u->flight->state != FSDP_UNIT_READY)
       continue;
     fsdp_optimizer_state_t where;
     if (fsdp_optimizer_unit_state(job, u, &where, &st) < 0) {
@@ -853,7 +854,7 @@ static size_t list_ranks(const fsdp_rank_set_t *set, uint32_t world, uint32_t *r
 
 static void fill_collectives(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job,
                              const fsdp_unit_t *u, uint64_t now_ms, unit_info_storage_t *store) {
-  const fsdp_collection_t *cs[2] = {&u->gather, &u->reduce};
+  const fsdp_collection_t *cs[2] = {&u->flight->gather, &u->flight->reduce};
   static const Fsdp__V1__CollectiveInfo__Kind kinds[2] = {
       FSDP__V1__COLLECTIVE_INFO__KIND__UNSHARD, FSDP__V1__COLLECTIVE_INFO__KIND__REDUCE_SCATTER};
   info->n_collectives = 0;
@@ -876,11 +877,11 @@ static void fill_collectives(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job,
 }
 
 static Fsdp__V1__UnitInfo__Copy copy_kind(const fsdp_unit_t *u) {
-  if (!u->gathered)
+  if (!u->flight->gathered)
     return FSDP__V1__UNIT_INFO__COPY__COPY_NONE;
   if (u->copy_in_masters)
     return FSDP__V1__UNIT_INFO__COPY__COPY_MASTERS;
-  return u->copy_pooled ? FSDP__V1__UNIT_INFO__COPY__COPY_POOL
+  return u->flight->copy_pooled ? FSDP__V1__UNIT_INFO__COPY__COPY_POOL
                         : FSDP__V1__UNIT_INFO__COPY__COPY_OWN;
 }
 
@@ -900,21 +901,21 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->params = (uint32_t)u->layout.n_params;
   info->local_world_size = job->local_world_size;
   info->registered_ranks = u->n_registered;
-  info->gathered_step = u->gathered ? u->gathered_step : 0;
-  info->reduced_step = u->reduced_step;
-  info->reshard_after_forward = u->reshard_after_forward;
-  info->forward_index = u->order_index;
-  info->deferred_reduces = u->n_deferred;
-  info->replica_all_reduces = u->replica_all_reduces;
+  info->gathered_step = u->flight->gathered ? u->flight->gathered_step : 0;
+  info->reduced_step = u->flight->reduced_step;
+  info->reshard_after_forward = u->flight->reshard_after_forward;
+  info->forward_index = u->flight->order_index;
+  info->deferred_reduces = u->flight->n_deferred;
+  info->replica_all_reduces = u->flight->replica_all_reduces;
   info->optimizer_steps = fsdp_optimizer_unit_steps(job, u);
-  info->last_gather_us = u->last_gather_us;
-  info->last_reduce_us = u->last_reduce_us;
+  info->last_gather_us = u->flight->last_gather_us;
+  info->last_reduce_us = u->flight->last_reduce_us;
   info->copy = copy_kind(u);
   info->copy_holders = store->copy_holders;
-  info->n_copy_holders = list_ranks(&u->holders, job->local_world_size, store->copy_holders);
+  info->n_copy_holders = list_ranks(&u->flight->holders, job->local_world_size, store->copy_holders);
   info->gradient_holders = store->gradient_holders;
   info->n_gradient_holders =
-      list_ranks(&u->grads_lent, job->local_world_size, store->gradient_holders);
+      list_ranks(&u->flight->grads_lent, job->local_world_size, store->gradient_holders);
   fill_collectives(info, job, u, now_ms, store);
 }
 
@@ -1183,7 +1184,8 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
     return;
   }
   fsdp_job_t *job;
-  if (fsdp_store_job_for(ctx->store, s, &job, &w->status) < 0)
+  fsdp_store_rank_t rank = fsdp_services_store_rank(s);
+  if (fsdp_store_job_for(ctx->store, &rank, &job, &w->status) < 0)
     return;
   /* Memory 0: the buffers trainers write; memory 1: the unsharded buffers, read-only. */
   const fsdp_arena_t *arenas[2] = {job->arena, job->shared_arena};

@@ -23,16 +23,8 @@
 
 #include "common/credentials.h"
 #include "common/status.h"
-#include "proto/limits.h" /* FSDP_JOB_NAME_MAX, FSDP_LOCAL_WORLD_MAX, FSDP_JOB_TOKEN_MAX */
-
-/* Whom a job belongs to: the uid of the trainer that attached it first, and the job token
- * that trainer gave (AttachRequest.job_token; none: empty). Only that uid, with that token,
- * attaches to the job. */
-typedef struct fsdp_job_owner {
-  uid_t uid;
-  size_t token_len;
-  char token[FSDP_JOB_TOKEN_MAX]; /* zeros after token_len */
-} fsdp_job_owner_t;
+#include "daemon/store/job_owner.h"
+#include "proto/limits.h" /* FSDP_JOB_NAME_MAX, FSDP_LOCAL_WORLD_MAX */
 
 typedef struct fsdp_session {
   uint64_t id;     /* random, never 0 */

@@ -2,6 +2,7 @@
 #include "daemon/store/store.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,12 +31,13 @@ fsdp_unit_t *fsdp_store_unit_by_id(const fsdp_job_t *job, uint32_t id) {
   return id < job->n_units ? job->units_by_id[id] : NULL;
 }
 
-static void unit_free(fsdp_unit_t *u) {
+static void unit_free(const fsdp_store_t *store, fsdp_unit_t *u) {
   if (!u)
     return;
+  if (u->flight && store->hooks.unit_freed)
+    store->hooks.unit_freed(store->hooks.data, u);
   fsdp_unit_layout_cleanup(&u->layout);
   fsdp_unit_spec_free(u->spec);
-  free(u->full_grad_offsets);
   free(u);
 }
 
@@ -44,30 +46,24 @@ static void mark_registered(fsdp_unit_t *u, uint32_t rank) {
     u->n_registered++;
 }
 
-static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_session_t *session,
+static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_store_rank_t *rank,
                     const fsdp_unit_spec_t *rq, fsdp_unit_t **ret_unit, fsdp_status_t *st) {
   fsdp_unit_t *u = calloc(1, sizeof *u);
-  if (u)
-    u->full_grad_offsets = calloc(job->local_world_size, sizeof *u->full_grad_offsets);
-  if (!u || !u->full_grad_offsets || fsdp_unit_spec_copy(rq, &u->spec) < 0) {
-    unit_free(u);
+  if (!u || fsdp_unit_spec_copy(rq, &u->spec) < 0) {
+    unit_free(store, u);
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
                            rq->unit);
   }
   u->job = job;
-  fsdp_list_init(&u->copy_waiter.link);
-  fsdp_list_init(&u->sum_waiter.link);
-  /* FSDP's default: FULL_SHARD and HYBRID_SHARD free the copy after the forward; the others
-   * hold theirs until the backward. */
-  u->reshard_after_forward =
-      rq->strategy == FSDP_UNIT_FULL_SHARD || rq->strategy == FSDP_UNIT_HYBRID_SHARD;
   fsdp_unit_plan(&store->topology, rq->strategy, job->local_world_size, &u->plan);
   int r = fsdp_unit_gradient_scales(u->spec, u->plan.data_parallel_size, &u->pre_scale,
                                     &u->post_scale, st);
   if (r == 0)
     r = fsdp_unit_layout_init(&u->layout, u->spec, u->plan.shards, u->plan.pad_multiple, st);
+  if (r == 0 && store->hooks.unit_made)
+    r = store->hooks.unit_made(store->hooks.data, u, st);
   if (r < 0) {
-    unit_free(u);
+    unit_free(store, u);
     return r;
   }
   if (job->n_units == job->units_by_id_capacity) {
@@ -77,7 +73,7 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
     for (size_t k = 0; k < 3; k++) {
       fsdp_unit_t **grown = realloc(*lists[k], capacity * sizeof *grown);
       if (!grown) {
-        unit_free(u);
+        unit_free(store, u);
         return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
                                "out of memory registering unit '%s'", rq->unit);
       }
@@ -85,13 +81,12 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_sessi
     }
     job->units_by_id_capacity = capacity;
   }
-  u->order_index = -1;
   for (size_t i = 0; i < rq->n_params; i++)
     u->trainable |= rq->params[i].requires_grad;
   u->id = job->n_units;
   job->units_by_id[u->id] = u;
-  u->first_rank = session->local_rank;
-  mark_registered(u, session->local_rank);
+  u->first_rank = rank->local_rank;
+  mark_registered(u, rank->local_rank);
   *job->units_tail = u;
   job->units_tail = &u->next;
   job->n_units++;
@@ -134,10 +129,10 @@ static int make_pools(fsdp_job_t *job, unsigned max_inflight, fsdp_status_t *st)
   return 0;
 }
 
-static void job_free(fsdp_job_t *job) {
+static void job_free(const fsdp_store_t *store, fsdp_job_t *job) {
   for (fsdp_unit_t *u = job->units, *next; u; u = next) {
     next = u->next;
-    unit_free(u);
+    unit_free(store, u);
   }
   if (job->grad_pools) {
     fsdp_pool_cleanup(&job->copies);
@@ -248,40 +243,40 @@ static int make_room(fsdp_store_t *store, const char *name, fsdp_status_t *st) {
   }
 }
 
-int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
+int fsdp_store_job_for(fsdp_store_t *store, const fsdp_store_rank_t *rank, fsdp_job_t **ret_job,
                        fsdp_status_t *st) {
-  if (store->local_world_size && session->local_world_size != store->local_world_size)
+  if (store->local_world_size && rank->local_world_size != store->local_world_size)
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "job '%s': local_world_size %u, but every host of this cluster runs "
                            "cluster.local_world_size = %u trainers",
-                           session->job, session->local_world_size, store->local_world_size);
-  fsdp_job_t *job = fsdp_store_find_job(store, session->job);
+                           rank->job, rank->local_world_size, store->local_world_size);
+  fsdp_job_t *job = fsdp_store_find_job(store, rank->job);
   if (job) {
-    if (job->local_world_size != session->local_world_size)
+    if (job->local_world_size != rank->local_world_size)
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "job '%s' holds units for local_world_size %u, but this session has "
                              "%u",
-                             job->name, job->local_world_size, session->local_world_size);
-    job->gone_before_serial[session->local_rank] = 0; /* it is back */
+                             job->name, job->local_world_size, rank->local_world_size);
+    job->gone_before_serial[rank->local_rank] = 0; /* it is back */
     *ret_job = job;
     return 0;
   }
-  int r = make_room(store, session->job, st);
+  int r = make_room(store, rank->job, st);
   if (r < 0)
     return r;
   job = calloc(1, sizeof *job);
   if (!job)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s'",
-                           session->job);
-  memcpy(job->name, session->job, sizeof job->name);
-  job->local_world_size = session->local_world_size;
-  job->owner = session->owner;
+                           rank->job);
+  snprintf(job->name, sizeof job->name, "%s", rank->job);
+  job->local_world_size = rank->local_world_size;
+  job->owner = *rank->owner;
   job->units_tail = &job->units;
   job->backend = store->backend;
   fsdp_staging_init(&job->staging, store->backend);
   if ((r = make_arenas(job, store->backend, store->arena_capacity, st)) < 0 ||
       (r = make_pools(job, store->max_inflight, st)) < 0) {
-    job_free(job);
+    job_free(store, job);
     return r;
   }
   store->reserved += job_reserved(job);
@@ -292,25 +287,25 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_
   return 0;
 }
 
-int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
+int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_store_rank_t *rank,
                              const fsdp_unit_spec_t *rq, fsdp_unit_t **ret_unit,
                              fsdp_status_t *st) {
   int r = fsdp_unit_spec_check(rq, st);
   if (r < 0)
     return r;
   fsdp_job_t *job = NULL;
-  if ((r = fsdp_store_job_for(store, session, &job, st)) < 0)
+  if ((r = fsdp_store_job_for(store, rank, &job, st)) < 0)
     return r;
   fsdp_unit_t *u = fsdp_store_find_unit(job, rq->unit);
   if (!u)
-    return new_unit(store, job, session, rq, ret_unit, st);
+    return new_unit(store, job, rank, rq, ret_unit, st);
 
   fsdp_spec_difference_t d;
   if (fsdp_unit_spec_diff(rq, u->spec, &d))
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "unit '%s' %s %s on rank %u, expected %s as on rank %u", rq->unit,
-                           d.field, d.a, session->local_rank, d.b, u->first_rank);
-  mark_registered(u, session->local_rank);
+                           d.field, d.a, rank->local_rank, d.b, u->first_rank);
+  mark_registered(u, rank->local_rank);
   *ret_unit = u;
   return 0;
 }
@@ -335,7 +330,7 @@ void fsdp_store_remove_job(fsdp_store_t *store, fsdp_job_t *job) {
       *p = job->next;
       store->n_jobs--;
       store->reserved -= job_reserved(job);
-      job_free(job);
+      job_free(store, job);
       return;
     }
   }
@@ -347,7 +342,7 @@ void fsdp_store_cleanup(fsdp_store_t *store) {
   while (store->jobs) {
     fsdp_job_t *job = store->jobs;
     store->jobs = job->next;
-    job_free(job);
+    job_free(store, job);
   }
   store->n_jobs = 0;
   store->reserved = 0;

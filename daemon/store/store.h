@@ -30,110 +30,30 @@
 #include "collectives/rank_set.h"
 #include "common/status.h"
 #include "daemon/backend/backend.h"
-#include "daemon/session/sessions.h"
 #include "daemon/store/arena.h"
+#include "daemon/store/job_owner.h"
 #include "daemon/store/pool.h"
 #include "daemon/store/staging.h"
 #include "daemon/store/topology.h"
 #include "daemon/store/unit_layout.h"
 
-/* An operation waiting on a unit (daemon/dataplane/dataplane.h). */
-typedef struct fsdp_dataplane_op fsdp_dataplane_op_t;
-
-/* Where a unit's buffers are (daemon/dataplane/dataplane.h moves it along). */
-typedef enum fsdp_unit_state {
-  FSDP_UNIT_NEW,        /* registered, no buffers yet */
-  FSDP_UNIT_ALLOCATING, /* buffers taken from the arena, being pre-faulted */
-  FSDP_UNIT_READY,      /* buffers ready for unshards and reductions */
-  FSDP_UNIT_FAILED,     /* buffers could not be made ready; see `error` */
-} fsdp_unit_state_t;
-
 typedef struct fsdp_unit {
   struct fsdp_job *job;   /* the owner */
   uint32_t id;            /* its place among the job's units, in registration order */
-  int order_index;        /* its place in the job's forward order, -1 outside it */
   bool trainable;         /* some parameter requires its gradient */
   fsdp_unit_spec_t *spec; /* private copy; owned */
   fsdp_unit_plan_t plan; /* shards across hosts, and the rings of its collectives */
   fsdp_unit_layout_t layout;
   float pre_scale, post_scale; /* the reduction's, from the gradient divide factors */
-  fsdp_unit_state_t state;
-  fsdp_status_t error;        /* why FAILED */
   uint64_t buffers_offset;    /* the arena block holding the persistent buffers */
   uint64_t master_offset;     /* these in the job's arena; master and grad: this host's */
   uint64_t grad_offset;
-  /* The unsharded copy, lent to the ranks in `holders` (daemon/dataplane/dataplane.h).
-   * copy_in_masters: the param dtype is fp32 and this host holds every shard, so the masters
-   * themselves are the copy: nothing is gathered or held. Otherwise, while has_copy, the
-   * copy is at copy_offset of the shared arena: from the job's pool (copy_pooled) when it
-   * was gathered for a unit that reshards after forward, else a block of its own; it holds
-   * `gathered_step` once `gathered` (`gathered_again`: the step's second gather, for the
-   * backward), and goes back when the last holder lets go. */
+  /* The param dtype is fp32 and this host holds every shard, so the masters themselves are
+   * the unsharded copy: nothing is gathered or held. */
   bool copy_in_masters;
-  bool reshard_after_forward; /* the schedule's (SetSchedule), or the strategy's default */
-  bool copy_pooled;
-  bool has_copy;
-  uint64_t copy_offset;
-  fsdp_pool_waiter_t copy_waiter; /* a gather waiting for a pool buffer; data: the data plane */
-  fsdp_rank_set_t holders;
-  bool gathered;
-  bool gathered_again;
-  uint64_t gathered_step;
-  /* Each local rank's full-gradient buffer (arena offsets), lent by the backward's Unshard
-   * until the unit's ReduceScatter ends; local_world_size of them. From the ranks' pools
-   * (grads_pooled) for a unit resharded after forward, else blocks of their own. */
-  uint64_t *full_grad_offsets;
-  fsdp_rank_set_t grads_lent;
-  bool grads_pooled;
-  /* The local ranks' rendezvous (collectives/local.h): the gather of a step, and its
-   * reduce-scatter. */
-  fsdp_collection_t gather;
-  bool gather_ahead; /* the gather was the schedule's prefetch, not the ranks' asking */
-  bool gather_after_resume; /* the gather waits for the job's checkpoint to be loaded */
-  fsdp_collection_t reduce;
-  bool reduce_accumulate;
-  /* HYBRID_SHARD's gradient accumulation (FSDP2's set_requires_all_reduce(False)): a reduce
-   * that defers its all-reduce among replicas (reduce_defer) adds this host's region of the
-   * shard group's sum, in reduce_dtype, to a block of the arena at deferred_offset (held
-   * while has_deferred), instead of writing the gradient shards; the next reduce that does
-   * not defer adds the block to its sum before the all-reduce and writes the shards, adding
-   * to them only if it and every deferred reduce asked to accumulate (deferred_accumulate).
-   * A reduce that fails while using the block drops it. The block belongs to the run (generation) whose reduces made it: another run's first
-   * reduce drops it. */
-  bool reduce_defer;
-  bool reduce_step; /* the running reduce steps the masters after (step_optimizer) */
-  uint64_t stepped_step; /* the newest step whose reduce stepped the masters; 0: none */
-  /* With clipping by the global norm: the running reduce wrote its gradient shards and
-   * waits for every other trainable unit's of the step; norm_sq is its shards' part. */
-  bool awaiting_norm;
-  double norm_sq;
-  uint64_t norm_deadline_ms; /* by which the others must have come */
-  bool has_deferred;
-  unsigned n_deferred;
-  uint64_t deferred_offset;
-  uint64_t deferred_generation;
-  bool deferred_accumulate;
-  uint64_t replica_all_reduces; /* all-reduces among replicas run, for fsdpctl unit */
-  /* What the data plane's own work of the last gather (this host's cast) and the last
-   * one-host reduce took, in microseconds, kernels and their completion: for fsdpctl unit. */
-  uint64_t last_gather_us, last_reduce_us;
-  /* Across hosts, while the reduce's rings run (has_sum): the host's sum of its ranks'
-   * gradients, lent by the job's pool of sums, at sum_offset of the arena. */
-  bool has_sum;
-  uint64_t sum_offset;
-  fsdp_pool_waiter_t sum_waiter; /* a reduce waiting for a pool buffer; data: the data plane */
-  /* A backend that stages the rings (fsdp_backend_t.stages_rings): the host buffers of the
-   * job's staging its collectives across hosts hold while they run: the gather's copy of
-   * the unsharded buffer, the reduce's of the host sum (in reduce_dtype), and, while
-   * has_deferred, the deferred sum itself, which then lives there and not in the arena. */
-  fsdp_staging_buffer_t *gather_stage, *sum_stage, *deferred_stage;
-  uint64_t reduced_step; /* of the last reduce-scatter that completed */
-  /* Its ranks have all asked its reduce, which waits for the job's reduces to be let go
-   * (fsdp_dataplane_hold_reduces), in the job's held_reduces through held_next. */
-  bool reduce_held;
-  struct fsdp_unit *held_next;
-  /* Operations waiting until a collection or the buffers' preparation ends. */
-  fsdp_dataplane_op_t *waiters;
+  /* What the data plane does with it (daemon/dataplane/dataplane.h): made and freed with
+   * the unit through the hooks' unit_made and unit_freed; the data plane's. */
+  struct fsdp_unit_flight *flight;
   uint32_t first_rank;       /* the rank whose registration fixed the spec */
   fsdp_rank_set_t registered;
   unsigned n_registered;
@@ -233,6 +153,11 @@ typedef struct fsdp_store_hooks {
   bool (*job_idle)(void *data, const fsdp_job_t *job);
   /* Frees such a job (logging `why`), ending with fsdp_store_remove_job(). */
   void (*free_job)(void *data, fsdp_job_t *job, const char *why);
+  /* A unit is made, before anything sees it (its registration fails with st when this
+   * does), and is about to be freed: the rooms above keep what they do with it beside it
+   * (fsdp_unit_t.flight). */
+  int (*unit_made)(void *data, fsdp_unit_t *unit, fsdp_status_t *st);
+  void (*unit_freed)(void *data, fsdp_unit_t *unit);
   void *data;
 } fsdp_store_hooks_t;
 
@@ -260,9 +185,17 @@ void fsdp_store_init(fsdp_store_t *store);
 /* Frees every job (NULL-safe). */
 void fsdp_store_cleanup(fsdp_store_t *store);
 
-/* Registers spec's unit for the session's rank, creating the job on first use. Returns the
- * unit (borrowed) whose layout the reply carries. */
-int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_session_t *session,
+/* Who asks for its job: one of its local ranks (a trainer's session, daemon/session/). */
+typedef struct fsdp_store_rank {
+  const char *job;
+  uint32_t local_rank;
+  uint32_t local_world_size;
+  const fsdp_job_owner_t *owner; /* the job's, if the rank's request creates it */
+} fsdp_store_rank_t;
+
+/* Registers spec's unit for the rank, creating the job on first use. Returns the unit
+ * (borrowed) whose layout the reply carries. */
+int fsdp_store_register_unit(fsdp_store_t *store, const fsdp_store_rank_t *rank,
                              const fsdp_unit_spec_t *spec, fsdp_unit_t **ret_unit,
                              fsdp_status_t *st);
 
@@ -275,13 +208,13 @@ fsdp_unit_t *fsdp_store_find_unit(const fsdp_job_t *job, const char *name);
 fsdp_unit_t *fsdp_store_unit_by_id(const fsdp_job_t *job, uint32_t id);
 bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
 
-/* The session's job, created on first use with its two arenas of store->arena_capacity
+/* The rank's job, created on first use with its two arenas of store->arena_capacity
  * bytes (no pre-fault: buffers are pre-faulted as they are allocated), freeing retained jobs
  * to make room when needed. FAILED_PRECONDITION if it exists with another local world size,
  * or if its local world size is not cluster.local_world_size; RESOURCE_EXHAUSTED naming the
  * job, its arenas, what jobs in use reserve and the limit when the jobs in use leave no
  * room. The session's rank no longer counts as gone. */
-int fsdp_store_job_for(fsdp_store_t *store, const fsdp_session_t *session, fsdp_job_t **ret_job,
+int fsdp_store_job_for(fsdp_store_t *store, const fsdp_store_rank_t *rank, fsdp_job_t **ret_job,
                        fsdp_status_t *st);
 
 /* Bytes of buffers allocated over every job's arenas. */

@@ -34,10 +34,12 @@ LAYERS = {
     'fsdpctl': ['common', 'proto', 'kernels', 'client', 'checkpoint'],
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
     'daemon/rpc': ['common', 'proto', 'config'],
-    'daemon/session': ['common', 'proto'],
+    'daemon/session': ['common', 'proto', 'daemon/store/job_owner.h'],
     'daemon/backend': ['common', 'kernels', 'cuda'],
-    'daemon/store': ['common', 'proto/limits.h', 'config', 'collectives', 'daemon/session',
-                     'daemon/backend'],
+    'daemon/store': ['common', 'proto/limits.h', 'config', 'collectives', 'daemon/backend',
+                     'daemon/store/job_owner.h'],
+    # Whom a job belongs to, which the sessions check at every Attach.
+    'daemon/store/job_owner.h': ['proto/limits.h'],
     'daemon/cluster': ['common', 'proto', 'proto/host', 'config', 'transport', 'daemon/rpc'],
     'daemon/dataplane': ['common', 'proto/host', 'kernels', 'transport', 'collectives',
                          'daemon/backend', 'daemon/store', 'daemon/cluster'],

@@ -39,7 +39,8 @@ typedef struct fixture {
   uv_loop_t loop;
   fsdp_store_t store;
   fsdp_dataplane_t dp;
-  fsdp_session_t sessions[MAX_RANKS];
+  fsdp_job_owner_t owner;
+  fsdp_store_rank_t store_ranks[MAX_RANKS];
   fsdp_dataplane_rank_t ranks[MAX_RANKS];
   unsigned world;
   fsdp_job_t *job;
@@ -48,6 +49,17 @@ typedef struct fixture {
 
 static fsdp_unit_t *add_unit(fixture_t *f, const char *name, fsdp_unit_strategy_t strategy,
                              fsdp_unit_dtype_t param_dtype);
+
+/* The store's units get their flights from the data plane, as in the daemon. */
+static int unit_made(void *data, fsdp_unit_t *unit, fsdp_status_t *st) {
+  (void)data;
+  return fsdp_dataplane_unit_made(unit, st);
+}
+
+static void unit_freed(void *data, fsdp_unit_t *unit) {
+  (void)data;
+  fsdp_dataplane_unit_freed(unit);
+}
 
 static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_dtype) {
   memset(f, 0, sizeof *f);
@@ -59,19 +71,15 @@ static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_d
   f->store.memory_limit = 64 << 20;
   f->store.topology = (fsdp_topology_t){.hosts = 1, .host_rank = 0, .shard_group_hosts = 1};
   f->store.max_inflight = 2;
+  f->store.hooks = (fsdp_store_hooks_t){.unit_made = unit_made, .unit_freed = unit_freed};
   fsdp_status_t st;
   assert_int_equal(fsdp_dataplane_init(&f->dp, &f->loop, 2, &st), 0);
 
+  f->owner.uid = getuid();
   for (unsigned r = 0; r < world; r++) {
-    fsdp_session_t *s = &f->sessions[r];
-    snprintf(s->job, sizeof s->job, "j");
-    s->id = 10 + r;
-    s->serial = r;
-    s->local_rank = r;
-    s->local_world_size = world;
-    s->owner.uid = getuid();
-    f->ranks[r] = (fsdp_dataplane_rank_t){.local_rank = r, .session_id = s->id,
-                                          .serial = s->serial};
+    f->store_ranks[r] = (fsdp_store_rank_t){.job = "j", .local_rank = r,
+                                            .local_world_size = world, .owner = &f->owner};
+    f->ranks[r] = (fsdp_dataplane_rank_t){.local_rank = r, .session_id = 10 + r, .serial = r};
   }
   f->unit = add_unit(f, "u", FSDP_UNIT_FULL_SHARD, param_dtype);
 }
@@ -90,7 +98,8 @@ static fsdp_unit_t *add_unit(fixture_t *f, const char *name, fsdp_unit_strategy_
   fsdp_unit_t *unit = NULL;
   fsdp_status_t st;
   for (unsigned r = 0; r < f->world; r++) {
-    assert_int_equal(fsdp_store_register_unit(&f->store, &f->sessions[r], &spec, &unit, &st), 0);
+    assert_int_equal(fsdp_store_register_unit(&f->store, &f->store_ranks[r], &spec, &unit, &st),
+                     0);
     f->job = fsdp_store_find_job(&f->store, "j");
     fsdp_dataplane_register(&f->dp, f->job, unit, &f->ranks[r], &ops[r], on_done,
                             &registered[r]);
@@ -102,7 +111,7 @@ static fsdp_unit_t *add_unit(fixture_t *f, const char *name, fsdp_unit_strategy_
     assert_int_equal(registered[r].calls, 1);
     assert_int_equal(registered[r].code, 0);
   }
-  assert_int_equal(unit->state, FSDP_UNIT_READY);
+  assert_int_equal(unit->flight->state, FSDP_UNIT_READY);
   float *master = (float *)(void *)((char *)fsdp_arena_base(f->job->arena) + unit->master_offset);
   for (unsigned i = 0; i < NUMEL; i++)
     master[i] = (float)((i + name[0]) % 256) - 128;
@@ -218,7 +227,7 @@ static void test_unshard_waits_for_every_rank(void **state) {
   unshard(&f, 0, 1, UINT64_MAX, &ops[0], &results[0]);
   uv_run(&f.loop, UV_RUN_DEFAULT); /* nothing to run: rank 1 has not asked */
   assert_int_equal(results[0].calls + results[2].calls, 0);
-  assert_int_equal(f.unit->gather.count, 2);
+  assert_int_equal(f.unit->flight->gather.count, 2);
   unshard(&f, 1, 1, UINT64_MAX, &ops[1], &results[1]);
   assert_int_equal(results[1].calls, 0); /* the gather is on the thread pool */
   uv_run(&f.loop, UV_RUN_DEFAULT);
@@ -227,10 +236,10 @@ static void test_unshard_waits_for_every_rank(void **state) {
 
   const uint16_t *unsharded =
       (const uint16_t *)(const void *)((char *)fsdp_arena_base(f.job->shared_arena) +
-                                       f.unit->copy_offset);
+                                       f.unit->flight->copy_offset);
   for (unsigned r = 0; r < 3; r++) {
     assert_false(ops[r].lent.unsharded_in_masters);
-    assert_int_equal(ops[r].lent.unsharded_offset, f.unit->copy_offset);
+    assert_int_equal(ops[r].lent.unsharded_offset, f.unit->flight->copy_offset);
     assert_int_equal(ops[r].lent.full_grad_bytes, 0); /* a forward's Unshard */
   }
   for (unsigned i = 0; i < NUMEL; i++) {
@@ -246,7 +255,7 @@ static void test_unshard_waits_for_every_rank(void **state) {
   result_t again = {0};
   unshard(&f, 1, 1, UINT64_MAX, &ops[1], &again);
   expect(&again, 0, "");
-  assert_int_equal(f.unit->gather.count, 0);
+  assert_int_equal(f.unit->flight->gather.count, 0);
   fixture_cleanup(&f);
 }
 
@@ -329,7 +338,7 @@ static void test_steps_in_order(void **state) {
                          "asked for step 6";
   expect(&results[0], FSDP_E_FAILED_PRECONDITION, mismatch);
   expect(&results[1], FSDP_E_FAILED_PRECONDITION, mismatch);
-  assert_int_equal(f.unit->gather.count, 0);
+  assert_int_equal(f.unit->flight->gather.count, 0);
 
   /* A repeated submission of a gradient. */
   lend_gradients(&f, 9, ops);
@@ -355,7 +364,7 @@ static void test_steps_in_order(void **state) {
                            "the other ranks submitted with accumulate true";
   expect(&results[0], FSDP_E_FAILED_PRECONDITION, accumulate);
   expect(&results[1], FSDP_E_FAILED_PRECONDITION, accumulate);
-  assert_int_equal(f.unit->reduce.count, 0);
+  assert_int_equal(f.unit->flight->reduce.count, 0);
 
   /* Ranks of two runs of the job never meet in a collective. */
   memset(results, 0, sizeof results);
@@ -406,7 +415,7 @@ static void test_deadline_names_the_missing_rank(void **state) {
                      "(store.collective_timeout)";
   expect(&results[0], FSDP_E_ABORTED, late);
   expect(&results[1], FSDP_E_ABORTED, late);
-  assert_int_equal(f.unit->gather.count, 0);
+  assert_int_equal(f.unit->flight->gather.count, 0);
   fixture_cleanup(&f);
 }
 
@@ -433,14 +442,11 @@ static void test_lost_session(void **state) {
          "attached again; the unshard cannot complete without them");
 
   /* Rank 1 attaches again (serial 3): the collective waits for it like for any rank. */
-  fsdp_session_t back = f.sessions[1];
-  back.id = 21;
-  back.serial = 3;
   fsdp_job_t *job;
   fsdp_status_t st;
-  assert_int_equal(fsdp_store_job_for(&f.store, &back, &job, &st), 0);
-  f.ranks[1].session_id = back.id;
-  f.ranks[1].serial = back.serial;
+  assert_int_equal(fsdp_store_job_for(&f.store, &f.store_ranks[1], &job, &st), 0);
+  f.ranks[1].session_id = 21;
+  f.ranks[1].serial = 3;
   memset(results, 0, sizeof results);
   for (unsigned r = 0; r < 3; r++)
     unshard(&f, r, 2, UINT64_MAX, &ops[r], &results[r]);
@@ -452,7 +458,7 @@ static void test_lost_session(void **state) {
   memset(results, 0, sizeof results);
   for (unsigned r = 0; r < 3; r++)
     unshard(&f, r, 3, UINT64_MAX, &ops[r], &results[r]);
-  assert_true(f.unit->gather.running);
+  assert_true(f.unit->flight->gather.running);
   fsdp_dataplane_release_session(f.job, 0, f.ranks[0].session_id, "no call for 5000 ms", 4);
   expect(&results[0], FSDP_E_ABORTED,
          "session 000000000000000a (job 'j' local rank 0) ended while the call waited: no call "
@@ -473,7 +479,7 @@ static void test_cancel_withdraws_the_rank(void **state) {
   result_t results[2] = {0};
   unshard(&f, 0, 1, UINT64_MAX, &ops[0], &results[0]);
   fsdp_dataplane_cancel(&ops[0]);
-  assert_int_equal(f.unit->gather.count, 0);
+  assert_int_equal(f.unit->flight->gather.count, 0);
   unshard(&f, 1, 1, UINT64_MAX, &ops[1], &results[1]);
   uv_run(&f.loop, UV_RUN_DEFAULT);
   assert_int_equal(results[0].calls + results[1].calls, 0);
@@ -491,7 +497,7 @@ static void test_no_buffers_yet(void **state) {
   (void)state;
   fixture_t f;
   fixture_init(&f, 1, FSDP_UNIT_DTYPE_UNSPECIFIED);
-  f.unit->state = FSDP_UNIT_ALLOCATING;
+  f.unit->flight->state = FSDP_UNIT_ALLOCATING;
   const char *message = "unit 'u' has no buffers yet: its RegisterUnit has not succeeded";
   fsdp_status_t st;
   assert_int_equal(fsdp_dataplane_reshard(f.job, f.unit, &f.ranks[0], &st),
@@ -501,7 +507,7 @@ static void test_no_buffers_yet(void **state) {
   result_t result = {0};
   reduce(&f, 0, 1, false, &op, &result);
   expect(&result, FSDP_E_FAILED_PRECONDITION, message);
-  f.unit->state = FSDP_UNIT_READY;
+  f.unit->flight->state = FSDP_UNIT_READY;
   assert_int_equal(fsdp_dataplane_reshard(f.job, f.unit, &f.ranks[0], &st), 0);
   fixture_cleanup(&f);
 }
@@ -573,7 +579,7 @@ static void test_pool_caps_the_copies(void **state) {
     unshard_unit(&f, w, r, 1, false, UINT64_MAX, &w_ops[r], &waiting[r]);
   uv_run(&f.loop, UV_RUN_DEFAULT);
   assert_int_equal(waiting[0].calls + waiting[1].calls, 0);
-  assert_true(w->gather.running);
+  assert_true(w->flight->gather.running);
   reshard_unit(&f, f.unit, 0);
   uv_run(&f.loop, UV_RUN_DEFAULT);
   assert_int_equal(waiting[0].calls + waiting[1].calls, 0); /* rank 1 still reads u */
@@ -625,7 +631,7 @@ static void test_pool_wait_expires(void **state) {
                      "0, 1), 'v' (ranks 1)";
   for (unsigned r = 0; r < 2; r++)
     expect(&waiting[r], FSDP_E_ABORTED, full);
-  assert_false(w->gather.running);
+  assert_false(w->flight->gather.running);
   for (unsigned r = 0; r < 2; r++)
     fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
   assert_int_equal(f.job->copies.n_lent, 0);
@@ -694,7 +700,7 @@ static void test_backward_gathers_again(void **state) {
   uv_run(&f.loop, UV_RUN_DEFAULT);
   for (unsigned r = 0; r < 2; r++)
     expect(&results[r], 0, "");
-  assert_true(f.unit->gathered_again);
+  assert_true(f.unit->flight->gathered_again);
   check_copy(&f, f.unit, ops[0].lent.unsharded_offset);
   unshard_unit(&f, f.unit, 0, 1, false, UINT64_MAX, &stale_op, &stale);
   assert_int_equal(stale.calls, 2);
@@ -720,20 +726,20 @@ static void test_prefetch_follows_the_order(void **state) {
   f.job->forward_prefetch = f.job->backward_prefetch = 1;
   fsdp_dataplane_op_t ops[2];
   on_every_rank(&f, f.unit, 1, false, ops);
-  assert_true(v->gathered && v->gathered_step == 1 && !v->gathered_again);
-  check_copy(&f, v, v->copy_offset);
+  assert_true(v->flight->gathered && v->flight->gathered_step == 1 && !v->flight->gathered_again);
+  check_copy(&f, v, v->flight->copy_offset);
   assert_int_equal(f.job->copies.n_lent, 2);
   /* Asking v now is answered at once, and asks for w, which waits for a buffer. */
   result_t got = {0};
   unshard_unit(&f, v, 0, 1, false, UINT64_MAX, &ops[0], &got);
   expect(&got, 0, "");
   uv_run(&f.loop, UV_RUN_DEFAULT);
-  assert_true(w->gather.running && !w->gathered);
+  assert_true(w->flight->gather.running && !w->flight->gathered);
   for (unsigned r = 0; r < 2; r++)
     reshard_unit(&f, f.unit, r);
   uv_run(&f.loop, UV_RUN_DEFAULT);
-  assert_true(w->gathered && w->gathered_step == 1);
-  check_copy(&f, w, w->copy_offset);
+  assert_true(w->flight->gathered && w->flight->gathered_step == 1);
+  check_copy(&f, w, w->flight->copy_offset);
   /* Backward: w's own Unshard gathers it again; v, which nobody holds any more, follows. */
   for (unsigned r = 0; r < 2; r++) {
     reshard_unit(&f, v, r);
@@ -741,16 +747,16 @@ static void test_prefetch_follows_the_order(void **state) {
   }
   on_every_rank(&f, w, 1, true, ops);
   uv_run(&f.loop, UV_RUN_DEFAULT);
-  assert_true(v->gathered && v->gathered_step == 1 && v->gathered_again);
+  assert_true(v->flight->gathered && v->flight->gathered_step == 1 && v->flight->gathered_again);
   on_every_rank(&f, v, 1, true, ops); /* found there, with a gradient buffer each */
   for (unsigned r = 0; r < 2; r++) {
-    assert_int_equal(ops[r].lent.unsharded_offset, v->copy_offset);
+    assert_int_equal(ops[r].lent.unsharded_offset, v->flight->copy_offset);
     assert_true(ops[r].lent.full_grad_bytes > 0);
     fsdp_dataplane_release_session(f.job, r, f.ranks[r].session_id, "detached", 10 + r);
   }
   /* The gather of u ahead of its backward (it waited for a buffer) ends for nobody. */
   uv_run(&f.loop, UV_RUN_DEFAULT);
-  assert_false(f.unit->gathered);
+  assert_false(f.unit->flight->gathered);
   assert_int_equal(f.job->copies.n_lent, 0);
   fixture_cleanup(&f);
 }
@@ -851,12 +857,12 @@ static void test_held_reduces_start_when_let_go(void **state) {
     reduce(&f, r, 2, false, &ops[r], &results[r]);
   uv_run(&f.loop, UV_RUN_DEFAULT);
   assert_int_equal(results[0].calls + results[1].calls, 0);
-  assert_int_equal(f.unit->reduced_step, 1);
+  assert_int_equal(f.unit->flight->reduced_step, 1);
   fsdp_dataplane_release_reduces(&f.dp, f.job);
   uv_run(&f.loop, UV_RUN_DEFAULT);
   expect(&results[0], 0, "");
   expect(&results[1], 0, "");
-  assert_int_equal(f.unit->reduced_step, 2);
+  assert_int_equal(f.unit->flight->reduced_step, 2);
   assert_int_equal(quiet, 1);
   assert_true(fsdp_dataplane_hold_reduces(&f.dp, f.job, 2, count_quiet, &quiet));
   fsdp_dataplane_release_reduces(&f.dp, f.job);
@@ -887,7 +893,7 @@ static void test_a_hold_lets_the_step_under_way_end(void **state) {
     expect(&u_results[r], 0, "");
     expect(&v_results[r], 0, "");
   }
-  assert_int_equal(v->reduced_step, 1);
+  assert_int_equal(v->flight->reduced_step, 1);
   assert_int_equal(quiet, 1);
   fsdp_dataplane_release_reduces(&f.dp, f.job);
   fixture_cleanup(&f);
