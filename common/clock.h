@@ -3,7 +3,7 @@
  * itself. CLOCK_MONOTONIC is one clock for every process on the host, so two processes may
  * compare its readings. Stateless and thread-safe.
  *
- * The daemon's loop keeps a time of its own (fsdp_daemon_now_ms, libuv's cached uv_now):
+ * The daemon's loop keeps a time of its own (libuv's uv_now, cached once per loop turn):
  * what the loop decides by stays there; these read the clock now. */
 #ifndef FSDP_CLOCK_H
 #define FSDP_CLOCK_H
