@@ -207,9 +207,7 @@ class Unit:
             # reuses what they read (a copy given back): they must have run. Its replies
             # come after its own work has, so nothing is needed after the call.
             _torch.cuda.synchronize(self.device)
-        rc = fn(c._trainer, self._handle, *args)
-        if rc < 0:
-            raise c._error(rc, f"{what} of unit '{self.name}'")
+        rc = c._call(f"{what} of unit '{self.name}'", fn, c._trainer, self._handle, *args)
         self._follow_view()
         return rc
 
@@ -368,10 +366,8 @@ class Client:
         if timeout is not None:
             opts.timeout_ms = max(1, int(timeout * 1000))
         client = ctypes.c_void_p()
-        rc = lib.fsdp_client_connect(_target(socket).encode(), ctypes.byref(opts),
-                                     ctypes.byref(client))
-        if rc < 0:
-            raise Error(rc, "", f"connect to {socket}")
+        self._call(f"connect to {socket}", lib.fsdp_client_connect, _target(socket).encode(),
+                   ctypes.byref(opts), ctypes.byref(client))
         self._client = client
         self.generation = int(generation)
         # torchrun's view of the world, which the daemon checks against its own.
@@ -381,21 +377,27 @@ class Client:
                                     self.generation, job_token.encode(), world_size,
                                     node_rank)
         trainer = ctypes.c_void_p()
-        rc = lib.fsdp_trainer_attach(client, ctypes.byref(topts), ctypes.byref(trainer))
-        if rc < 0:
-            err = self._error(rc, f"attach job '{job}' rank {self.rank}")
+        try:
+            self._call(f"attach job '{job}' rank {self.rank}", lib.fsdp_trainer_attach, client,
+                       ctypes.byref(topts), ctypes.byref(trainer))
+        except Error:
             lib.fsdp_client_close(client)
             self._client = None
-            raise err
+            raise
         self._trainer = trainer
         self.session_id = int(lib.fsdp_trainer_session_id(trainer))
         # Where the job's buffers are: -1 host memory, else this CUDA device's (the daemon's
         # backend is cuda), and the units' views are CUDA tensors.
         self.device = int(lib.fsdp_trainer_memory_device(trainer))
 
-    def _error(self, rc, what):
-        msg = _lib.lib().fsdp_client_last_error(self._client) if self._client else b""
-        return Error(rc, (msg or b"").decode(errors="replace"), what)
+    def _call(self, what, fn, *args):
+        """fn(*args): every libfsdp call that returns a status goes through here. A negative
+        one raises Error for what, with the client's message (none before it connected)."""
+        rc = fn(*args)
+        if rc < 0:
+            msg = _lib.lib().fsdp_client_last_error(self._client) if self._client else b""
+            raise Error(rc, (msg or b"").decode(errors="replace"), what)
+        return rc
 
     def _check_open(self):
         if self._pid != os.getpid():
@@ -413,9 +415,7 @@ class Client:
     def keepalive(self):
         """Renews the session's lease (for trainers idle longer than session.lease)."""
         self._check_open()
-        rc = _lib.lib().fsdp_trainer_keepalive(self._trainer)
-        if rc < 0:
-            raise self._error(rc, "keepalive")
+        self._call("keepalive", _lib.lib().fsdp_trainer_keepalive, self._trainer)
 
     def register_unit(self, name, params, strategy="FULL_SHARD", param_dtype=None,
                       reduce_dtype=None, gradient_predivide_factor=0.0,
@@ -447,10 +447,8 @@ class Client:
                              param_type, reduce_type, float(gradient_predivide_factor),
                              float(gradient_postdivide_factor), bool(scratch))
         handle = ctypes.c_void_p()
-        rc = _lib.lib().fsdp_trainer_register_unit(self._trainer, ctypes.byref(desc),
-                                                   ctypes.byref(handle))
-        if rc < 0:
-            raise self._error(rc, f"register unit '{name}'")
+        self._call(f"register unit '{name}'", _lib.lib().fsdp_trainer_register_unit,
+                   self._trainer, ctypes.byref(desc), ctypes.byref(handle))
         unit = self._units.get(handle.value)
         if unit is None:
             resolved = param_type if param_type != _lib.SCALAR_DEFAULT else _lib.SCALAR_FP32
@@ -479,9 +477,8 @@ class Client:
         handles = (ctypes.c_void_p * max(1, len(order)))(*[u._handle.value for u in order])
         schedule = _lib.Schedule(int(max_inflight), entries, len(units), handles, len(order),
                                  int(forward_prefetch), int(backward_prefetch))
-        rc = _lib.lib().fsdp_trainer_set_schedule(self._trainer, ctypes.byref(schedule))
-        if rc < 0:
-            raise self._error(rc, "set schedule")
+        self._call("set schedule", _lib.lib().fsdp_trainer_set_schedule, self._trainer,
+                   ctypes.byref(schedule))
 
     def save_checkpoint(self, directory, step=0):
         """Has the daemon write the job's state on this host (every unit's masters, its
@@ -491,10 +488,8 @@ class Client:
         self._check_open()
         done = ctypes.c_uint64()
         path = os.path.abspath(os.fspath(directory))
-        rc = _lib.lib().fsdp_trainer_save_checkpoint(self._trainer, path.encode(), int(step),
-                                                     ctypes.byref(done))
-        if rc < 0:
-            raise self._error(rc, f"save checkpoint {path}")
+        self._call(f"save checkpoint {path}", _lib.lib().fsdp_trainer_save_checkpoint,
+                   self._trainer, path.encode(), int(step), ctypes.byref(done))
         return int(done.value)
 
     def load_checkpoint(self, directory):
@@ -504,10 +499,8 @@ class Client:
         self._check_open()
         step = ctypes.c_uint64()
         path = os.path.abspath(os.fspath(directory))
-        rc = _lib.lib().fsdp_trainer_load_checkpoint(self._trainer, path.encode(),
-                                                     ctypes.byref(step))
-        if rc < 0:
-            raise self._error(rc, f"load checkpoint {path}")
+        self._call(f"load checkpoint {path}", _lib.lib().fsdp_trainer_load_checkpoint,
+                   self._trainer, path.encode(), ctypes.byref(step))
         return int(step.value)
 
     def set_optimizer(self, kind, groups, max_grad_norm=0.0):
@@ -541,9 +534,8 @@ class Client:
                                          float(g.get("dampening", 0.0)),
                                          bool(g.get("nesterov", False)))
         optim = _lib.Optim(_lib.OPTIMIZERS[kind], entries, len(groups), float(max_grad_norm))
-        rc = _lib.lib().fsdp_trainer_set_optimizer(self._trainer, ctypes.byref(optim))
-        if rc < 0:
-            raise self._error(rc, "set optimizer")
+        self._call("set optimizer", _lib.lib().fsdp_trainer_set_optimizer, self._trainer,
+                   ctypes.byref(optim))
 
     def close(self):
         """Detaches (the daemon keeps the job's units and memory) and closes the connection.
@@ -553,15 +545,14 @@ class Client:
         if getattr(self, "_pid", os.getpid()) != os.getpid():
             return  # a forked copy: the session and the connection are the parent's
         lib = _lib.lib()
-        rc = 0
         err = None
         if self._trainer is not None:
-            rc = lib.fsdp_trainer_detach(self._trainer)
-            self._trainer = None
-            if rc < 0:
-                err = self._error(rc, "detach")
-                if err.status == "UNAVAILABLE":
-                    err = None
+            trainer, self._trainer = self._trainer, None  # closed here even if refused
+            try:
+                self._call("detach", lib.fsdp_trainer_detach, trainer)
+            except Error as e:
+                if e.status != "UNAVAILABLE":
+                    err = e
         self._units.clear()
         if self._client is not None:
             lib.fsdp_client_close(self._client)
