@@ -1,6 +1,8 @@
 """ctypes bindings of libfsdp.so: the C API of include/fsdp/, nothing more.
 
-The structures mirror fsdp_trainer.h field for field; a change there must be made here too.
+The structures mirror fsdp_client.h's and fsdp_trainer.h's field for field, and _SIGNATURES
+declares every function the package calls; a change there must be made here too, and
+tests/unit/test_python_mirrors.py holds both to the headers as the compiler sees them.
 The library is found once, on first use: $FSDPD_LIB if set (a path to libfsdp.so), else the
 one `pip install ./python` built into this package (fsdpd/libfsdp.so), else the build tree
 next to this package (<repo>/build/lib/libfsdp.so, <repo>/build/libfsdp.so), else the
