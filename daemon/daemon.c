@@ -189,17 +189,6 @@ static bool job_idle(void *data, const fsdp_job_t *job) {
          !fsdp_checkpoints_uses_job(&daemon->checkpoints, job);
 }
 
-/* What the data plane does with a unit lives and dies with it. */
-static int unit_made(void *data, fsdp_unit_t *unit, fsdp_status_t *st) {
-  (void)data;
-  return fsdp_dataplane_unit_made(unit, st);
-}
-
-static void unit_freed(void *data, fsdp_unit_t *unit) {
-  (void)data;
-  fsdp_dataplane_unit_freed(unit);
-}
-
 /* Frees an idle job: its units and its arenas go back to the host. */
 static void free_job(void *data, fsdp_job_t *job, const char *why) {
   fsdp_daemon_t *daemon = data;
@@ -761,11 +750,9 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   fsdp_health_init(&daemon->health);
   fsdp_sessions_init(&daemon->sessions);
   fsdp_store_init(&daemon->store);
-  daemon->store.hooks = (fsdp_store_hooks_t){.job_idle = job_idle,
-                                             .free_job = free_job,
-                                             .unit_made = unit_made,
-                                             .unit_freed = unit_freed,
+  daemon->store.hooks = (fsdp_store_hooks_t){.job_idle = job_idle, .free_job = free_job,
                                              .data = daemon};
+  fsdp_dataplane_hook_units(&daemon->store.hooks);
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   if ((r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
                                cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)

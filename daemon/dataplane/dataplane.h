@@ -261,11 +261,10 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
 int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
                             const fsdp_cuda_device_t *device, fsdp_status_t *st);
 
-/* A unit the store made gets its flight, which the data plane frees as the store frees the
- * unit (the store's hooks unit_made and unit_freed call these). RESOURCE_EXHAUSTED naming
- * the unit when there is no memory for it. */
-int fsdp_dataplane_unit_made(fsdp_unit_t *unit, fsdp_status_t *st);
-void fsdp_dataplane_unit_freed(fsdp_unit_t *unit);
+/* Sets the store's unit_made and unit_freed hooks: each unit the store makes gets its
+ * flight (its registration fails RESOURCE_EXHAUSTED, naming it, when there is no memory for
+ * it), freed as the store frees the unit. */
+void fsdp_dataplane_hook_units(fsdp_store_hooks_t *hooks);
 
 /* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);

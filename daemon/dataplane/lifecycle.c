@@ -5,7 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-int fsdp_dataplane_unit_made(fsdp_unit_t *unit, fsdp_status_t *st) {
+static int unit_made(void *data, fsdp_unit_t *unit, fsdp_status_t *st) {
+  (void)data;
   fsdp_unit_flight_t *f = calloc(1, sizeof *f);
   if (f)
     f->full_grad_offsets = calloc(unit->job->local_world_size, sizeof *f->full_grad_offsets);
@@ -27,10 +28,16 @@ int fsdp_dataplane_unit_made(fsdp_unit_t *unit, fsdp_status_t *st) {
   return 0;
 }
 
-void fsdp_dataplane_unit_freed(fsdp_unit_t *unit) {
+static void unit_freed(void *data, fsdp_unit_t *unit) {
+  (void)data;
   free(unit->flight->full_grad_offsets);
   free(unit->flight);
   unit->flight = NULL;
+}
+
+void fsdp_dataplane_hook_units(fsdp_store_hooks_t *hooks) {
+  hooks->unit_made = unit_made;
+  hooks->unit_freed = unit_freed;
 }
 
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,

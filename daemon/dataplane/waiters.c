@@ -356,6 +356,14 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
   }
 }
 
+/* An operation of a session that ended, taken from where it waited, ends ABORTED. */
+static void fail_for_ended_session(fsdp_dataplane_op_t *op, const fsdp_job_t *job,
+                                   const char *why) {
+  dp_op_fail(op, FSDP_E_ABORTED,
+             "session %016llx (job '%s' local rank %u) ended while the call waited: %s",
+             (unsigned long long)op->who.session_id, job->name, op->who.local_rank, why);
+}
+
 void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t session_id,
                                     const char *why, uint64_t next_serial) {
   job->gone_before_serial[rank] = next_serial;
@@ -369,9 +377,7 @@ void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t ses
     if (op->who.session_id != session_id)
       continue;
     fsdp_pool_cancel(pw);
-    dp_op_fail(op, FSDP_E_ABORTED,
-               "session %016llx (job '%s' local rank %u) ended while the call waited: %s",
-               (unsigned long long)session_id, job->name, rank, why);
+    fail_for_ended_session(op, job, why);
   }
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     for (fsdp_dataplane_op_t *w = u->flight->waiters, *next; w; w = next) {
@@ -379,9 +385,7 @@ void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t ses
       if (w->who.session_id != session_id)
         continue;
       dp_op_unlink(w);
-      dp_op_fail(w, FSDP_E_ABORTED,
-                 "session %016llx (job '%s' local rank %u) ended while the call waited: %s",
-                 (unsigned long long)session_id, job->name, rank, why);
+      fail_for_ended_session(w, job, why);
     }
     /* The others would wait for a rank that is gone: tell them now, naming it. */
     for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {

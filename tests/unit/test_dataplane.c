@@ -50,17 +50,6 @@ typedef struct fixture {
 static fsdp_unit_t *add_unit(fixture_t *f, const char *name, fsdp_unit_strategy_t strategy,
                              fsdp_unit_dtype_t param_dtype);
 
-/* The store's units get their flights from the data plane, as in the daemon. */
-static int unit_made(void *data, fsdp_unit_t *unit, fsdp_status_t *st) {
-  (void)data;
-  return fsdp_dataplane_unit_made(unit, st);
-}
-
-static void unit_freed(void *data, fsdp_unit_t *unit) {
-  (void)data;
-  fsdp_dataplane_unit_freed(unit);
-}
-
 static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_dtype) {
   memset(f, 0, sizeof *f);
   f->world = world;
@@ -71,7 +60,7 @@ static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_d
   f->store.memory_limit = 64 << 20;
   f->store.topology = (fsdp_topology_t){.hosts = 1, .host_rank = 0, .shard_group_hosts = 1};
   f->store.max_inflight = 2;
-  f->store.hooks = (fsdp_store_hooks_t){.unit_made = unit_made, .unit_freed = unit_freed};
+  fsdp_dataplane_hook_units(&f->store.hooks);
   fsdp_status_t st;
   assert_int_equal(fsdp_dataplane_init(&f->dp, &f->loop, 2, &st), 0);
 
