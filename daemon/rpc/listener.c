@@ -126,9 +126,9 @@ static int bind_socket(const fsdp_listener_t *listener, const char *name, int ty
 int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
   memset(listener, 0, sizeof *listener);
   /* Every socket's list is valid from here, so that fsdp_listener_close may walk them. */
-  fsdp_list_init(&listener->local.conns);
+  fsdp_list_init(&listener->local.acceptor.conns);
   for (int i = 0; i < FSDP_LISTENER_PORTS; i++)
-    fsdp_list_init(&listener->tcp[i].conns);
+    fsdp_list_init(&listener->tcp[i].acceptor.conns);
   listener->lock_fd = listener->socket_fd = listener->channel_fd = -1;
   int r = prepare_run_dir(listener, run_dir, st);
   if (r < 0)
@@ -144,106 +144,6 @@ int fsdp_listener_open(fsdp_listener_t *listener, const char *run_dir, fsdp_stat
   if (r < 0)
     fsdp_listener_close(listener);
   return r;
-}
-
-/* Out of descriptors: accepting again at once would spin on the pending connection. */
-#define ACCEPT_RETRY_MS 100
-
-static void on_readable(uv_poll_t *poll, int status, int events);
-
-static void on_accept_retry(uv_timer_t *timer) {
-  fsdp_listener_socket_t *ls = timer->data;
-  uv_poll_start(&ls->poll, UV_READABLE, on_readable);
-}
-
-static void conn_remove(fsdp_listener_conn_t *conn) {
-  fsdp_list_remove(&conn->link);
-  free(conn);
-}
-
-/* Drops the connections that gRPC has closed from the list and returns how many of those
- * of `uid` (all of them on TCP) are left; the oldest idle of those goes to ret_idle. fd is
- * the new connection's descriptor: an entry with that number was closed before it. Only
- * uid's entries are checked with fstat(2) (closed, or now another file), so a new
- * connection costs one uid's limit; the others go when their number is reused or their uid
- * connects. */
-static unsigned count_conns(fsdp_listener_socket_t *ls, int fd, uid_t uid,
-                            fsdp_listener_conn_t **ret_idle) {
-  unsigned n = 0;
-  bool idle_proven = false;
-  *ret_idle = NULL;
-  fsdp_listener_conn_t *c, *next;
-  fsdp_list_for_each_safe(c, next, &ls->conns, link) {
-    bool other = c->closing || (!ls->tcp && c->uid != uid);
-    struct stat sb;
-    if (!c->relay &&
-        (c->fd == fd || (!other && (fstat(c->fd, &sb) < 0 || sb.st_ino != c->ino)))) {
-      conn_remove(c);
-      continue;
-    }
-    if (other)
-      continue;
-    n++;
-    /* Idle: no call the endpoint serves. A stream whose request never came whole is no
-     * such call: gRPC would hold it for ever, and a connection of those must not keep a
-     * newcomer out. A connection that proved it holds the token (a peer's channel, idle
-     * between heartbeats) never makes room for a newcomer, who has proved nothing; one that
-     * never carried a call goes before one that did (a prober's, idle between probes). */
-    int served = c->relay ? fsdp_relay_served_fd(c->relay) : c->fd;
-    bool idle = fsdp_rpc_endpoint_connection_calls(ls->endpoint, served) == 0 &&
-                !fsdp_rpc_endpoint_connection_authenticated(ls->endpoint, served);
-    bool proven = fsdp_rpc_endpoint_connection_proven(ls->endpoint, served);
-    if (idle && (!*ret_idle || proven < idle_proven ||
-                 (proven == idle_proven && c->since_ms < (*ret_idle)->since_ms))) {
-      *ret_idle = c;
-      idle_proven = proven;
-    }
-  }
-  return n;
-}
-
-/* A relayed connection ended, whoever ended it. */
-static void on_relay_closed(fsdp_relay_t *relay, void *data) {
-  (void)relay;
-  conn_remove(data);
-}
-
-/* Makes room for a connection of uid under its limit and records it; NULL if it must be
- * refused. */
-static fsdp_listener_conn_t *admit(fsdp_listener_socket_t *ls, int fd, uid_t uid) {
-  fsdp_listener_t *listener = ls->listener;
-  unsigned limit = ls->tcp ? ls->max_conns : listener->max_per_uid;
-  fsdp_listener_conn_t *idle;
-  unsigned n = count_conns(ls, fd, uid, &idle);
-  if (n >= limit) {
-    if (!idle)
-      return NULL;
-    char who[128];
-    if (idle->relay)
-      snprintf(who, sizeof who, "from %s", fsdp_relay_client_name(idle->relay));
-    else
-      snprintf(who, sizeof who, "fd %d", idle->fd);
-    log_info("%s: closed an idle connection (%s) to make room: %s holds %u of %u", ls->name, who,
-             ls->tcp ? "the port" : "its uid", n, limit);
-    if (idle->relay) {
-      idle->closing = true;
-      fsdp_relay_close(idle->relay);
-    } else {
-      /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
-      shutdown(idle->fd, SHUT_RDWR);
-      conn_remove(idle);
-    }
-  }
-  struct stat sb;
-  fsdp_listener_conn_t *c = calloc(1, sizeof *c);
-  if (!c || fstat(fd, &sb) < 0) {
-    free(c);
-    return NULL;
-  }
-  *c = (fsdp_listener_conn_t){.fd = fd, .ino = sb.st_ino, .uid = uid,
-                              .since_ms = uv_now(listener->loop)};
-  fsdp_list_push_front(&ls->conns, &c->link);
-  return c;
 }
 
 /* Records the credentials of an accepted unix connection by descriptor. */
@@ -262,79 +162,79 @@ static bool record_caller(fsdp_listener_t *listener, int fd, const fsdp_credenti
   return true;
 }
 
-static void on_readable(uv_poll_t *poll, int status, int events) {
-  (void)events;
-  fsdp_listener_socket_t *ls = poll->data;
-  fsdp_listener_t *listener = ls->listener;
-  if (status < 0) {
-    log_error("socket %s: %s", ls->name, uv_strerror(status));
-    return;
+/* A connection of the unix socket: to gRPC, its credentials kept for the calls. */
+static int adopt_local(void *data, fsdp_accepted_t *conn) {
+  fsdp_listener_socket_t *ls = data;
+  if (!record_caller(ls->listener, conn->fd, &conn->cred, false)) {
+    log_warning("out of memory recording a connection; closing it");
+    close(conn->fd);
+    return -ENOMEM;
   }
-  for (;;) {
-    int fd = accept4(ls->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE) {
-        if (!ls->starved)
-          log_warning("cannot accept on %s: %s; retrying every %d ms", ls->name,
-                      strerror(errno), ACCEPT_RETRY_MS);
-        ls->starved = true;
-        uv_poll_stop(&ls->poll);
-        uv_timer_start(&ls->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
-      }
-      return; /* EAGAIN: drained */
-    }
-    if (ls->starved) {
-      log_info("accepting on %s again", ls->name);
-      ls->starved = false;
-    }
-    fsdp_credentials_t cred = {0};
-    if (!ls->tcp && (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
-                     !fsdp_credentials_allowed(fd, &cred))) {
-      log_warning("refused a connection from pid %ld uid %u gid %u: not the daemon's user or group",
-                  (long)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid);
-      listener->refused++;
-      /* A gRPC client shows only "broken pipe" for a closed connection: let it in where
-       * every call hears PERMISSION_DENIED and why, under the same per-uid limit. */
-      fsdp_listener_conn_t *conn = ls->refused ? admit(ls, fd, cred.uid) : NULL;
-      if (!conn || !record_caller(listener, fd, &cred, true)) {
-        if (conn)
-          conn_remove(conn);
-        close(fd);
-        continue;
-      }
-      fsdp_rpc_endpoint_adopt(ls->refused, fd, NULL);
-      continue;
-    }
-    fsdp_listener_conn_t *conn = admit(ls, fd, cred.uid);
-    if (!conn) {
-      if (ls->tcp)
-        log_warning("%s: refused a connection: the port holds %u (%s), none idle", ls->name,
-                    ls->max_conns, ls->limit_name);
-      else
-        log_warning("%s: refused a connection of uid %u (pid %ld): it holds %u "
-                    "(rpc.max_connections_per_uid), none idle",
-                    ls->name, (unsigned)cred.uid, (long)cred.pid, listener->max_per_uid);
-      listener->refused++;
-      close(fd);
-      continue;
-    }
-    listener->accepted++;
-    if (ls->tcp) {
-      int r = fsdp_relay_start(listener->loop, fd, ls->endpoint, &ls->relay, on_relay_closed,
-                               conn, &conn->relay);
-      if (r < 0) {
-        log_warning("%s: cannot relay a connection: %s", ls->name, strerror(-r));
-        conn_remove(conn);
-      }
-      continue;
-    }
-    if (!record_caller(listener, fd, &cred, false)) {
-      log_warning("out of memory recording a connection; closing it");
-      conn_remove(conn);
-      close(fd);
-      continue;
-    }
-    fsdp_rpc_endpoint_adopt(ls->endpoint, fd, NULL);
+  fsdp_rpc_endpoint_adopt(ls->endpoint, conn->fd, NULL);
+  return 0;
+}
+
+/* A gRPC client shows only "broken pipe" for a closed connection: let it in where every
+ * call hears PERMISSION_DENIED and why. */
+static int adopt_refused(void *data, fsdp_accepted_t *conn) {
+  fsdp_listener_socket_t *ls = data;
+  if (!record_caller(ls->listener, conn->fd, &conn->cred, true)) {
+    close(conn->fd);
+    return -ENOMEM;
+  }
+  fsdp_rpc_endpoint_adopt(ls->refused, conn->fd, NULL);
+  return 0;
+}
+
+/* A relayed connection ended, whoever ended it. */
+static void on_relay_closed(fsdp_relay_t *relay, void *data) {
+  (void)relay;
+  fsdp_acceptor_release(data);
+}
+
+/* A connection of a TCP port: to gRPC through a relay, which says when it ends. */
+static int adopt_tcp(void *data, fsdp_accepted_t *conn) {
+  fsdp_listener_socket_t *ls = data;
+  fsdp_relay_t *relay;
+  int r = fsdp_relay_start(ls->listener->loop, conn->fd, ls->endpoint, &ls->relay,
+                           on_relay_closed, conn, &relay);
+  if (r < 0) {
+    log_warning("%s: cannot relay a connection: %s", ls->acceptor.name, strerror(-r));
+    return r;
+  }
+  conn->owner = relay;
+  return 0;
+}
+
+/* Idle: no call the endpoint serves. A stream whose request never came whole is no such
+ * call: gRPC would hold it for ever, and a connection of those must not keep a newcomer
+ * out. A connection that proved it holds the token (a peer's channel, idle between
+ * heartbeats) never makes room for a newcomer, who has proved nothing; one that never
+ * carried a call goes before one that did (a prober's, idle between probes). */
+static int idleness(void *data, const fsdp_accepted_t *conn) {
+  fsdp_listener_socket_t *ls = data;
+  int served = conn->owner ? fsdp_relay_served_fd(conn->owner) : conn->fd;
+  if (fsdp_rpc_endpoint_connection_calls(ls->endpoint, served) != 0 ||
+      fsdp_rpc_endpoint_connection_authenticated(ls->endpoint, served))
+    return FSDP_ACCEPTED_BUSY;
+  return fsdp_rpc_endpoint_connection_proven(ls->endpoint, served) ? 1 : 0;
+}
+
+static void evict(void *data, fsdp_accepted_t *idle, unsigned held, unsigned limit) {
+  fsdp_listener_socket_t *ls = data;
+  char who[128];
+  if (idle->owner)
+    snprintf(who, sizeof who, "from %s", fsdp_relay_client_name(idle->owner));
+  else
+    snprintf(who, sizeof who, "fd %d", idle->fd);
+  log_info("%s: closed an idle connection (%s) to make room: %s holds %u of %u",
+           ls->acceptor.name, who, ls->tcp ? "the port" : "its uid", held, limit);
+  if (idle->owner) {
+    fsdp_relay_close(idle->owner);
+  } else {
+    /* gRPC sees the end of the stream and closes its side; the descriptor is its own. */
+    shutdown(idle->fd, SHUT_RDWR);
+    fsdp_acceptor_release(idle);
   }
 }
 
@@ -375,30 +275,20 @@ int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t por
   socklen_t len = sizeof bound;
   getsockname(fd, (struct sockaddr *)&bound, &len);
   fsdp_listener_socket_t *ls = &listener->tcp[port];
-  *ls = (fsdp_listener_socket_t){.listener = listener, .tcp = true, .fd = fd,
-                                 .endpoint = options->endpoint,
-                                 .max_conns = options->max_connections,
-                                 .limit_name = options->limit_name};
-  fsdp_list_init(&ls->conns);
+  *ls = (fsdp_listener_socket_t){.listener = listener, .tcp = true,
+                                 .endpoint = options->endpoint};
   snprintf(ls->address, sizeof ls->address, "%.*s:%u", (int)(colon - address), address,
            ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                             : ((struct sockaddr_in *)&bound)->sin_port));
   snprintf(ls->port, sizeof ls->port, "%s port", options->what);
-  ls->name = ls->address;
   ls->relay = (fsdp_relay_limits_t){.port = ls->port, .max_streams = options->max_streams,
                                     .max_resets = options->max_resets,
                                     .max_resets_untrusted = options->max_resets_untrusted};
+  fsdp_acceptor_ops_t ops = {.adopt = adopt_tcp, .idleness = idleness, .evict = evict,
+                             .data = ls};
+  fsdp_acceptor_init(&ls->acceptor, fd, false, ls->address, options->max_connections,
+                     options->limit_name, &ops);
   return 0;
-}
-
-static int start_socket(fsdp_listener_t *listener, fsdp_listener_socket_t *ls) {
-  int r = uv_poll_init(listener->loop, &ls->poll, ls->fd);
-  if (r < 0)
-    return r;
-  uv_timer_init(listener->loop, &ls->retry);
-  ls->poll.data = ls->retry.data = ls;
-  ls->polling = true;
-  return uv_poll_start(&ls->poll, UV_READABLE, on_readable);
 }
 
 void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
@@ -418,33 +308,29 @@ void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
 int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,
                         fsdp_rpc_endpoint_t *refused) {
   listener->loop = loop;
-  listener->local = (fsdp_listener_socket_t){.listener = listener, .fd = listener->socket_fd,
-                                             .name = listener->socket_path, .endpoint = local,
-                                             .refused = refused};
-  fsdp_list_init(&listener->local.conns);
-  int r = start_socket(listener, &listener->local);
+  fsdp_listener_socket_t *ls = &listener->local;
+  *ls = (fsdp_listener_socket_t){.listener = listener, .endpoint = local, .refused = refused};
+  /* Its limit comes with the config (rpc.max_connections_per_uid), before the loop runs. */
+  fsdp_acceptor_ops_t ops = {.adopt = adopt_local, .adopt_refused = refused ? adopt_refused : NULL,
+                             .idleness = idleness, .evict = evict, .data = ls};
+  fsdp_acceptor_init(&ls->acceptor, listener->socket_fd, true, listener->socket_path, 0,
+                     "rpc.max_connections_per_uid", &ops);
+  int r = fsdp_acceptor_start(&ls->acceptor, loop);
   for (int i = 0; r == 0 && i < FSDP_LISTENER_PORTS; i++)
     if (listener->tcp[i].tcp)
-      r = start_socket(listener, &listener->tcp[i]);
+      r = fsdp_acceptor_start(&listener->tcp[i].acceptor, loop);
   return r;
 }
 
 static void stop_socket(fsdp_listener_socket_t *ls) {
-  if (ls->polling) {
-    uv_poll_stop(&ls->poll);
-    uv_close((uv_handle_t *)&ls->poll, NULL);
-    uv_close((uv_handle_t *)&ls->retry, NULL);
-    ls->polling = false;
-  }
-  fsdp_listener_conn_t *c, *next;
-  fsdp_list_for_each_safe(c, next, &ls->conns, link) {
-    if (c->relay) {
+  fsdp_accepted_t *c;
+  fsdp_list_for_each(c, &ls->acceptor.conns, link)
+    if (c->owner) {
       /* The relay outlives the list: it must not reach for its entry when it closes. */
-      fsdp_relay_forget(c->relay);
-      fsdp_relay_close(c->relay);
+      fsdp_relay_forget(c->owner);
+      fsdp_relay_close(c->owner);
     }
-    conn_remove(c);
-  }
+  fsdp_acceptor_stop(&ls->acceptor);
 }
 
 int fsdp_listener_credentials(const fsdp_listener_t *listener, int fd,
@@ -461,9 +347,9 @@ void fsdp_listener_close(fsdp_listener_t *listener) {
   for (int i = 0; i < FSDP_LISTENER_PORTS; i++) {
     fsdp_listener_socket_t *ls = &listener->tcp[i];
     stop_socket(ls);
-    if (ls->tcp && ls->fd >= 0)
-      close(ls->fd);
-    ls->fd = -1;
+    if (ls->tcp && ls->acceptor.fd >= 0)
+      close(ls->acceptor.fd);
+    ls->acceptor.fd = -1;
   }
   free(listener->callers);
   listener->callers = NULL;

@@ -11,11 +11,9 @@
  * their calls name the client by its TCP address. A peer port with mutual TLS stays gRPC's
  * own: its handshake wants a client certificate before any HTTP/2 frame.
  *
- * Connection limits: each uid may hold max_per_uid connections on the unix socket, and each
- * TCP port its max_conns in all. At the limit the oldest idle connection of that uid (of the
- * port) is shut down to make room, so one user's idle connections cost only that user; when
- * none is idle the new connection is refused. Whether a connection is still open is read
- * from its descriptor (same socket inode), since gRPC closes it without telling us.
+ * Connection limits (daemon/accept/acceptor.h, which accepts on every socket): each uid may
+ * hold rpc.max_connections_per_uid connections on the unix socket, and each TCP port its
+ * limit in all; an idle connection is one with no call the endpoint serves.
  *
  * Safety rules for the run directory: it must be a real directory (not a symlink) owned by
  * the daemon's user, mode 0750; the lock file (flock) proves which daemon owns it, and only
@@ -32,8 +30,8 @@
 #include <uv.h>
 
 #include "common/credentials.h"
-#include "common/list.h"
 #include "common/status.h"
+#include "daemon/accept/acceptor.h"
 #include "daemon/rpc/relay.h"
 #include "daemon/rpc/rpc_server.h"
 #include "proto/limits.h" /* the run directory's names */
@@ -47,35 +45,16 @@ typedef struct fsdp_listener_caller {
 
 typedef struct fsdp_listener fsdp_listener_t;
 
-/* One accepted connection, while the listener counts it against a limit. */
-typedef struct fsdp_listener_conn {
-  int fd;
-  ino_t ino; /* the socket's inode: the same number with another inode is another file */
-  uid_t uid;           /* unix socket only */
-  fsdp_relay_t *relay; /* TCP only: the connection's relay, which says when it ends */
-  bool closing;
-  uint64_t since_ms;
-  fsdp_list_t link; /* in its socket's conns */
-} fsdp_listener_conn_t;
-
 /* A listening socket and what its connections go to. */
 typedef struct fsdp_listener_socket {
   fsdp_listener_t *listener;
-  uv_poll_t poll;
-  uv_timer_t retry; /* restarts accepting after running out of descriptors */
-  bool polling;
-  bool starved; /* out of descriptors: said once, until an accept works again */
+  fsdp_acceptor_t acceptor; /* its accept loop and connection limit */
   bool tcp;
-  int fd;
-  const char *name; /* for messages: the path or the address */
   fsdp_rpc_endpoint_t *endpoint;
   fsdp_rpc_endpoint_t *refused; /* unix socket: where refused uids hear why */
-  fsdp_list_t conns; /* fsdp_listener_conn_t, newest first */
   /* TCP only. */
   char address[320];       /* as configured, with the bound port */
   char port[16];           /* "health port" */
-  unsigned max_conns;      /* connections at once; the loop thread may change it */
-  const char *limit_name;  /* how refusals name max_conns */
   fsdp_relay_limits_t relay;
 } fsdp_listener_socket_t;
 
@@ -106,8 +85,6 @@ struct fsdp_listener {
   char socket_path[108]; /* sun_path's size */
   int channel_fd;         /* the memory channel's listening socket (daemon/session/channel.h) */
   char channel_path[108];
-  unsigned max_per_uid; /* the unix socket's limit; loop thread may change it */
-  unsigned long accepted, refused;
   /* Credentials by file descriptor of the accepted connection. A closed connection's entry
    * stays until its number is reused by the next accept: no call can come from it, because
    * gRPC keeps a connection's descriptor open while any of its calls is held. */

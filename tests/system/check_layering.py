@@ -33,8 +33,10 @@ LAYERS = {
     'client': ['common', 'proto'],
     'fsdpctl': ['common', 'proto', 'kernels', 'client', 'checkpoint'],
     # The daemon's rooms, bottom to top; its top folder (the process's lifecycle) uses them all.
-    'daemon/rpc': ['common', 'proto', 'config'],
-    'daemon/session': ['common', 'proto', 'daemon/store/job_owner.h'],
+    # The accept loop and connection limit of every socket the daemon listens on itself.
+    'daemon/accept': ['common'],
+    'daemon/rpc': ['common', 'proto', 'config', 'daemon/accept'],
+    'daemon/session': ['common', 'proto', 'daemon/accept', 'daemon/store/job_owner.h'],
     'daemon/backend': ['common', 'kernels', 'cuda'],
     'daemon/store': ['common', 'proto/limits.h', 'config', 'collectives', 'daemon/backend',
                      'daemon/store/job_owner.h'],
