@@ -65,8 +65,9 @@
     "again.")                                                                                    \
   X(MAX_CONNECTIONS_PER_UID, "rpc.max_connections_per_uid", FSDP_OPT_INT, "512", 1, 65536, NULL, \
     NULL, true, NULL,                                                                            \
-    "Connections one user may hold on the unix socket; at the limit the user's oldest idle "    \
-    "connection is closed for a new one, or the new one is refused.")                           \
+    "Connections one user may hold on each unix socket, the gRPC one and the memory "           \
+    "channel's; at the limit the user's oldest idle connection is closed for a new one, or the " \
+    "new one is refused.")                                                                       \
   X(HEALTH_LISTEN, "health.listen", FSDP_OPT_ADDRESS, "127.0.0.1:7071", 0, 0, NULL, NULL,       \
     false, "--health-listen",                                                                    \
     "TCP address of the gRPC health service for schedulers; empty disables it.")                \

@@ -65,7 +65,7 @@ static void apply_config(fsdp_daemon_t *daemon) {
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));
-  daemon->listener.local.acceptor.limit =
+  daemon->listener.local.acceptor.limit = daemon->channel.acceptor.limit =
       (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_CONNECTIONS_PER_UID);
   daemon->listener.tcp[FSDP_LISTENER_HEALTH].acceptor.limit =
       (unsigned)fsdp_config_number(cfg, FSDP_OPTION_HEALTH_MAX_CONNECTIONS);

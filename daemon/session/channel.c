@@ -20,9 +20,8 @@ struct fsdp_channel_conn {
   fsdp_channel_t *channel;
   uv_poll_t poll;
   int fd;
-  fsdp_credentials_t cred;
+  fsdp_accepted_t *accepted; /* its credentials and its place under the limit, until closing */
   conn_state_t state;
-  uint64_t accepted_ms;
   void *owner;
   fsdp_list_t link; /* in the channel's conns until it closes */
 };
@@ -41,6 +40,8 @@ void fsdp_channel_conn_close(fsdp_channel_conn_t *conn) {
     channel->pending--;
   conn->state = CONN_CLOSING;
   conn->owner = NULL;
+  fsdp_acceptor_release(conn->accepted);
+  conn->accepted = NULL;
   fsdp_list_remove(&conn->link);
   uv_poll_stop(&conn->poll);
   uv_close((uv_handle_t *)&conn->poll, on_conn_closed);
@@ -50,8 +51,9 @@ void fsdp_channel_conn_set_owner(fsdp_channel_conn_t *conn, void *owner) {
   conn->owner = owner;
 }
 
-/* Sends the answer to a hello; false if the connection is to be closed. */
-static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
+/* Sends a welcome (the answer to a hello, or why the connection is closed) on fd, whose
+ * process is pid; false if the connection is to be closed. */
+static bool send_welcome(int fd, pid_t pid, fsdp_channel_welcome_t *w) {
   Fsdp__V1__ChannelWelcome reply = FSDP__V1__CHANNEL_WELCOME__INIT;
   bool ok = w->status.code >= 0;
   if (ok) {
@@ -65,13 +67,17 @@ static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
   uint8_t frame[FSDP_CHANNEL_FRAME_BYTES];
   int r = fsdp_wire_frame_encode(&reply.base, frame);
   if (r == 0)
-    r = fsdp_fd_send(conn->fd, w->fds, ok ? w->n_fds : 0, frame, sizeof frame, 1000);
+    r = fsdp_fd_send(fd, w->fds, ok ? w->n_fds : 0, frame, sizeof frame, 1000);
   if (r < 0) {
-    log_warning("memory channel of pid %d: cannot send the welcome: %s", (int)conn->cred.pid,
+    log_warning("memory channel of pid %d: cannot send the welcome: %s", (int)pid,
                 fsdp_strerror(r));
     return false;
   }
   return ok;
+}
+
+static bool answer(fsdp_channel_conn_t *conn, fsdp_channel_welcome_t *w) {
+  return send_welcome(conn->fd, conn->accepted->cred.pid, w);
 }
 
 /* Tells a connection that has not said hello why it is closed (the trainer's client reads
@@ -110,7 +116,8 @@ static void read_hello(fsdp_channel_conn_t *conn) {
                       "speaks protocol %u",
                       hello->protocol_version, FSDP_PROTOCOL_VERSION);
     else
-      channel->callbacks.welcome(channel->callbacks.data, conn, hello, &conn->cred, &w);
+      channel->callbacks.welcome(channel->callbacks.data, conn, hello, &conn->accepted->cred,
+                                 &w);
     protobuf_c_message_free_unpacked(msg, NULL);
   }
   channel->pending--;
@@ -147,18 +154,15 @@ static void on_conn_event(uv_poll_t *poll, int status, int events) {
     channel->callbacks.closed(channel->callbacks.data, owner, why);
 }
 
-/* Out of descriptors: accepting again at once would spin on the pending connection. */
-#define ACCEPT_RETRY_MS 100
-
-static void on_accept(uv_poll_t *poll, int status, int events);
-
-/* Connections that have not said hello are bounded per uid and in all. A trainer says hello
- * at once, so the oldest silent connection goes first: of the new one's own uid when that
- * uid is at its limit, else of the uid holding the most when all are taken. One user's idle
- * connections thus cost only that user, and never lock a trainer out. */
-static void make_room(fsdp_channel_t *channel, uid_t uid) {
-  fsdp_channel_conn_t *oldest_own = NULL, *oldest_top = NULL;
-  unsigned own = 0, top = 0;
+/* Connections that have not said hello are bounded in all, each uid's already by its
+ * connection limit. A trainer says hello at once, so at the bound the oldest silent
+ * connection of the uid holding the most goes: one user's idle connections thus cost only
+ * that user, and never lock a trainer out. */
+static void make_room(fsdp_channel_t *channel) {
+  if (channel->pending < FSDP_CHANNEL_MAX_PENDING)
+    return;
+  fsdp_channel_conn_t *victim = NULL;
+  unsigned top = 0;
   fsdp_channel_conn_t *c, *d;
   fsdp_list_for_each(c, &channel->conns, link) {
     if (c->state != CONN_HELLO)
@@ -166,77 +170,68 @@ static void make_room(fsdp_channel_t *channel, uid_t uid) {
     unsigned n = 0;
     fsdp_channel_conn_t *oldest = NULL;
     fsdp_list_for_each(d, &channel->conns, link)
-      if (d->state == CONN_HELLO && d->cred.uid == c->cred.uid) {
+      if (d->state == CONN_HELLO && d->accepted->cred.uid == c->accepted->cred.uid) {
         n++;
-        if (!oldest || d->accepted_ms <= oldest->accepted_ms)
+        if (!oldest || d->accepted->since_ms <= oldest->accepted->since_ms)
           oldest = d;
       }
-    if (c->cred.uid == uid) {
-      own = n;
-      oldest_own = oldest;
-    }
     if (n > top) {
       top = n;
-      oldest_top = oldest;
+      victim = oldest;
     }
   }
-  fsdp_channel_conn_t *victim = own >= FSDP_CHANNEL_MAX_PENDING_PER_UID ? oldest_own
-                                : channel->pending >= FSDP_CHANNEL_MAX_PENDING ? oldest_top
-                                                                                : NULL;
   if (victim)
     refuse(victim, FSDP_E_RESOURCE_EXHAUSTED,
            "memory channel: closed a connection of pid %d uid %u that sent no hello, to make "
-           "room: its uid held %u such connections (at most %d), all uids %u (at most %d)",
-           (int)victim->cred.pid, (unsigned)victim->cred.uid,
-           victim == oldest_own ? own : top, FSDP_CHANNEL_MAX_PENDING_PER_UID, channel->pending,
-           FSDP_CHANNEL_MAX_PENDING);
+           "room: its uid held %u such connections, all uids %u (at most %d)",
+           (int)victim->accepted->cred.pid, (unsigned)victim->accepted->cred.uid, top,
+           channel->pending, FSDP_CHANNEL_MAX_PENDING);
 }
 
-static void on_accept_retry(uv_timer_t *timer) {
-  fsdp_channel_t *channel = timer->data;
-  uv_poll_start(&channel->poll, UV_READABLE, on_accept);
-}
-
-static void on_accept(uv_poll_t *poll, int status, int events) {
-  (void)events;
-  fsdp_channel_t *channel = poll->data;
-  if (status < 0)
-    return;
-  for (;;) {
-    int fd = accept4(channel->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE) {
-        uv_poll_stop(&channel->poll);
-        uv_timer_start(&channel->retry, on_accept_retry, ACCEPT_RETRY_MS, 0);
-      }
-      return; /* EAGAIN: drained */
-    }
-    fsdp_credentials_t cred = {0};
-    if (fsdp_peer_credentials(fd, &cred.pid, &cred.uid, &cred.gid) < 0 ||
-        !fsdp_credentials_allowed(fd, &cred)) {
-      log_warning("memory channel: refused pid %d uid %u: not the daemon's user or group",
-                  (int)cred.pid, (unsigned)cred.uid);
-      close(fd);
-      continue;
-    }
-    make_room(channel, cred.uid);
-    fsdp_channel_conn_t *conn = calloc(1, sizeof *conn);
-    if (!conn) {
-      close(fd);
-      continue;
-    }
-    *conn = (fsdp_channel_conn_t){.channel = channel, .fd = fd, .cred = cred,
-                                  .accepted_ms = uv_now(channel->loop)};
-    if (uv_poll_init(channel->loop, &conn->poll, fd) < 0) {
-      close(fd);
-      free(conn);
-      continue;
-    }
-    conn->poll.data = conn;
-    channel->pending++;
-    fsdp_list_push_front(&channel->conns, &conn->link);
-    uv_poll_start(&conn->poll, UV_READABLE | UV_DISCONNECT, on_conn_event);
+static int adopt(void *data, fsdp_accepted_t *accepted) {
+  fsdp_channel_t *channel = data;
+  make_room(channel);
+  fsdp_channel_conn_t *conn = calloc(1, sizeof *conn);
+  if (!conn) {
+    close(accepted->fd);
+    return -ENOMEM;
   }
+  *conn = (fsdp_channel_conn_t){.channel = channel, .fd = accepted->fd, .accepted = accepted};
+  int r = uv_poll_init(channel->loop, &conn->poll, conn->fd);
+  if (r < 0) {
+    close(conn->fd);
+    free(conn);
+    return r;
+  }
+  conn->poll.data = conn;
+  accepted->owner = conn;
+  channel->pending++;
+  fsdp_list_push_front(&channel->conns, &conn->link);
+  uv_poll_start(&conn->poll, UV_READABLE | UV_DISCONNECT, on_conn_event);
+  return 0;
+}
+
+/* A bound connection holds its session; one that has not said hello may make room. */
+static int idleness(void *data, const fsdp_accepted_t *accepted) {
+  (void)data;
+  const fsdp_channel_conn_t *conn = accepted->owner;
+  return conn->state == CONN_HELLO ? 0 : FSDP_ACCEPTED_BUSY;
+}
+
+static void evict(void *data, fsdp_accepted_t *accepted, unsigned held, unsigned limit) {
+  (void)data;
+  refuse(accepted->owner, FSDP_E_RESOURCE_EXHAUSTED,
+         "memory channel: closed a connection of pid %d uid %u that sent no hello, to make "
+         "room: its uid holds %u connections (rpc.max_connections_per_uid = %u)",
+         (int)accepted->cred.pid, (unsigned)accepted->cred.uid, held, limit);
+}
+
+/* Refused at the limit: the trainer's client shows the welcome's status and message. */
+static void turn_away(void *data, int fd, const fsdp_credentials_t *cred, const char *why) {
+  (void)data;
+  fsdp_channel_welcome_t w = {0};
+  fsdp_status_set(&w.status, FSDP_E_RESOURCE_EXHAUSTED, "%s", why);
+  send_welcome(fd, cred->pid, &w);
 }
 
 int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
@@ -244,34 +239,27 @@ int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
   memset(channel, 0, sizeof *channel);
   fsdp_list_init(&channel->conns);
   channel->loop = loop;
-  channel->listen_fd = listen_fd;
   channel->callbacks = *callbacks;
-  int r = uv_poll_init(loop, &channel->poll, listen_fd);
-  if (r < 0)
-    return r;
-  uv_timer_init(loop, &channel->retry);
-  channel->poll.data = channel->retry.data = channel;
-  channel->polling = true;
-  return uv_poll_start(&channel->poll, UV_READABLE, on_accept);
+  fsdp_acceptor_ops_t ops = {.adopt = adopt, .idleness = idleness, .evict = evict,
+                             .turn_away = turn_away, .data = channel};
+  fsdp_acceptor_init(&channel->acceptor, listen_fd, true, "memory channel", 0,
+                     "rpc.max_connections_per_uid", &ops);
+  return fsdp_acceptor_start(&channel->acceptor, loop);
 }
 
 void fsdp_channel_stop(fsdp_channel_t *channel) {
   while (!fsdp_list_empty(&channel->conns))
     fsdp_channel_conn_close(fsdp_list_first(&channel->conns, fsdp_channel_conn_t, link));
-  if (channel->polling) {
-    uv_poll_stop(&channel->poll);
-    uv_close((uv_handle_t *)&channel->poll, NULL);
-    uv_close((uv_handle_t *)&channel->retry, NULL);
-    channel->polling = false;
-  }
+  fsdp_acceptor_stop(&channel->acceptor);
 }
 
 void fsdp_channel_expire(fsdp_channel_t *channel, uint64_t now_ms) {
   fsdp_channel_conn_t *conn, *next;
   fsdp_list_for_each_safe(conn, next, &channel->conns, link) {
-    if (conn->state == CONN_HELLO && now_ms - conn->accepted_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS)
+    if (conn->state == CONN_HELLO &&
+        now_ms - conn->accepted->since_ms >= FSDP_CHANNEL_HELLO_TIMEOUT_MS)
       refuse(conn, FSDP_E_DEADLINE_EXCEEDED,
-             "memory channel of pid %d: no hello within %d ms; closed", (int)conn->cred.pid,
-             FSDP_CHANNEL_HELLO_TIMEOUT_MS);
+             "memory channel of pid %d: no hello within %d ms; closed",
+             (int)conn->accepted->cred.pid, FSDP_CHANNEL_HELLO_TIMEOUT_MS);
   }
 }

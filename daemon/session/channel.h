@@ -1,8 +1,10 @@
 /* The memory channel (proto/fsdp/v1/channel.proto): hands trainers the descriptors of their
  * job's shared memory, and tells the daemon at once when a trainer's process is gone.
  *
- * It accepts on the listener's SOCK_SEQPACKET socket, lets in the same credentials as the
- * gRPC socket, reads one ChannelHello within CHANNEL_HELLO_TIMEOUT_MS, asks the daemon for
+ * It accepts on the listener's SOCK_SEQPACKET socket through the same accept loop as the
+ * gRPC socket (daemon/accept/acceptor.h): the same credentials are let in, and each uid may
+ * hold rpc.max_connections_per_uid connections, of which those that have not said hello
+ * are idle. It reads one ChannelHello within CHANNEL_HELLO_TIMEOUT_MS, asks the daemon for
  * the welcome (the `welcome` callback: status, memories and their descriptors), sends it, and
  * then holds the connection for the session: end of file, or anything more the trainer
  * sends, calls `closed` so the daemon ends the session. The daemon ends a connection when the
@@ -21,14 +23,13 @@
 #include "common/credentials.h"
 #include "common/list.h"
 #include "common/status.h"
+#include "daemon/accept/acceptor.h"
 
 #define FSDP_CHANNEL_HELLO_TIMEOUT_MS 5000
 #define FSDP_CHANNEL_MAX_FDS 8
-/* Connections that have not said hello yet, per uid and all together: beyond, the oldest
- * such connection (of the same uid, or of the uid holding the most) is told why in a
- * ChannelWelcome and closed. */
+/* Connections that have not said hello yet, all uids together: beyond, the oldest such
+ * connection of the uid holding the most is told why in a ChannelWelcome and closed. */
 #define FSDP_CHANNEL_MAX_PENDING 64
-#define FSDP_CHANNEL_MAX_PENDING_PER_UID 8
 
 typedef struct fsdp_channel_conn fsdp_channel_conn_t;
 
@@ -61,11 +62,10 @@ typedef struct fsdp_channel_callbacks {
 
 typedef struct fsdp_channel {
   uv_loop_t *loop;
-  uv_poll_t poll;
-  uv_timer_t retry; /* restarts accepting after running out of descriptors */
-  bool polling;
+  /* Accepts on the listener's socket; its limit is set with the config
+   * (rpc.max_connections_per_uid), before the loop runs. */
+  fsdp_acceptor_t acceptor;
   unsigned pending; /* connections in the hello state */
-  int listen_fd; /* borrowed from the listener */
   fsdp_channel_callbacks_t callbacks;
   fsdp_list_t conns; /* fsdp_channel_conn_t, newest first */
 } fsdp_channel_t;

@@ -304,6 +304,43 @@ def test_idle_connections_do_not_lock_out_trainers(fsdpd):
             s.close()
 
 
+def test_a_uid_holds_at_most_max_connections_per_uid_channels(fsdpd):
+    """The memory channel counts each uid's connections against rpc.max_connections_per_uid,
+    as the gRPC socket does: at the limit the oldest that has not said hello is closed for a
+    newcomer, and when every one holds a session the newcomer is refused; both hear why."""
+    d = fsdpd("--set", "rpc.max_connections_per_uid=2")
+    path = str(d.run_dir / "fsdpd.mem.sock")
+    bound = []
+    try:
+        s, w, fds = hello(path, attach(d, 0).session_id)
+        bound.append(s)
+        assert w.status == OK, w.message
+        idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        idle.connect(path)
+        s, w, fds2 = hello(path, attach(d, 1).session_id)
+        bound.append(s)
+        assert w.status == OK, w.message
+        for fd in fds + fds2:
+            os.close(fd)
+        w = welcome_of(idle, 2)
+        assert w.status == RESOURCE_EXHAUSTED
+        assert "sent no hello, to make room" in w.message
+        assert "rpc.max_connections_per_uid = 2" in w.message
+        assert closed_by_daemon(idle)
+
+        late = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        late.connect(path)
+        w = welcome_of(late, 2)
+        assert w.status == RESOURCE_EXHAUSTED
+        assert "it holds 2 (rpc.max_connections_per_uid), none idle" in w.message
+        assert closed_by_daemon(late)
+        assert sessions(d) == {("j", 0), ("j", 1)}  # the sessions' channels stay
+        d.assert_serving()
+    finally:
+        for s in bound:
+            s.close()
+
+
 def test_lease_end_closes_the_channel(fsdpd):
     d = fsdpd("--set", "session.lease=300ms", "--set", "daemon.housekeeping_interval=20ms")
     a = attach(d, 0)
