@@ -112,64 +112,57 @@ static unsigned budget_limit(const fsdp_rpc_endpoint_t *ep, budget_t budget,
   return ep->options.max_inflight_calls;
 }
 
-void rpc_dispatch(fsdp_rpc_call_t *call) {
-  fsdp_rpc_server_t *server = call->server;
+/* The call came on a connection cut for holding more calls than its streams. */
+static void refuse_cut_connection(fsdp_rpc_call_t *call) {
+  char *path = grpc_slice_to_c_string(call->details.method);
+  snprintf(call->path, sizeof call->path, "%s", call->method ? call->method->path : path);
+  gpr_free(path);
+  if (call->conn_logs_cut)
+    log_warning("%s endpoint: connection fd:%d held more than its %u streams in calls at "
+                "once (streams reset and reopened?); closed it",
+                call->endpoint->name, call->conn_fd,
+                call->endpoint->max_streams_per_connection);
+  fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
+                     "%s: the connection held more than its %u streams in calls at once; "
+                     "the %s endpoint closed it",
+                     call->path, call->endpoint->max_streams_per_connection,
+                     call->endpoint->name);
+}
+
+/* The endpoint serves no one (a uid not let in): every call hears why. */
+static void refuse_caller(fsdp_rpc_call_t *call) {
+  char *path = grpc_slice_to_c_string(call->details.method);
+  snprintf(call->path, sizeof call->path, "%s", path);
+  gpr_free(path);
+  char why[256];
+  call->endpoint->options.refuse(call->endpoint->options.refuse_data, call->conn_fd, why,
+                                 sizeof why);
+  fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED, "%s: %s", call->path, why);
+}
+
+/* authenticated() for any call, registered or not; false when it failed the call. */
+static bool token_passes(fsdp_rpc_call_t *call) {
   method_t *method = call->method;
-  server->calls_total++;
-  /* Calls of a cut connection are refused without work and count against no budget. */
-  call->budget = call->conn_cut ? BUDGET_REFUSED : budget_of(method);
-  active_link(server, call);
-
-  if (call->conn_cut) {
-    char *path = grpc_slice_to_c_string(call->details.method);
+  char *path = method ? NULL : grpc_slice_to_c_string(call->details.method);
+  bool ok = authenticated(call, method ? method->path : path);
+  if (!ok)
     snprintf(call->path, sizeof call->path, "%s", method ? method->path : path);
-    gpr_free(path);
-    if (call->conn_logs_cut)
-      log_warning("%s endpoint: connection fd:%d held more than its %u streams in calls at "
-                  "once (streams reset and reopened?); closed it",
-                  call->endpoint->name, call->conn_fd,
-                  call->endpoint->max_streams_per_connection);
-    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
-                       "%s: the connection held more than its %u streams in calls at once; "
-                       "the %s endpoint closed it",
-                       call->path, call->endpoint->max_streams_per_connection,
-                       call->endpoint->name);
-    return;
-  }
+  gpr_free(path);
+  return ok;
+}
 
-  if (call->endpoint->options.refuse) {
-    char *path = grpc_slice_to_c_string(call->details.method);
-    snprintf(call->path, sizeof call->path, "%s", path);
-    gpr_free(path);
-    char why[256];
-    call->endpoint->options.refuse(call->endpoint->options.refuse_data, call->conn_fd, why,
-                                   sizeof why);
-    fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED, "%s: %s", call->path, why);
-    return;
-  }
+static void refuse_unknown_method(fsdp_rpc_call_t *call) {
+  char *path = grpc_slice_to_c_string(call->details.method);
+  snprintf(call->path, sizeof call->path, "%s", path);
+  call->deadline = call->details.deadline;
+  fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED, "unknown method '%s' on the %s endpoint",
+                     path, call->endpoint->name);
+  gpr_free(path);
+}
 
-  {
-    /* Before anything else: an unauthenticated caller learns nothing, not even which
-     * methods exist. */
-    char *path = method ? NULL : grpc_slice_to_c_string(call->details.method);
-    bool ok = authenticated(call, method ? method->path : path);
-    if (!ok)
-      snprintf(call->path, sizeof call->path, "%s", method ? method->path : path);
-    gpr_free(path);
-    if (!ok)
-      return;
-  }
-
-  if (!method) {
-    char *path = grpc_slice_to_c_string(call->details.method);
-    snprintf(call->path, sizeof call->path, "%s", path);
-    call->deadline = call->details.deadline;
-    fsdp_rpc_call_fail(call, FSDP_E_UNIMPLEMENTED, "unknown method '%s' on the %s endpoint",
-                       path, call->endpoint->name);
-    gpr_free(path);
-    return;
-  }
-  memcpy(call->path, method->path, sizeof call->path);
+/* The budget, the deadline and the request's size, checked before decoding, which costs
+ * the loop time in proportion to the bytes; false when it failed the call. */
+static bool within_limits(fsdp_rpc_call_t *call, const method_t *method) {
   fsdp_rpc_endpoint_t *ep = call->endpoint;
   const char *limit_name;
   unsigned limit = budget_limit(ep, call->budget, &limit_name);
@@ -177,21 +170,27 @@ void rpc_dispatch(fsdp_rpc_call_t *call) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
                        "%s: the %s endpoint already holds %u %s (%s = %u)", call->path, ep->name,
                        ep->held[call->budget] - 1, budget_names[call->budget], limit_name, limit);
-    return;
+    return false;
   }
   if (fsdp_rpc_call_deadline_ms(call) <= 0) {
     fsdp_rpc_call_fail(call, FSDP_E_DEADLINE_EXCEEDED, "%s: deadline passed before dispatch",
                        call->path);
-    return;
+    return false;
   }
-  /* Before decoding, which costs the loop time in proportion to the bytes. */
   size_t size = call->request_payload ? grpc_byte_buffer_length(call->request_payload) : 0;
   if (size > method->max_request) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED,
                        "%s: request of %zu bytes, more than the %zu bytes this method takes",
                        call->path, size, method->max_request);
-    return;
+    return false;
   }
+  return true;
+}
+
+/* Decodes the request and hands it to the method's handler, unless the method has none or
+ * the server drains. */
+static void run_handler(fsdp_rpc_call_t *call, method_t *method) {
+  fsdp_rpc_server_t *server = call->server;
   /* A bad request is reported as such even by a method this release does not implement. */
   const ProtobufCMethodDescriptor *md = &method->service->descriptor->methods[method->index];
   fsdp_status_t st;
@@ -212,4 +211,32 @@ void rpc_dispatch(fsdp_rpc_call_t *call) {
     method->handler(call, request, method->service->data);
   }
   protobuf_c_message_free_unpacked(request, NULL);
+}
+
+void rpc_dispatch(fsdp_rpc_call_t *call) {
+  fsdp_rpc_server_t *server = call->server;
+  method_t *method = call->method;
+  server->calls_total++;
+  /* Calls of a cut connection are refused without work and count against no budget. */
+  call->budget = call->conn_cut ? BUDGET_REFUSED : budget_of(method);
+  active_link(server, call);
+  if (call->conn_cut) {
+    refuse_cut_connection(call);
+    return;
+  }
+  if (call->endpoint->options.refuse) {
+    refuse_caller(call);
+    return;
+  }
+  /* Before anything else: an unauthenticated caller learns nothing, not even which
+   * methods exist. */
+  if (!token_passes(call))
+    return;
+  if (!method) {
+    refuse_unknown_method(call);
+    return;
+  }
+  memcpy(call->path, method->path, sizeof call->path);
+  if (within_limits(call, method))
+    run_handler(call, method);
 }

@@ -77,10 +77,12 @@ static int endpoint_security(fsdp_rpc_endpoint_t *ep, const fsdp_rpc_endpoint_op
   return 0;
 }
 
-int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
-                                 const fsdp_rpc_service_t *services, size_t n_services,
-                                 const fsdp_rpc_endpoint_options_t *options,
-                                 fsdp_rpc_endpoint_t **ret_endpoint) {
+/* An endpoint with its method table sized, and its credentials and token; no gRPC server
+ * yet. */
+static int endpoint_new(fsdp_rpc_server_t *server, const char *name,
+                        const fsdp_rpc_service_t *services, size_t n_services,
+                        const fsdp_rpc_endpoint_options_t *options,
+                        fsdp_rpc_endpoint_t **ret_endpoint) {
   fsdp_rpc_endpoint_t *ep = calloc(1, sizeof *ep);
   if (!ep)
     return -ENOMEM;
@@ -96,8 +98,14 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
     rpc_endpoint_free(ep);
     return r;
   }
-  /* gRPC refuses a message larger than the largest any method here takes before it has
-   * buffered it: a port that serves only Health takes only names. */
+  *ret_endpoint = ep;
+  return 0;
+}
+
+/* gRPC refuses a message larger than the largest any method here takes before it has
+ * buffered it: a port that serves only Health takes only names. */
+static size_t largest_request(const fsdp_rpc_server_t *server, const fsdp_rpc_service_t *services,
+                              size_t n_services) {
   size_t max_request = FSDP_WIRE_HEALTH_REQUEST_MAX; /* a name, even with no method here */
   for (size_t s = 0; s < n_services; s++)
     for (unsigned i = 0; i < services[s].descriptor->n_methods; i++) {
@@ -105,6 +113,12 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
                                               server->options.max_message_size);
       max_request = m > max_request ? m : max_request;
     }
+  return max_request;
+}
+
+/* The endpoint's gRPC server, with its limits, on the server's completion queue. */
+static void create_grpc_server(fsdp_rpc_endpoint_t *ep, size_t max_request) {
+  const fsdp_rpc_endpoint_options_t *options = &ep->options;
   /* Requests whose message has not arrived yet are held by gRPC, not counted by us;
    * this bounds them per connection. At the in-flight limit itself, HTTP/2 clients
    * would queue quietly instead of hearing RESOURCE_EXHAUSTED from us: hence twice. */
@@ -126,48 +140,72 @@ int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
   };
   grpc_channel_args channel_args = {sizeof args / sizeof args[0], args};
   ep->grpc = grpc_server_create(&channel_args, NULL);
-  grpc_server_register_completion_queue(ep->grpc, rpc_queue(server), NULL);
+  grpc_server_register_completion_queue(ep->grpc, rpc_queue(ep->server), NULL);
+}
 
-  size_t k = 0;
+/* Puts the service's handlers on its methods, which start at ep->methods[first]. */
+static int bind_handlers(fsdp_rpc_endpoint_t *ep, const fsdp_rpc_service_t *service,
+                         size_t first) {
+  const ProtobufCServiceDescriptor *sd = service->descriptor;
+  for (size_t h = 0; h < service->n_handlers; h++) {
+    const ProtobufCMethodDescriptor *md =
+        protobuf_c_service_descriptor_get_method_by_name(sd, service->handlers[h].method);
+    if (!md) {
+      log_error("%s has no method '%s' to handle", sd->name, service->handlers[h].method);
+      return -EINVAL;
+    }
+    method_t *m = &ep->methods[first + (size_t)(md - sd->methods)];
+    m->handler = service->handlers[h].fn;
+    m->while_draining = service->handlers[h].while_draining;
+  }
+  return 0;
+}
+
+/* Registers every method of the service with gRPC, from ep->methods[first] on. */
+static int register_methods(fsdp_rpc_endpoint_t *ep, const fsdp_rpc_service_t *service,
+                            size_t first) {
+  const ProtobufCServiceDescriptor *sd = service->descriptor;
+  for (unsigned i = 0; i < sd->n_methods; i++) {
+    method_t *m = &ep->methods[first + i];
+    m->endpoint = ep;
+    m->service = service;
+    m->index = i;
+    m->streaming = fsdp_wire_method_is_server_streaming(sd, i);
+    m->max_request = fsdp_wire_method_max_request(sd, i, ep->server->options.max_message_size);
+    fsdp_wire_method_path(sd, i, m->path, sizeof m->path);
+    m->registration = grpc_server_register_method(ep->grpc, m->path, NULL,
+                                                  GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+    if (!m->registration) {
+      log_error("cannot register %s on the %s endpoint", m->path, ep->name);
+      return -EINVAL;
+    }
+  }
+  return 0;
+}
+
+int fsdp_rpc_server_add_endpoint(fsdp_rpc_server_t *server, const char *name,
+                                 const fsdp_rpc_service_t *services, size_t n_services,
+                                 const fsdp_rpc_endpoint_options_t *options,
+                                 fsdp_rpc_endpoint_t **ret_endpoint) {
+  fsdp_rpc_endpoint_t *ep;
+  int r = endpoint_new(server, name, services, n_services, options, &ep);
+  if (r < 0)
+    return r;
+  create_grpc_server(ep, largest_request(server, services, n_services));
+  size_t first = 0;
   for (size_t s = 0; s < n_services; s++) {
-    const ProtobufCServiceDescriptor *sd = services[s].descriptor;
-    size_t first = k;
-    for (size_t h = 0; h < services[s].n_handlers; h++) {
-      const ProtobufCMethodDescriptor *md =
-          protobuf_c_service_descriptor_get_method_by_name(sd, services[s].handlers[h].method);
-      if (!md) {
-        log_error("%s has no method '%s' to handle", sd->name, services[s].handlers[h].method);
-        goto fail;
-      }
-      method_t *m = &ep->methods[first + (size_t)(md - sd->methods)];
-      m->handler = services[s].handlers[h].fn;
-      m->while_draining = services[s].handlers[h].while_draining;
+    if (bind_handlers(ep, &services[s], first) < 0 ||
+        register_methods(ep, &services[s], first) < 0) {
+      grpc_server_destroy(ep->grpc);
+      rpc_endpoint_free(ep);
+      return -EINVAL;
     }
-    for (unsigned i = 0; i < sd->n_methods; i++, k++) {
-      method_t *m = &ep->methods[k];
-      m->endpoint = ep;
-      m->service = &services[s];
-      m->index = i;
-      m->streaming = fsdp_wire_method_is_server_streaming(sd, i);
-      m->max_request = fsdp_wire_method_max_request(sd, i, server->options.max_message_size);
-      fsdp_wire_method_path(sd, i, m->path, sizeof m->path);
-      m->registration = grpc_server_register_method(
-          ep->grpc, m->path, NULL, GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
-      if (!m->registration) {
-        log_error("cannot register %s on the %s endpoint", m->path, name);
-        goto fail;
-      }
-    }
+    first += services[s].descriptor->n_methods;
   }
   ep->next = server->endpoints;
   server->endpoints = ep;
   *ret_endpoint = ep;
   return 0;
-
-fail:
-  grpc_server_destroy(ep->grpc);
-  rpc_endpoint_free(ep);
-  return -EINVAL;
 }
 
 int fsdp_rpc_endpoint_listen(fsdp_rpc_endpoint_t *endpoint, const char *address,
