@@ -32,6 +32,7 @@
 
 #include "config/config.h"
 #include "daemon/cluster/membership.h"
+#include "daemon/cluster/peer_security.h"
 #include "fsdp/v1/peer.pb-c.h"
 #include "common/status.h"
 
@@ -60,17 +61,6 @@ typedef struct fsdp_peers_callbacks {
   void (*lost)(void *data, unsigned host_rank, const char *why);
   void *data;
 } fsdp_peers_callbacks_t;
-
-/* The secrets of the Peer endpoint, read from the files config names (at start, before the
- * loop runs). Owned; fsdp_peer_security_cleanup wipes and frees them. */
-typedef struct fsdp_peer_security {
-  char *token;                        /* NULL: no token */
-  char *tls_cert, *tls_key, *tls_ca; /* PEM text; all NULL: plaintext */
-} fsdp_peer_security_t;
-
-int fsdp_peer_security_load(const fsdp_config_t *cfg, fsdp_peer_security_t *ret,
-                            fsdp_status_t *st);
-void fsdp_peer_security_cleanup(fsdp_peer_security_t *sec);
 
 /* Builds the table from cfg (cluster.*, peer.*); borrows sec (it must outlive the peers)
  * and callbacks (copied). Joining starts with fsdp_peers_start. */
