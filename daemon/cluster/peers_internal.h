@@ -1,7 +1,8 @@
 /* The inside of the peer table (peers.h), shared by the files that make it up and by no
- * other: peer_table.c builds the table, starts and stops it and runs its clock; peer_client.c
- * makes this daemon's calls to the other hosts. The table is one object, so its struct is
- * here whole; each function below belongs to the file its group names. Loop thread only. */
+ * other: peer_table.c builds the table, starts and stops it and runs its clock;
+ * peer_client.c makes this daemon's calls to the other hosts; peer_accept.c answers theirs.
+ * The table is one object, so its struct is here whole; each function below belongs to the
+ * file its group names. Loop thread only. */
 #ifndef FSDP_PEERS_INTERNAL_H
 #define FSDP_PEERS_INTERNAL_H
 
@@ -103,7 +104,7 @@ void fsdp_peers_cancel_calls(fsdp_peers_t *peers);
 void fsdp_peers_join_failed(fsdp_peers_t *peers, peer_t *p, bool refused, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
-/* --- peer_table.c: the table --- */
+/* --- peer_accept.c: the Joins, Heartbeats and Leaves of the other hosts --- */
 
 /* An address nothing in UCX needs to unpack (none at all), or the one that last passed. */
 bool fsdp_peers_address_verified(const peer_t *p, const uint8_t *bytes, size_t len);
@@ -112,6 +113,11 @@ void fsdp_peers_check_reply_address(fsdp_peers_t *peers, peer_t *p);
 /* Our Join to p's own address came back: the Joins waiting for it are confirmed, or, when
  * it failed (failure says how), refused as unconfirmable. */
 void fsdp_peers_confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failure);
+/* Every held Join ends: the daemon is leaving. */
+void fsdp_peers_refuse_pending(fsdp_peers_t *peers);
+
+/* --- peer_table.c: the table --- */
+
 /* Ends a close once every call and check is back. */
 void fsdp_peers_maybe_finish_close(fsdp_peers_t *peers);
 
