@@ -1,7 +1,7 @@
 /* The peer table (peers.h): built from the config, started, timed and stopped here, driving
  * the membership state machine (membership.h), which decides what each message means and
  * what to send next. The calls to the other hosts are peer_client.c's; the Joins received
- * and the checks of addresses peer_accept.c's; this file still holds the waiters. The file
+ * and the checks of addresses peer_accept.c's; the waiters peer_waiters.c's. The file
  * is not peers.c because peers.h is the contract of all the peer_*.c files together, and
  * their shared struct (peers_internal.h) includes it. */
 #include "daemon/cluster/peers_internal.h"
@@ -18,27 +18,14 @@
 #include "common/log.h"
 #include "proto/host/formats.h"
 
-/* --- helpers --------------------------------------------------------------------------- */
-
-static void run_waiters(fsdp_peers_t *peers, int status, const char *why) {
-  while (peers->waiters) {
-    fsdp_peers_waiter_t *w = peers->waiters;
-    peers->waiters = w->next;
-    w->next = NULL;
-    w->cb(w->data, status, why);
-  }
-}
-
 /* --- the timer --------------------------------------------------------------------------- */
-
-static void expire_waiters(fsdp_peers_t *peers, uint64_t now);
 
 static void on_tick(uv_timer_t *timer) {
   fsdp_peers_t *peers = timer->data;
   if (leaving(peers) || peers->closing)
     return;
   uint64_t now = now_ms(peers);
-  expire_waiters(peers, now);
+  fsdp_peers_expire_waiters(peers, now);
   fsdp_membership_tick(peers->m, now);
 }
 
@@ -49,49 +36,6 @@ static uint64_t tick_ms(const fsdp_peers_t *peers) {
   if (t > 100)
     t = 100;
   return t < 5 ? 5 : t;
-}
-
-/* Fails the waiters whose time is up: those waiting for the cluster to form once
- * peer.join_timeout has passed (formation), those with a deadline of their own once it has
- * passed (now). */
-static void fail_waiters(fsdp_peers_t *peers, bool formation, uint64_t now, const char *why) {
-  for (fsdp_peers_waiter_t **w = &peers->waiters; *w;) {
-    fsdp_peers_waiter_t *waiter = *w;
-    if (waiter->deadline_ms ? waiter->deadline_ms > now : !formation) {
-      w = &waiter->next;
-      continue;
-    }
-    *w = waiter->next;
-    waiter->next = NULL;
-    waiter->cb(waiter->data, FSDP_E_UNAVAILABLE, why);
-    w = &peers->waiters; /* the callback may have added or cancelled waiters */
-  }
-}
-
-static void expire_waiters(fsdp_peers_t *peers, uint64_t now) {
-  bool due = false;
-  for (const fsdp_peers_waiter_t *w = peers->waiters; w; w = w->next)
-    due |= w->deadline_ms && w->deadline_ms <= now;
-  if (!due)
-    return;
-  char missing[2048], why[2300];
-  fsdp_membership_describe_missing(peers->m, missing, sizeof missing);
-  snprintf(why, sizeof why, "%s; not back within peer.timeout (%llu ms)", missing,
-           (unsigned long long)peers->timeout_ms);
-  fail_waiters(peers, false, now, why);
-}
-
-static void on_join_deadline(uv_timer_t *timer) {
-  fsdp_peers_t *peers = timer->data;
-  peers->deadline_passed = true;
-  if (fsdp_membership_ready(peers->m) || peers->formed)
-    return;
-  char missing[2048], why[2300];
-  fsdp_membership_describe_missing(peers->m, missing, sizeof missing);
-  snprintf(why, sizeof why, "the cluster is not ready %llu ms after start (peer.join_timeout): %s",
-           (unsigned long long)peers->join_deadline_ms, missing);
-  log_error("peers: %s", why);
-  fail_waiters(peers, true, 0, why);
 }
 
 /* --- public ------------------------------------------------------------------------------ */
@@ -115,7 +59,7 @@ static void set_timing(fsdp_peers_t *peers, uint64_t heartbeat_ms, uint64_t time
 }
 
 /* The membership's word that a peer joined or was lost goes to the data plane; that the
- * cluster is ready, to the waiters. */
+ * cluster is ready, to the waiters (fsdp_peers_on_ready). */
 static void on_member_joined(void *data, unsigned host_rank, uint64_t incarnation,
                              const uint8_t *ucx_address, size_t ucx_address_len) {
   fsdp_peers_t *peers = data;
@@ -127,12 +71,6 @@ static void on_member_lost(void *data, unsigned host_rank, const char *why) {
   fsdp_peers_t *peers = data;
   if (peers->cb.lost)
     peers->cb.lost(peers->cb.data, host_rank, why);
-}
-
-static void on_ready(void *data) {
-  fsdp_peers_t *peers = data;
-  peers->formed = true;
-  run_waiters(peers, 0, "");
 }
 
 int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
@@ -186,9 +124,9 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
         .n_hosts = peers->n, .self = peers->self, .incarnation = peers->incarnation,
         .addresses = names, .heartbeat_interval_ms = peers->heartbeat_ms,
         .timeout_ms = peers->timeout_ms,
-        .listener = {.send_join = fsdp_peers_send_join, .send_heartbeat = fsdp_peers_send_heartbeat,
-                     .joined = on_member_joined, .lost = on_member_lost, .ready = on_ready,
-                     .data = peers}};
+        .listener = {.send_join = fsdp_peers_send_join,
+                     .send_heartbeat = fsdp_peers_send_heartbeat, .joined = on_member_joined,
+                     .lost = on_member_lost, .ready = fsdp_peers_on_ready, .data = peers}};
     r = fsdp_membership_new(&options, &peers->m);
   }
   free(addresses);
@@ -231,7 +169,7 @@ int fsdp_peers_start(fsdp_peers_t *peers) {
   log_info("peers: host %u of %u, incarnation %016llx, joining %u peers",
            peers->self, peers->n, (unsigned long long)peers->incarnation, peers->n - 1);
   uv_timer_start(&peers->timer, on_tick, 0, tick_ms(peers));
-  uv_timer_start(&peers->deadline_timer, on_join_deadline, peers->join_deadline_ms, 0);
+  uv_timer_start(&peers->deadline_timer, fsdp_peers_on_join_deadline, peers->join_deadline_ms, 0);
   return 0;
 }
 
@@ -306,7 +244,7 @@ void fsdp_peers_maybe_finish_close(fsdp_peers_t *peers) {
 }
 
 void fsdp_peers_close(fsdp_peers_t *peers, void (*done)(void *data), void *data) {
-  run_waiters(peers, FSDP_E_CANCELLED, "fsdpd is stopping");
+  fsdp_peers_run_waiters(peers, FSDP_E_CANCELLED, "fsdpd is stopping");
   if (!peers->started) {
     /* Nothing to end, but done still runs later, as after every close: a handle closed at
      * once brings it on the loop's next turn. */
@@ -380,41 +318,4 @@ void fsdp_peers_get(const fsdp_peers_t *peers, unsigned host_rank, fsdp_peer_inf
       .ucx_address = p->rank == peers->self ? peers->local_ucx : p->ucx,
       .ucx_address_len = p->rank == peers->self ? peers->local_ucx_len : p->ucx_len,
   };
-}
-
-void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
-                           fsdp_peers_ready_fn cb, void *data) {
-  waiter->cb = cb;
-  waiter->data = data;
-  waiter->next = NULL;
-  /* Once the cluster had been ready, a host missing was lost or left: whoever needs it
-   * waits peer.timeout for it to be back, not what is left of the join deadline. */
-  waiter->deadline_ms = peers->formed ? now_ms(peers) + peers->timeout_ms : 0;
-  if (fsdp_membership_ready(peers->m)) {
-    cb(data, 0, "");
-    return;
-  }
-  if (peers->closing || leaving(peers)) {
-    cb(data, FSDP_E_CANCELLED, "fsdpd is stopping");
-    return;
-  }
-  if (peers->deadline_passed && !peers->formed) {
-    char missing[2048], why[2300];
-    fsdp_membership_describe_missing(peers->m, missing, sizeof missing);
-    snprintf(why, sizeof why, "the cluster is not ready (peer.join_timeout %llu ms passed): %s",
-             (unsigned long long)peers->join_deadline_ms, missing);
-    cb(data, FSDP_E_UNAVAILABLE, why);
-    return;
-  }
-  waiter->next = peers->waiters;
-  peers->waiters = waiter;
-}
-
-void fsdp_peers_wait_cancel(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter) {
-  for (fsdp_peers_waiter_t **w = &peers->waiters; *w; w = &(*w)->next)
-    if (*w == waiter) {
-      *w = waiter->next;
-      waiter->next = NULL;
-      return;
-    }
 }

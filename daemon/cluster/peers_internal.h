@@ -1,8 +1,9 @@
 /* The inside of the peer table (peers.h), shared by the files that make it up and by no
  * other: peer_table.c builds the table, starts and stops it and runs its clock;
- * peer_client.c makes this daemon's calls to the other hosts; peer_accept.c answers theirs.
- * The table is one object, so its struct is here whole; each function below belongs to the
- * file its group names. Loop thread only. */
+ * peer_client.c makes this daemon's calls to the other hosts; peer_accept.c answers theirs;
+ * peer_waiters.c tells whoever waits for the cluster that it is ready. The table is one
+ * object, so its struct is here whole; each function below belongs to the file its group
+ * names. Loop thread only. */
 #ifndef FSDP_PEERS_INTERNAL_H
 #define FSDP_PEERS_INTERNAL_H
 
@@ -115,6 +116,17 @@ void fsdp_peers_check_reply_address(fsdp_peers_t *peers, peer_t *p);
 void fsdp_peers_confirmations_done(fsdp_peers_t *peers, peer_t *p, const char *failure);
 /* Every held Join ends: the daemon is leaving. */
 void fsdp_peers_refuse_pending(fsdp_peers_t *peers);
+
+/* --- peer_waiters.c: waiting for the cluster --- */
+
+/* Runs every waiter's callback with status and why, and forgets them. */
+void fsdp_peers_run_waiters(fsdp_peers_t *peers, int status, const char *why);
+/* The membership's word that the cluster is ready (data: the table). */
+void fsdp_peers_on_ready(void *data);
+/* Fails the waiters whose own deadline (peer.timeout after they began) has passed. */
+void fsdp_peers_expire_waiters(fsdp_peers_t *peers, uint64_t now);
+/* The deadline timer's callback: peer.join_timeout has passed since start. */
+void fsdp_peers_on_join_deadline(uv_timer_t *timer);
 
 /* --- peer_table.c: the table --- */
 
