@@ -73,16 +73,8 @@ static void on_member_lost(void *data, unsigned host_rank, const char *why) {
     peers->cb.lost(peers->cb.data, host_rank, why);
 }
 
-int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
-                   const fsdp_peers_callbacks_t *callbacks, fsdp_peers_t **ret_peers,
-                   fsdp_status_t *st) {
-  fsdp_peers_t *peers = calloc(1, sizeof *peers);
-  if (!peers)
-    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
-  peers->loop = loop;
-  peers->sec = sec;
-  if (callbacks)
-    peers->cb = *callbacks;
+/* The host count and rank, and the times, from cluster.* and peer.*. */
+static void read_options(fsdp_peers_t *peers, const fsdp_config_t *cfg) {
   unsigned n = fsdp_config_host_count(cfg);
   peers->n = n ? n : 1;
   peers->self = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CLUSTER_HOST_RANK);
@@ -91,10 +83,18 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   peers->join_deadline_ms = (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_JOIN_TIMEOUT);
   peers->address_check_ms =
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_PEER_ADDRESS_CHECK_TIMEOUT);
+}
+
+/* A random nonzero incarnation, so that the others tell this start from the one before. */
+static void draw_incarnation(fsdp_peers_t *peers) {
   while (peers->incarnation == 0)
     if (getrandom(&peers->incarnation, sizeof peers->incarnation, 0) != sizeof peers->incarnation)
       peers->incarnation = uv_hrtime() ^ ((uint64_t)getpid() << 32);
+}
 
+/* The settings every host must agree on, as each Join carries them, and the rules the
+ * messages of the others are checked by. */
+static void set_agreed_settings(fsdp_peers_t *peers, const fsdp_config_t *cfg) {
   static const fsdp_option_id_t agree[N_SETTINGS] = {
       FSDP_OPTION_CLUSTER_HOSTS, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE,
       FSDP_OPTION_CLUSTER_SHARD_GROUP_HOSTS, FSDP_OPTION_BACKEND};
@@ -109,7 +109,12 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   }
   peers->rules = (fsdp_peer_rules_t){.n_hosts = peers->n, .self = peers->self,
                                      .settings = peers->settings, .n_settings = N_SETTINGS};
+}
 
+/* The membership, a row per cluster.hosts entry, and the client's row beside each;
+ * -ENOMEM when memory runs out. */
+static int make_membership(fsdp_peers_t *peers, const fsdp_config_t *cfg) {
+  unsigned n = fsdp_config_host_count(cfg);
   peers->peers = calloc(peers->n, sizeof *peers->peers);
   char(*addresses)[320] = calloc(peers->n, sizeof *addresses);
   const char **names = calloc(peers->n, sizeof *names);
@@ -131,22 +136,37 @@ int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_se
   }
   free(addresses);
   free(names);
-  if (r < 0) {
-    fsdp_peers_free(peers);
-    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
-  }
+  if (r < 0)
+    return r;
   for (unsigned i = 0; i < peers->n; i++) {
     peer_t *p = &peers->peers[i];
     p->owner = peers;
     p->rank = i;
     p->m = fsdp_membership_member(peers->m, i);
   }
-  if (peers->n == 1) {
-    *ret_peers = peers;
-    return 0;
-  }
+  return 0;
+}
 
-  if ((r = fsdp_peers_client_open(peers, st)) < 0) {
+int fsdp_peers_new(uv_loop_t *loop, const fsdp_config_t *cfg, const fsdp_peer_security_t *sec,
+                   const fsdp_peers_callbacks_t *callbacks, fsdp_peers_t **ret_peers,
+                   fsdp_status_t *st) {
+  fsdp_peers_t *peers = calloc(1, sizeof *peers);
+  if (!peers)
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  peers->loop = loop;
+  peers->sec = sec;
+  if (callbacks)
+    peers->cb = *callbacks;
+  read_options(peers, cfg);
+  draw_incarnation(peers);
+  set_agreed_settings(peers, cfg);
+  int r = make_membership(peers, cfg);
+  if (r < 0) {
+    fsdp_peers_free(peers);
+    return fsdp_status_set(st, -ENOMEM, "out of memory for the peer table");
+  }
+  /* One host has no client: no thread, no channel, always ready. */
+  if (peers->n > 1 && (r = fsdp_peers_client_open(peers, st)) < 0) {
     fsdp_peers_free(peers);
     return r;
   }
