@@ -727,8 +727,9 @@ static int use_cuda_backend(fsdp_daemon_t *daemon, fsdp_status_t *st) {
                          ordinal, n, first);
 }
 
-int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
-                      fsdp_config_t *config, fsdp_status_t *st) {
+/* Takes the config (the caller's copy left zeroed); sets the log level and descriptor limit. */
+static void adopt_config(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
+                         fsdp_config_t *config) {
   memset(daemon, 0, sizeof *daemon);
   daemon->args = args;
   daemon->envp = envp;
@@ -737,16 +738,10 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   daemon->listener.lock_fd = daemon->listener.socket_fd = -1;
   set_log_level(&daemon->config);
   raise_descriptor_limit(&daemon->config);
+}
 
-  int r;
-  if ((r = resolve_operator_group(&daemon->config, &daemon->has_operator_group,
-                                  &daemon->operator_gid, st)) < 0)
-    goto fail_config;
-  if ((r = uv_loop_init(&daemon->loop)) < 0) {
-    fsdp_status_set(st, r, "cannot create the event loop: %s", uv_strerror(r));
-    goto fail_config;
-  }
-  daemon->started_ms = uv_now(&daemon->loop);
+/* Health, the sessions, the store and the data plane under it, on the configured backend. */
+static int init_store(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   fsdp_health_init(&daemon->health);
   fsdp_sessions_init(&daemon->sessions);
   fsdp_store_init(&daemon->store);
@@ -754,16 +749,21 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
                                              .data = daemon};
   fsdp_dataplane_hook_units(&daemon->store.hooks);
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  if ((r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
-                               cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st)) < 0)
-    goto fail_loop;
+  int r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
+                              cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st);
+  if (r < 0)
+    return r;
   fsdp_checkpoints_init(&daemon->checkpoints, &daemon->dataplane);
   daemon->store.backend = &daemon->dataplane.backend;
   if (daemon->dataplane.backend.stages_rings)
     log_info("backend host stages the rings among hosts as a GPU's does (failpoint stage-rings)");
-  if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0 &&
-      (r = use_cuda_backend(daemon, st)) < 0)
-    goto fail_loop;
+  if (fsdp_config_number(&daemon->config, FSDP_OPTION_BACKEND) != 0)
+    return use_cuda_backend(daemon, st);
+  return 0;
+}
+
+/* What the RPC handlers work on, and the service tables that route to them. */
+static void init_services(fsdp_daemon_t *daemon) {
   daemon->handlers = (fsdp_services_context_t){
       .loop = &daemon->loop,
       .started_ms = daemon->started_ms,
@@ -780,11 +780,15 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
                     .is_operator = is_operator, .state = serving_state, .data = daemon},
   };
   fsdp_services_tables(&daemon->handlers, &daemon->health.service, daemon->services);
-  if ((r = fsdp_peer_security_load(&daemon->config, &daemon->peer_security, st)) < 0)
-    goto fail_loop;
-  if ((r = fsdp_peers_new(&daemon->loop, &daemon->config, &daemon->peer_security, NULL,
+}
+
+/* The other hosts: the peer table and its secrets, the store's topology, the fabric. */
+static int create_cluster(fsdp_daemon_t *daemon, fsdp_status_t *st) {
+  int r;
+  if ((r = fsdp_peer_security_load(&daemon->config, &daemon->peer_security, st)) < 0 ||
+      (r = fsdp_peers_new(&daemon->loop, &daemon->config, &daemon->peer_security, NULL,
                           &daemon->peers, st)) < 0)
-    goto fail_loop;
+    return r;
   daemon->handlers.peers = daemon->peers;
   daemon->store.topology = (fsdp_topology_t){
       .hosts = fsdp_peers_host_count(daemon->peers),
@@ -794,49 +798,72 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   };
   daemon->store.local_world_size =
       (uint32_t)fsdp_config_number(&daemon->config, FSDP_OPTION_CLUSTER_LOCAL_WORLD_SIZE);
-  if ((r = fsdp_fabric_new(&daemon->loop, daemon->peers, &daemon->fabric, st)) < 0)
-    goto fail_loop;
+  return fsdp_fabric_new(&daemon->loop, daemon->peers, &daemon->fabric, st);
+}
 
-  if ((r = fsdp_listener_open(&daemon->listener,
-                              fsdp_config_text(&daemon->config, FSDP_OPTION_RUN_DIR), st)) < 0)
-    goto fail_loop;
+/* The RPC server and endpoints, the open listener accepting onto them, the memory channel. */
+static int start_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
+  int r;
   if ((r = create_rpc(daemon, st)) < 0)
-    goto fail_rpc;
+    return r;
   daemon->handlers.rpc = daemon->rpc;
   /* Nothing is accepted before the loop runs, so the listener may start before the server. */
   if ((r = fsdp_listener_start(&daemon->listener, &daemon->loop, daemon->local_endpoint,
-                                daemon->refused_endpoint)) < 0) {
-    fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.socket_path,
-                    uv_strerror(r));
-    goto fail_rpc;
-  }
+                                daemon->refused_endpoint)) < 0)
+    return fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.socket_path,
+                           uv_strerror(r));
   fsdp_channel_callbacks_t callbacks;
   fsdp_services_channel_callbacks(&daemon->handlers, &callbacks);
   if ((r = fsdp_channel_start(&daemon->channel, &daemon->loop, daemon->listener.channel_fd,
-                              &callbacks)) < 0) {
-    fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.channel_path,
-                    uv_strerror(r));
-    goto fail_rpc;
-  }
-  if ((r = fsdp_rpc_server_start(daemon->rpc)) < 0) {
-    fsdp_status_set(st, r, "cannot start the RPC server: %s", fsdp_strerror(r));
-    goto fail_rpc;
-  }
-  start_handles(daemon);
-  if ((r = fsdp_peers_start(daemon->peers)) < 0)
-    log_error("cannot start joining the peers: %s; they will count this host lost",
-              fsdp_strerror(r));
+                              &callbacks)) < 0)
+    return fsdp_status_set(st, r, "cannot accept on %s: %s", daemon->listener.channel_path,
+                           uv_strerror(r));
+  if ((r = fsdp_rpc_server_start(daemon->rpc)) < 0)
+    return fsdp_status_set(st, r, "cannot start the RPC server: %s", fsdp_strerror(r));
+  return 0;
+}
 
+/* Health SERVING, the log line, and READY=1 to systemd. */
+static void announce_serving(fsdp_daemon_t *daemon) {
   daemon->state = FSDP_DAEMON_SERVING;
   fsdp_health_set_serving(&daemon->health, true);
   log_info("fsdpd %s serving on unix:%s%s%s%s%s (backend %s, protocol %u, host %u of %u)",
            FSDP_VERSION_STRING, daemon->listener.socket_path,
            daemon->health_endpoint ? ", health on " : "", daemon->health_address,
            daemon->peer_endpoint ? ", peers on " : "", daemon->peer_address,
-           fsdp_backend_name(&daemon->dataplane.backend), FSDP_PROTOCOL_VERSION, fsdp_peers_host_rank(daemon->peers),
-           fsdp_peers_host_count(daemon->peers));
+           fsdp_backend_name(&daemon->dataplane.backend), FSDP_PROTOCOL_VERSION,
+           fsdp_peers_host_rank(daemon->peers), fsdp_peers_host_count(daemon->peers));
   sd_notifyf(0, "READY=1\nSTATUS=serving on unix:%s\nMAINPID=%ld", daemon->listener.socket_path,
              (long)getpid());
+}
+
+int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *const *envp,
+                      fsdp_config_t *config, fsdp_status_t *st) {
+  adopt_config(daemon, args, envp, config);
+  int r;
+  if ((r = resolve_operator_group(&daemon->config, &daemon->has_operator_group,
+                                  &daemon->operator_gid, st)) < 0)
+    goto fail_config;
+  if ((r = uv_loop_init(&daemon->loop)) < 0) {
+    fsdp_status_set(st, r, "cannot create the event loop: %s", uv_strerror(r));
+    goto fail_config;
+  }
+  daemon->started_ms = uv_now(&daemon->loop);
+  if ((r = init_store(daemon, st)) < 0)
+    goto fail_loop;
+  init_services(daemon);
+  if ((r = create_cluster(daemon, st)) < 0)
+    goto fail_loop;
+  if ((r = fsdp_listener_open(&daemon->listener,
+                              fsdp_config_text(&daemon->config, FSDP_OPTION_RUN_DIR), st)) < 0)
+    goto fail_loop;
+  if ((r = start_rpc(daemon, st)) < 0)
+    goto fail_rpc;
+  start_handles(daemon);
+  if ((r = fsdp_peers_start(daemon->peers)) < 0)
+    log_error("cannot start joining the peers: %s; they will count this host lost",
+              fsdp_strerror(r));
+  announce_serving(daemon);
   return 0;
 
 fail_rpc:
