@@ -13,6 +13,9 @@
  * it LEFT at once. A lost, left or restarted peer is joined again when it answers. What each
  * message means for a relationship, and what to send next, the membership state machine
  * decides (membership.h); this module does the calls, the checks and the clock around it.
+ * Its files, one concern each, share the table through peers_internal.h: peer_table.c (the
+ * table's life and clock), peer_client.c (our calls), peer_accept.c (the others' calls and
+ * the address checks), peer_waiters.c (waiting for the cluster).
  *
  * Threads: everything here runs on the loop thread, callbacks included. The client calls
  * complete on a completion queue of this module's own, which daemon/rpc/cq_bridge.h drains
