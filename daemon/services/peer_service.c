@@ -9,16 +9,13 @@
 #include "fsdp/v1/peer.pb-c.h"
 #include "common/log.h"
 #include "daemon/cluster/peers.h"
-
-static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
-  fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);
-}
+#include "daemon/services/calls.h"
 
 static void on_join_answer(void *data, const fsdp_status_t *st,
                            const Fsdp__V1__JoinReply *reply) {
   fsdp_rpc_call_t *call = data;
   if (st)
-    fail_call(call, st);
+    fsdp_services_fail_call(call, st);
   else
     fsdp_rpc_call_reply(call, &reply->base);
 }
@@ -45,7 +42,7 @@ static void peer_heartbeat(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   Fsdp__V1__HeartbeatReply reply = FSDP__V1__HEARTBEAT_REPLY__INIT;
   fsdp_status_t st;
   if (fsdp_peers_accept_heartbeat(ctx->peers, (const void *)request, &reply, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   fsdp_rpc_call_reply(call, &reply.base);
@@ -56,7 +53,7 @@ static void peer_leave(fsdp_rpc_call_t *call, const ProtobufCMessage *request, v
   Fsdp__V1__LeaveReply reply = FSDP__V1__LEAVE_REPLY__INIT;
   fsdp_status_t st;
   if (fsdp_peers_accept_leave(ctx->peers, (const void *)request, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   fsdp_rpc_call_reply(call, &reply.base);

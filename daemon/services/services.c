@@ -16,17 +16,12 @@
 
 #include "common/log.h"
 #include "daemon/dataplane/optimizer.h"
+#include "daemon/services/calls.h"
 #include "daemon/services/fastpath.h"
 #include "daemon/services/peer_service.h"
 #include "daemon/services/unit_ops.h"
 #include "daemon/services/unit_spec.h"
 #include "proto/fastpath.h"
-
-/* The loop's clock in milliseconds, brought up to date: sessions and deadlines count in it. */
-static uint64_t now_ms(fsdp_services_context_t *ctx) {
-  uv_update_time(ctx->loop);
-  return uv_now(ctx->loop);
-}
 
 /* Refuses a peer speaking another protocol version; returns false after failing the call. */
 static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who) {
@@ -37,19 +32,6 @@ static bool protocol_ok(fsdp_rpc_call_t *call, uint32_t version, const char *who
                      fsdp_rpc_call_method(call), version, who, FSDP_VERSION_STRING,
                      FSDP_PROTOCOL_VERSION);
   return false;
-}
-
-/* Fails a call with st, its message prefixed by the method, as every refusal here reads. */
-static void fail_call(fsdp_rpc_call_t *call, const fsdp_status_t *st) {
-  fsdp_rpc_call_fail(call, st->code, "%s: %s", fsdp_rpc_call_method(call), st->message);
-}
-
-/* The credentials of the calling process, or NULL when it did not come through our listener. */
-static const fsdp_credentials_t *caller(fsdp_services_context_t *ctx, fsdp_rpc_call_t *call,
-                                        fsdp_credentials_t *ret_cred) {
-  return fsdp_listener_credentials(ctx->listener, fsdp_rpc_call_peer_fd(call), ret_cred) == 0
-             ? ret_cred
-             : NULL;
 }
 
 static uint64_t lease_ms(fsdp_services_context_t *ctx) {
@@ -89,11 +71,11 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   fsdp_credentials_t cred;
   fsdp_session_t *s;
   fsdp_status_t st;
-  if (fsdp_sessions_attach(ctx->sessions, rq, caller(ctx, call, &cred),
-                           job ? &job->owner : NULL, now_ms(ctx),
+  if (fsdp_sessions_attach(ctx->sessions, rq, fsdp_services_caller(ctx, call, &cred),
+                           job ? &job->owner : NULL, fsdp_services_now_ms(ctx),
                            (unsigned)fsdp_config_number(ctx->config, FSDP_OPTION_MAX_SESSIONS),
                            &s, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   log_info("session %016llx attached: job '%s' local rank %u of %u, generation %llu, pid %d, "
@@ -108,23 +90,10 @@ static void trainer_attach(fsdp_rpc_call_t *call, const ProtobufCMessage *reques
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
-/* The session a request names, its lease renewed; fails the call if there is none. */
-static fsdp_session_t *use_session(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
-                                   uint64_t id) {
-  fsdp_session_t *s;
-  fsdp_status_t st;
-  fsdp_credentials_t cred;
-  if (fsdp_sessions_use(ctx->sessions, id, caller(ctx, call, &cred), now_ms(ctx), &s, &st) < 0) {
-    fail_call(call, &st);
-    return NULL;
-  }
-  return s;
-}
-
 static void trainer_detach(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_services_context_t *ctx = data;
   const Fsdp__V1__DetachRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+  fsdp_session_t *s = fsdp_services_use_session(call, ctx, rq->session_id);
   if (!s)
     return;
   ctx->lifecycle.end_session(ctx->lifecycle.data, s, "detached");
@@ -173,7 +142,7 @@ static bool take_parked(parked_call_t *p, const fsdp_status_t *st) {
   fsdp_rpc_call_on_cancel(p->call, NULL, NULL);
   if (st->code >= 0)
     return true;
-  fail_call(p->call, st);
+  fsdp_services_fail_call(p->call, st);
   return false;
 }
 
@@ -221,7 +190,7 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
                                   void *data) {
   fsdp_services_context_t *ctx = data;
   const Fsdp__V1__RegisterUnitRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+  fsdp_session_t *s = fsdp_services_use_session(call, ctx, rq->session_id);
   if (!s)
     return;
   fsdp_unit_spec_t spec;
@@ -236,7 +205,7 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
   int r = fsdp_store_register_unit(ctx->store, &rank, &spec, &u, &st);
   fsdp_unit_spec_cleanup(&spec);
   if (r < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   parked_call_t *p = park_call(call, ctx, s);
@@ -252,14 +221,14 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
 static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
                             const Fsdp__V1__UnitOpRequest *rq, fsdp_session_t **ret_session,
                             fsdp_job_t **ret_job) {
-  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+  fsdp_session_t *s = fsdp_services_use_session(call, ctx, rq->session_id);
   if (!s)
     return NULL;
   fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
   fsdp_unit_t *u = job ? fsdp_store_find_unit(job, rq->unit) : NULL;
   fsdp_status_t st;
   if (fsdp_unit_ops_check_unit(s, u, rq->unit, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return NULL;
   }
   *ret_session = s;
@@ -277,7 +246,7 @@ static void trainer_unshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
     return;
   fsdp_status_t st;
   if (fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   parked_call_t *p = park_call(call, ctx, s);
@@ -299,7 +268,7 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
   fsdp_status_t st;
   if (fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0 ||
       fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   parked_call_t *p = park_call(call, ctx, s);
@@ -334,7 +303,7 @@ static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_status_t st;
   fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   if (fsdp_dataplane_reshard(job, u, &who, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   Fsdp__V1__UnitOpReply reply = FSDP__V1__UNIT_OP_REPLY__INIT;
@@ -346,7 +315,7 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
                                  void *data) {
   fsdp_services_context_t *ctx = data;
   const Fsdp__V1__SetScheduleRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+  fsdp_session_t *s = fsdp_services_use_session(call, ctx, rq->session_id);
   if (!s)
     return;
   fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
@@ -440,7 +409,7 @@ static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage 
                                   void *data) {
   fsdp_services_context_t *ctx = data;
   const Fsdp__V1__SetOptimizerRequest *rq = (const void *)request;
-  fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+  fsdp_session_t *s = fsdp_services_use_session(call, ctx, rq->session_id);
   if (!s)
     return;
   fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
@@ -469,7 +438,7 @@ static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage 
   }
   if (fsdp_optimizer_set(job, (fsdp_optimizer_kind_t)rq->kind, groups, rq->n_groups,
                          rq->max_grad_norm, &st) < 0) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     goto out;
   }
   Fsdp__V1__SetOptimizerReply reply = FSDP__V1__SET_OPTIMIZER_REPLY__INIT;
@@ -478,7 +447,7 @@ static void trainer_set_optimizer(fsdp_rpc_call_t *call, const ProtobufCMessage 
       continue;
     fsdp_optimizer_state_t where;
     if (fsdp_optimizer_unit_state(job, u, &where, &st) < 0) {
-      fail_call(call, &st);
+      fsdp_services_fail_call(call, &st);
       goto out;
     }
     Fsdp__V1__OptimizerUnitState *m = &states[reply.n_units];
@@ -501,7 +470,7 @@ out:
 static void trainer_keepalive(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   fsdp_services_context_t *ctx = data;
   const Fsdp__V1__KeepAliveRequest *rq = (const void *)request;
-  if (!use_session(call, ctx, rq->session_id))
+  if (!fsdp_services_use_session(call, ctx, rq->session_id))
     return;
   Fsdp__V1__KeepAliveReply reply = FSDP__V1__KEEP_ALIVE_REPLY__INIT;
   reply.lease_ms = lease_ms(ctx);
@@ -618,7 +587,7 @@ static int fill_sessions(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
   s->session_ptrs = calloc(n ? n : 1, sizeof *s->session_ptrs);
   if (!s->sessions || !s->session_ptrs)
     return -ENOMEM;
-  uint64_t now = now_ms(ctx);
+  uint64_t now = fsdp_services_now_ms(ctx);
   size_t i = 0;
   for (const fsdp_session_t *ses = ctx->sessions->head; ses; ses = ses->next, i++) {
     Fsdp__V1__Session *out = &s->sessions[i];
@@ -720,7 +689,7 @@ static void operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   Fsdp__V1__StatusReply reply = FSDP__V1__STATUS_REPLY__INIT;
   reply.version = FSDP_VERSION_STRING;
   reply.protocol_version = FSDP_PROTOCOL_VERSION;
-  reply.uptime_ms = now_ms(ctx) - ctx->started_ms;
+  reply.uptime_ms = fsdp_services_now_ms(ctx) - ctx->started_ms;
   reply.pid = (int32_t)getpid();
   reply.config_file = ctx->config->file ? ctx->config->file : "";
   fill_config(ctx, &reply, s);
@@ -767,7 +736,7 @@ out:
  * included. Returns false after failing the call. */
 static bool operator_only(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx) {
   fsdp_credentials_t cred;
-  const fsdp_credentials_t *who = caller(ctx, call, &cred);
+  const fsdp_credentials_t *who = fsdp_services_caller(ctx, call, &cred);
   if (who && ctx->lifecycle.is_operator(ctx->lifecycle.data, fsdp_rpc_call_peer_fd(call), who))
     return true;
   const char *group = fsdp_config_text(ctx->config, FSDP_OPTION_OPERATOR_GROUP);
@@ -935,7 +904,7 @@ static void on_checkpoint_done(void *data, const fsdp_status_t *st, const char *
   if (c->call) {
     fsdp_rpc_call_on_cancel(c->call, NULL, NULL);
     if (st->code < 0) {
-      fail_call(c->call, st);
+      fsdp_services_fail_call(c->call, st);
     } else {
       Fsdp__V1__CheckpointReply reply = FSDP__V1__CHECKPOINT_REPLY__INIT;
       reply.path = (char *)path;
@@ -954,7 +923,7 @@ static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *r
   const Fsdp__V1__CheckpointRequest *rq = (const void *)request;
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
   if (rq->session_id) {
-    fsdp_session_t *s = use_session(call, ctx, rq->session_id);
+    fsdp_session_t *s = fsdp_services_use_session(call, ctx, rq->session_id);
     if (!s)
       return;
     if (strcmp(s->job, rq->job) != 0) {
@@ -980,7 +949,7 @@ static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *r
   /* The caller's rights, not the daemon's, for the path it names. */
   fsdp_credentials_t cred;
   fsdp_checkpoints_caller_t asking = {.trainer = rq->session_id != 0};
-  const fsdp_credentials_t *who = caller(ctx, call, &cred);
+  const fsdp_credentials_t *who = fsdp_services_caller(ctx, call, &cred);
   if (!who || fsdp_identity_of_peer(fsdp_rpc_call_peer_fd(call), who, &asking.as) < 0) {
     fsdp_rpc_call_fail(call, FSDP_E_PERMISSION_DENIED,
                        "%s: the caller's credentials cannot be read: its path is not used",
@@ -997,7 +966,7 @@ static void operator_checkpoint(fsdp_rpc_call_t *call, const ProtobufCMessage *r
   if (fsdp_checkpoints_start(ctx->checkpoints, job, rq->path, &asking, load, rq->step,
                              on_checkpoint_done, c, &st) < 0) {
     free(c);
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   fsdp_rpc_call_on_cancel(call, on_checkpoint_cancel, c);
@@ -1028,7 +997,7 @@ static void operator_list_units(fsdp_rpc_call_t *call, const ProtobufCMessage *r
   Fsdp__V1__UnitInfo *infos = calloc(n ? n : 1, sizeof *infos);
   Fsdp__V1__UnitInfo **ptrs = calloc(n ? n : 1, sizeof *ptrs);
   unit_info_storage_t *storage = calloc(n ? n : 1, sizeof *storage);
-  uint64_t now = now_ms(ctx);
+  uint64_t now = fsdp_services_now_ms(ctx);
   if (!infos || !ptrs || !storage) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory listing units");
     goto out;
@@ -1089,7 +1058,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
   fsdp_status_t st;
   const fsdp_unit_t *u = find_described_unit(ctx->store, rq, &job, &st);
   if (!u) {
-    fail_call(call, &st);
+    fsdp_services_fail_call(call, &st);
     return;
   }
   const fsdp_unit_layout_t *l = &u->layout;
@@ -1127,7 +1096,7 @@ static void operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage
     param_ptrs[i] = &params[i];
   }
   Fsdp__V1__UnitInfo info;
-  fill_unit_info(&info, job, u, now_ms(ctx), storage);
+  fill_unit_info(&info, job, u, fsdp_services_now_ms(ctx), storage);
   Fsdp__V1__DescribeUnitReply reply = FSDP__V1__DESCRIBE_UNIT_REPLY__INIT;
   reply.unit = &info;
   reply.n_shards = l->shards;
@@ -1175,7 +1144,7 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
                             fsdp_channel_welcome_t *w) {
   fsdp_services_context_t *ctx = data;
   fsdp_session_t *s;
-  if (fsdp_sessions_use(ctx->sessions, hello->session_id, cred, now_ms(ctx),
+  if (fsdp_sessions_use(ctx->sessions, hello->session_id, cred, fsdp_services_now_ms(ctx),
                         &s, &w->status) < 0)
     return;
   if (s->channel) {
