@@ -1,12 +1,11 @@
-/* Handler tables of the fsdp.v1 services (Trainer, Operator; Peer comes from
- * peer_service.h) in this release, and the memory channel's callbacks.
+/* Handler tables of the fsdp.v1 services in this release (Trainer from trainer_service.h,
+ * Operator from operator_service.h, Peer from peer_service.h), and the memory channel's
+ * callbacks.
  *
- * Operator.Status and Operator.ReloadConfig are served here. Trainer.Attach (and Peer.Join)
- * check the protocol version first (a mismatch gets FAILED_PRECONDITION naming both
- * versions); methods without a handler answer UNIMPLEMENTED through the RPC adapter. The
- * handlers work on a context (daemon/services/context.h), not on the daemon. Trainer calls
- * that wait in the data plane are parked here and answered from its callbacks.
- * Loop thread only. */
+ * Trainer.Attach (and Peer.Join) check the protocol version first (a mismatch gets
+ * FAILED_PRECONDITION naming both versions); methods without a handler answer UNIMPLEMENTED
+ * through the RPC adapter. The handlers work on a context (daemon/services/context.h), not on
+ * the daemon. Loop thread only. */
 #ifndef FSDP_SERVICES_H
 #define FSDP_SERVICES_H
 
