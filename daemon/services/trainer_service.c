@@ -303,6 +303,90 @@ static void trainer_reshard(fsdp_rpc_call_t *call, const ProtobufCMessage *reque
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+/* SetSchedule's depths within what a pool can hold; false after failing the call. */
+static bool schedule_depths_ok(fsdp_rpc_call_t *call, const fsdp_job_t *job,
+                               const Fsdp__V1__SetScheduleRequest *rq) {
+  if (rq->max_inflight > FSDP_POOL_CAPACITY_MAX) {
+    fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
+                       "SetSchedule: max_inflight %u is outside [1, %d] (0 keeps the job's %u)",
+                       rq->max_inflight, FSDP_POOL_CAPACITY_MAX, job->max_inflight);
+    return false;
+  }
+  const char *depth_names[2] = {"forward_prefetch", "backward_prefetch"};
+  uint32_t depths[2] = {rq->forward_prefetch, rq->backward_prefetch};
+  for (size_t i = 0; i < 2; i++)
+    if (depths[i] > FSDP_POOL_CAPACITY_MAX) {
+      fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT, "SetSchedule: %s %u is outside [0, %d]",
+                         depth_names[i], depths[i], FSDP_POOL_CAPACITY_MAX);
+      return false;
+    }
+  return true;
+}
+
+/* SetSchedule's per-unit entries, each of a registered unit; false after failing the call. */
+static bool schedule_units_ok(fsdp_rpc_call_t *call, const fsdp_job_t *job,
+                              const Fsdp__V1__SetScheduleRequest *rq) {
+  /* Each unit's entry once: where two disagree, neither silently wins. Indexed by unit id,
+   * which is below n_units, so that a long list costs one pass. */
+  size_t *entry_of = calloc(job->n_units ? job->n_units : 1, sizeof *entry_of);
+  if (!entry_of) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetSchedule: out of memory");
+    return false;
+  }
+  for (size_t i = 0; i < rq->n_units; i++) {
+    const fsdp_unit_t *u = fsdp_store_find_unit(job, rq->units[i]->unit);
+    if (!u) {
+      fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
+                         "SetSchedule: units[%zu].unit '%s' is not registered in job '%s'", i,
+                         rq->units[i]->unit, job->name);
+      free(entry_of);
+      return false;
+    }
+    if (entry_of[u->id]) { /* the index plus one: 0 is none yet */
+      fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
+                         "SetSchedule: units[%zu].unit '%s' is units[%zu].unit already: a unit "
+                         "takes one entry",
+                         i, rq->units[i]->unit, entry_of[u->id] - 1);
+      free(entry_of);
+      return false;
+    }
+    entry_of[u->id] = i + 1;
+  }
+  free(entry_of);
+  return true;
+}
+
+/* SetSchedule's forward_order as the job's units, each registered and named once; the
+ * caller frees it. NULL after failing the call. */
+static fsdp_unit_t **schedule_order(fsdp_rpc_call_t *call, const fsdp_job_t *job,
+                                    const Fsdp__V1__SetScheduleRequest *rq) {
+  fsdp_unit_t **order = calloc(rq->n_forward_order ? rq->n_forward_order : 1, sizeof *order);
+  if (!order) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetSchedule: out of memory");
+    return NULL;
+  }
+  for (size_t i = 0; i < rq->n_forward_order; i++) {
+    const char *name = rq->forward_order[i];
+    order[i] = fsdp_store_find_unit(job, name);
+    for (size_t k = 0; order[i] && k < i; k++)
+      if (order[k] == order[i]) {
+        fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
+                           "SetSchedule: forward_order[%zu] '%s' is forward_order[%zu] already",
+                           i, name, k);
+        free(order);
+        return NULL;
+      }
+    if (!order[i]) {
+      fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
+                         "SetSchedule: forward_order[%zu] '%s' is not registered in job '%s'", i,
+                         name, job->name);
+      free(order);
+      return NULL;
+    }
+  }
+  return order;
+}
+
 /* The job's schedule: checked whole before any of it applies. */
 static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                  void *data) {
@@ -317,71 +401,11 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
                        "SetSchedule: job '%s' has no units yet: register them first", s->job);
     return;
   }
-  if (rq->max_inflight > FSDP_POOL_CAPACITY_MAX) {
-    fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
-                       "SetSchedule: max_inflight %u is outside [1, %d] (0 keeps the job's %u)",
-                       rq->max_inflight, FSDP_POOL_CAPACITY_MAX, job->max_inflight);
+  if (!schedule_depths_ok(call, job, rq) || !schedule_units_ok(call, job, rq))
     return;
-  }
-  const char *depth_names[2] = {"forward_prefetch", "backward_prefetch"};
-  uint32_t depths[2] = {rq->forward_prefetch, rq->backward_prefetch};
-  for (size_t i = 0; i < 2; i++)
-    if (depths[i] > FSDP_POOL_CAPACITY_MAX) {
-      fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT, "SetSchedule: %s %u is outside [0, %d]",
-                         depth_names[i], depths[i], FSDP_POOL_CAPACITY_MAX);
-      return;
-    }
-  /* Each unit's entry once: where two disagree, neither silently wins. Indexed by unit id,
-   * which is below n_units, so that a long list costs one pass. */
-  size_t *entry_of = calloc(job->n_units ? job->n_units : 1, sizeof *entry_of);
-  if (!entry_of) {
-    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetSchedule: out of memory");
+  fsdp_unit_t **order = schedule_order(call, job, rq);
+  if (!order)
     return;
-  }
-  for (size_t i = 0; i < rq->n_units; i++) {
-    const fsdp_unit_t *u = fsdp_store_find_unit(job, rq->units[i]->unit);
-    if (!u) {
-      fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
-                         "SetSchedule: units[%zu].unit '%s' is not registered in job '%s'", i,
-                         rq->units[i]->unit, job->name);
-      free(entry_of);
-      return;
-    }
-    if (entry_of[u->id]) { /* the index plus one: 0 is none yet */
-      fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
-                         "SetSchedule: units[%zu].unit '%s' is units[%zu].unit already: a unit "
-                         "takes one entry",
-                         i, rq->units[i]->unit, entry_of[u->id] - 1);
-      free(entry_of);
-      return;
-    }
-    entry_of[u->id] = i + 1;
-  }
-  free(entry_of);
-  fsdp_unit_t **order = calloc(rq->n_forward_order ? rq->n_forward_order : 1, sizeof *order);
-  if (!order) {
-    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "SetSchedule: out of memory");
-    return;
-  }
-  for (size_t i = 0; i < rq->n_forward_order; i++) {
-    const char *name = rq->forward_order[i];
-    order[i] = fsdp_store_find_unit(job, name);
-    for (size_t k = 0; order[i] && k < i; k++)
-      if (order[k] == order[i]) {
-        fsdp_rpc_call_fail(call, FSDP_E_INVALID_ARGUMENT,
-                           "SetSchedule: forward_order[%zu] '%s' is forward_order[%zu] already",
-                           i, name, k);
-        free(order);
-        return;
-      }
-    if (!order[i]) {
-      fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
-                         "SetSchedule: forward_order[%zu] '%s' is not registered in job '%s'", i,
-                         name, job->name);
-      free(order);
-      return;
-    }
-  }
   if (rq->max_inflight)
     fsdp_dataplane_set_max_inflight(job, rq->max_inflight);
   for (size_t i = 0; i < rq->n_units; i++)
