@@ -168,6 +168,42 @@ static const fsdp_unit_t *find_described_unit(const fsdp_store_t *store,
   return NULL;
 }
 
+/* DescribeUnit's shards: where each is held and which elements of the flat buffer it holds,
+ * the padding past the unit's end counted apart. */
+static void fill_shard_infos(const fsdp_unit_t *u, Fsdp__V1__ShardInfo *shards,
+                             Fsdp__V1__ShardInfo **shard_ptrs) {
+  const fsdp_unit_layout_t *l = &u->layout;
+  for (unsigned s = 0; s < l->shards; s++) {
+    fsdp__v1__shard_info__init(&shards[s]);
+    shards[s].shard = s;
+    /* A shard group's hosts hold consecutive regions of local_shards shards each. */
+    const fsdp_unit_plan_t *p = &u->plan;
+    shards[s].host_rank = fsdp_host_ring_host(&p->shard_ring, s / p->local_shards);
+    shards[s].local_rank = s % p->local_shards;
+    fsdp_unit_layout_shard_range(l, s, &shards[s].begin, &shards[s].end);
+    uint64_t padding_begin = shards[s].begin > l->numel ? shards[s].begin : l->numel;
+    shards[s].padding = shards[s].end > l->numel ? shards[s].end - padding_begin : 0;
+    shard_ptrs[s] = &shards[s];
+  }
+}
+
+/* DescribeUnit's parameters: each one's shape and where it lies in the flat buffer. */
+static void fill_param_infos(const fsdp_unit_t *u, Fsdp__V1__ParamInfo *params,
+                             Fsdp__V1__ParamInfo **param_ptrs) {
+  const fsdp_unit_layout_t *l = &u->layout;
+  for (size_t i = 0; i < l->n_params; i++) {
+    const fsdp_param_spec_t *p = &u->spec->params[i];
+    fsdp__v1__param_info__init(&params[i]);
+    params[i].name = p->name;
+    params[i].n_shape = p->n_shape;
+    params[i].shape = p->shape;
+    params[i].offset = l->offsets[i];
+    params[i].numel = l->numels[i];
+    params[i].requires_grad = p->requires_grad;
+    param_ptrs[i] = &params[i];
+  }
+}
+
 void fsdp_operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                                  void *data) {
   const Fsdp__V1__DescribeUnitRequest *rq = (const void *)request;
@@ -189,30 +225,8 @@ void fsdp_operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory describing a unit");
     goto out;
   }
-  for (unsigned s = 0; s < l->shards; s++) {
-    fsdp__v1__shard_info__init(&shards[s]);
-    shards[s].shard = s;
-    /* A shard group's hosts hold consecutive regions of local_shards shards each. */
-    const fsdp_unit_plan_t *p = &u->plan;
-    shards[s].host_rank = fsdp_host_ring_host(&p->shard_ring, s / p->local_shards);
-    shards[s].local_rank = s % p->local_shards;
-    fsdp_unit_layout_shard_range(l, s, &shards[s].begin, &shards[s].end);
-    shards[s].padding = shards[s].end > l->numel
-                            ? shards[s].end - (shards[s].begin > l->numel ? shards[s].begin : l->numel)
-                            : 0;
-    shard_ptrs[s] = &shards[s];
-  }
-  for (size_t i = 0; i < l->n_params; i++) {
-    const fsdp_param_spec_t *p = &u->spec->params[i];
-    fsdp__v1__param_info__init(&params[i]);
-    params[i].name = p->name;
-    params[i].n_shape = p->n_shape;
-    params[i].shape = p->shape;
-    params[i].offset = l->offsets[i];
-    params[i].numel = l->numels[i];
-    params[i].requires_grad = p->requires_grad;
-    param_ptrs[i] = &params[i];
-  }
+  fill_shard_infos(u, shards, shard_ptrs);
+  fill_param_infos(u, params, param_ptrs);
   Fsdp__V1__UnitInfo info;
   fill_unit_info(&info, job, u, fsdp_services_now_ms(ctx), storage);
   Fsdp__V1__DescribeUnitReply reply = FSDP__V1__DESCRIBE_UNIT_REPLY__INIT;
