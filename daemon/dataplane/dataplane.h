@@ -1,6 +1,7 @@
 /* The data path: a registered unit's buffers in its job's arena, and the
- * operations on them. It knows no RPC: the service layer (daemon/services/) hands
- * it an operation with a completion callback, and builds the reply when it is called back.
+ * operations on them. It knows no RPC: the service layer (daemon/services/trainer_service.c,
+ * fastpath.c) hands it an operation with a completion callback, and builds the reply when it
+ * is called back.
  *
  * Operations. Each takes the rank that asks (fsdp_dataplane_rank_t), caller-owned storage
  * for it (fsdp_dataplane_op_t) and a done callback, which is called exactly once with the
