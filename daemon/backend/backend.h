@@ -1,6 +1,11 @@
 /* fsdp_backend_t: where a daemon keeps its jobs' memory and what computes on it, one per
- * daemon (`daemon.backend`): host memory and the CPU kernels, or one GPU's memory and its
- * kernels (the CUDA module, cuda/module.h).
+ * daemon (`daemon.backend`): host memory and the CPU kernels (daemon/backend/host_backend.h),
+ * or one GPU's memory and its kernels (fsdp_backend_init_cuda below).
+ *
+ * A backend is a table of operations (fsdp_backend_ops_t) and the little state its callers
+ * read; each implementation is a file of its own with a constructor that fills both, so that
+ * no caller tests which backend it has: where a caller needs to know something of it, that is
+ * a field here (stages_rings, device). A second backend is a second file.
  *
  * The data plane and the arenas know only this interface: memory a trainer maps (made once
  * per arena; the host's is the arena's own memfd, see daemon/store/arena.h), host memory
@@ -11,9 +16,9 @@
  * the daemon's work by that reply (the fallback the CUDA backend's design allows where no
  * event is shared).
  *
- * Every call but init/cleanup may run on any thread, but the operations one at a time: the
- * data plane runs one work item at a time. fsdp_backend_copy_beside may run beside them, and
- * so may the calls that make, zero or free memory nothing else uses yet. */
+ * Every call but the constructor and cleanup may run on any thread, but the operations one
+ * at a time: the data plane runs one work item at a time. fsdp_backend_copy_beside may run
+ * beside them, and so may the calls that make, zero or free memory nothing else uses yet. */
 #ifndef FSDP_BACKEND_H
 #define FSDP_BACKEND_H
 
@@ -24,78 +29,150 @@
 #include "cuda/module.h"
 #include "kernels/dtype.h"
 #include "kernels/optim.h"
-#include "kernels/workers.h"
 
-typedef enum fsdp_backend_kind {
-  FSDP_BACKEND_HOST = 0,
-  FSDP_BACKEND_CUDA,
-} fsdp_backend_kind_t;
+typedef struct fsdp_backend fsdp_backend_t;
 
-typedef struct fsdp_backend {
-  fsdp_backend_kind_t kind;
-  fsdp_workers_t *workers; /* the host's kernels split over them; borrowed */
+/* Memory of a backend's own that trainers map (a GPU's): one allocation exported as a file
+ * descriptor, mapped read-write by the daemon, zeroed once. */
+typedef struct fsdp_backend_memory {
+  void *base;   /* the daemon's mapping (a device address on a GPU) */
+  size_t bytes; /* a multiple of page */
+  size_t page;  /* the allocation granularity: a trainer maps whole memories */
+  int fd;       /* the exported descriptor, the memory's: send it, the receiver imports it */
+  void *impl;   /* the backend's own record of the memory */
+} fsdp_backend_memory_t;
+
+/* One backend's operations; every one takes the backend it belongs to. The contracts are
+ * those of the fsdp_backend_* calls below, which call through the table. */
+typedef struct fsdp_backend_ops {
+  const char *name; /* "host", "cuda" */
+  void (*cleanup)(fsdp_backend_t *b); /* NULL: nothing to undo */
+  /* NULL where the backend's memory is the host's (device -1): an arena makes its memfd. */
+  int (*memory_new)(const fsdp_backend_t *b, size_t bytes, fsdp_backend_memory_t *ret,
+                    fsdp_status_t *st);
+  void (*memory_free)(const fsdp_backend_t *b, fsdp_backend_memory_t *memory);
+  int (*host_new)(const fsdp_backend_t *b, size_t bytes, void **ret, fsdp_status_t *st);
+  void (*host_free)(const fsdp_backend_t *b, void *memory);
+  int (*cast)(const fsdp_backend_t *b, void *dst, fsdp_dtype_t dst_type, const void *src,
+              fsdp_dtype_t src_type, size_t n, fsdp_status_t *st);
+  int (*reduce)(const fsdp_backend_t *b, float *dst, bool accumulate, const void *const *srcs,
+                unsigned n_srcs, fsdp_dtype_t src_type, fsdp_dtype_t reduce_type,
+                float pre_scale, float post_scale, size_t n, fsdp_status_t *st);
+  int (*optim_step)(const fsdp_backend_t *b, const fsdp_optim_step_t *step, float *p, float *g,
+                    float *const state[3], size_t n, fsdp_status_t *st);
+  int (*sum_squares)(const fsdp_backend_t *b, const float *x, size_t n, double *ret,
+                     fsdp_status_t *st);
+  int (*zero)(const fsdp_backend_t *b, void *dst, size_t bytes, fsdp_status_t *st);
+  int (*copy)(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
+              fsdp_status_t *st);
+  int (*copy_beside)(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
+                     fsdp_status_t *st);
+} fsdp_backend_ops_t;
+
+struct fsdp_backend {
+  const fsdp_backend_ops_t *ops;
+  /* The device ordinal of its memory, -1 for host memory. */
+  int device;
+  /* The device as messages name it ("" for the host's). */
+  char device_name[320];
   /* The rings among hosts move host memory: a GPU's jobs stage what they move in host
    * buffers (daemon/store/staging.h). The host backend's jobs stage only where a test asks
    * (the failpoint "stage-rings"), to run that path on a machine without a GPU. */
   bool stages_rings;
-  /* CUDA: the module, the GPU (its ordinal and what it is called in messages), the
-   * daemon's stream on it, and the stream of the copies beside it. */
-  const fsdp_cuda_module_t *cuda;
-  fsdp_cuda_device_t device;
-  char device_name[320];
-  fsdp_cuda_stream_t *stream;
-  fsdp_cuda_stream_t *beside_stream;
-} fsdp_backend_t;
+  void *impl; /* the implementation's own state */
+};
 
-/* The host backend: the CPU kernels over workers (borrowed). */
-void fsdp_backend_init_host(fsdp_backend_t *b, fsdp_workers_t *workers);
-/* The CUDA backend on `device` (one the loader found usable); fails naming the GPU. */
-int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,
-                           const fsdp_cuda_device_t *device, fsdp_status_t *st);
-void fsdp_backend_cleanup(fsdp_backend_t *b); /* NULL-safe */
+/* NULL-safe, and safe on a backend no constructor filled (zeroed). */
+static inline void fsdp_backend_cleanup(fsdp_backend_t *b) {
+  if (b && b->ops && b->ops->cleanup)
+    b->ops->cleanup(b);
+}
 
 /* "host", or "cuda". */
-const char *fsdp_backend_name(const fsdp_backend_t *b);
-/* The CUDA device ordinal of its memory, -1 for host memory. */
-int fsdp_backend_device(const fsdp_backend_t *b);
+static inline const char *fsdp_backend_name(const fsdp_backend_t *b) {
+  return b->ops->name;
+}
+/* The device ordinal of its memory, -1 for host memory. */
+static inline int fsdp_backend_device(const fsdp_backend_t *b) {
+  return b->device;
+}
+/* Whether its memory is the host's: the daemon reads and writes it directly, and an arena
+ * makes it (a memfd) rather than fsdp_backend_memory_new. */
+static inline bool fsdp_backend_memory_is_host(const fsdp_backend_t *b) {
+  return b->device < 0;
+}
 
-/* Device memory for an arena (CUDA only): at least `bytes`, zeroed, with a descriptor for
- * trainers; ret is the caller's storage. */
-int fsdp_backend_memory_new(const fsdp_backend_t *b, size_t bytes, fsdp_cuda_memory_t *ret,
-                            fsdp_status_t *st);
-void fsdp_backend_memory_free(const fsdp_backend_t *b, fsdp_cuda_memory_t *memory);
+/* Memory for an arena where the backend's is not the host's: at least `bytes`, zeroed, with
+ * a descriptor for trainers; ret is the caller's storage, undone by fsdp_backend_memory_free
+ * (a trainer that imported it keeps the memory until it lets go). */
+static inline int fsdp_backend_memory_new(const fsdp_backend_t *b, size_t bytes,
+                                          fsdp_backend_memory_t *ret, fsdp_status_t *st) {
+  return b->ops->memory_new(b, bytes, ret, st);
+}
+static inline void fsdp_backend_memory_free(const fsdp_backend_t *b,
+                                            fsdp_backend_memory_t *memory) {
+  b->ops->memory_free(b, memory);
+}
 
 /* Host memory of at least `bytes` in *ret, for staging (pinned on a GPU); freed by
  * fsdp_backend_host_free, NULL-safe. RESOURCE_EXHAUSTED when there is none. */
-int fsdp_backend_host_new(const fsdp_backend_t *b, size_t bytes, void **ret, fsdp_status_t *st);
-void fsdp_backend_host_free(const fsdp_backend_t *b, void *memory);
+static inline int fsdp_backend_host_new(const fsdp_backend_t *b, size_t bytes, void **ret,
+                                        fsdp_status_t *st) {
+  return b->ops->host_new(b, bytes, ret, st);
+}
+static inline void fsdp_backend_host_free(const fsdp_backend_t *b, void *memory) {
+  b->ops->host_free(b, memory);
+}
 
 /* kernels/kernels.h's contracts, on the backend's memory. */
-int fsdp_backend_cast(const fsdp_backend_t *b, void *dst, fsdp_dtype_t dst_type,
-                      const void *src, fsdp_dtype_t src_type, size_t n, fsdp_status_t *st);
-int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
-                        const void *const *srcs, unsigned n_srcs, fsdp_dtype_t src_type,
-                        fsdp_dtype_t reduce_type, float pre_scale, float post_scale, size_t n,
-                        fsdp_status_t *st);
+static inline int fsdp_backend_cast(const fsdp_backend_t *b, void *dst, fsdp_dtype_t dst_type,
+                                    const void *src, fsdp_dtype_t src_type, size_t n,
+                                    fsdp_status_t *st) {
+  return b->ops->cast(b, dst, dst_type, src, src_type, n, st);
+}
+static inline int fsdp_backend_reduce(const fsdp_backend_t *b, float *dst, bool accumulate,
+                                      const void *const *srcs, unsigned n_srcs,
+                                      fsdp_dtype_t src_type, fsdp_dtype_t reduce_type,
+                                      float pre_scale, float post_scale, size_t n,
+                                      fsdp_status_t *st) {
+  return b->ops->reduce(b, dst, accumulate, srcs, n_srcs, src_type, reduce_type, pre_scale,
+                        post_scale, n, st);
+}
 /* One optimizer step (kernels/optim.h's fsdp_optim_run, the same bits) over n elements of
  * the backend's memory: split over the workers on the host, one kernel on a GPU. */
-int fsdp_backend_optim_step(const fsdp_backend_t *b, const fsdp_optim_step_t *step, float *p,
-                            float *g, float *const state[3], size_t n, fsdp_status_t *st);
+static inline int fsdp_backend_optim_step(const fsdp_backend_t *b, const fsdp_optim_step_t *step,
+                                          float *p, float *g, float *const state[3], size_t n,
+                                          fsdp_status_t *st) {
+  return b->ops->optim_step(b, step, p, g, state, n, st);
+}
 /* The sum of the squares of n fp32 elements in double, in *ret: in element order on the
  * host, in a GPU's fixed order of its own there (the same on every run, not the host's
  * bits). */
-int fsdp_backend_sum_squares(const fsdp_backend_t *b, const float *x, size_t n, double *ret,
-                             fsdp_status_t *st);
+static inline int fsdp_backend_sum_squares(const fsdp_backend_t *b, const float *x, size_t n,
+                                           double *ret, fsdp_status_t *st) {
+  return b->ops->sum_squares(b, x, n, ret, st);
+}
 /* Zeroes new memory of the backend's (a GPU's is waited for on none of the backend's
  * streams: any thread, the loop included, as the memory's own making). */
-int fsdp_backend_zero(const fsdp_backend_t *b, void *dst, size_t bytes, fsdp_status_t *st);
+static inline int fsdp_backend_zero(const fsdp_backend_t *b, void *dst, size_t bytes,
+                                    fsdp_status_t *st) {
+  return b->ops->zero(b, dst, bytes, st);
+}
 
 /* bytes from src to dst, each the backend's memory or the host's (a checkpoint's staging). */
-int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
-                      fsdp_status_t *st);
+static inline int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const void *src,
+                                    size_t bytes, fsdp_status_t *st) {
+  return b->ops->copy(b, dst, src, bytes, st);
+}
 /* The same copy, run beside the other calls (a checkpoint's snapshot while the data plane
  * works on): on the calling thread alone on the host (the workers are the data plane's), on
  * a stream of its own on a GPU. */
-int fsdp_backend_copy_beside(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
-                             fsdp_status_t *st);
+static inline int fsdp_backend_copy_beside(const fsdp_backend_t *b, void *dst, const void *src,
+                                           size_t bytes, fsdp_status_t *st) {
+  return b->ops->copy_beside(b, dst, src, bytes, st);
+}
+/* The CUDA backend on `device` (one the loader found usable), through `cuda` (borrowed: it
+ * outlives the backend). Fails naming the GPU, and leaves *b as it was. */
+int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,
+                           const fsdp_cuda_device_t *device, fsdp_status_t *st);
 #endif

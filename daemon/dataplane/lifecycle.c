@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/backend/host_backend.h"
+
 static int unit_made(void *data, fsdp_unit_t *unit, fsdp_status_t *st) {
   (void)data;
   fsdp_unit_flight_t *f = calloc(1, sizeof *f);

@@ -357,7 +357,7 @@ uint64_t fsdp_optimizer_unit_steps(const fsdp_job_t *job, const fsdp_unit_t *u) 
   if (!o || u->id >= o->n_units || !o->units[u->id].has_state)
     return 0;
   const unit_plan_t *p = &o->units[u->id];
-  return job->backend->kind == FSDP_BACKEND_HOST ? *step_count(job, p) : p->stepped;
+  return fsdp_backend_memory_is_host(job->backend) ? *step_count(job, p) : p->stepped;
 }
 
 void fsdp_optimizer_stepped(fsdp_job_t *job, const fsdp_unit_t *u, uint64_t step) {

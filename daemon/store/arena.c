@@ -64,7 +64,7 @@ struct fsdp_arena {
   uint64_t prefault_ns;
   /* A GPU's arena: its backend and memory; fd is the memory's exported descriptor. */
   const fsdp_backend_t *backend;
-  fsdp_cuda_memory_t device_memory;
+  fsdp_backend_memory_t device_memory;
 
   block_t *blocks;
   size_t n_blocks;
@@ -255,7 +255,7 @@ int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t
     goto fail;
   }
 
-  if (opt->backend && opt->backend->kind != FSDP_BACKEND_HOST) {
+  if (opt->backend && !fsdp_backend_memory_is_host(opt->backend)) {
     if ((r = fsdp_backend_memory_new(opt->backend, capacity, &arena->device_memory, st)) < 0) {
       fsdp_status_set(st, r, "job '%s': %s", arena->name, st->message);
       goto fail;

@@ -10,6 +10,7 @@
 
 #include <cmocka.h>
 
+#include "daemon/backend/host_backend.h"
 #include "daemon/store/staging.h"
 
 typedef struct forgotten {
