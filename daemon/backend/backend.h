@@ -1,6 +1,6 @@
 /* fsdp_backend_t: where a daemon keeps its jobs' memory and what computes on it, one per
  * daemon (`daemon.backend`): host memory and the CPU kernels (daemon/backend/host_backend.h),
- * or one GPU's memory and its kernels (fsdp_backend_init_cuda below).
+ * or one GPU's memory and its kernels (daemon/backend/cuda_backend.h).
  *
  * A backend is a table of operations (fsdp_backend_ops_t) and the little state its callers
  * read; each implementation is a file of its own with a constructor that fills both, so that
@@ -26,7 +26,6 @@
 #include <stddef.h>
 
 #include "common/status.h"
-#include "cuda/module.h"
 #include "kernels/dtype.h"
 #include "kernels/optim.h"
 
@@ -171,8 +170,4 @@ static inline int fsdp_backend_copy_beside(const fsdp_backend_t *b, void *dst, c
                                            size_t bytes, fsdp_status_t *st) {
   return b->ops->copy_beside(b, dst, src, bytes, st);
 }
-/* The CUDA backend on `device` (one the loader found usable), through `cuda` (borrowed: it
- * outlives the backend). Fails naming the GPU, and leaves *b as it was. */
-int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,
-                           const fsdp_cuda_device_t *device, fsdp_status_t *st);
 #endif

@@ -68,6 +68,7 @@
 #include "collectives/rank_set.h"
 #include "common/status.h"
 #include "daemon/backend/backend.h"
+#include "daemon/backend/cuda_backend.h"
 #include "daemon/cluster/fabric.h"
 #include "daemon/cluster/peers.h"
 #include "daemon/store/store.h"

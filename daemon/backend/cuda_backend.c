@@ -2,7 +2,7 @@
  * module's kernels queued on the daemon's stream and waited for, so that each call is
  * complete when it returns. Apart from the host's so that each backend is one file behind
  * the table of backend.h. */
-#include "daemon/backend/backend.h"
+#include "daemon/backend/cuda_backend.h"
 
 #include <errno.h>
 #include <stdio.h>
