@@ -1,4 +1,5 @@
-/* The per-job arena: a sealed, pre-faulted memfd and a best-fit block list over it.
+/* The per-job arena: a sealed memfd, pre-faulted at creation or range by range, and a
+ * best-fit block list over it.
  *
  * The block list is one array sorted by offset whose blocks tile [0, capacity) exactly;
  * two free blocks are never neighbours (release merges them), so the list stays as short
@@ -128,43 +129,34 @@ static void touch_pages(volatile char *p, size_t len, size_t page) {
     p[off] = 0; /* the memory is fresh: zero is what it holds */
 }
 
-/* Makes, sizes, seals, maps and pre-faults the memfd with one kind of page. On failure
- * undoes its own steps and returns -errno with st saying which step failed. */
-static int map_memfd(fsdp_arena_t *arena, size_t capacity, bool huge,
-                     const fsdp_arena_options_t *opt, fsdp_status_t *st) {
+/* Makes the memfd of `size` bytes in pages of `page`, owner read only and sealed against
+ * resizing. Returns NULL, or the call that failed (errno says why). */
+static const char *create_memfd(fsdp_arena_t *arena, bool huge, size_t size, size_t page) {
   char memfd_name[FSDP_ARENA_NAME_MAX + 16];
   snprintf(memfd_name, sizeof memfd_name, "fsdp-arena:%s", arena->name);
   unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (huge ? MFD_HUGETLB | MFD_HUGE_2MB : 0);
-  size_t page = huge ? HUGE_PAGE : SMALL_PAGE;
-  size_t size = (size_t)align_up(capacity, page);
-  const char *step;
-  int r;
-
   arena->fd = memfd_create(memfd_name, flags);
-  if (arena->fd < 0) {
-    step = "memfd_create";
-    goto fail;
-  }
+  if (arena->fd < 0)
+    return "memfd_create";
   arena->capacity = size;
   arena->page_size = page;
-  if (ftruncate(arena->fd, (off_t)size) < 0) {
-    step = "ftruncate";
-    goto fail;
-  }
+  if (ftruncate(arena->fd, (off_t)size) < 0)
+    return "ftruncate";
   /* Owner read only: a receiver of another user cannot reopen its descriptor read-write
    * through /proc (see fsdp_arena_open_readonly); descriptors already open keep their mode. */
-  if (fchmod(arena->fd, 0400) < 0) {
-    step = "fchmod";
-    goto fail;
-  }
+  if (fchmod(arena->fd, 0400) < 0)
+    return "fchmod";
   /* Before anyone else can hold the descriptor: a trainer must not shrink the memory
    * under the daemon's mapping (SIGBUS) nor grow it past the job's limit. */
-  if (fcntl(arena->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0) {
-    step = "F_ADD_SEALS";
-    goto fail;
-  }
+  if (fcntl(arena->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) < 0)
+    return "F_ADD_SEALS";
+  return NULL;
+}
 
-  fsdp_arena_prefault_t method = opt->prefault;
+/* Maps the whole memfd read-write and faults its pages in as `method` says, recording the
+ * method used and its time. Returns NULL, or the call that failed (errno says why). */
+static const char *map_prefaulted(fsdp_arena_t *arena, bool huge, fsdp_arena_prefault_t method) {
+  size_t size = arena->capacity;
   if (method == FSDP_ARENA_PREFAULT_AUTO)
     method = FSDP_ARENA_PREFAULT_POPULATE_WRITE;
   uint64_t t0 = fsdp_clock_now_ns();
@@ -172,25 +164,34 @@ static int map_memfd(fsdp_arena_t *arena, size_t capacity, bool huge,
   /* A hugetlb mapping reserves its pages here, so a missing reservation fails now with
    * ENOMEM rather than later with SIGBUS on a fault. */
   arena->base = mmap(NULL, size, PROT_READ | PROT_WRITE, mmap_flags, arena->fd, 0);
-  if (arena->base == MAP_FAILED) {
-    step = "mmap";
-    goto fail;
-  }
+  if (arena->base == MAP_FAILED)
+    return "mmap";
   if (!huge)
     (void)madvise(arena->base, size, MADV_HUGEPAGE); /* used only if shmem THP is "advise" */
   if (method == FSDP_ARENA_PREFAULT_POPULATE_WRITE &&
       madvise(arena->base, size, MADV_POPULATE_WRITE) < 0) {
-    if (errno != EINVAL) {
-      step = "madvise(MADV_POPULATE_WRITE)";
-      goto fail;
-    }
+    if (errno != EINVAL)
+      return "madvise(MADV_POPULATE_WRITE)";
     method = FSDP_ARENA_PREFAULT_TOUCH; /* a kernel before 5.14 */
   }
   if (method == FSDP_ARENA_PREFAULT_TOUCH)
-    touch_pages(arena->base, size, page);
+    touch_pages(arena->base, size, arena->page_size);
   arena->prefault = method;
   arena->prefault_ns = fsdp_clock_now_ns() - t0;
+  return NULL;
+}
 
+/* Makes, sizes, seals, maps and pre-faults the memfd with one kind of page. On failure
+ * undoes its own steps and returns -errno with st saying which step failed. */
+static int map_memfd(fsdp_arena_t *arena, size_t capacity, bool huge,
+                     const fsdp_arena_options_t *opt, fsdp_status_t *st) {
+  size_t page = huge ? HUGE_PAGE : SMALL_PAGE;
+  size_t size = (size_t)align_up(capacity, page);
+  const char *step;
+  int r;
+  if ((step = create_memfd(arena, huge, size, page)) ||
+      (step = map_prefaulted(arena, huge, opt->prefault)))
+    goto fail;
   unsigned seals = F_SEAL_SEAL; /* and no one adds seals later (F_SEAL_WRITE would block us) */
   if (opt->peers_read_only)
     seals |= F_SEAL_FUTURE_WRITE; /* our mapping exists and stays writable */
@@ -205,12 +206,10 @@ static int map_memfd(fsdp_arena_t *arena, size_t capacity, bool huge,
 fail:
   r = -errno;
   unmap_and_close(arena);
-  {
-    char cap[32];
-    fsdp_status_set(st, r, "job '%s': cannot set up %s of %s memory: %s failed: %s", arena->name,
-                    format_size(cap, sizeof cap, size), huge ? "hugetlb 2 MiB" : "4 KiB-page",
-                    step, strerror(-r));
-  }
+  char cap[32];
+  fsdp_status_set(st, r, "job '%s': cannot set up %s of %s memory: %s failed: %s", arena->name,
+                  format_size(cap, sizeof cap, size), huge ? "hugetlb 2 MiB" : "4 KiB-page",
+                  step, strerror(-r));
   return r;
 }
 
@@ -225,6 +224,59 @@ static long hugepages_free(void) {
       break;
   fclose(f);
   return n;
+}
+
+/* A backend whose memory is not the host's makes the arena's: one allocation with its
+ * exported descriptor, resident and zeroed when made, so there is nothing to pre-fault. */
+static int use_backend_memory(fsdp_arena_t *arena, const fsdp_backend_t *backend,
+                              size_t capacity, fsdp_status_t *st) {
+  int r = fsdp_backend_memory_new(backend, capacity, &arena->device_memory, st);
+  if (r < 0)
+    return fsdp_status_set(st, r, "job '%s': %s", arena->name, st->message);
+  arena->backend = backend;
+  arena->base = arena->device_memory.base;
+  arena->capacity = arena->device_memory.bytes;
+  arena->page_size = arena->device_memory.page;
+  arena->fd = arena->peer_fd = arena->device_memory.fd;
+  arena->prefault = FSDP_ARENA_PREFAULT_NONE;
+  return 0;
+}
+
+/* The host's memory: a memfd of hugetlb pages where asked and reserved, else of 4 KiB pages,
+ * and the descriptor trainers receive. */
+static int use_memfd(fsdp_arena_t *arena, size_t capacity, const fsdp_arena_options_t *opt,
+                     fsdp_status_t *st) {
+  bool try_huge = opt->hugetlb == FSDP_ARENA_HUGETLB_REQUIRE ||
+                  (opt->hugetlb == FSDP_ARENA_HUGETLB_AUTO && capacity >= HUGE_PAGE);
+  int r = -1;
+  if (try_huge) {
+    r = map_memfd(arena, capacity, true, opt, st);
+    if (r < 0) {
+      if (opt->hugetlb == FSDP_ARENA_HUGETLB_REQUIRE) {
+        char cap[32];
+        return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                               "job '%s': hugetlb pages required for %s but not available "
+                               "(HugePages_Free %ld of 2 MiB; see vm.nr_hugepages): %s",
+                               arena->name,
+                               format_size(cap, sizeof cap, align_up(capacity, HUGE_PAGE)),
+                               hugepages_free(), strerror(-r));
+      }
+      /* AUTO: 4 KiB pages instead, and the reason kept for the daemon to report. */
+      arena->hugetlb_error = r;
+      if (st)
+        fsdp_status_clear(st);
+    }
+  }
+  if (r < 0 && (r = map_memfd(arena, capacity, false, opt, st)) < 0)
+    return r;
+
+  /* Trainers get a descriptor that cannot write either: the seal is not the only guard, and
+   * fallocate() needs a writable one. */
+  arena->peer_fd = arena->fd;
+  if (opt->peers_read_only && (r = fsdp_arena_open_readonly(arena, &arena->peer_fd)) < 0)
+    return fsdp_status_set(st, r, "job '%s': cannot open the arena read-only: %s", arena->name,
+                           strerror(-r));
+  return 0;
 }
 
 int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t *options,
@@ -254,57 +306,13 @@ int fsdp_arena_new(const char *name, size_t capacity, const fsdp_arena_options_t
     r = fsdp_status_set(st, -ENOMEM, "job '%s': out of memory for the arena", name);
     goto fail;
   }
-
-  if (opt->backend && !fsdp_backend_memory_is_host(opt->backend)) {
-    if ((r = fsdp_backend_memory_new(opt->backend, capacity, &arena->device_memory, st)) < 0) {
-      fsdp_status_set(st, r, "job '%s': %s", arena->name, st->message);
-      goto fail;
-    }
-    arena->backend = opt->backend;
-    arena->base = arena->device_memory.base;
-    arena->capacity = arena->device_memory.bytes;
-    arena->page_size = arena->device_memory.page;
-    arena->fd = arena->peer_fd = arena->device_memory.fd;
-    arena->prefault = FSDP_ARENA_PREFAULT_NONE;
-    goto made;
-  }
-  bool try_huge = opt->hugetlb == FSDP_ARENA_HUGETLB_REQUIRE ||
-                  (opt->hugetlb == FSDP_ARENA_HUGETLB_AUTO && capacity >= HUGE_PAGE);
-  r = -1;
-  if (try_huge) {
-    r = map_memfd(arena, capacity, true, opt, st);
-    if (r < 0) {
-      if (opt->hugetlb == FSDP_ARENA_HUGETLB_REQUIRE) {
-        char cap[32];
-        r = fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                            "job '%s': hugetlb pages required for %s but not available "
-                            "(HugePages_Free %ld of 2 MiB; see vm.nr_hugepages): %s",
-                            arena->name, format_size(cap, sizeof cap, align_up(capacity, HUGE_PAGE)),
-                            hugepages_free(), strerror(-r));
-        goto fail;
-      }
-      /* AUTO: 4 KiB pages instead, and the reason kept for the daemon to report. */
-      arena->hugetlb_error = r;
-      if (st)
-        fsdp_status_clear(st);
-    }
-  }
-  if (r < 0) {
-    r = map_memfd(arena, capacity, false, opt, st);
-    if (r < 0)
-      goto fail;
-  }
-
-  /* Trainers get a descriptor that cannot write either: the seal is not the only guard, and
-   * fallocate() needs a writable one. */
-  arena->peer_fd = arena->fd;
-  if (opt->peers_read_only && (r = fsdp_arena_open_readonly(arena, &arena->peer_fd)) < 0) {
-    r = fsdp_status_set(st, r, "job '%s': cannot open the arena read-only: %s", arena->name,
-                        strerror(-r));
+  if (opt->backend && !fsdp_backend_memory_is_host(opt->backend))
+    r = use_backend_memory(arena, opt->backend, capacity, st);
+  else
+    r = use_memfd(arena, capacity, opt, st);
+  if (r < 0)
     goto fail;
-  }
 
-made:
   arena->blocks[0] = (block_t){.offset = 0, .size = arena->capacity, .allocated = false};
   arena->n_blocks = 1;
   *ret = arena;
@@ -351,9 +359,51 @@ static uint64_t largest_free(const fsdp_arena_t *arena) {
   return best;
 }
 
+/* The RESOURCE_EXHAUSTED of a request of `need` bytes aligned to `align` that no free block
+ * holds, with the numbers that say why and the setting to raise. */
+static int no_block_fits(const fsdp_arena_t *arena, uint64_t need, size_t align,
+                         fsdp_status_t *st) {
+  char need_s[32], free_s[32], largest_s[32], cap_s[32], align_s[32];
+  uint64_t largest = largest_free(arena);
+  char aligned[64] = "";
+  if (largest >= need) /* it is the alignment that does not fit: say so */
+    snprintf(aligned, sizeof aligned, " aligned to %s",
+             format_size(align_s, sizeof align_s, align));
+  return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
+                         "job '%s': need %s%s, %s free (largest block %s) of the %s limit%s%s%s",
+                         arena->name, format_size(need_s, sizeof need_s, need), aligned,
+                         format_size(free_s, sizeof free_s, arena->capacity - arena->used),
+                         format_size(largest_s, sizeof largest_s, largest),
+                         format_size(cap_s, sizeof cap_s, arena->capacity),
+                         arena->capacity_key ? " (" : "",
+                         arena->capacity_key ? arena->capacity_key : "",
+                         arena->capacity_key ? ")" : "");
+}
+
+/* Splits free block `i` into [head free][`need` allocated at start][tail free]; the
+ * neighbours of a free block are allocated, so the pieces need no merging. The block list
+ * has room for two more. */
+static void take_block(fsdp_arena_t *arena, size_t i, uint64_t start, uint64_t need) {
+  block_t b = arena->blocks[i];
+  uint64_t head = start - b.offset;
+  uint64_t tail = b.offset + b.size - (start + need);
+  block_t pieces[3];
+  size_t n = 0;
+  if (head > 0)
+    pieces[n++] = (block_t){.offset = b.offset, .size = head, .allocated = false};
+  pieces[n++] = (block_t){.offset = start, .size = need, .allocated = true};
+  if (tail > 0)
+    pieces[n++] = (block_t){.offset = start + need, .size = tail, .allocated = false};
+  memmove(&arena->blocks[i + n], &arena->blocks[i + 1],
+          (arena->n_blocks - i - 1) * sizeof(block_t));
+  memcpy(&arena->blocks[i], pieces, n * sizeof(block_t));
+  arena->n_blocks += n - 1;
+  arena->used += need;
+  arena->n_allocated++;
+}
+
 int fsdp_arena_alloc(fsdp_arena_t *arena, size_t size, size_t align, uint64_t *ret_offset,
                      fsdp_status_t *st) {
-  char need_s[32], free_s[32], largest_s[32], cap_s[32], align_s[32];
   if (size == 0)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "job '%s': allocation of 0 bytes, expected at least 1", arena->name);
@@ -391,44 +441,12 @@ int fsdp_arena_alloc(fsdp_arena_t *arena, size_t size, size_t align, uint64_t *r
       }
     }
   }
-  if (best == SIZE_MAX) {
-    uint64_t largest = largest_free(arena);
-    char aligned[64] = "";
-    if (largest >= need) /* it is the alignment that does not fit: say so */
-      snprintf(aligned, sizeof aligned, " aligned to %s",
-               format_size(align_s, sizeof align_s, align));
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                           "job '%s': need %s%s, %s free (largest block %s) of the %s limit%s%s%s",
-                           arena->name, format_size(need_s, sizeof need_s, need), aligned,
-                           format_size(free_s, sizeof free_s, arena->capacity - arena->used),
-                           format_size(largest_s, sizeof largest_s, largest),
-                           format_size(cap_s, sizeof cap_s, arena->capacity),
-                           arena->capacity_key ? " (" : "",
-                           arena->capacity_key ? arena->capacity_key : "",
-                           arena->capacity_key ? ")" : "");
-  }
+  if (best == SIZE_MAX)
+    return no_block_fits(arena, need, align, st);
   if (!reserve_blocks(arena, 2))
     return fsdp_status_set(st, -ENOMEM, "job '%s': out of memory for the block list",
                            arena->name);
-
-  /* Split the chosen block into [head free][allocated][tail free]; the neighbours of a
-   * free block are allocated, so the pieces need no merging. */
-  block_t b = arena->blocks[best];
-  uint64_t head = best_start - b.offset;
-  uint64_t tail = b.offset + b.size - (best_start + need);
-  block_t pieces[3];
-  size_t n = 0;
-  if (head > 0)
-    pieces[n++] = (block_t){.offset = b.offset, .size = head, .allocated = false};
-  pieces[n++] = (block_t){.offset = best_start, .size = need, .allocated = true};
-  if (tail > 0)
-    pieces[n++] = (block_t){.offset = best_start + need, .size = tail, .allocated = false};
-  memmove(&arena->blocks[best + n], &arena->blocks[best + 1],
-          (arena->n_blocks - best - 1) * sizeof(block_t));
-  memcpy(&arena->blocks[best], pieces, n * sizeof(block_t));
-  arena->n_blocks += n - 1;
-  arena->used += need;
-  arena->n_allocated++;
+  take_block(arena, best, best_start, need);
   *ret_offset = best_start;
   return 0;
 }

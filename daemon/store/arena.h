@@ -1,12 +1,16 @@
-/* fsdp_arena_t: the host backend's per-job memory, one memfd sub-allocated by offset.
+/* fsdp_arena_t: a job's memory, one memfd (or a GPU's memory: options.backend) sub-allocated
+ * by offset.
  *
  * Why: trainers on the host share the daemon's buffers (unsharded parameters, gradients,
  * shards) without copies and without names in /dev/shm. A job's memory is one anonymous
  * memfd (memfd_create), sized once to the job's limit, sealed so that nobody holding the
- * descriptor can shrink or grow it (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), mapped
- * once by the daemon and pre-faulted once, so that no hot path ever faults a fresh page.
- * Trainers receive the descriptor over the unix socket (common/fdpass.h) and map it once;
- * what travels in messages are offsets into the arena.
+ * descriptor can shrink or grow it (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) and mapped
+ * once by the daemon. So that no hot path faults a fresh page, its pages are pre-faulted:
+ * all at creation (options.prefault), or, in an arena made without (FSDP_ARENA_PREFAULT_NONE,
+ * as the store makes its arenas), range by range when its owner asks
+ * (fsdp_arena_prefault_range: the data plane pre-faults a unit's buffers as it allocates
+ * them). Trainers receive the descriptor over the unix socket (common/fdpass.h) and map it
+ * once; what travels in messages are offsets into the arena.
  *
  * Pages: hugetlb 2 MiB pages when the operator reserved them (vm.nr_hugepages), else
  * 4 KiB shmem pages; fsdp_arena_get_stats() says which and, under AUTO, why not hugetlb.
@@ -22,13 +26,13 @@
  *    another user (the intended deployment: trainers in the daemon's group), but not a
  *    trainer running as the daemon's own user (it can fchmod) or as root.
  *  - options.peers_read_only: the arena is sealed F_SEAL_FUTURE_WRITE right after the
- *    daemon's own writable mapping is made and pre-faulted. The kernel then refuses every
- *    new writable shared mapping and every write() through any descriptor (EPERM), root
- *    and reopened descriptors included, while the daemon keeps writing through its
- *    mapping. This is the airtight choice: put a job's read-only buffers (unsharded
- *    parameters) in one such arena and its trainer-writable buffers in another. Such an
- *    arena also hands out an O_RDONLY descriptor (fsdp_arena_peer_fd), so that the seal is
- *    not the only guard.
+ *    daemon's own writable mapping is made (and pre-faulted, when that is at creation).
+ *    The kernel then refuses every new writable shared mapping and every write() through
+ *    any descriptor (EPERM), root and reopened descriptors included, while the daemon keeps
+ *    writing through its mapping. This is the airtight choice: put a job's read-only
+ *    buffers (unsharded parameters) in one such arena and its trainer-writable buffers in
+ *    another. Such an arena also hands out an O_RDONLY descriptor (fsdp_arena_peer_fd), so
+ *    that the seal is not the only guard.
  *
  * Host memory. Whoever holds a descriptor or mapping can make pages resident: fallocate()
  * or writes through a writable one, read faults through any (shmem allocates a page on a
@@ -45,11 +49,13 @@
  * A released block is reused as it is: its pages stay populated (never MADV_DONTNEED) and
  * its contents are stale; the caller initializes what it allocates.
  *
- * Threads: fsdp_arena_new() is blocking (it pre-faults the whole capacity: a few hundred
- * milliseconds per GiB here), so the daemon calls it off the loop thread and hands the
- * arena over. From then on one thread (the loop thread) owns the arena: alloc, release and
- * stats are not synchronised. The memory itself may be read and written by any thread or
- * process; who writes which block when is the caller's protocol.
+ * Threads: fsdp_arena_new() blocks while it pre-faults the whole capacity (a few hundred
+ * milliseconds per GiB here), so an arena pre-faulted at creation is made off the loop
+ * thread and handed over. Made without pre-fault it is quick: the store makes its arenas on
+ * the loop thread, and the data plane runs fsdp_arena_prefault_range on a worker. One
+ * thread (the loop thread) owns an arena: alloc, release and stats are not synchronised.
+ * The memory itself may be read and written by any thread or process; who writes which
+ * block when is the caller's protocol.
  *
  * Lifetime: the creator frees the arena with fsdp_arena_free(); that unmaps the daemon's
  * view and closes its descriptors. The memory lives on while a trainer still holds a
@@ -91,13 +97,16 @@ typedef enum fsdp_arena_hugetlb {
 } fsdp_arena_hugetlb_t;
 
 /* How the arena's pages are faulted in at creation. AUTO is the fastest measured here:
- * MADV_POPULATE_WRITE, or TOUCH on kernels before 5.14. The others exist to measure. */
+ * MADV_POPULATE_WRITE, or TOUCH on kernels before 5.14. MAP_POPULATE and TOUCH exist to
+ * measure. */
 typedef enum fsdp_arena_prefault {
   FSDP_ARENA_PREFAULT_AUTO = 0,
   FSDP_ARENA_PREFAULT_POPULATE_WRITE, /* madvise(MADV_POPULATE_WRITE) (Linux 5.14) */
   FSDP_ARENA_PREFAULT_MAP_POPULATE,   /* mmap(MAP_POPULATE): read faults, clean PTEs */
   FSDP_ARENA_PREFAULT_TOUCH,          /* write one byte per page */
-  FSDP_ARENA_PREFAULT_NONE,           /* no pre-faulting (tests and measurements only) */
+  FSDP_ARENA_PREFAULT_NONE,           /* none at creation: the owner pre-faults ranges
+                                       * as it allocates them (fsdp_arena_prefault_range);
+                                       * the store's arenas */
 } fsdp_arena_prefault_t;
 
 typedef struct fsdp_arena_options {
@@ -139,7 +148,8 @@ typedef struct fsdp_arena_stats {
 
 /* Creates an arena of at least capacity bytes for the job called name (used in messages
  * and in the memfd's name; truncated to FSDP_ARENA_NAME_MAX bytes). options may be NULL
- * (defaults). Blocking: pre-faults every page. On success *ret owns the arena.
+ * (defaults). Blocking: pre-faults every page, unless options->prefault is NONE. On success
+ * *ret owns the arena.
  * Returns 0, or: FSDP_E_INVALID_ARGUMENT (capacity 0 or above 64 TiB),
  * FSDP_E_RESOURCE_EXHAUSTED (hugetlb required and not reserved), -ENOMEM (the pre-fault hit
  * a memory limit: MADV_POPULATE_WRITE reports it instead of a SIGBUS), or another -errno
