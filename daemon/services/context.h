@@ -1,9 +1,9 @@
 /* What the handlers of daemon/services/ work on: the parts of the daemon they use, and the
  * few lifecycle actions they may ask of it, so that they need not know the daemon itself.
  *
- * daemon/daemon.c fills it and owns everything it points to (borrowed here); the parts made
- * after the handlers' tables (the peers, the RPC server) are set as they are made, before
- * any call is served. Loop thread only. */
+ * daemon/start.c fills it, and the daemon owns everything it points to (borrowed here); the
+ * parts made after the handlers' tables (the peers, the RPC server) are set as they are made,
+ * before any call is served. Loop thread only. */
 #ifndef FSDP_SERVICES_CONTEXT_H
 #define FSDP_SERVICES_CONTEXT_H
 
