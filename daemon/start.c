@@ -85,7 +85,7 @@ static int init_store(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   daemon->store.hooks = (fsdp_store_hooks_t){.job_idle = daemon_job_idle,
                                              .free_job = daemon_free_job,
                                              .data = daemon};
-  fsdp_dataplane_hook_units(&daemon->store.hooks);
+  fsdp_dataplane_hook_store(&daemon->store.hooks);
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int r = fsdp_dataplane_init(&daemon->dataplane, &daemon->loop,
                               cpus > 0 && cpus < 64 ? (unsigned)cpus : 64, st);

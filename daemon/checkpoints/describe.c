@@ -25,7 +25,7 @@ job_steps_t ck_job_steps(const fsdp_job_t *job) {
 }
 
 bool ck_masters_final(fsdp_job_t *job, uint64_t step) {
-  return ck_daemon_steps_every_unit(job) || job->masters_final_step > step;
+  return ck_daemon_steps_every_unit(job) || job->flight->masters_final_step > step;
 }
 
 const fsdp_unit_t *ck_collective_running(const fsdp_job_t *job) {

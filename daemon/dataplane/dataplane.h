@@ -76,6 +76,48 @@
 
 typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
 
+/* What the data plane does with a job (fsdp_job_t.flight): the schedule it runs, where the
+ * job's steps stand, the reduces a checkpoint's snapshot holds, and which ranks went. */
+typedef struct fsdp_job_flight {
+  /* The schedule the daemon runs (SetSchedule; see "Prefetch" above). The
+   * forward order, n_order units (each unit's order_index is its place, -1 outside it):
+   * given, or recorded from local rank 0's forward Unshards of each step (`recorded`, of
+   * step recording_step) and taken when a step's differs from it. */
+  fsdp_unit_t **order;
+  unsigned n_order;
+  bool order_given;
+  fsdp_unit_t **recorded;
+  unsigned n_recorded;
+  uint64_t recording_step;
+  unsigned forward_prefetch, backward_prefetch; /* units gathered ahead; 0: none */
+  /* Per local rank, where its forward stands in a given order: the step and the place of
+   * the unit it asks for next. */
+  uint64_t forward_step[FSDP_LOCAL_WORLD_MAX];
+  unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
+  uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
+  /* The newest step a collective of the job completed or a checkpoint loaded into it holds
+   * (fsdp_dataplane_reached_step): with resume_step, where the steps its unit operations
+   * may name start (fsdp_unit_ops_check_step). */
+  uint64_t last_step;
+  /* While a save's snapshot copies the job's state beside the work queue
+   * (fsdp_dataplane_hold_reduces): reduces wait in held_reduces, but while
+   * reduces_quiet(reduces_quiet_arg) waits for the running ones' end, those of steps up to
+   * hold_after_step still start. */
+  bool reduces_held;
+  uint64_t hold_after_step;
+  fsdp_unit_t *held_reduces;
+  void (*reduces_quiet)(void *arg);
+  void *reduces_quiet_arg;
+  /* For each rank whose session ended and that has not attached again: the serial of the
+   * first session attached after, 0 otherwise. A session older than that (it was there when
+   * the rank went) fails a collective that needs the rank at once: the rank died under it.
+   * A newer session (a restarted trainer) waits for the rank like for any rank not there
+   * yet. */
+  uint64_t gone_before_serial[FSDP_LOCAL_WORLD_MAX];
+  unsigned order_capacity; /* of order and recorded: at least the job's units */
+  bool resume_looked; /* the hooks' job_starts was called for its first unit */
+} fsdp_job_flight_t;
+
 /* An operation waiting on a unit: its storage, the caller's (below). */
 typedef struct fsdp_dataplane_op fsdp_dataplane_op_t;
 
@@ -263,10 +305,11 @@ int fsdp_dataplane_init(fsdp_dataplane_t *dp, uv_loop_t *loop, unsigned threads,
 int fsdp_dataplane_use_cuda(fsdp_dataplane_t *dp, const fsdp_cuda_module_t *cuda,
                             const fsdp_cuda_device_t *device, fsdp_status_t *st);
 
-/* Sets the store's unit_made and unit_freed hooks: each unit the store makes gets its
- * flight (its registration fails RESOURCE_EXHAUSTED, naming it, when there is no memory for
- * it), freed as the store frees the unit. */
-void fsdp_dataplane_hook_units(fsdp_store_hooks_t *hooks);
+/* Sets the store's job_made, job_freed, unit_made and unit_freed hooks: each job and unit
+ * the store makes gets its flight (what made it fails RESOURCE_EXHAUSTED, naming it, when
+ * there is no memory for it), freed as the store frees it; and rank_back: a rank whose
+ * session reached the store no longer counts as gone (fsdp_dataplane_release_session). */
+void fsdp_dataplane_hook_store(fsdp_store_hooks_t *hooks);
 
 /* Once the loop has ended: no work is in flight then. NULL-safe. */
 void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);

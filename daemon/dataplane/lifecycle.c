@@ -2,17 +2,58 @@
  * a job's steps stand: reached, or resumed from a checkpoint. */
 #include "daemon/dataplane/internal.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "daemon/backend/host_backend.h"
+
+static int job_made(void *data, fsdp_job_t *job, fsdp_status_t *st) {
+  (void)data;
+  job->flight = calloc(1, sizeof *job->flight);
+  if (!job->flight)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s'",
+                           job->name);
+  return 0;
+}
+
+static void job_freed(void *data, fsdp_job_t *job) {
+  (void)data;
+  free(job->flight->order);
+  free(job->flight->recorded);
+  free(job->flight);
+  job->flight = NULL;
+}
+
+static void rank_back(void *data, fsdp_job_t *job, uint32_t local_rank) {
+  (void)data;
+  job->flight->gone_before_serial[local_rank] = 0;
+}
+
+/* The schedule's lists hold at most every unit: they grow with the job's units. */
+static int grow_order(fsdp_job_flight_t *jf, unsigned units) {
+  if (units <= jf->order_capacity)
+    return 0;
+  unsigned capacity = jf->order_capacity ? 2 * jf->order_capacity : 16;
+  fsdp_unit_t ***lists[2] = {&jf->order, &jf->recorded};
+  for (size_t k = 0; k < 2; k++) {
+    fsdp_unit_t **grown = realloc(*lists[k], capacity * sizeof *grown);
+    if (!grown)
+      return -ENOMEM;
+    *lists[k] = grown;
+  }
+  jf->order_capacity = capacity;
+  return 0;
+}
 
 static int unit_made(void *data, fsdp_unit_t *unit, fsdp_status_t *st) {
   (void)data;
   fsdp_unit_flight_t *f = calloc(1, sizeof *f);
   if (f)
     f->full_grad_offsets = calloc(unit->job->local_world_size, sizeof *f->full_grad_offsets);
-  if (!f || !f->full_grad_offsets) {
+  if (!f || !f->full_grad_offsets || grow_order(unit->job->flight, unit->job->n_units + 1) < 0) {
+    if (f)
+      free(f->full_grad_offsets);
     free(f);
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
                            unit->spec->unit);
@@ -37,9 +78,12 @@ static void unit_freed(void *data, fsdp_unit_t *unit) {
   unit->flight = NULL;
 }
 
-void fsdp_dataplane_hook_units(fsdp_store_hooks_t *hooks) {
+void fsdp_dataplane_hook_store(fsdp_store_hooks_t *hooks) {
+  hooks->job_made = job_made;
+  hooks->job_freed = job_freed;
   hooks->unit_made = unit_made;
   hooks->unit_freed = unit_freed;
+  hooks->rank_back = rank_back;
 }
 
 void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
@@ -49,9 +93,9 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   fsdp_status_t st;
   switch (unit->flight->state) {
   case FSDP_UNIT_NEW:
-    if (!job->resume_looked && dp->hooks.job_starts)
+    if (!job->flight->resume_looked && dp->hooks.job_starts)
       dp->hooks.job_starts(dp->hooks.ctx, job);
-    job->resume_looked = true;
+    job->flight->resume_looked = true;
     if (job->resume_from && !unit->spec->scratch)
       unit->flight->reduced_step = job->resume_step; /* its trainers go on after it */
     if (dp_allocate(job, unit, &st) < 0) {
@@ -79,8 +123,8 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
 }
 
 void fsdp_dataplane_reached_step(fsdp_job_t *job, uint64_t step) {
-  if (step > job->last_step)
-    job->last_step = step;
+  if (step > job->flight->last_step)
+    job->flight->last_step = step;
 }
 
 /* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's

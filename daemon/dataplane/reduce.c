@@ -19,7 +19,7 @@ void dp_unhold_reduce(fsdp_job_t *job, fsdp_unit_t *u) {
   if (!u->flight->reduce_held)
     return;
   u->flight->reduce_held = false;
-  for (fsdp_unit_t **p = &job->held_reduces; *p; p = &(*p)->flight->held_next)
+  for (fsdp_unit_t **p = &job->flight->held_reduces; *p; p = &(*p)->flight->held_next)
     if (*p == u) {
       *p = u->flight->held_next;
       break;
@@ -35,11 +35,11 @@ static bool reducing(const fsdp_job_t *job) {
 }
 
 void dp_tell_if_quiet(fsdp_job_t *job) {
-  void (*quiet)(void *arg) = job->reduces_quiet;
+  void (*quiet)(void *arg) = job->flight->reduces_quiet;
   if (!quiet || reducing(job))
     return;
-  job->reduces_quiet = NULL;
-  quiet(job->reduces_quiet_arg);
+  job->flight->reduces_quiet = NULL;
+  quiet(job->flight->reduces_quiet_arg);
 }
 
 void dp_norm_known(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, double norm_sq) {
@@ -186,8 +186,8 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
   if (dp_collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms) <= 0)
     return;
   /* While the hold waits for the running reduces, those of their step may still start. */
-  if (job->reduces_held && (!job->reduces_quiet || step > job->hold_after_step)) {
-    fsdp_unit_t **tail = &job->held_reduces;
+  if (job->flight->reduces_held && (!job->flight->reduces_quiet || step > job->flight->hold_after_step)) {
+    fsdp_unit_t **tail = &job->flight->held_reduces;
     while (*tail)
       tail = &(*tail)->flight->held_next;
     *tail = unit;
@@ -201,21 +201,21 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
 bool fsdp_dataplane_hold_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job, uint64_t after_step,
                                  void (*quiet)(void *arg), void *arg) {
   (void)dp;
-  job->reduces_held = true;
-  job->hold_after_step = after_step;
+  job->flight->reduces_held = true;
+  job->flight->hold_after_step = after_step;
   if (!reducing(job))
     return true;
-  job->reduces_quiet = quiet;
-  job->reduces_quiet_arg = arg;
+  job->flight->reduces_quiet = quiet;
+  job->flight->reduces_quiet_arg = arg;
   return false;
 }
 
 void fsdp_dataplane_release_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job) {
-  job->reduces_held = false;
-  job->reduces_quiet = NULL;
-  while (job->held_reduces) {
-    fsdp_unit_t *u = job->held_reduces;
-    job->held_reduces = u->flight->held_next;
+  job->flight->reduces_held = false;
+  job->flight->reduces_quiet = NULL;
+  while (job->flight->held_reduces) {
+    fsdp_unit_t *u = job->flight->held_reduces;
+    job->flight->held_reduces = u->flight->held_next;
     u->flight->reduce_held = false;
     start_reduce(dp, job, u);
   }

@@ -14,37 +14,37 @@ uint64_t dp_gather_round(uint64_t step, bool again) {
 }
 
 void dp_record_order(fsdp_job_t *job, fsdp_unit_t *unit, uint64_t step) {
-  if (job->order_given)
+  if (job->flight->order_given)
     return;
-  if (step != job->recording_step) {
-    bool same = job->n_recorded == job->n_order &&
-                memcmp(job->recorded, job->order, job->n_order * sizeof *job->order) == 0;
-    if (job->recording_step && !same && job->n_recorded)
-      use_order(job, job->recorded, job->n_recorded);
-    job->recording_step = step;
-    job->n_recorded = 0;
+  if (step != job->flight->recording_step) {
+    bool same = job->flight->n_recorded == job->flight->n_order &&
+                memcmp(job->flight->recorded, job->flight->order, job->flight->n_order * sizeof *job->flight->order) == 0;
+    if (job->flight->recording_step && !same && job->flight->n_recorded)
+      use_order(job, job->flight->recorded, job->flight->n_recorded);
+    job->flight->recording_step = step;
+    job->flight->n_recorded = 0;
   }
-  for (unsigned i = 0; i < job->n_recorded; i++)
-    if (job->recorded[i] == unit)
+  for (unsigned i = 0; i < job->flight->n_recorded; i++)
+    if (job->flight->recorded[i] == unit)
       return; /* a unit run twice in a step keeps its first place */
-  job->recorded[job->n_recorded++] = unit;
+  job->flight->recorded[job->flight->n_recorded++] = unit;
 }
 
 static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
-  for (unsigned i = 0; i < job->n_order; i++)
-    job->order[i]->flight->order_index = -1;
-  memmove(job->order, units, n * sizeof *units); /* units may be job->recorded */
-  job->n_order = n;
+  for (unsigned i = 0; i < job->flight->n_order; i++)
+    job->flight->order[i]->flight->order_index = -1;
+  memmove(job->flight->order, units, n * sizeof *units); /* units may be job->recorded */
+  job->flight->n_order = n;
   for (unsigned i = 0; i < n; i++)
-    job->order[i]->flight->order_index = (int)i;
+    job->flight->order[i]->flight->order_index = (int)i;
 }
 
 void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n) {
   use_order(job, units, n);
-  job->order_given = n > 0;
-  memset(job->forward_step, 0, sizeof job->forward_step); /* each rank starts the order anew */
-  job->recording_step = 0; /* recording starts afresh */
-  job->n_recorded = 0;
+  job->flight->order_given = n > 0;
+  memset(job->flight->forward_step, 0, sizeof job->flight->forward_step); /* each rank starts the order anew */
+  job->flight->recording_step = 0; /* recording starts afresh */
+  job->flight->n_recorded = 0;
 }
 
 /* Gathers v for step (its backward's gather with again) on behalf of every local rank,
@@ -71,12 +71,12 @@ static void gather_ahead(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *v, 
 
 void dp_prefetch_after(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_unit_t *unit,
                        uint64_t step, const prefetch_cause_t *cause) {
-  unsigned depth = cause->backward ? job->backward_prefetch : job->forward_prefetch;
-  if (!depth || unit->flight->order_index < 0 || step > job->masters_final_step)
+  unsigned depth = cause->backward ? job->flight->backward_prefetch : job->flight->forward_prefetch;
+  if (!depth || unit->flight->order_index < 0 || step > job->flight->masters_final_step)
     return;
   int dir = cause->backward ? -1 : 1;
-  for (int i = unit->flight->order_index + dir; depth && i >= 0 && i < (int)job->n_order; i += dir) {
-    fsdp_unit_t *v = job->order[i];
+  for (int i = unit->flight->order_index + dir; depth && i >= 0 && i < (int)job->flight->n_order; i += dir) {
+    fsdp_unit_t *v = job->flight->order[i];
     if (cause->backward && !v->trainable)
       continue;
     gather_ahead(dp, job, v, step, cause->backward && v->flight->reshard_after_forward, cause);
@@ -86,13 +86,13 @@ void dp_prefetch_after(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_unit_t 
 
 bool dp_in_order(fsdp_job_t *job, const fsdp_unit_t *unit, fsdp_dataplane_op_t *op) {
   uint32_t rank = op->who.local_rank;
-  if (!job->order_given || unit->flight->order_index < 0)
+  if (!job->flight->order_given || unit->flight->order_index < 0)
     return true;
-  if (op->step != job->forward_step[rank]) {
-    job->forward_step[rank] = op->step;
-    job->forward_next[rank] = 0;
+  if (op->step != job->flight->forward_step[rank]) {
+    job->flight->forward_step[rank] = op->step;
+    job->flight->forward_next[rank] = 0;
   }
-  unsigned at = (unsigned)unit->flight->order_index, next = job->forward_next[rank];
+  unsigned at = (unsigned)unit->flight->order_index, next = job->flight->forward_next[rank];
   if (at + 1 == next)
     return true; /* the unit it asked for last, again */
   if (at != next) {
@@ -100,12 +100,12 @@ bool dp_in_order(fsdp_job_t *job, const fsdp_unit_t *unit, fsdp_dataplane_op_t *
                "unit '%s': local rank %u asked for it in the forward of step %llu, but the "
                "forward order (SetSchedule) has %s%s%s next",
                unit->spec->unit, rank, (unsigned long long)op->step,
-               next < job->n_order ? "'" : "", next < job->n_order ? job->order[next]->spec->unit
+               next < job->flight->n_order ? "'" : "", next < job->flight->n_order ? job->flight->order[next]->spec->unit
                                                                     : "no unit",
-               next < job->n_order ? "'" : "");
+               next < job->flight->n_order ? "'" : "");
     return false;
   }
-  job->forward_next[rank] = next + 1;
+  job->flight->forward_next[rank] = next + 1;
   return true;
 }
 

@@ -141,8 +141,8 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
   dp_let_go(job, unit, rank); /* asking for a newer step lets go of the older copy */
   if (dp_collect(unit, WAIT_UNSHARD, op, job, step, again, op->deadline_ms) <= 0)
     return;
-  if (step > job->masters_final_step)
-    job->masters_final_step = step; /* every rank asked: their masters are final for it */
+  if (step > job->flight->masters_final_step)
+    job->flight->masters_final_step = step; /* every rank asked: their masters are final for it */
   if (!op->backward && dp->hooks.step_boundary)
     dp->hooks.step_boundary(dp->hooks.ctx, job, step - 1);
   dp_start_gather(dp, job, unit);

@@ -134,7 +134,7 @@ int dp_collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
   fsdp_collection_t *c = collection_of(u, kind);
   fsdp_rank_set_t died = {0};
   for (uint32_t r = 0; r < job->local_world_size; r++)
-    if (who->serial < job->gone_before_serial[r])
+    if (who->serial < job->flight->gone_before_serial[r])
       fsdp_rank_set_put(&died, r, true);
   fsdp_collection_request_t rq = {.rank = rank, .step = step, .regather = regather,
                                   .generation = who->generation, .deadline_ms = deadline_ms};
@@ -366,8 +366,8 @@ static void fail_for_ended_session(fsdp_dataplane_op_t *op, const fsdp_job_t *jo
 
 void fsdp_dataplane_release_session(fsdp_job_t *job, uint32_t rank, uint64_t session_id,
                                     const char *why, uint64_t next_serial) {
-  job->gone_before_serial[rank] = next_serial;
-  job->forward_step[rank] = 0; /* its successor starts the forward order anew */
+  job->flight->gone_before_serial[rank] = next_serial;
+  job->flight->forward_step[rank] = 0; /* its successor starts the forward order anew */
   /* Its own operations end first, whatever they wait for (a running collective, a pool
    * buffer): an answer after this would be an answer to a session that no longer exists. */
   fsdp_pool_waiter_t *pw, *tmp;

@@ -89,9 +89,9 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->units = j->n_units;
     m->local_world_size = j->local_world_size;
     m->max_inflight = j->max_inflight;
-    m->forward_prefetch = j->forward_prefetch;
-    m->backward_prefetch = j->backward_prefetch;
-    m->order_given = j->order_given;
+    m->forward_prefetch = j->flight->forward_prefetch;
+    m->backward_prefetch = j->flight->backward_prefetch;
+    m->order_given = j->flight->order_given;
     m->copies = fill_pool(&s->pools[pool++], &j->copies);
     m->sums = fill_pool(&s->pools[pool++], &j->sums);
     m->optimizer = (char *)fsdp_optimizer_kind_name(j);

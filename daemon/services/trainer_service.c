@@ -411,11 +411,11 @@ static void trainer_set_schedule(fsdp_rpc_call_t *call, const ProtobufCMessage *
   for (size_t i = 0; i < rq->n_units; i++)
     fsdp_store_find_unit(job, rq->units[i]->unit)->flight->reshard_after_forward =
         rq->units[i]->reshard_after_forward;
-  if (rq->n_forward_order || job->order_given) /* empty keeps a recorded order */
+  if (rq->n_forward_order || job->flight->order_given) /* empty keeps a recorded order */
     fsdp_dataplane_set_order(job, order, (unsigned)rq->n_forward_order);
   free(order);
-  job->forward_prefetch = rq->forward_prefetch;
-  job->backward_prefetch = rq->backward_prefetch;
+  job->flight->forward_prefetch = rq->forward_prefetch;
+  job->flight->backward_prefetch = rq->backward_prefetch;
   Fsdp__V1__SetScheduleReply reply = FSDP__V1__SET_SCHEDULE_REPLY__INIT;
   fsdp_rpc_call_reply(call, &reply.base);
 }

@@ -67,18 +67,14 @@ static int new_unit(const fsdp_store_t *store, fsdp_job_t *job, const fsdp_store
     return r;
   }
   if (job->n_units == job->units_by_id_capacity) {
-    /* The schedule's lists hold at most every unit: they grow with the table. */
     unsigned capacity = job->units_by_id_capacity ? 2 * job->units_by_id_capacity : 16;
-    fsdp_unit_t ***lists[3] = {&job->units_by_id, &job->order, &job->recorded};
-    for (size_t k = 0; k < 3; k++) {
-      fsdp_unit_t **grown = realloc(*lists[k], capacity * sizeof *grown);
-      if (!grown) {
-        unit_free(store, u);
-        return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED,
-                               "out of memory registering unit '%s'", rq->unit);
-      }
-      *lists[k] = grown;
+    fsdp_unit_t **grown = realloc(job->units_by_id, capacity * sizeof *grown);
+    if (!grown) {
+      unit_free(store, u);
+      return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory registering unit '%s'",
+                             rq->unit);
     }
+    job->units_by_id = grown;
     job->units_by_id_capacity = capacity;
   }
   for (size_t i = 0; i < rq->n_params; i++)
@@ -134,6 +130,8 @@ static void job_free(const fsdp_store_t *store, fsdp_job_t *job) {
     next = u->next;
     unit_free(store, u);
   }
+  if (job->flight && store->hooks.job_freed)
+    store->hooks.job_freed(store->hooks.data, job);
   if (job->grad_pools) {
     fsdp_pool_cleanup(&job->copies);
     fsdp_pool_cleanup(&job->sums);
@@ -148,8 +146,6 @@ static void job_free(const fsdp_store_t *store, fsdp_job_t *job) {
   free(job->last_checkpoint);
   free(job->resume_from);
   free(job->units_by_id);
-  free(job->order);
-  free(job->recorded);
   fsdp_arena_free(job->arena);
   fsdp_arena_free(job->shared_arena);
   free(job);
@@ -257,7 +253,8 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_store_rank_t *rank, fsdp_
                              "job '%s' holds units for local_world_size %u, but this session has "
                              "%u",
                              job->name, job->local_world_size, rank->local_world_size);
-    job->gone_before_serial[rank->local_rank] = 0; /* it is back */
+    if (store->hooks.rank_back)
+      store->hooks.rank_back(store->hooks.data, job, rank->local_rank);
     *ret_job = job;
     return 0;
   }
@@ -275,7 +272,8 @@ int fsdp_store_job_for(fsdp_store_t *store, const fsdp_store_rank_t *rank, fsdp_
   job->backend = store->backend;
   fsdp_staging_init(&job->staging, store->backend);
   if ((r = make_arenas(job, store->backend, store->arena_capacity, st)) < 0 ||
-      (r = make_pools(job, store->max_inflight, st)) < 0) {
+      (r = make_pools(job, store->max_inflight, st)) < 0 ||
+      (store->hooks.job_made && (r = store->hooks.job_made(store->hooks.data, job, st)) < 0)) {
     job_free(store, job);
     return r;
   }

@@ -83,46 +83,19 @@ typedef struct fsdp_job {
   unsigned n_units;
   fsdp_unit_t **units_by_id; /* unit i's id is i (its place in registration order) */
   unsigned units_by_id_capacity;
-  /* The schedule the daemon runs (SetSchedule; daemon/dataplane/dataplane.h says how). The
-   * forward order, n_order units (each unit's order_index is its place, -1 outside it):
-   * given, or recorded from local rank 0's forward Unshards of each step (`recorded`, of
-   * step recording_step) and taken when a step's differs from it. */
-  fsdp_unit_t **order;
-  unsigned n_order;
-  bool order_given;
-  fsdp_unit_t **recorded;
-  unsigned n_recorded;
-  uint64_t recording_step;
-  unsigned forward_prefetch, backward_prefetch; /* units gathered ahead; 0: none */
-  /* Per local rank, where its forward stands in a given order: the step and the place of
-   * the unit it asks for next. */
-  uint64_t forward_step[FSDP_LOCAL_WORLD_MAX];
-  unsigned forward_next[FSDP_LOCAL_WORLD_MAX];
-  uint64_t masters_final_step; /* every local rank asked a gather of it: masters are final */
-  /* The newest step a collective of the job completed or a checkpoint loaded into it holds
-   * (fsdp_dataplane_reached_step): with resume_step, where the steps its unit operations
-   * may name start (fsdp_unit_ops_check_step). */
-  uint64_t last_step;
+  /* What the data plane does with it (daemon/dataplane/dataplane.h): made and freed with the
+   * job through the hooks' job_made and job_freed; the data plane's. */
+  struct fsdp_job_flight *flight;
   uint64_t checkpointed_step;  /* the last step checkpoint.every_steps saved */
-  /* While a save's snapshot copies the job's state beside the work queue
-   * (fsdp_dataplane_hold_reduces): reduces wait in held_reduces, but while
-   * reduces_quiet(reduces_quiet_arg) waits for the running ones' end, those of steps up to
-   * hold_after_step still start. */
-  bool reduces_held;
-  uint64_t hold_after_step;
-  fsdp_unit_t *held_reduces;
-  void (*reduces_quiet)(void *arg);
-  void *reduces_quiet_arg;
   /* A save's snapshot of the job's state, written from while training goes on (the
    * dataplane's), kept for the next save; owned. */
   void *checkpoint_staging;
   size_t checkpoint_staging_bytes;
   uint64_t last_checkpoint_step; /* the last save this daemon wrote, in last_checkpoint */
   char *last_checkpoint;         /* its step directory, owned; NULL: none */
-  /* checkpoint.resume = latest: looked for at the job's first unit; the checkpoint to load
-   * before its first gather (owned) and its step, which its units report as reduced; set
-   * while the load runs. */
-  bool resume_looked;
+  /* checkpoint.resume = latest, looked for at the job's first unit: the checkpoint to load
+   * before its first gather (owned) and its step, which its units report as reduced;
+   * resuming while the load runs. */
   char *resume_from;
   uint64_t resume_step;
   bool resuming;
@@ -137,12 +110,6 @@ typedef struct fsdp_job {
    * milliseconds, in which several jobs may go idle, and the first of them is still the one
    * idle longest. */
   uint64_t idle_order;
-  /* For each rank whose session ended and that has not attached again: the serial of the
-   * first session attached after, 0 otherwise. A session older than that (it was there when
-   * the rank went) fails a collective that needs the rank at once: the rank died under it.
-   * A newer session (a restarted trainer) waits for the rank like for any rank not there
-   * yet. */
-  uint64_t gone_before_serial[FSDP_LOCAL_WORLD_MAX];
   struct fsdp_job *next;
 } fsdp_job_t;
 
@@ -153,11 +120,15 @@ typedef struct fsdp_store_hooks {
   bool (*job_idle)(void *data, const fsdp_job_t *job);
   /* Frees such a job (logging `why`), ending with fsdp_store_remove_job(). */
   void (*free_job)(void *data, fsdp_job_t *job, const char *why);
-  /* A unit is made, before anything sees it (its registration fails with st when this
+  /* A job or a unit is made, before anything sees it (what made it fails with st when this
    * does), and is about to be freed: the rooms above keep what they do with it beside it
-   * (fsdp_unit_t.flight). */
+   * (fsdp_job_t.flight, fsdp_unit_t.flight). */
+  int (*job_made)(void *data, fsdp_job_t *job, fsdp_status_t *st);
+  void (*job_freed)(void *data, fsdp_job_t *job);
   int (*unit_made)(void *data, fsdp_unit_t *unit, fsdp_status_t *st);
   void (*unit_freed)(void *data, fsdp_unit_t *unit);
+  /* A rank of an existing job asked for it again (fsdp_store_job_for): its session is there. */
+  void (*rank_back)(void *data, fsdp_job_t *job, uint32_t local_rank);
   void *data;
 } fsdp_store_hooks_t;
 
@@ -213,7 +184,7 @@ bool fsdp_store_unit_registered_by(const fsdp_unit_t *unit, uint32_t rank);
  * to make room when needed. FAILED_PRECONDITION if it exists with another local world size,
  * or if its local world size is not cluster.local_world_size; RESOURCE_EXHAUSTED naming the
  * job, its arenas, what jobs in use reserve and the limit when the jobs in use leave no
- * room. The session's rank no longer counts as gone. */
+ * room. A rank of an existing job is back (the hooks' rank_back). */
 int fsdp_store_job_for(fsdp_store_t *store, const fsdp_store_rank_t *rank, fsdp_job_t **ret_job,
                        fsdp_status_t *st);
 

@@ -60,7 +60,7 @@ static void fixture_init(fixture_t *f, unsigned world, fsdp_unit_dtype_t param_d
   f->store.memory_limit = 64 << 20;
   f->store.topology = (fsdp_topology_t){.hosts = 1, .host_rank = 0, .shard_group_hosts = 1};
   f->store.max_inflight = 2;
-  fsdp_dataplane_hook_units(&f->store.hooks);
+  fsdp_dataplane_hook_store(&f->store.hooks);
   fsdp_status_t st;
   assert_int_equal(fsdp_dataplane_init(&f->dp, &f->loop, 2, &st), 0);
 
@@ -712,7 +712,7 @@ static void test_prefetch_follows_the_order(void **state) {
   fsdp_unit_t *w = add_unit(&f, "w", FSDP_UNIT_FULL_SHARD, FSDP_UNIT_DTYPE_BF16);
   fsdp_unit_t *order[] = {f.unit, v, w};
   fsdp_dataplane_set_order(f.job, order, 3);
-  f.job->forward_prefetch = f.job->backward_prefetch = 1;
+  f.job->flight->forward_prefetch = f.job->flight->backward_prefetch = 1;
   fsdp_dataplane_op_t ops[2];
   on_every_rank(&f, f.unit, 1, false, ops);
   assert_true(v->flight->gathered && v->flight->gathered_step == 1 && !v->flight->gathered_again);
