@@ -104,6 +104,16 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
                                       bool attached, fsdp_checkpoints_done_fn done, void *data,
                                       fsdp_status_t *st);
 
+/* What Operator.Status shows of a job's checkpoints: its staging memory's bytes, and the last
+ * save this daemon wrote (step 0 and path "": none; the path is the job's, valid until its
+ * next save). */
+typedef struct fsdp_checkpoints_job_info {
+  size_t staging_bytes;
+  uint64_t last_step;
+  const char *last_path;
+} fsdp_checkpoints_job_info_t;
+void fsdp_checkpoints_job_info(const fsdp_job_t *job, fsdp_checkpoints_job_info_t *ret_info);
+
 /* What the job's saves are doing, the furthest along: "" (none), "waiting for the step
  * boundary", "waiting for the save before", "taking its snapshot", "writing". Static. */
 const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);

@@ -7,6 +7,28 @@
 #include "checkpoint/checkpoint.h"
 #include "daemon/dataplane/optimizer.h"
 
+static void free_job_checkpoints(fsdp_job_checkpoints_t *ck) {
+  free(ck->staging);
+  free(ck->last_path);
+  free(ck->resume_from);
+  free(ck);
+}
+
+fsdp_job_checkpoints_t *ck_job(fsdp_job_t *job) {
+  if (!job->checkpoints && (job->checkpoints = calloc(1, sizeof *job->checkpoints)))
+    job->checkpoints_free = free_job_checkpoints;
+  return job->checkpoints;
+}
+
+void fsdp_checkpoints_job_info(const fsdp_job_t *job, fsdp_checkpoints_job_info_t *ret_info) {
+  const fsdp_job_checkpoints_t *ck = job->checkpoints;
+  *ret_info = (fsdp_checkpoints_job_info_t){
+      .staging_bytes = ck ? ck->staging_bytes : 0,
+      .last_step = ck ? ck->last_step : 0,
+      .last_path = ck && ck->last_path ? ck->last_path : "",
+  };
+}
+
 job_steps_t ck_job_steps(const fsdp_job_t *job) {
   job_steps_t s = {.even = true};
   for (const fsdp_unit_t *u = job->units; u; u = u->next) {

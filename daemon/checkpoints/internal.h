@@ -13,6 +13,21 @@
 #include "checkpoint/checkpoint.h"
 #include "daemon/checkpoints/checkpoints.h"
 
+/* What the checkpoints keep of a job (fsdp_job_t.checkpoints), made on the loop at its first
+ * need (ck_job) and freed with the job. */
+typedef struct fsdp_job_checkpoints {
+  uint64_t checkpointed_step; /* the last step checkpoint.every_steps saved */
+  /* A save's snapshot of the job's state, written from while training goes on, or what a
+   * load reads before it goes into the job's memory; kept for the next checkpoint. */
+  void *staging;
+  size_t staging_bytes;
+  uint64_t last_step; /* the last save this daemon wrote, in last_path */
+  char *last_path;    /* its step directory; NULL: none */
+  /* checkpoint.resume = latest: the checkpoint to load at the job's first gather, until
+   * that gather starts the load (fsdp_dataplane_job_resuming says while it waits). */
+  char *resume_from;
+} fsdp_job_checkpoints_t;
+
 /* Who asked for a checkpoint's work (checkpoint_job). */
 enum origin { BY_CALLER, BY_TRAINER, BY_SCHEDULE, BY_STOP, BY_RESUME };
 
@@ -82,6 +97,10 @@ typedef struct checkpoint_work {
 } checkpoint_work_t;
 
 /* describe.c */
+
+/* The job's checkpoint state, made on first need; NULL when there is no memory for it. Loop
+ * thread only: a pool thread uses the one its work's start made. */
+fsdp_job_checkpoints_t *ck_job(fsdp_job_t *job);
 
 /* Where the job stands among its steps now (scratch units left out). */
 job_steps_t ck_job_steps(const fsdp_job_t *job);

@@ -38,22 +38,23 @@ static int copy_beside(void *backend, void *dst, const void *src, size_t bytes,
  * a save's snapshot, or what a load reads before it goes into the job's memory. Only one
  * checkpoint of the job uses it at a time. */
 static void *staging(fsdp_job_t *job, checkpoint_work_t *c) {
+  fsdp_job_checkpoints_t *ck = job->checkpoints; /* made by the work's start */
   size_t bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
-  if (bytes > job->checkpoint_staging_bytes) {
-    free(job->checkpoint_staging);
-    job->checkpoint_staging_bytes = 0;
+  if (bytes > ck->staging_bytes) {
+    free(ck->staging);
+    ck->staging_bytes = 0;
     bytes = (bytes + STAGING_ALIGN - 1) / STAGING_ALIGN * STAGING_ALIGN;
-    job->checkpoint_staging = aligned_alloc(STAGING_ALIGN, bytes); /* checkpoint.h's too */
-    if (job->checkpoint_staging)
-      madvise(job->checkpoint_staging, bytes, MADV_HUGEPAGE); /* best effort */
-    if (!job->checkpoint_staging) {
+    ck->staging = aligned_alloc(STAGING_ALIGN, bytes); /* checkpoint.h's too */
+    if (ck->staging)
+      madvise(ck->staging, bytes, MADV_HUGEPAGE); /* best effort */
+    if (!ck->staging) {
       fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
                       "checkpoint: no memory for the %zu bytes of its staging", bytes);
       return NULL;
     }
-    job->checkpoint_staging_bytes = bytes;
+    ck->staging_bytes = bytes;
   }
-  return job->checkpoint_staging;
+  return ck->staging;
 }
 
 /* This thread takes the rights c's files are used with (see as_daemon); false, with c->st

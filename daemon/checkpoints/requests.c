@@ -59,45 +59,42 @@ void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp) {
   }
 }
 
-/* Whether the job's memory waits for the checkpoint it resumes from. */
-static bool resuming(const fsdp_job_t *job) {
-  return job->resume_from || job->resuming;
-}
-
 /* A job new to this daemon: host 0 removes what unfinished saves left in
  * checkpoint.dir/<job>/ (fsdp_checkpoint_remove_unfinished). With checkpoint.resume = latest
  * the job goes on from its newest checkpoint there, loaded before its first gather. One that
  * cannot be read is still loaded then, and fails the job naming why: it does not start anew
  * without a word. */
-static void job_starts(void *ctx, fsdp_job_t *job) {
+static bool job_starts(void *ctx, fsdp_job_t *job, uint64_t *ret_resume_step) {
   const fsdp_checkpoints_t *cp = ctx;
   char dir[PATH_MAX];
   if (!cp->dir[0] ||
       (size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
-    return;
+    return false;
   if (!cp->dp->peers || fsdp_peers_host_rank(cp->dp->peers) == 0)
     fsdp_checkpoint_remove_unfinished(dir, job->name);
-  if (!cp->resume)
-    return;
+  fsdp_job_checkpoints_t *ck = cp->resume ? ck_job(job) : NULL;
+  if (!ck)
+    return false;
   char from[PATH_MAX];
   uint64_t uid = job->owner.uid, step;
   fsdp_status_t st;
   if (fsdp_checkpoint_find(dir, job->name, &uid, from, sizeof from, &step, &st) < 0) {
     if (st.code == FSDP_E_NOT_FOUND) {
       log_info("job '%s': nothing to resume from in %s: it starts anew", job->name, dir);
-      return;
+      return false;
     }
     log_error("job '%s': cannot resume: %s", job->name, st.message);
     /* Loaded all the same at the first gather, which fails naming why. */
-    job->resume_from = strdup(st.code == FSDP_E_DATA_LOSS ? from : dir);
-    return;
+    ck->resume_from = strdup(st.code == FSDP_E_DATA_LOSS ? from : dir);
+    return ck->resume_from != NULL;
   }
-  job->resume_from = strdup(from);
-  job->resume_step = step;
-  job->checkpointed_step = job->resume_step; /* the schedule does not save it again */
-  if (job->resume_from)
+  ck->resume_from = strdup(from);
+  *ret_resume_step = step;
+  ck->checkpointed_step = step; /* the schedule does not save it again */
+  if (ck->resume_from)
     log_info("job '%s': resumes from %s, after step %llu, at its first gather", job->name,
-             job->resume_from, (unsigned long long)job->resume_step);
+             ck->resume_from, (unsigned long long)step);
+  return ck->resume_from != NULL;
 }
 
 static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const char *path,
@@ -111,7 +108,7 @@ static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const c
  * every N. */
 static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
   fsdp_checkpoints_t *cp = ctx;
-  if (resuming(job))
+  if (fsdp_dataplane_job_resuming(job))
     return; /* its state is the checkpoint's, not loaded yet */
   /* A save waiting for a boundary takes this one: at once, or when the staging memory is
    * free, as any save that waited. */
@@ -124,10 +121,11 @@ static void step_boundary(void *ctx, fsdp_job_t *job, uint64_t step) {
         ck_start_save(cp, job, c);
       return; /* a scheduled save of the step would find the staging memory in use */
     }
-  if (!cp->every_steps || !cp->dir[0] || step == 0 || step % cp->every_steps != 0 ||
-      step <= job->checkpointed_step)
+  fsdp_job_checkpoints_t *ck = ck_job(job);
+  if (!cp->every_steps || !cp->dir[0] || step == 0 || step % cp->every_steps != 0 || !ck ||
+      step <= ck->checkpointed_step)
     return;
-  job->checkpointed_step = step;
+  ck->checkpointed_step = step;
   if (ck_staging_user(cp, job)) {
     log_warning("job '%s': no checkpoint of step %llu: the previous save is still being "
                 "written (checkpoint.every_steps is shorter than a save)",
@@ -166,7 +164,9 @@ static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, cons
     fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
     return NULL;
   }
-  checkpoint_work_t *c = calloc(1, sizeof *c);
+  /* The job's checkpoint state is made here, on the loop, for the pool threads its work
+   * runs on. */
+  checkpoint_work_t *c = ck_job(job) ? calloc(1, sizeof *c) : NULL;
   if (!c) {
     fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "%s: out of memory", verb);
     return NULL;
@@ -188,7 +188,7 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
                           uint64_t step,
                           fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st) {
   const char *verb = load ? "LoadCheckpoint" : "SaveCheckpoint";
-  if (!load && resuming(job))
+  if (!load && fsdp_dataplane_job_resuming(job))
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "%s: job '%s' resumes from a checkpoint not loaded yet: save once "
                            "its first gather has loaded it",
@@ -247,7 +247,7 @@ int fsdp_checkpoints_start(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *
 int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
                                       bool attached, fsdp_checkpoints_done_fn done, void *data,
                                       fsdp_status_t *st) {
-  if (resuming(job))
+  if (fsdp_dataplane_job_resuming(job))
     return 1; /* its state is still the checkpoint it resumes from */
   job_steps_t now = ck_job_steps(job);
   uint64_t step = now.completed;
@@ -283,11 +283,8 @@ static void resumed(void *data, const fsdp_status_t *st, const char *path, uint6
 /* Loads the checkpoint the job resumes from, once; its gathers wait for it. */
 static void resume(void *ctx, fsdp_job_t *job) {
   fsdp_checkpoints_t *cp = ctx;
-  if (job->resuming)
-    return;
-  char *from = job->resume_from;
-  job->resume_from = NULL;
-  job->resuming = true;
+  char *from = job->checkpoints->resume_from;
+  job->checkpoints->resume_from = NULL;
   fsdp_status_t st;
   resume_call_t *call = malloc(sizeof *call);
   int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");

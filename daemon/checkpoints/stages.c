@@ -64,11 +64,12 @@ void ck_end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
                   "model.save_checkpoint(dir, optimizer=opt) saves a torch optimizer's "
                   "beside it",
                   job->name, (unsigned long long)c->step, c->path);
-    char *path = strdup(c->path);
+    fsdp_job_checkpoints_t *ck = ck_job(job);
+    char *path = ck ? strdup(c->path) : NULL;
     if (path) {
-      free(job->last_checkpoint);
-      job->last_checkpoint = path;
-      job->last_checkpoint_step = c->step;
+      free(ck->last_path);
+      ck->last_path = path;
+      ck->last_step = c->step;
     }
   }
   c->done(c->data, &c->st, c->path, c->step);

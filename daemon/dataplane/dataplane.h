@@ -116,6 +116,12 @@ typedef struct fsdp_job_flight {
   uint64_t gone_before_serial[FSDP_LOCAL_WORLD_MAX];
   unsigned order_capacity; /* of order and recorded: at least the job's units */
   bool resume_looked; /* the hooks' job_starts was called for its first unit */
+  /* checkpoint.resume: the job's gathers wait for the load of the checkpoint it resumes
+   * from, pending until its first gather starts the load (the hooks' resume), then running
+   * until fsdp_dataplane_resumed; resume_step is that checkpoint's step (0: unknown), which
+   * its units report as reduced. */
+  bool resume_pending, resuming;
+  uint64_t resume_step;
 } fsdp_job_flight_t;
 
 /* An operation waiting on a unit: its storage, the caller's (below). */
@@ -215,11 +221,12 @@ typedef struct ring_run ring_run_t;
  * job_starts, the one that makes a job resume. */
 typedef struct fsdp_dataplane_hooks {
   void *ctx;
-  /* A job's first unit registers: it may set job->resume_from (and resume_step), which its
-   * units report as reduced. */
-  void (*job_starts)(void *ctx, fsdp_job_t *job);
-  /* A gather of a job with resume_from set, or resuming: the resume's load starts, if it has
-   * not, and the gather waits for fsdp_dataplane_resumed. */
+  /* A job's first unit registers: returns whether the job resumes from a checkpoint, which
+   * its gathers wait for, and sets that checkpoint's step (0: unknown), which its units
+   * report as reduced. */
+  bool (*job_starts)(void *ctx, fsdp_job_t *job, uint64_t *ret_resume_step);
+  /* The first gather of a job that resumes: the resume's load starts, and the job's gathers
+   * wait for fsdp_dataplane_resumed. */
   void (*resume)(void *ctx, fsdp_job_t *job);
   /* Every local rank asked the forward's gather of step + 1: their masters are final for
    * step, and stay so until its reduces (fsdp_dataplane_hold_reduces holds them). */
@@ -407,6 +414,10 @@ void fsdp_dataplane_reached_step(fsdp_job_t *job, uint64_t step);
 /* The resume the hooks started ended (st->code 0: the job's state is loaded): the gathers
  * waiting for it start, or, when it failed, the job's units fail naming why. */
 void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st);
+
+/* Whether the job's memory waits for the checkpoint it resumes from (job_starts said so, and
+ * fsdp_dataplane_resumed has not come). */
+bool fsdp_dataplane_job_resuming(const fsdp_job_t *job);
 
 /* Whether any queued or running work, or any waiting operation, refers to the job. */
 bool fsdp_dataplane_uses_job(const fsdp_dataplane_t *dp, const fsdp_job_t *job);

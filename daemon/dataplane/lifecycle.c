@@ -91,13 +91,14 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
                              fsdp_dataplane_done_fn done, void *data) {
   dp_op_init(op, unit, who, WAIT_REGISTER, done, data);
   fsdp_status_t st;
+  fsdp_job_flight_t *jf = job->flight;
   switch (unit->flight->state) {
   case FSDP_UNIT_NEW:
-    if (!job->flight->resume_looked && dp->hooks.job_starts)
-      dp->hooks.job_starts(dp->hooks.ctx, job);
-    job->flight->resume_looked = true;
-    if (job->resume_from && !unit->spec->scratch)
-      unit->flight->reduced_step = job->resume_step; /* its trainers go on after it */
+    if (!jf->resume_looked && dp->hooks.job_starts)
+      jf->resume_pending = dp->hooks.job_starts(dp->hooks.ctx, job, &jf->resume_step);
+    jf->resume_looked = true;
+    if (jf->resume_pending && !unit->spec->scratch)
+      unit->flight->reduced_step = jf->resume_step; /* its trainers go on after it */
     if (dp_allocate(job, unit, &st) < 0) {
       dp_op_fail(op, st.code, "%s", st.message);
       return;
@@ -130,8 +131,12 @@ void fsdp_dataplane_reached_step(fsdp_job_t *job, uint64_t step) {
 /* The resume's load ended: the gathers waiting for it start, or, when it failed, the job's
  * units fail naming why (training from the trainers' initial values would be silently
  * wrong). */
+bool fsdp_dataplane_job_resuming(const fsdp_job_t *job) {
+  return job->flight->resume_pending || job->flight->resuming;
+}
+
 void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_status_t *st) {
-  job->resuming = false;
+  job->flight->resuming = false;
   for (fsdp_unit_t *u = job->units; u; u = u->next) {
     if (st->code < 0) {
       u->flight->state = FSDP_UNIT_FAILED;

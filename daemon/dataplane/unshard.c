@@ -30,9 +30,14 @@ void dp_wake_unshards(fsdp_job_t *job, fsdp_unit_t *u) {
 }
 
 void dp_start_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u) {
-  if (job->resume_from || job->resuming) {
+  fsdp_job_flight_t *jf = job->flight;
+  if (jf->resume_pending || jf->resuming) {
     u->flight->gather_after_resume = true;
-    dp->hooks.resume(dp->hooks.ctx, job);
+    if (jf->resume_pending) { /* the first gather starts the load */
+      jf->resume_pending = false;
+      jf->resuming = true;
+      dp->hooks.resume(dp->hooks.ctx, job);
+    }
     return;
   }
   u->flight->copy_waiter.data = dp;

@@ -96,9 +96,11 @@ static int64_t fill_jobs(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *re
     m->sums = fill_pool(&s->pools[pool++], &j->sums);
     m->optimizer = (char *)fsdp_optimizer_kind_name(j);
     m->optimizer_bytes = fsdp_optimizer_state_bytes(j);
-    m->checkpoint_staging_bytes = j->checkpoint_staging_bytes;
-    m->last_checkpoint_step = j->last_checkpoint_step;
-    m->last_checkpoint_path = j->last_checkpoint ? j->last_checkpoint : "";
+    fsdp_checkpoints_job_info_t saved;
+    fsdp_checkpoints_job_info(j, &saved);
+    m->checkpoint_staging_bytes = saved.staging_bytes;
+    m->last_checkpoint_step = saved.last_step;
+    m->last_checkpoint_path = (char *)saved.last_path;
     m->checkpoint_state = (char *)fsdp_checkpoints_save_state(ctx->checkpoints, j);
     size_t staging_bytes;
     fsdp_staging_count(&j->staging, &m->ring_staging_buffers, &staging_bytes);

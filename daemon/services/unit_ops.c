@@ -33,7 +33,8 @@ int fsdp_unit_ops_check_reduce(const fsdp_unit_t *unit, bool all_reduce, fsdp_st
 
 int fsdp_unit_ops_check_step(const fsdp_job_t *job, const fsdp_unit_t *unit, uint64_t step,
                              fsdp_status_t *st) {
-  uint64_t last = job->flight->last_step > job->resume_step ? job->flight->last_step : job->resume_step;
+  const fsdp_job_flight_t *jf = job->flight;
+  uint64_t last = jf->last_step > jf->resume_step ? jf->last_step : jf->resume_step;
   if (step <= last || step - last <= FSDP_STEP_AHEAD_MAX)
     return 0;
   return fsdp_status_set(st, FSDP_E_OUT_OF_RANGE,

@@ -142,9 +142,8 @@ static void job_free(const fsdp_store_t *store, fsdp_job_t *job) {
   if (job->optimizer)
     job->optimizer_free(job->optimizer);
   fsdp_staging_cleanup(&job->staging);
-  free(job->checkpoint_staging);
-  free(job->last_checkpoint);
-  free(job->resume_from);
+  if (job->checkpoints)
+    job->checkpoints_free(job->checkpoints);
   free(job->units_by_id);
   fsdp_arena_free(job->arena);
   fsdp_arena_free(job->shared_arena);

@@ -86,19 +86,10 @@ typedef struct fsdp_job {
   /* What the data plane does with it (daemon/dataplane/dataplane.h): made and freed with the
    * job through the hooks' job_made and job_freed; the data plane's. */
   struct fsdp_job_flight *flight;
-  uint64_t checkpointed_step;  /* the last step checkpoint.every_steps saved */
-  /* A save's snapshot of the job's state, written from while training goes on (the
-   * dataplane's), kept for the next save; owned. */
-  void *checkpoint_staging;
-  size_t checkpoint_staging_bytes;
-  uint64_t last_checkpoint_step; /* the last save this daemon wrote, in last_checkpoint */
-  char *last_checkpoint;         /* its step directory, owned; NULL: none */
-  /* checkpoint.resume = latest, looked for at the job's first unit: the checkpoint to load
-   * before its first gather (owned) and its step, which its units report as reduced;
-   * resuming while the load runs. */
-  char *resume_from;
-  uint64_t resume_step;
-  bool resuming;
+  /* What the checkpoints keep of it (daemon/checkpoints/), NULL until they need it; freed
+   * with the job through checkpoints_free, which their maker sets. */
+  struct fsdp_job_checkpoints *checkpoints;
+  void (*checkpoints_free)(struct fsdp_job_checkpoints *checkpoints);
   /* The optimizer the daemon runs (daemon/dataplane/optimizer.h), NULL without one; freed
    * with the job through optimizer_free, which its maker sets. */
   struct fsdp_optimizer *optimizer;
