@@ -106,11 +106,15 @@ static inline bool fsdp_backend_memory_is_host(const fsdp_backend_t *b) {
  * (a trainer that imported it keeps the memory until it lets go). */
 static inline int fsdp_backend_memory_new(const fsdp_backend_t *b, size_t bytes,
                                           fsdp_backend_memory_t *ret, fsdp_status_t *st) {
+  if (!b->ops->memory_new)
+    return fsdp_status_set(st, FSDP_E_INTERNAL, "the %s backend's memory is its arenas'",
+                           b->ops->name);
   return b->ops->memory_new(b, bytes, ret, st);
 }
 static inline void fsdp_backend_memory_free(const fsdp_backend_t *b,
                                             fsdp_backend_memory_t *memory) {
-  b->ops->memory_free(b, memory);
+  if (b->ops->memory_free)
+    b->ops->memory_free(b, memory);
 }
 
 /* Host memory of at least `bytes` in *ret, for staging (pinned on a GPU); freed by

@@ -199,7 +199,7 @@ class Unit:
         return (f"<fsdpd.Unit {self.name!r} numel={self.numel} padded={self.padded_numel} "
                 f"shard {self.shard} of {self.shard_numel}>")
 
-    def _call(self, fn, what, *args):
+    def _call(self, what, fn, *args):
         c = self._client
         c._check_open()
         if self.device >= 0:
@@ -226,23 +226,23 @@ class Unit:
     def unshard(self, step=0, backward=False):
         """Gathers the unit for this rank; returns once `unsharded` holds it. For the
         backward pass it also lends `full_grad`."""
-        self._call(_lib.lib().fsdp_trainer_unshard, "unshard", step, _pass(backward))
+        self._call("unshard", _lib.lib().fsdp_trainer_unshard, step, _pass(backward))
 
     def unshard_async(self, step=0, backward=False):
         """Starts the Unshard (prefetch); wait() returns its result. Until then other
         operations on this unit fail with EBUSY."""
-        self._call(_lib.lib().fsdp_trainer_unshard_start, "unshard_async", step,
+        self._call("unshard_async", _lib.lib().fsdp_trainer_unshard_start, step,
                    _pass(backward))
 
     def wait(self, timeout=None):
         """Waits for the started Unshard or ReduceScatter, at most timeout seconds (None: the
         client's deadline); running out cancels it (FSDP_E_DEADLINE_EXCEEDED)."""
         ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        self._call(_lib.lib().fsdp_trainer_wait, "wait", ms)
+        self._call("wait", _lib.lib().fsdp_trainer_wait, ms)
 
     def reshard(self, step=0):
         """Lets go of the unsharded copy."""
-        self._call(_lib.lib().fsdp_trainer_reshard, "reshard", step)
+        self._call("reshard", _lib.lib().fsdp_trainer_reshard, step)
 
     @property
     def optimizer_state(self):
@@ -288,13 +288,13 @@ class Unit:
         accumulated); no effect on a unit without replicas on other hosts. step_optimizer:
         then the daemon steps the unit's masters with the job's optimizer
         (Client.set_optimizer), and the call returns after the step."""
-        self._call(_lib.lib().fsdp_trainer_reduce_scatter, "reduce_scatter", step,
+        self._call("reduce_scatter", _lib.lib().fsdp_trainer_reduce_scatter, step,
                    _reduce_flags(accumulate, defer_all_reduce, step_optimizer))
 
     def reduce_scatter_async(self, step=0, accumulate=False, defer_all_reduce=False,
                              step_optimizer=False):
         """Starts the ReduceScatter; wait() returns its result."""
-        self._call(_lib.lib().fsdp_trainer_reduce_scatter_start, "reduce_scatter_async", step,
+        self._call("reduce_scatter_async", _lib.lib().fsdp_trainer_reduce_scatter_start, step,
                    _reduce_flags(accumulate, defer_all_reduce, step_optimizer))
 
 
