@@ -21,13 +21,13 @@ void daemon_apply_config(fsdp_daemon_t *daemon);
 int daemon_resolve_operator_group(const fsdp_config_t *cfg, bool *ret_has, gid_t *ret_gid,
                                   fsdp_status_t *st);
 
-/* The services' lifecycle hooks (fsdp_services_lifecycle_t), data: the daemon. */
-bool daemon_is_operator(void *data, int fd, const fsdp_credentials_t *cred);
-
 /* Whether a session other than `except` (NULL: any) belongs to the job. */
 bool daemon_job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job,
                             const fsdp_session_t *except);
 
+/* The services' lifecycle hooks (fsdp_services_lifecycle_t), data: the daemon: whether the
+ * caller may change the daemon's state, and a session's end, released for `why`. */
+bool daemon_is_operator(void *data, int fd, const fsdp_credentials_t *cred);
 void daemon_end_session(void *data, fsdp_session_t *session, const char *why);
 
 /* The store's hooks (fsdp_store_hooks_t), data: the daemon. */
