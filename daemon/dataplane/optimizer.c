@@ -376,7 +376,7 @@ size_t fsdp_optimizer_state_bytes(const fsdp_job_t *job) {
 
 int fsdp_optimizer_plan(fsdp_job_t *job, fsdp_unit_t *u, fsdp_optimizer_plan_t *ret_plan,
                         fsdp_status_t *st) {
-  fsdp_optimizer_state_t state;
+  fsdp_optimizer_state_t state = {0}; /* set unless r < 0, which -O3 cannot follow */
   int r = fsdp_optimizer_unit_state(job, u, &state, st);
   if (r < 0)
     return r;

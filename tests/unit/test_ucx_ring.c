@@ -612,7 +612,7 @@ static void group_start(group_t *g, unsigned n, enum scenario sc, unsigned victi
   }
   /* Gather every address, then give each member the whole table. */
   static unsigned char addr[MAX_N][4096];
-  uint32_t len[MAX_N];
+  uint32_t len[MAX_N] = {0}; /* each set by recv_blob, or the test has failed */
   for (unsigned i = 0; i < n; i++) {
     int r = recv_blob(g->sock[i], addr[i], sizeof addr[i], &len[i], IO_TIMEOUT_MS);
     if (r < 0)
