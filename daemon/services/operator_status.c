@@ -238,7 +238,7 @@ void fsdp_operator_status(fsdp_rpc_call_t *call, const ProtobufCMessage *request
   reply.config_file = ctx->config->file ? ctx->config->file : "";
   fill_config(ctx, &reply, s);
   fill_listeners(ctx, &reply, s);
-  reply.backend = "host";
+  reply.backend = (char *)fsdp_backend_name(&ctx->dataplane->backend);
   fsdp__v1__topology__init(&s->topology);
   reply.topology = &s->topology;
   if (fsdp_peer_status_fill(ctx, &s->topology, &reply, &s->peers) < 0 ||

@@ -142,6 +142,7 @@ def test_two_trainers_sharing_the_gpu_train_like_one_process(daemon):
     assert abs(want[STEPS] - want[1]) > 1e-3 * abs(want[1])  # training moved
     assert worst_loss <= 1e-5 and worst_param <= 1e-5, (worst_loss, worst_param)
     assert "backend cuda on GPU 0" in daemon.log()
+    assert json.loads(daemon.fsdpctl("--json", "status"))["backend"] == "cuda"
     # The reduces ran on the GPU (an fp32 copy is the masters themselves: no cast).
     unit = json.loads(daemon.fsdpctl("--json", "unit", "blocks.0"))
     assert unit["last_reduce_us"] > 0 and unit["last_gather_us"] == 0, unit
