@@ -2,6 +2,7 @@
 #include "common/credentials.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -34,4 +35,13 @@ bool fsdp_credentials_in_group(int fd, const fsdp_credentials_t *cred, gid_t gid
 bool fsdp_credentials_allowed(int fd, const fsdp_credentials_t *cred) {
   return cred->uid == 0 || cred->uid == geteuid() ||
          fsdp_credentials_in_group(fd, cred, getegid());
+}
+
+void fsdp_credentials_refusal(const fsdp_credentials_t *cred, const char *where, char *buf,
+                              size_t size) {
+  snprintf(buf, size,
+           "uid %u (pid %ld, gid %u) may not use fsdpd: only root, uid %u and members of group "
+           "%u (primary or supplementary) may connect to %s",
+           (unsigned)cred->uid, (long)cred->pid, (unsigned)cred->gid, (unsigned)geteuid(),
+           (unsigned)getegid(), where);
 }

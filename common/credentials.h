@@ -10,6 +10,7 @@
 #define FSDP_CREDENTIALS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <sys/types.h>
 
 typedef struct fsdp_credentials {
@@ -26,5 +27,10 @@ bool fsdp_credentials_in_group(int fd, const fsdp_credentials_t *cred, gid_t gid
  * root, the daemon's user, or a member of the daemon's group (primary, or supplementary as
  * SO_PEERGROUPS recorded it at connect time). */
 bool fsdp_credentials_allowed(int fd, const fsdp_credentials_t *cred);
+
+/* What a process fsdp_credentials_allowed refused is told, into buf: its ids, and who may
+ * connect to `where` (a socket, as the message names it). */
+void fsdp_credentials_refusal(const fsdp_credentials_t *cred, const char *where, char *buf,
+                              size_t size);
 
 #endif

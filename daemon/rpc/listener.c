@@ -297,12 +297,7 @@ void fsdp_listener_refusal(void *data, int fd, char *buf, size_t size) {
     snprintf(buf, size, "this connection may not use fsdpd");
     return;
   }
-  const fsdp_credentials_t cred = listener->callers[fd].cred;
-  snprintf(buf, size,
-           "uid %u (pid %ld, gid %u) may not use fsdpd: only root, uid %u and members of group "
-           "%u (primary or supplementary) may connect to %s",
-           (unsigned)cred.uid, (long)cred.pid, (unsigned)cred.gid, (unsigned)geteuid(),
-           (unsigned)getegid(), listener->socket_path);
+  fsdp_credentials_refusal(&listener->callers[fd].cred, listener->socket_path, buf, size);
 }
 
 int fsdp_listener_start(fsdp_listener_t *listener, uv_loop_t *loop, fsdp_rpc_endpoint_t *local,

@@ -226,6 +226,19 @@ static void evict(void *data, fsdp_accepted_t *accepted, unsigned held, unsigned
          (int)accepted->cred.pid, (unsigned)accepted->cred.uid, held, limit);
 }
 
+/* A process that may not use the daemon hears why in a welcome, as a refused caller of the
+ * gRPC socket does in its calls' status; then the connection ends. */
+static int adopt_refused(void *data, fsdp_accepted_t *accepted) {
+  (void)data;
+  fsdp_channel_welcome_t w = {0};
+  char why[FSDP_STATUS_MESSAGE_MAX];
+  fsdp_credentials_refusal(&accepted->cred, "the memory channel", why, sizeof why);
+  fsdp_status_set(&w.status, FSDP_E_PERMISSION_DENIED, "%s", why);
+  send_welcome(accepted->fd, accepted->cred.pid, &w);
+  close(accepted->fd);
+  return -1;
+}
+
 /* Refused at the limit: the trainer's client shows the welcome's status and message. */
 static void turn_away(void *data, int fd, const fsdp_credentials_t *cred, const char *why) {
   (void)data;
@@ -240,8 +253,9 @@ int fsdp_channel_start(fsdp_channel_t *channel, uv_loop_t *loop, int listen_fd,
   fsdp_list_init(&channel->conns);
   channel->loop = loop;
   channel->callbacks = *callbacks;
-  fsdp_acceptor_ops_t ops = {.adopt = adopt, .idleness = idleness, .evict = evict,
-                             .turn_away = turn_away, .data = channel};
+  fsdp_acceptor_ops_t ops = {.adopt = adopt, .adopt_refused = adopt_refused,
+                             .idleness = idleness, .evict = evict, .turn_away = turn_away,
+                             .data = channel};
   fsdp_acceptor_init(&channel->acceptor, listen_fd, true, "memory channel", 0,
                      "rpc.max_connections_per_uid", &ops);
   return fsdp_acceptor_start(&channel->acceptor, loop);

@@ -7,11 +7,13 @@ import fcntl
 import json
 import mmap
 import os
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -339,6 +341,53 @@ def test_a_uid_holds_at_most_max_connections_per_uid_channels(fsdpd):
     finally:
         for s in bound:
             s.close()
+
+
+_FOREIGN_CHANNEL = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.settimeout(8)
+s.connect(sys.argv[1])
+print(s.recv(4096).hex())
+"""
+
+
+def test_a_uid_the_daemon_does_not_let_in_hears_why(fsdpd):
+    """A process the memory channel does not let in gets a ChannelWelcome saying so, naming its
+    uid and who may connect, as a refused caller of the gRPC socket hears in its calls, and
+    the connection ends; the channel goes on serving."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another uid needs root")
+    base = tempfile.mkdtemp(prefix="fsdpd-channel-")  # pytest's tmp_path is closed to others
+    try:
+        os.chmod(base, 0o755)
+        d = fsdpd(run_dir=os.path.join(base, "run"))
+        os.chmod(d.run_dir, 0o755)
+        path = d.run_dir / "fsdpd.mem.sock"
+        os.chmod(path, 0o666)  # only the daemon's own check stands in the way
+        try:
+            r = subprocess.run([getattr(sys, "_base_executable", sys.executable), "-c",
+                                _FOREIGN_CHANNEL, str(path)], user=65534, group=65534,
+                               extra_groups=[], capture_output=True, text=True, timeout=20,
+                               cwd="/")
+        except PermissionError as e:  # root in a user namespace that may not switch users
+            pytest.skip(f"cannot run a process as uid 65534: {e}")
+        assert r.returncode == 0, r.stderr
+        msg = bytes.fromhex(r.stdout.strip())
+        n = struct.unpack("<I", msg[:4])[0]
+        w = channel_pb2.ChannelWelcome.FromString(msg[4:4 + n])
+        assert w.status == PERMISSION_DENIED, w
+        assert "uid 65534" in w.message and "may not use fsdpd" in w.message, w.message
+        assert f"only root, uid {os.geteuid()}" in w.message, w.message
+        assert "the memory channel" in w.message, w.message
+        s, w, fds = hello(str(path), attach(d, 0).session_id)  # our own uid is served
+        assert w.status == OK, w.message
+        for fd in fds:
+            os.close(fd)
+        s.close()
+        d.assert_serving()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_lease_end_closes_the_channel(fsdpd):
