@@ -1,5 +1,6 @@
-/* The data plane's life (made, given its backend, freed), a unit's registration, and where
- * a job's steps stand: reached, or resumed from a checkpoint. */
+/* The data plane's life (made, given its backend, freed), the store's hooks that give each
+ * job and unit its flight, a unit's registration, and where a job's steps stand: reached,
+ * or resumed from a checkpoint. */
 #include "daemon/dataplane/internal.h"
 
 #include <errno.h>
