@@ -764,13 +764,15 @@ static const char *reduce_path(const fsdp_unit_handle_t *u) {
 static void set_reduce_flags(Fsdp__V1__UnitOpRequest *rq, unsigned flags) {
   rq->accumulate = flags & FSDP_REDUCE_ACCUMULATE;
   rq->defer_all_reduce = flags & FSDP_REDUCE_DEFER_ALL_REDUCE;
-  rq->step_optimizer = flags & FSDP_REDUCE_STEP_OPTIMIZER;
+  rq->step_optimizer = flags & (FSDP_REDUCE_STEP_OPTIMIZER | FSDP_REDUCE_STEP_ONLY);
+  rq->step_only = flags & FSDP_REDUCE_STEP_ONLY;
 }
 
 static unsigned reduce_flags_of(const Fsdp__V1__UnitOpRequest *rq) {
   return (rq->accumulate ? FSDP_REDUCE_ACCUMULATE : 0u) |
          (rq->defer_all_reduce ? FSDP_REDUCE_DEFER_ALL_REDUCE : 0u) |
-         (rq->step_optimizer ? FSDP_REDUCE_STEP_OPTIMIZER : 0u);
+         (rq->step_optimizer ? FSDP_REDUCE_STEP_OPTIMIZER : 0u) |
+         (rq->step_only ? FSDP_REDUCE_STEP_ONLY : 0u);
 }
 
 static void fill_request(const fsdp_trainer_t *t, const fsdp_unit_handle_t *u, uint64_t step,
@@ -890,14 +892,12 @@ static uint64_t fast_send(fsdp_trainer_t *t, const fsdp_unit_handle_t *u, const 
                           const Fsdp__V1__UnitOpRequest *rq) {
   if (!t->fast)
     return 0;
+  unsigned flags = (rq->defer_all_reduce ? FSDP_FAST_DEFER_ALL_REDUCE : 0u) |
+                   (rq->step_optimizer ? FSDP_FAST_STEP_OPTIMIZER : 0u) |
+                   (rq->step_only ? FSDP_FAST_STEP_ONLY : 0u);
   fsdp_fast_request_t fast = {.step = rq->step, .unit_id = u->id, .kind = (uint8_t)kind->fast,
                               .backward = rq->backward, .accumulate = rq->accumulate,
-                              .reduce_flags = (uint8_t)((rq->defer_all_reduce
-                                                             ? FSDP_FAST_DEFER_ALL_REDUCE
-                                                             : 0u) |
-                                                        (rq->step_optimizer
-                                                             ? FSDP_FAST_STEP_OPTIMIZER
-                                                             : 0u))};
+                              .reduce_flags = (uint8_t)flags};
   return fsdp_fast_client_send(t->fast, &fast);
 }
 
@@ -1030,7 +1030,8 @@ int fsdp_trainer_reshard(fsdp_trainer_t *trainer, fsdp_unit_handle_t *unit, uint
 static int reduce_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *api,
                           uint64_t step, unsigned flags, bool started) {
   const unsigned known =
-      FSDP_REDUCE_ACCUMULATE | FSDP_REDUCE_DEFER_ALL_REDUCE | FSDP_REDUCE_STEP_OPTIMIZER;
+      FSDP_REDUCE_ACCUMULATE | FSDP_REDUCE_DEFER_ALL_REDUCE | FSDP_REDUCE_STEP_OPTIMIZER |
+      FSDP_REDUCE_STEP_ONLY;
   if (t && (flags & ~known))
     return fsdp_client_set_last_error(t->client, -EINVAL,
                                       "fsdp_trainer_%s: flags 0x%x hold bits that are not "

@@ -827,6 +827,7 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
                          json_object_new_boolean(u->reshard_after_forward));
   json_object_object_add(o, "forward_index", json_object_new_int64(u->forward_index));
   json_object_object_add(o, "deferred_reduces", json_object_new_int64(u->deferred_reduces));
+  json_object_object_add(o, "reduces", json_object_new_uint64(u->reduces));
   json_object_object_add(o, "replica_all_reduces",
                          json_object_new_uint64(u->replica_all_reduces));
   json_object_object_add(o, "optimizer_steps", json_object_new_uint64(u->optimizer_steps));

@@ -53,6 +53,7 @@ typedef enum fsdp_fast_kind {
 /* fsdp_fast_request_t.reduce_flags */
 #define FSDP_FAST_DEFER_ALL_REDUCE 0x1u
 #define FSDP_FAST_STEP_OPTIMIZER 0x2u
+#define FSDP_FAST_STEP_ONLY 0x4u
 
 typedef struct fsdp_fast_request {
   uint64_t seq;     /* the trainer's, echoed in the reply */

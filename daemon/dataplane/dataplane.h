@@ -180,6 +180,7 @@ typedef struct fsdp_unit_flight {
    * (generation) whose reduces made it: another run's first reduce drops it. */
   bool reduce_defer;
   bool reduce_step; /* the running reduce steps the masters after (step_optimizer) */
+  bool reduce_step_only; /* ... and reduces nothing before (step_only) */
   uint64_t stepped_step; /* the newest step whose reduce stepped the masters; 0: none */
   /* With clipping by the global norm: the running reduce wrote its gradient shards and
    * waits for every other trainable unit's of the step; norm_sq is its shards' part. */
@@ -191,6 +192,7 @@ typedef struct fsdp_unit_flight {
   uint64_t deferred_offset;
   uint64_t deferred_generation;
   bool deferred_accumulate;
+  uint64_t reduces; /* reduces of gradients that completed (a step alone is none) */
   uint64_t replica_all_reduces; /* all-reduces among replicas run, for fsdpctl unit */
   /* What the data plane's own work of the last gather (this host's cast) and the last
    * one-host reduce took, in microseconds, kernels and their completion: for fsdpctl unit. */
@@ -352,6 +354,9 @@ typedef struct fsdp_dataplane_reduce_how {
   /* Then step the unit's masters with the job's optimizer (daemon/dataplane/optimizer.h);
    * the reduce ends after the step. Not with defer_all_reduce, whose shards wait. */
   bool step_optimizer;
+  /* With step_optimizer alone: the step without a reduce (torch's opt.step() after the
+   * backwards' reduces wrote the gradient shards); the ranks submit no gradient. */
+  bool step_only;
 } fsdp_dataplane_reduce_how_t;
 
 /* ReduceScatter (and AllReduce of a NO_SHARD unit) for who's rank at `step`, as `how` says;

@@ -120,8 +120,13 @@ static void queue_step(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u, bo
   dp_enqueue(dp, w);
 }
 
-/* Every local rank asked the unit's reduce: its rings among hosts, or its work here. */
+/* Every local rank asked the unit's reduce: its rings among hosts, or its work here; or,
+ * for a step alone, the step. */
 static void start_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit) {
+  if (unit->flight->reduce_step_only) {
+    dp_start_step(dp, job, unit);
+    return;
+  }
   if (fsdp_unit_plan_spans_hosts(&unit->plan)) {
     dp_start_reduce_rings(dp, job, unit);
     return;
@@ -129,6 +134,53 @@ static void start_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *uni
   int r = dp_queue(dp, WORK_REDUCE, job, unit);
   if (r < 0)
     dp_abort_collection(job, unit, WAIT_REDUCE, r, "cannot queue the reduce-scatter");
+}
+
+/* What a rank's reduce must be to be collected: a gradient buffer to submit (a step alone
+ * submits none, and may hold none), flags that go together, the job's optimizer when a
+ * step is asked for. Fails op otherwise. */
+static bool check_reduce(const fsdp_unit_t *unit, const fsdp_job_t *job, uint32_t rank,
+                         uint64_t step, const fsdp_dataplane_reduce_how_t *how,
+                         fsdp_dataplane_op_t *op) {
+  const char *name = unit->spec->unit;
+  bool lent = fsdp_rank_set_has(&unit->flight->grads_lent, rank);
+  if (how->step_only && (!how->step_optimizer || how->accumulate || how->defer_all_reduce)) {
+    dp_op_fail(op, FSDP_E_INVALID_ARGUMENT,
+               "unit '%s' step %llu: step_only = true goes with step_optimizer = true and "
+               "neither accumulate nor defer_all_reduce (here %s, %s, %s)",
+               name, (unsigned long long)step, how->step_optimizer ? "true" : "false",
+               how->accumulate ? "true" : "false", how->defer_all_reduce ? "true" : "false");
+    return false;
+  }
+  if (how->step_only && lent) {
+    dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
+               "unit '%s' step %llu: step_only, but local rank %u holds a full-gradient buffer: "
+               "reduce it first",
+               name, (unsigned long long)step, rank);
+    return false;
+  }
+  if (how->step_only && unit->flight->has_deferred) {
+    dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
+               "unit '%s' step %llu: step_only, but the unit holds gradients whose all-reduce "
+               "among replicas was deferred: a reduce without defer_all_reduce writes them",
+               name, (unsigned long long)step);
+    return false;
+  }
+  if (!how->step_only && !lent) {
+    dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
+               "unit '%s' step %llu: local rank %u holds no full-gradient buffer to reduce: the "
+               "Unshard for the unit's backward lends it",
+               name, (unsigned long long)step, rank);
+    return false;
+  }
+  if (how->step_optimizer && !fsdp_optimizer_is_set(job)) {
+    dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
+               "unit '%s' step %llu: step_optimizer, but job '%s' has no optimizer in the daemon "
+               "(SetOptimizer)",
+               name, (unsigned long long)step, job->name);
+    return false;
+  }
+  return true;
 }
 
 void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
@@ -146,32 +198,24 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
                unit->spec->unit, (unsigned long long)c->step, rank);
     return;
   }
-  if (!fsdp_rank_set_has(&unit->flight->grads_lent, rank)) {
-    dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
-               "unit '%s' step %llu: local rank %u holds no full-gradient buffer to reduce: the "
-               "Unshard for the unit's backward lends it",
-               unit->spec->unit, (unsigned long long)step, rank);
+  if (!check_reduce(unit, job, rank, step, how, op))
     return;
-  }
-  if (how->step_optimizer && !fsdp_optimizer_is_set(job)) {
-    dp_op_fail(op, FSDP_E_FAILED_PRECONDITION,
-               "unit '%s' step %llu: step_optimizer, but job '%s' has no optimizer in the daemon "
-               "(SetOptimizer)",
-               unit->spec->unit, (unsigned long long)step, job->name);
-    return;
-  }
   bool defer = how->defer_all_reduce && unit->plan.replica_ring.members > 1; /* else none */
-  bool asked[3] = {how->accumulate, defer, how->step_optimizer && !how->defer_all_reduce};
-  bool *kept[3] = {&unit->flight->reduce_accumulate, &unit->flight->reduce_defer, &unit->flight->reduce_step};
-  static const char *const names[3] = {"accumulate", "defer_all_reduce", "step_optimizer"};
-  size_t differs = 3;
-  for (size_t k = 0; k < 3; k++) {
+  bool asked[] = {how->accumulate, defer, how->step_optimizer && !how->defer_all_reduce,
+                  how->step_only};
+  bool *kept[] = {&unit->flight->reduce_accumulate, &unit->flight->reduce_defer,
+                  &unit->flight->reduce_step, &unit->flight->reduce_step_only};
+  static const char *const names[] = {"accumulate", "defer_all_reduce", "step_optimizer",
+                                      "step_only"};
+  enum { FLAGS = sizeof asked / sizeof asked[0] };
+  size_t differs = FLAGS;
+  for (size_t k = 0; k < FLAGS; k++) {
     if (c->count == 0)
       *kept[k] = asked[k];
-    else if (step == c->step && asked[k] != *kept[k] && differs == 3)
+    else if (step == c->step && asked[k] != *kept[k] && differs == FLAGS)
       differs = k;
   }
-  if (differs < 3) {
+  if (differs < FLAGS) {
     char message[FSDP_STATUS_MESSAGE_MAX];
     snprintf(message, sizeof message,
              "unit '%s' step %llu: local rank %u submitted with %s %s while the other ranks "

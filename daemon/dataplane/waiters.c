@@ -204,7 +204,10 @@ void dp_finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind,
     dp_wake_unshards(job, u);
     return;
   }
-  u->flight->reduced_step = c->step;
+  if (!u->flight->reduce_step_only) {
+    u->flight->reduced_step = c->step;
+    u->flight->reduces++;
+  }
   if (u->flight->reduce_defer)
     u->flight->n_deferred++;
   else

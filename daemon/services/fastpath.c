@@ -223,7 +223,8 @@ static bool run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
     fsdp_dataplane_reduce_how_t how = {
         .accumulate = rq->accumulate,
         .defer_all_reduce = rq->reduce_flags & FSDP_FAST_DEFER_ALL_REDUCE,
-        .step_optimizer = rq->reduce_flags & FSDP_FAST_STEP_OPTIMIZER};
+        .step_optimizer = rq->reduce_flags & FSDP_FAST_STEP_OPTIMIZER,
+        .step_only = rq->reduce_flags & FSDP_FAST_STEP_ONLY};
     fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, &how,
                           fsdp_unit_ops_deadline(ctx), &o->op, on_op_done, o);
   }

@@ -87,6 +87,7 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->reshard_after_forward = u->flight->reshard_after_forward;
   info->forward_index = u->flight->order_index;
   info->deferred_reduces = u->flight->n_deferred;
+  info->reduces = u->flight->reduces;
   info->replica_all_reduces = u->flight->replica_all_reduces;
   info->optimizer_steps = fsdp_optimizer_unit_steps(job, u);
   info->last_gather_us = u->flight->last_gather_us;

@@ -270,7 +270,8 @@ static void reduce(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
   fsdp_dataplane_rank_t who = fsdp_unit_ops_rank(s);
   fsdp_dataplane_reduce_how_t how = {.accumulate = rq->accumulate,
                                      .defer_all_reduce = rq->defer_all_reduce,
-                                     .step_optimizer = rq->step_optimizer};
+                                     .step_optimizer = rq->step_optimizer,
+                                     .step_only = rq->step_only};
   fsdp_dataplane_reduce(ctx->dataplane, job, u, &who, rq->step, &how,
                         fsdp_unit_ops_deadline(ctx), &p->op, on_unit_op_done, p);
 }

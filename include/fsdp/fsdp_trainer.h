@@ -271,6 +271,11 @@ enum {
    * (fsdp_trainer_set_optimizer), and the reduce returns after the step: the last
    * micro-batch's reduces of a step ask for it. */
   FSDP_REDUCE_STEP_OPTIMIZER = 1u << 2,
+  /* The step alone, with no gradient: FSDP_REDUCE_STEP_OPTIMIZER's step over what the
+   * gradient shards hold, once earlier reduces (those of the backwards since the last step)
+   * wrote them; the rank holds no full-gradient buffer. torch's opt.step(). Implies
+   * FSDP_REDUCE_STEP_OPTIMIZER; not with the other flags. */
+  FSDP_REDUCE_STEP_ONLY = 1u << 3,
 };
 
 /* Submits this rank's full gradient (view->full_grad, lent by an Unshard for the backward)

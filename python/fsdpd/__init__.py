@@ -297,6 +297,19 @@ class Unit:
         self._call("reduce_scatter_async", _lib.lib().fsdp_trainer_reduce_scatter_start, step,
                    _reduce_flags(accumulate, defer_all_reduce, step_optimizer))
 
+    def step_optimizer(self, step=0):
+        """The daemon steps the unit's masters with the job's optimizer over what its gradient
+        shards hold (what the reduces since the last step wrote), with no reduce: torch's
+        opt.step(). Every local rank calls it, holding no full_grad; returns after the
+        step."""
+        self._call("step_optimizer", _lib.lib().fsdp_trainer_reduce_scatter, step,
+                   _lib.REDUCE_STEP_ONLY)
+
+    def step_optimizer_async(self, step=0):
+        """Starts step_optimizer(); wait() returns its result."""
+        self._call("step_optimizer_async", _lib.lib().fsdp_trainer_reduce_scatter_start, step,
+                   _lib.REDUCE_STEP_ONLY)
+
 
 def _reduce_flags(accumulate, defer_all_reduce, step_optimizer):
     return ((_lib.REDUCE_ACCUMULATE if accumulate else 0) |

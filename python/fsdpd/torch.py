@@ -274,6 +274,7 @@ class _FlatUnit:
         self.copy_step = 0
         self.grad_lent = False
         self.reducing = False    # a reduce_scatter_async under way
+        self.deferred = False    # its last reduce was under no_sync(): the daemon keeps the sum
         self.accumulators = [None] * len(self.params)  # the hooked autograd nodes
         self.ran_step = 0        # the step in which the unit last ran forward
         self.pending = 0         # gradients still to come in this backward
@@ -397,6 +398,13 @@ class _FlatUnit:
         self.unit.reduce_scatter_async(step, accumulate=accumulate,
                                        defer_all_reduce=defer_all_reduce,
                                        step_optimizer=step_optimizer)
+        self.reducing = True
+        self.deferred = defer_all_reduce
+
+    def step_async(self, step):
+        """Starts the daemon optimizer's step over the gradient shards, with no reduce."""
+        self.settle()
+        self.unit.step_optimizer_async(step)
         self.reducing = True
 
 
@@ -807,17 +815,28 @@ class ShardedModel(_nn.Module):
         """fsdpd.optim's step(): the daemon steps each trainable unit whose gradient shards
         hold a gradient (every one with max_grad_norm, whose norm is all of theirs), once,
         with what the backwards since zero_grad() reduced into them, as torch's optimizers
-        step after gradient accumulation. The daemon steps in a reduce: each unit's reduce
-        of a zero gradient, added to the shards (adding +0.0 changes no value), asks for it,
-        at the step of the last forward. Every local rank calls it together."""
+        step after gradient accumulation, at the step of the last forward. Every local rank
+        calls it together.
+
+        The step alone, with no reduce, where the shards hold the gradient. Two cases need a
+        reduce, of a zero gradient, that asks for the step: a unit with no gradient since
+        zero_grad() (its shards hold an older one, which the reduce overwrites with zeros),
+        and one whose last reduce, under no_sync(), left the sum among the shard group to
+        the daemon (the reduce adds +0.0 to it, which changes no value, and all-reduces it
+        among the replicas into the shards)."""
         units = [fu for fu in self._units if fu.trainable and
                  (fu.grads_kept() or self._optimizer.max_grad_norm)]
         step = self.step
+        reduced = []
         try:
             for fu in reversed(units):  # the backward's order
+                kept = fu.grads_kept()
+                if kept and not fu.deferred:
+                    fu.step_async(step)
+                    continue
+                reduced.append(fu)
                 fu.unshard(step, backward=True)  # the gradient buffer, zeroed
                 fu.reshard()
-                kept = fu.grads_kept()  # else its shards hold an older gradient: zeros
                 fu.reduce_async(step, accumulate=kept, defer_all_reduce=False,
                                 step_optimizer=True)
                 if not kept:
@@ -825,7 +844,7 @@ class ShardedModel(_nn.Module):
             for fu in units:
                 fu.settle()
         finally:
-            for fu in units:
+            for fu in reduced:
                 fu.detach_params()
 
     def _trainable_units(self):

@@ -1,8 +1,8 @@
 """The daemon's optimizer (Trainer.SetOptimizer) through a real fsdpd: what it refuses (every
 field torch checks, parameters it does not know, changes of kind or groups), what a
 ReduceScatter with step_optimizer does to the masters and the state (values chosen so that
-every operation is exact), where the state lies in the job's memory, and that it outlives
-the trainers. The training equivalence with torch.optim is test_shard_model's."""
+every operation is exact), and with step_only too (the step alone), where the state lies in
+the job's memory, and that it outlives the trainers. The training equivalence with torch.optim is test_shard_model's."""
 
 import array
 import json
@@ -163,6 +163,57 @@ def test_a_step_updates_masters_and_state_and_outlives_the_trainers(fsdpd):
     assert on_all(again, "ReduceScatter", step=2, step_optimizer=True) == [None, None]
     assert floats(again[0].memory, lay.master_offset, n) == want
     assert json.loads(d.fsdpctl("--json", "unit", "u").stdout)["optimizer_steps"] == 2
+
+
+def test_a_step_alone_steps_with_what_the_reduces_wrote(fsdpd):
+    """step_only, as torch's opt.step() after the backwards: no gradient is submitted and
+    nothing is reduced; the masters step with what the gradient shards hold. SGD, lr 0.25,
+    on exact values: step 1's reduce writes g, step 2's two reduces (the second
+    accumulating) write 2 g; each step alone moves the masters down by 0.25 times that.
+    What it refuses: other flags with it, a rank holding a gradient buffer; a second step
+    alone of the same step is not taken."""
+    d = fsdpd()
+    ranks, layouts = two_ranks(d)
+    lay = layouts[0]
+    n = lay.padded_numel
+    masters = [float(i % 7) for i in range(n)]
+    for r, x in zip(ranks, layouts):
+        r.write_master_shard(x, masters)
+    set_optimizer(ranks[0], trainer_pb2.SGD, group(lr=0.25))
+    g = [float((i % 5) - 2) for i in range(n)]
+    for step, micro_batches in ((1, 1), (2, 2)):
+        for k in range(micro_batches):
+            assert on_all(ranks, "Unshard", step=step, backward=True) == [None, None]
+            for r in ranks:
+                r.write_full_grad(g, FP32)
+            assert on_all(ranks, "ReduceScatter", step=step, accumulate=k > 0) == [None, None]
+        if step == 2:  # refused, and nothing lost: the step alone then runs
+            errors = on_all(ranks, "ReduceScatter", step=step, step_optimizer=True,
+                            step_only=True, accumulate=True)
+            assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT for e in errors)
+            assert "step_only = true goes with step_optimizer = true and neither accumulate " \
+                   "nor defer_all_reduce (here true, true, false)" in errors[0].details()
+        assert on_all(ranks, "ReduceScatter", step=step, step_optimizer=True,
+                      step_only=True) == [None, None]
+    numel = 17
+    want = [m - 0.25 * x - 0.25 * 2 * x if i < numel else m
+            for i, (m, x) in enumerate(zip(masters, g))]
+    assert floats(ranks[0].memory, lay.master_offset, n) == want
+    unit = json.loads(d.fsdpctl("--json", "unit", "u").stdout)
+    assert (unit["reduces"], unit["optimizer_steps"]) == (3, 2)
+    # The same step alone again: taken already, the masters stay.
+    assert on_all(ranks, "ReduceScatter", step=2, step_optimizer=True,
+                  step_only=True) == [None, None]
+    assert floats(ranks[0].memory, lay.master_offset, n) == want
+    # A rank holding a gradient buffer reduces it first.
+    assert on_all(ranks, "Unshard", step=3, backward=True) == [None, None]
+    errors = on_all(ranks, "ReduceScatter", step=3, step_optimizer=True, step_only=True)
+    assert all(e.code() == grpc.StatusCode.FAILED_PRECONDITION for e in errors)
+    assert "step_only, but local rank 0 holds a full-gradient buffer: reduce it first" in \
+        errors[0].details()
+    assert on_all(ranks, "ReduceScatter", step=3) == [None, None]
+    unit = json.loads(d.fsdpctl("--json", "unit", "u").stdout)
+    assert (unit["reduces"], unit["optimizer_steps"]) == (4, 2)
 
 
 def test_adam_with_amsgrad_steps_as_torch_does(fsdpd):

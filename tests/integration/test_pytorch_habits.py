@@ -112,12 +112,15 @@ def test_the_daemons_optimizer_refuses_tensors_of_no_sharded_model(fsdpd, tmp_pa
 def test_gradient_accumulation_steps_once_per_step(fsdpd, optim):
     """Four (loss / 4).backward() and one step(), no no_sync: torch's accumulation exactly,
     with a torch optimizer and with the daemon's (which steps once per step(): its step
-    count is the steps'). Before, the daemon stepped in each backward, four times a step."""
+    count is the steps'). Before, the daemon stepped in each backward, four times a step.
+    The daemon's step reduces nothing: each unit's reduces are the backwards'."""
     args = ("--optim", optim, "--micro", "4")
-    _, (r0, r1, ref) = _train(fsdpd, 2, *args, reference=args)
+    d, (r0, r1, ref) = _train(fsdpd, 2, *args, reference=args)
     _assert_matches([r0, r1], ref, 0.0)
     if optim != "sgd":
         assert next(r for r in r0 if r.get("final"))["optimizer_steps"] == STEPS
+        unit = json.loads(d.fsdpctl("--json", "unit", "blocks.0").stdout)
+        assert (unit["reduces"], unit["optimizer_steps"]) == (4 * STEPS, STEPS)
 
 
 def test_accumulation_under_no_sync_and_without_are_one(fsdpd):

@@ -9,7 +9,7 @@
  * initializer is an error in this file, so the build fails when the header gains a field that
  * the list lacks: the JSON then names every field the header has. Each function is listed with
  * a zero for each parameter, and a call with another count than the prototype's does not
- * compile. */
+ * compile. The constants the package passes as plain numbers are printed with their values. */
 #include <stddef.h>
 #include <stdio.h>
 
@@ -70,6 +70,13 @@
 #define PRINT_VOID_FUNCTION(name, ...)                                                        \
   PRINT_CALL(name, sizeof((name(__VA_ARGS__), 0)) * 0, __VA_ARGS__)
 
+/* "<NAME>": value */
+#define PRINT_CONSTANT(name)                                                                  \
+  do {                                                                                        \
+    printf("%s    \"%s\": %lld", sep, #name, (long long)(name));                               \
+    sep = ",\n";                                                                              \
+  } while (0)
+
 int main(void) {
   const char *sep = "";
   printf("{\n  \"structs\": {\n");
@@ -107,6 +114,18 @@ int main(void) {
   PRINT_FUNCTION(fsdp_trainer_reshard, 0, 0, 0);
   PRINT_FUNCTION(fsdp_trainer_reduce_scatter, 0, 0, 0, 0);
   PRINT_FUNCTION(fsdp_trainer_reduce_scatter_start, 0, 0, 0, 0);
+  sep = "";
+  printf("\n  },\n  \"constants\": {\n");
+  PRINT_CONSTANT(FSDP_SCALAR_DEFAULT);
+  PRINT_CONSTANT(FSDP_SCALAR_FP32);
+  PRINT_CONSTANT(FSDP_SCALAR_BF16);
+  PRINT_CONSTANT(FSDP_SCALAR_FP16);
+  PRINT_CONSTANT(FSDP_PASS_FORWARD);
+  PRINT_CONSTANT(FSDP_PASS_BACKWARD);
+  PRINT_CONSTANT(FSDP_REDUCE_ACCUMULATE);
+  PRINT_CONSTANT(FSDP_REDUCE_DEFER_ALL_REDUCE);
+  PRINT_CONSTANT(FSDP_REDUCE_STEP_OPTIMIZER);
+  PRINT_CONSTANT(FSDP_REDUCE_STEP_ONLY);
   printf("\n  }\n}\n");
   return 0;
 }

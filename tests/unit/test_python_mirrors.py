@@ -63,6 +63,14 @@ def test_struct_mirror_is_the_header_s(compiled, ctype):
     assert ctypes.sizeof(mirror) == compiled["structs"][ctype]["size"]
 
 
+def test_constants_are_the_header_s(compiled):
+    """_lib's SCALAR_*, PASS_* and REDUCE_* are the header's FSDP_ constants, every one."""
+    header = {name.removeprefix("FSDP_"): value for name, value in compiled["constants"].items()}
+    ours = {name: value for name, value in vars(_lib).items()
+            if re.match(r"(SCALAR|PASS|REDUCE)_[A-Z0-9_]+$", name)}
+    assert ours == header
+
+
 def test_every_function_the_package_calls_is_declared():
     used = set()
     for path in PACKAGE.glob("*.py"):
