@@ -10,8 +10,9 @@
  * steps (fsdp_checkpoints_save_at_boundary). A save's files are written from the snapshot
  * beside the queue while training goes on; a save asked while another checkpoint of the
  * job runs waits for it. Through the data plane's hooks: the saves that wait for a step
- * boundary, the schedule's (checkpoint.every_steps), and the resume of a job new to this
- * daemon (checkpoint.resume). Loop thread only. */
+ * boundary, the schedule's (checkpoint.every_steps), and the start of a job new to this
+ * daemon, which looks beside the queue for what to resume from (checkpoint.resume) while
+ * the job's registrations wait. Loop thread only. */
 #ifndef FSDP_CHECKPOINTS_H
 #define FSDP_CHECKPOINTS_H
 
@@ -27,6 +28,7 @@
 typedef struct fsdp_checkpoints {
   fsdp_dataplane_t *dp;
   struct checkpoint_work *works; /* loads, and saves waiting, taking a snapshot or writing */
+  struct start_look *looks; /* jobs' starts, looking for what to resume from */
   /* checkpoint.*: where and how often the jobs are saved on schedule, how many are kept. */
   char dir[PATH_MAX]; /* with the links of its existing part resolved */
   uint64_t every_steps;
@@ -40,8 +42,8 @@ typedef struct fsdp_checkpoints {
 /* Checkpoints of dp's jobs (no schedule, no resume until configured); takes dp's hooks. */
 void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp);
 
-/* Once the loop has ended: frees the saves left waiting for a boundary that never came.
- * NULL-safe. */
+/* Once the loop has ended: frees the saves left waiting for a boundary that never came, and
+ * forgets the jobs' starts still looking (the loop's last run frees them). NULL-safe. */
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp);
 
 /* checkpoint.dir, .every_steps, .keep, .write_rate, .disk_share, .resume: a job is saved
@@ -132,7 +134,8 @@ void fsdp_checkpoints_hurry(fsdp_checkpoints_t *cp);
  * checkpoints before them as they were. */
 void fsdp_checkpoints_abandon(fsdp_checkpoints_t *cp);
 
-/* Whether a checkpoint of the job waits or is under way (its memory must stay). */
+/* Whether a checkpoint of the job waits or is under way, or its start looks for what to
+ * resume from (its memory must stay). */
 bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
 
 #endif

@@ -96,6 +96,16 @@ typedef struct checkpoint_work {
   struct checkpoint_work *next; /* in cp->works */
 } checkpoint_work_t;
 
+/* job_start.c */
+
+/* The data plane's job_starts: starts the look beside the queue when checkpoint.dir is set
+ * (then true: the job's registrations wait for fsdp_dataplane_looked). */
+bool ck_job_starts(void *ctx, fsdp_job_t *job);
+
+/* Whether a start of the job looks; the looks still running are forgotten (cleanup). */
+bool ck_looks_at_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
+void ck_forget_looks(fsdp_checkpoints_t *cp);
+
 /* describe.c */
 
 /* The job's checkpoint state, made on first need; NULL when there is no memory for it. Loop

@@ -1,6 +1,6 @@
 /* What asks for the jobs' checkpoints (see checkpoints.h): a caller or a trainer, the
- * schedule (checkpoint.every_steps), the daemon's stop, and a job's start, which looks for
- * the checkpoint to resume from (checkpoint.resume); the checkpoints' own life. */
+ * schedule (checkpoint.every_steps), the daemon's stop, and the resume of a job whose start
+ * found a checkpoint (job_start.c); the checkpoints' own life. */
 #include "daemon/checkpoints/internal.h"
 
 #include <errno.h>
@@ -48,53 +48,17 @@ bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *j
   for (const checkpoint_work_t *c = cp->works; c; c = c->next)
     if (c->owner == job)
       return true;
-  return false;
+  return ck_looks_at_job(cp, job);
 }
 
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp) {
+  if (cp)
+    ck_forget_looks(cp);
   while (cp && cp->works) {
     checkpoint_work_t *c = cp->works;
     cp->works = c->next;
     ck_free_checkpoint_work(c);
   }
-}
-
-/* A job new to this daemon: host 0 removes what unfinished saves left in
- * checkpoint.dir/<job>/ (fsdp_checkpoint_remove_unfinished). With checkpoint.resume = latest
- * the job goes on from its newest checkpoint there, loaded before its first gather. One that
- * cannot be read is still loaded then, and fails the job naming why: it does not start anew
- * without a word. */
-static bool job_starts(void *ctx, fsdp_job_t *job, uint64_t *ret_resume_step) {
-  const fsdp_checkpoints_t *cp = ctx;
-  char dir[PATH_MAX];
-  if (!cp->dir[0] ||
-      (size_t)snprintf(dir, sizeof dir, "%s/%s", cp->dir, job->name) >= sizeof dir)
-    return false;
-  if (!cp->dp->peers || fsdp_peers_host_rank(cp->dp->peers) == 0)
-    fsdp_checkpoint_remove_unfinished(dir, job->name);
-  fsdp_job_checkpoints_t *ck = cp->resume ? ck_job(job) : NULL;
-  if (!ck)
-    return false;
-  char from[PATH_MAX];
-  uint64_t uid = job->owner.uid, step;
-  fsdp_status_t st;
-  if (fsdp_checkpoint_find(dir, job->name, &uid, from, sizeof from, &step, &st) < 0) {
-    if (st.code == FSDP_E_NOT_FOUND) {
-      log_info("job '%s': nothing to resume from in %s: it starts anew", job->name, dir);
-      return false;
-    }
-    log_error("job '%s': cannot resume: %s", job->name, st.message);
-    /* Loaded all the same at the first gather, which fails naming why. */
-    ck->resume_from = strdup(st.code == FSDP_E_DATA_LOSS ? from : dir);
-    return ck->resume_from != NULL;
-  }
-  ck->resume_from = strdup(from);
-  *ret_resume_step = step;
-  ck->checkpointed_step = step; /* the schedule does not save it again */
-  if (ck->resume_from)
-    log_info("job '%s': resumes from %s, after step %llu, at its first gather", job->name,
-             ck->resume_from, (unsigned long long)step);
-  return ck->resume_from != NULL;
 }
 
 static void on_scheduled_checkpoint(void *data, const fsdp_status_t *st, const char *path,
@@ -313,7 +277,7 @@ const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp
 void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp) {
   *cp = (fsdp_checkpoints_t){.dp = dp};
   dp->hooks = (fsdp_dataplane_hooks_t){
-      .ctx = cp, .job_starts = job_starts, .resume = resume, .step_boundary = step_boundary};
+      .ctx = cp, .job_starts = ck_job_starts, .resume = resume, .step_boundary = step_boundary};
 }
 
 /* checkpoint.dir with the links in the part of it that exists resolved: the operator's

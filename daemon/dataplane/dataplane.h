@@ -116,6 +116,9 @@ typedef struct fsdp_job_flight {
   uint64_t gone_before_serial[FSDP_LOCAL_WORLD_MAX];
   unsigned order_capacity; /* of order and recorded: at least the job's units */
   bool resume_looked; /* the hooks' job_starts was called for its first unit */
+  /* job_starts looks for what the job resumes from, beside the queue: its registrations
+   * wait until fsdp_dataplane_looked. */
+  bool looking;
   /* checkpoint.resume: the job's gathers wait for the load of the checkpoint it resumes
    * from, pending until its first gather starts the load (the hooks' resume), then running
    * until fsdp_dataplane_resumed; resume_step is that checkpoint's step (0: unknown), which
@@ -223,10 +226,9 @@ typedef struct ring_run ring_run_t;
  * job_starts, the one that makes a job resume. */
 typedef struct fsdp_dataplane_hooks {
   void *ctx;
-  /* A job's first unit registers: returns whether the job resumes from a checkpoint, which
-   * its gathers wait for, and sets that checkpoint's step (0: unknown), which its units
-   * report as reduced. */
-  bool (*job_starts)(void *ctx, fsdp_job_t *job, uint64_t *ret_resume_step);
+  /* A job's first unit registers: returns whether it looks for a checkpoint to resume
+   * from, which then ends with fsdp_dataplane_looked; the job's registrations wait. */
+  bool (*job_starts)(void *ctx, fsdp_job_t *job);
   /* The first gather of a job that resumes: the resume's load starts, and the job's gathers
    * wait for fsdp_dataplane_resumed. */
   void (*resume)(void *ctx, fsdp_job_t *job);
@@ -415,6 +417,11 @@ void fsdp_dataplane_release_reduces(fsdp_dataplane_t *dp, fsdp_job_t *job);
 /* The job's state is that of `step`: one of its collectives completed it, or a checkpoint of
  * it was loaded. Its trainers go on after it, so job->last_step rises to it. */
 void fsdp_dataplane_reached_step(fsdp_job_t *job, uint64_t step);
+
+/* The look job_starts began ended: with resume, the job goes on from a checkpoint of
+ * `step` (0: unknown), which its gathers wait for and its units report as reduced. The
+ * job's registrations then end. */
+void fsdp_dataplane_looked(fsdp_dataplane_t *dp, fsdp_job_t *job, bool resume, uint64_t step);
 
 /* The resume the hooks started ended (st->code 0: the job's state is loaded): the gathers
  * waiting for it start, or, when it failed, the job's units fail naming why. */

@@ -96,7 +96,7 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   switch (unit->flight->state) {
   case FSDP_UNIT_NEW:
     if (!jf->resume_looked && dp->hooks.job_starts)
-      jf->resume_pending = dp->hooks.job_starts(dp->hooks.ctx, job, &jf->resume_step);
+      jf->looking = dp->hooks.job_starts(dp->hooks.ctx, job);
     jf->resume_looked = true;
     if (jf->resume_pending && !unit->spec->scratch)
       unit->flight->reduced_step = jf->resume_step; /* its trainers go on after it */
@@ -120,7 +120,24 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
     dp_op_fail(op, unit->flight->error.code, "%s", unit->flight->error.message);
     return;
   default:
-    dp_op_ok(op);
+    if (jf->looking)
+      dp_park(op);
+    else
+      dp_op_ok(op);
+  }
+}
+
+void fsdp_dataplane_looked(fsdp_dataplane_t *dp, fsdp_job_t *job, bool resume, uint64_t step) {
+  (void)dp;
+  fsdp_job_flight_t *jf = job->flight;
+  jf->looking = false;
+  jf->resume_pending = resume;
+  jf->resume_step = step;
+  for (fsdp_unit_t *u = job->units; u; u = u->next) {
+    if (resume && !u->spec->scratch)
+      u->flight->reduced_step = step; /* its trainers go on after it */
+    if (u->flight->state != FSDP_UNIT_ALLOCATING)
+      dp_wake(u, WAIT_REGISTER);
   }
 }
 

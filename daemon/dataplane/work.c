@@ -145,7 +145,8 @@ static void work_done(uv_work_t *req, int status) {
     } else {
       u->flight->state = FSDP_UNIT_READY;
     }
-    dp_wake(u, WAIT_REGISTER);
+    if (!w->job->flight->looking) /* else the look's end answers them */
+      dp_wake(u, WAIT_REGISTER);
   } else if (r < 0) {
     waiter_kind_t kind =
         w->kind == WORK_GATHER || w->kind == WORK_UNSTAGE_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;

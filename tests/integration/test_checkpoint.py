@@ -770,6 +770,34 @@ def test_a_stopped_daemon_saves_and_a_restarted_one_resumes(fsdpd, tmp_path):
     assert "resumes from" in again.stderr()
 
 
+@pytest.mark.skipif(not built_with("FSDP_FAILPOINTS"), reason="built without FSDP_FAILPOINTS")
+def test_a_jobs_start_looks_for_its_checkpoint_beside_the_queue(fsdpd, tmp_path):
+    """A job new to the daemon looks in checkpoint.dir/<job>/ for what to resume from beside
+    the data plane's queue: stalled 3 s there (a failpoint, as a slow disk would), its
+    registrations wait, and meanwhile another job registers and trains. Then the job's
+    registrations end, with the saved step as reduced, and it resumes."""
+    options = ("--set", f"checkpoint.dir={tmp_path}", "--set", "checkpoint.resume=latest")
+    d = fsdpd(*options)
+    ranks, regions = trained(d)
+    want = snapshot(ranks[0], regions)
+    d.stop()
+    again = fsdpd(*options, name="again", env={"FSDPD_FAILPOINT": "checkpoint-look:1:sleep-3000"})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = pool.submit(with_adamw, again)
+        time.sleep(0.5)  # j's look is under way, stalled
+        start = time.monotonic()
+        others = [Rank(again, r, 2, job="other") for r in range(2)]
+        for r in others:
+            r.register(shapes=((64,),), param_dtype=FP32, requires_grad=True)
+        assert on_all(others, "Unshard", step=1, backward=True) == [None, None]
+        assert on_all(others, "ReduceScatter", step=1) == [None, None]
+        assert time.monotonic() - start < 2 and not started.done(), "the other job waited"
+        ranks, layouts, regions = started.result(timeout=30)
+    assert [lay.reduced_step for lay in layouts] == [1, 1]
+    assert on_all(ranks, "Unshard", step=2) == [None, None]
+    assert snapshot(ranks[0], regions) == want
+
+
 def test_a_resume_that_cannot_load_fails_the_job_naming_why(fsdpd, tmp_path):
     """The checkpoint to resume from holds a unit of another size: the first gather fails
     naming it, rather than training from the trainers' initial values."""
