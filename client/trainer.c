@@ -522,12 +522,14 @@ static int check_unit_desc(fsdp_client_t *client, const fsdp_unit_desc_t *d) {
                                       d->name, d->params ? d->n_params : 0, FSDP_UNIT_MAX_PARAMS);
   if (d->strategy < FSDP_FULL_SHARD || d->strategy > FSDP_NO_SHARD ||
       d->param_type < FSDP_SCALAR_DEFAULT || d->param_type > FSDP_SCALAR_FP16 ||
-      d->reduce_type < FSDP_SCALAR_DEFAULT || d->reduce_type > FSDP_SCALAR_FP16)
+      d->reduce_type < FSDP_SCALAR_DEFAULT || d->reduce_type > FSDP_SCALAR_FP16 ||
+      d->layout < FSDP_LAYOUT_FLAT || d->layout > FSDP_LAYOUT_PER_PARAM)
     return fsdp_client_set_last_error(client, -EINVAL,
                                       "fsdp_trainer_register_unit: unit '%.256s': strategy %d, "
-                                      "param_type %d or reduce_type %d is not one of the enum's",
+                                      "param_type %d, reduce_type %d or layout %d is not one of "
+                                      "the enum's",
                                       d->name, (int)d->strategy, (int)d->param_type,
-                                      (int)d->reduce_type);
+                                      (int)d->reduce_type, (int)d->layout);
   for (size_t i = 0; i < d->n_params; i++) {
     const fsdp_param_desc_t *p = &d->params[i];
     if (!p->name || (p->ndim && !p->shape) || p->ndim > FSDP_UNIT_MAX_DIMS)
@@ -576,6 +578,20 @@ static int check_layout(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
                                         "%llu, past the unit's %llu",
                                         d->name, i, (unsigned long long)l->param_offsets[i],
                                         (unsigned long long)l->numel);
+  size_t pieces = d->layout == FSDP_LAYOUT_PER_PARAM ? d->n_params : 0;
+  if (l->n_param_shard_offsets != pieces || l->n_param_rows_per_shard != pieces)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "RegisterUnit of unit '%.256s': %zu pieces' offsets and "
+                                      "%zu rows for %zu params of layout %d",
+                                      d->name, l->n_param_shard_offsets,
+                                      l->n_param_rows_per_shard, d->n_params, (int)d->layout);
+  for (size_t i = 0; i < pieces; i++)
+    if (l->param_shard_offsets[i] > l->shard_numel)
+      return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                        "RegisterUnit of unit '%.256s': params[%zu]'s piece at "
+                                        "element %llu, past the shard's %llu",
+                                        d->name, i, (unsigned long long)l->param_shard_offsets[i],
+                                        (unsigned long long)l->shard_numel);
   uint64_t host_numel = (uint64_t)l->host_shards * l->shard_numel;
   int r;
   size_t rw = t->memory_size;
@@ -627,12 +643,19 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
   u->id = l->unit_id;
   u->param_size = scalar_bytes(d->param_type);
   u->name = strdup(d->name);
-  u->param_offsets = malloc(l->n_param_offsets * sizeof *u->param_offsets);
+  /* The parameters' offsets, then (PER_PARAM) their pieces' offsets and rows, in one block. */
+  size_t n = l->n_param_offsets, pieces = l->n_param_shard_offsets;
+  u->param_offsets = malloc((n + 2 * pieces) * sizeof *u->param_offsets);
   if (!u->name || !u->param_offsets) {
     unit_free(u);
     goto err_nomem;
   }
-  memcpy(u->param_offsets, l->param_offsets, l->n_param_offsets * sizeof *u->param_offsets);
+  memcpy(u->param_offsets, l->param_offsets, n * sizeof *u->param_offsets);
+  if (pieces) {
+    memcpy(u->param_offsets + n, l->param_shard_offsets, pieces * sizeof *u->param_offsets);
+    memcpy(u->param_offsets + n + pieces, l->param_rows_per_shard,
+           pieces * sizeof *u->param_offsets);
+  }
   size_t bytes = (size_t)l->padded_numel * u->param_size;
   u->area_bytes = (bytes + t->page_bytes - 1) / t->page_bytes * t->page_bytes;
   u->unsharded_area.memory = u->grad_area.memory = -1;
@@ -656,6 +679,9 @@ static int add_unit(fsdp_trainer_t *t, const fsdp_unit_desc_t *d,
       .gathered_step = l->gathered_step,
       .reduced_step = l->reduced_step,
       .replica = l->replica,
+      .layout = d->layout,
+      .param_shard_offsets = pieces ? u->param_offsets + n : NULL,
+      .param_rows_per_shard = pieces ? u->param_offsets + n + pieces : NULL,
   };
   t->units[t->n_units++] = u;
   *ret_unit = u;
@@ -709,6 +735,7 @@ int fsdp_trainer_register_unit(fsdp_trainer_t *trainer, const fsdp_unit_desc_t *
   rq.gradient_predivide_factor = desc->gradient_predivide_factor;
   rq.gradient_postdivide_factor = desc->gradient_postdivide_factor;
   rq.scratch = desc->scratch;
+  rq.layout = (Fsdp__V1__UnitLayout)desc->layout;
 
   ProtobufCMessage *reply = NULL;
   r = fsdp_client_call(trainer->client, TRAINER_PATH("RegisterUnit"), &rq.base,

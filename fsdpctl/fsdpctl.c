@@ -811,6 +811,8 @@ static json_object *unit_info_json(const Fsdp__V1__UnitInfo *u) {
   json_object_object_add(o, "unit", json_string(u->unit));
   json_object_object_add(o, "strategy",
                          json_string(enum_text(&fsdp__v1__sharding_strategy__descriptor, u->strategy)));
+  json_object_object_add(o, "layout",
+                         json_string(enum_text(&fsdp__v1__unit_layout__descriptor, u->layout)));
   json_object_object_add(o, "dtype", json_string(dtype_text(u->dtype)));
   json_object_object_add(o, "param_dtype", json_string(dtype_text(u->param_dtype)));
   json_object_object_add(o, "reduce_dtype", json_string(dtype_text(u->reduce_dtype)));
@@ -995,9 +997,10 @@ static int cmd_unit(ctl_t *ctl, int argc, char **argv) {
     protobuf_c_message_free_unpacked(reply, NULL);
     return EXIT_OK;
   }
-  printf("unit %s (job %s): %s, %" PRIu32 " parameter%s, %" PRIu64 " elements + %" PRIu64
+  printf("unit %s (job %s): %s, %s, %" PRIu32 " parameter%s, %" PRIu64 " elements + %" PRIu64
          " padding = %" PRIu32 " shard%s of %" PRIu64 "\n",
          u->unit, u->job, enum_text(&fsdp__v1__sharding_strategy__descriptor, u->strategy),
+         enum_text(&fsdp__v1__unit_layout__descriptor, u->layout),
          u->params, u->params == 1 ? "" : "s", u->numel, u->padded_numel - u->numel, u->shards,
          u->shards == 1 ? "" : "s", u->shard_numel);
   printf("%s parameters, unsharded %s, reduced in %s; %" PRIu32 " of %" PRIu32

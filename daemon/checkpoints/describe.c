@@ -77,6 +77,12 @@ static int describe_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, fsdp_statu
       return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                              "job '%s': unit '%s' has no buffers ready yet", job->name,
                              u->spec->unit);
+    /* The files hold a unit's elements as one range of its flat buffer per host. */
+    if (!fsdp_unit_layout_is_flat(&u->layout))
+      return fsdp_status_set(st, FSDP_E_UNIMPLEMENTED,
+                             "job '%s': unit '%s' is %s, which checkpoints do not hold yet "
+                             "(LAYOUT_FLAT only)",
+                             job->name, u->spec->unit, fsdp_unit_layout_name(u->spec->layout));
     fsdp_dataplane_buffers_t b;
     fsdp_dataplane_buffers(u, 0, &b);
     fsdp_checkpoint_unit_t *cu = &c->units[n++];

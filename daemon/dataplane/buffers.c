@@ -115,7 +115,8 @@ int dp_allocate(fsdp_job_t *job, fsdp_unit_t *u, fsdp_status_t *st) {
     return r;
   u->buffers_offset = u->master_offset = base;
   u->grad_offset = u->master_offset + host_fp32;
-  u->copy_in_masters = param_dtype(u) == FSDP_DTYPE_FP32 && host_numel(u) == padded;
+  u->copy_in_masters = param_dtype(u) == FSDP_DTYPE_FP32 && host_numel(u) == padded &&
+                       fsdp_unit_layout_is_flat(&u->layout);
   return 0;
 }
 

@@ -241,6 +241,38 @@ void dp_queue_or_abort(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job,
 /* A made work item, queued (started at once when the queue is idle). */
 void dp_enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w);
 
+/* runs.c: the moves between the shards' space and the unsharded buffers, by the unit's
+ * layout. */
+
+/* The host's masters, cast into the elements of the unsharded copy (param_dtype) that its
+ * shards hold. */
+int dp_cast_masters(const fsdp_backend_t *b, const fsdp_job_t *job, const fsdp_unit_t *u,
+                    void *unsharded, fsdp_status_t *st);
+
+/* Elements [begin, end) of the shards' space, between a staged copy (laid out as the
+ * shards) and the unsharded copy: into the stage when to_stage, else out of it. */
+int dp_copy_staged(const fsdp_backend_t *b, const fsdp_unit_t *u, char *stage, char *unsharded,
+                   uint64_t begin, uint64_t end, bool to_stage, fsdp_status_t *st);
+
+/* Elements [begin, end) of the shards' space from the local ranks' full gradients, summed
+ * (fsdp_backend_reduce: pre_scale, then post_scale) into or onto dst, which holds element
+ * begin first; padding is written zero, or left when accumulating. */
+int dp_reduce_runs(const fsdp_backend_t *b, const fsdp_job_t *job, const fsdp_unit_t *u,
+                   float *dst, bool accumulate, float post_scale, uint64_t begin, uint64_t end,
+                   fsdp_status_t *st);
+
+/* Elements [begin, end) of the arena's host sum (fsdp_host_sum_range), from the local
+ * ranks' full gradients; padding zero. */
+int dp_host_sum_runs(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t begin,
+                     uint64_t end);
+
+/* Whether the unit's collectives across hosts move a staged copy: the backend's memory is
+ * not the host's, or the unsharded copy is not laid out as the shards (PER_PARAM), which
+ * the all-gather fills. */
+static inline bool stages_unit(const fsdp_job_t *job, const fsdp_unit_t *u) {
+  return stages_rings(job) || !fsdp_unit_layout_is_flat(&u->layout);
+}
+
 /* staged.c */
 
 /* Where the backend stages the rings: a staging buffer that goes is no longer registered

@@ -285,22 +285,27 @@ static unit_plan_t *unit_plan(struct fsdp_optimizer *o, const fsdp_unit_t *u, fs
   unit_plan_t *p = &o->units[u->id];
   if (p->pieces)
     return p;
-  p->pieces = calloc(u->spec->n_params, sizeof *p->pieces);
+  unsigned shards = u->plan.local_shards;
+  p->pieces = calloc(u->spec->n_params * shards, sizeof *p->pieces);
   if (!p->pieces) {
     fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for the optimizer");
     return NULL;
   }
   uint64_t first = (uint64_t)u->plan.first_shard * u->layout.shard_numel;
-  uint64_t last = first + (uint64_t)u->plan.local_shards * u->layout.shard_numel;
   for (size_t k = 0; k < u->spec->n_params; k++) {
     int g = u->spec->params[k].requires_grad ? group_of(o, u->spec->params[k].name) : -1;
-    uint64_t begin = u->layout.offsets[k], end = begin + u->layout.numels[k];
-    begin = begin > first ? begin : first;
-    end = end < last ? end : last;
-    if (g < 0 || begin >= end)
-      continue; /* not stepped here */
-    p->pieces[p->n_pieces++] =
-        (fsdp_optimizer_piece_t){.begin = begin - first, .end = end - first, .group = (unsigned)g};
+    for (unsigned s = u->plan.first_shard; g >= 0 && s < u->plan.first_shard + shards; s++) {
+      uint64_t begin, end, unsharded_at;
+      fsdp_unit_layout_param_in_shard(&u->layout, k, s, &begin, &end, &unsharded_at);
+      if (begin >= end)
+        continue; /* not stepped here */
+      fsdp_optimizer_piece_t *last = p->n_pieces ? &p->pieces[p->n_pieces - 1] : NULL;
+      if (last && last->group == (unsigned)g && last->end == begin - first)
+        last->end = end - first; /* FLAT: the parameter goes on in the next shard */
+      else
+        p->pieces[p->n_pieces++] = (fsdp_optimizer_piece_t){
+            .begin = begin - first, .end = end - first, .group = (unsigned)g};
+    }
   }
   return p;
 }

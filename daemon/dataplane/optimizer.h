@@ -83,8 +83,9 @@ uint64_t fsdp_optimizer_unit_steps(const fsdp_job_t *job, const fsdp_unit_t *u);
 /* Bytes of optimizer state the job holds. */
 size_t fsdp_optimizer_state_bytes(const fsdp_job_t *job);
 
-/* A step of a unit is one piece per parameter that has elements in this host's shards:
- * elements [begin, end) of the host's arrays, with group `group`'s hyperparameters. */
+/* A step of a unit is pieces of this host's shards, the parameters' elements there, padding
+ * left out (daemon/store/unit_layout.h): elements [begin, end) of the host's arrays, with
+ * group `group`'s hyperparameters. */
 typedef struct fsdp_optimizer_piece {
   uint64_t begin, end;
   unsigned group;

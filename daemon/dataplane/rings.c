@@ -51,11 +51,7 @@ static int produce_host_sum(void *arg, unsigned region, size_t offset, size_t by
   const fsdp_unit_t *u = run->unit;
   uint64_t e = chunk_elem(run, region, offset);
   size_t n = bytes / run->elem_size;
-  const void *srcs[FSDP_LOCAL_WORLD_MAX];
-  dp_full_grads(run->job, u, srcs);
-  int r = fsdp_host_sum_range(dp_host_sum(run->job, u), dp_host_sum_fp32(run->job, u), srcs,
-                              run->job->local_world_size, param_dtype(u), reduce_dtype(u),
-                              u->pre_scale, e, e + n);
+  int r = dp_host_sum_runs(run->job, u, e, e + n);
   /* The all-reduce among replicas of a host that is its own shard group: the host sum is
    * the group's, and the deferred one joins it here. */
   if (r == 0 && run->kind == FSDP_RING_ALL_REDUCE && u->flight->has_deferred)

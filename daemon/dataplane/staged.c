@@ -5,7 +5,9 @@
  * and from the backend's memory, whole regions at once on the work queue, while the rings'
  * hooks that add on the host keep working there. A gather casts its region on the device
  * and copies it out (WORK_GATHER); the all-gather fills the other regions of the staged
- * copy, which WORK_UNSTAGE_GATHER copies in. A reduce makes the host sum on the device and
+ * copy, which WORK_UNSTAGE_GATHER copies in. A PER_PARAM unit's gather is staged on any
+ * backend: the all-gather moves the shards as they lie, which its unsharded copy does not
+ * (runs.c moves them between the two). A reduce makes the host sum on the device and
  * copies out what the first ring sends (WORK_STAGE_SUM); the rings reduce it on the host
  * (the host's kernels give the device's bits), the deferred sum of HYBRID_SHARD's
  * accumulation staying in host memory throughout; WORK_UNSTAGE_SUM copies this host's
@@ -24,14 +26,6 @@ int dp_take_stage(fsdp_dataplane_t *dp, fsdp_job_t *job, size_t bytes,
   return fsdp_staging_take(&job->staging, bytes, dp_forget_staging, dp, ret, st);
 }
 
-/* The local ranks' full gradients from element `first` on. */
-static void full_grads_from(const fsdp_job_t *job, const fsdp_unit_t *u, uint64_t first,
-                            const void *srcs[FSDP_LOCAL_WORLD_MAX]) {
-  dp_full_grads(job, u, srcs);
-  for (unsigned r = 0; r < job->local_world_size; r++)
-    srcs[r] = (const char *)srcs[r] + first * fsdp_dtype_size(param_dtype(u));
-}
-
 int dp_stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                       fsdp_status_t *st) {
   bool whole = u->plan.shard_ring.members > 1;
@@ -39,8 +33,6 @@ int dp_stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
   uint64_t n = whole ? u->layout.padded_numel : host_numel(u);
   fsdp_dtype_t type = reduce_dtype(u);
   size_t size = fsdp_dtype_size(type);
-  const void *srcs[FSDP_LOCAL_WORLD_MAX];
-  full_grads_from(job, u, begin, srcs);
   float *sum_fp32 = dp_host_sum_fp32(job, u) + begin;
   char *sum = dp_arena_host_sum(job, u) + begin * size;
   /* The reduce's staging buffers get their memory here, off the loop: the sum's, and the
@@ -50,8 +42,7 @@ int dp_stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
     r = fsdp_staging_make(&job->staging, u->flight->deferred_stage, st);
   if (r < 0)
     return r;
-  r = fsdp_backend_reduce(&dp->backend, sum_fp32, false, srcs, job->local_world_size,
-                          param_dtype(u), type, u->pre_scale, 1.0f, n, st);
+  r = dp_reduce_runs(&dp->backend, job, u, sum_fp32, false, 1.0f, begin, begin + n, st);
   if (r == 0 && type != FSDP_DTYPE_FP32)
     r = fsdp_backend_cast(&dp->backend, sum, type, sum_fp32, FSDP_DTYPE_FP32, n, st);
   if (r == 0)
@@ -66,14 +57,13 @@ int dp_stage_host_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
 
 int dp_unstage_gather(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                       fsdp_status_t *st) {
-  size_t size = fsdp_dtype_size(param_dtype(u));
   char *unsharded = (char *)fsdp_arena_base(job->shared_arena) + u->flight->copy_offset;
-  const char *staged = u->flight->gather_stage->base;
-  size_t mine = host_first(u) * size, mine_end = mine + host_numel(u) * size;
-  int r = fsdp_backend_copy(&dp->backend, unsharded, staged, mine, st);
+  char *staged = u->flight->gather_stage->base;
+  uint64_t mine = host_first(u), mine_end = mine + host_numel(u);
+  int r = dp_copy_staged(&dp->backend, u, staged, unsharded, 0, mine, false, st);
   return r < 0 ? r
-               : fsdp_backend_copy(&dp->backend, unsharded + mine_end, staged + mine_end,
-                                   u->layout.padded_numel * size - mine_end, st);
+               : dp_copy_staged(&dp->backend, u, staged, unsharded, mine_end,
+                                u->layout.padded_numel, false, st);
 }
 
 int dp_unstage_sum(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,

@@ -73,7 +73,7 @@ static void on_copy_ready(fsdp_pool_waiter_t *waiter, uint64_t offset, const fsd
   }
   u->flight->has_copy = true;
   u->flight->copy_offset = offset;
-  if (stages_rings(job) && u->plan.shard_ring.members > 1) {
+  if (stages_unit(job, u) && u->plan.shard_ring.members > 1) {
     fsdp_status_t staged;
     if (dp_take_stage(waiter->data, job, copy_bytes(u), &u->flight->gather_stage, &staged) < 0) {
       fsdp_status_set(&staged, staged.code, "unit '%s' step %llu: no staged copy: %s",

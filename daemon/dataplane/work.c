@@ -29,9 +29,6 @@ static void run_work(uv_work_t *req) {
   }
   fsdp_unit_t *u = w->unit;
   char *base = fsdp_arena_base(w->job->arena);
-  unsigned world = w->job->local_world_size;
-  const void *srcs[FSDP_LOCAL_WORLD_MAX];
-  dp_full_grads(w->job, u, srcs);
   uint64_t first = host_first(u), n = host_numel(u);
   uint64_t start_ns = fsdp_clock_now_ns();
   switch (w->kind) {
@@ -40,24 +37,20 @@ static void run_work(uv_work_t *req) {
     break;
   case WORK_GATHER: {
     /* This host's shards: its region of the fp32 masters cast into param_dtype. */
-    fsdp_dtype_t pt = param_dtype(u);
     char *unsharded = (char *)fsdp_arena_base(w->job->shared_arena) + u->flight->copy_offset;
-    size_t at = first * fsdp_dtype_size(pt), bytes = n * fsdp_dtype_size(pt);
-    w->result = fsdp_backend_cast(&dp->backend, unsharded + at, pt, base + u->master_offset,
-                                  FSDP_DTYPE_FP32, n, &w->error);
+    w->result = dp_cast_masters(&dp->backend, w->job, u, unsharded, &w->error);
     if (w->result == 0 && u->flight->gather_stage &&
         (w->result = fsdp_staging_make(&w->job->staging, u->flight->gather_stage, &w->error)) == 0)
-      w->result = fsdp_backend_copy(&dp->backend, (char *)u->flight->gather_stage->base + at,
-                                    unsharded + at, bytes, &w->error);
+      w->result = dp_copy_staged(&dp->backend, u, u->flight->gather_stage->base, unsharded, first,
+                                 first + n, true, &w->error);
     break;
   }
   case WORK_REDUCE:
-    /* One host: the gradient shards lie side by side, so one reduce over the whole flat
-     * buffer writes every rank's shard. */
-    w->result = fsdp_backend_reduce(&dp->backend, (float *)(void *)(base + u->grad_offset),
-                                    u->flight->reduce_accumulate, srcs, world, param_dtype(u),
-                                    reduce_dtype(u), u->pre_scale, u->post_scale,
-                                    u->layout.padded_numel, &w->error);
+    /* One host: the gradient shards lie side by side, so one reduce over the shards' whole
+     * space writes every rank's shard. */
+    w->result = dp_reduce_runs(&dp->backend, w->job, u, (float *)(void *)(base + u->grad_offset),
+                               u->flight->reduce_accumulate, u->post_scale, 0,
+                               u->layout.padded_numel, &w->error);
     break;
   case WORK_OPTIMIZE:
     w->result = fsdp_optimizer_run(&w->plan, &dp->backend, &w->error);
@@ -66,9 +59,7 @@ static void run_work(uv_work_t *req) {
     w->result = fsdp_optimizer_grad_norm_sq(w->job, u, &dp->backend, &w->norm_sq, &w->error);
     break;
   case WORK_DEFER:
-    w->result = fsdp_host_sum_range(dp_host_sum(w->job, u), dp_host_sum_fp32(w->job, u), srcs,
-                                    world, param_dtype(u), reduce_dtype(u), u->pre_scale,
-                                    first, first + n);
+    w->result = dp_host_sum_runs(w->job, u, first, first + n);
     if (w->result == 0)
       w->result = dp_keep_deferred(w->job, u, first, first + n);
     break;

@@ -88,6 +88,7 @@ static void fill_unit_info(Fsdp__V1__UnitInfo *info, const fsdp_job_t *job, cons
   info->forward_index = u->flight->order_index;
   info->deferred_reduces = u->flight->n_deferred;
   info->reduces = u->flight->reduces;
+  info->layout = (Fsdp__V1__UnitLayout)u->spec->layout;
   info->replica_all_reduces = u->flight->replica_all_reduces;
   info->optimizer_steps = fsdp_optimizer_unit_steps(job, u);
   info->last_gather_us = u->flight->last_gather_us;
@@ -169,8 +170,9 @@ static const fsdp_unit_t *find_described_unit(const fsdp_store_t *store,
   return NULL;
 }
 
-/* DescribeUnit's shards: where each is held and which elements of the flat buffer it holds,
- * the padding past the unit's end counted apart. */
+/* DescribeUnit's shards: where each is held, which elements of the shards' space it holds,
+ * and how many of them are padding (FLAT's past the unit's end, PER_PARAM's in each piece
+ * and at the shard's end). */
 static void fill_shard_infos(const fsdp_unit_t *u, Fsdp__V1__ShardInfo *shards,
                              Fsdp__V1__ShardInfo **shard_ptrs) {
   const fsdp_unit_layout_t *l = &u->layout;
@@ -182,8 +184,13 @@ static void fill_shard_infos(const fsdp_unit_t *u, Fsdp__V1__ShardInfo *shards,
     shards[s].host_rank = fsdp_host_ring_host(&p->shard_ring, s / p->local_shards);
     shards[s].local_rank = s % p->local_shards;
     fsdp_unit_layout_shard_range(l, s, &shards[s].begin, &shards[s].end);
-    uint64_t padding_begin = shards[s].begin > l->numel ? shards[s].begin : l->numel;
-    shards[s].padding = shards[s].end > l->numel ? shards[s].end - padding_begin : 0;
+    uint64_t held = 0;
+    for (size_t k = 0; k < l->n_params; k++) {
+      uint64_t begin, end, at;
+      fsdp_unit_layout_param_in_shard(l, k, s, &begin, &end, &at);
+      held += end - begin;
+    }
+    shards[s].padding = l->shard_numel - held;
     shard_ptrs[s] = &shards[s];
   }
 }

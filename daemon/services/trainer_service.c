@@ -152,6 +152,11 @@ static void on_registered(void *data, const fsdp_status_t *st) {
     reply.unit_id = u->id;
     reply.n_param_offsets = u->layout.n_params;
     reply.param_offsets = u->layout.offsets;
+    if (!fsdp_unit_layout_is_flat(&u->layout)) {
+      reply.n_param_shard_offsets = reply.n_param_rows_per_shard = u->layout.n_params;
+      reply.param_shard_offsets = u->layout.shard_offsets;
+      reply.param_rows_per_shard = u->layout.rows_per_shard;
+    }
     reply.master_offset = b.master_offset;
     reply.grad_offset = b.grad_offset;
     reply.shard = b.shard;

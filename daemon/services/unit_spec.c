@@ -19,6 +19,9 @@ _Static_assert(
         SAME(FSDP_UNIT_HYBRID_SHARD, FSDP__V1__SHARDING_STRATEGY__HYBRID_SHARD) &&
         SAME(FSDP_UNIT_NO_SHARD, FSDP__V1__SHARDING_STRATEGY__NO_SHARD),
     "fsdp_unit_strategy_t has fsdp.v1.ShardingStrategy's values");
+_Static_assert(SAME(FSDP_UNIT_LAYOUT_FLAT, FSDP__V1__UNIT_LAYOUT__LAYOUT_FLAT) &&
+                   SAME(FSDP_UNIT_LAYOUT_PER_PARAM, FSDP__V1__UNIT_LAYOUT__LAYOUT_PER_PARAM),
+               "fsdp_unit_layout_kind_t has fsdp.v1.UnitLayout's values");
 #undef SAME
 
 int fsdp_unit_spec_init_from_proto(fsdp_unit_spec_t *spec,
@@ -43,6 +46,7 @@ int fsdp_unit_spec_init_from_proto(fsdp_unit_spec_t *spec,
       .gradient_predivide_factor = rq->gradient_predivide_factor,
       .gradient_postdivide_factor = rq->gradient_postdivide_factor,
       .scratch = rq->scratch,
+      .layout = (fsdp_unit_layout_kind_t)rq->layout,
   };
   return 0;
 }

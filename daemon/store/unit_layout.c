@@ -1,4 +1,4 @@
-/* FlatParameter layout and spec checks. */
+/* Unit layouts (FLAT and PER_PARAM, and their runs) and spec checks. */
 #include "daemon/store/unit_layout.h"
 
 #include <errno.h>
@@ -10,6 +10,11 @@ const char *fsdp_unit_dtype_name(fsdp_unit_dtype_t dtype) {
   static const char *const names[] = {"DTYPE_UNSPECIFIED", "DTYPE_FP32", "DTYPE_BF16",
                                       "DTYPE_FP16"};
   return (unsigned)dtype < sizeof names / sizeof names[0] ? names[dtype] : "?";
+}
+
+const char *fsdp_unit_layout_name(fsdp_unit_layout_kind_t layout) {
+  static const char *const names[] = {"LAYOUT_FLAT", "LAYOUT_PER_PARAM"};
+  return (unsigned)layout < sizeof names / sizeof names[0] ? names[layout] : "?";
 }
 
 const char *fsdp_unit_strategy_name(fsdp_unit_strategy_t strategy) {
@@ -188,6 +193,11 @@ int fsdp_unit_spec_check(const fsdp_unit_spec_t *spec, fsdp_status_t *st) {
   if (len > FSDP_UNIT_NAME_MAX)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "field 'unit' is %zu bytes long, more than %d", len, FSDP_UNIT_NAME_MAX);
+  if (spec->layout != FSDP_UNIT_LAYOUT_FLAT && spec->layout != FSDP_UNIT_LAYOUT_PER_PARAM)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "unit '%s': field 'layout' = %d is not LAYOUT_FLAT or "
+                           "LAYOUT_PER_PARAM",
+                           spec->unit, (int)spec->layout);
   if (spec->strategy == FSDP_UNIT_STRATEGY_UNSPECIFIED)
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "unit '%s': field 'strategy' is unspecified; expected FULL_SHARD, "
@@ -250,19 +260,41 @@ int fsdp_unit_spec_check(const fsdp_unit_spec_t *spec, fsdp_status_t *st) {
   return check_factors(spec, st);
 }
 
+/* PER_PARAM's pieces: parameter i's rows per shard (torch.chunk's ceil(dim0 / S); a scalar is
+ * one row) and where its piece is in each shard; the shard's length before padding. */
+static uint64_t lay_pieces(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *spec) {
+  uint64_t at = 0;
+  for (size_t i = 0; i < spec->n_params; i++) {
+    const fsdp_param_spec_t *p = &spec->params[i];
+    uint64_t dim0 = p->n_shape ? p->shape[0] : 1;
+    uint64_t rows = (dim0 + layout->shards - 1) / layout->shards;
+    layout->row_numels[i] = dim0 ? layout->numels[i] / dim0 : 0;
+    layout->rows_per_shard[i] = rows;
+    layout->shard_offsets[i] = at;
+    at += rows * layout->row_numels[i]; /* within the unit's limit: rows <= dim0 */
+  }
+  return at;
+}
+
 int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *spec,
                           unsigned shards, unsigned pad_multiple, fsdp_status_t *st) {
   memset(layout, 0, sizeof *layout);
   if (shards == 0 || pad_multiple % shards != 0)
     return fsdp_status_set(st, -EINVAL, "unit '%s': %u shards padded to a multiple of %u",
                            spec->unit, shards, pad_multiple);
-  layout->offsets = calloc(spec->n_params, sizeof *layout->offsets);
-  layout->numels = calloc(spec->n_params, sizeof *layout->numels);
-  if (!layout->offsets || !layout->numels) {
-    fsdp_unit_layout_cleanup(layout);
+  bool per_param = spec->layout == FSDP_UNIT_LAYOUT_PER_PARAM;
+  size_t arrays = per_param ? 5 : 2;
+  layout->offsets = calloc(arrays * (spec->n_params ? spec->n_params : 1), sizeof(uint64_t));
+  if (!layout->offsets)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory laying out unit '%s'",
                            spec->unit);
+  layout->numels = layout->offsets + spec->n_params;
+  if (per_param) {
+    layout->shard_offsets = layout->numels + spec->n_params;
+    layout->rows_per_shard = layout->shard_offsets + spec->n_params;
+    layout->row_numels = layout->rows_per_shard + spec->n_params;
   }
+  layout->kind = spec->layout;
   layout->n_params = spec->n_params;
   layout->shards = shards;
   for (size_t i = 0; i < spec->n_params; i++) {
@@ -271,8 +303,11 @@ int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *sp
     layout->offsets[i] = layout->numel;
     layout->numel += layout->numels[i];
   }
-  layout->padded_numel = (layout->numel + pad_multiple - 1) / pad_multiple * pad_multiple;
-  layout->shard_numel = layout->padded_numel / shards;
+  /* Each shard is padded so that the whole is a multiple of pad_multiple. */
+  unsigned per_shard = pad_multiple / shards;
+  uint64_t shard = per_param ? lay_pieces(layout, spec) : (layout->numel + shards - 1) / shards;
+  layout->shard_numel = (shard + per_shard - 1) / per_shard * per_shard;
+  layout->padded_numel = layout->shard_numel * shards;
   return 0;
 }
 
@@ -280,14 +315,93 @@ void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout) {
   if (!layout)
     return;
   free(layout->offsets);
-  free(layout->numels);
   layout->offsets = layout->numels = NULL;
+  layout->shard_offsets = layout->rows_per_shard = layout->row_numels = NULL;
 }
 
 void fsdp_unit_layout_shard_range(const fsdp_unit_layout_t *layout, unsigned s,
                                   uint64_t *ret_begin, uint64_t *ret_end) {
   *ret_begin = (uint64_t)s * layout->shard_numel;
   *ret_end = *ret_begin + layout->shard_numel;
+}
+
+/* PER_PARAM: the elements of parameter i in shard s, padding left out. */
+static uint64_t piece_numel(const fsdp_unit_layout_t *layout, size_t i, unsigned s) {
+  uint64_t rows = layout->rows_per_shard[i], row_numel = layout->row_numels[i];
+  uint64_t dim0 = row_numel ? layout->numels[i] / row_numel : 0;
+  uint64_t first = (uint64_t)s * rows;
+  return first >= dim0 ? 0 : (dim0 - first < rows ? dim0 - first : rows) * row_numel;
+}
+
+void fsdp_unit_layout_param_in_shard(const fsdp_unit_layout_t *layout, size_t i, unsigned s,
+                                     uint64_t *ret_begin, uint64_t *ret_end,
+                                     uint64_t *ret_unsharded_at) {
+  uint64_t shard_begin, shard_end;
+  fsdp_unit_layout_shard_range(layout, s, &shard_begin, &shard_end);
+  if (fsdp_unit_layout_is_flat(layout)) {
+    uint64_t begin = layout->offsets[i], end = begin + layout->numels[i];
+    *ret_begin = begin > shard_begin ? begin : shard_begin;
+    *ret_end = end < shard_end ? end : shard_end;
+    if (*ret_end < *ret_begin)
+      *ret_end = *ret_begin;
+    *ret_unsharded_at = *ret_begin;
+    return;
+  }
+  *ret_begin = shard_begin + layout->shard_offsets[i];
+  *ret_end = *ret_begin + piece_numel(layout, i, s);
+  *ret_unsharded_at =
+      layout->offsets[i] + (uint64_t)s * layout->rows_per_shard[i] * layout->row_numels[i];
+}
+
+fsdp_unit_runs_t fsdp_unit_runs(const fsdp_unit_layout_t *layout, uint64_t begin, uint64_t end) {
+  return (fsdp_unit_runs_t){.layout = layout, .at = begin, .end = end};
+}
+
+/* The next run, each piece's padding a run of its own. */
+static bool next_piece(fsdp_unit_runs_t *it, fsdp_unit_run_t *ret_run) {
+  const fsdp_unit_layout_t *l = it->layout;
+  if (it->at >= it->end)
+    return false;
+  if (fsdp_unit_layout_is_flat(l)) {
+    *ret_run = (fsdp_unit_run_t){
+        .shard_at = it->at, .unsharded_at = it->at, .numel = it->end - it->at};
+    it->at = it->end;
+    return true;
+  }
+  unsigned s = (unsigned)(it->at / l->shard_numel);
+  uint64_t shard_begin = (uint64_t)s * l->shard_numel, within = it->at - shard_begin;
+  /* The parameter whose piece holds `within`, or the first after it; the pieces are in
+   * order, so the search goes on from the last run's, and starts again in a new shard. */
+  if (it->param >= l->n_params || l->shard_offsets[it->param] > within)
+    it->param = 0;
+  while (it->param + 1 < l->n_params && l->shard_offsets[it->param + 1] <= within)
+    it->param++;
+  size_t i = it->param;
+  uint64_t piece_begin = l->shard_offsets[i];
+  uint64_t piece_end = i + 1 < l->n_params ? l->shard_offsets[i + 1] : l->shard_numel;
+  uint64_t valid_end = piece_begin + piece_numel(l, i, s);
+  uint64_t run_end = within < valid_end ? valid_end : piece_end;
+  run_end = shard_begin + run_end < it->end ? shard_begin + run_end : it->end;
+  *ret_run = (fsdp_unit_run_t){.shard_at = it->at, .numel = run_end - it->at,
+                               .padding = within >= valid_end};
+  if (!ret_run->padding)
+    ret_run->unsharded_at = l->offsets[i] + (uint64_t)s * l->rows_per_shard[i] * l->row_numels[i] +
+                            (within - piece_begin);
+  it->at = run_end;
+  return true;
+}
+
+bool fsdp_unit_runs_next(fsdp_unit_runs_t *it, fsdp_unit_run_t *ret_run) {
+  if (!next_piece(it, ret_run))
+    return false;
+  /* Padding that goes on into the next pieces is one run. */
+  fsdp_unit_runs_t ahead = *it;
+  fsdp_unit_run_t next;
+  while (ret_run->padding && next_piece(&ahead, &next) && next.padding) {
+    ret_run->numel += next.numel;
+    *it = ahead;
+  }
+  return true;
 }
 
 fsdp_unit_dtype_t fsdp_unit_spec_param_dtype(const fsdp_unit_spec_t *spec) {
@@ -330,6 +444,7 @@ bool fsdp_unit_spec_diff(const fsdp_unit_spec_t *a,
       differ_number(ret, "gradient_postdivide_factor", a->gradient_postdivide_factor,
                     b->gradient_postdivide_factor) ||
       differ(ret, "scratch", a->scratch ? "true" : "false", b->scratch ? "true" : "false") ||
+      differ(ret, "layout", fsdp_unit_layout_name(a->layout), fsdp_unit_layout_name(b->layout)) ||
       differ_number(ret, "params (count)", (double)a->n_params, (double)b->n_params))
     return true;
   for (size_t i = 0; i < a->n_params; i++) {

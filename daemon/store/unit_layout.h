@@ -1,10 +1,21 @@
-/* A unit's FlatParameter layout, and the checks its spec must pass.
+/* A unit's layout, and the checks its spec must pass.
  *
- * A unit (FlatParameter) is an ordered list of parameters. They are flattened and
- * concatenated in order, right-padded to a multiple of the shard count S (padding < S; across
- * hosts a multiple of a larger count, see daemon/store/topology.h) and
- * split into S equal shards: shard s holds elements [s * shard_numel, (s + 1) * shard_numel)
- * of the flat buffer, and the padding sits at the end of the last shards.
+ * A unit is an ordered list of parameters, held in two spaces. The unsharded buffer, which
+ * the trainers compute with, holds them flattened and concatenated in order: parameter i's
+ * elements at offsets[i]. The shards' space is the S shards side by side, each shard_numel
+ * long: shard s at s * shard_numel (a host's shards are one region of it: its masters, its
+ * gradient shards, its optimizer state). The layout says which element of the one is which
+ * of the other, as runs (fsdp_unit_runs_next):
+ *
+ *   FLAT (FSDP1's FlatParameter): the two spaces are one. The concatenation is right-padded
+ *        to a multiple of S (padding < S; across hosts a multiple of a larger count, see
+ *        daemon/store/topology.h) and cut into S equal shards; the padding sits at the end
+ *        of the last shards.
+ *   PER_PARAM (FSDP2's): each parameter is cut on dim 0 into S pieces of rows_per_shard =
+ *        ceil(dim0 / S) rows (torch.chunk's), and each shard holds its piece of every
+ *        parameter in order, at shard_offsets[i], rows past the parameter's last being
+ *        padding; the shard is right-padded as FLAT's buffer is. A rank's piece of a
+ *        parameter is then a tensor of its own, as FSDP2's DTensor shard is.
  *
  * A spec is the project's own struct: the service layer makes one from a RegisterUnit request
  * (daemon/services/unit_spec.h), keeping its field names, which the messages here use. Every
@@ -39,6 +50,12 @@ typedef enum fsdp_unit_strategy {
   FSDP_UNIT_NO_SHARD = 4,
 } fsdp_unit_strategy_t;
 
+/* Layouts, with fsdp.v1.UnitLayout's values. */
+typedef enum fsdp_unit_layout_kind {
+  FSDP_UNIT_LAYOUT_FLAT = 0,
+  FSDP_UNIT_LAYOUT_PER_PARAM = 1,
+} fsdp_unit_layout_kind_t;
+
 typedef struct fsdp_param_spec {
   char *name;
   uint64_t *shape;
@@ -58,25 +75,32 @@ typedef struct fsdp_unit_spec {
   double gradient_predivide_factor;
   double gradient_postdivide_factor;
   bool scratch; /* the client's own, not the model's: not checkpointed, not a step's */
+  fsdp_unit_layout_kind_t layout;
 } fsdp_unit_spec_t;
 
 /* A deep copy of spec in one allocation, freed with fsdp_unit_spec_free() (NULL-safe). */
 int fsdp_unit_spec_copy(const fsdp_unit_spec_t *spec, fsdp_unit_spec_t **ret_copy);
 void fsdp_unit_spec_free(fsdp_unit_spec_t *spec);
 
-/* The names the messages give a dtype ("DTYPE_BF16") and a strategy ("FULL_SHARD"), as in
- * the .proto; "?" for another value. */
+/* The names the messages give a dtype ("DTYPE_BF16"), a strategy ("FULL_SHARD") and a
+ * layout ("LAYOUT_PER_PARAM"), as in the .proto; "?" for another value. */
 const char *fsdp_unit_dtype_name(fsdp_unit_dtype_t dtype);
 const char *fsdp_unit_strategy_name(fsdp_unit_strategy_t strategy);
+const char *fsdp_unit_layout_name(fsdp_unit_layout_kind_t layout);
 
 typedef struct fsdp_unit_layout {
+  fsdp_unit_layout_kind_t kind;
   uint64_t numel;        /* the parameters' elements, without padding */
-  uint64_t padded_numel; /* numel rounded up to a multiple of shards */
-  uint64_t shard_numel;  /* padded_numel / shards */
+  uint64_t padded_numel; /* shards x shard_numel: the shards' space, padding included */
+  uint64_t shard_numel;
   unsigned shards;
   size_t n_params;
-  uint64_t *offsets; /* element offset of each parameter in the flat buffer; owned */
+  uint64_t *offsets; /* element offset of each parameter in the unsharded buffer; owned */
   uint64_t *numels;  /* element count of each parameter; owned */
+  /* PER_PARAM (NULL for FLAT): where each parameter's piece is in every shard, its rows per
+   * shard and the elements of one row (a scalar or 1-D parameter: 1). Owned, in one block
+   * with the above. */
+  uint64_t *shard_offsets, *rows_per_shard, *row_numels;
 } fsdp_unit_layout_t;
 
 /* Checks a spec on its own: names present, unique and not too long; at least one parameter
@@ -93,16 +117,50 @@ int fsdp_unit_spec_check(const fsdp_unit_spec_t *spec, fsdp_status_t *st);
 int fsdp_unit_gradient_scales(const fsdp_unit_spec_t *spec, unsigned world,
                               float *ret_pre, float *ret_post, fsdp_status_t *st);
 
-/* The layout of a checked spec over `shards` shards (1 for NO_SHARD), padded to a multiple
- * of pad_multiple (a multiple of shards; daemon/store/topology.h says why it may be larger). */
+/* The layout of a checked spec over `shards` shards (1 for NO_SHARD), as spec->layout says:
+ * padded_numel a multiple of pad_multiple (a multiple of shards; daemon/store/topology.h says
+ * why it may be larger). */
 int fsdp_unit_layout_init(fsdp_unit_layout_t *layout, const fsdp_unit_spec_t *spec,
                           unsigned shards, unsigned pad_multiple, fsdp_status_t *st);
 void fsdp_unit_layout_cleanup(fsdp_unit_layout_t *layout); /* NULL-safe */
 
-/* The element range [*ret_begin, *ret_end) of shard s within the flat buffer, padding
+/* The element range [*ret_begin, *ret_end) of shard s within the shards' space, padding
  * included. */
 void fsdp_unit_layout_shard_range(const fsdp_unit_layout_t *layout, unsigned s,
                                   uint64_t *ret_begin, uint64_t *ret_end);
+
+/* The elements of parameter i that shard s holds, padding left out: [*ret_begin, *ret_end)
+ * of the shards' space (empty when begin == end), the first of them at *ret_unsharded_at
+ * of the unsharded buffer. */
+void fsdp_unit_layout_param_in_shard(const fsdp_unit_layout_t *layout, size_t i, unsigned s,
+                                     uint64_t *ret_begin, uint64_t *ret_end,
+                                     uint64_t *ret_unsharded_at);
+
+/* Whether the shards' space is the unsharded buffer itself (FLAT). */
+static inline bool fsdp_unit_layout_is_flat(const fsdp_unit_layout_t *layout) {
+  return layout->kind == FSDP_UNIT_LAYOUT_FLAT;
+}
+
+/* A run of elements, consecutive in both spaces: numel elements of the shards' space from
+ * shard_at, which are the unsharded buffer's from unsharded_at, or padding (no parameter's
+ * elements: unsharded_at is meaningless; they stay zero). FLAT's runs are never padding:
+ * its padding is in the unsharded buffer too. */
+typedef struct fsdp_unit_run {
+  uint64_t shard_at, unsharded_at, numel;
+  bool padding;
+} fsdp_unit_run_t;
+
+/* The runs that make up [begin, end) of the shards' space, in order:
+ *   fsdp_unit_runs_t it = fsdp_unit_runs(layout, begin, end);
+ *   for (fsdp_unit_run_t run; fsdp_unit_runs_next(&it, &run);) ...
+ * FLAT gives one run; PER_PARAM one per parameter piece and padding. */
+typedef struct fsdp_unit_runs {
+  const fsdp_unit_layout_t *layout;
+  uint64_t at, end;
+  size_t param; /* PER_PARAM: the parameter whose piece holds `at` or comes after it */
+} fsdp_unit_runs_t;
+fsdp_unit_runs_t fsdp_unit_runs(const fsdp_unit_layout_t *layout, uint64_t begin, uint64_t end);
+bool fsdp_unit_runs_next(fsdp_unit_runs_t *it, fsdp_unit_run_t *ret_run);
 
 /* The unsharded element type (param_dtype, defaulting to the parameters' own type) and the
  * reduction type (reduce_dtype, defaulting to the unsharded type) of a checked spec. */

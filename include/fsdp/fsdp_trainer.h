@@ -54,6 +54,15 @@ typedef enum fsdp_strategy {
   FSDP_NO_SHARD = 4,
 } fsdp_strategy_t;
 
+/* How a unit's parameters lie in its shards (the protocol's UnitLayout): FSDP1's flat
+ * parameter cut into equal shards, or FSDP2's pieces, each parameter cut on dim 0 into
+ * ceil(dim0 / shards) rows per shard. The unsharded copy holds the parameters one after the
+ * other either way. */
+typedef enum fsdp_layout {
+  FSDP_LAYOUT_FLAT = 0,
+  FSDP_LAYOUT_PER_PARAM = 1,
+} fsdp_layout_t;
+
 typedef struct fsdp_trainer_options {
   const char *job;           /* 1 to 64 of [A-Za-z0-9._-] */
   unsigned local_rank;       /* in [0, local_world_size) */
@@ -93,6 +102,7 @@ typedef struct fsdp_unit_desc {
   /* The caller's own unit (a scratch buffer for its collectives), not the model's:
    * checkpoints leave it out and the job's step is counted without it. */
   bool scratch;
+  fsdp_layout_t layout;
 } fsdp_unit_desc_t;
 
 /* Which pass an Unshard serves: the backward's also lends the rank a full-gradient buffer. */
@@ -104,10 +114,10 @@ typedef enum fsdp_pass {
 /* Where a registered unit lives in this process. Element counts; pointers into the mapping. */
 typedef struct fsdp_unit_view {
   uint64_t numel;        /* the parameters' elements */
-  uint64_t padded_numel; /* numel padded to a multiple of the shard count */
+  uint64_t padded_numel; /* shard_numel times the shard count: the shards side by side */
   uint64_t shard_numel;
   unsigned shard;        /* the shard this rank holds */
-  const uint64_t *param_offsets; /* element offset of each parameter in the flat buffer */
+  const uint64_t *param_offsets; /* element offset of each parameter in the unsharded copy */
   size_t n_params;
   /* padded_numel of param_type, lent from Unshard until Reshard; NULL otherwise */
   const void *unsharded;
@@ -136,6 +146,13 @@ typedef struct fsdp_unit_view {
   uint64_t *optimizer_steps;
   float *optimizer_state[3];
   unsigned optimizer_arrays;
+  /* FSDP_LAYOUT_PER_PARAM (NULL for FLAT): where each parameter's piece lies in every shard,
+   * and its rows per shard: shard s holds the parameter's rows from s times that, the rows
+   * past its last being padding. A rank's piece of parameter i is
+   * master + (shard - host_first_shard) * shard_numel + param_shard_offsets[i]. */
+  fsdp_layout_t layout;
+  const uint64_t *param_shard_offsets;
+  const uint64_t *param_rows_per_shard;
 } fsdp_unit_view_t;
 
 /* How the daemon runs the job's units (Trainer.SetSchedule); every local rank sets the same,

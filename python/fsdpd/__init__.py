@@ -148,7 +148,9 @@ class Unit:
     """A registered unit: its layout and zero-copy views of its buffers.
 
     numel, padded_numel, shard_numel, shard (the shard this rank holds), param_offsets (each
-    parameter's element offset in the flat buffers), param_shapes, param_names;
+    parameter's element offset in the unsharded buffers), param_shapes, param_names; layout
+    ("FLAT" or "PER_PARAM") and for PER_PARAM param_shard_offsets and param_rows_per_shard
+    (where each parameter's piece is in every shard, and its rows there);
     gathered_step, reduced_step: as of registration, the newest step whose gather /
     reduce-scatter completed on the unit (0 before the first): non-zero when the job trained
     before this client attached, so the masters hold trained values; replica: which copy of
@@ -157,6 +159,9 @@ class Unit:
       master, master_shard   fp32, this host's shards (host_shards of them from
                              host_first_shard; on one host every shard) / this rank's
       grad, grad_shard       fp32, the same layout, written by reduce_scatter()
+      master_pieces(),       PER_PARAM: this rank's piece of each parameter, shaped as it
+      grad_pieces()          (its rows of the parameter, padding left out), as FSDP2's
+                             DTensor shards are
     Lent per operation from the daemon's bounded pools (None while not lent):
       unsharded              param dtype, READ-ONLY memory: from unshard() until reshard()
                              (or the unshard of a newer step)
@@ -180,6 +185,10 @@ class Unit:
         self.gathered_step, self.reduced_step = int(v.gathered_step), int(v.reduced_step)
         self.replica = int(v.replica)
         self.host_first_shard, self.host_shards = int(v.host_first_shard), int(v.host_shards)
+        self.layout = "PER_PARAM" if v.layout == _lib.LAYOUT_PER_PARAM else "FLAT"
+        pieces = range(v.n_params) if v.layout == _lib.LAYOUT_PER_PARAM else ()
+        self.param_shard_offsets = [int(v.param_shard_offsets[i]) for i in pieces]
+        self.param_rows_per_shard = [int(v.param_rows_per_shard[i]) for i in pieces]
         start = (self.shard - self.host_first_shard) * self.shard_numel
         n = self.padded_numel
         host = self.host_shards * self.shard_numel
@@ -194,6 +203,33 @@ class Unit:
         # The element type of unsharded and full_grad (a torch dtype, or a struct format).
         fmt, torch_name, _ = _SCALARS[param_type]
         self.dtype = getattr(_torch, torch_name) if _torch else fmt
+
+    def master_pieces(self):
+        """PER_PARAM: this rank's piece of each parameter in its master shard, shaped."""
+        return self._pieces(self.master_shard)
+
+    def grad_pieces(self):
+        """PER_PARAM: this rank's piece of each parameter in its gradient shard, shaped."""
+        return self._pieces(self.grad_shard)
+
+    def _pieces(self, shard):
+        if self.layout != "PER_PARAM":
+            raise ValueError(f"unit '{self.name}' is {self.layout}: its shards hold no "
+                             "parameter's piece of its own")
+        if _torch is None:
+            raise RuntimeError("fsdpd: a unit's pieces are shaped tensors: they need torch")
+        pieces = []
+        for shape, at, rows in zip(self.param_shapes, self.param_shard_offsets,
+                                   self.param_rows_per_shard):
+            dim0, rest = (shape[0], shape[1:]) if shape else (1, ())
+            mine = max(0, min(rows, dim0 - self.shard * rows))
+            row = 1
+            for s in rest:
+                row *= s
+            piece = shard[at:at + mine * row]
+            # A scalar is the first shard's alone: an empty piece elsewhere.
+            pieces.append(piece.view((mine, *rest)) if shape or not mine else piece.view(()))
+        return pieces
 
     def __repr__(self):
         return (f"<fsdpd.Unit {self.name!r} numel={self.numel} padded={self.padded_numel} "
@@ -432,7 +468,7 @@ class Client:
 
     def register_unit(self, name, params, strategy="FULL_SHARD", param_dtype=None,
                       reduce_dtype=None, gradient_predivide_factor=0.0,
-                      gradient_postdivide_factor=0.0, scratch=False):
+                      gradient_postdivide_factor=0.0, scratch=False, layout="FLAT"):
         """Registers a unit of fp32 parameters and returns its Unit.
 
         params: a list of (name, shape, requires_grad) (requires_grad may be left out:
@@ -441,8 +477,13 @@ class Client:
         reduction's (None: float32 / param_dtype; names or torch dtypes). Every local rank
         registers the same spec; registering it again returns the same Unit. scratch: the
         caller's own unit (a buffer for its collectives), not the model's: checkpoints leave
-        it out and the job's step is counted without it."""
+        it out and the job's step is counted without it. layout: "FLAT" (FSDP1's flat
+        parameter cut into equal shards) or "PER_PARAM" (FSDP2's: each parameter cut on dim 0,
+        each shard a piece of every parameter)."""
         self._check_open()
+        layouts = {"FLAT": _lib.LAYOUT_FLAT, "PER_PARAM": _lib.LAYOUT_PER_PARAM}
+        if str(layout).upper() not in layouts:
+            raise ValueError(f"layout {layout!r}: expected FLAT or PER_PARAM")
         try:
             strategy_value = _lib.STRATEGIES[str(strategy).upper()]
         except KeyError:
@@ -458,7 +499,8 @@ class Client:
                                       bool(requires_grad))
         desc = _lib.UnitDesc(str(name).encode(), descs, len(params), strategy_value,
                              param_type, reduce_type, float(gradient_predivide_factor),
-                             float(gradient_postdivide_factor), bool(scratch))
+                             float(gradient_postdivide_factor), bool(scratch),
+                             layouts[str(layout).upper()])
         handle = ctypes.c_void_p()
         self._call(f"register unit '{name}'", _lib.lib().fsdp_trainer_register_unit,
                    self._trainer, ctypes.byref(desc), ctypes.byref(handle))

@@ -19,6 +19,7 @@ from pathlib import Path
 SCALAR_DEFAULT, SCALAR_FP32, SCALAR_BF16, SCALAR_FP16 = 0, 1, 2, 3
 STRATEGIES = {"FULL_SHARD": 1, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "NO_SHARD": 4}
 PASS_FORWARD, PASS_BACKWARD = 0, 1
+LAYOUT_FLAT, LAYOUT_PER_PARAM = 0, 1  # FSDP_LAYOUT_*
 # FSDP_REDUCE_*
 REDUCE_ACCUMULATE, REDUCE_DEFER_ALL_REDUCE, REDUCE_STEP_OPTIMIZER, REDUCE_STEP_ONLY = 1, 2, 4, 8
 OPTIMIZERS = {"AdamW": 1, "Adam": 2, "SGD": 3}  # fsdp_optim_kind_t
@@ -46,7 +47,8 @@ class UnitDesc(ctypes.Structure):
                 ("n_params", ctypes.c_size_t), ("strategy", ctypes.c_int),
                 ("param_type", ctypes.c_int), ("reduce_type", ctypes.c_int),
                 ("gradient_predivide_factor", ctypes.c_double),
-                ("gradient_postdivide_factor", ctypes.c_double), ("scratch", ctypes.c_bool)]
+                ("gradient_postdivide_factor", ctypes.c_double), ("scratch", ctypes.c_bool),
+                ("layout", ctypes.c_int)]
 
 
 class UnitView(ctypes.Structure):
@@ -59,7 +61,10 @@ class UnitView(ctypes.Structure):
                 ("full_grad", ctypes.c_void_p), ("gathered_step", ctypes.c_uint64),
                 ("reduced_step", ctypes.c_uint64), ("replica", ctypes.c_uint),
                 ("optimizer_steps", ctypes.POINTER(ctypes.c_uint64)),
-                ("optimizer_state", ctypes.c_void_p * 3), ("optimizer_arrays", ctypes.c_uint)]
+                ("optimizer_state", ctypes.c_void_p * 3), ("optimizer_arrays", ctypes.c_uint),
+                ("layout", ctypes.c_int),
+                ("param_shard_offsets", ctypes.POINTER(ctypes.c_uint64)),
+                ("param_rows_per_shard", ctypes.POINTER(ctypes.c_uint64))]
 
 
 class ParamGroup(ctypes.Structure):

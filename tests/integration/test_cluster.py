@@ -27,7 +27,8 @@ from fsdpd_harness import common_pb2, fsdpd, operator_pb2, poll, trainer_pb2  # 
 from test_peers import (INSECURE, Cluster, free_ports, peers, row, token_args, wait_all_joined,
                         wait_state)
 from test_reduce_scatter import decode, f32, reference, rounder
-from test_unshard import BF16, FP32, SIZE, Rank, encode, host_element, on_all, values_for
+from test_unshard import (BF16, FP32, PER_PARAM_SHAPES, SIZE, Rank, encode, host_element, in_shards,
+                          on_all, per_param_map, values_for)
 
 STRATEGIES = {"FULL_SHARD": common_pb2.FULL_SHARD, "SHARD_GRAD_OP": common_pb2.SHARD_GRAD_OP,
               "HYBRID_SHARD": common_pb2.HYBRID_SHARD, "NO_SHARD": common_pb2.NO_SHARD}
@@ -60,12 +61,22 @@ def grad_values(n, global_rank):
     return [((i * 31 + 7 * global_rank) % 41 - 20) * 0.5 for i in range(n)]
 
 
-def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
+def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1,
+                      layout=common_pb2.LAYOUT_FLAT):
+    """The collectives of a unit of `layout`: with LAYOUT_PER_PARAM the masters and the
+    gradient shards hold each parameter's pieces (per_param_map), the copy and the full
+    gradients the parameters one after the other."""
     hosts = attach(cluster, job)
     flat = [r for host in hosts for r in host]
-    layouts = [[r.register(shapes=SHAPES, param_dtype=dtype, strategy=STRATEGIES[strategy])
-                for r in host] for host in hosts]
+    per_param = layout == common_pb2.LAYOUT_PER_PARAM
+    shapes = PER_PARAM_SHAPES if per_param else SHAPES
+    layouts = [[r.register(shapes=shapes, param_dtype=dtype, strategy=STRATEGIES[strategy],
+                           layout=layout) for r in host] for host in hosts]
     lay = layouts[0][0]
+    # The values of the copy, and how the shards hold them.
+    space = lay.numel if per_param else lay.padded_numel
+    where = per_param_map(lay, shapes) if per_param else None
+    to_shards = (lambda v: in_shards(where, v)) if per_param else (lambda v: v)
     n_hosts = len(hosts)
     assert all(x.padded_numel == lay.padded_numel for h in layouts for x in h)
     shards = [x.shard for h in layouts for x in h]
@@ -81,23 +92,24 @@ def check_collectives(cluster, strategy, dtype, step=1, job="j", group=1):
         assert x.host_first_shard == x.shard - (0 if strategy == "NO_SHARD" else x.shard % L)
 
     # Unshard: every rank writes its master shard; everyone gets the whole unit.
-    values = values_for(lay.padded_numel, 11)
+    values = values_for(space, 11)
     for host, lays in zip(hosts, layouts):
         for r, x in zip(host, lays):
-            r.write_master_shard(x, values)
+            r.write_master_shard(x, to_shards(values))
     assert on_all(flat, "Unshard", step=step) == [None] * len(flat)
     for r, x in zip(flat, [x for h in layouts for x in h]):
-        assert r.unsharded(x, dtype) == encode(values, dtype), f"host rank {r.d.log_path.name}"
+        assert r.unsharded(x, dtype)[:space * SIZE[dtype]] == encode(values, dtype), \
+            f"host rank {r.d.log_path.name}"
 
     # ReduceScatter: the mean over every rank of every host, each rank's shard of it. The
     # backward's Unshard (the ranks still hold the copy: no gather) lends the buffers.
     assert on_all(flat, "Unshard", step=step, backward=True) == [None] * len(flat)
-    grads = [grad_values(lay.padded_numel, g) for g in range(len(flat))]
+    grads = [grad_values(space, g) for g in range(len(flat))]
     for g, r in enumerate(flat):
         r.write_full_grad(grads[g], dtype)
     assert on_all(flat, "ReduceScatter" if strategy != "NO_SHARD" else "AllReduce",
                   step=step) == [None] * len(flat)
-    want = reference(grads, dtype, 1, len(flat))
+    want = to_shards(reference(grads, dtype, 1, len(flat)))
     for r, x in zip(flat, [x for h in layouts for x in h]):
         lo, at = x.shard * x.shard_numel, x.grad_offset + host_element(x) * 4
         got = decode(bytes(r.memory[at:at + x.shard_numel * 4]), FP32)
@@ -118,6 +130,16 @@ def test_every_strategy_across_hosts(fsdpd, hosts, strategy):
         assert where == [(hosts - 1, rank) for rank in range(L)]
     elif strategy != "NO_SHARD":
         assert where == [(h, rank) for h in range(hosts) for rank in range(L)]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_per_param_layout_across_hosts(fsdpd, strategy, staged):
+    """FSDP2's layout over 2 hosts: the all-gather moves the shards as they lie, through a
+    staged copy, into the parameters one after the other; the reduces sum each parameter's
+    rows into its pieces; bit for bit, on the host's rings and on a GPU's staged path."""
+    c = start_cluster(fsdpd, 2, staged=staged)
+    check_collectives(c, strategy, BF16, layout=common_pb2.LAYOUT_PER_PARAM)
 
 
 def staging_of(daemon, job):

@@ -10,7 +10,7 @@ import json
 import grpc
 import pytest
 
-from fsdpd_harness import fsdpd, trainer_pb2  # noqa: F401
+from fsdpd_harness import common_pb2, fsdpd, trainer_pb2  # noqa: F401
 from test_unshard import FP32, Rank, on_all
 
 SHAPES = ((4, 3), (5,))  # "p0": 12 elements, "p1": 5; 17 padded to 18 over 2 ranks
@@ -214,6 +214,36 @@ def test_a_step_alone_steps_with_what_the_reduces_wrote(fsdpd):
     assert on_all(ranks, "ReduceScatter", step=3) == [None, None]
     unit = json.loads(d.fsdpctl("--json", "unit", "u").stdout)
     assert (unit["reduces"], unit["optimizer_steps"]) == (4, 2)
+
+
+def test_per_param_units_step_each_parameter_with_its_group(fsdpd):
+    """A LAYOUT_PER_PARAM unit (FSDP2's pieces): its step finds each parameter's elements in
+    each shard, stepped with the parameter's group (p1's lr 0 keeps it), padding never. SGD,
+    lr 0.25, on exact values, three ranks (p0's 4 rows: 2, 2 and none)."""
+    from test_unshard import host_element, in_shards, per_param_map
+    d = fsdpd()
+    shapes = ((4, 3), (5,))
+    ranks = [Rank(d, r, 3) for r in range(3)]
+    layouts = [r.register(shapes=shapes, param_dtype=FP32, requires_grad=True,
+                          layout=common_pb2.LAYOUT_PER_PARAM) for r in ranks]
+    lay = layouts[0]
+    where = per_param_map(lay, shapes)
+    values = [float(i % 7) for i in range(lay.numel)]
+    for r, x in zip(ranks, layouts):
+        r.write_master_shard(x, in_shards(where, values))
+    set_optimizer(ranks[0], trainer_pb2.SGD, group(["p1"], lr=0.0), group(lr=0.25))
+    g = [float((i % 5) - 2) for i in range(lay.numel)]
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None] * 3
+    for r in ranks:
+        r.write_full_grad(g, FP32)
+    assert on_all(ranks, "ReduceScatter", step=1, step_optimizer=True) == [None] * 3
+    want = in_shards(where, [v - 0.25 * x if i < 12 else v
+                             for i, (v, x) in enumerate(zip(values, g))])
+    for r, x in zip(ranks, layouts):
+        lo, at = x.shard * x.shard_numel, x.master_offset + host_element(x) * 4
+        assert floats(r.memory, at, x.shard_numel) == want[lo:lo + x.shard_numel]
+    unit = json.loads(d.fsdpctl("--json", "unit", "u").stdout)
+    assert unit["layout"] == "LAYOUT_PER_PARAM" and unit["optimizer_steps"] == 1
 
 
 def test_adam_with_amsgrad_steps_as_torch_does(fsdpd):

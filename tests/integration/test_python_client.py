@@ -110,6 +110,38 @@ WORKER = textwrap.dedent(r'''
         client.close()
         print(json.dumps(out))
 
+    elif mode == "pieces":
+        # FSDP2's layout: each rank's piece of each parameter is torch.chunk's on dim 0.
+        import torch
+        client = fsdpd.Client()
+        L, rank = client.local_world_size, client.rank
+        unit = client.register_unit("pieces", PARAMS, layout="PER_PARAM")
+
+        def full(seed):  # every parameter whole, as seed makes it
+            g = torch.Generator().manual_seed(seed)
+            return [torch.randn(shape, generator=g) for _, shape, _ in PARAMS]
+
+        for piece, whole in zip(unit.master_pieces(), full(1)):
+            piece.copy_(torch.chunk(whole, L)[rank])
+        barrier("pieces", L)
+        unit.unshard(step=1, backward=True)
+        copies = [unit.unsharded[o:o + w.numel()].view(w.shape)
+                  for o, w in zip(unit.param_offsets, full(1))]
+        unsharded_ok = all(torch.equal(c, w) for c, w in zip(copies, full(1)))
+        grads = full(100 + rank)
+        for o, g in zip(unit.param_offsets, grads):
+            unit.full_grad[o:o + g.numel()].copy_(g.reshape(-1))
+        unit.reshard(step=1)
+        unit.reduce_scatter(step=1)
+        mean = [(a + b) / 2 for a, b in zip(full(100), full(101))]
+        grad_ok = all(torch.equal(p, torch.chunk(m, L)[rank])
+                      for p, m in zip(unit.grad_pieces(), mean))
+        print(json.dumps({"layout": unit.layout, "unsharded_ok": unsharded_ok,
+                          "grad_ok": grad_ok,
+                          "shapes": [list(p.shape) for p in unit.master_pieces()],
+                          "rows": unit.param_rows_per_shard}))
+        client.close()
+
     elif mode == "memoryview":
         import struct
         with fsdpd.Client(job="mv", rank=0, local_world_size=1) as c:
@@ -264,6 +296,20 @@ def test_two_ranks_unshard_reduce_scatter(fsdpd, worker, dtype):
     # Both closed: their sessions are gone, the job's unit stays.
     assert not sessions(d)
     assert d.fsdpctl("units").returncode == 0
+
+
+def test_per_param_pieces_are_fsdp2s_shards(fsdpd, worker):
+    """A PER_PARAM unit's pieces of the master and gradient shards are each rank's
+    torch.chunk of each parameter, shaped: written there, the Unshard gives the parameters
+    whole; the mean of the ranks' gradients, reduced, is each piece's chunk of it."""
+    d = fsdpd(*DAEMON_ARGS)
+    procs = [worker(d, "pieces", FSDPD_JOB="pieces", LOCAL_RANK=r, LOCAL_WORLD_SIZE=2)
+             for r in range(2)]
+    outs = [result(p) for p in procs]
+    assert [o["shapes"] for o in outs] == [[[4, 5], [4], [2]], [[3, 5], [3], [1]]]
+    for o in outs:
+        assert o["layout"] == "PER_PARAM" and o["rows"] == [4, 4, 2]
+        assert o["unsharded_ok"] and o["grad_ok"], o
 
 
 def test_memoryviews_without_torch(fsdpd, worker):

@@ -53,10 +53,11 @@ class Rank:
         self.lent = {}  # unit: the last Unshard's reply, saying where its buffers are
 
     def register(self, unit="u", shapes=((37, 11),), param_dtype=FP32,
-                 strategy=common_pb2.FULL_SHARD, requires_grad=False):
+                 strategy=common_pb2.FULL_SHARD, requires_grad=False,
+                 layout=common_pb2.LAYOUT_FLAT):
         return self.d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
             session_id=self.session, unit=unit, strategy=strategy,
-            param_dtype=param_dtype,
+            param_dtype=param_dtype, layout=layout,
             params=[trainer_pb2.ParamSpec(name=f"p{i}", shape=list(s), dtype=FP32,
                                           requires_grad=requires_grad)
                     for i, s in enumerate(shapes)]), trainer_pb2.RegisterUnitReply)
@@ -92,6 +93,41 @@ class Rank:
         start = self.lent[unit].full_grad_offset
         assert self.lent[unit].full_grad_bytes >= len(data)
         self.memory[start:start + len(data)] = data
+
+
+def per_param_map(lay, shapes):
+    """LAYOUT_PER_PARAM as FSDP2 lays a module's parameters out: each cut on dim 0 into
+    pieces of ceil(dim0 / S) rows (torch.chunk's), every shard its piece of each parameter in
+    order, rows past the parameter's last zero, the shard padded at its end. For each element
+    of the shards' space, its offset in the unsharded buffer (the parameters one after the
+    other), or None for padding. The reply's pieces must be these."""
+    shards = lay.padded_numel // lay.shard_numel
+    pieces, at, start = [], 0, 0
+    for shape in shapes:
+        dim0 = shape[0] if shape else 1
+        row = 1
+        for s in shape[1:]:
+            row *= s
+        rows = -(-dim0 // shards)
+        pieces.append((at, rows, row, dim0, start))
+        at += rows * row
+        start += dim0 * row
+    assert list(lay.param_shard_offsets) == [p[0] for p in pieces]
+    assert list(lay.param_rows_per_shard) == [p[1] for p in pieces]
+    where = []
+    for s in range(shards):
+        shard = [None] * lay.shard_numel
+        for at, rows, row, dim0, start in pieces:
+            for i in range(rows * row):
+                if s * rows + i // row < dim0:
+                    shard[at + i] = start + (s * rows + i // row) * row + i % row
+        where += shard
+    return where
+
+
+def in_shards(where, values):
+    """Values of the unsharded buffer laid out as the shards are (padding 0)."""
+    return [0.0 if w is None else values[w] for w in where]
 
 
 def host_element(layout):
@@ -174,6 +210,43 @@ def test_unshard_gathers_every_rank_shard(fsdpd, world, dtype):
     # A trainer registering again (after a restart) learns where the unit's steps stand.
     again = ranks[0].register(shapes=shapes, param_dtype=dtype)
     assert (again.gathered_step, again.reduced_step) == (2, 0)
+
+
+PER_PARAM_SHAPES = ((10, 3), (7,), (), (0, 4), (3, 2, 2))  # 50 elements; a scalar, an empty
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_per_param_layout_gathers_and_reduces_as_fsdp2_lays_out(fsdpd, world, dtype):
+    """LAYOUT_PER_PARAM: each rank's master shard holds its rows of each parameter
+    (per_param_map); Unshard gives the parameters one after the other, as the masters say;
+    ReduceScatter sums the ranks' full gradients (laid out as the copy) into each rank's
+    piece of each parameter, bit for bit as the reduce's contract says, padding zero."""
+    from test_reduce_scatter import decode, reference
+    d = fsdpd("--set", "memory.job_limit=64MiB")
+    ranks = [Rank(d, r, world) for r in range(world)]
+    layouts = [r.register(shapes=PER_PARAM_SHAPES, param_dtype=dtype, requires_grad=True,
+                          layout=common_pb2.LAYOUT_PER_PARAM) for r in ranks]
+    lay = layouts[0]
+    where = per_param_map(lay, PER_PARAM_SHAPES)
+    values = values_for(lay.numel, world)
+    for r, x in zip(ranks, layouts):
+        r.write_master_shard(x, in_shards(where, values))
+    assert on_all(ranks, "Unshard", step=1, backward=True) == [None] * world
+    n = lay.numel * SIZE[dtype]
+    for r in ranks:  # never the masters themselves: they are laid out otherwise
+        assert r.lent["u"].unsharded_memory == 1
+        assert r.unsharded(lay, dtype)[:n] == encode(values, dtype)
+    grads = [[((i * 31 + 7 * g) % 41 - 20) * 0.5 for i in range(lay.numel)]
+             for g in range(world)]
+    for r, g in zip(ranks, grads):
+        r.write_full_grad(g, dtype)
+    assert on_all(ranks, "ReduceScatter", step=1) == [None] * world
+    want = in_shards(where, reference(grads, dtype, 1, world))
+    for r, x in zip(ranks, layouts):
+        lo, at = x.shard * x.shard_numel, x.grad_offset + host_element(x) * 4
+        assert decode(bytes(r.memory[at:at + x.shard_numel * 4]), FP32) == \
+            want[lo:lo + x.shard_numel]
 
 
 def test_a_gather_waits_for_every_rank_of_the_step(fsdpd):

@@ -25,11 +25,12 @@
 #define PARAM_DESC(F, A) F(name) F(shape) F(ndim) F(requires_grad)
 #define UNIT_DESC(F, A)                                                                       \
   F(name) F(params) F(n_params) F(strategy) F(param_type) F(reduce_type)                      \
-  F(gradient_predivide_factor) F(gradient_postdivide_factor) F(scratch)
+  F(gradient_predivide_factor) F(gradient_postdivide_factor) F(scratch) F(layout)
 #define UNIT_VIEW(F, A)                                                                       \
   F(numel) F(padded_numel) F(shard_numel) F(shard) F(param_offsets) F(n_params) F(unsharded)  \
   F(master) F(grad) F(host_first_shard) F(host_shards) F(full_grad) F(gathered_step)          \
-  F(reduced_step) F(replica) F(optimizer_steps) A(optimizer_state) F(optimizer_arrays)
+  F(reduced_step) F(replica) F(optimizer_steps) A(optimizer_state) F(optimizer_arrays)        \
+  F(layout) F(param_shard_offsets) F(param_rows_per_shard)
 #define UNIT_SCHEDULE(F, A) F(unit) F(reshard_after_forward)
 #define SCHEDULE(F, A)                                                                        \
   F(max_inflight) F(units) F(n_units) F(forward_order) F(n_forward_order)                     \
@@ -126,6 +127,8 @@ int main(void) {
   PRINT_CONSTANT(FSDP_REDUCE_DEFER_ALL_REDUCE);
   PRINT_CONSTANT(FSDP_REDUCE_STEP_OPTIMIZER);
   PRINT_CONSTANT(FSDP_REDUCE_STEP_ONLY);
+  PRINT_CONSTANT(FSDP_LAYOUT_FLAT);
+  PRINT_CONSTANT(FSDP_LAYOUT_PER_PARAM);
   printf("\n  }\n}\n");
   return 0;
 }

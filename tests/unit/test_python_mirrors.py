@@ -64,10 +64,11 @@ def test_struct_mirror_is_the_header_s(compiled, ctype):
 
 
 def test_constants_are_the_header_s(compiled):
-    """_lib's SCALAR_*, PASS_* and REDUCE_* are the header's FSDP_ constants, every one."""
+    """_lib's SCALAR_*, PASS_*, REDUCE_* and LAYOUT_* are the header's FSDP_ constants,
+    every one."""
     header = {name.removeprefix("FSDP_"): value for name, value in compiled["constants"].items()}
     ours = {name: value for name, value in vars(_lib).items()
-            if re.match(r"(SCALAR|PASS|REDUCE)_[A-Z0-9_]+$", name)}
+            if re.match(r"(SCALAR|PASS|REDUCE|LAYOUT)_[A-Z0-9_]+$", name)}
     assert ours == header
 
 

@@ -1,5 +1,6 @@
-/* FlatParameter layout and spec checks: padding and equal shards for numels that do and do
- * not divide, every refusal with its message, and the first-difference report. */
+/* Unit layouts and spec checks: padding and equal shards for numels that do and do not
+ * divide, PER_PARAM's pieces and the runs of both layouts against the definition, every
+ * refusal with its message, and the first-difference report. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -72,6 +73,136 @@ static void test_layout_pads_to_a_multiple_of_the_shards(void **state) {
   assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, 4, &st), 0);
   assert_int_equal(l.padded_numel - l.numel, 1);
   fsdp_unit_layout_cleanup(&l);
+}
+
+/* PER_PARAM by its definition: element e of the shards' space is in shard e / shard_numel;
+ * there, parameter k's piece holds its rows [s * rows_k, (s + 1) * rows_k) from
+ * shard_offsets[k]; a row past the parameter's last, or an element past every piece, is
+ * padding (-1). Otherwise the element's offset in the unsharded buffer. */
+static int64_t per_param_at(const fsdp_unit_layout_t *l, uint64_t e) {
+  uint64_t s = e / l->shard_numel, w = e % l->shard_numel;
+  for (size_t k = 0; k < l->n_params; k++) {
+    uint64_t q = l->row_numels[k], off = l->shard_offsets[k];
+    if (q == 0 || w < off || w >= off + l->rows_per_shard[k] * q)
+      continue;
+    uint64_t row = s * l->rows_per_shard[k] + (w - off) / q;
+    if (row >= l->numels[k] / q)
+      return -1;
+    return (int64_t)(l->offsets[k] + row * q + (w - off) % q);
+  }
+  return -1;
+}
+
+/* The runs of [begin, end) name each element as the definition does (FLAT: itself), are
+ * consecutive, none is empty, and padding is never followed by padding. */
+static void check_runs(const fsdp_unit_layout_t *l, uint64_t begin, uint64_t end) {
+  fsdp_unit_runs_t it = fsdp_unit_runs(l, begin, end);
+  uint64_t at = begin;
+  bool padding = false;
+  for (fsdp_unit_run_t run; fsdp_unit_runs_next(&it, &run);) {
+    assert_int_equal(run.shard_at, at);
+    assert_true(run.numel > 0);
+    assert_false(padding && run.padding);
+    padding = run.padding;
+    for (uint64_t i = 0; i < run.numel; i++) {
+      int64_t want = fsdp_unit_layout_is_flat(l) ? (int64_t)(at + i) : per_param_at(l, at + i);
+      assert_int_equal(run.padding ? -1 : (int64_t)(run.unsharded_at + i), want);
+    }
+    at += run.numel;
+  }
+  assert_int_equal(at, end);
+}
+
+static void test_per_param_pieces_are_torch_chunks(void **state) {
+  (void)state;
+  /* weight [10, 3], bias [10], a scalar, an empty [0, 4], over 4 shards padded to 8: rows
+   * per shard 3, 3, 1, 0 (torch.chunk's ceil(10 / 4) = 3: 3, 3, 3, 1 rows), pieces at 0, 9,
+   * 12, 13, 13 elements a shard, padded to 14. */
+  static const uint64_t shapes[4][4] = {{10, 3}, {10}, {0}, {0, 4}};
+  static const size_t ndims[] = {2, 1, 0, 2};
+  spec_storage_t s;
+  make_spec(&s, "block", 4, wb, shapes, ndims);
+  s.spec.layout = FSDP_UNIT_LAYOUT_PER_PARAM;
+  fsdp_status_t st;
+  assert_int_equal(fsdp_unit_spec_check(&s.spec, &st), 0);
+  fsdp_unit_layout_t l;
+  assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, 4, 8, &st), 0);
+  assert_int_equal(l.numel, 41);
+  assert_int_equal(l.shard_numel, 14);
+  assert_int_equal(l.padded_numel, 56);
+  const uint64_t offsets[] = {0, 9, 12, 13}, rows[] = {3, 3, 1, 0};
+  for (size_t k = 0; k < 4; k++) {
+    assert_int_equal(l.shard_offsets[k], offsets[k]);
+    assert_int_equal(l.rows_per_shard[k], rows[k]);
+  }
+  /* Shard 3 holds the weight's row 9 and the bias's element 9, the rest padding. */
+  uint64_t begin, end, at;
+  fsdp_unit_layout_param_in_shard(&l, 0, 3, &begin, &end, &at);
+  assert_int_equal(begin, 42);
+  assert_int_equal(end, 45);
+  assert_int_equal(at, 27);
+  fsdp_unit_layout_param_in_shard(&l, 2, 1, &begin, &end, &at);
+  assert_int_equal(end - begin, 0); /* the scalar is shard 0's alone */
+  fsdp_unit_runs_t it = fsdp_unit_runs(&l, 42, 56);
+  fsdp_unit_run_t run;
+  const fsdp_unit_run_t want[] = {{42, 27, 3, false}, {45, 0, 6, true}, {51, 39, 1, false},
+                                  {52, 0, 4, true}};
+  for (size_t i = 0; i < 4; i++) {
+    assert_true(fsdp_unit_runs_next(&it, &run));
+    assert_int_equal(run.shard_at, want[i].shard_at);
+    assert_int_equal(run.numel, want[i].numel);
+    assert_int_equal(run.padding, want[i].padding);
+    if (!want[i].padding)
+      assert_int_equal(run.unsharded_at, want[i].unsharded_at);
+  }
+  assert_false(fsdp_unit_runs_next(&it, &run));
+  fsdp_unit_layout_cleanup(&l);
+}
+
+/* Every range of both layouts, over 1 to 9 shards and paddings, against the definition;
+ * each parameter's element in exactly one place, and param_in_shard agreeing with the
+ * runs. */
+static void test_runs_follow_the_definition(void **state) {
+  (void)state;
+  static const uint64_t shapes[4][4] = {{7, 5}, {0}, {13}, {3, 2, 2}}; /* an empty second */
+  static const size_t ndims[] = {2, 1, 1, 3};
+  spec_storage_t s;
+  make_spec(&s, "block", 4, wb, shapes, ndims);
+  fsdp_status_t st;
+  for (int kind = 0; kind < 2; kind++) {
+    s.spec.layout = kind ? FSDP_UNIT_LAYOUT_PER_PARAM : FSDP_UNIT_LAYOUT_FLAT;
+    for (unsigned shards = 1; shards <= 9; shards++) {
+      for (unsigned pad = 1; pad <= 3; pad++) {
+        fsdp_unit_layout_t l;
+        assert_int_equal(fsdp_unit_layout_init(&l, &s.spec, shards, shards * pad, &st), 0);
+        assert_int_equal(l.padded_numel, l.shard_numel * shards);
+        assert_int_equal(l.shard_numel % pad, 0);
+        for (uint64_t a = 0; a <= l.padded_numel; a += 3)
+          for (uint64_t b = a; b <= l.padded_numel; b += 5)
+            check_runs(&l, a, b);
+        unsigned seen[64] = {0};
+        for (uint64_t e = 0; e < l.padded_numel; e++) {
+          int64_t at = kind ? per_param_at(&l, e) : (e < l.numel ? (int64_t)e : -1);
+          if (at >= 0)
+            seen[at]++;
+        }
+        for (uint64_t i = 0; i < l.numel; i++)
+          assert_int_equal(seen[i], 1);
+        for (size_t k = 0; k < l.n_params; k++)
+          for (unsigned sh = 0; sh < shards; sh++) {
+            uint64_t begin, end, at;
+            fsdp_unit_layout_param_in_shard(&l, k, sh, &begin, &end, &at);
+            for (uint64_t e = begin; e < end; e++) {
+              int64_t want = kind ? per_param_at(&l, e) : (int64_t)e;
+              assert_int_equal(want, (int64_t)(at + e - begin));
+              assert_true(at + e - begin >= l.offsets[k] &&
+                          at + e - begin < l.offsets[k] + l.numels[k]);
+            }
+          }
+        fsdp_unit_layout_cleanup(&l);
+      }
+    }
+  }
 }
 
 /* Every host's plan over a topology: shard ownership covers [0, S) once per shard group,
@@ -194,6 +325,11 @@ static void test_refusals_name_the_field_and_value(void **state) {
   s.spec.strategy = FSDP_UNIT_STRATEGY_UNSPECIFIED;
   expect_refusal(&s.spec, "unit 'layer1': field 'strategy' is unspecified; expected FULL_SHARD, "
                           "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD");
+
+  make_spec(&s, "layer1", 2, wb, shapes_4096x1023, ndims_2_1);
+  s.spec.layout = (fsdp_unit_layout_kind_t)2;
+  expect_refusal(&s.spec, "unit 'layer1': field 'layout' = 2 is not LAYOUT_FLAT or "
+                          "LAYOUT_PER_PARAM");
 
   make_spec(&s, "layer1", 0, wb, shapes_4096x1023, ndims_2_1);
   expect_refusal(&s.spec, "unit 'layer1' has no parameters");
@@ -409,6 +545,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layout_pads_to_a_multiple_of_the_shards),
       cmocka_unit_test(test_scalars_and_zero_size_parameters),
+      cmocka_unit_test(test_per_param_pieces_are_torch_chunks),
+      cmocka_unit_test(test_runs_follow_the_definition),
       cmocka_unit_test(test_plans_across_hosts),
       cmocka_unit_test(test_refusals_name_the_field_and_value),
       cmocka_unit_test(test_element_counts_that_overflow_are_refused),
