@@ -16,6 +16,7 @@
 
 #include "common/fdpass.h"
 #include "common/log.h"
+#include "common/tcp_listen.h"
 
 /* Creates or checks the run dir; resolves it to an absolute path in listener->run_dir. */
 static int prepare_run_dir(fsdp_listener_t *listener, const char *run_dir, fsdp_status_t *st) {
@@ -241,45 +242,15 @@ static void evict(void *data, fsdp_accepted_t *idle, unsigned held, unsigned lim
 int fsdp_listener_listen_tcp(fsdp_listener_t *listener, fsdp_listener_port_t port,
                              const char *address, const fsdp_listener_tcp_options_t *options,
                              fsdp_status_t *st) {
-  char host[256];
-  const char *colon = strrchr(address, ':');
-  if (!colon || (size_t)(colon - address) >= sizeof host)
-    return fsdp_status_set(st, -EINVAL, "%s address '%s' is not HOST:PORT", options->what,
-                           address);
-  snprintf(host, sizeof host, "%.*s", (int)(colon - address), address);
-  if (host[0] == '[' && host[strlen(host) - 1] == ']') {
-    memmove(host, host + 1, strlen(host));
-    host[strlen(host) - 1] = '\0';
-  }
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                           .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
-                  *ai;
-  int r = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &ai);
-  if (r != 0)
-    return fsdp_status_set(st, -EINVAL, "%s address '%s': %s", options->what, address,
-                           gai_strerror(r));
-  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  int one = 1;
-  /* SO_REUSEADDR only: without SO_REUSEPORT a second daemon cannot share the port. */
-  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
-      bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0) {
-    int err = errno;
-    if (fd >= 0)
-      close(fd);
-    freeaddrinfo(ai);
-    return fsdp_status_set(st, -err, "cannot listen on %s for the %s endpoint: %s", address,
-                           options->what, strerror(err));
-  }
-  freeaddrinfo(ai);
-  struct sockaddr_storage bound;
-  socklen_t len = sizeof bound;
-  getsockname(fd, (struct sockaddr *)&bound, &len);
+  int fd;
+  char bound[sizeof listener->tcp[port].address];
+  int r = fsdp_tcp_listen(address, options->what, &fd, bound, sizeof bound, st);
+  if (r < 0)
+    return r;
   fsdp_listener_socket_t *ls = &listener->tcp[port];
   *ls = (fsdp_listener_socket_t){.listener = listener, .tcp = true,
                                  .endpoint = options->endpoint};
-  snprintf(ls->address, sizeof ls->address, "%.*s:%u", (int)(colon - address), address,
-           ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
-                                            : ((struct sockaddr_in *)&bound)->sin_port));
+  snprintf(ls->address, sizeof ls->address, "%s", bound);
   snprintf(ls->port, sizeof ls->port, "%s port", options->what);
   ls->relay = (fsdp_relay_limits_t){.port = ls->port, .max_streams = options->max_streams,
                                     .max_resets = options->max_resets,
