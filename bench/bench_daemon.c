@@ -106,8 +106,8 @@ int bench_daemon_spawn(bench_daemon_t *d, const char *name, const char *const *e
   snprintf(d->socket_path, sizeof d->socket_path, "%s/%s", d->run_dir, FSDP_SOCKET_NAME);
 
   char *argv[32] = {fsdpd,         "--run-dir",   d->run_dir, "--health-listen",
-                    "127.0.0.1:0", "--log-level", "warning"};
-  size_t argc = 7;
+                    "127.0.0.1:0", "--metrics-listen", "", "--log-level", "warning"};
+  size_t argc = 9;
   for (size_t i = 0; extra_args && extra_args[i] && argc < 31; i++)
     argv[argc++] = (char *)extra_args[i];
   argv[argc] = NULL;

@@ -573,7 +573,8 @@ def _start_daemon(build, run_dir, log, options=()):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
     sets = [a for o in options for a in ("--set", o)]
     daemon = subprocess.Popen([str(build / "bin" / "fsdpd"), "--run-dir", str(run_dir),
-                               "--health-listen", "", "--log-level", "warning", *sets],
+                               "--health-listen", "", "--metrics-listen", "",
+                               "--log-level", "warning", *sets],
                               stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
     deadline = time.monotonic() + 15
     while True:

@@ -75,6 +75,10 @@
     NULL, true, NULL,                                                                            \
     "Connections the health port holds, more than rpc.max_streams; at the limit the oldest "    \
     "idle one is closed for a new one, or the new one is refused.")                              \
+  X(METRICS_LISTEN, "metrics.listen", FSDP_OPT_ADDRESS, "127.0.0.1:9464", 0, 0, NULL, NULL,     \
+    false, "--metrics-listen",                                                                   \
+    "TCP address of the Prometheus metrics endpoint (HTTP, GET /metrics); empty disables it. "  \
+    "The metrics name the jobs and units: keep it on the loopback or behind a firewall.")       \
   X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "0B", 0, 1099511627776, NULL, "B", true, NULL, \
     "Host memory the jobs' arenas may hold together: each job reserves both of its arenas "    \
     "whole (2 x memory.job_limit, what its trainers can make resident) when it is created; a " \

@@ -106,7 +106,8 @@ int fsdp_args_build_config(const fsdp_args_t *args, char *const *envp, fsdp_conf
 void fsdp_args_usage(FILE *out) {
   fprintf(out,
           "usage: fsdpd [--config FILE] [--run-dir DIR] [--health-listen HOST:PORT]\n"
-          "             [--log-level LEVEL] [--backend host|cuda] [--set KEY=VALUE]...\n"
+          "             [--metrics-listen HOST:PORT] [--log-level LEVEL]\n"
+          "             [--backend host|cuda] [--set KEY=VALUE]...\n"
           "             [--hosts H0:P0,H1:P1,... --host-rank I --local-world-size L]\n"
           "             [--peer-listen HOST:PORT]\n"
           "       fsdpd --check-config [options]   validate the config and exit\n"

@@ -19,6 +19,7 @@
 #include "daemon/cluster/peers.h"
 #include "daemon/checkpoints/checkpoints.h"
 #include "daemon/dataplane/dataplane.h"
+#include "daemon/metrics/http.h"
 #include "daemon/rpc/listener.h"
 #include "daemon/rpc/rpc_server.h"
 #include "daemon/services/context.h"
@@ -59,6 +60,8 @@ typedef struct fsdp_daemon {
   char health_address[320];             /* with the bound port */
   fsdp_rpc_endpoint_t *peer_endpoint;   /* NULL on one host */
   char peer_address[320];
+  fsdp_metrics_http_t *metrics; /* NULL when metrics.listen is empty */
+  char metrics_address[320];
   fsdp_peer_security_t peer_security;   /* the token and TLS files, read at start */
   /* daemon.operator_group resolved (at start and on reload): whose members may change the
    * daemon's state besides root and its own user. */

@@ -9,6 +9,7 @@
 
 #include "common/log.h"
 #include "daemon/services/fastpath.h"
+#include "daemon/services/metrics.h"
 
 /* Calls the TCP health endpoint holds at once. */
 #define HEALTH_MAX_INFLIGHT 64
@@ -185,6 +186,13 @@ int daemon_create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
     snprintf(daemon->health_address, sizeof daemon->health_address, "%s",
              daemon->listener.tcp[FSDP_LISTENER_HEALTH].address);
   }
+  const char *metrics_listen = fsdp_config_text(cfg, FSDP_OPTION_METRICS_LISTEN);
+  if (metrics_listen[0] &&
+      (r = fsdp_metrics_http_start(&daemon->loop, metrics_listen, fsdp_services_render_metrics,
+                                   &daemon->handlers, &daemon->metrics,
+                                   daemon->metrics_address, sizeof daemon->metrics_address,
+                                   st)) < 0)
+    return r;
   return create_peer_endpoint(daemon, st);
 }
 

@@ -114,6 +114,7 @@ static void init_services(fsdp_daemon_t *daemon) {
       .services = daemon->services,
       .health_address = daemon->health_address,
       .peer_address = daemon->peer_address,
+      .metrics_address = daemon->metrics_address,
       .lifecycle = {.reload = daemon_reload,
                     .set_draining = daemon_set_draining,
                     .end_session = daemon_end_session,
@@ -169,10 +170,11 @@ static int start_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
 static void announce_serving(fsdp_daemon_t *daemon) {
   daemon->state = FSDP_DAEMON_SERVING;
   fsdp_health_set_serving(&daemon->health, true);
-  log_info("fsdpd %s serving on unix:%s%s%s%s%s (backend %s, protocol %u, host %u of %u)",
+  log_info("fsdpd %s serving on unix:%s%s%s%s%s%s%s (backend %s, protocol %u, host %u of %u)",
            FSDP_VERSION_STRING, daemon->listener.socket_path,
            daemon->health_endpoint ? ", health on " : "", daemon->health_address,
            daemon->peer_endpoint ? ", peers on " : "", daemon->peer_address,
+           daemon->metrics ? ", metrics on http://" : "", daemon->metrics_address,
            fsdp_backend_name(&daemon->dataplane.backend), FSDP_PROTOCOL_VERSION,
            fsdp_peers_host_rank(daemon->peers), fsdp_peers_host_count(daemon->peers));
   sd_notifyf(0, "READY=1\nSTATUS=serving on unix:%s\nMAINPID=%ld", daemon->listener.socket_path,
@@ -209,6 +211,8 @@ int fsdp_daemon_start(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *cons
   return 0;
 
 fail_rpc:
+  fsdp_metrics_http_stop(daemon->metrics);
+  daemon->metrics = NULL;
   fsdp_rpc_server_free(daemon->rpc);
   daemon->rpc = NULL;
   fsdp_listener_close(&daemon->listener);

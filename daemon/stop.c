@@ -62,6 +62,9 @@ static void on_rpc_stopped(void *data) {
     fsdp_fastpath_close(s->fast_path);
   fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_listener_close(&daemon->listener);
+  fsdp_metrics_http_stop(daemon->metrics);
+  daemon->metrics = NULL;
+  daemon->metrics_address[0] = '\0';
   close_handles(daemon);
   daemon->state = FSDP_DAEMON_STOPPED;
   log_info("stopped");

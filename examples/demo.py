@@ -52,7 +52,7 @@ def _on_sigterm(signum, frame):
 
 def start_daemon(build, run_dir, log):
     socket = run_dir / "fsdpd.sock"
-    argv = [str(build / "bin" / "fsdpd"), "--run-dir", str(run_dir), "--health-listen", "",
+    argv = [str(build / "bin" / "fsdpd"), "--run-dir", str(run_dir), "--health-listen", "", "--metrics-listen", "",
             "--log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
     daemon = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)

@@ -13,6 +13,7 @@ packages=(
   libxxhash-dev                                       # checkpoints' checksums
   libcmocka-dev                                       # the build defines the C tests too
   libucx-dev                                          # UCX (ucp): the data plane between daemons
+  libmicrohttpd-dev                                   # the metrics endpoint's HTTP server
 )
 for arg in "$@"; do
   case "$arg" in
@@ -20,6 +21,7 @@ for arg in "$@"; do
       packages+=(
         python3-venv   # .venv/ (scripts/venv.sh): the tests' grpcio, protobuf, pytest, torch
         systemd        # systemd-analyze verify of the unit
+        prometheus     # a real Prometheus scraping the daemon, and promtool check metrics
       )
       ;;
     --bench)

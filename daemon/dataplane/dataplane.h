@@ -71,6 +71,7 @@
 #include "daemon/backend/cuda_backend.h"
 #include "daemon/cluster/fabric.h"
 #include "daemon/cluster/peers.h"
+#include "daemon/metrics/exposition.h"
 #include "daemon/store/store.h"
 #include "kernels/workers.h"
 
@@ -198,8 +199,11 @@ typedef struct fsdp_unit_flight {
   uint64_t reduces; /* reduces of gradients that completed (a step alone is none) */
   uint64_t replica_all_reduces; /* all-reduces among replicas run, for fsdpctl unit */
   /* What the data plane's own work of the last gather (this host's cast) and the last
-   * one-host reduce took, in microseconds, kernels and their completion: for fsdpctl unit. */
+   * one-host reduce took, in microseconds, kernels and their completion: for fsdpctl unit;
+   * and all of them, for the metrics. */
   uint64_t last_gather_us, last_reduce_us;
+  fsdp_histogram_t gather_work, reduce_work;
+  uint64_t gathers; /* gathers that completed */
   /* Across hosts, while the reduce's rings run (has_sum): the host's sum of its ranks'
    * gradients, lent by the job's pool of sums, at sum_offset of the arena. */
   bool has_sum;

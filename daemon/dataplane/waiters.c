@@ -191,6 +191,7 @@ void dp_finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind,
   fsdp_dataplane_reached_step(job, c->step);
   if (kind == WAIT_UNSHARD) {
     dp_give_back_gather_stage(u);
+    u->flight->gathers++;
     u->flight->gathered = true;
     u->flight->gathered_step = c->step;
     u->flight->gathered_again = c->regather;

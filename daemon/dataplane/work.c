@@ -123,10 +123,13 @@ static void work_done(uv_work_t *req, int status) {
     start_next(dp);
     return;
   }
-  if (w->kind == WORK_GATHER)
+  if (w->kind == WORK_GATHER) {
     u->flight->last_gather_us = w->run_ns / 1000;
-  else if (w->kind == WORK_REDUCE)
+    fsdp_histogram_observe(&u->flight->gather_work, (double)w->run_ns * 1e-9);
+  } else if (w->kind == WORK_REDUCE) {
     u->flight->last_reduce_us = w->run_ns / 1000;
+    fsdp_histogram_observe(&u->flight->reduce_work, (double)w->run_ns * 1e-9);
+  }
   if (w->kind == WORK_PREFAULT) {
     if (r < 0) {
       fsdp_status_set(&u->flight->error, r, "unit '%s': %s failed: %s", u->spec->unit,

@@ -50,6 +50,7 @@ typedef struct method {
   bool while_draining;
   bool streaming;
   size_t max_request; /* bytes; larger requests are refused before they are decoded */
+  uint64_t ended[FSDP_RPC_CODES]; /* calls that ended, by gRPC status code */
   void *registration;
   char path[FSDP_WIRE_PATH_MAX];
 } method_t;

@@ -295,6 +295,15 @@ void fsdp_rpc_server_stop(fsdp_rpc_server_t *server, uint64_t drain_ms,
   maybe_close(server);
 }
 
+void fsdp_rpc_server_each_method(const fsdp_rpc_server_t *server,
+                                 void (*fn)(void *data, const char *endpoint, const char *path,
+                                            const uint64_t ended[FSDP_RPC_CODES]),
+                                 void *data) {
+  for (const fsdp_rpc_endpoint_t *e = server->endpoints; e; e = e->next)
+    for (size_t i = 0; i < e->n_methods; i++)
+      fn(data, e->name, e->methods[i].path, e->methods[i].ended);
+}
+
 void fsdp_rpc_server_get_stats(const fsdp_rpc_server_t *server, fsdp_rpc_stats_t *ret_stats) {
   *ret_stats = (fsdp_rpc_stats_t){.calls_total = server->calls_total,
                                   .calls_failed = server->calls_failed,

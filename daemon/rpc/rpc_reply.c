@@ -61,6 +61,8 @@ static void finish(fsdp_rpc_call_t *call, grpc_status_code status, const char *d
   }
   call->status_queued = true;
   call->status = status;
+  if (call->method && (unsigned)status < FSDP_RPC_CODES)
+    call->method->ended[status]++;
   call->status_details = grpc_slice_from_copied_string(details);
   if (status != GRPC_STATUS_OK) {
     call->server->calls_failed++;

@@ -93,6 +93,17 @@ typedef struct fsdp_rpc_endpoint_options {
   void *refuse_data;
 } fsdp_rpc_endpoint_options_t;
 
+/* gRPC's status codes, OK (0) to UNAUTHENTICATED (16). */
+#define FSDP_RPC_CODES 17
+
+/* Calls each method of an endpoint served that ended, by status code: fn once per method of
+ * each endpoint, with the endpoint's name, the method's path and its counts (indexed by
+ * code). Calls of paths nobody serves are not counted. */
+void fsdp_rpc_server_each_method(const fsdp_rpc_server_t *server,
+                                 void (*fn)(void *data, const char *endpoint, const char *path,
+                                            const uint64_t ended[FSDP_RPC_CODES]),
+                                 void *data);
+
 typedef struct fsdp_rpc_stats {
   uint64_t calls_total;  /* calls that reached the adapter */
   uint64_t calls_failed; /* calls that ended with a status other than OK */

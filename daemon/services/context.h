@@ -78,6 +78,7 @@ typedef struct fsdp_services_context {
   /* The TCP endpoints' bound addresses, for Status; empty when there is none. */
   const char *health_address;
   const char *peer_address;
+  const char *metrics_address; /* HOST:PORT of the metrics endpoint (HTTP) */
   fsdp_services_lifecycle_t lifecycle;
 } fsdp_services_context_t;
 

@@ -39,12 +39,13 @@ typedef struct status_storage {
   Fsdp__V1__ConfigEntry entries[FSDP_OPTION_COUNT];
   Fsdp__V1__ConfigEntry *entry_ptrs[FSDP_OPTION_COUNT];
   char values[FSDP_OPTION_COUNT][256];
-  Fsdp__V1__Listener listeners[3];
-  Fsdp__V1__Listener *listener_ptrs[3];
+  Fsdp__V1__Listener listeners[4];
+  Fsdp__V1__Listener *listener_ptrs[4];
   char addresses[2][sizeof(((fsdp_listener_t *)0)->socket_path) + 8];
   char *local_services[FSDP_SERVICE_LOCAL_COUNT];
   char *health_services[1];
   char *peer_services[2];
+  char *metrics_services[1];
   fsdp_peer_status_t *peers;
   Fsdp__V1__Topology topology;
   Fsdp__V1__Memory memory;
@@ -202,6 +203,14 @@ static void fill_listeners(fsdp_services_context_t *ctx, Fsdp__V1__StatusReply *
     s->listeners[n].address = (char *)ctx->peer_address;
     s->listeners[n].n_services = 2;
     s->listeners[n].services = s->peer_services;
+    n++;
+  }
+  if (ctx->metrics_address && ctx->metrics_address[0]) { /* HTTP, not gRPC */
+    s->metrics_services[0] = "metrics";
+    fsdp__v1__listener__init(&s->listeners[n]);
+    s->listeners[n].address = (char *)ctx->metrics_address;
+    s->listeners[n].n_services = 1;
+    s->listeners[n].services = s->metrics_services;
     n++;
   }
   for (size_t i = 0; i < n; i++)

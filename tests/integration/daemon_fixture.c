@@ -24,7 +24,7 @@ extern char **environ;
 
 #define START_TIMEOUT_MS 10000
 #define STOP_TIMEOUT_MS 10000
-#define FIXED_ARGS 5 /* fsdpd --run-dir DIR --health-listen ADDR */
+#define FIXED_ARGS 7 /* fsdpd --run-dir DIR --health-listen ADDR --metrics-listen ADDR */
 #define MAX_EXTRA_ARGS 16
 
 int64_t now_ms(void) {
@@ -90,7 +90,8 @@ int daemon_fixture_start(daemon_fixture_t *d, const char *run_dir_prefix,
 
   /* posix_spawn takes char *const[]; fsdpd does not write its arguments. */
   char *argv[FIXED_ARGS + MAX_EXTRA_ARGS + 1] = {fsdpd, "--run-dir", d->run_dir,
-                                                 "--health-listen", "127.0.0.1:0"};
+                                                 "--health-listen", "127.0.0.1:0",
+                                                 "--metrics-listen", "127.0.0.1:0"};
   size_t argc = FIXED_ARGS;
   for (size_t i = 0; extra_args && extra_args[i]; i++) {
     if (i == MAX_EXTRA_ARGS) {

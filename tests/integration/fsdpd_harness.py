@@ -123,7 +123,7 @@ class Daemon:
     """One fsdpd process in run dir `run_dir`, its stderr captured in `log_path`."""
 
     def __init__(self, tmp_path, args=(), env=None, run_dir=None, health_listen="127.0.0.1:0",
-                 name="fsdpd", prefix=()):
+                 name="fsdpd", prefix=(), metrics_listen="127.0.0.1:0"):
         self.tmp_path = Path(tmp_path)
         self.run_dir = Path(run_dir) if run_dir else self.tmp_path / f"{name}-run"
         self.socket_path = self.run_dir / "fsdpd.sock"
@@ -133,6 +133,7 @@ class Daemon:
         self.prefix = [str(a) for a in prefix]  # e.g. ip netns exec NS: execs fsdpd in place
         self.env = env or {}
         self.health_listen = health_listen
+        self.metrics_listen = metrics_listen
         self.proc = None
         self.health_host = None
         self.health_port = None
@@ -147,6 +148,8 @@ class Daemon:
         argv = [*self.prefix, str(FSDPD), "--run-dir", str(self.run_dir)]
         if self.health_listen is not None:
             argv += ["--health-listen", self.health_listen]
+        if self.metrics_listen is not None:
+            argv += ["--metrics-listen", self.metrics_listen]
         argv += self.args
         self._log = open(self.log_path, "w+b")
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
@@ -184,7 +187,8 @@ class Daemon:
         """Reads the bound health address from Operator.Status (the log line saying it is
         not written when daemon.log_level is above info)."""
         for listener in self.status().listeners:
-            if not listener.address.startswith("unix:"):
+            if "grpc.health.v1.Health" in listener.services and \
+                    not listener.address.startswith("unix:"):
                 host, _, port = listener.address.rpartition(":")
                 self.health_host, self.health_port = host.strip("[]"), int(port)
                 return True
@@ -192,6 +196,15 @@ class Daemon:
             raise DaemonError(f"fsdpd was given --health-listen {self.health_listen} but "
                               f"Operator.Status lists no TCP listener; stderr:\n{self.stderr()}")
         return True
+
+    @property
+    def metrics_url(self):
+        """http://HOST:PORT/metrics of the daemon's metrics endpoint, from Operator.Status;
+        None without one."""
+        for listener in self.status().listeners:
+            if "metrics" in listener.services:
+                return f"http://{listener.address}/metrics"
+        return None
 
     @property
     def pid(self):

@@ -125,9 +125,12 @@ def test_status_over_unix(fsdpd):
         # Peer is served on its own TCP port, and only with several hosts (test_peers).
         d.unix_target: ["fsdp.v1.Trainer", "fsdp.v1.Operator", "grpc.health.v1.Health"],
         f"127.0.0.1:{d.health_port}": ["grpc.health.v1.Health"],
+        # HTTP, not gRPC: Prometheus's (test_metrics).
+        d.metrics_url.split("//")[1].rsplit("/", 1)[0]: ["metrics"],
     }
     assert d.health_port > 0
-    assert f"health on 127.0.0.1:{d.health_port} " in d.stderr()
+    assert f"health on 127.0.0.1:{d.health_port}," in d.stderr()
+    assert f"metrics on {d.metrics_url.rsplit('/', 1)[0]} " in d.stderr()
     config = {e.key: e for e in s.config}
     assert config["daemon.run_dir"].source == operator_pb2.CONFIG_SOURCE_FLAG
     assert config["daemon.run_dir"].origin == "--run-dir"

@@ -49,7 +49,8 @@ def readme_block(marker):
 
 
 # What fsdpd takes when a command leaves these out: the defaults of `make run`.
-DEFAULTS = {"--run-dir": "./run", "--health-listen": "127.0.0.1:7071"}
+DEFAULTS = {"--run-dir": "./run", "--health-listen": "127.0.0.1:7071",
+            "--metrics-listen": "127.0.0.1:9464"}
 
 
 def option(argv, name):
@@ -209,7 +210,7 @@ def test_the_several_hosts_commands_say_the_same():
         for command in readme_block(marker):
             if command.startswith(DAEMON):
                 argv = shlex.split(command, comments=True)[1:]
-                for name in ("--run-dir", "--health-listen"):
+                for name in ("--run-dir", "--health-listen", "--metrics-listen"):
                     if name in argv:
                         del argv[argv.index(name):argv.index(name) + 2]
                 out[option(argv, "--host-rank")] = argv

@@ -43,17 +43,19 @@ LAYERS = {
     # Whom a job belongs to, which the sessions check at every Attach.
     'daemon/store/job_owner.h': ['proto/limits.h'],
     'daemon/cluster': ['common', 'proto', 'proto/host', 'config', 'transport', 'daemon/rpc'],
+    # The metrics endpoint and Prometheus's format, which know nothing of the daemon.
+    'daemon/metrics': ['common'],
     'daemon/dataplane': ['common', 'proto/host', 'kernels', 'transport', 'collectives',
-                         'daemon/backend', 'daemon/store', 'daemon/cluster'],
+                         'daemon/backend', 'daemon/store', 'daemon/cluster', 'daemon/metrics'],
     'daemon/checkpoints': ['common', 'checkpoint', 'daemon/backend', 'daemon/store',
                            'daemon/dataplane'],
     'daemon/services': ['common', 'proto', 'config', 'daemon/rpc', 'daemon/session',
                         'daemon/backend', 'daemon/store', 'daemon/cluster', 'daemon/dataplane',
-                        'daemon/checkpoints'],
+                        'daemon/checkpoints', 'daemon/metrics'],
     'daemon': ['common', 'proto', 'proto/host', 'config', 'kernels', 'transport', 'collectives',
                'cuda',
                'daemon/rpc', 'daemon/session', 'daemon/backend', 'daemon/store', 'daemon/cluster',
-               'daemon/dataplane', 'daemon/checkpoints', 'daemon/services'],
+               'daemon/dataplane', 'daemon/checkpoints', 'daemon/metrics', 'daemon/services'],
 }
 # Tools and tests sit on top and may use every layer, but nothing uses them.
 LAYERS['bench'] = LAYERS['tests'] = sorted(LAYERS)

@@ -1,0 +1,136 @@
+/* The daemon's metrics (metrics.h). */
+#include "daemon/services/metrics.h"
+
+#include <stdio.h>
+
+#include <fsdp/fsdp_version.h>
+
+#include "daemon/dataplane/optimizer.h"
+#include "daemon/store/arena.h"
+
+#define N(labels) (sizeof(labels) / sizeof((labels)[0]))
+
+static const char *const code_names[FSDP_RPC_CODES] = {
+    "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+static void render_daemon(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
+  fsdp_exposition_family(e, "fsdpd_build_info", "gauge",
+                         "The fsdpd build serving: its version and protocol, as a label.");
+  char protocol[16];
+  snprintf(protocol, sizeof protocol, "%u", FSDP_PROTOCOL_VERSION);
+  const fsdp_label_t build[] = {{"version", FSDP_VERSION_STRING}, {"protocol", protocol}};
+  fsdp_exposition_count(e, "fsdpd_build_info", build, N(build), 1);
+  fsdp_exposition_family(e, "fsdpd_sessions", "gauge", "Trainer sessions attached now.");
+  fsdp_exposition_count(e, "fsdpd_sessions", NULL, 0, ctx->sessions->count);
+  fsdp_exposition_family(e, "fsdpd_jobs", "gauge", "Jobs the daemon holds (their units and "
+                         "memory), attached or not.");
+  fsdp_exposition_count(e, "fsdpd_jobs", NULL, 0, ctx->store->n_jobs);
+}
+
+static void render_method(void *data, const char *endpoint, const char *path,
+                          const uint64_t ended[FSDP_RPC_CODES]) {
+  fsdp_exposition_t *e = data;
+  for (unsigned code = 0; code < FSDP_RPC_CODES; code++) {
+    if (!ended[code])
+      continue; /* a series appears with its first call */
+    const fsdp_label_t labels[] = {
+        {"endpoint", endpoint}, {"method", path}, {"code", code_names[code]}};
+    fsdp_exposition_count(e, "fsdpd_rpc_calls_total", labels, N(labels), ended[code]);
+  }
+}
+
+static void render_jobs(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
+  fsdp_exposition_family(e, "fsdpd_job_memory_bytes", "gauge",
+                         "Bytes of a job's memory in use: its read-write arena (masters, "
+                         "gradients, optimizer state, buffers lent) and its read-only one "
+                         "(unsharded copies).");
+  for (const fsdp_job_t *job = ctx->store->jobs; job; job = job->next) {
+    const fsdp_arena_t *arenas[] = {job->arena, job->shared_arena};
+    const char *names[] = {"read_write", "read_only"};
+    for (size_t i = 0; i < 2; i++) {
+      if (!arenas[i])
+        continue;
+      fsdp_arena_stats_t stats;
+      fsdp_arena_get_stats(arenas[i], &stats);
+      const fsdp_label_t labels[] = {{"fsdp_job", job->name}, {"memory", names[i]}};
+      fsdp_exposition_count(e, "fsdpd_job_memory_bytes", labels, N(labels), stats.used);
+    }
+  }
+}
+
+/* One family over every unit of every job: value(job, unit) per unit. */
+static void render_unit_counts(const fsdp_services_context_t *ctx, fsdp_exposition_t *e,
+                               const char *name, const char *help,
+                               uint64_t (*value)(fsdp_job_t *job, const fsdp_unit_t *u)) {
+  fsdp_exposition_family(e, name, "counter", help);
+  for (fsdp_job_t *job = ctx->store->jobs; job; job = job->next)
+    for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+      const fsdp_label_t labels[] = {{"fsdp_job", job->name}, {"unit", u->spec->unit}};
+      fsdp_exposition_count(e, name, labels, N(labels), value(job, u));
+    }
+}
+
+static uint64_t gathers(fsdp_job_t *job, const fsdp_unit_t *u) {
+  (void)job;
+  return u->flight->gathers;
+}
+
+static uint64_t gathered_bytes(fsdp_job_t *job, const fsdp_unit_t *u) {
+  (void)job;
+  uint64_t size = fsdp_unit_spec_param_dtype(u->spec) == FSDP_UNIT_DTYPE_FP32 ? 4 : 2;
+  return u->flight->gathers * u->layout.numel * size;
+}
+
+static uint64_t reduces(fsdp_job_t *job, const fsdp_unit_t *u) {
+  (void)job;
+  return u->flight->reduces;
+}
+
+static uint64_t optimizer_steps(fsdp_job_t *job, const fsdp_unit_t *u) {
+  return fsdp_optimizer_unit_steps(job, u);
+}
+
+static void render_work(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
+  fsdp_exposition_family(e, "fsdpd_unit_work_seconds", "histogram",
+                         "The daemon's own work on a unit's collectives, its kernels' "
+                         "completion included: a gather's cast of this host's shards, a "
+                         "reduce's sum on one host (across hosts the rings sum as they go).");
+  for (const fsdp_job_t *job = ctx->store->jobs; job; job = job->next)
+    for (const fsdp_unit_t *u = job->units; u; u = u->next) {
+      const fsdp_label_t gather[] = {{"fsdp_job", job->name}, {"unit", u->spec->unit},
+                                     {"work", "gather"}};
+      const fsdp_label_t reduce[] = {{"fsdp_job", job->name}, {"unit", u->spec->unit},
+                                     {"work", "reduce"}};
+      fsdp_exposition_histogram(e, "fsdpd_unit_work_seconds", gather, N(gather),
+                                &u->flight->gather_work);
+      fsdp_exposition_histogram(e, "fsdpd_unit_work_seconds", reduce, N(reduce),
+                                &u->flight->reduce_work);
+    }
+}
+
+void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
+  const fsdp_services_context_t *ctx = data;
+  render_daemon(ctx, e);
+  fsdp_exposition_family(e, "fsdpd_rpc_calls_total", "counter",
+                         "gRPC calls that ended, by endpoint, method and status code.");
+  if (ctx->rpc)
+    fsdp_rpc_server_each_method(ctx->rpc, render_method, e);
+  render_jobs(ctx, e);
+  render_unit_counts(ctx, e, "fsdpd_unit_gathers_total",
+                     "Gathers of a unit that completed (each serves every local rank).",
+                     gathers);
+  render_unit_counts(ctx, e, "fsdpd_unit_gathered_bytes_total",
+                     "Bytes of a unit's parameters its gathers made, in the copy's dtype.",
+                     gathered_bytes);
+  render_unit_counts(ctx, e, "fsdpd_unit_reduces_total",
+                     "Reduces of a unit's gradients that completed (each of every local "
+                     "rank's).",
+                     reduces);
+  render_unit_counts(ctx, e, "fsdpd_unit_optimizer_steps_total",
+                     "Steps the daemon's optimizer took on a unit.", optimizer_steps);
+  render_work(ctx, e);
+}

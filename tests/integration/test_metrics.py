@@ -1,0 +1,164 @@
+"""The metrics endpoint (metrics.listen: HTTP, GET /metrics, daemon/metrics/http.h) through a
+real fsdpd: what two local ranks did (gathers, reduces, the bytes the gathers made, the
+daemon's own work as histograms, the calls by method and status code, a refused one
+included) is what the exposition says, and promtool, Prometheus's own checker, accepts the
+exposition; a real Prometheus server scraping the daemon reads the same back through its
+query API. Anything but GET /metrics is refused; an empty metrics.listen serves none, and an
+address that cannot be listened on stops the start naming it."""
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import grpc
+import pytest
+
+from fsdpd_harness import fsdpd, poll, run_fsdpd  # noqa: F401
+from test_peers import free_ports
+from test_unshard import BF16, Rank, on_all
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(d):
+    with urllib.request.urlopen(d.metrics_url, timeout=5) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        return r.read().decode()
+
+
+def samples(text):
+    """{(name, ((label, value), ...)): value} of every sample line."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        m = SAMPLE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        labels = tuple(sorted(LABEL.findall(m.group(2) or "")))
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def value(found, name, **labels):
+    return found.get((name, tuple(sorted(labels.items()))))
+
+
+def calls(found, method, code):
+    """fsdpd_rpc_calls_total of method and code, over every endpoint."""
+    return sum(v for (name, labels), v in found.items()
+               if name == "fsdpd_rpc_calls_total" and ("method", method) in labels and
+               ("code", code) in labels)
+
+
+def train(d, steps):
+    """Two local ranks of job j, unit u (bf16 copies: the gather casts), `steps` steps of a
+    backward Unshard and a ReduceScatter; the layout."""
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    layouts = [r.register(shapes=((37, 11),), param_dtype=BF16, requires_grad=True)
+               for r in ranks]
+    for step in range(1, steps + 1):
+        assert on_all(ranks, "Unshard", step=step, backward=True) == [None, None]
+        assert on_all(ranks, "ReduceScatter", step=step) == [None, None]
+    return ranks, layouts[0]
+
+
+def test_the_metrics_say_what_the_ranks_did(fsdpd):
+    d = fsdpd()
+    ranks, lay = train(d, 3)
+    # A refused call: no gradient buffer is lent now.
+    with pytest.raises(grpc.RpcError) as e:
+        ranks[0].op("ReduceScatter", step=3)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    text = scrape(d)
+    found = samples(text)
+    unit = dict(fsdp_job="j", unit="u")
+    assert value(found, "fsdpd_unit_gathers_total", **unit) == 3
+    assert value(found, "fsdpd_unit_reduces_total", **unit) == 3
+    assert value(found, "fsdpd_unit_gathered_bytes_total", **unit) == 3 * lay.numel * 2
+    assert value(found, "fsdpd_unit_optimizer_steps_total", **unit) == 0
+    for work in ("gather", "reduce"):
+        assert value(found, "fsdpd_unit_work_seconds_count", work=work, **unit) == 3
+        assert value(found, "fsdpd_unit_work_seconds_bucket", work=work, le="+Inf", **unit) == 3
+        assert value(found, "fsdpd_unit_work_seconds_sum", work=work, **unit) > 0
+    assert calls(found, "/fsdp.v1.Trainer/Unshard", "OK") == 6
+    assert calls(found, "/fsdp.v1.Trainer/ReduceScatter", "OK") == 6
+    assert calls(found, "/fsdp.v1.Trainer/ReduceScatter", "FAILED_PRECONDITION") == 1
+    assert value(found, "fsdpd_sessions") == 2 and value(found, "fsdpd_jobs") == 1
+    assert value(found, "fsdpd_job_memory_bytes", fsdp_job="j", memory="read_write") > 0
+    # Prometheus's own checker of the format and its conventions.
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_anything_but_get_metrics_is_refused(fsdpd):
+    d = fsdpd()
+    base = d.metrics_url.rsplit("/", 1)[0]
+    for url, method, code in ((base + "/", "GET", 404), (base + "/metrics", "POST", 405)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"" if
+                                                          method == "POST" else None), timeout=5)
+        assert e.value.code == code
+    assert scrape(d).startswith("# HELP fsdpd_build_info")  # and it goes on serving
+
+
+def test_an_empty_address_serves_none_and_a_taken_one_stops_the_start(fsdpd, tmp_path):
+    d = fsdpd("--metrics-listen", "")
+    assert d.metrics_url is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        r = run_fsdpd("--run-dir", tmp_path / "run", "--health-listen", "",
+                      "--metrics-listen", address)
+    assert r.returncode == 1
+    assert f"cannot listen on {address} for the metrics endpoint: Address already in use" in \
+        r.stderr, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None,
+                    reason="Debian's prometheus is missing: scripts/setup.sh --test installs it")
+def test_a_prometheus_server_scrapes_the_daemon(fsdpd, tmp_path):
+    """Prometheus scrapes the daemon every second; its query API gives back the counts of
+    the steps the ranks took, and the daemon's target is up. (A training job is the label
+    fsdp_job: `job` is Prometheus's own, the scrape job's.)"""
+    d = fsdpd()
+    target = d.metrics_url.split("//", 1)[1].rsplit("/", 1)[0]
+    (port,) = free_ports(1)
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                      "scrape_configs:\n  - job_name: fsdpd\n    static_configs:\n"
+                      f"      - targets: ['{target}']\n")
+    server = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+    try:
+        train(d, 2)
+
+        def query(q):
+            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    result = json.loads(r.read())["data"]["result"]
+            except (urllib.error.URLError, ConnectionError):
+                return None
+            return [float(x["value"][1]) for x in result]
+        poll(lambda: query('fsdpd_unit_reduces_total{job="fsdpd",fsdp_job="j",unit="u"}')
+             == [2.0], 60,
+             interval=0.5, what="Prometheus to scrape two reduces")
+        assert query('fsdpd_unit_gathers_total{unit="u"}') == [2.0]
+        assert query('up{job="fsdpd"}') == [1.0]
+        assert query('sum(fsdpd_rpc_calls_total{method="/fsdp.v1.Trainer/Unshard",code="OK"})') \
+            == [4.0]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
