@@ -12,6 +12,7 @@ fsdp_collection_outcome_t fsdp_collection_join(fsdp_collection_t *c, uint32_t wo
     c->regather = rq->regather;
     c->generation = rq->generation;
     c->deadline_ms = rq->deadline_ms;
+    c->first_ms = rq->now_ms;
   } else if (rq->generation != c->generation) {
     return FSDP_COLLECTION_OTHER_GENERATION;
   } else if (rq->step != c->step || rq->regather != c->regather) {

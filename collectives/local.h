@@ -30,6 +30,7 @@ typedef struct fsdp_collection {
                     after its forward */
   uint64_t generation;  /* of the ranks' sessions: the job's run (rings among hosts use it) */
   uint64_t deadline_ms; /* loop time by which every rank must have asked */
+  uint64_t first_ms;    /* loop time the first rank asked */
   bool running;         /* every rank asked; the collective runs until reset */
 } fsdp_collection_t;
 
@@ -40,6 +41,7 @@ typedef struct fsdp_collection_request {
   bool regather;
   uint64_t generation;
   uint64_t deadline_ms;
+  uint64_t now_ms; /* loop time of the request */
 } fsdp_collection_request_t;
 
 /* What a join did. The last three leave the collection as it was: nobody can complete it

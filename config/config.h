@@ -75,6 +75,11 @@
     NULL, true, NULL,                                                                            \
     "Connections the health port holds, more than rpc.max_streams; at the limit the oldest "    \
     "idle one is closed for a new one, or the new one is refused.")                              \
+  X(HEALTH_STALL_AFTER, "health.stall_after", FSDP_OPT_DURATION, "10s", 100, 3600000, NULL,    \
+    "ms", true, NULL,                                                                            \
+    "A job's health service (fsdp.job.<name>) is NOT_SERVING while one of its collectives has " \
+    "been under way this long (its ranks not all there, or its rings among hosts waiting), and " \
+    "the log says what it waits for; the daemon's own health stays SERVING.")                   \
   X(METRICS_LISTEN, "metrics.listen", FSDP_OPT_ADDRESS, "127.0.0.1:9464", 0, 0, NULL, NULL,     \
     false, "--metrics-listen",                                                                   \
     "TCP address of the Prometheus metrics endpoint (HTTP, GET /metrics); empty disables it. "  \

@@ -204,6 +204,10 @@ void daemon_on_housekeeping(uv_timer_t *timer) {
                        on_session_expired, daemon);
   fsdp_channel_expire(&daemon->channel, uv_now(&daemon->loop));
   fsdp_dataplane_expire(&daemon->store, uv_now(&daemon->loop));
+  fsdp_dataplane_check_stalls(
+      &daemon->store, uv_now(&daemon->loop),
+      (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_HEALTH_STALL_AFTER));
+  fsdp_health_refresh(&daemon->health);
   fsdp_checkpoints_expire(&daemon->checkpoints, uv_now(&daemon->loop));
   retire_idle_jobs(daemon, uv_now(&daemon->loop));
 }

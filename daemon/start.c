@@ -77,9 +77,20 @@ static void adopt_config(fsdp_daemon_t *daemon, const fsdp_args_t *args, char *c
   daemon_raise_descriptor_limit(&daemon->config);
 }
 
+/* A job's state for its health service: whether the last check found it stalled. */
+static fsdp_health_job_state_t job_state(void *data, const char *name) {
+  const fsdp_daemon_t *daemon = data;
+  const fsdp_job_t *job = fsdp_store_find_job(&daemon->store, name);
+  if (!job)
+    return FSDP_HEALTH_JOB_UNKNOWN;
+  return job->flight->stalled ? FSDP_HEALTH_JOB_STALLED : FSDP_HEALTH_JOB_GOING;
+}
+
 /* Health, the sessions, the store and the data plane under it, on the configured backend. */
 static int init_store(fsdp_daemon_t *daemon, fsdp_status_t *st) {
   fsdp_health_init(&daemon->health);
+  daemon->health.job_state = job_state;
+  daemon->health.job_data = daemon;
   fsdp_sessions_init(&daemon->sessions);
   fsdp_store_init(&daemon->store);
   daemon->store.hooks = (fsdp_store_hooks_t){.job_idle = daemon_job_idle,

@@ -126,6 +126,10 @@ typedef struct fsdp_job_flight {
    * its units report as reduced. */
   bool resume_pending, resuming;
   uint64_t resume_step;
+  /* A collective under way for longer than health.stall_after, as the last check found
+   * (fsdp_dataplane_check_stalls), and what it waits for. */
+  bool stalled;
+  char stall[256];
 } fsdp_job_flight_t;
 
 /* An operation waiting on a unit: its storage, the caller's (below). */
@@ -394,6 +398,15 @@ void fsdp_dataplane_set_max_inflight(fsdp_job_t *job, unsigned max_inflight);
  * from the steps (local rank 0's forward Unshards of each step, taken from the next step on
  * whenever a step's differs). */
 void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n);
+
+/* Marks each job stalled (job->flight->stalled, its reason in ->stall) whose oldest
+ * collective under way began stall_after_ms ago or more, and logs when a job stalls and
+ * when it goes on; from the housekeeping timer. */
+void fsdp_dataplane_check_stalls(fsdp_store_t *store, uint64_t now_ms, uint64_t stall_after_ms);
+
+/* How long the job's oldest collective under way has been (from its first rank's asking);
+ * 0 without one. */
+uint64_t fsdp_dataplane_oldest_wait_ms(const fsdp_job_t *job, uint64_t now_ms);
 
 /* Ends collectives whose deadline passed; from the housekeeping timer. */
 void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);

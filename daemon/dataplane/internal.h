@@ -139,12 +139,13 @@ void dp_abort_collection(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind, in
 /* How a message names a step's second gather, the one for its backward. */
 const char *dp_again_text(bool again);
 
-/* Parks op as its rank's part of the unit's collection of `kind` for `step`; returns
- * whether it completed the collection (every local rank has asked: it runs now), or -1 when
- * op was answered instead. A rank asking for another step than the one being collected
- * aborts the collection for everyone: nobody could complete it. */
+/* Parks op as its rank's part of the unit's collection of `kind` for `step` (now_ms: loop
+ * time); returns whether it completed the collection (every local rank has asked: it runs
+ * now), or -1 when op was answered instead. A rank asking for another step than the one
+ * being collected aborts the collection for everyone: nobody could complete it. */
 int dp_collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
-               fsdp_job_t *job, uint64_t step, bool regather, uint64_t deadline_ms);
+               fsdp_job_t *job, uint64_t step, bool regather, uint64_t deadline_ms,
+               uint64_t now_ms);
 
 /* A collective of `kind` ended for the local ranks (st: NULL or OK when it succeeded):
  * every waiter hears the result. A gather lends its copy to every rank that asked; a

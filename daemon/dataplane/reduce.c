@@ -227,7 +227,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
     dp_op_fail(op, FSDP_E_FAILED_PRECONDITION, "%s", message);
     return;
   }
-  if (dp_collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms) <= 0)
+  if (dp_collect(unit, WAIT_REDUCE, op, job, step, false, deadline_ms, uv_now(dp->loop)) <= 0)
     return;
   /* While the hold waits for the running reduces, those of their step may still start. */
   if (job->flight->reduces_held && (!job->flight->reduces_quiet || step > job->flight->hold_after_step)) {

@@ -144,7 +144,8 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
     return;
   }
   dp_let_go(job, unit, rank); /* asking for a newer step lets go of the older copy */
-  if (dp_collect(unit, WAIT_UNSHARD, op, job, step, again, op->deadline_ms) <= 0)
+  if (dp_collect(unit, WAIT_UNSHARD, op, job, step, again, op->deadline_ms, uv_now(dp->loop)) <=
+      0)
     return;
   if (step > job->flight->masters_final_step)
     job->flight->masters_final_step = step; /* every rank asked: their masters are final for it */

@@ -128,7 +128,8 @@ static const char *collection_verb(waiter_kind_t kind) {
 }
 
 int dp_collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
-               fsdp_job_t *job, uint64_t step, bool regather, uint64_t deadline_ms) {
+               fsdp_job_t *job, uint64_t step, bool regather, uint64_t deadline_ms,
+               uint64_t now_ms) {
   const fsdp_dataplane_rank_t *who = &op->who;
   uint32_t rank = who->local_rank;
   fsdp_collection_t *c = collection_of(u, kind);
@@ -137,7 +138,8 @@ int dp_collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
     if (who->serial < job->flight->gone_before_serial[r])
       fsdp_rank_set_put(&died, r, true);
   fsdp_collection_request_t rq = {.rank = rank, .step = step, .regather = regather,
-                                  .generation = who->generation, .deadline_ms = deadline_ms};
+                                  .generation = who->generation, .deadline_ms = deadline_ms,
+                                  .now_ms = now_ms};
   char message[FSDP_STATUS_MESSAGE_MAX];
   int err;
   switch (fsdp_collection_join(c, job->local_world_size, &rq, &died)) {

@@ -13,7 +13,8 @@ typedef Grpc__Health__V1__HealthCheckResponse__ServingStatus serving_status_t;
 struct fsdp_health_watch {
   fsdp_health_t *health;
   fsdp_rpc_call_t *call;
-  int service; /* index into service_names, or -1 for an unknown name */
+  int service; /* index into service_names, JOB_SERVICE, or -1 for an unknown name */
+  char *name;  /* the service's name, as asked */
   serving_status_t last_sent;
   fsdp_health_watch_t *prev, *next;
 };
@@ -25,14 +26,29 @@ const char *fsdp_health_service_name(unsigned index) {
   return index < FSDP_HEALTH_SERVICES ? service_names[index] : NULL;
 }
 
+/* A job's service: "fsdp.job.<name>". */
+#define JOB_SERVICE FSDP_HEALTH_SERVICES
+
 static int find_service(const char *name) {
   for (int i = 0; i < FSDP_HEALTH_SERVICES; i++)
     if (strcmp(name, service_names[i]) == 0)
       return i;
+  if (strncmp(name, FSDP_HEALTH_JOB_PREFIX, strlen(FSDP_HEALTH_JOB_PREFIX)) == 0)
+    return JOB_SERVICE;
   return -1;
 }
 
-static serving_status_t status_of(const fsdp_health_t *health, int service) {
+static serving_status_t status_of(const fsdp_health_t *health, int service, const char *name) {
+  if (service == JOB_SERVICE) {
+    const char *job = name + strlen(FSDP_HEALTH_JOB_PREFIX);
+    fsdp_health_job_state_t state =
+        health->job_state ? health->job_state(health->job_data, job) : FSDP_HEALTH_JOB_UNKNOWN;
+    if (state == FSDP_HEALTH_JOB_UNKNOWN)
+      return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
+    return health->serving[0] && state == FSDP_HEALTH_JOB_GOING
+               ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+               : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+  }
   if (service < 0)
     return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
   return health->serving[service] ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
@@ -43,15 +59,16 @@ static void check(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *
   const Grpc__Health__V1__HealthCheckRequest *rq = (const void *)request;
   fsdp_health_t *health = data;
   int service = find_service(rq->service);
-  if (service < 0) {
+  serving_status_t status = status_of(health, service, rq->service);
+  if (status == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN) {
     fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND,
                        "unknown service '%s'; known: \"\", fsdp.v1.Trainer, fsdp.v1.Operator, "
-                       "fsdp.v1.Peer",
+                       "fsdp.v1.Peer, and fsdp.job.<name> for each job the daemon holds",
                        rq->service);
     return;
   }
   Grpc__Health__V1__HealthCheckResponse reply = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-  reply.status = status_of(health, service);
+  reply.status = status;
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
@@ -64,6 +81,7 @@ static void watch_unlink(fsdp_health_watch_t *w) {
   if (w->next)
     w->next->prev = w->prev;
   health->n_watches--;
+  free(w->name);
   free(w);
 }
 
@@ -74,7 +92,7 @@ static void on_watch_cancel(fsdp_rpc_call_t *call, void *data) {
 
 static void watch_send(fsdp_health_watch_t *w) {
   Grpc__Health__V1__HealthCheckResponse reply = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-  reply.status = status_of(w->health, w->service);
+  reply.status = status_of(w->health, w->service, w->name);
   w->last_sent = reply.status;
   fsdp_rpc_call_send(w->call, &reply.base);
 }
@@ -84,17 +102,20 @@ static void watch(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *
   fsdp_health_t *health = data;
   if (health->closed) {
     Grpc__Health__V1__HealthCheckResponse reply = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-    reply.status = status_of(health, find_service(rq->service));
+    reply.status = status_of(health, find_service(rq->service), rq->service);
     fsdp_rpc_call_send(call, &reply.base);
     fsdp_rpc_call_fail(call, FSDP_E_UNAVAILABLE, "fsdpd is shutting down");
     return;
   }
   fsdp_health_watch_t *w = calloc(1, sizeof *w);
-  if (!w) {
+  char *name = w ? strdup(rq->service) : NULL;
+  if (!name) {
+    free(w);
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for a health watch");
     return;
   }
-  *w = (fsdp_health_watch_t){.health = health, .call = call, .service = find_service(rq->service)};
+  *w = (fsdp_health_watch_t){.health = health, .call = call, .service = find_service(name),
+                             .name = name};
   w->next = health->watches;
   if (health->watches)
     health->watches->prev = w;
@@ -115,12 +136,16 @@ void fsdp_health_init(fsdp_health_t *health) {
                                          .data = health};
 }
 
+void fsdp_health_refresh(fsdp_health_t *health) {
+  for (fsdp_health_watch_t *w = health->watches; w; w = w->next)
+    if (status_of(health, w->service, w->name) != w->last_sent)
+      watch_send(w);
+}
+
 void fsdp_health_set_serving(fsdp_health_t *health, bool serving) {
   for (int i = 0; i < FSDP_HEALTH_SERVICES; i++)
     health->serving[i] = serving;
-  for (fsdp_health_watch_t *w = health->watches; w; w = w->next)
-    if (status_of(health, w->service) != w->last_sent)
-      watch_send(w);
+  fsdp_health_refresh(health);
 }
 
 bool fsdp_health_is_serving(const fsdp_health_t *health) {

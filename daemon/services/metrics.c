@@ -43,6 +43,27 @@ static void render_method(void *data, const char *endpoint, const char *path,
   }
 }
 
+/* Each job's oldest collective under way, and whether it is past health.stall_after. */
+static void render_waits(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
+  uint64_t now_ms = uv_now(ctx->loop);
+  fsdp_exposition_family(e, "fsdpd_job_oldest_wait_seconds", "gauge",
+                         "How long a job's oldest collective under way has been (from its "
+                         "first rank's asking); 0 without one.");
+  for (const fsdp_job_t *job = ctx->store->jobs; job; job = job->next) {
+    const fsdp_label_t labels[] = {{"fsdp_job", job->name}};
+    fsdp_exposition_value(e, "fsdpd_job_oldest_wait_seconds", labels, N(labels),
+                          (double)fsdp_dataplane_oldest_wait_ms(job, now_ms) / 1000.0);
+  }
+  fsdp_exposition_family(e, "fsdpd_job_stalled", "gauge",
+                         "1 while a job's collective has been under way longer than "
+                         "health.stall_after (its health service fsdp.job.<name> is then "
+                         "NOT_SERVING), as the last check found.");
+  for (const fsdp_job_t *job = ctx->store->jobs; job; job = job->next) {
+    const fsdp_label_t labels[] = {{"fsdp_job", job->name}};
+    fsdp_exposition_count(e, "fsdpd_job_stalled", labels, N(labels), job->flight->stalled);
+  }
+}
+
 static void render_jobs(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
   fsdp_exposition_family(e, "fsdpd_job_memory_bytes", "gauge",
                          "Bytes of a job's memory in use: its read-write arena (masters, "
@@ -120,6 +141,7 @@ void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
   if (ctx->rpc)
     fsdp_rpc_server_each_method(ctx->rpc, render_method, e);
   render_jobs(ctx, e);
+  render_waits(ctx, e);
   render_unit_counts(ctx, e, "fsdpd_unit_gathers_total",
                      "Gathers of a unit that completed (each serves every local rank).",
                      gathers);

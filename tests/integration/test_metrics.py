@@ -162,3 +162,38 @@ def test_a_prometheus_server_scrapes_the_daemon(fsdpd, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_stalled_job_is_not_serving_in_its_health_and_the_metrics(fsdpd):
+    """Rank 0 of job j asks for a gather that rank 1 never asks for: past health.stall_after
+    the job's health service fsdp.job.j is NOT_SERVING (a Watch sees it turn, and back),
+    while the daemon's own stays SERVING; the metrics show the stall and its age, the log
+    what it waits for. When rank 1 asks, the job goes on and is SERVING again."""
+    import threading
+    from fsdpd_harness import NOT_SERVING, SERVING
+    d = fsdpd("--set", "health.stall_after=300ms", "--set", "daemon.housekeeping_interval=50ms")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    for r in ranks:
+        r.register(shapes=((8,),), param_dtype=BF16)
+    watch = d.watch("fsdp.job.j")
+    seen = [next(watch).status]
+    assert seen == [SERVING]
+    first = threading.Thread(target=ranks[0].op, args=("Unshard",), kwargs=dict(step=1))
+    first.start()
+    seen.append(next(watch).status)
+    assert seen[-1] == NOT_SERVING
+    assert d.check("fsdp.job.j") == NOT_SERVING and d.check("") == SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        d.check("fsdp.job.nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    found = samples(scrape(d))
+    assert value(found, "fsdpd_job_stalled", fsdp_job="j") == 1
+    assert value(found, "fsdpd_job_oldest_wait_seconds", fsdp_job="j") >= 0.3
+    assert "job 'j' unit 'u' step 1: its gather has waited" in d.stderr()
+    assert "for local rank(s) 1 (health.stall_after)" in d.stderr()
+    ranks[1].op("Unshard", step=1)
+    first.join(10)
+    seen.append(next(watch).status)
+    watch.cancel()
+    assert seen == [SERVING, NOT_SERVING, SERVING]
+    assert value(samples(scrape(d)), "fsdpd_job_stalled", fsdp_job="j") == 0
