@@ -84,6 +84,10 @@
     false, "--metrics-listen",                                                                   \
     "TCP address of the Prometheus metrics endpoint (HTTP, GET /metrics); empty disables it. "  \
     "The metrics name the jobs and units: keep it on the loopback or behind a firewall.")       \
+  X(TRACE_OPS, "trace.ops", FSDP_OPT_INT, "4096", 0, 65536, NULL, NULL, true, NULL,          \
+    "Operations each job's flight recorder keeps, its last ones (each rank's gathers and "      \
+    "reduces, the daemon's work), for fsdpctl trace; 0 keeps none. A job takes the value of "   \
+    "its first registration.")                                                                   \
   X(MEMORY_LIMIT, "memory.limit", FSDP_OPT_SIZE, "0B", 0, 1099511627776, NULL, "B", true, NULL, \
     "Host memory the jobs' arenas may hold together: each job reserves both of its arenas "    \
     "whole (2 x memory.job_limit, what its trainers can make resident) when it is created; a " \

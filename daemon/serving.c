@@ -34,6 +34,7 @@ void daemon_apply_config(fsdp_daemon_t *daemon) {
   daemon->store.memory_limit = (size_t)fsdp_config_number(cfg, FSDP_OPTION_MEMORY_LIMIT);
   daemon->store.arena_capacity = (size_t)fsdp_config_number(cfg, FSDP_OPTION_JOB_MEMORY);
   daemon->store.max_inflight = (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT);
+  daemon->dataplane.trace_ops = (uint32_t)fsdp_config_number(cfg, FSDP_OPTION_TRACE_OPS);
   fsdp_checkpoints_configure(
       &daemon->checkpoints, fsdp_config_text(cfg, FSDP_OPTION_CHECKPOINT_DIR),
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_EVERY_STEPS),

@@ -23,6 +23,7 @@
 #include "client/client_rpc.h"
 #include "fsdp/v1/operator.pb-c.h"
 #include "fsdpctl/export.h"
+#include "fsdpctl/trace.h"
 #include "proto/limits.h"
 #include "proto/wire.h"
 
@@ -47,6 +48,7 @@ typedef struct ctl {
   const char *out;
   fsdp_dtype_t dtype;
   const char *step;
+  uint64_t steps; /* trace's --steps: the last K steps; 0: all */
   int timeout_ms;
   char *target;
   fsdp_client_t *client;
@@ -1140,6 +1142,35 @@ static int cmd_export(ctl_t *ctl, int argc, char **argv) {
   return EXIT_OK;
 }
 
+static int cmd_trace(ctl_t *ctl, int argc, char **argv) {
+  if (argc < 1 || !ctl->out)
+    return usage_error("%s", "trace needs a JOB and --out FILE");
+  Fsdp__V1__TraceRequest request = FSDP__V1__TRACE_REQUEST__INIT;
+  request.job = argv[0];
+  request.steps = ctl->steps;
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "Trace", &request.base, &fsdp__v1__trace_reply__descriptor, &reply);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Trace", r);
+  const Fsdp__V1__TraceReply *t = (const Fsdp__V1__TraceReply *)reply;
+  fsdp_status_t st;
+  r = fsdpctl_write_trace(t, ctl->out, &st);
+  if (r == 0 && ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "out", json_string(ctl->out));
+    json_object_object_add(o, "records", json_object_new_uint64(t->n_records));
+    json_object_object_add(o, "recorded", json_object_new_uint64(t->recorded));
+    print_json(o);
+  } else if (r == 0) {
+    printf("%zu operations of job %s (of %llu recorded) into %s\n", t->n_records, t->job,
+           (unsigned long long)t->recorded, ctl->out);
+  } else {
+    fprintf(stderr, "fsdpctl: %s\n", st.message);
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return r < 0 ? EXIT_ERROR : EXIT_OK;
+}
+
 static int cmd_version(ctl_t *ctl, int argc, char **argv) {
   (void)argc, (void)argv;
   Fsdp__V1__StatusReply *s = NULL;
@@ -1202,6 +1233,8 @@ static const command_t commands[] = {
      cmd_checkpoint_load, false},
     {"export", NULL, 1, "DIR", "a checkpoint's parameters as --out FILE (safetensors, --dtype)",
      cmd_export, true},
+    {"trace", NULL, 1, "JOB", "JOB's last operations as --out FILE (Chrome trace JSON; --steps K)",
+     cmd_trace, false},
     {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version, false},
     {"help", NULL, 0, "", "this text", cmd_help, true},
 };
@@ -1299,13 +1332,13 @@ int main(int argc, char **argv) {
       {"timeout", required_argument, NULL, 't'}, {"help", no_argument, NULL, 'h'},
       {"job", required_argument, NULL, 'J'},
       {"out", required_argument, NULL, 'O'},    {"dtype", required_argument, NULL, 'D'},
-      {"step", required_argument, NULL, 'S'},
+      {"step", required_argument, NULL, 'S'},   {"steps", required_argument, NULL, 'K'},
       {NULL, 0, NULL, 0},
   };
   ctl_t ctl = {.timeout_ms = DEFAULT_TIMEOUT_MS};
   int opt;
   opterr = 0; /* our own messages, with the usage line */
-  while ((opt = getopt_long(argc, argv, ":s:a:jvt:hJ:O:D:S:", options, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, ":s:a:jvt:hJ:O:D:S:K:", options, NULL)) != -1) {
     switch (opt) {
     case 's':
       ctl.socket = optarg;
@@ -1333,6 +1366,11 @@ int main(int argc, char **argv) {
       if (strspn(optarg, "0123456789") != strlen(optarg) || !*optarg)
         return usage_error("--step '%s': expected a step number", optarg);
       ctl.step = optarg;
+      break;
+    case 'K':
+      if (strspn(optarg, "0123456789") != strlen(optarg) || !*optarg || strlen(optarg) > 18)
+        return usage_error("--steps '%s': expected a number of steps", optarg);
+      ctl.steps = strtoull(optarg, NULL, 10);
       break;
     case 't':
       if (parse_duration(optarg, &ctl.timeout_ms) < 0)

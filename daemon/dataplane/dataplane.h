@@ -79,6 +79,34 @@ typedef struct fsdp_dataplane_work fsdp_dataplane_work_t;
 
 /* What the data plane does with a job (fsdp_job_t.flight): the schedule it runs, where the
  * job's steps stand, the reduces a checkpoint's snapshot holds, and which ranks went. */
+/* One operation in a job's flight recorder: a rank's Unshard or reduce, from its arrival
+ * (submit) through the collective's start (every local rank there) to its answer, or a
+ * piece of the daemon's own work on a unit, from its queueing through its run. Times are
+ * CLOCK_MONOTONIC (common/clock.h), one clock for the host's processes. */
+typedef enum fsdp_record_kind {
+  FSDP_RECORD_GATHER = 1, /* a rank's Unshard */
+  FSDP_RECORD_REDUCE = 2, /* a rank's ReduceScatter or AllReduce (a step alone too) */
+  FSDP_RECORD_WORK = 3,   /* the daemon's work: `work` says which */
+} fsdp_record_kind_t;
+
+typedef struct fsdp_op_record {
+  uint64_t submit_ns, start_ns, end_ns; /* start 0: it never started */
+  uint64_t step;
+  uint64_t bytes; /* a gather's copy, a reduce's gradient: of one rank */
+  uint32_t unit_id;
+  int32_t code;  /* 0, or the fsdp error the rank heard */
+  uint16_t rank; /* the local rank; FSDP_RECORD_WORK: none */
+  uint8_t kind;  /* fsdp_record_kind_t */
+  uint8_t work;  /* FSDP_RECORD_WORK: what (fsdp_dataplane_work_name) */
+} fsdp_op_record_t;
+
+/* The last `capacity` records of a job (trace.ops), a ring: total were made. */
+typedef struct fsdp_recorder {
+  fsdp_op_record_t *records;
+  uint32_t capacity;
+  uint64_t total;
+} fsdp_recorder_t;
+
 typedef struct fsdp_job_flight {
   /* The schedule the daemon runs (SetSchedule; see "Prefetch" above). The
    * forward order, n_order units (each unit's order_index is its place, -1 outside it):
@@ -130,6 +158,7 @@ typedef struct fsdp_job_flight {
    * (fsdp_dataplane_check_stalls), and what it waits for. */
   bool stalled;
   char stall[256];
+  fsdp_recorder_t recorder; /* made at the first unit's registration; none with trace.ops 0 */
 } fsdp_job_flight_t;
 
 /* An operation waiting on a unit: its storage, the caller's (below). */
@@ -206,6 +235,7 @@ typedef struct fsdp_unit_flight {
    * one-host reduce took, in microseconds, kernels and their completion: for fsdpctl unit;
    * and all of them, for the metrics. */
   uint64_t last_gather_us, last_reduce_us;
+  uint64_t gather_started_ns, reduce_started_ns; /* when the last collective of each began */
   fsdp_histogram_t gather_work, reduce_work;
   uint64_t gathers; /* gathers that completed */
   /* Across hosts, while the reduce's rings run (has_sum): the host's sum of its ranks'
@@ -262,6 +292,7 @@ typedef struct fsdp_dataplane {
   bool waiting_for_cluster;
   void *free_scratch; /* the rings' staging buffers not in use, linked through their start */
   fsdp_dataplane_hooks_t hooks;
+  uint32_t trace_ops; /* a new job's flight recorder's length (trace.ops); 0: none */
 } fsdp_dataplane_t;
 
 /* Who asks: a local rank, as one of its sessions (daemon/session/sessions.h). */
@@ -295,6 +326,7 @@ struct fsdp_dataplane_op {
   bool redo;            /* an Unshard waiting for the end of a prefetch of another step */
   uint64_t step;
   uint64_t deadline_ms; /* of a wait for a pool buffer */
+  uint64_t submit_ns;   /* when it came (the flight recorder's) */
   fsdp_dataplane_done_fn done;
   void *data;
   fsdp_dataplane_op_t *prev, *next; /* in unit->waiters while it waits */
@@ -398,6 +430,14 @@ void fsdp_dataplane_set_max_inflight(fsdp_job_t *job, unsigned max_inflight);
  * from the steps (local rank 0's forward Unshards of each step, taken from the next step on
  * whenever a step's differs). */
 void fsdp_dataplane_set_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n);
+
+/* The job's flight recorder, oldest first: fn(data, record) for each. */
+void fsdp_dataplane_each_record(const fsdp_job_t *job,
+                                void (*fn)(void *data, const fsdp_op_record_t *record),
+                                void *data);
+
+/* What a record of FSDP_RECORD_WORK did ("gather", "reduce", "optimizer step", ...). */
+const char *fsdp_dataplane_work_name(unsigned work);
 
 /* Marks each job stalled (job->flight->stalled, its reason in ->stall) whose oldest
  * collective under way began stall_after_ms ago or more, and logs when a job stalls and

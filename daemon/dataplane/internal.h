@@ -50,7 +50,8 @@ struct fsdp_dataplane_work {
   void *call_arg;
   double norm_sq;             /* WORK_NORM */
   int result;
-  uint64_t run_ns; /* how long run_work took */
+  uint64_t queued_ns, start_ns; /* when it was queued and when run_work began it */
+  uint64_t run_ns;              /* how long run_work took */
   fsdp_status_t error; /* what the backend said of a failure, when it said something */
   fsdp_dataplane_work_t *next;
 };
@@ -241,6 +242,16 @@ void dp_queue_or_abort(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job,
 
 /* A made work item, queued (started at once when the queue is idle). */
 void dp_enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w);
+
+/* recorder.c */
+
+/* The job's flight recorder, made once (trace.ops of the data plane). */
+void dp_recorder_make(const fsdp_dataplane_t *dp, fsdp_job_t *job);
+
+/* Records a rank's operation as it is answered (code: 0 or the error it hears), and a work
+ * item of a unit as it ends. */
+void dp_record_op(const fsdp_dataplane_op_t *op, int code);
+void dp_record_work(const fsdp_dataplane_work_t *w, int code);
 
 /* runs.c: the moves between the shards' space and the unsharded buffers, by the unit's
  * layout. */

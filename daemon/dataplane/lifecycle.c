@@ -22,6 +22,7 @@ static void job_freed(void *data, fsdp_job_t *job) {
   (void)data;
   free(job->flight->order);
   free(job->flight->recorded);
+  free(job->flight->recorder.records);
   free(job->flight);
   job->flight = NULL;
 }
@@ -95,6 +96,7 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   fsdp_job_flight_t *jf = job->flight;
   switch (unit->flight->state) {
   case FSDP_UNIT_NEW:
+    dp_recorder_make(dp, job);
     if (!jf->resume_looked && dp->hooks.job_starts)
       jf->looking = dp->hooks.job_starts(dp->hooks.ctx, job);
     jf->resume_looked = true;

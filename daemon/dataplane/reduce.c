@@ -189,6 +189,7 @@ void fsdp_dataplane_reduce(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u
                            fsdp_dataplane_op_t *op, fsdp_dataplane_done_fn done, void *data) {
   uint32_t rank = who->local_rank;
   dp_op_init(op, unit, who, WAIT_REDUCE, done, data);
+  op->step = step;
   if (!dp_ready(op))
     return;
   fsdp_collection_t *c = &unit->flight->reduce;

@@ -8,18 +8,20 @@
 #include <stdio.h>
 
 #include "collectives/local.h"
+#include "common/clock.h"
 #include "common/log.h"
 #include "daemon/dataplane/optimizer.h"
 
 void dp_op_init(fsdp_dataplane_op_t *op, fsdp_unit_t *unit, const fsdp_dataplane_rank_t *who,
                 waiter_kind_t kind, fsdp_dataplane_done_fn done, void *data) {
   *op = (fsdp_dataplane_op_t){.unit = unit, .who = *who, .kind = kind, .done = done,
-                              .data = data};
+                              .data = data, .submit_ns = fsdp_clock_now_ns()};
   fsdp_list_init(&op->grad_waiter.link);
 }
 
 void dp_op_ok(fsdp_dataplane_op_t *op) {
   fsdp_status_t st = FSDP_STATUS_INIT;
+  dp_record_op(op, 0);
   op->done(op->data, &st);
 }
 
@@ -30,6 +32,7 @@ __attribute__((format(printf, 3, 4))) void dp_op_fail(fsdp_dataplane_op_t *op, i
   va_start(ap, fmt);
   fsdp_status_setv(&st, err, fmt, ap);
   va_end(ap);
+  dp_record_op(op, err);
   op->done(op->data, &st);
 }
 
@@ -147,6 +150,8 @@ int dp_collect(fsdp_unit_t *u, waiter_kind_t kind, fsdp_dataplane_op_t *op,
     dp_park(op);
     return 0;
   case FSDP_COLLECTION_COMPLETE:
+    *(kind == WAIT_UNSHARD ? &u->flight->gather_started_ns : &u->flight->reduce_started_ns) =
+        fsdp_clock_now_ns();
     dp_park(op);
     return 1;
   case FSDP_COLLECTION_RANKS_GONE: {

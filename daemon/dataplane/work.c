@@ -12,6 +12,13 @@
 
 static void start_next(fsdp_dataplane_t *dp);
 
+const char *fsdp_dataplane_work_name(unsigned work) {
+  static const char *const names[] = {"prefault", "gather", "reduce", "deferred reduce",
+                                      "optimizer step", "norm", "stage sum", "unstage gather",
+                                      "unstage sum", "call"};
+  return work < sizeof names / sizeof names[0] ? names[work] : "?";
+}
+
 static const char *const work_names[] = {"preparing its buffers", "the gather",
                                          "the reduce-scatter", "the deferred reduce",
                                          "the optimizer step", "the gradient's norm",
@@ -30,7 +37,7 @@ static void run_work(uv_work_t *req) {
   fsdp_unit_t *u = w->unit;
   char *base = fsdp_arena_base(w->job->arena);
   uint64_t first = host_first(u), n = host_numel(u);
-  uint64_t start_ns = fsdp_clock_now_ns();
+  uint64_t start_ns = w->start_ns = fsdp_clock_now_ns();
   switch (w->kind) {
   case WORK_PREFAULT:
     w->result = fsdp_arena_prefault_range(w->job->arena, u->buffers_offset, w->bytes);
@@ -123,6 +130,7 @@ static void work_done(uv_work_t *req, int status) {
     start_next(dp);
     return;
   }
+  dp_record_work(w, r);
   if (w->kind == WORK_GATHER) {
     u->flight->last_gather_us = w->run_ns / 1000;
     fsdp_histogram_observe(&u->flight->gather_work, (double)w->run_ns * 1e-9);
@@ -199,6 +207,7 @@ void dp_queue_or_abort(fsdp_dataplane_t *dp, work_kind_t kind, fsdp_job_t *job,
 }
 
 void dp_enqueue(fsdp_dataplane_t *dp, fsdp_dataplane_work_t *w) {
+  w->queued_ns = fsdp_clock_now_ns();
   if (dp->tail)
     dp->tail->next = w;
   else

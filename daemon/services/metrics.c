@@ -7,15 +7,9 @@
 
 #include "daemon/dataplane/optimizer.h"
 #include "daemon/store/arena.h"
+#include "proto/wire.h"
 
 #define N(labels) (sizeof(labels) / sizeof((labels)[0]))
-
-static const char *const code_names[FSDP_RPC_CODES] = {
-    "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
-    "UNAUTHENTICATED"};
 
 static void render_daemon(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
   fsdp_exposition_family(e, "fsdpd_build_info", "gauge",
@@ -38,7 +32,7 @@ static void render_method(void *data, const char *endpoint, const char *path,
     if (!ended[code])
       continue; /* a series appears with its first call */
     const fsdp_label_t labels[] = {
-        {"endpoint", endpoint}, {"method", path}, {"code", code_names[code]}};
+        {"endpoint", endpoint}, {"method", path}, {"code", fsdp_wire_status_name((grpc_status_code)code)}};
     fsdp_exposition_count(e, "fsdpd_rpc_calls_total", labels, N(labels), ended[code]);
   }
 }

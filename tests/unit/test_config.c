@@ -373,19 +373,19 @@ static void test_unknown_keys_and_sections(void **state) {
                          "operator_group");
   expect_load_error("[daemon]\nlog_level = info\n[colours]\nred = 1\n",
                     NAME ":4: key 'colours.red': unknown section [colours]; known sections: "
-                         "[daemon], [rpc], [health], [metrics], [memory], [store], [checkpoint], "
-                         "[session], [cluster], [peer]");
+                         "[daemon], [rpc], [health], [metrics], [trace], [memory], [store], "
+                         "[checkpoint], [session], [cluster], [peer]");
   expect_load_error("log_level = info\n",
                     NAME ":1: key 'log_level' is outside any section; it belongs under [daemon]");
   expect_load_error("\ncolour = red\n",
                     NAME ":2: key 'colour' is outside any section; known sections: [daemon], "
-                         "[rpc], [health], [metrics], [memory], [store], [checkpoint], [session], "
-                         "[cluster], [peer]");
+                         "[rpc], [health], [metrics], [trace], [memory], [store], [checkpoint], "
+                         "[session], [cluster], [peer]");
   /* Names are case-sensitive. */
   expect_load_error("[DAEMON]\nlog_level = info\n",
                     NAME ":2: key 'DAEMON.log_level': unknown section [DAEMON]; known sections: "
-                         "[daemon], [rpc], [health], [metrics], [memory], [store], [checkpoint], "
-                         "[session], [cluster], [peer]");
+                         "[daemon], [rpc], [health], [metrics], [trace], [memory], [store], "
+                         "[checkpoint], [session], [cluster], [peer]");
 }
 
 static void test_duplicate_key(void **state) {

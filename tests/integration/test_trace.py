@@ -1,0 +1,63 @@
+"""The flight recorder (trace.ops) and `fsdpctl trace JOB --out FILE` through a real fsdpd:
+two local ranks train three steps; the trace is Chrome's trace-event JSON with a track per
+rank's gathers and reduces and one for the daemon's work, each rank's operation once per
+step, its wait before its run, in order of time on each track; --steps keeps the last
+ones; the recorder keeps the newest trace.ops records; an unknown job, or a job without a
+recorder, is refused naming why."""
+
+import json
+
+from fsdpd_harness import fsdpd  # noqa: F401
+from test_metrics import train
+
+
+def trace(d, tmp_path, *args, name="trace.json"):
+    out = tmp_path / name
+    r = d.fsdpctl("trace", *args, "--out", str(out))
+    return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
+
+
+def test_a_trace_shows_every_ranks_operations_and_the_daemons_work(fsdpd, tmp_path):
+    d = fsdpd()
+    train(d, 3)
+    r, t = trace(d, tmp_path, "j")
+    assert r.returncode == 0, r.stderr
+    assert "operations of job j" in r.stdout
+    events = t["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {0: "rank 0 gathers", 1: "rank 0 reduces", 2: "rank 1 gathers",
+                     3: "rank 1 reduces", 100000: "daemon work"}
+    slices = [e for e in events if e["ph"] == "X"]
+    runs = [e for e in slices if not e["name"].endswith("(waits)")]
+    for tid, what in ((0, "unshard u"), (1, "reduce u"), (2, "unshard u"), (3, "reduce u")):
+        mine = [e for e in runs if e["tid"] == tid]
+        assert [e["name"] for e in mine] == [what] * 3
+        assert [e["args"]["step"] for e in mine] == [1, 2, 3]
+        assert all(e["args"]["code"] == "OK" and e["dur"] >= 0 for e in mine)
+        assert mine[0]["args"]["bytes"] == 37 * 11 * 2  # bf16 copies, one rank's
+    work = [e["name"] for e in runs if e["tid"] == 100000]
+    assert work.count("gather u") == 3 and work.count("reduce u") == 3
+    assert "prefault u" in work
+    for tid in (0, 1, 2, 3, 100000):  # each track in time order, waits before their runs
+        ts = [e["ts"] for e in slices if e["tid"] == tid]
+        assert ts == sorted(ts) and min(ts) >= 0
+    # --steps 1: the last step's operations (and its work) only.
+    r, last = trace(d, tmp_path, "j", "--steps", "1", name="last.json")
+    assert r.returncode == 0, r.stderr
+    steps = {e["args"]["step"] for e in last["traceEvents"] if e["ph"] == "X"}
+    assert steps == {3}
+
+
+def test_the_recorder_keeps_the_newest_and_refusals_name_why(fsdpd, tmp_path):
+    d = fsdpd("--set", "trace.ops=8")
+    train(d, 3)
+    r = d.fsdpctl("--json", "trace", "j", "--out", str(tmp_path / "t.json"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["records"] == 8 and out["recorded"] > 8
+    r, _ = trace(d, tmp_path, "nope")
+    assert r.returncode == 1 and "no job 'nope' in this daemon" in r.stderr
+    off = fsdpd("--set", "trace.ops=0", name="off")
+    train(off, 1)
+    r, _ = trace(off, tmp_path, "j")
+    assert r.returncode == 1 and "trace.ops was 0 when it began" in r.stderr
