@@ -1277,3 +1277,9 @@ def shard_model(model, client, wrap=None, strategy="FULL_SHARD", param_dtype=Non
     return ShardedModel(model, client, wrap, strategy, param_dtype, reduce_dtype,
                         forward_prefetch, backward_prefetch, max_inflight, param_init_fn,
                         sync_module_states)
+
+
+# FSDP2's API over the daemon (fsdpd/fsdp2.py): `from fsdpd.torch import fully_shard`.
+from fsdpd.fsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+__all__ += ["fully_shard", "FSDPModule", "MixedPrecisionPolicy"]

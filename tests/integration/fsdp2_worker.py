@@ -111,6 +111,9 @@ def run_fsdpd(args):
 
 
 def run_fsdp2(args):
+    """FSDP2 as its docs write it; with mode fully_shard, the same script with fully_shard
+    and MixedPrecisionPolicy imported from fsdpd.torch (the daemon's socket and the rank's
+    job from the environment)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -125,7 +128,10 @@ def run_fsdp2(args):
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,))
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if args.mode == "fully_shard":
+        from fsdpd.torch import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if args.bf16 else MixedPrecisionPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=args.strategy != "SHARD_GRAD_OP")
@@ -154,7 +160,7 @@ def run_fsdp2(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("fsdpd", "fsdp2"))
+    p.add_argument("mode", choices=("fsdpd", "fsdp2", "fully_shard"))
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--strategy", default="FULL_SHARD",

@@ -65,7 +65,7 @@ def _start(mode, out, rank, world, per_host, args, daemon=None):
                MKL_CBWR="AUTO,STRICT")
     if daemon is not None:
         env.update(FSDPD_SOCKET=str(daemon.socket_path), FSDPD_JOB="fsdp2-compare")
-        if world == per_host:  # one host: the daemon's ranks alone
+        if world == per_host and mode == "fsdpd":  # one host: the daemon's ranks alone
             del env["RANK"], env["WORLD_SIZE"]
     return subprocess.Popen([PYTHON, str(WORKER), mode, "--out", str(out), *map(str, args)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -111,9 +111,10 @@ class Run:
         return out
 
 
-def _train(fsdpd, tmp_path, args, others, world=2, hosts=1, steps=STEPS):
+def _train(fsdpd, tmp_path, args, others, world=2, hosts=1, steps=STEPS, ours="fsdpd"):
     """fsdpd's run with args and FSDP2's with args + each of others, all at once; returns
-    [fsdpd's Run, FSDP2's Run for each of others]."""
+    [fsdpd's Run, FSDP2's Run for each of others]. ours: "fsdpd" (shard_model) or
+    "fully_shard" (FSDP2's script with fsdpd.torch's fully_shard)."""
     per_host = world // hosts
     if hosts == 1:
         daemons = [fsdpd(*DAEMON_ARGS)]
@@ -122,18 +123,20 @@ def _train(fsdpd, tmp_path, args, others, world=2, hosts=1, steps=STEPS):
         c = Cluster(fsdpd, hosts, lws=per_host, extra=list(DAEMON_ARGS))
         wait_all_joined(c)
         daemons = c.daemons
-    sides = [("fsdpd", [], steps)] + [("fsdp2", extra, n) for extra, n in others]
+    sides = [(ours, [], steps)] + [("fsdp2", extra, n) for extra, n in others]
     outs, procs = [], []
     for k, (mode, extra, n) in enumerate(sides):
         out = tmp_path / f"{mode}-{k}"
         out.mkdir()
         outs.append(out)
         procs += [_start(mode, out, g, world, per_host, ["--steps", n, *args, *extra],
-                         daemons[g // per_host] if mode == "fsdpd" else None)
+                         daemons[g // per_host] if mode != "fsdp2" else None)
                   for g in range(world)]
     records = finish(procs, CHILD_TIMEOUT)
-    return [Run(records[k * world:(k + 1) * world], out, world, n)
+    runs = [Run(records[k * world:(k + 1) * world], out, world, n)
             for k, (out, (_, _, n)) in enumerate(zip(outs, sides))]
+    runs[0].daemons = daemons
+    return runs
 
 
 
@@ -187,6 +190,26 @@ def test_fsdpd_trains_bit_for_bit_like_fsdp2(fsdpd, tmp_path, strategy, dtype):
     args = ["--strategy", strategy, *(["--bf16"] if dtype == "bf16" else [])]
     ours, theirs = _train(fsdpd, tmp_path, args, [([], STEPS)])
     _assert_bit_for_bit(ours, theirs)
+
+
+@pytest.mark.parametrize("strategy,dtype", [("FULL_SHARD", "fp32"), ("SHARD_GRAD_OP", "fp32"),
+                                            ("FULL_SHARD", "bf16")])
+def test_an_fsdp2_script_trains_on_fsdpd_by_changing_its_import(fsdpd, tmp_path, strategy,
+                                                                 dtype):
+    """FSDP2's script (fully_shard per block and at the root, MixedPrecisionPolicy, torch's
+    AdamW over model.parameters(), DTensor gradients read with full_tensor()) run twice at
+    L = 2: once under FSDP2, once with fully_shard and MixedPrecisionPolicy imported from
+    fsdpd.torch. Each parameter's pieces are FSDP2's, the sums the same (two ranks, in rank
+    order, then 1/2): bit for bit."""
+    args = ["--strategy", strategy, *(["--bf16"] if dtype == "bf16" else [])]
+    ours, theirs = _train(fsdpd, tmp_path, args, [([], STEPS)], ours="fully_shard")
+    _assert_bit_for_bit(ours, theirs)
+    # The daemon's units did it: one per fully_shard call, in FSDP2's layout.
+    import json
+    units = json.loads(ours.daemons[0].fsdpctl("--json", "units").stdout)["units"]
+    assert sorted(u["unit"] for u in units) == \
+        ["fully_shard.0.Block", "fully_shard.1.Block", "fully_shard.2.TinyGPT"]
+    assert {(u["layout"], u["reduces"]) for u in units} == {("LAYOUT_PER_PARAM", STEPS)}
 
 
 def test_hybrid_shard_on_two_daemons_trains_bit_for_bit_like_a_2d_mesh(fsdpd, tmp_path):

@@ -1,0 +1,362 @@
+"""FSDP2's fully_shard on fsdpd: a script written for torch.distributed.fsdp.fully_shard runs
+on the daemon by importing fully_shard from fsdpd.torch instead.
+
+    from fsdpd.torch import fully_shard              # instead of torch.distributed.fsdp's
+    dist.init_process_group("gloo")                  # the DTensors' collectives, as before
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())      # DTensor parameters, sharded on dim 0
+    loss_fn(model(x), y).backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+Each call makes the module's parameters (those no earlier call on a submodule took) one
+unit of the daemon's in FSDP2's layout (LAYOUT_PER_PARAM): each parameter cut on dim 0,
+each rank's piece of it its own tensor in the daemon's memory. The module's parameters
+become DTensors over those pieces (Shard(0) on the mesh), so the optimizer steps the
+daemon's masters in place, `state_dict()` is sharded with no communication and
+`clip_grad_norm_` works on them unchanged. Before a module's forward the daemon gathers its
+unit (one copy per host, shared by its ranks) and the module computes with parameters that
+view the copy; after it the module gets its DTensors back (reshard_after_forward); its
+backward gathers again, autograd accumulates into the rank's gradient buffer the daemon
+lends, and when the module's backward is done the daemon reduce-scatters the gradients into
+the pieces, which the DTensors' .grad view. The end of the backward waits for the reduces.
+
+The daemon's shards are the mesh's: a 1-D mesh of the job's ranks (FULL_SHARD across every
+host's; the daemon's socket, job and local rank from the environment, as fsdpd.Client). The
+process group stays the user's: DTensor's own collectives (a norm's all-reduce,
+full_tensor()) run over it.
+
+Not yet: 2-D meshes (HYBRID), reshard_after_forward as an int, explicit unshard()/reshard()
+and prefetch lists, DCP and the state-dict APIs beyond the module's own, meta-device init.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy"]
+
+_DTYPES = {None: None, torch.float32: "float32", torch.bfloat16: "bfloat16",
+           torch.float16: "float16"}
+
+
+class _Iteration:
+    """The process's training iteration: the step (one forward of a root), who is the root
+    (the module whose forward began it), and the groups a backward runs."""
+
+    def __init__(self):
+        self.client = None
+        self.step = 0
+        self.root = None
+        self.groups = []          # every group, in the order fully_shard made them
+        self.callback_queued = False
+
+
+_ITERATION = _Iteration()
+
+
+def _client():
+    """The process's fsdpd.Client, from the environment (FSDPD_SOCKET, LOCAL_RANK, ...)."""
+    if _ITERATION.client is None:
+        import fsdpd
+        _ITERATION.client = fsdpd.Client(timeout=30)
+    return _ITERATION.client
+
+
+def _cast(value, dtype):
+    """Floating tensors in value (nested tuples, lists, dicts) cast to dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _set_param(owner, attr, param):
+    """The parameter registered as owner.attr, without nn.Module's checks (FSDP2 does the
+    same to swap a module's sharded and unsharded parameters)."""
+    owner._parameters[attr] = param
+
+
+class _Group:
+    """One fully_shard call: its module, its parameters (each owner module and attribute),
+    the daemon's unit, the sharded DTensor parameters over the unit's pieces, and the
+    unsharded ones over its copy, which the module holds while it computes."""
+
+    def __init__(self, module, params, mesh, reshard_after_forward, mp):
+        client = _client()
+        self.module = module
+        self.owners = [(owner, attr) for owner, attr, _ in params]
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.mp = mp
+        originals = [p for _, _, p in params]
+        name = f"fully_shard.{len(_ITERATION.groups)}.{type(module).__name__}"
+        self.unit = client.register_unit(
+            name, [(f"{i}.{attr}", tuple(p.shape), p.requires_grad)
+                   for i, (_, attr, p) in enumerate(params)],
+            # The daemon lends a unit that reshards after forward a copy from the job's pool
+            # (max_inflight of them), and one that keeps it a copy of its own.
+            strategy="SHARD_GRAD_OP" if reshard_after_forward is False else "FULL_SHARD",
+            param_dtype=_DTYPES[mp.param_dtype], reduce_dtype=_DTYPES[mp.reduce_dtype],
+            layout="PER_PARAM")
+        u = self.unit
+        world = u.padded_numel // u.shard_numel
+        if mesh.ndim != 1 or mesh.size() != world or mesh.get_local_rank() != u.shard:
+            raise ValueError(
+                f"fsdpd.torch.fully_shard: the mesh {mesh} is not the daemon's {world} shards "
+                f"with this rank on shard {u.shard}: give a 1-D mesh of the job's ranks")
+        pieces = u.master_pieces()
+        with torch.no_grad():
+            if not u.reduced_step:  # a job trained before keeps its masters
+                for piece, p in zip(pieces, originals):
+                    if piece.numel():
+                        piece.copy_(torch.chunk(p.detach().float(), world)[u.shard])
+            self.sharded = [nn.Parameter(self._dtensor(piece, p), requires_grad=p.requires_grad)
+                            for piece, p in zip(pieces, originals)]
+        self.shapes = [tuple(p.shape) for p in originals]
+        self.trainable = any(p.requires_grad for p in originals)
+        self.unsharded = None      # made at the first gather: views of the copy
+        self.copy_step = 0         # the step of the copy this rank holds (0: none)
+        self.ran_step = 0          # the step whose forward ran with a gradient
+        self.backward_step = 0     # the step whose backward unsharded
+        self.pending = 0           # gradients still to come in this backward
+        self.reducing = False
+        self.requires_gradient_sync = True
+        self.scheduled = False  # the daemon told the root keeps its copy
+        self.sharded_state()
+
+    def _dtensor(self, piece, like):
+        return DTensor.from_local(piece, self.mesh, [Shard(0)], run_check=False,
+                                  shape=like.shape, stride=like.stride())
+
+    def sharded_state(self):
+        for (owner, attr), p in zip(self.owners, self.sharded):
+            _set_param(owner, attr, p)
+
+    def unsharded_state(self):
+        for (owner, attr), p in zip(self.owners, self.unsharded):
+            _set_param(owner, attr, p)
+
+    def unshard(self, step, backward=False):
+        """The copy of step (with backward, the gradient buffer too), the module computing
+        with it."""
+        u = self.unit
+        if self.copy_step != step or backward:
+            u.unshard(step, backward=backward)
+            self.copy_step = step
+        if self.unsharded is None:
+            # The copy appears at the same address at every gather: views made once.
+            self.unsharded = []
+            for off, shape, sp in zip(u.param_offsets, self.shapes, self.sharded):
+                n = 1
+                for s in shape:
+                    n *= s
+                p = nn.Parameter(u.unsharded[off:off + n].view(shape),
+                                 requires_grad=sp.requires_grad)
+                if sp.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._accumulated)
+                self.unsharded.append(p)
+        self.unsharded_state()
+
+    def reshard(self):
+        if self.copy_step:
+            self.unit.reshard(self.copy_step)
+            self.copy_step = 0
+        self.sharded_state()
+
+    def point_grads(self):
+        """The unsharded parameters' .grad: views of the lent gradient buffer, zeroed, into
+        which autograd accumulates in place."""
+        full = self.unit.full_grad
+        full.zero_()
+        for off, shape, p in zip(self.unit.param_offsets, self.shapes, self.unsharded):
+            n = 1
+            for s in shape:
+                n *= s
+            p.grad = full[off:off + n].view(shape) if p.requires_grad else None
+        self.pending = sum(p.requires_grad for p in self.unsharded)
+
+    def _accumulated(self, param):
+        self.pending -= 1
+        if self.pending == 0:
+            self.reduce()
+
+    def reduce(self):
+        """The module's backward is done: the copy goes back and the gradients are
+        reduce-scattered into the pieces, added to them while the sharded .grad are kept
+        (accumulation) or while the gradient sync is off."""
+        if self.reducing or self.backward_step != _ITERATION.step or not self.trainable:
+            return
+        for p in self.unsharded:
+            p.grad = None
+        self.unit.reshard(self.copy_step)
+        self.copy_step = 0
+        keep = not self.requires_gradient_sync or all(
+            p.grad is not None for p in self.sharded if p.requires_grad)
+        self.unit.reduce_scatter_async(_ITERATION.step, accumulate=keep)
+        self.reducing = True
+
+    def settle(self):
+        """Waits for the reduce; the sharded parameters' .grad view the gradient pieces."""
+        if not self.reducing:
+            return
+        self.reducing = False
+        self.unit.wait()
+        with torch.no_grad():
+            for piece, p in zip(self.unit.grad_pieces(), self.sharded):
+                if p.requires_grad and p.grad is None:
+                    p.grad = self._dtensor(piece, p)
+
+
+def _pre_forward(group):
+    def hook(module, args, kwargs):
+        it = _ITERATION
+        if it.root is None:  # the outermost module's forward begins the step
+            it.root = group
+            it.step += 1
+            it.callback_queued = False
+            if group.reshard_after_forward is None and not group.scheduled:
+                # FSDP2's default for the root: it keeps its copy after its forward.
+                _client().set_schedule(reshard_after_forward={group.unit: False})
+                group.scheduled = True
+        group.unshard(it.step)
+        if torch.is_grad_enabled():
+            group.ran_step = it.step
+        if group.mp.param_dtype is not None and group.mp.cast_forward_inputs:
+            args, kwargs = _cast((args, kwargs), group.mp.param_dtype)
+        return args, kwargs
+    return hook
+
+
+def _post_forward(group):
+    def hook(module, args, output):
+        it = _ITERATION
+        root = it.root is group
+        if root:
+            it.root = None
+        if not torch.is_grad_enabled():
+            group.reshard()
+        else:
+            reshard = group.reshard_after_forward
+            if reshard if reshard is not None else not root:  # None: all but the root
+                group.reshard()
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(_pre_backward(group))
+        if group.mp.output_dtype is not None:
+            output = _cast(output, group.mp.output_dtype)
+        return output
+    return hook
+
+
+def _pre_backward(group):
+    def hook(grad):
+        it = _ITERATION
+        if not it.callback_queued:
+            it.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(_finish_backward)
+        if group.backward_step != it.step and group.ran_step == it.step:
+            group.backward_step = it.step
+            group.unshard(it.step, backward=group.trainable)
+            if group.trainable:
+                group.point_grads()
+        return None
+    return hook
+
+
+def _finish_backward():
+    """End of backward: the groups whose gradients did not all come are reduced now (the
+    missing ones count as zero, so no rank waits for one), every reduce is waited for (the
+    optimizer reads the pieces next), and every module holds its DTensors again."""
+    it = _ITERATION
+    for g in it.groups:
+        if g.backward_step == it.step:
+            g.reduce()
+    for g in it.groups:
+        g.settle()
+        g.reshard()
+
+
+class FSDPModule:
+    """What fully_shard adds to a module's class (FSDP2's FSDPModule)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """False: the backwards that follow add their gradients to the pieces (fsdpd reduces
+        every backward and accumulates the reduced pieces, as FSDP2 with the sync kept on
+        and the reduced gradients added), until a backward with it True."""
+        for g in _groups_of(self, recurse):
+            g.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        for g in _groups_of(self, recurse):
+            g.reshard_after_forward = reshard_after_forward
+
+    def set_force_sum_reduction_for_comms(self, enable):
+        """fsdpd sums the ranks' gradients, then multiplies by 1 / world (the same bits as
+        a division when world is a power of two): nothing to change."""
+
+
+def _groups_of(module, recurse):
+    modules = module.modules() if recurse else [module]
+    return [m._fsdpd_group for m in modules if getattr(m, "_fsdpd_group", None)]
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=None,
+                ignored_params=None, **unsupported):
+    """FSDP2's fully_shard (see the module docstring): the module's parameters, but those
+    an earlier call on a submodule took and ignored_params, become one unit of the daemon's.
+    mesh: a 1-D DeviceMesh of the job's ranks (None: one over the default process group).
+    reshard_after_forward: True, False, or None (True but for the root). mp_policy: FSDP2's
+    MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
+    Returns the module, whose class is now also an FSDPModule."""
+    if unsupported:
+        raise TypeError(f"fsdpd.torch.fully_shard: {', '.join(sorted(unsupported))} not "
+                        "supported yet")
+    if not isinstance(reshard_after_forward, (bool, type(None))):
+        raise NotImplementedError("fsdpd.torch.fully_shard: reshard_after_forward as an int "
+                                  "is not supported yet")
+    if mesh is None:
+        import torch.distributed as dist
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fsdpd.torch.fully_shard: mesh {mesh!r} is not a DeviceMesh")
+    mp = mp_policy or MixedPrecisionPolicy()
+    ignored = {id(p) for p in (ignored_params or ())}
+    taken = {id(p) for m in module.modules() if getattr(m, "_fsdpd_group", None)
+             for p in m._fsdpd_group.sharded}
+    params, seen = [], set()
+    for owner_name, owner in module.named_modules():
+        for attr, p in owner.named_parameters(recurse=False):
+            if p is None or id(p) in ignored or id(p) in taken or id(p) in seen:
+                continue
+            seen.add(id(p))
+            params.append((owner, attr, p))
+    if not params:
+        raise ValueError(f"fsdpd.torch.fully_shard: {type(module).__name__} has no parameter "
+                         "left to shard")
+    group = _Group(module, params, mesh, reshard_after_forward, mp)
+    module._fsdpd_group = group
+    _ITERATION.groups.append(group)
+    module.register_forward_pre_hook(_pre_forward(group), with_kwargs=True)
+    module.register_forward_hook(_post_forward(group))
+    cls = type(module)
+    if not issubclass(cls, FSDPModule):
+        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return module
