@@ -138,7 +138,6 @@ class _Group:
         self.backward_step = 0     # the step whose backward unsharded
         self.pending = 0           # gradients still to come in this backward
         self.reducing = False
-        self.requires_gradient_sync = True
         self.scheduled = False  # the daemon told the root keeps its copy
         self.sharded_state()
 
@@ -201,15 +200,14 @@ class _Group:
     def reduce(self):
         """The module's backward is done: the copy goes back and the gradients are
         reduce-scattered into the pieces, added to them while the sharded .grad are kept
-        (accumulation) or while the gradient sync is off."""
+        (accumulation: set_requires_gradient_sync(False) changes nothing else)."""
         if self.reducing or self.backward_step != _ITERATION.step or not self.trainable:
             return
         for p in self.unsharded:
             p.grad = None
         self.unit.reshard(self.copy_step)
         self.copy_step = 0
-        keep = not self.requires_gradient_sync or all(
-            p.grad is not None for p in self.sharded if p.requires_grad)
+        keep = all(p.grad is not None for p in self.sharded if p.requires_grad)
         self.unit.reduce_scatter_async(_ITERATION.step, accumulate=keep)
         self.reducing = True
 
@@ -298,11 +296,11 @@ class FSDPModule:
     """What fully_shard adds to a module's class (FSDP2's FSDPModule)."""
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
-        """False: the backwards that follow add their gradients to the pieces (fsdpd reduces
-        every backward and accumulates the reduced pieces, as FSDP2 with the sync kept on
-        and the reduced gradients added), until a backward with it True."""
-        for g in _groups_of(self, recurse):
-            g.requires_gradient_sync = requires_gradient_sync
+        """Accepted, and the same either way: fsdpd reduces every backward into the pieces
+        and adds to them while their .grad are kept, as FSDP2 does with the sync on. (FSDP2
+        with it off holds each rank's unsharded gradients until the last micro-batch, one
+        buffer per unit and rank; the daemon lends those per backward.)"""
+        del requires_gradient_sync, recurse
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
         for g in _groups_of(self, recurse):

@@ -212,6 +212,19 @@ def test_an_fsdp2_script_trains_on_fsdpd_by_changing_its_import(fsdpd, tmp_path,
     assert {(u["layout"], u["reduces"]) for u in units} == {("LAYOUT_PER_PARAM", STEPS)}
 
 
+@pytest.mark.parametrize("case", ["accumulate", "clip"])
+def test_an_fsdp2_script_accumulates_and_clips_on_fsdpd(fsdpd, tmp_path, case):
+    """The same script with two micro-batches a step (set_requires_gradient_sync(False) on
+    the first), against FSDP2 reducing each micro-batch and adding the reduced shards, as
+    fsdpd does; and with torch.nn.utils.clip_grad_norm_ over the DTensor parameters, which
+    sums the same per-parameter pieces' squares on both sides. Bit for bit, the norms
+    too."""
+    args = ["--accumulate"] if case == "accumulate" else ["--clip"]
+    theirs_args = ["--sync-every"] if case == "accumulate" else []
+    ours, theirs = _train(fsdpd, tmp_path, args, [(theirs_args, STEPS)], ours="fully_shard")
+    _assert_bit_for_bit(ours, theirs)
+
+
 def test_hybrid_shard_on_two_daemons_trains_bit_for_bit_like_a_2d_mesh(fsdpd, tmp_path):
     """HYBRID_SHARD on 2 daemons as 2 hosts x 2 trainers against FSDP2 on a 2-D DeviceMesh
     (replicate 2, shard 2) of 4 gloo processes: fsdpd sums each host's two in rank order and
