@@ -23,19 +23,20 @@ lends, and when the module's backward is done the daemon reduce-scatters the gra
 the pieces, which the DTensors' .grad view. The end of the backward waits for the reduces.
 
 The daemon's shards are the mesh's: a 1-D mesh of the job's ranks (FULL_SHARD across every
-host's; the daemon's socket, job and local rank from the environment, as fsdpd.Client). The
-process group stays the user's: DTensor's own collectives (a norm's all-reduce,
-full_tensor()) run over it.
+host's), or HSDP's 2-D mesh (replicas, shards) whose shard groups are the daemon's
+(HYBRID_SHARD, cluster.shard_group_hosts); the daemon's socket, job and local rank come from
+the environment, as fsdpd.Client's. The process group stays the user's: DTensor's own
+collectives (a norm's all-reduce, full_tensor()) run over it.
 
-Not yet: 2-D meshes (HYBRID), reshard_after_forward as an int, explicit unshard()/reshard()
-and prefetch lists, DCP and the state-dict APIs beyond the module's own, meta-device init.
+Not yet: reshard_after_forward as an int, explicit unshard()/reshard() and prefetch lists,
+DCP and the state-dict APIs beyond the module's own, meta-device init.
 """
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy"]
 
@@ -53,6 +54,7 @@ class _Iteration:
         self.root = None
         self.groups = []          # every group, in the order fully_shard made them
         self.callback_queued = False
+        self.scheduled = False    # the daemon knows which units reshard after forward
 
 
 _ITERATION = _Iteration()
@@ -111,17 +113,19 @@ class _Group:
         self.unit = client.register_unit(
             name, [(f"{i}.{attr}", tuple(p.shape), p.requires_grad)
                    for i, (_, attr, p) in enumerate(params)],
-            # The daemon lends a unit that reshards after forward a copy from the job's pool
-            # (max_inflight of them), and one that keeps it a copy of its own.
-            strategy="SHARD_GRAD_OP" if reshard_after_forward is False else "FULL_SHARD",
+            strategy="HYBRID_SHARD" if mesh.ndim == 2 else "FULL_SHARD",
             param_dtype=_DTYPES[mp.param_dtype], reduce_dtype=_DTYPES[mp.reduce_dtype],
             layout="PER_PARAM")
         u = self.unit
         world = u.padded_numel // u.shard_numel
-        if mesh.ndim != 1 or mesh.size() != world or mesh.get_local_rank() != u.shard:
+        # The shard dimension is the mesh's last (HSDP's 2-D mesh: replicas, shards).
+        if mesh.ndim not in (1, 2) or mesh.size(mesh.ndim - 1) != world or \
+                mesh.get_local_rank(mesh.ndim - 1) != u.shard:
             raise ValueError(
                 f"fsdpd.torch.fully_shard: the mesh {mesh} is not the daemon's {world} shards "
-                f"with this rank on shard {u.shard}: give a 1-D mesh of the job's ranks")
+                f"with this rank on shard {u.shard}: give a 1-D mesh of the job's ranks, or a "
+                "2-D one (replicas, shards) whose shard groups are the daemon's")
+        self.placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
         pieces = u.master_pieces()
         with torch.no_grad():
             if not u.reduced_step:  # a job trained before keeps its masters
@@ -138,11 +142,10 @@ class _Group:
         self.backward_step = 0     # the step whose backward unsharded
         self.pending = 0           # gradients still to come in this backward
         self.reducing = False
-        self.scheduled = False  # the daemon told the root keeps its copy
         self.sharded_state()
 
     def _dtensor(self, piece, like):
-        return DTensor.from_local(piece, self.mesh, [Shard(0)], run_check=False,
+        return DTensor.from_local(piece, self.mesh, self.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
 
     def sharded_state(self):
@@ -230,10 +233,8 @@ def _pre_forward(group):
             it.root = group
             it.step += 1
             it.callback_queued = False
-            if group.reshard_after_forward is None and not group.scheduled:
-                # FSDP2's default for the root: it keeps its copy after its forward.
-                _client().set_schedule(reshard_after_forward={group.unit: False})
-                group.scheduled = True
+            if not it.scheduled:
+                _schedule(group)
         group.unshard(it.step)
         if torch.is_grad_enabled():
             group.ran_step = it.step
@@ -241,6 +242,17 @@ def _pre_forward(group):
             args, kwargs = _cast((args, kwargs), group.mp.param_dtype)
         return args, kwargs
     return hook
+
+
+def _schedule(root):
+    """Tells the daemon, at the first forward, which units reshard after forward (FSDP2's
+    None: all but the root): it lends those a copy from the job's pool (max_inflight of
+    them), and the others a copy of their own, held through the backward."""
+    it = _ITERATION
+    reshard = {g.unit: g.reshard_after_forward if g.reshard_after_forward is not None
+               else g is not root for g in it.groups}
+    _client().set_schedule(reshard_after_forward=reshard)
+    it.scheduled = True
 
 
 def _post_forward(group):
@@ -303,8 +315,10 @@ class FSDPModule:
         del requires_gradient_sync, recurse
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        """From the next step on (the daemon hears it at the next forward)."""
         for g in _groups_of(self, recurse):
             g.reshard_after_forward = reshard_after_forward
+        _ITERATION.scheduled = False
 
     def set_force_sum_reduction_for_comms(self, enable):
         """fsdpd sums the ranks' gradients, then multiplies by 1 / world (the same bits as
@@ -320,7 +334,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=None
                 ignored_params=None, **unsupported):
     """FSDP2's fully_shard (see the module docstring): the module's parameters, but those
     an earlier call on a submodule took and ignored_params, become one unit of the daemon's.
-    mesh: a 1-D DeviceMesh of the job's ranks (None: one over the default process group).
+    mesh: a 1-D DeviceMesh of the job's ranks (None: one over the default process group), or
+    a 2-D one (replicas, shards) for HSDP.
     reshard_after_forward: True, False, or None (True but for the root). mp_policy: FSDP2's
     MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
     Returns the module, whose class is now also an FSDPModule."""

@@ -225,14 +225,16 @@ def test_an_fsdp2_script_accumulates_and_clips_on_fsdpd(fsdpd, tmp_path, case):
     _assert_bit_for_bit(ours, theirs)
 
 
-def test_hybrid_shard_on_two_daemons_trains_bit_for_bit_like_a_2d_mesh(fsdpd, tmp_path):
+@pytest.mark.parametrize("ours", ["fsdpd", "fully_shard"])
+def test_hybrid_shard_on_two_daemons_trains_bit_for_bit_like_a_2d_mesh(fsdpd, tmp_path, ours):
     """HYBRID_SHARD on 2 daemons as 2 hosts x 2 trainers against FSDP2 on a 2-D DeviceMesh
     (replicate 2, shard 2) of 4 gloo processes: fsdpd sums each host's two in rank order and
     then the two hosts' sums, FSDP2 reduce-scatters in each shard group and all-reduces among
     the replicas: (g0 + g1) + (g2 + g3) on both, and 1/4 is exact. Bit for bit; the replicas'
-    shards (ranks 0 and 2, 1 and 3) are equal too."""
+    shards (ranks 0 and 2, 1 and 3) are equal too. Both through shard_model and through
+    FSDP2's own script with fully_shard from fsdpd.torch on the same 2-D mesh."""
     ours, theirs = _train(fsdpd, tmp_path, ["--strategy", "HYBRID_SHARD"], [([], STEPS)],
-                          world=4, hosts=2)
+                          world=4, hosts=2, ours=ours)
     _assert_bit_for_bit(ours, theirs)
 
 
