@@ -42,8 +42,8 @@ typedef struct fsdp_checkpoints {
 /* Checkpoints of dp's jobs (no schedule, no resume until configured); takes dp's hooks. */
 void fsdp_checkpoints_init(fsdp_checkpoints_t *cp, fsdp_dataplane_t *dp);
 
-/* Once the loop has ended: frees the saves left waiting for a boundary that never came, and
- * forgets the jobs' starts still looking (the loop's last run frees them). NULL-safe. */
+/* Once the loop has ended: frees the saves left waiting for a boundary that never came.
+ * NULL-safe. */
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp);
 
 /* checkpoint.dir, .every_steps, .keep, .write_rate, .disk_share, .resume: a job is saved

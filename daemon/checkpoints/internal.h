@@ -102,9 +102,9 @@ typedef struct checkpoint_work {
  * (then true: the job's registrations wait for fsdp_dataplane_looked). */
 bool ck_job_starts(void *ctx, fsdp_job_t *job);
 
-/* Whether a start of the job looks; the looks still running are forgotten (cleanup). */
+/* Whether a start of the job looks (the job's memory must stay: the loop runs until every
+ * look has ended, a stop included). */
 bool ck_looks_at_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
-void ck_forget_looks(fsdp_checkpoints_t *cp);
 
 /* describe.c */
 

@@ -17,7 +17,7 @@
 
 typedef struct start_look {
   uv_work_t work;
-  fsdp_checkpoints_t *cp; /* NULL once the checkpoints are cleaned up: only freed then */
+  fsdp_checkpoints_t *cp;
   fsdp_job_t *job;        /* lives while the look runs (fsdp_checkpoints_uses_job) */
   char dir[PATH_MAX];     /* checkpoint.dir/<job> */
   bool remove_unfinished; /* host 0's */
@@ -67,28 +67,20 @@ static bool resumes(const start_look_t *l, fsdp_job_checkpoints_t *ck, uint64_t 
 static void looked(uv_work_t *req, int status) {
   start_look_t *l = req->data;
   fsdp_checkpoints_t *cp = l->cp;
-  if (cp) {
-    for (start_look_t **p = &cp->looks; *p; p = &(*p)->next)
-      if (*p == l) {
-        *p = l->next;
-        break;
-      }
-    uint64_t step = 0;
-    bool resume = false;
-    if (status < 0)
-      log_error("job '%s': cannot look for a checkpoint to resume from: %s", l->job->name,
-                uv_strerror(status));
-    else if (l->find)
-      resume = resumes(l, l->job->checkpoints, &step);
-    fsdp_dataplane_looked(cp->dp, l->job, resume, step);
-  }
+  for (start_look_t **p = &cp->looks; *p; p = &(*p)->next)
+    if (*p == l) {
+      *p = l->next;
+      break;
+    }
+  uint64_t step = 0;
+  bool resume = false;
+  if (status < 0)
+    log_error("job '%s': cannot look for a checkpoint to resume from: %s", l->job->name,
+              uv_strerror(status));
+  else if (l->find)
+    resume = resumes(l, l->job->checkpoints, &step);
+  fsdp_dataplane_looked(cp->dp, l->job, resume, step);
   free(l);
-}
-
-void ck_forget_looks(fsdp_checkpoints_t *cp) {
-  for (start_look_t *l = cp->looks; l; l = l->next)
-    l->cp = NULL;
-  cp->looks = NULL;
 }
 
 bool ck_looks_at_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
@@ -100,9 +92,14 @@ bool ck_looks_at_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
 
 bool ck_job_starts(void *ctx, fsdp_job_t *job) {
   fsdp_checkpoints_t *cp = ctx;
-  start_look_t *l = cp->dir[0] ? calloc(1, sizeof *l) : NULL;
-  if (!l)
+  if (!cp->dir[0])
     return false;
+  start_look_t *l = calloc(1, sizeof *l);
+  if (!l) {
+    log_error("job '%s': no memory to look for a checkpoint in %s: it starts without one",
+              job->name, cp->dir);
+    return false;
+  }
   *l = (start_look_t){.cp = cp, .job = job, .uid = job->owner.uid,
                       .remove_unfinished = !cp->dp->peers ||
                                            fsdp_peers_host_rank(cp->dp->peers) == 0,

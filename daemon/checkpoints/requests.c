@@ -52,8 +52,6 @@ bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *j
 }
 
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp) {
-  if (cp)
-    ck_forget_looks(cp);
   while (cp && cp->works) {
     checkpoint_work_t *c = cp->works;
     cp->works = c->next;

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "collectives/local.h"
+#include "common/clock.h"
 
 static void use_order(fsdp_job_t *job, fsdp_unit_t *const *units, unsigned n);
 
@@ -62,9 +63,11 @@ static void gather_ahead(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *v, 
   for (uint32_t r = 0; r < job->local_world_size; r++) {
     fsdp_collection_request_t rq = {.rank = r, .step = step, .regather = again,
                                     .generation = cause->generation,
-                                    .deadline_ms = cause->deadline_ms};
+                                    .deadline_ms = cause->deadline_ms,
+                                    .now_ms = uv_now(dp->loop)};
     fsdp_collection_join(c, job->local_world_size, &rq, &none);
   }
+  v->flight->gather_started_ns = fsdp_clock_now_ns();
   v->flight->gather_ahead = true;
   dp_start_gather(dp, job, v);
 }

@@ -60,7 +60,8 @@ void fsdp_dataplane_check_stalls(fsdp_store_t *store, uint64_t now_ms,
     fsdp_job_flight_t *jf = job->flight;
     waiter_kind_t kind = WAIT_UNSHARD;
     const fsdp_unit_t *u = oldest(job, &kind);
-    uint64_t age_ms = fsdp_dataplane_oldest_wait_ms(job, now_ms);
+    uint64_t first = u ? collection_of((fsdp_unit_t *)u, kind)->first_ms : now_ms;
+    uint64_t age_ms = now_ms > first ? now_ms - first : 0;
     bool stalled = u && age_ms >= stall_after_ms;
     if (stalled)
       describe(job, u, kind, age_ms, jf->stall, sizeof jf->stall);

@@ -12,20 +12,26 @@
 
 static void start_next(fsdp_dataplane_t *dp);
 
-const char *fsdp_dataplane_work_name(unsigned work) {
-  static const char *const names[] = {"prefault", "gather", "reduce", "deferred reduce",
-                                      "optimizer step", "norm", "stage sum", "unstage gather",
-                                      "unstage sum", "call"};
-  return work < sizeof names / sizeof names[0] ? names[work] : "?";
-}
+/* Each kind of work (work_kind_t's order): its name in traces, and in messages. */
+static const struct {
+  const char *name, *phrase;
+} works[] = {
+    {"prefault", "preparing its buffers"},
+    {"gather", "the gather"},
+    {"reduce", "the reduce-scatter"},
+    {"deferred reduce", "the deferred reduce"},
+    {"optimizer step", "the optimizer step"},
+    {"norm", "the gradient's norm"},
+    {"stage sum", "the host sum's staging"},
+    {"unstage gather", "the gathered copy's return from staging"},
+    {"unstage sum", "the sum's return from staging"},
+    {"call", "another module's work"},
+};
+_Static_assert(sizeof works / sizeof works[0] == WORK_CALL + 1, "a name for every work kind");
 
-static const char *const work_names[] = {"preparing its buffers", "the gather",
-                                         "the reduce-scatter", "the deferred reduce",
-                                         "the optimizer step", "the gradient's norm",
-                                         "the host sum's staging",
-                                         "the gathered copy's return from staging",
-                                         "the sum's return from staging",
-                                         "another module's work"};
+const char *fsdp_dataplane_work_name(unsigned work) {
+  return work <= WORK_CALL ? works[work].name : "?";
+}
 
 static void run_work(uv_work_t *req) {
   fsdp_dataplane_t *dp = req->data;
@@ -141,7 +147,7 @@ static void work_done(uv_work_t *req, int status) {
   if (w->kind == WORK_PREFAULT) {
     if (r < 0) {
       fsdp_status_set(&u->flight->error, r, "unit '%s': %s failed: %s", u->spec->unit,
-                      work_names[w->kind], fsdp_strerror(r));
+                      works[w->kind].phrase, fsdp_strerror(r));
       log_error("%s", u->flight->error.message);
       u->flight->state = FSDP_UNIT_FAILED;
     } else {
@@ -158,7 +164,7 @@ static void work_done(uv_work_t *req, int status) {
     fsdp_status_t st;
     fsdp_status_set(&st, FSDP_E_INTERNAL, "job '%s' unit '%s' step %llu: %s failed: %s",
                     w->job->name, u->spec->unit,
-                    (unsigned long long)collection_of(u, kind)->step, work_names[w->kind],
+                    (unsigned long long)collection_of(u, kind)->step, works[w->kind].phrase,
                     w->error.code < 0 ? w->error.message : fsdp_strerror(r));
     dp_finish_collective(w->job, u, kind, &st);
   } else if (w->kind == WORK_NORM) {

@@ -54,17 +54,26 @@ __attribute__((format(printf, 2, 3))) static void append(fsdp_exposition_t *e, c
   e->len += (size_t)n;
 }
 
-/* A label value with \, " and newline escaped; HELP text escapes \ and newline only. */
+static void append_bytes(fsdp_exposition_t *e, const char *s, size_t n) {
+  if (!reserve(e, n))
+    return;
+  memcpy(e->text + e->len, s, n);
+  e->len += n;
+  e->text[e->len] = '\0';
+}
+
+/* A label value with \, " and newline escaped; HELP text escapes \ and newline only. The
+ * runs between escapes are copied whole. */
 static void append_escaped(fsdp_exposition_t *e, const char *s, bool quotes) {
-  for (; *s; s++) {
-    if (*s == '\\')
-      append(e, "\\\\");
-    else if (*s == '\n')
-      append(e, "\\n");
-    else if (*s == '"' && quotes)
-      append(e, "\\\"");
-    else
-      append(e, "%c", *s);
+  const char *special = quotes ? "\\\n\"" : "\\\n";
+  for (;;) {
+    size_t run = strcspn(s, special);
+    append_bytes(e, s, run);
+    s += run;
+    if (!*s)
+      return;
+    append_bytes(e, *s == '\n' ? "\\n" : *s == '"' ? "\\\"" : "\\\\", 2);
+    s++;
   }
 }
 

@@ -131,7 +131,8 @@ void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
   const fsdp_services_context_t *ctx = data;
   render_daemon(ctx, e);
   fsdp_exposition_family(e, "fsdpd_rpc_calls_total", "counter",
-                         "gRPC calls that ended, by endpoint, method and status code.");
+                         "gRPC calls answered with a status, by endpoint, method and code (a "
+                         "call its client cancelled first is not counted).");
   if (ctx->rpc)
     fsdp_rpc_server_each_method(ctx->rpc, render_method, e);
   render_jobs(ctx, e);

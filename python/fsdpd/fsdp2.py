@@ -32,6 +32,8 @@ Not yet: reshard_after_forward as an int, explicit unshard()/reshard() and prefe
 DCP and the state-dict APIs beyond the module's own, meta-device init.
 """
 
+import atexit
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -53,7 +55,7 @@ class _Iteration:
         self.step = 0
         self.root = None
         self.groups = []          # every group, in the order fully_shard made them
-        self.callback_queued = False
+        self.callback_queued = False  # a backward runs, its end queued
         self.scheduled = False    # the daemon knows which units reshard after forward
 
 
@@ -61,10 +63,13 @@ _ITERATION = _Iteration()
 
 
 def _client():
-    """The process's fsdpd.Client, from the environment (FSDPD_SOCKET, LOCAL_RANK, ...)."""
+    """The process's fsdpd.Client, from the environment (FSDPD_SOCKET, LOCAL_RANK, ...);
+    it detaches at the interpreter's exit, before the libraries' own teardown (gRPC's
+    threads must not outlive it)."""
     if _ITERATION.client is None:
         import fsdpd
         _ITERATION.client = fsdpd.Client(timeout=30)
+        atexit.register(_ITERATION.client.close)
     return _ITERATION.client
 
 
@@ -109,6 +114,11 @@ class _Group:
         self.reshard_after_forward = reshard_after_forward
         self.mp = mp
         originals = [p for _, _, p in params]
+        for owner, attr, p in params:
+            if p.dim() == 0:  # as FSDP2: dim 0 is what is cut
+                raise ValueError(f"fsdpd.torch.fully_shard: parameter '{attr}' of "
+                                 f"{type(owner).__name__} is a scalar; a sharded parameter "
+                                 "has at least one dimension")
         name = f"fully_shard.{len(_ITERATION.groups)}.{type(module).__name__}"
         self.unit = client.register_unit(
             name, [(f"{i}.{attr}", tuple(p.shape), p.requires_grad)
@@ -136,6 +146,10 @@ class _Group:
                             for piece, p in zip(pieces, originals)]
         self.shapes = [tuple(p.shape) for p in originals]
         self.trainable = any(p.requires_grad for p in originals)
+        # With frozen parameters the module's backward may still read the copy after the
+        # last gradient came: the reduce waits for the end of the backward.
+        self.frozen = any(not p.requires_grad for p in originals)
+        self.fired = [False] * len(originals)  # the parameters whose gradient came
         self.unsharded = None      # made at the first gather: views of the copy
         self.copy_step = 0         # the step of the copy this rank holds (0: none)
         self.ran_step = 0          # the step whose forward ran with a gradient
@@ -173,7 +187,7 @@ class _Group:
                 p = nn.Parameter(u.unsharded[off:off + n].view(shape),
                                  requires_grad=sp.requires_grad)
                 if sp.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._accumulated)
+                    p.register_post_accumulate_grad_hook(self._accumulated(len(self.unsharded)))
                 self.unsharded.append(p)
         self.unsharded_state()
 
@@ -194,11 +208,17 @@ class _Group:
                 n *= s
             p.grad = full[off:off + n].view(shape) if p.requires_grad else None
         self.pending = sum(p.requires_grad for p in self.unsharded)
+        self.fired = [False] * len(self.unsharded)
 
-    def _accumulated(self, param):
-        self.pending -= 1
-        if self.pending == 0:
-            self.reduce()
+    def _accumulated(self, i):
+        """Parameter i's gradient came; the last one reduces, but where frozen parameters
+        may still read the copy."""
+        def hook(param):
+            self.fired[i] = True
+            self.pending -= 1
+            if self.pending == 0 and not self.frozen:
+                self.reduce()
+        return hook
 
     def reduce(self):
         """The module's backward is done: the copy goes back and the gradients are
@@ -210,25 +230,37 @@ class _Group:
             p.grad = None
         self.unit.reshard(self.copy_step)
         self.copy_step = 0
-        keep = all(p.grad is not None for p in self.sharded if p.requires_grad)
+        # Added to the pieces while some .grad are kept (accumulation); a parameter whose
+        # .grad is not (it had no gradient yet) gets its piece zeroed first.
+        kept = [p.grad is not None for p in self.sharded]
+        keep = any(k for k, p in zip(kept, self.sharded) if p.requires_grad)
+        if keep:
+            with torch.no_grad():
+                for k, piece, p in zip(kept, self.unit.grad_pieces(), self.sharded):
+                    if p.requires_grad and not k:
+                        piece.zero_()
         self.unit.reduce_scatter_async(_ITERATION.step, accumulate=keep)
         self.reducing = True
 
     def settle(self):
-        """Waits for the reduce; the sharded parameters' .grad view the gradient pieces."""
+        """Waits for the reduce; the .grad of the sharded parameters whose gradient came
+        view their gradient pieces (one that got none keeps None, as FSDP2's)."""
         if not self.reducing:
             return
         self.reducing = False
         self.unit.wait()
         with torch.no_grad():
-            for piece, p in zip(self.unit.grad_pieces(), self.sharded):
-                if p.requires_grad and p.grad is None:
+            for fired, piece, p in zip(self.fired, self.unit.grad_pieces(), self.sharded):
+                if p.requires_grad and p.grad is None and fired:
                     p.grad = self._dtensor(piece, p)
 
 
 def _pre_forward(group):
     def hook(module, args, kwargs):
         it = _ITERATION
+        if it.callback_queued:  # a recomputation in the backward (activation checkpointing)
+            group.unshard(it.step)
+            return _cast_inputs(group, args, kwargs)
         if it.root is None:  # the outermost module's forward begins the step
             it.root = group
             it.step += 1
@@ -238,10 +270,14 @@ def _pre_forward(group):
         group.unshard(it.step)
         if torch.is_grad_enabled():
             group.ran_step = it.step
-        if group.mp.param_dtype is not None and group.mp.cast_forward_inputs:
-            args, kwargs = _cast((args, kwargs), group.mp.param_dtype)
-        return args, kwargs
+        return _cast_inputs(group, args, kwargs)
     return hook
+
+
+def _cast_inputs(group, args, kwargs):
+    if group.mp.param_dtype is not None and group.mp.cast_forward_inputs:
+        return _cast((args, kwargs), group.mp.param_dtype)
+    return args, kwargs
 
 
 def _schedule(root):
@@ -258,10 +294,12 @@ def _schedule(root):
 def _post_forward(group):
     def hook(module, args, output):
         it = _ITERATION
+        if it.callback_queued:  # a recomputation: its backward reads the copy next
+            return output
         root = it.root is group
         if root:
             it.root = None
-        if not torch.is_grad_enabled():
+        if output is None or not torch.is_grad_enabled():  # raised (always_call), or eval
             group.reshard()
         else:
             reshard = group.reshard_after_forward
@@ -302,6 +340,7 @@ def _finish_backward():
     for g in it.groups:
         g.settle()
         g.reshard()
+    it.callback_queued = False
 
 
 class FSDPModule:
@@ -368,7 +407,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=None
     module._fsdpd_group = group
     _ITERATION.groups.append(group)
     module.register_forward_pre_hook(_pre_forward(group), with_kwargs=True)
-    module.register_forward_hook(_post_forward(group))
+    module.register_forward_hook(_post_forward(group), always_call=True)
     cls = type(module)
     if not issubclass(cls, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})

@@ -107,6 +107,8 @@ def test_anything_but_get_metrics_is_refused(fsdpd):
             urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"" if
                                                           method == "POST" else None), timeout=5)
         assert e.value.code == code
+        if code == 405:
+            assert e.value.headers["Allow"] == "GET, HEAD"
     assert scrape(d).startswith("# HELP fsdpd_build_info")  # and it goes on serving
 
 
