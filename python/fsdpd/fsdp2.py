@@ -19,8 +19,9 @@ daemon's masters in place, `state_dict()` is sharded with no communication and
 unit (one copy per host, shared by its ranks) and the module computes with parameters that
 view the copy; after it the module gets its DTensors back (reshard_after_forward); its
 backward gathers again, autograd accumulates into the rank's gradient buffer the daemon
-lends, and when the module's backward is done the daemon reduce-scatters the gradients into
-the pieces, which the DTensors' .grad view. The end of the backward waits for the reduces.
+lends, and when the module's backward is done (a function on its inputs runs, as FSDP2's)
+the daemon reduce-scatters the gradients into the pieces, which the DTensors' .grad view.
+The end of the backward waits for the reduces.
 
 The daemon's shards are the mesh's: a 1-D mesh of the job's ranks (FULL_SHARD across every
 host's), or HSDP's 2-D mesh (replicas, shards) whose shard groups are the daemon's
@@ -146,15 +147,11 @@ class _Group:
                             for piece, p in zip(pieces, originals)]
         self.shapes = [tuple(p.shape) for p in originals]
         self.trainable = any(p.requires_grad for p in originals)
-        # With frozen parameters the module's backward may still read the copy after the
-        # last gradient came: the reduce waits for the end of the backward.
-        self.frozen = any(not p.requires_grad for p in originals)
         self.fired = [False] * len(originals)  # the parameters whose gradient came
         self.unsharded = None      # made at the first gather: views of the copy
         self.copy_step = 0         # the step of the copy this rank holds (0: none)
         self.ran_step = 0          # the step whose forward ran with a gradient
         self.backward_step = 0     # the step whose backward unsharded
-        self.pending = 0           # gradients still to come in this backward
         self.reducing = False
         self.sharded_state()
 
@@ -207,17 +204,12 @@ class _Group:
             for s in shape:
                 n *= s
             p.grad = full[off:off + n].view(shape) if p.requires_grad else None
-        self.pending = sum(p.requires_grad for p in self.unsharded)
         self.fired = [False] * len(self.unsharded)
 
     def _accumulated(self, i):
-        """Parameter i's gradient came; the last one reduces, but where frozen parameters
-        may still read the copy."""
+        """Parameter i's gradient came."""
         def hook(param):
             self.fired[i] = True
-            self.pending -= 1
-            if self.pending == 0 and not self.frozen:
-                self.reduce()
         return hook
 
     def reduce(self):
@@ -268,10 +260,48 @@ def _pre_forward(group):
             if not it.scheduled:
                 _schedule(group)
         group.unshard(it.step)
+        args, kwargs = _cast_inputs(group, args, kwargs)
         if torch.is_grad_enabled():
             group.ran_step = it.step
-        return _cast_inputs(group, args, kwargs)
+            if group.trainable:
+                args, kwargs = _post_backward_on_inputs(group, args, kwargs)
+        return args, kwargs
     return hook
+
+
+class _PostBackward(torch.autograd.Function):
+    """Between a module's inputs and its forward (FSDP2's RegisterPostBackwardFunction): its
+    backward runs once the module's whole backward has, the gradients of its inputs made, so
+    the module reads its copy no more and its gradients are all in."""
+
+    @staticmethod
+    def forward(ctx, group, *inputs):
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.group.reduce()
+        return (None, *grads)
+
+
+def _post_backward_on_inputs(group, args, kwargs):
+    """args and kwargs with their tensors that need a gradient passed through
+    _PostBackward; a module without one is reduced at the backward's end."""
+    flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    if not flat:
+        return args, kwargs
+    passed = dict(zip(map(id, flat), _PostBackward.apply(group, *flat)))
+
+    def swap(value):
+        if isinstance(value, torch.Tensor):
+            return passed.get(id(value), value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+    return swap(args), swap(kwargs)
 
 
 def _cast_inputs(group, args, kwargs):

@@ -70,7 +70,8 @@ def train(args, model, parts_of, rank, world, no_sync, clip, save):
             with no_sync(i + 1 < len(parts)):
                 loss.backward()
             total += loss.item()
-        grads = {n: parts_of(p, grad=True) for n, p in zip(names, model.parameters())}
+        grads = {n: parts_of(p, grad=True) for n, p in zip(names, model.parameters())
+                 if p.grad is not None}  # frozen and unused parameters have none
         norm = float(clip()) if args.clip else None
         opt.step()
         params = {n: parts_of(p) for n, p in zip(names, model.parameters())}
@@ -121,6 +122,11 @@ def run_fsdp2(args):
     dist.init_process_group("gloo", init_method=f"file://{args.out}/store", rank=rank,
                             world_size=world)
     net = build(False)
+    if args.odd_parameters:
+        torch.manual_seed(0)  # the unused layers' values, the same on every rank
+        for block in net.blocks:
+            block.ln1.weight.requires_grad_(False)  # frozen inside a unit
+            block.unused = torch.nn.Linear(4, 4)     # never called: no gradient
     hybrid = args.strategy == "HYBRID_SHARD"
     if hybrid:
         per_host = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -138,6 +144,9 @@ def run_fsdp2(args):
     for block in net.blocks:
         fully_shard(block, **kwargs)
     model = fully_shard(net, **kwargs)
+    if args.checkpoint:  # each block's call recomputed in the backward, hooks and all
+        for i, block in enumerate(net.blocks):
+            net.blocks[i] = _Checkpointed(block)
     # gloo has no ReduceOp.AVG, which FSDP2 uses for fp32 and bf16 reductions: sums, then a
     # division by the world size (a power of two here, so exactly fsdpd's multiplication by
     # its inverse).
@@ -158,6 +167,18 @@ def run_fsdp2(args):
     dist.destroy_process_group()
 
 
+class _Checkpointed(torch.nn.Module):
+    """Activation checkpointing of a whole block's call, PyTorch's recommended form."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("fsdpd", "fsdp2", "fully_shard"))
@@ -169,6 +190,8 @@ def main():
     p.add_argument("--accumulate", action="store_true")
     p.add_argument("--sync-every", action="store_true")
     p.add_argument("--clip", action="store_true")
+    p.add_argument("--odd-parameters", action="store_true")
+    p.add_argument("--checkpoint", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -225,6 +225,38 @@ def test_an_fsdp2_script_accumulates_and_clips_on_fsdpd(fsdpd, tmp_path, case):
     _assert_bit_for_bit(ours, theirs)
 
 
+def test_frozen_unused_and_checkpointed_blocks_as_fsdp2_trains_them(fsdpd, tmp_path):
+    """FSDP2's script on a model whose blocks each hold a frozen parameter (in the block's
+    own unit) and a layer never called, each block's call under activation checkpointing
+    (torch.utils.checkpoint, use_reentrant=False: the block's forward runs again inside the
+    backward, its hooks too). On both sides the frozen and unused parameters get no .grad,
+    the others' gradients and every parameter after AdamW are equal bit for bit, and so are
+    the losses."""
+    import torch
+    args = ["--odd-parameters", "--checkpoint"]
+    ours, theirs = _train(fsdpd, tmp_path, args, [([], STEPS)], ours="fully_shard")
+    numel = _sizes(theirs)
+    no_grad = {n for n in numel if "ln1.weight" in n or "unused" in n}
+    assert len(no_grad) == 3 * len([n for n in numel if n.endswith("ln1.weight")])
+    for step in range(1, STEPS + 1):
+        assert ours.losses(step) == theirs.losses(step), step
+        for run in (ours, theirs):
+            assert set(run.steps[step]["grads"]) == set(numel) - no_grad
+        grads = {n: k for n, k in numel.items() if n not in no_grad}
+        for kind, sizes in (("grads", grads), ("params", numel)):
+            a = ours.whole(step, kind, sizes) if kind == "params" else _grads(ours, step, sizes)
+            b = theirs.whole(step, kind, sizes) if kind == "params" else \
+                _grads(theirs, step, sizes)
+            for name in sizes:
+                assert torch.equal(a[name], b[name]), (step, kind, name)
+
+
+def _grads(run, step, sizes):
+    """The whole gradients of the parameters that have one."""
+    saved = run.steps[step]["grads"]
+    return run.whole(step, "grads", {n: k for n, k in sizes.items() if n in saved})
+
+
 @pytest.mark.parametrize("ours", ["fsdpd", "fully_shard"])
 def test_hybrid_shard_on_two_daemons_trains_bit_for_bit_like_a_2d_mesh(fsdpd, tmp_path, ours):
     """HYBRID_SHARD on 2 daemons as 2 hosts x 2 trainers against FSDP2 on a 2-D DeviceMesh
