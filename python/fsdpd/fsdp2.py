@@ -34,6 +34,7 @@ DCP and the state-dict APIs beyond the module's own, meta-device init.
 """
 
 import atexit
+import math
 
 import torch
 from torch import nn
@@ -178,10 +179,7 @@ class _Group:
             # The copy appears at the same address at every gather: views made once.
             self.unsharded = []
             for off, shape, sp in zip(u.param_offsets, self.shapes, self.sharded):
-                n = 1
-                for s in shape:
-                    n *= s
-                p = nn.Parameter(u.unsharded[off:off + n].view(shape),
+                p = nn.Parameter(u.unsharded[off:off + math.prod(shape)].view(shape),
                                  requires_grad=sp.requires_grad)
                 if sp.requires_grad:
                     p.register_post_accumulate_grad_hook(self._accumulated(len(self.unsharded)))
@@ -200,10 +198,7 @@ class _Group:
         full = self.unit.full_grad
         full.zero_()
         for off, shape, p in zip(self.unit.param_offsets, self.shapes, self.unsharded):
-            n = 1
-            for s in shape:
-                n *= s
-            p.grad = full[off:off + n].view(shape) if p.requires_grad else None
+            p.grad = full[off:off + math.prod(shape)].view(shape) if p.requires_grad else None
         self.fired = [False] * len(self.unsharded)
 
     def _accumulated(self, i):
