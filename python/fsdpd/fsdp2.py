@@ -29,8 +29,12 @@ host's), or HSDP's 2-D mesh (replicas, shards) whose shard groups are the daemon
 the environment, as fsdpd.Client's. The process group stays the user's: DTensor's own
 collectives (a norm's all-reduce, full_tensor()) run over it.
 
+A module built on the meta device is sharded as it is (shapes only); `to_empty()` keeps its
+parameters over the daemon's pieces, which `init_weights()` (or any in-place init of the
+DTensors) then writes.
+
 Not yet: reshard_after_forward as an int, explicit unshard()/reshard() and prefetch lists,
-DCP and the state-dict APIs beyond the module's own, meta-device init.
+DCP and the state-dict APIs beyond the module's own.
 """
 
 import atexit
@@ -142,7 +146,7 @@ class _Group:
         with torch.no_grad():
             if not u.reduced_step:  # a job trained before keeps its masters
                 for piece, p in zip(pieces, originals):
-                    if piece.numel():
+                    if piece.numel() and not p.is_meta:  # meta: init_weights() writes them
                         piece.copy_(torch.chunk(p.detach().float(), world)[u.shard])
             self.sharded = [nn.Parameter(self._dtensor(piece, p), requires_grad=p.requires_grad)
                             for piece, p in zip(pieces, originals)]
@@ -159,6 +163,22 @@ class _Group:
     def _dtensor(self, piece, like):
         return DTensor.from_local(piece, self.mesh, self.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
+
+    def rebind(self):
+        """After nn.Module._apply (to_empty() of a module built on the meta device, .to()):
+        a parameter the module now holds in place of a sharded one has its values copied
+        into the piece and becomes a DTensor over the piece again, so that what is written
+        to it next (init_weights()) reaches the daemon."""
+        for i, ((owner, attr), piece) in enumerate(zip(self.owners, self.unit.master_pieces())):
+            new = owner._parameters[attr]  # the same object, its data set anew, or another
+            local = new._local_tensor
+            if local.numel() and local.data_ptr() == piece.data_ptr():
+                continue
+            if not local.is_meta:
+                piece.copy_(local)
+            self.sharded[i] = nn.Parameter(self._dtensor(piece, new),
+                                           requires_grad=new.requires_grad)
+        self.sharded_state()
 
     def sharded_state(self):
         for (owner, attr), p in zip(self.owners, self.sharded):
@@ -383,6 +403,19 @@ class FSDPModule:
         for g in _groups_of(self, recurse):
             g.reshard_after_forward = reshard_after_forward
         _ITERATION.scheduled = False
+
+    def _apply(self, *args, **kwargs):
+        """nn.Module's, the sharded parameters kept over the daemon's pieces (FSDP2's
+        `reset_sharded_param`): to_empty() and init_weights() on a module built on the meta
+        device write the masters."""
+        groups = _groups_of(self, True)
+        for g in groups:
+            g.reshard()
+        result = super()._apply(*args, **kwargs)
+        with torch.no_grad():
+            for g in groups:
+                g.rebind()
+        return result
 
     def set_force_sum_reduction_for_comms(self, enable):
         """fsdpd sums the ranks' gradients, then multiplies by 1 / world (the same bits as

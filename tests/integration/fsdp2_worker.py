@@ -121,7 +121,7 @@ def run_fsdp2(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{args.out}/store", rank=rank,
                             world_size=world)
-    net = build(False)
+    net = build(False).to("meta") if args.meta else build(False)
     if args.odd_parameters:
         torch.manual_seed(0)  # the unused layers' values, the same on every rank
         for block in net.blocks:
@@ -144,6 +144,9 @@ def run_fsdp2(args):
     for block in net.blocks:
         fully_shard(block, **kwargs)
     model = fully_shard(net, **kwargs)
+    if args.meta:  # FSDP2's docs: materialize the sharded model, then initialize it
+        model.to_empty(device="cpu")
+        _init_sharded(model)
     if args.checkpoint:  # each block's call recomputed in the backward, hooks and all
         for i, block in enumerate(net.blocks):
             net.blocks[i] = _Checkpointed(block)
@@ -165,6 +168,23 @@ def run_fsdp2(args):
           lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
           save=rank == 0)
     dist.destroy_process_group()
+
+
+@torch.no_grad()
+def _init_sharded(model):
+    """Each parameter's values from its name alone (shard_model_worker's init_by_name),
+    written into its DTensor shards: every rank makes the whole and keeps its pieces."""
+    import zlib
+    from torch.distributed.tensor import distribute_tensor
+    for name, p in model.named_parameters():
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if name.endswith("bias"):
+            whole = torch.zeros(p.shape)
+        elif p.dim() == 1:  # the norms' weights
+            whole = torch.ones(p.shape)
+        else:
+            whole = torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5)
+        p.copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
 
 
 class _Checkpointed(torch.nn.Module):
@@ -192,6 +212,7 @@ def main():
     p.add_argument("--clip", action="store_true")
     p.add_argument("--odd-parameters", action="store_true")
     p.add_argument("--checkpoint", action="store_true")
+    p.add_argument("--meta", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

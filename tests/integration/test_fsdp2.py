@@ -251,6 +251,15 @@ def test_frozen_unused_and_checkpointed_blocks_as_fsdp2_trains_them(fsdpd, tmp_p
                 assert torch.equal(a[name], b[name]), (step, kind, name)
 
 
+def test_a_model_built_on_the_meta_device_as_fsdp2s_docs_write_it(fsdpd, tmp_path):
+    """The model built on the meta device, fully_shard per block and at the root, then
+    to_empty(device="cpu") and each parameter written from its name into its DTensor
+    shards: fsdpd's masters hold the values (to_empty keeps the parameters over the daemon's
+    pieces), and the training is FSDP2's bit for bit."""
+    ours, theirs = _train(fsdpd, tmp_path, ["--meta"], [([], STEPS)], ours="fully_shard")
+    _assert_bit_for_bit(ours, theirs)
+
+
 def _grads(run, step, sizes):
     """The whole gradients of the parameters that have one."""
     saved = run.steps[step]["grads"]
