@@ -33,8 +33,11 @@ A module built on the meta device is sharded as it is (shapes only); `to_empty()
 parameters over the daemon's pieces, which `init_weights()` (or any in-place init of the
 DTensors) then writes.
 
-Not yet: reshard_after_forward as an int, explicit unshard()/reshard() and prefetch lists,
-DCP and the state-dict APIs beyond the module's own.
+DCP works as with FSDP2: the parameters and the optimizer's state are DTensors, which
+torch.distributed.checkpoint's state-dict APIs, dcp.save and dcp.load read and write, at any
+world size (test_dcp.py).
+
+Not yet: reshard_after_forward as an int, explicit unshard()/reshard() and prefetch lists.
 """
 
 import atexit
