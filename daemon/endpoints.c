@@ -53,6 +53,15 @@ static unsigned peer_max_connections(const fsdp_config_t *cfg) {
   return PEER_CONNECTIONS_PER_HOST * fsdp_config_host_count(cfg) + PEER_CONNECTIONS_EXTRA;
 }
 
+/* The metrics endpoint (HTTP, libmicrohttpd on the loop) when metrics.listen names one. */
+static int start_metrics(fsdp_daemon_t *daemon, const char *address, fsdp_status_t *st) {
+  if (!address[0])
+    return 0;
+  return fsdp_metrics_http_start(&daemon->loop, address, fsdp_services_render_metrics,
+                                 &daemon->handlers, &daemon->metrics, daemon->metrics_address,
+                                 sizeof daemon->metrics_address, st);
+}
+
 /* The Peer service on its own TCP port, with the token and TLS of the peer.* keys; only
  * when there are peers. A plaintext port (token or peer.insecure) is accepted by the
  * listener and relayed, like the health port: a client without the token reaches gRPC all
@@ -186,12 +195,7 @@ int daemon_create_rpc(fsdp_daemon_t *daemon, fsdp_status_t *st) {
     snprintf(daemon->health_address, sizeof daemon->health_address, "%s",
              daemon->listener.tcp[FSDP_LISTENER_HEALTH].address);
   }
-  const char *metrics_listen = fsdp_config_text(cfg, FSDP_OPTION_METRICS_LISTEN);
-  if (metrics_listen[0] &&
-      (r = fsdp_metrics_http_start(&daemon->loop, metrics_listen, fsdp_services_render_metrics,
-                                   &daemon->handlers, &daemon->metrics,
-                                   daemon->metrics_address, sizeof daemon->metrics_address,
-                                   st)) < 0)
+  if ((r = start_metrics(daemon, fsdp_config_text(cfg, FSDP_OPTION_METRICS_LISTEN), st)) < 0)
     return r;
   return create_peer_endpoint(daemon, st);
 }
