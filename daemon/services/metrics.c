@@ -7,6 +7,7 @@
 
 #include "daemon/dataplane/optimizer.h"
 #include "daemon/store/arena.h"
+#include "daemon/store/pool.h"
 #include "proto/wire.h"
 
 #define N(labels) (sizeof(labels) / sizeof((labels)[0]))
@@ -77,6 +78,44 @@ static void render_jobs(const fsdp_services_context_t *ctx, fsdp_exposition_t *e
   }
 }
 
+/* A job's pools, by name: its unsharded copies, its host sums, its ranks' full-gradient
+ * buffers (every rank's pool counted together). */
+typedef struct pool_sums {
+  uint64_t lent, bytes, waits;
+} pool_sums_t;
+
+static void add_pool(pool_sums_t *sums, const fsdp_pool_t *pool) {
+  sums->lent += pool->n_lent;
+  sums->waits += pool->n_waits;
+  for (unsigned i = 0; i < pool->n_buffers; i++)
+    sums->bytes += pool->buffers[i].bytes;
+}
+
+static void render_pools(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
+  static const char *const names[] = {"copies", "host_sums", "gradients"};
+  static const char *const families[][3] = {
+      {"fsdpd_pool_buffers_lent", "gauge", "Buffers of a job's pool lent now."},
+      {"fsdpd_pool_bytes", "gauge", "Bytes of the buffers a job's pool has made."},
+      {"fsdpd_pool_waits_total", "counter",
+       "Takes from a job's pool that found every buffer lent and waited (its in-flight cap, "
+       "max_inflight)."}};
+  for (size_t f = 0; f < 3; f++) {
+    fsdp_exposition_family(e, families[f][0], families[f][1], families[f][2]);
+    for (const fsdp_job_t *job = ctx->store->jobs; job; job = job->next) {
+      pool_sums_t sums[3] = {{0}};
+      add_pool(&sums[0], &job->copies);
+      add_pool(&sums[1], &job->sums);
+      for (uint32_t r = 0; job->grad_pools && r < job->local_world_size; r++)
+        add_pool(&sums[2], &job->grad_pools[r]);
+      for (size_t k = 0; k < 3; k++) {
+        const fsdp_label_t labels[] = {{"fsdp_job", job->name}, {"pool", names[k]}};
+        uint64_t v = f == 0 ? sums[k].lent : f == 1 ? sums[k].bytes : sums[k].waits;
+        fsdp_exposition_count(e, families[f][0], labels, N(labels), v);
+      }
+    }
+  }
+}
+
 /* One family over every unit of every job: value(job, unit) per unit. */
 static void render_unit_counts(const fsdp_services_context_t *ctx, fsdp_exposition_t *e,
                                const char *name, const char *help,
@@ -136,6 +175,7 @@ void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
   if (ctx->rpc)
     fsdp_rpc_server_each_method(ctx->rpc, render_method, e);
   render_jobs(ctx, e);
+  render_pools(ctx, e);
   render_waits(ctx, e);
   render_unit_counts(ctx, e, "fsdpd_unit_gathers_total",
                      "Gathers of a unit that completed (each serves every local rank).",

@@ -1,6 +1,6 @@
 /* What the daemon tells Prometheus (the metrics endpoint, daemon/metrics/http.h): the
- * daemon's build and sessions, the gRPC calls by method and status code, each job's memory,
- * and each unit's gathers, reduces, the bytes they made, the daemon's own work on them as
+ * daemon's build and sessions, the gRPC calls by method and status code, each job's memory
+ * and pools, and each unit's gathers, reduces, the bytes they made, the daemon's own work on them as
  * histograms, and its optimizer steps. Names and labels by Prometheus's conventions (base
  * units, _total for counters); the labels are bounded: endpoints, methods and codes are
  * fixed, jobs and units are the daemon's (no step, rank or time is a label). A training

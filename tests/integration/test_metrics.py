@@ -93,6 +93,13 @@ def test_the_metrics_say_what_the_ranks_did(fsdpd):
     assert calls(found, "/fsdp.v1.Trainer/ReduceScatter", "FAILED_PRECONDITION") == 1
     assert value(found, "fsdpd_sessions") == 2 and value(found, "fsdpd_jobs") == 1
     assert value(found, "fsdpd_job_memory_bytes", fsdp_job="j", memory="read_write") > 0
+    # The ranks still hold the last step's copy (from the job's pool: the unit reshards after
+    # forward); the gradient buffers went back with the reduces; nobody waited.
+    pools = {k: value(found, "fsdpd_pool_buffers_lent", fsdp_job="j", pool=k)
+             for k in ("copies", "host_sums", "gradients")}
+    assert pools == {"copies": 1, "host_sums": 0, "gradients": 0}
+    assert value(found, "fsdpd_pool_bytes", fsdp_job="j", pool="copies") >= lay.numel * 2
+    assert value(found, "fsdpd_pool_waits_total", fsdp_job="j", pool="gradients") == 0
     # Prometheus's own checker of the format and its conventions.
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
                            text=True, timeout=30)
