@@ -49,6 +49,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdpd._nested import cast_floats, tensors
+
 __all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy"]
 
 _DTYPES = {None: None, torch.float32: "float32", torch.bfloat16: "bfloat16",
@@ -80,28 +82,6 @@ def _client():
         _ITERATION.client = fsdpd.Client(timeout=30)
         atexit.register(_ITERATION.client.close)
     return _ITERATION.client
-
-
-def _cast(value, dtype):
-    """Floating tensors in value (nested tuples, lists, dicts) cast to dtype."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 def _set_param(owner, attr, param):
@@ -306,7 +286,7 @@ class _PostBackward(torch.autograd.Function):
 def _post_backward_on_inputs(group, args, kwargs):
     """args and kwargs with their tensors that need a gradient passed through
     _PostBackward; a module without one is reduced at the backward's end."""
-    flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
     if not flat:
         return args, kwargs
     passed = dict(zip(map(id, flat), _PostBackward.apply(group, *flat)))
@@ -324,7 +304,7 @@ def _post_backward_on_inputs(group, args, kwargs):
 
 def _cast_inputs(group, args, kwargs):
     if group.mp.param_dtype is not None and group.mp.cast_forward_inputs:
-        return _cast((args, kwargs), group.mp.param_dtype)
+        return cast_floats((args, kwargs), group.mp.param_dtype)
     return args, kwargs
 
 
@@ -353,11 +333,11 @@ def _post_forward(group):
             reshard = group.reshard_after_forward
             if reshard if reshard is not None else not root:  # None: all but the root
                 group.reshard()
-            for t in _tensors(output):
+            for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(_pre_backward(group))
         if group.mp.output_dtype is not None:
-            output = _cast(output, group.mp.output_dtype)
+            output = cast_floats(output, group.mp.output_dtype)
         return output
     return hook
 

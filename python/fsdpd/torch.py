@@ -85,6 +85,8 @@ import weakref
 import torch as _torch
 from torch import nn as _nn
 
+from fsdpd._nested import cast_floats, tensors
+
 __all__ = ["shard_model", "ShardedModel", "WrapPolicy", "wrap_by_class", "wrap_by_name",
            "wrap_by_size"]
 
@@ -93,18 +95,6 @@ _GATHER_UNIT = "__fsdpd_gather__"
 _BUFFER_UNIT = "root#buffers"  # the module's persistent buffers (no module name has a '#')
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 _RESHARD_AFTER_FORWARD = ("FULL_SHARD", "HYBRID_SHARD")
-
-
-def _tensors(value):
-    """The tensors in a module's output (nested tuples, lists and dicts)."""
-    if isinstance(value, _torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 _FLOATS = (_torch.float32, _torch.bfloat16, _torch.float16)
@@ -131,18 +121,6 @@ def _model_dtype(module):
                         "for another with param_dtype")
     (dtype,) = dtypes or {_torch.float32}
     return None if dtype == _torch.float32 else dtype
-
-
-def _cast_floats(value, dtype):
-    if isinstance(value, _torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast_floats(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
 
 
 class WrapPolicy:
@@ -602,7 +580,7 @@ class ShardedModel(_nn.Module):
         self.step += 1
         self._callback_queued = False
         if self.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.param_dtype)
         return self.module(*args, **kwargs)
 
     def _pre_forward(self, fu):
@@ -638,7 +616,7 @@ class ShardedModel(_nn.Module):
             if self.strategy in _RESHARD_AFTER_FORWARD and fu not in self._root_units and \
                     not _in_backward():
                 fu.reshard()
-            for t in _tensors(output):
+            for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward(fu))
             return None
