@@ -206,3 +206,30 @@ def test_a_stalled_job_is_not_serving_in_its_health_and_the_metrics(fsdpd):
     watch.cancel()
     assert seen == [SERVING, NOT_SERVING, SERVING]
     assert value(samples(scrape(d)), "fsdpd_job_stalled", fsdp_job="j") == 0
+
+
+def test_a_prefetch_waiting_for_a_copy_is_no_stall(fsdpd):
+    """Forward prefetch with one copy at a time: after the ranks' gather of unit a, the
+    daemon's prefetch of b waits for a's copy to come back. It began then, not at the loop's
+    time 0: the job is neither stalled nor NOT_SERVING while it waits (health.stall_after
+    5 s), and its oldest wait is its own."""
+    import time
+    from fsdpd_harness import SERVING, trainer_pb2
+    d = fsdpd("--set", "health.stall_after=5s", "--set", "daemon.housekeeping_interval=50ms")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    for r in ranks:
+        for unit in ("a", "b"):
+            r.register(unit=unit, shapes=((8,),), param_dtype=BF16)
+    d.call("/fsdp.v1.Trainer/SetSchedule", trainer_pb2.SetScheduleRequest(
+        session_id=ranks[0].session, max_inflight=1, forward_order=["a", "b"],
+        forward_prefetch=1), trainer_pb2.SetScheduleReply)
+    assert on_all(ranks, "Unshard", unit="a", step=1) == [None, None]
+    time.sleep(0.3)  # housekeeping ticks while b's prefetch waits for a's copy
+    found = samples(scrape(d))
+    assert value(found, "fsdpd_job_stalled", fsdp_job="j") == 0
+    assert value(found, "fsdpd_job_oldest_wait_seconds", fsdp_job="j") < 5
+    assert d.check("fsdp.job.j") == SERVING
+    assert "health.stall_after" not in d.stderr()
+    for r in ranks:
+        r.op("Reshard", unit="a", step=1)
+    assert on_all(ranks, "Unshard", unit="b", step=1) == [None, None]
