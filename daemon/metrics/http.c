@@ -25,6 +25,8 @@ struct fsdp_metrics_http {
   unsigned long scrapes;
 };
 
+/* Queues the answer: text of `type`, freed by libmicrohttpd with MUST_FREE (also when it
+ * cannot be answered); a 405 says which methods are. */
 static enum MHD_Result answer_text(struct MHD_Connection *c, unsigned code, const char *type,
                                    char *text, size_t len, enum MHD_ResponseMemoryMode mode) {
   struct MHD_Response *response = MHD_create_response_from_buffer(len, text, mode);
@@ -34,22 +36,16 @@ static enum MHD_Result answer_text(struct MHD_Connection *c, unsigned code, cons
     return MHD_NO;
   }
   MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+  if (code == MHD_HTTP_METHOD_NOT_ALLOWED)
+    MHD_add_response_header(response, MHD_HTTP_HEADER_ALLOW, "GET, HEAD");
   enum MHD_Result r = MHD_queue_response(c, code, response);
   MHD_destroy_response(response);
   return r;
 }
 
 static enum MHD_Result answer_plain(struct MHD_Connection *c, unsigned code, const char *text) {
-  struct MHD_Response *response =
-      MHD_create_response_from_buffer(strlen(text), (char *)text, MHD_RESPMEM_PERSISTENT);
-  if (!response)
-    return MHD_NO;
-  MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, "text/plain; charset=utf-8");
-  if (code == MHD_HTTP_METHOD_NOT_ALLOWED)
-    MHD_add_response_header(response, MHD_HTTP_HEADER_ALLOW, "GET, HEAD");
-  enum MHD_Result r = MHD_queue_response(c, code, response);
-  MHD_destroy_response(response);
-  return r;
+  return answer_text(c, code, "text/plain; charset=utf-8", (char *)text, strlen(text),
+                     MHD_RESPMEM_PERSISTENT);
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,

@@ -107,6 +107,16 @@ def test_hyperparameters_change_but_kind_and_groups_stay(fsdpd):
     assert "groups[0] names other parameters than the job's optimizer gave it" in details
 
 
+def with_masters(d):
+    """two_ranks' ranks and layouts, their master shards written with small integers (every
+    product and sum of the tests' steps on them is exact): and those values."""
+    ranks, layouts = two_ranks(d)
+    masters = [float(i % 7) for i in range(layouts[0].padded_numel)]
+    for r, x in zip(ranks, layouts):
+        r.write_master_shard(x, masters)
+    return ranks, layouts, masters
+
+
 def floats(memory, offset, n):
     return list(array.array("f", bytes(memory[offset:offset + 4 * n])))
 
@@ -117,12 +127,9 @@ def test_a_step_updates_masters_and_state_and_outlives_the_trainers(fsdpd):
     down by 0.25 times it. p1's group has lr 0. The unit's step count and state are in the
     job's memory, where trainers that attach again find them."""
     d = fsdpd()
-    ranks, layouts = two_ranks(d)
+    ranks, layouts, masters = with_masters(d)
     lay = layouts[0]
     n = lay.padded_numel
-    masters = [float(i % 7) for i in range(n)]
-    for r, x in zip(ranks, layouts):
-        r.write_master_shard(x, masters)
     reply = set_optimizer(ranks[0], trainer_pb2.SGD, group(["p1"], lr=0.0, momentum=0.5),
                           group(lr=0.25, momentum=0.5))
     (state,) = reply.units
@@ -173,12 +180,9 @@ def test_a_step_alone_steps_with_what_the_reduces_wrote(fsdpd):
     What it refuses: other flags with it, a rank holding a gradient buffer; a second step
     alone of the same step is not taken."""
     d = fsdpd()
-    ranks, layouts = two_ranks(d)
+    ranks, layouts, masters = with_masters(d)
     lay = layouts[0]
     n = lay.padded_numel
-    masters = [float(i % 7) for i in range(n)]
-    for r, x in zip(ranks, layouts):
-        r.write_master_shard(x, masters)
     set_optimizer(ranks[0], trainer_pb2.SGD, group(lr=0.25))
     g = [float((i % 5) - 2) for i in range(n)]
     for step, micro_batches in ((1, 1), (2, 2)):
