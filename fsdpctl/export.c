@@ -3,19 +3,18 @@
 #include "fsdpctl/export.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <json-c/json.h>
 
 #include "checkpoint/checkpoint.h"
 #include "common/io.h"
+#include "fsdpctl/out_file.h"
 #include "kernels/kernels.h"
 
 static const char *const safetensors_dtype[FSDP_DTYPE_COUNT] = {"F32", "BF16", "F16"};
@@ -113,14 +112,9 @@ static char *header(fsdp_checkpoint_reader_t *r, fsdp_dtype_t dtype, size_t *ret
   return out;
 }
 
-static int write_failed(fsdp_status_t *st, const char *out, int err) {
-  return fsdp_status_set(st, err == ENOSPC || err == EDQUOT ? FSDP_E_RESOURCE_EXHAUSTED : -err,
-                         "export: writing %s: %s", out, strerror(err));
-}
-
 /* Each unit's parameters in dtype, written after the header, CHUNK_ELEMS at a time. */
-static int write_data(fsdp_checkpoint_reader_t *r, int fd, fsdp_dtype_t dtype, const char *out,
-                      fsdp_status_t *st) {
+static int write_data(fsdp_checkpoint_reader_t *r, const fsdpctl_out_file_t *f,
+                      fsdp_dtype_t dtype, fsdp_status_t *st) {
   size_t n_units;
   const fsdp_checkpoint_unit_t *units = fsdp_checkpoint_units(r, &n_units);
   size_t size = fsdp_dtype_size(dtype);
@@ -146,9 +140,9 @@ static int write_data(fsdp_checkpoint_reader_t *r, int fd, fsdp_dtype_t dtype, c
         code = fsdp_checkpoint_read_elements(r, i, 0, p->offset + done, n, masters, st);
         if (code == 0) {
           fsdp_cast(converted, dtype, masters, FSDP_DTYPE_FP32, n);
-          int w = fsdp_write_all(fd, converted, n * size);
+          int w = fsdp_write_all(f->fd, converted, n * size);
           if (w < 0)
-            code = write_failed(st, out, -w);
+            code = fsdpctl_out_file_write_failed(f, -w, st);
         }
         done += n;
       }
@@ -157,41 +151,6 @@ static int write_data(fsdp_checkpoint_reader_t *r, int fd, fsdp_dtype_t dtype, c
   free(masters);
   free(converted);
   return code;
-}
-
-/* A new file in dirfd under an unpredictable name derived from name (*ret_tmp, size bytes),
- * made with O_EXCL|O_NOFOLLOW: nothing someone planted under a name the file could have
- * is written through. Returns the descriptor or -errno. */
-static int create_temp(int dirfd, const char *name, char *ret_tmp, size_t size) {
-  for (int tries = 0; tries < 16; tries++) {
-    uint64_t nonce;
-    if (getrandom(&nonce, sizeof nonce, 0) != (ssize_t)sizeof nonce)
-      return -errno;
-    snprintf(ret_tmp, size, ".%.200s.%016" PRIx64 ".tmp", name, nonce);
-    int fd = openat(dirfd, ret_tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd >= 0 || errno != EEXIST)
-      return fd >= 0 ? fd : -errno;
-  }
-  return -EEXIST;
-}
-
-/* The directory out lies in, open, and out's last component in *ret_name (in out). */
-static int open_parent(const char *out, const char **ret_name, fsdp_status_t *st) {
-  const char *slash = strrchr(out, '/'), *name = slash ? slash + 1 : out;
-  char dir[PATH_MAX];
-  if (!*name || strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
-    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "export: %s names no file", out);
-  if (!slash)
-    snprintf(dir, sizeof dir, ".");
-  else if ((size_t)(slash - out) >= sizeof dir)
-    return fsdp_status_set(st, -ENAMETOOLONG, "export: %s: name too long", out);
-  else
-    snprintf(dir, sizeof dir, "%.*s", slash == out ? 1 : (int)(slash - out), out);
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    return fsdp_status_set(st, -errno, "export: opening %s: %s", dir, strerror(errno));
-  *ret_name = name;
-  return fd;
 }
 
 int fsdp_export_safetensors(const char *dir, const char *out, fsdp_dtype_t dtype,
@@ -207,35 +166,21 @@ int fsdp_export_safetensors(const char *dir, const char *out, fsdp_dtype_t dtype
     return code;
   size_t len = 0;
   char *h = header(r, dtype, &len, st);
-  const char *name = NULL;
-  char tmp[NAME_MAX + 1];
-  int dirfd = h ? open_parent(out, &name, st) : st->code, fd = -1;
-  if (!h || dirfd < 0)
-    code = st->code;
-  else if ((fd = create_temp(dirfd, name, tmp, sizeof tmp)) < 0)
-    code = fsdp_status_set(st, fd, "export: creating a file beside %s: %s", out, strerror(-fd));
+  fsdpctl_out_file_t f;
+  if (!h || fsdpctl_out_file_open(&f, out, "export", st) < 0) {
+    free(h);
+    fsdp_checkpoint_close(r);
+    return st->code;
+  }
   uint8_t prefix[8];
   for (int b = 0; b < 8; b++)
     prefix[b] = (uint8_t)((uint64_t)len >> (8 * b));
   int w;
-  if (code == 0 &&
-      ((w = fsdp_write_all(fd, prefix, 8)) < 0 || (w = fsdp_write_all(fd, h, len)) < 0))
-    code = write_failed(st, out, -w);
+  if ((w = fsdp_write_all(f.fd, prefix, 8)) < 0 || (w = fsdp_write_all(f.fd, h, len)) < 0)
+    code = fsdpctl_out_file_write_failed(&f, -w, st);
   if (code == 0)
-    code = write_data(r, fd, dtype, out, st);
-  if (code == 0 && fsync(fd) < 0)
-    code = write_failed(st, out, errno);
-  if (fd >= 0)
-    close(fd);
-  /* A link or file at out is replaced, never written through. */
-  if (code == 0 && renameat(dirfd, tmp, dirfd, name) < 0)
-    code = fsdp_status_set(st, -errno, "export: renaming to %s: %s", out, strerror(errno));
-  if (code == 0)
-    fsync(dirfd); /* best effort: the file is complete either way */
-  if (code < 0 && fd >= 0)
-    unlinkat(dirfd, tmp, 0);
-  if (dirfd >= 0)
-    close(dirfd);
+    code = write_data(r, &f, dtype, st);
+  code = fsdpctl_out_file_end(&f, code, st);
   free(h);
   fsdp_checkpoint_close(r);
   return code;
