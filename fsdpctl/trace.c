@@ -7,6 +7,9 @@
 
 #include <json-c/json.h>
 
+#include "common/io.h"
+#include "fsdpctl/out_file.h"
+
 /* Tracks: each rank's gathers (2r), its reduces (2r + 1); the daemon's work after them. */
 #define WORK_TRACK 100000
 
@@ -94,10 +97,15 @@ int fsdpctl_write_trace(const Fsdp__V1__TraceReply *reply, const char *out, fsdp
     add_record(events, reply->records[i], origin == UINT64_MAX ? 0 : origin);
   json_object_object_add(root, "traceEvents", events);
   json_object_object_add(root, "displayTimeUnit", json_object_new_string("ms"));
-  int r = json_object_to_file_ext(out, root, JSON_C_TO_STRING_PLAIN);
+  size_t len;
+  const char *text = json_object_to_json_string_length(root, JSON_C_TO_STRING_PLAIN, &len);
+  fsdpctl_out_file_t f;
+  int r = text ? fsdpctl_out_file_open(&f, out, "trace", st)
+               : fsdp_status_set(st, -ENOMEM, "trace: out of memory");
+  if (r == 0) {
+    int w = fsdp_write_all(f.fd, text, len);
+    r = fsdpctl_out_file_end(&f, w < 0 ? fsdpctl_out_file_write_failed(&f, -w, st) : 0, st);
+  }
   json_object_put(root);
-  if (r < 0)
-    return fsdp_status_set(st, -EIO, "cannot write the trace to %s: %s", out,
-                           json_util_get_last_err());
-  return 0;
+  return r;
 }

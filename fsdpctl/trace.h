@@ -10,8 +10,8 @@
 #include "common/status.h"
 #include "fsdp/v1/operator.pb-c.h"
 
-/* Writes the reply's records to `out` (a new file, or replaced); st names the file on
- * failure. */
+/* Writes the reply's records to `out`, as fsdpctl/out_file.h writes a file (a link there is
+ * replaced, never written through); st names the file on failure. */
 int fsdpctl_write_trace(const Fsdp__V1__TraceReply *reply, const char *out, fsdp_status_t *st);
 
 #endif

@@ -55,6 +55,13 @@ def test_the_recorder_keeps_the_newest_and_refusals_name_why(fsdpd, tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["records"] == 8 and out["recorded"] > 8
+    # A link planted at the name is replaced, never written through.
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    (tmp_path / "linked.json").symlink_to(victim)
+    r, t = trace(d, tmp_path, "j", name="linked.json")
+    assert r.returncode == 0 and victim.read_text() == "kept", r.stderr
+    assert not (tmp_path / "linked.json").is_symlink() and t["traceEvents"]
     r, _ = trace(d, tmp_path, "nope")
     assert r.returncode == 1 and "no job 'nope' in this daemon" in r.stderr
     off = fsdpd("--set", "trace.ops=0", name="off")
