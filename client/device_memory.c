@@ -6,7 +6,9 @@
 
 #include <errno.h>
 
-#ifdef FSDP_HAVE_CUDA
+#include "fsdp/fsdp_version.h"
+
+#if FSDP_HAVE_CUDA
 
 #include <dlfcn.h>
 #include <pthread.h>

@@ -38,8 +38,8 @@ int fsdp_cuda_load(const fsdp_cuda_module_t **ret_module, fsdp_status_t *st) {
 #ifndef FSDP_CUDA_MODULE_RELPATH
   (void)ret_module;
   return fsdp_status_set(st, FSDP_E_UNAVAILABLE,
-                         "this fsdpd was built without the CUDA backend (no CUDA toolkit and "
-                         "NCCL at build time, or FSDP_CUDA=OFF)");
+                         "this fsdpd was built without the CUDA backend (no CUDA toolkit at "
+                         "build time, or FSDP_CUDA=OFF)");
 #else
   char path[PATH_MAX];
   int r = module_path(path, sizeof path, st);

@@ -1,8 +1,8 @@
 /* The CUDA backend module's interface: what fsdpd finds in fsdp-cuda.so once it loads it.
  *
- * Why a module: the CUDA runtime and NCCL are shared libraries a host without GPUs may not
- * have, and a binary linked with them does not start there. fsdpd links neither; with
- * `backend = cuda` it loads the module (cuda/loader.h), which links them, and a host
+ * Why a module: the CUDA runtime is a shared library a host without GPUs may not have, and
+ * a binary linked with it does not start there. fsdpd does not link it; with
+ * `backend = cuda` it loads the module (cuda/loader.h), which does, and a host
  * without them gets an exit naming the library it lacks instead of a binary that does not
  * start. Both sides compile this header; `version` tells a module built from other sources
  * (FSDP_CUDA_MODULE_VERSION). */

@@ -1,7 +1,7 @@
 """The CUDA backend on one GPU, through fsdpd.torch: trainers sharing the daemon's GPU train
 like one process on that GPU, a trainer killed in the middle of a collective leaves the
 daemon and the other trainer whole, a checkpoint of the GPU's job brings it back on a new
-daemon, and two daemons on the GPU, as two hosts, train like one process over the rings
+daemon and moves to a host job and back, and two daemons on the GPU, as two hosts, train like one process over the rings
 among hosts staged through pinned host memory.
 
 Needs a GPU and a python3 with CUDA torch (FSDP_TEST_PYTHON, default python3 on PATH, which
@@ -33,7 +33,8 @@ PYTHON = os.environ.get("FSDP_TEST_PYTHON") or shutil.which("python3") or sys.ex
 WORKER = SOURCE_DIR / "tests" / "integration" / "shard_model_worker.py"
 STEPS = 4
 CHILD_TIMEOUT = 180
-DAEMON_ARGS = ("--backend", "cuda", "--set", "memory.job_limit=256MiB")
+# Port 0 for the metrics: two daemons run at once.
+DAEMON_ARGS = ("--set", "memory.job_limit=256MiB", "--metrics-listen", "127.0.0.1:0")
 
 
 def _cuda_torch():
@@ -46,15 +47,15 @@ pytestmark = pytest.mark.skipif(not _cuda_torch(),
 
 
 class Daemon:
-    def __init__(self, tmp_path, *args):
+    def __init__(self, tmp_path, *args, backend="cuda"):
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.run_dir = tmp_path / "run"
         self.socket_path = self.run_dir / "fsdpd.sock"
         self.log_path = tmp_path / "fsdpd.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")}
         self.proc = subprocess.Popen(
-            [str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", str(self.run_dir), *DAEMON_ARGS,
-             *args],
+            [str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", str(self.run_dir), "--backend",
+             backend, *DAEMON_ARGS, *args],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
         while "serving on" not in self.log():
@@ -84,9 +85,10 @@ def daemon(tmp_path):
     d.stop()
 
 
-def _start(d, mode, world, rank, *args, hosts=1, restarts=0):
+def _start(d, mode, world, rank, *args, hosts=1, restarts=0, device="cuda", steps=STEPS):
     """A worker: local rank `rank` of `world` on daemon d (global rank host * world + rank
-    when there are several hosts), or the reference when d is None."""
+    when there are several hosts), or the reference when d is None; device cpu for a
+    daemon whose backend is the host's."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("FSDPD_") and
            k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
@@ -98,7 +100,7 @@ def _start(d, mode, world, rank, *args, hosts=1, restarts=0):
                    LOCAL_WORLD_SIZE=str(world))
     if hosts > 1:
         env.update(LOCAL_RANK=str(rank % world), RANK=str(rank), WORLD_SIZE=str(world * hosts))
-    return subprocess.Popen([PYTHON, str(WORKER), mode, "--steps", str(STEPS), "--device", "cuda",
+    return subprocess.Popen([PYTHON, str(WORKER), mode, "--steps", str(steps), "--device", device,
                              *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -228,6 +230,38 @@ def test_a_checkpoint_of_the_gpus_job_brings_it_back_on_a_new_daemon(tmp_path):
     _report(test="checkpoint of a GPU job, saved at step 2 and loaded on a new daemon",
             worst_param_rel=worst)
     assert worst <= 1e-5
+
+
+def _leg(tmp_path, backend, *args, steps):
+    """Two ranks on a daemon of that backend (the host's ranks compute on the CPU), its
+    records once it is gone."""
+    d = Daemon(tmp_path, backend=backend)
+    device = "cuda" if backend == "cuda" else "cpu"
+    try:
+        return _finish([_start(d, "rank", 2, r, "--optim", "adamw", *args, device=device,
+                               steps=steps) for r in range(2)])
+    finally:
+        d.stop()
+
+
+def test_a_gpus_checkpoint_loads_into_a_host_job_and_back(tmp_path):
+    """A checkpoint does not know where it was made: the GPU's job saves at step 2 (the
+    masters and the daemon's AdamW state copied off the GPU), a host daemon's job loads it
+    and holds the same masters bit for bit, trains step 3 on the CPU and saves; a GPU's job
+    loads that and holds step 3's masters bit for bit."""
+    on_gpu, on_host = tmp_path / "from-gpu", tmp_path / "from-host"
+    saved = _leg(tmp_path / "gpu", "cuda", "--save-at-step", "2", "--checkpoint", str(on_gpu),
+                 steps=STEPS)
+    loaded = _leg(tmp_path / "host", "host", "--load", str(on_gpu), steps=2)
+    stepped = _leg(tmp_path / "host-step", "host", "--load", str(on_gpu), "--save-at-step", "3",
+                   "--checkpoint", str(on_host), steps=3)
+    back = _leg(tmp_path / "gpu-again", "cuda", "--load", str(on_host), steps=3)
+    assert all({"saved": 2} in r for r in saved) and all({"saved": 3} in r for r in stepped)
+    assert all(r[0]["start"] == 3 for r in loaded) and all(r[0]["start"] == 4 for r in back)
+    assert all(_final(r) == _final(saved[0]) for r in saved + loaded)
+    assert all(_final(r) == _final(stepped[0]) for r in stepped + back)
+    assert _final(stepped[0]) != _final(saved[0])  # step 3 moved the masters
+    _report(test="a GPU job's checkpoint into a host job and back", exact=True)
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["adamw", "adamw-clipped"])
