@@ -245,10 +245,11 @@ fail_config:
 
 int fsdp_daemon_run(fsdp_daemon_t *daemon) {
   uv_run(&daemon->loop, UV_RUN_DEFAULT);
-  /* Only now is no work in flight on the units and their arenas. */
+  /* Only now is no work in flight on the units and their arenas. The store's arenas are
+   * the backend's memory: they go before it does. */
   fsdp_checkpoints_cleanup(&daemon->checkpoints);
-  fsdp_dataplane_cleanup(&daemon->dataplane);
   fsdp_store_cleanup(&daemon->store);
+  fsdp_dataplane_cleanup(&daemon->dataplane);
   int r = uv_loop_close(&daemon->loop);
   if (r < 0)
     log_warning("event loop closed with handles still open: %s", uv_strerror(r));
