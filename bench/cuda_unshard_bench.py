@@ -41,7 +41,8 @@ def start_daemon(run_dir, job_bytes):
     proc = subprocess.Popen(
         [str(BUILD_DIR / "bin" / "fsdpd"), "--run-dir", str(run_dir / "run"), "--backend",
          "cuda", "--set", f"memory.job_limit={job_limit}",
-         "--set", f"memory.limit={2 * job_limit + gib}", "--metrics-listen", "127.0.0.1:0"],
+         "--set", f"memory.limit={2 * job_limit + gib}", "--health-listen", "",
+         "--metrics-listen", ""],
         stdout=log, stderr=subprocess.STDOUT,
         env={k: v for k, v in os.environ.items() if not k.startswith("FSDPD_")})
     deadline = time.monotonic() + 60

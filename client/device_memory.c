@@ -6,12 +6,13 @@
 
 #include <errno.h>
 
-#include "fsdp/fsdp_version.h"
+#include <fsdp/fsdp_version.h>
 
 #if FSDP_HAVE_CUDA
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <string.h>
 
 #include <cuda.h>
 
@@ -34,6 +35,9 @@ static struct {
   CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
   CUresult (*release)(CUmemGenericAllocationHandle);
   CUresult (*error_string)(CUresult, const char **);
+  CUresult (*ipc_open_event)(CUevent *, CUipcEventHandle);
+  CUresult (*event_record)(CUevent, CUstream);
+  CUresult (*event_destroy)(CUevent);
 } drv;
 
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
@@ -72,11 +76,14 @@ static void load_driver(void) {
   drv.set_access = proc(get, "cuMemSetAccess");
   drv.release = proc(get, "cuMemRelease");
   drv.error_string = proc(get, "cuGetErrorString");
+  drv.ipc_open_event = proc(get, "cuIpcOpenEventHandle");
+  drv.event_record = proc(get, "cuEventRecord");
+  drv.event_destroy = proc(get, "cuEventDestroy");
   if (!drv.init || !drv.device_get || !drv.primary_ctx_retain || !drv.ctx_set_current ||
       !drv.ctx_synchronize || !drv.import_handle || !drv.get_granularity || !drv.reserve ||
       !drv.address_free || !drv.map || !drv.unmap || !drv.set_access || !drv.release ||
-      !drv.error_string)
-    drv.error = "the NVIDIA driver lacks the virtual memory management calls";
+      !drv.error_string || !drv.ipc_open_event || !drv.event_record || !drv.event_destroy)
+    drv.error = "the NVIDIA driver lacks the virtual memory management or IPC event calls";
   else if (drv.init(0) != CUDA_SUCCESS)
     drv.error = "cuInit failed: the NVIDIA driver sees no usable GPU";
 }
@@ -188,6 +195,38 @@ void fsdp_device_unmap(const fsdp_device_memory_t *m, void *p, size_t bytes) {
   drv.unmap((CUdeviceptr)(uintptr_t)p, bytes);
 }
 
+int fsdp_device_event_open(int ordinal, const uint8_t handle[64], void **ret,
+                           fsdp_status_t *st) {
+  _Static_assert(sizeof(CUipcEventHandle) == 64, "an IPC event handle is 64 bytes");
+  int r = driver(st);
+  if (r < 0 || (r = use_device(ordinal, st)) < 0)
+    return r;
+  CUipcEventHandle h;
+  memcpy(&h, handle, sizeof h);
+  CUevent event;
+  CUresult e = drv.ipc_open_event(&event, h);
+  if (e != CUDA_SUCCESS)
+    return failed(st, ordinal, "cuIpcOpenEventHandle", e);
+  *ret = event;
+  return 0;
+}
+
+int fsdp_device_event_record(void *event, void *stream, fsdp_status_t *st) {
+  CUresult e = drv.event_record((CUevent)event, (CUstream)stream);
+  if (e == CUDA_SUCCESS)
+    return 0;
+  const char *what = NULL;
+  if (drv.error_string(e, &what) != CUDA_SUCCESS || !what)
+    what = "unknown error";
+  return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "cuEventRecord of the session's event on "
+                         "stream %p: %s (%d)", stream, what, (int)e);
+}
+
+void fsdp_device_event_close(void *event) {
+  if (event)
+    drv.event_destroy((CUevent)event);
+}
+
 #else /* no CUDA at build time */
 
 static int unavailable(fsdp_status_t *st) {
@@ -223,6 +262,21 @@ int fsdp_device_map(const fsdp_device_memory_t *m, void *p, bool writable,
 
 void fsdp_device_unmap(const fsdp_device_memory_t *m, void *p, size_t bytes) {
   (void)m, (void)p, (void)bytes;
+}
+
+int fsdp_device_event_open(int ordinal, const uint8_t handle[64], void **ret,
+                           fsdp_status_t *st) {
+  (void)ordinal, (void)handle, (void)ret;
+  return unavailable(st);
+}
+
+int fsdp_device_event_record(void *event, void *stream, fsdp_status_t *st) {
+  (void)event, (void)stream;
+  return unavailable(st);
+}
+
+void fsdp_device_event_close(void *event) {
+  (void)event;
 }
 
 #endif

@@ -41,4 +41,13 @@ int fsdp_device_map(const fsdp_device_memory_t *memory, void *p, bool writable,
  * trainer's may still read there). */
 void fsdp_device_unmap(const fsdp_device_memory_t *memory, void *p, size_t bytes);
 
+
+/* A CUDA IPC event the daemon made (handle: its cudaIpcEventHandle_t), opened in GPU
+ * `ordinal`'s primary context, in *ret; closed by fsdp_device_event_close (NULL-safe). */
+int fsdp_device_event_open(int ordinal, const uint8_t handle[64], void **ret, fsdp_status_t *st);
+/* Records it on `stream` (a CUstream, which is a cudaStream_t; NULL: the legacy default
+ * stream): the daemon's streams, told to wait on it, wait for what stream queued before. */
+int fsdp_device_event_record(void *event, void *stream, fsdp_status_t *st);
+void fsdp_device_event_close(void *event);
+
 #endif

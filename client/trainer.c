@@ -98,6 +98,13 @@ struct fsdp_trainer {
   /* Unit operations through shared memory (client/fastpath.h), where the daemon offers it
    * and FSDP_FAST_PATH is not "off"; NULL: over gRPC. */
   fsdp_fast_client_t *fast;
+  /* A job on a GPU: the session's events (ChannelWelcome.cuda_events), opened unless
+   * FSDP_CUDA_EVENTS is "off", recorded in turn on cuda_stream before each unit operation
+   * once fsdp_trainer_set_cuda_stream named it. */
+  void *cuda_events[FSDP_SESSION_CUDA_EVENTS];
+  unsigned n_cuda_events, next_cuda_event;
+  void *cuda_stream;
+  bool cuda_stream_set;
 };
 
 static size_t scalar_bytes(fsdp_scalar_t type) {
@@ -127,11 +134,19 @@ static void unit_free(fsdp_unit_handle_t *unit) {
   free(unit);
 }
 
+/* Before the Detach, or the channel's end, that frees the daemon's side of them. */
+static void close_cuda_events(fsdp_trainer_t *t) {
+  for (unsigned i = 0; i < t->n_cuda_events; i++)
+    fsdp_device_event_close(t->cuda_events[i]);
+  t->n_cuda_events = 0;
+}
+
 static void trainer_free(fsdp_trainer_t *t) {
   for (size_t i = 0; i < t->n_units; i++)
     unit_free(t->units[i]);
   free(t->units);
   fsdp_fast_client_close(t->fast);
+  close_cuda_events(t);
   if (t->channel_fd >= 0)
     close(t->channel_fd);
   if (t->device >= 0) {
@@ -329,6 +344,38 @@ static int open_fast_path(fsdp_trainer_t *t, const Fsdp__V1__ChannelWelcome *w, 
   return 0;
 }
 
+/* Opens the session's events that the welcome of a job on a GPU carries, unless
+ * FSDP_CUDA_EVENTS=off asks the trainer to synchronize its device before each call instead
+ * (what fsdpd.torch then does; the bench compares both). */
+static bool cuda_events_off(void) {
+  const char *setting = getenv("FSDP_CUDA_EVENTS");
+  return setting && strcmp(setting, "off") == 0;
+}
+
+static int open_cuda_events(fsdp_trainer_t *t, const char *path,
+                            const Fsdp__V1__ChannelWelcome *w) {
+  if (t->device < 0 || cuda_events_off())
+    return 0;
+  if (w->n_cuda_events > FSDP_SESSION_CUDA_EVENTS)
+    return fsdp_client_set_last_error(t->client, FSDP_E_INTERNAL,
+                                      "memory channel %s: welcome lists %zu CUDA events, at "
+                                      "most %d expected", path, w->n_cuda_events,
+                                      FSDP_SESSION_CUDA_EVENTS);
+  for (size_t i = 0; i < w->n_cuda_events; i++) {
+    fsdp_status_t st = FSDP_STATUS_INIT;
+    int r = w->cuda_events[i].len != FSDP_CUDA_IPC_EVENT_BYTES
+                ? fsdp_status_set(&st, FSDP_E_INTERNAL, "its handle is %zu bytes, not %d",
+                                  w->cuda_events[i].len, FSDP_CUDA_IPC_EVENT_BYTES)
+                : fsdp_device_event_open(t->device, w->cuda_events[i].data,
+                                         &t->cuda_events[i], &st);
+    if (r < 0)
+      return fsdp_client_set_last_error(t->client, r, "memory channel %s: CUDA event %zu: %s",
+                                        path, i, st.message);
+    t->n_cuda_events = (unsigned)i + 1;
+  }
+  return 0;
+}
+
 /* The memory channel (proto/fsdp/v1/channel.proto): hello, welcome with the arena's
  * descriptor, mapping. Sets *ret_detach to false when the session must not be detached on
  * failure: ALREADY_EXISTS means another trainer of this process holds it with its channel. */
@@ -375,6 +422,8 @@ static int channel_open(fsdp_trainer_t *t, const char *path, bool *ret_detach) {
   bool fast_taken = false;
   if (r == 0)
     r = open_fast_path(t, w, fds, &fast_taken);
+  if (r == 0)
+    r = open_cuda_events(t, path, w);
   /* The trainer keeps the two it maps lent buffers from, and the fast path its own. */
   for (size_t i = 0; i < n_fds; i++)
     if (fds[i] != t->memory_fd && fds[i] != t->shared_fd && !(fast_taken && i >= 2))
@@ -468,6 +517,7 @@ int fsdp_trainer_detach(fsdp_trainer_t *trainer) {
       fsdp_fast_client_cancel(trainer->fast, u->started_seq);
     u->started_seq = 0;
   }
+  close_cuda_events(trainer);
   Fsdp__V1__DetachRequest rq = FSDP__V1__DETACH_REQUEST__INIT;
   rq.session_id = trainer->session_id;
   ProtobufCMessage *reply = NULL;
@@ -485,6 +535,21 @@ uint64_t fsdp_trainer_session_id(const fsdp_trainer_t *trainer) {
 
 int fsdp_trainer_memory_device(const fsdp_trainer_t *trainer) {
   return trainer ? trainer->device : -1;
+}
+
+int fsdp_trainer_set_cuda_stream(fsdp_trainer_t *trainer, void *stream) {
+  if (!trainer)
+    return -EINVAL;
+  if (trainer->n_cuda_events == 0) {
+    const char *why = trainer->device < 0 ? "its job's memory is the host's"
+                      : cuda_events_off() ? "FSDP_CUDA_EVENTS is off"
+                                                  : "the daemon sent none";
+    return fsdp_client_set_last_error(trainer->client, FSDP_E_FAILED_PRECONDITION,
+                                      "the session has no CUDA events: %s", why);
+  }
+  trainer->cuda_stream = stream;
+  trainer->cuda_stream_set = true;
+  return 0;
 }
 
 void *fsdp_trainer_memory(const fsdp_trainer_t *trainer, size_t *ret_size) {
@@ -924,7 +989,7 @@ static uint64_t fast_send(fsdp_trainer_t *t, const fsdp_unit_handle_t *u, const 
                    (rq->step_only ? FSDP_FAST_STEP_ONLY : 0u);
   fsdp_fast_request_t fast = {.step = rq->step, .unit_id = u->id, .kind = (uint8_t)kind->fast,
                               .backward = rq->backward, .accumulate = rq->accumulate,
-                              .reduce_flags = (uint8_t)flags};
+                              .reduce_flags = (uint8_t)flags, .event = (uint16_t)rq->event};
   return fsdp_fast_client_send(t->fast, &fast);
 }
 
@@ -995,6 +1060,21 @@ static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind
   return r;
 }
 
+/* Orders the daemon's work for rq after what the trainer's stream queued so far: the
+ * session's next event recorded there, named in rq (UnitOpRequest.event). */
+static int record_cuda_event(fsdp_trainer_t *t, const fsdp_unit_handle_t *u, const char *api,
+                             Fsdp__V1__UnitOpRequest *rq) {
+  if (!t->cuda_stream_set)
+    return 0;
+  unsigned i = t->next_cuda_event++ % t->n_cuda_events;
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  if (fsdp_device_event_record(t->cuda_events[i], t->cuda_stream, &st) < 0)
+    return fsdp_client_set_last_error(t->client, st.code, "%s of unit '%.256s': %s", api,
+                                      u->name, st.message);
+  rq->event = i + 1;
+  return 0;
+}
+
 /* A unit operation of the API (api: its name for messages), run now or started to be
  * waited for. */
 static int unit_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *api,
@@ -1005,6 +1085,8 @@ static int unit_request(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const char *ap
     return r;
   Fsdp__V1__UnitOpRequest rq;
   fill_request(t, u, step, &rq);
+  if ((r = record_cuda_event(t, u, api, &rq)) < 0)
+    return r;
   rq.backward = backward;
   set_reduce_flags(&rq, reduce_flags);
   return started ? start(t, u, kind, &rq) : unit_op(t, u, kind, &rq);

@@ -342,6 +342,52 @@ static int synchronize(fsdp_cuda_stream_t *s, fsdp_status_t *st) {
   return e == cudaSuccess ? 0 : cuda_failed(st, "cudaStreamSynchronize", e);
 }
 
+struct fsdp_cuda_event {
+  cudaEvent_t event;
+};
+
+static int event_new(int ordinal, fsdp_cuda_event_t **ret, unsigned char handle[64],
+                     fsdp_status_t *st) {
+  _Static_assert(sizeof(cudaIpcEventHandle_t) == 64, "an IPC event handle is 64 bytes");
+  fsdp_cuda_event_t *ev = calloc(1, sizeof *ev);
+  if (!ev)
+    return fsdp_status_set(st, -ENOMEM, "GPU %d: out of memory for an event", ordinal);
+  const char *call = "cudaSetDevice";
+  cudaError_t e = cudaSetDevice(ordinal);
+  if (e == cudaSuccess) {
+    call = "cudaEventCreateWithFlags";
+    e = cudaEventCreateWithFlags(&ev->event, cudaEventInterprocess | cudaEventDisableTiming);
+  }
+  cudaIpcEventHandle_t h;
+  if (e == cudaSuccess) {
+    call = "cudaIpcGetEventHandle";
+    if ((e = cudaIpcGetEventHandle(&h, ev->event)) != cudaSuccess)
+      cudaEventDestroy(ev->event);
+  }
+  if (e != cudaSuccess) {
+    free(ev);
+    return cuda_failed(st, call, e);
+  }
+  memcpy(handle, &h, sizeof h);
+  *ret = ev;
+  return 0;
+}
+
+static void event_free(fsdp_cuda_event_t *ev) {
+  if (!ev)
+    return;
+  cudaEventDestroy(ev->event); /* waits queued on it still complete */
+  free(ev);
+}
+
+static int stream_wait(fsdp_cuda_stream_t *s, fsdp_cuda_event_t *ev, fsdp_status_t *st) {
+  int r = on_device(s, st);
+  if (r < 0)
+    return r;
+  cudaError_t e = cudaStreamWaitEvent(s->stream, ev->event, 0);
+  return e == cudaSuccess ? 0 : cuda_failed(st, "cudaStreamWaitEvent", e);
+}
+
 static const fsdp_cuda_module_t module = {
     .version = FSDP_CUDA_MODULE_VERSION,
     .versions = versions,
@@ -359,6 +405,9 @@ static const fsdp_cuda_module_t module = {
     .zero = zero,
     .copy = copy,
     .synchronize = synchronize,
+    .event_new = event_new,
+    .event_free = event_free,
+    .stream_wait = stream_wait,
 };
 
 __attribute__((visibility("default"))) const fsdp_cuda_module_t *fsdp_cuda_module(void) {

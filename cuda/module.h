@@ -17,7 +17,7 @@
 #include "kernels/dtype.h"
 #include "kernels/optim_elements.h"
 
-#define FSDP_CUDA_MODULE_VERSION 5u
+#define FSDP_CUDA_MODULE_VERSION 6u
 #define FSDP_CUDA_MODULE_SYMBOL "fsdp_cuda_module"
 #define FSDP_CUDA_DEVICES_MAX 16
 
@@ -48,6 +48,10 @@ typedef struct fsdp_cuda_memory {
 /* A stream of the daemon's own on one GPU: the backend's work is queued there and waited
  * for with `synchronize`, on the thread that queued it. */
 typedef struct fsdp_cuda_stream fsdp_cuda_stream_t;
+
+/* An event another process can record (a CUDA IPC event: interprocess, no timing), which
+ * the daemon's streams wait on. */
+typedef struct fsdp_cuda_event fsdp_cuda_event_t;
 
 typedef struct fsdp_cuda_module {
   uint32_t version; /* FSDP_CUDA_MODULE_VERSION */
@@ -94,6 +98,15 @@ typedef struct fsdp_cuda_module {
   /* Waits until everything queued on the stream has run; its error is the first that any of
    * that work met. */
   int (*synchronize)(fsdp_cuda_stream_t *stream, fsdp_status_t *st);
+
+  /* A new IPC event on GPU `ordinal` in *ret, its handle (cudaIpcEventHandle_t) in
+   * `handle` for another process to open (cudaIpcOpenEventHandle) and record. */
+  int (*event_new)(int ordinal, fsdp_cuda_event_t **ret, unsigned char handle[64],
+                   fsdp_status_t *st);
+  void (*event_free)(fsdp_cuda_event_t *event); /* NULL-safe */
+  /* Work queued on the stream from now on waits for the event's latest record, whichever
+   * process recorded it; the host thread does not wait. */
+  int (*stream_wait)(fsdp_cuda_stream_t *stream, fsdp_cuda_event_t *event, fsdp_status_t *st);
 } fsdp_cuda_module_t;
 
 /* The module's one exported symbol (FSDP_CUDA_MODULE_SYMBOL). */

@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "daemon/services/fastpath.h"
+#include "daemon/services/trainer_events.h"
 
 /* The loop's clock in milliseconds (monotonic), as sessions and deadlines use it. */
 static uint64_t now_ms(fsdp_daemon_t *daemon) {
@@ -133,6 +134,8 @@ static void release_session(fsdp_daemon_t *daemon, fsdp_session_t *session,
     fsdp_dataplane_release_session(job, session->local_rank, session->id, why,
                                    daemon->sessions.attaches);
   fsdp_fastpath_close(session->fast_path); /* its operations ended just now */
+  fsdp_trainer_events_close(session->cuda_events);
+  session->cuda_events = NULL;
   if (!job)
     return;
   /* Its retention counts from its last session's end, and the job idle longest is the

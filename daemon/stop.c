@@ -11,6 +11,7 @@
 #include "common/log.h"
 #include "daemon/services/fastpath.h"
 #include "daemon/services/services.h"
+#include "daemon/services/trainer_events.h"
 
 static void on_handle_closed(uv_handle_t *handle) {
   (void)handle;
@@ -58,8 +59,10 @@ static void on_rpc_stopped(void *data) {
   else
     on_fabric_closed(daemon); /* one host: there is no fabric */
   fsdp_channel_stop(&daemon->channel);
-  for (fsdp_session_t *s = daemon->sessions.head; s; s = s->next)
+  for (fsdp_session_t *s = daemon->sessions.head; s; s = s->next) {
     fsdp_fastpath_close(s->fast_path);
+    fsdp_trainer_events_close(s->cuda_events);
+  }
   fsdp_sessions_cleanup(&daemon->sessions);
   fsdp_listener_close(&daemon->listener);
   fsdp_metrics_http_stop(daemon->metrics);

@@ -38,7 +38,7 @@
 #include "common/status.h"
 
 #define FSDP_FASTPATH_MAGIC 0x68747066u /* "fpth" */
-#define FSDP_FASTPATH_VERSION 2u
+#define FSDP_FASTPATH_VERSION 3u
 #define FSDP_FASTPATH_ENTRIES 64u
 #define FSDP_FASTPATH_MAX_INFLIGHT (FSDP_FASTPATH_ENTRIES / 2)
 
@@ -63,6 +63,8 @@ typedef struct fsdp_fast_request {
   uint8_t backward; /* Unshard */
   uint8_t accumulate; /* ReduceScatter, AllReduce */
   uint8_t reduce_flags; /* ReduceScatter, AllReduce: FSDP_FAST_* below, UnitOpRequest's */
+  uint16_t event;   /* UnitOpRequest.event: 0, or i + 1 for the session's CUDA event i */
+  uint8_t reserved[6];
 } fsdp_fast_request_t;
 
 typedef struct fsdp_fast_reply {
@@ -95,7 +97,7 @@ typedef struct fsdp_fast_region {
   fsdp_fast_reply_t replies[FSDP_FASTPATH_ENTRIES];
 } fsdp_fast_region_t;
 
-_Static_assert(sizeof(fsdp_fast_request_t) == 24, "fast path request layout");
+_Static_assert(sizeof(fsdp_fast_request_t) == 32, "fast path request layout");
 _Static_assert(sizeof(fsdp_fast_reply_t) == 40 + FSDP_STATUS_MESSAGE_MAX, "fast path reply layout");
 _Static_assert(offsetof(fsdp_fast_region_t, requests_ring) == 64, "fast path region layout");
 _Static_assert(offsetof(fsdp_fast_region_t, daemon_polling) == 320, "fast path region layout");

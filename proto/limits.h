@@ -35,4 +35,11 @@
  * hold the unit until the job's steps came to it: at 2^64 - 1, for the rest of the job. */
 #define FSDP_STEP_AHEAD_MAX 64
 
+/* The memory channel's welcome for a job on a GPU: the CUDA IPC events of a session
+ * (ChannelWelcome.cuda_events), each a cudaIpcEventHandle_t. A trainer records them in
+ * turn, so an event is recorded again only after as many operations more: by then the
+ * daemon has long waited on its earlier record. */
+#define FSDP_SESSION_CUDA_EVENTS 16
+#define FSDP_CUDA_IPC_EVENT_BYTES 64
+
 #endif

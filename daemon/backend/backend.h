@@ -12,9 +12,11 @@
  * for staging, and the operations on the memory (cast, reduce, copy, an optimizer's step,
  * a sum of squares), each complete when its call returns (the GPU's are queued on the
  * daemon's stream and waited for), so a caller on the thread pool holds no handle to wait
- * on and a trainer's next request sees the result. Trainers' streams order themselves after
- * the daemon's work by that reply (the fallback the CUDA backend's design allows where no
- * event is shared).
+ * on and a trainer's next request sees the result: a trainer's stream needs no event of the
+ * daemon's, the reply is the order. The other way, a GPU's trainer records an event of its
+ * session's (fsdp_backend_event_new) on its stream before each request, and the daemon's
+ * streams wait on it (fsdp_backend_wait_event) before the work that follows: neither side's
+ * host thread waits for the other's device.
  *
  * Every call but the constructor and cleanup may run on any thread, but the operations one
  * at a time: the data plane runs one work item at a time. fsdp_backend_copy_beside may run
@@ -30,6 +32,9 @@
 #include "kernels/optim.h"
 
 typedef struct fsdp_backend fsdp_backend_t;
+
+/* An event another process records and the backend's streams wait on (a GPU's IPC event). */
+typedef struct fsdp_backend_event fsdp_backend_event_t;
 
 /* Memory of a backend's own that trainers map (a GPU's): one allocation exported as a file
  * descriptor, mapped read-write by the daemon, zeroed once. */
@@ -66,6 +71,12 @@ typedef struct fsdp_backend_ops {
               fsdp_status_t *st);
   int (*copy_beside)(const fsdp_backend_t *b, void *dst, const void *src, size_t bytes,
                      fsdp_status_t *st);
+  /* NULL where the backend's memory is the host's: a trainer's writes are done when it
+   * calls. */
+  int (*event_new)(const fsdp_backend_t *b, fsdp_backend_event_t **ret,
+                   unsigned char handle[64], fsdp_status_t *st);
+  void (*event_free)(const fsdp_backend_t *b, fsdp_backend_event_t *event);
+  int (*wait_event)(const fsdp_backend_t *b, fsdp_backend_event_t *event, fsdp_status_t *st);
 } fsdp_backend_ops_t;
 
 struct fsdp_backend {
@@ -173,5 +184,29 @@ static inline int fsdp_backend_copy(const fsdp_backend_t *b, void *dst, const vo
 static inline int fsdp_backend_copy_beside(const fsdp_backend_t *b, void *dst, const void *src,
                                            size_t bytes, fsdp_status_t *st) {
   return b->ops->copy_beside(b, dst, src, bytes, st);
+}
+
+/* Whether a trainer orders the daemon after its device's work by events (a GPU's jobs). */
+static inline bool fsdp_backend_has_events(const fsdp_backend_t *b) {
+  return b->ops->event_new != NULL;
+}
+/* A new event in *ret, with the handle another process opens it by (64 bytes, a
+ * cudaIpcEventHandle_t); undone by fsdp_backend_event_free, NULL-safe. Loop thread. */
+static inline int fsdp_backend_event_new(const fsdp_backend_t *b, fsdp_backend_event_t **ret,
+                                         unsigned char handle[64], fsdp_status_t *st) {
+  if (!b->ops->event_new)
+    return fsdp_status_set(st, FSDP_E_INTERNAL, "the %s backend has no events", b->ops->name);
+  return b->ops->event_new(b, ret, handle, st);
+}
+static inline void fsdp_backend_event_free(const fsdp_backend_t *b, fsdp_backend_event_t *event) {
+  if (event)
+    b->ops->event_free(b, event);
+}
+/* Every operation called after this, fsdp_backend_copy_beside's included, runs after the
+ * event's latest record; the calling thread does not wait. Loop thread: the data plane's
+ * work that follows in the trainer's order starts later. */
+static inline int fsdp_backend_wait_event(const fsdp_backend_t *b, fsdp_backend_event_t *event,
+                                          fsdp_status_t *st) {
+  return b->ops->wait_event(b, event, st);
 }
 #endif

@@ -111,6 +111,29 @@ static int copy_beside(const fsdp_backend_t *b, void *dst, const void *src, size
   return queued(c, c->beside_stream, c->cuda->copy(c->beside_stream, dst, src, bytes, st), st);
 }
 
+/* The backend's event is the module's: the cast keeps the module's type out of backend.h. */
+static int event_new(const fsdp_backend_t *b, fsdp_backend_event_t **ret,
+                     unsigned char handle[64], fsdp_status_t *st) {
+  const cuda_backend_t *c = state_of(b);
+  fsdp_cuda_event_t *ev;
+  int r = c->cuda->event_new(c->device.ordinal, &ev, handle, st);
+  if (r == 0)
+    *ret = (fsdp_backend_event_t *)ev;
+  return r;
+}
+
+static void event_free(const fsdp_backend_t *b, fsdp_backend_event_t *event) {
+  state_of(b)->cuda->event_free((fsdp_cuda_event_t *)event);
+}
+
+/* Both streams: a snapshot's copies beside the work read what the trainer wrote too. */
+static int wait_event(const fsdp_backend_t *b, fsdp_backend_event_t *event, fsdp_status_t *st) {
+  const cuda_backend_t *c = state_of(b);
+  fsdp_cuda_event_t *ev = (fsdp_cuda_event_t *)event;
+  int r = c->cuda->stream_wait(c->stream, ev, st);
+  return r < 0 ? r : c->cuda->stream_wait(c->beside_stream, ev, st);
+}
+
 static const fsdp_backend_ops_t cuda_ops = {
     .name = "cuda",
     .cleanup = cleanup,
@@ -125,6 +148,9 @@ static const fsdp_backend_ops_t cuda_ops = {
     .zero = zero,
     .copy = copy,
     .copy_beside = copy_beside,
+    .event_new = event_new,
+    .event_free = event_free,
+    .wait_event = wait_event,
 };
 
 int fsdp_backend_init_cuda(fsdp_backend_t *b, const fsdp_cuda_module_t *cuda,

@@ -195,7 +195,8 @@ static bool run(fsdp_fastpath_t *fp, const fsdp_fast_request_t *rq) {
       ((rq->kind == FSDP_FAST_REDUCE_SCATTER || all_reduce) &&
        fsdp_unit_ops_check_reduce(u, all_reduce, &st) < 0) ||
       (rq->kind != FSDP_FAST_RESHARD &&
-       fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0)) {
+       fsdp_unit_ops_check_step(job, u, rq->step, &st) < 0) ||
+      fsdp_unit_ops_order_after_trainer(s, rq->event, &st) < 0) {
     reply(fp, rq->seq, method, &st, NULL);
     return false;
   }

@@ -12,11 +12,14 @@
 #include "daemon/services/fastpath.h"
 #include "daemon/services/operator_service.h"
 #include "daemon/services/peer_service.h"
+#include "daemon/services/trainer_events.h"
 #include "daemon/services/trainer_service.h"
 #include "proto/fastpath.h"
 
 /* A trainer's hello on the memory channel: the session must be the caller's own and have no
- * channel yet; the answer carries its job's arena, made on the job's first need. */
+ * channel yet; the answer carries its job's arena, made on the job's first need, its fast
+ * path, and on a GPU its events. What it opened for the session before a refusal goes when
+ * the session ends (the refused trainer detaches). */
 static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
                             const Fsdp__V1__ChannelHello *hello, const fsdp_credentials_t *cred,
                             fsdp_channel_welcome_t *w) {
@@ -51,6 +54,19 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
   }
   w->n = 2;
   w->n_fds = 2;
+  const fsdp_backend_t *backend = &ctx->dataplane->backend;
+  if (fsdp_backend_has_events(backend)) {
+    fsdp_trainer_events_close(s->cuda_events); /* of a refused hello before */
+    s->cuda_events = NULL;
+    fsdp_trainer_events_t *events;
+    if (fsdp_trainer_events_open(backend, &events, w->cuda_event_handles, &w->status) < 0)
+      return;
+    s->cuda_events = events;
+    for (size_t i = 0; i < FSDP_SESSION_CUDA_EVENTS; i++)
+      w->cuda_events[i] = (ProtobufCBinaryData){.len = FSDP_CUDA_IPC_EVENT_BYTES,
+                                                .data = w->cuda_event_handles[i]};
+    w->n_cuda_events = FSDP_SESSION_CUDA_EVENTS;
+  }
   int fast_fds[3];
   size_t fast_bytes;
   if (fsdp_fastpath_open(ctx, s, fast_fds, &fast_bytes, &w->status) < 0)

@@ -214,8 +214,9 @@ static void trainer_register_unit(fsdp_rpc_call_t *call, const ProtobufCMessage 
                           &who, &p->op, on_registered, p);
 }
 
-/* The session and unit a UnitOp names, the unit registered by the session's rank; fails
- * the call and returns NULL otherwise. */
+/* The session and unit a UnitOp names, the unit registered by the session's rank, the
+ * daemon's device work ordered after the trainer's (its event); fails the call and returns
+ * NULL otherwise. */
 static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
                             const Fsdp__V1__UnitOpRequest *rq, fsdp_session_t **ret_session,
                             fsdp_job_t **ret_job) {
@@ -225,7 +226,8 @@ static fsdp_unit_t *op_unit(fsdp_rpc_call_t *call, fsdp_services_context_t *ctx,
   fsdp_job_t *job = fsdp_store_find_job(ctx->store, s->job);
   fsdp_unit_t *u = job ? fsdp_store_find_unit(job, rq->unit) : NULL;
   fsdp_status_t st;
-  if (fsdp_unit_ops_check_unit(s, u, rq->unit, &st) < 0) {
+  if (fsdp_unit_ops_check_unit(s, u, rq->unit, &st) < 0 ||
+      fsdp_unit_ops_order_after_trainer(s, rq->event, &st) < 0) {
     fsdp_services_fail_call(call, &st);
     return NULL;
   }

@@ -1,6 +1,7 @@
 /* Checks and arguments shared by the Trainer handlers and the fast path. */
 #include "daemon/services/unit_ops.h"
 
+#include "daemon/services/trainer_events.h"
 #include "proto/limits.h"
 
 fsdp_dataplane_rank_t fsdp_unit_ops_rank(const fsdp_session_t *s) {
@@ -11,6 +12,10 @@ fsdp_dataplane_rank_t fsdp_unit_ops_rank(const fsdp_session_t *s) {
 uint64_t fsdp_unit_ops_deadline(const fsdp_services_context_t *ctx) {
   return uv_now(ctx->loop) +
          (uint64_t)fsdp_config_number(ctx->config, FSDP_OPTION_COLLECTIVE_TIMEOUT);
+}
+
+int fsdp_unit_ops_order_after_trainer(fsdp_session_t *s, uint32_t event, fsdp_status_t *st) {
+  return fsdp_trainer_events_wait(s->cuda_events, event, st);
 }
 
 int fsdp_unit_ops_check_unit(const fsdp_session_t *s, const fsdp_unit_t *unit, const char *name,

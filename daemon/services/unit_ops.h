@@ -19,6 +19,12 @@ fsdp_dataplane_rank_t fsdp_unit_ops_rank(const fsdp_session_t *s);
 /* When every local rank must have joined a collective that an operation starts now. */
 uint64_t fsdp_unit_ops_deadline(const fsdp_services_context_t *ctx);
 
+/* The daemon's device work from now on follows the trainer's before its request: the
+ * request's `event` (UnitOpRequest.event), waited on by the backend's streams
+ * (daemon/services/trainer_events.h). INVALID_ARGUMENT naming the field and the value when
+ * the session has no such event. */
+int fsdp_unit_ops_order_after_trainer(fsdp_session_t *s, uint32_t event, fsdp_status_t *st);
+
 /* Whether unit (NULL: no such unit, `name` saying which was asked for) is registered by the
  * session's rank; else FAILED_PRECONDITION or NOT_FOUND, naming it, the job and the rank. */
 int fsdp_unit_ops_check_unit(const fsdp_session_t *s, const fsdp_unit_t *unit, const char *name,

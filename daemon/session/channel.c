@@ -60,6 +60,8 @@ static bool send_welcome(int fd, pid_t pid, fsdp_channel_welcome_t *w) {
     reply.n_memories = w->n;
     reply.memories = w->memories;
     reply.fast_path = w->fast_path;
+    reply.n_cuda_events = w->n_cuda_events;
+    reply.cuda_events = w->cuda_events;
   } else {
     reply.status = (int32_t)fsdp_wire_status_from_error(w->status.code);
     reply.message = w->status.message;

@@ -23,6 +23,7 @@
 #include "common/credentials.h"
 #include "common/list.h"
 #include "common/status.h"
+#include "proto/limits.h"
 #include "daemon/accept/acceptor.h"
 
 #define FSDP_CHANNEL_HELLO_TIMEOUT_MS 5000
@@ -46,6 +47,10 @@ typedef struct fsdp_channel_welcome {
   size_t n_fds;
   Fsdp__V1__FastPath fast_path_storage;
   Fsdp__V1__FastPath *fast_path; /* &fast_path_storage, or NULL */
+  /* A job on a GPU: the session's events' handles (n_cuda_events of them). */
+  unsigned char cuda_event_handles[FSDP_SESSION_CUDA_EVENTS][FSDP_CUDA_IPC_EVENT_BYTES];
+  ProtobufCBinaryData cuda_events[FSDP_SESSION_CUDA_EVENTS];
+  size_t n_cuda_events;
 } fsdp_channel_welcome_t;
 
 typedef struct fsdp_channel_callbacks {

@@ -41,6 +41,7 @@ typedef struct fsdp_session {
   unsigned parked;       /* calls naming it that the daemon holds (fsdp_session_call_*) */
   void *channel;         /* its memory channel connection (daemon/session/channel.h), or NULL */
   void *fast_path;       /* its fast path (daemon/services/fastpath.h), or NULL */
+  void *cuda_events;     /* its job on a GPU: daemon/services/trainer_events.h; else NULL */
   struct fsdp_session *next;
 } fsdp_session_t;
 

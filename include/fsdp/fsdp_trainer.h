@@ -250,10 +250,20 @@ void *fsdp_trainer_memory(const fsdp_trainer_t *trainer, size_t *ret_size);
 /* Where the job's memory is, and so every pointer of the unit views: -1, host memory; d,
  * memory of CUDA device d (a daemon whose backend is cuda), mapped in the device's primary
  * context, which the CUDA runtime and PyTorch use. Device pointers are then read and written
- * by the trainer's kernels only, and the daemon reads what they wrote once they are done:
- * synchronize the stream that wrote masters or gradients before the Unshard or ReduceScatter
- * that reads them (the replies come after the daemon's own work has ended). */
+ * by the trainer's kernels only, and the daemon must read what they wrote after they ran:
+ * name the stream they run on with fsdp_trainer_set_cuda_stream, or synchronize it before
+ * each unit operation. The replies come after the daemon's own work has ended, so what it
+ * wrote is there for any kernel queued after a call returns. */
 int fsdp_trainer_memory_device(const fsdp_trainer_t *trainer);
+
+/* A job on a GPU: the CUDA stream (a cudaStream_t or CUstream; NULL: the legacy default
+ * stream) that the trainer's kernels run on, until set again. Each unit operation then
+ * records one of the session's CUDA IPC events on it before its request, and the daemon's
+ * work for the request waits for it on the GPU: no thread of either side waits for the
+ * other's kernels, and a started Unshard overlaps the compute queued after it.
+ * FAILED_PRECONDITION, saying why, when the session has no events (host memory,
+ * FSDP_CUDA_EVENTS=off, or a daemon that sent none): synchronize instead. */
+int fsdp_trainer_set_cuda_stream(fsdp_trainer_t *trainer, void *stream);
 
 /* Renews the session's lease; trainers idle longer than the lease call it. */
 int fsdp_trainer_keepalive(fsdp_trainer_t *trainer);

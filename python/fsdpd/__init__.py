@@ -240,9 +240,13 @@ class Unit:
         c._check_open()
         if self.device >= 0:
             # The daemon reads what the trainer's kernels wrote (masters, full_grad) and
-            # reuses what they read (a copy given back): they must have run. Its replies
-            # come after its own work has, so nothing is needed after the call.
-            _torch.cuda.synchronize(self.device)
+            # reuses what they read (a copy given back): they must run first. The request
+            # carries an event recorded on the current stream, which the daemon's streams
+            # wait on (or, with no events, the device is synchronized first). Its replies
+            # come after its own work has run, so nothing is needed after the call.
+            stream = _torch.cuda.current_stream(self.device).cuda_stream
+            if _lib.lib().fsdp_trainer_set_cuda_stream(c._trainer, stream) != 0:
+                _torch.cuda.synchronize(self.device)
         rc = c._call(f"{what} of unit '{self.name}'", fn, c._trainer, self._handle, *args)
         self._follow_view()
         return rc

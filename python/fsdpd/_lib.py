@@ -111,6 +111,7 @@ _SIGNATURES = {
                                                   ctypes.POINTER(_p)]),
     "fsdp_unit_view": (ctypes.POINTER(UnitView), [_p]),
     "fsdp_trainer_memory_device": (ctypes.c_int, [_p]),
+    "fsdp_trainer_set_cuda_stream": (ctypes.c_int, [_p, ctypes.c_void_p]),
     "fsdp_trainer_unshard": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_int]),
     "fsdp_trainer_unshard_start": (ctypes.c_int, [_p, _p, ctypes.c_uint64, ctypes.c_int]),
     "fsdp_trainer_wait": (ctypes.c_int, [_p, _p, ctypes.c_int]),

@@ -33,8 +33,9 @@ PYTHON = os.environ.get("FSDP_TEST_PYTHON") or shutil.which("python3") or sys.ex
 WORKER = SOURCE_DIR / "tests" / "integration" / "shard_model_worker.py"
 STEPS = 4
 CHILD_TIMEOUT = 180
-# Port 0 for the metrics: two daemons run at once.
-DAEMON_ARGS = ("--set", "memory.job_limit=256MiB", "--metrics-listen", "127.0.0.1:0")
+# Ports 0 for health and metrics: two daemons run at once.
+DAEMON_ARGS = ("--set", "memory.job_limit=256MiB", "--health-listen", "127.0.0.1:0",
+               "--metrics-listen", "127.0.0.1:0")
 
 
 def _cuda_torch():
@@ -267,10 +268,12 @@ def test_a_gpus_checkpoint_loads_into_a_host_job_and_back(tmp_path):
 @pytest.mark.parametrize("clip", [False, True], ids=["adamw", "adamw-clipped"])
 def test_the_daemons_optimizer_on_the_gpu_trains_like_torch_optim(daemon, clip):
     """fsdpd.optim's AdamW stepping the masters on the daemon's GPU (the host kernels'
-    arithmetic, bit for bit as tests/gpu/test_cuda_kernels.c checks), against torch's AdamW
-    on the same GPU in one process on the whole batch; clipped to a norm of 0.5 with the
-    squares summed in double, as the reference clips. torch's CUDA kernels round as they
-    do, hence the fp32 tolerance."""
+    arithmetic, as tests/gpu/test_cuda_kernels.c checks) against one process on the whole
+    batch on the same GPU, whose gradients are the ranks' reduced as the daemon reduces them
+    and whose step is torch's AdamW on a CPU copy with the IEEE root: the host's arithmetic
+    (torch's CUDA AdamW contracts a*b+c into one rounding, 1e-4 away after 4 steps). Bit
+    for bit; clipped to a norm of 0.5, the GPU sums the squares in an order of its own,
+    whose last bits the clip's scale carries, hence a tolerance there."""
     args = ("--optim", "adamw", *(("--clip",) if clip else ()))
     procs = [_start(daemon, "rank", 2, r, *args) for r in range(2)]
     procs.append(_start(None, "reference", 2, 0, *args, "--world", "2",
@@ -281,7 +284,8 @@ def test_the_daemons_optimizer_on_the_gpu_trains_like_torch_optim(daemon, clip):
     _report(test=f"the daemon's AdamW on the GPU{', clipped' if clip else ''}", steps=STEPS,
             worst_loss_rel=worst_loss, worst_param_rel=worst_param)
     assert abs(want[STEPS] - want[1]) > 1e-3 * abs(want[1])  # training moved
-    assert worst_loss <= 1e-5 and worst_param <= 1e-5, (worst_loss, worst_param)
+    bound = 1e-5 if clip else 0.0
+    assert worst_loss <= bound and worst_param <= bound, (worst_loss, worst_param)
     unit = json.loads(daemon.fsdpctl("--json", "unit", "blocks.0"))
     assert unit["optimizer_steps"] == STEPS, unit
 

@@ -24,6 +24,7 @@ the ranks step with fsdpd.optim's optimizer in the daemon, the reference with to
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -212,9 +213,15 @@ def reference(args):
         with torch.no_grad():
             for m in model.modules():
                 init(m)
-    opt, schedule = torch_optimizer(model, args)
+    # Against the daemon's optimizer on a GPU, the step on a CPU copy: the host's arithmetic,
+    # which the daemon's kernels compute on the GPU too (no a*b+c contracted), where torch's
+    # CUDA optimizers contract it.
+    shadow = copy.deepcopy(model).cpu() \
+        if DEVICE.type == "cuda" and args.optim in DAEMON_OPTIM else None
+    opt, schedule = torch_optimizer(model if shadow is None else shadow, args)
     for step in range(1, args.steps + 1):
         opt.zero_grad()
+        model.zero_grad()
         parts = micro_batches(step, args.features)
         total = 0.0
         world, hosts = args.world, args.hosts
@@ -235,8 +242,15 @@ def reference(args):
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         # Against the daemon's optimizer, torch.optim's with the IEEE square root that the
         # daemon's kernels take (ieee_sqrt.py says why).
+        if shadow is not None:
+            for p, q in zip(model.parameters(), shadow.parameters()):
+                q.grad = None if p.grad is None else p.grad.cpu()
         with ieee_sqrt() if args.optim in DAEMON_OPTIM else contextlib.nullcontext():
             opt.step()
+        if shadow is not None:
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), shadow.parameters()):
+                    p.copy_(q)
         if schedule:
             schedule.step()
         emit(step=step, loss=total)

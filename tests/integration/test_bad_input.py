@@ -388,7 +388,8 @@ def test_health_connections_must_outnumber_the_streams():
 
 class FastPath:
     """A session's fast path (proto/fastpath.h) driven by hand: one request at a time."""
-    REQUESTS, REPLIES, REPLY_BYTES = 448, 448 + 64 * 24, 40 + 512
+    REQUEST, REPLY_BYTES = "<QQIBBBBH6x", 40 + 512  # fsdp_fast_request_t, _reply_t
+    REQUESTS, REPLIES = 448, 448 + 64 * struct.calcsize(REQUEST)
 
     def __init__(self, welcome, fds):
         self.region = mmap.mmap(fds[welcome.fast_path.memory],
@@ -396,11 +397,12 @@ class FastPath:
         self.bell = fds[3]
         self.seq = 0
 
-    def op(self, kind, unit_id, step, backward=0):
+    def op(self, kind, unit_id, step, backward=0, event=0):
         """kind: 1 Unshard, 3 ReduceScatter, 4 AllReduce; returns (code, message)."""
         head = struct.unpack_from("<I", self.region, 64)[0]
-        struct.pack_into("<QQIBBBB", self.region, self.REQUESTS + head % 64 * 24, self.seq,
-                         step, unit_id, kind, backward, 0, 0)
+        struct.pack_into(self.REQUEST, self.region,
+                         self.REQUESTS + head % 64 * struct.calcsize(self.REQUEST), self.seq,
+                         step, unit_id, kind, backward, 0, 0, event)
         struct.pack_into("<I", self.region, 64, head + 1)
         os.write(self.bell, struct.pack("<Q", 1))
         tail = struct.unpack_from("<I", self.region, 256)[0]
@@ -460,6 +462,38 @@ def test_a_step_far_ahead_is_refused_and_leaves_the_unit_working(fsdpd):
     refused("Unshard", "u", 67, 2)
     code, message = fast.op(1, ids["u"], 66)
     assert code == 0, message
+    d.assert_serving()
+    fast.region.close()
+    for fd in fds:
+        os.close(fd)
+    s.close()
+
+
+def test_a_cuda_event_the_session_lacks_is_refused_naming_it(fsdpd):
+    """UnitOpRequest.event names one of the session's CUDA events, which only a job on a GPU
+    has: on a host job any event is refused through gRPC and the fast path, naming the field
+    and its value, and the unit trains on."""
+    from test_memory_channel import attach, hello
+    d = fsdpd()
+    session = attach(d, 0, world=1).session_id
+    s, welcome, fds = hello(str(d.run_dir / "fsdpd.mem.sock"), session)
+    assert not welcome.cuda_events  # host memory: no events
+    fast = FastPath(welcome, fds)
+    unit_id = d.call("/fsdp.v1.Trainer/RegisterUnit", trainer_pb2.RegisterUnitRequest(
+        session_id=session, unit="u", strategy=common_pb2.FULL_SHARD, params=[
+            trainer_pb2.ParamSpec(name="w", shape=[8], dtype=common_pb2.DTYPE_FP32,
+                                  requires_grad=True)]), trainer_pb2.RegisterUnitReply).unit_id
+    for name, kind, event in (("Unshard", 1, 1), ("ReduceScatter", 3, 17), ("Reshard", 2, 65535)):
+        expected = (f"event {event}: the session has no CUDA events (its job's memory is the "
+                    "host's)")
+        with pytest.raises(grpc.RpcError) as e:
+            d.call(f"/fsdp.v1.Trainer/{name}", trainer_pb2.UnitOpRequest(
+                session_id=session, unit="u", step=1, event=event), trainer_pb2.UnitOpReply)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert expected in e.value.details()
+        code, message = fast.op(kind, unit_id, 1, event=event)
+        assert code == -5001 and expected in message, (code, message)  # INVALID_ARGUMENT
+    assert fast.op(1, unit_id, 1) == (0, "")  # the unit was not touched
     d.assert_serving()
     fast.region.close()
     for fd in fds:

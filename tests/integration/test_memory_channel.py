@@ -131,7 +131,7 @@ def test_a_forged_fast_path_cannot_hold_the_daemon(fsdpd):
     d = fsdpd()
     a = attach(d, 0, world=1)
     s, w, fds = hello(a.memory_socket, a.session_id)
-    assert w.status == OK and w.fast_path.version == 2
+    assert w.status == OK and w.fast_path.version == 3
     region = mmap.mmap(fds[w.fast_path.memory], w.memories[w.fast_path.memory].bytes)
     struct.pack_into("<I", region, 64, 1 << 31)  # the request ring's head
     os.write(fds[3], struct.pack("<Q", 1))         # the daemon's doorbell
@@ -167,7 +167,7 @@ def test_dropped_fast_path_replies_are_logged_once_with_their_count(fsdpd):
     other.register()
     region = mmap.mmap(fds[w.fast_path.memory], w.memories[w.fast_path.memory].bytes)
     for seq in range(5):  # five Unshards of step 1, waiting for rank 1
-        struct.pack_into("<QQIBBBB", region, 448 + seq * 24, seq, 1, unit_id, 1, 0, 0, 0)
+        struct.pack_into("<QQIBBBBH6x", region, 448 + seq * 32, seq, 1, unit_id, 1, 0, 0, 0, 0)
     struct.pack_into("<I", region, 64, 5)
     os.write(fds[3], struct.pack("<Q", 1))
     poll(lambda: struct.unpack_from("<I", region, 128)[0] == 5, 5, what="the requests taken")

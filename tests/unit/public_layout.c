@@ -105,6 +105,7 @@ int main(void) {
   PRINT_FUNCTION(fsdp_trainer_register_unit, 0, 0, 0);
   PRINT_FUNCTION(fsdp_unit_view, 0);
   PRINT_FUNCTION(fsdp_trainer_memory_device, 0);
+  PRINT_FUNCTION(fsdp_trainer_set_cuda_stream, 0, 0);
   PRINT_FUNCTION(fsdp_trainer_unshard, 0, 0, 0, 0);
   PRINT_FUNCTION(fsdp_trainer_unshard_start, 0, 0, 0, 0);
   PRINT_FUNCTION(fsdp_trainer_wait, 0, 0, 0);
