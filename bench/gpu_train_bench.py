@@ -153,8 +153,17 @@ def worker(args):
         if cuda:
             torch.cuda.synchronize(device)
 
-    times, losses = [], []
+    setup_bytes = torch.cuda.memory_allocated(device) if cuda else 0
+    times, losses, phases = [], [], {}
+
+    def phase(name, last):
+        """The peak of the last step's phase, from the phase's start (device bytes)."""
+        if cuda and last:
+            phases[name] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
     for step in range(args.warmup + args.steps):
+        last = step == args.warmup + args.steps - 1
         if step == args.warmup:
             in_calls.clear()
         tokens, targets = (t.to(device) for t in rank_slice(
@@ -162,18 +171,25 @@ def worker(args):
         sync()
         t0 = time.perf_counter()
         opt.zero_grad()
+        peak = torch.cuda.max_memory_allocated(device) if cuda and last else 0
+        phase("earlier_steps", last)
         with autocast:
             logits = model(tokens)
         loss = loss_fn(logits.float(), targets)
+        phase("forward", last)
         loss.backward()
+        phase("backward", last)
         opt.step()
+        phase("optimizer", last)
         sync()
         t1 = time.perf_counter()
         losses.append(loss.item())
         if step >= args.warmup:
             times.append((t1 - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    # The peak over the run: the last step's phases reset the counter, so theirs count too.
+    peak = max([peak, *phases.values()]) if cuda else 0
     print(json.dumps({"rank": rank, "step_ms": times, "losses": losses, "peak_bytes": peak,
+                      "setup_bytes": setup_bytes, "phase_peak_bytes": phases,
                       "in_calls": in_calls}), flush=True)
     if client is not None:
         client.close()
@@ -276,7 +292,9 @@ def run_system(system, args, model):
             / args.steps * 1e3, "calls": calls,
             "peak_bytes": sum(o["peak_bytes"] for o in outs) + daemon_bytes,
             "peak_reserved_bytes": sum(o["peak_bytes"] for o in outs) + reserved,
-            "daemon_bytes": daemon_bytes, "daemon_reserved_bytes": reserved, "loss": statistics.mean(o["losses"][-1] for o in outs)}
+            "daemon_bytes": daemon_bytes, "daemon_reserved_bytes": reserved,
+            "setup_bytes": [o["setup_bytes"] for o in outs],
+            "phase_peak_bytes": [o["phase_peak_bytes"] for o in outs], "loss": statistics.mean(o["losses"][-1] for o in outs)}
 
 
 def report(rows, model):

@@ -225,6 +225,8 @@ class _FlatUnit:
         # so that what autograd saved in the forward reads the backward's gather.
         self.own = _torch.empty(u.padded_numel, dtype=u.dtype, device=u.master.device) \
             if u.device >= 0 else None
+        if self.own is not None:  # made by the first unshard: every unit's at once is the model
+            self.own.untyped_storage().resize_(0)
         self.own_step = 0  # the step the storage holds (0: freed)
         # How much of its shard this rank steps: all of it, but with NO_SHARD, whose one
         # shard (the whole unit) every rank of a host shares in the host's memory, local rank
