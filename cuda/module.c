@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/kernels.h"
+#include "cuda/nccl.h"
 
 /* The driver API version whose cuDeviceGetAttribute signature we call. */
 #define DRIVER_API_VERSION 12000
@@ -388,6 +389,28 @@ static int stream_wait(fsdp_cuda_stream_t *s, fsdp_cuda_event_t *ev, fsdp_status
   return e == cudaSuccess ? 0 : cuda_failed(st, "cudaStreamWaitEvent", e);
 }
 
+#if FSDP_HAVE_NCCL
+/* The table's NCCL entries: the module's streams hold the cudaStream_t NCCL queues on. */
+static int all_gather(fsdp_cuda_comm_t *c, fsdp_cuda_stream_t *s, const void *send, void *recv,
+                      size_t count, fsdp_dtype_t type, int64_t deadline_ms, fsdp_status_t *st) {
+  return fsdp_cuda_all_gather(c, s->stream, send, recv, count, type, deadline_ms, st);
+}
+
+static int reduce_scatter(fsdp_cuda_comm_t *c, fsdp_cuda_stream_t *s, const void *send,
+                          void *recv, size_t count, fsdp_dtype_t type, float pre_scale,
+                          int64_t deadline_ms, fsdp_status_t *st) {
+  return fsdp_cuda_reduce_scatter(c, s->stream, send, recv, count, type, pre_scale,
+                                  deadline_ms, st);
+}
+
+static int all_reduce(fsdp_cuda_comm_t *c, fsdp_cuda_stream_t *s, const void *send, void *recv,
+                      size_t count, fsdp_dtype_t type, float pre_scale, int64_t deadline_ms,
+                      fsdp_status_t *st) {
+  return fsdp_cuda_all_reduce(c, s->stream, send, recv, count, type, pre_scale, deadline_ms,
+                              st);
+}
+#endif
+
 static const fsdp_cuda_module_t module = {
     .version = FSDP_CUDA_MODULE_VERSION,
     .versions = versions,
@@ -408,6 +431,14 @@ static const fsdp_cuda_module_t module = {
     .event_new = event_new,
     .event_free = event_free,
     .stream_wait = stream_wait,
+#if FSDP_HAVE_NCCL
+    .nccl_id = fsdp_cuda_nccl_id,
+    .comm_new = fsdp_cuda_comm_new,
+    .comm_free = fsdp_cuda_comm_free,
+    .all_gather = all_gather,
+    .reduce_scatter = reduce_scatter,
+    .all_reduce = all_reduce,
+#endif
 };
 
 __attribute__((visibility("default"))) const fsdp_cuda_module_t *fsdp_cuda_module(void) {

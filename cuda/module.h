@@ -14,10 +14,11 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "cuda/nccl.h"
 #include "kernels/dtype.h"
 #include "kernels/optim_elements.h"
 
-#define FSDP_CUDA_MODULE_VERSION 6u
+#define FSDP_CUDA_MODULE_VERSION 7u
 #define FSDP_CUDA_MODULE_SYMBOL "fsdp_cuda_module"
 #define FSDP_CUDA_DEVICES_MAX 16
 
@@ -107,6 +108,31 @@ typedef struct fsdp_cuda_module {
   /* Work queued on the stream from now on waits for the event's latest record, whichever
    * process recorded it; the host thread does not wait. */
   int (*stream_wait)(fsdp_cuda_stream_t *stream, fsdp_cuda_event_t *event, fsdp_status_t *st);
+
+  /* NCCL, where the module was built with it (every pointer below NULL otherwise). Each
+   * communicator is non-blocking and every call takes a deadline (fsdp_clock_now_ms's
+   * clock): past it the communicator is aborted and the call fails with DEADLINE_EXCEEDED,
+   * so a rank that never joins ends the wait; an aborted communicator only frees.
+   * A new communicator's id, made by one rank and carried to the others. */
+  int (*nccl_id)(unsigned char id[FSDP_CUDA_NCCL_ID_BYTES], fsdp_status_t *st);
+  /* Rank `rank` of `nranks` on GPU `ordinal` of the communicator `id` names, once every
+   * rank joined. */
+  int (*comm_new)(int ordinal, int nranks, int rank, const unsigned char id[FSDP_CUDA_NCCL_ID_BYTES],
+                  int64_t deadline_ms, fsdp_cuda_comm_t **ret, fsdp_status_t *st);
+  void (*comm_free)(fsdp_cuda_comm_t *comm); /* NULL-safe */
+  /* Collectives queued on the stream and waited for: count elements from each rank into
+   * recv (count x nranks); each rank's count-element part of the sum of every rank's send
+   * (count x nranks) times pre_scale; all of that sum, count elements. The reductions are
+   * of fp32. */
+  int (*all_gather)(fsdp_cuda_comm_t *comm, fsdp_cuda_stream_t *stream, const void *send,
+                    void *recv, size_t count, fsdp_dtype_t type, int64_t deadline_ms,
+                    fsdp_status_t *st);
+  int (*reduce_scatter)(fsdp_cuda_comm_t *comm, fsdp_cuda_stream_t *stream, const void *send,
+                        void *recv, size_t count, fsdp_dtype_t type, float pre_scale,
+                        int64_t deadline_ms, fsdp_status_t *st);
+  int (*all_reduce)(fsdp_cuda_comm_t *comm, fsdp_cuda_stream_t *stream, const void *send,
+                    void *recv, size_t count, fsdp_dtype_t type, float pre_scale,
+                    int64_t deadline_ms, fsdp_status_t *st);
 } fsdp_cuda_module_t;
 
 /* The module's one exported symbol (FSDP_CUDA_MODULE_SYMBOL). */

@@ -24,9 +24,10 @@ die() {
   exit 1
 }
 
-# Libraries the target machine provides: glibc's, the C++ runtime, and the GPU driver's
-# (libcuda must match the kernel module, so it is never bundled).
-system_lib='^(linux-vdso|ld-linux-x86-64|libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s|libcuda|libnvidia-[a-z0-9-]+)\.so'
+# Libraries the target machine provides: glibc's, the C++ runtime, the GPU driver's
+# (libcuda must match the kernel module, so it is never bundled), and NCCL (hundreds of MiB:
+# env.sh finds the one torch's pip packages installed).
+system_lib='^(linux-vdso|ld-linux-x86-64|libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s|libcuda|libnvidia-[a-z0-9-]+|libnccl)\.so'
 # Bundled, but taken from the target where it has them (env.sh): everyone's TLS and
 # compression libraries.
 common_lib='^(libssl|libcrypto|libz|liblzma|libzstd|liblz4|libgcrypt|libgpg-error|libcap|libnuma)\.so'

@@ -19,6 +19,7 @@ steps=(
   "fsdp-cuda-kernels-bench --mib 256 --runs 20"
   "python3 bench/cuda_unshard_bench.py --mib 64 1024 --runs 20"
   "python3 bench/gpu_train_bench.py --models blocks24 1b --steps 6 --warmup 2"
+  "test_cuda_nccl"
 )
 
 if [[ ${1-} == --list ]]; then

@@ -1,0 +1,234 @@
+/* The CUDA module's NCCL communicators (cuda/module.h's comm_* and the collectives), built
+ * where NCCL is (FSDP_HAVE_NCCL). Every communicator is non-blocking (config.blocking 0), so
+ * that no call waits without a deadline: its set-up and each collective are polled until
+ * done, and past the deadline the communicator is aborted (ncclCommAbort) and the call
+ * fails with DEADLINE_EXCEEDED. A peer that never joins, or never joins a collective, so
+ * ends in time, and the caller makes a new communicator for the job's next run. */
+#include "cuda/nccl.h"
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "common/clock.h"
+
+_Static_assert(sizeof(ncclUniqueId) == FSDP_CUDA_NCCL_ID_BYTES, "an NCCL unique id");
+
+struct fsdp_cuda_comm {
+  ncclComm_t comm;
+  int ordinal, nranks, rank;
+  bool broken; /* aborted, or failed: only freeing is left */
+};
+
+static int nccl_failed(fsdp_status_t *st, const char *call, ncclResult_t e, ncclComm_t comm) {
+  const char *last = comm ? ncclGetLastError(comm) : NULL;
+  return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "%s: %s%s%s", call, ncclGetErrorString(e),
+                         last && *last ? ": " : "", last && *last ? last : "");
+}
+
+static void pause_briefly(void) {
+  struct timespec ts = {.tv_nsec = 50 * 1000}; /* 50 us: a collective's own scale */
+  nanosleep(&ts, NULL);
+}
+
+static void abort_comm(fsdp_cuda_comm_t *c) {
+  if (c->comm && !c->broken)
+    ncclCommAbort(c->comm);
+  c->broken = true;
+}
+
+/* Waits for the communicator's pending call (ncclInProgress) to end, at most to deadline_ms. */
+static int settle(fsdp_cuda_comm_t *c, const char *what, int64_t deadline_ms, fsdp_status_t *st) {
+  for (;;) {
+    ncclResult_t state;
+    ncclResult_t e = ncclCommGetAsyncError(c->comm, &state);
+    if (e != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
+      int r = nccl_failed(st, what, e != ncclSuccess ? e : state, c->comm);
+      abort_comm(c);
+      return r;
+    }
+    if (state == ncclSuccess)
+      return 0;
+    if (fsdp_clock_now_ms() >= deadline_ms) {
+      abort_comm(c);
+      return fsdp_status_set(st, FSDP_E_DEADLINE_EXCEEDED,
+                             "%s: rank %d of %d on GPU %d: not done by its deadline; the "
+                             "communicator was aborted", what, c->rank, c->nranks, c->ordinal);
+    }
+    pause_briefly();
+  }
+}
+
+int fsdp_cuda_nccl_id(unsigned char id[FSDP_CUDA_NCCL_ID_BYTES], fsdp_status_t *st) {
+  ncclUniqueId u;
+  ncclResult_t e = ncclGetUniqueId(&u);
+  if (e != ncclSuccess)
+    return nccl_failed(st, "ncclGetUniqueId", e, NULL);
+  memcpy(id, &u, sizeof u);
+  return 0;
+}
+
+int fsdp_cuda_comm_new(int ordinal, int nranks, int rank,
+                       const unsigned char id[FSDP_CUDA_NCCL_ID_BYTES], int64_t deadline_ms,
+                       fsdp_cuda_comm_t **ret, fsdp_status_t *st) {
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "NCCL communicator: rank %d of %d is not a rank of it", rank, nranks);
+  fsdp_cuda_comm_t *c = calloc(1, sizeof *c);
+  if (!c)
+    return fsdp_status_set(st, -ENOMEM, "out of memory for an NCCL communicator");
+  *c = (fsdp_cuda_comm_t){.ordinal = ordinal, .nranks = nranks, .rank = rank};
+  cudaError_t ce = cudaSetDevice(ordinal);
+  if (ce != cudaSuccess) {
+    free(c);
+    return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "cudaSetDevice(%d): %s", ordinal,
+                           cudaGetErrorString(ce));
+  }
+  ncclUniqueId u;
+  memcpy(&u, id, sizeof u);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t e = ncclCommInitRankConfig(&c->comm, nranks, u, rank, &config);
+  int r = 0;
+  if (e != ncclSuccess && e != ncclInProgress) {
+    r = nccl_failed(st, "ncclCommInitRankConfig", e, c->comm);
+    abort_comm(c);
+  } else {
+    r = settle(c, "ncclCommInitRankConfig", deadline_ms, st);
+  }
+  if (r < 0) {
+    fsdp_cuda_comm_free(c);
+    return r;
+  }
+  *ret = c;
+  return 0;
+}
+
+void fsdp_cuda_comm_free(fsdp_cuda_comm_t *c) {
+  if (!c)
+    return;
+  /* An aborted one is gone already (ncclCommAbort frees it); a healthy one is finalized,
+   * its pending work flushed within a second, then destroyed, or else aborted. */
+  if (c->comm && !c->broken) {
+    ncclResult_t e = ncclCommFinalize(c->comm);
+    fsdp_status_t ignored;
+    if ((e == ncclSuccess || e == ncclInProgress) &&
+        settle(c, "ncclCommFinalize", fsdp_clock_deadline_ms(1000), &ignored) == 0)
+      ncclCommDestroy(c->comm);
+    else
+      abort_comm(c);
+  }
+  free(c);
+}
+
+static ncclDataType_t nccl_type(fsdp_dtype_t type) {
+  switch (type) {
+  case FSDP_DTYPE_BF16:
+    return ncclBfloat16;
+  case FSDP_DTYPE_FP16:
+    return ncclFloat16;
+  default:
+    return ncclFloat32;
+  }
+}
+
+/* Waits for what the stream queued (the collective) to run, polling the communicator's
+ * error meanwhile, at most to deadline_ms. */
+static int wait_stream(fsdp_cuda_comm_t *c, cudaStream_t stream, const char *what,
+                       int64_t deadline_ms, fsdp_status_t *st) {
+  int r = settle(c, what, deadline_ms, st); /* the enqueue itself, non-blocking */
+  while (r == 0) {
+    cudaError_t ce = cudaStreamQuery(stream);
+    if (ce == cudaSuccess)
+      return 0;
+    if (ce != cudaErrorNotReady)
+      return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "%s: %s", what, cudaGetErrorString(ce));
+    ncclResult_t state;
+    if (ncclCommGetAsyncError(c->comm, &state) == ncclSuccess && state != ncclSuccess &&
+        state != ncclInProgress) {
+      r = nccl_failed(st, what, state, c->comm);
+      abort_comm(c);
+    } else if (fsdp_clock_now_ms() >= deadline_ms) {
+      abort_comm(c);
+      r = fsdp_status_set(st, FSDP_E_DEADLINE_EXCEEDED,
+                          "%s: rank %d of %d on GPU %d: not done by its deadline; the "
+                          "communicator was aborted", what, c->rank, c->nranks, c->ordinal);
+    } else {
+      pause_briefly();
+    }
+  }
+  return r;
+}
+
+static int usable(const fsdp_cuda_comm_t *c, const char *what, fsdp_status_t *st) {
+  if (c->broken)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "%s: the communicator was aborted: make a new one", what);
+  cudaError_t ce = cudaSetDevice(c->ordinal);
+  return ce == cudaSuccess ? 0
+                           : fsdp_status_set(st, FSDP_E_UNAVAILABLE, "cudaSetDevice(%d): %s",
+                                             c->ordinal, cudaGetErrorString(ce));
+}
+
+int fsdp_cuda_all_gather(fsdp_cuda_comm_t *c, void *stream, const void *send, void *recv,
+                         size_t count, fsdp_dtype_t type, int64_t deadline_ms,
+                         fsdp_status_t *st) {
+  int r = usable(c, "ncclAllGather", st);
+  if (r < 0)
+    return r;
+  ncclResult_t e = ncclAllGather(send, recv, count, nccl_type(type), c->comm, stream);
+  if (e != ncclSuccess && e != ncclInProgress) {
+    r = nccl_failed(st, "ncclAllGather", e, c->comm);
+    abort_comm(c);
+    return r;
+  }
+  return wait_stream(c, stream, "ncclAllGather", deadline_ms, st);
+}
+
+/* reduce_scatter and all_reduce: the sum of every rank's send, each times pre_scale (the
+ * daemon's pre-divide), by NCCL's PreMulSum. */
+static int reduce(fsdp_cuda_comm_t *c, void *stream, const void *send, void *recv,
+                  size_t count, fsdp_dtype_t type, float pre_scale, bool scatter,
+                  int64_t deadline_ms, fsdp_status_t *st) {
+  const char *what = scatter ? "ncclReduceScatter" : "ncclAllReduce";
+  int r = usable(c, what, st);
+  if (r < 0)
+    return r;
+  /* PreMulSum's scalar is of the data's type: the daemon reduces in fp32 (reduce_dtype). */
+  if (type != FSDP_DTYPE_FP32)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "%s: element type %d: the reductions are in fp32", what, (int)type);
+  ncclRedOp_t op;
+  ncclResult_t e = ncclRedOpCreatePreMulSum(&op, &pre_scale, ncclFloat32, ncclScalarHostImmediate,
+                                            c->comm);
+  if (e != ncclSuccess)
+    return nccl_failed(st, "ncclRedOpCreatePreMulSum", e, c->comm);
+  e = scatter ? ncclReduceScatter(send, recv, count, nccl_type(type), op, c->comm, stream)
+              : ncclAllReduce(send, recv, count, nccl_type(type), op, c->comm, stream);
+  if (e != ncclSuccess && e != ncclInProgress) {
+    r = nccl_failed(st, what, e, c->comm);
+    abort_comm(c);
+  } else {
+    r = wait_stream(c, stream, what, deadline_ms, st);
+  }
+  if (!c->broken)
+    ncclRedOpDestroy(op, c->comm);
+  return r;
+}
+
+int fsdp_cuda_reduce_scatter(fsdp_cuda_comm_t *c, void *stream, const void *send, void *recv,
+                             size_t count, fsdp_dtype_t type, float pre_scale,
+                             int64_t deadline_ms, fsdp_status_t *st) {
+  return reduce(c, stream, send, recv, count, type, pre_scale, true, deadline_ms, st);
+}
+
+int fsdp_cuda_all_reduce(fsdp_cuda_comm_t *c, void *stream, const void *send, void *recv,
+                         size_t count, fsdp_dtype_t type, float pre_scale, int64_t deadline_ms,
+                         fsdp_status_t *st) {
+  return reduce(c, stream, send, recv, count, type, pre_scale, false, deadline_ms, st);
+}
