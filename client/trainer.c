@@ -169,6 +169,7 @@ static void trainer_free(fsdp_trainer_t *t) {
 static int detach_after_failure(fsdp_trainer_t *t, int code) {
   char why[1024];
   snprintf(why, sizeof why, "%s", fsdp_client_last_error(t->client));
+  close_cuda_events(t);
   Fsdp__V1__DetachRequest rq = FSDP__V1__DETACH_REQUEST__INIT;
   rq.session_id = t->session_id;
   ProtobufCMessage *reply = NULL;
@@ -1062,6 +1063,9 @@ static int start(fsdp_trainer_t *t, fsdp_unit_handle_t *u, const op_kind_t *kind
 
 /* Orders the daemon's work for rq after what the trainer's stream queued so far: the
  * session's next event recorded there, named in rq (UnitOpRequest.event). */
+_Static_assert(FSDP_SESSION_CUDA_EVENTS >= FSDP_FASTPATH_MAX_INFLIGHT,
+               "an event is recorded again only once the operation that named it was answered");
+
 static int record_cuda_event(fsdp_trainer_t *t, const fsdp_unit_handle_t *u, const char *api,
                              Fsdp__V1__UnitOpRequest *rq) {
   if (!t->cuda_stream_set)

@@ -37,9 +37,12 @@
 
 /* The memory channel's welcome for a job on a GPU: the CUDA IPC events of a session
  * (ChannelWelcome.cuda_events), each a cudaIpcEventHandle_t. A trainer records them in
- * turn, so an event is recorded again only after as many operations more: by then the
- * daemon has long waited on its earlier record. */
-#define FSDP_SESSION_CUDA_EVENTS 16
+ * turn, so an event is recorded again only after as many operations more. As many as the
+ * fast path's operations in flight (proto/fastpath.h): by its next record, the operation
+ * that named it was answered, so the daemon waited on the record it meant (a later record
+ * on the same stream would only order more; on another stream it would order the wrong
+ * work). */
+#define FSDP_SESSION_CUDA_EVENTS 32
 #define FSDP_CUDA_IPC_EVENT_BYTES 64
 
 #endif

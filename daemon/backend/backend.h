@@ -203,8 +203,9 @@ static inline void fsdp_backend_event_free(const fsdp_backend_t *b, fsdp_backend
     b->ops->event_free(b, event);
 }
 /* Every operation called after this, fsdp_backend_copy_beside's included, runs after the
- * event's latest record; the calling thread does not wait. Loop thread: the data plane's
- * work that follows in the trainer's order starts later. */
+ * event's latest record (fsdp_backend_zero's excepted: it is for memory nothing uses yet);
+ * the calling thread does not wait. Loop thread: the data plane's work that follows in the
+ * trainer's order starts later. */
 static inline int fsdp_backend_wait_event(const fsdp_backend_t *b, fsdp_backend_event_t *event,
                                           fsdp_status_t *st) {
   return b->ops->wait_event(b, event, st);

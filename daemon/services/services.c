@@ -15,6 +15,7 @@
 #include "daemon/services/trainer_events.h"
 #include "daemon/services/trainer_service.h"
 #include "proto/fastpath.h"
+#include "proto/wire.h"
 
 /* A trainer's hello on the memory channel: the session must be the caller's own and have no
  * channel yet; the answer carries its job's arena, made on the job's first need, its fast
@@ -54,6 +55,10 @@ static void channel_welcome(void *data, fsdp_channel_conn_t *conn,
   }
   w->n = 2;
   w->n_fds = 2;
+  /* Each event's handle is a length-delimited field: the memories keep the frame's rest. */
+  _Static_assert(FSDP_SESSION_CUDA_EVENTS * (FSDP_CUDA_IPC_EVENT_BYTES + 2) + 1536 <=
+                     FSDP_CHANNEL_FRAME_BYTES,
+                 "the welcome's events leave room in its frame");
   const fsdp_backend_t *backend = &ctx->dataplane->backend;
   if (fsdp_backend_has_events(backend)) {
     fsdp_trainer_events_close(s->cuda_events); /* of a refused hello before */
