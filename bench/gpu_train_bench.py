@@ -294,7 +294,8 @@ def run_system(system, args, model):
             "peak_reserved_bytes": sum(o["peak_bytes"] for o in outs) + reserved,
             "daemon_bytes": daemon_bytes, "daemon_reserved_bytes": reserved,
             "setup_bytes": [o["setup_bytes"] for o in outs],
-            "phase_peak_bytes": [o["phase_peak_bytes"] for o in outs], "loss": statistics.mean(o["losses"][-1] for o in outs)}
+            "phase_peak_bytes": [o["phase_peak_bytes"] for o in outs],
+            "loss": statistics.mean(o["losses"][-1] for o in outs)}
 
 
 def report(rows, model):

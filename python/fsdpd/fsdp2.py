@@ -37,7 +37,11 @@ DCP works as with FSDP2: the parameters and the optimizer's state are DTensors, 
 torch.distributed.checkpoint's state-dict APIs, dcp.save and dcp.load read and write, at any
 world size (test_dcp.py).
 
-Not yet: reshard_after_forward as an int, explicit unshard()/reshard() and prefetch lists.
+The module methods FSDP2 users call: unshard(async_op) and reshard(),
+set_modules_to_forward_prefetch / set_modules_to_backward_prefetch (the daemon prefetches
+by its own schedule too), set_is_last_backward, set_reshard_after_forward,
+set_requires_gradient_sync. Not yet: set_requires_all_reduce, set_gradient_divide_factor,
+set_reshard_after_backward.
 """
 
 import atexit
@@ -68,6 +72,7 @@ class _Iteration:
         self.groups = []          # every group, in the order fully_shard made them
         self.callback_queued = False  # a backward runs, its end queued
         self.scheduled = False    # the daemon knows which units reshard after forward
+        self.last_backward = True  # the end of a backward waits for its reduces
 
 
 _ITERATION = _Iteration()
@@ -141,6 +146,9 @@ class _Group:
         self.ran_step = 0          # the step whose forward ran with a gradient
         self.backward_step = 0     # the step whose backward unsharded
         self.reducing = False
+        self.started = None        # (step, backward) of an Unshard started, not yet waited
+        self.forward_prefetch = []   # groups whose Unshard this one's forward starts
+        self.backward_prefetch = []  # and its backward
         self.sharded_state()
 
     def _dtensor(self, piece, like):
@@ -171,11 +179,29 @@ class _Group:
         for (owner, attr), p in zip(self.owners, self.unsharded):
             _set_param(owner, attr, p)
 
+    def start_unshard(self, step, backward=False):
+        """Starts the Unshard of step (a prefetch, or unshard(async_op=True)), unless the
+        copy is held or one is under way; unshard() ends it."""
+        self.settle()
+        if self.started or (self.copy_step == step and not backward):
+            return
+        self.unit.unshard_async(step, backward=backward)
+        self.started = (step, backward)
+
+    def _end_started(self):
+        if self.started:
+            self.unit.wait()
+            self.copy_step = self.started[0]
+            self.started = None
+
     def unshard(self, step, backward=False):
         """The copy of step (with backward, the gradient buffer too), the module computing
-        with it."""
+        with it; a started Unshard of the same is waited for, not asked again."""
         u = self.unit
-        if self.copy_step != step or backward:
+        self.settle()  # a reduce left in flight (set_is_last_backward(False)) ends first
+        ready = self.started and self.started[0] == step and (self.started[1] or not backward)
+        self._end_started()
+        if not ready and (self.copy_step != step or backward):
             u.unshard(step, backward=backward)
             self.copy_step = step
         if self.unsharded is None:
@@ -190,10 +216,22 @@ class _Group:
         self.unsharded_state()
 
     def reshard(self):
+        self._end_started()
         if self.copy_step:
             self.unit.reshard(self.copy_step)
             self.copy_step = 0
         self.sharded_state()
+
+    def gives_back_after_forward(self, root):
+        """Whether the copy goes back to the daemon after the forward: True, None but at the
+        root (FSDP2's default), or an int of the shard group's size. An int below it, or
+        False, keeps the copy, which is the host's: one per host serves the backward."""
+        r = self.reshard_after_forward
+        if r is None:
+            return not root
+        if isinstance(r, bool):
+            return r
+        return r == self.unit.padded_numel // self.unit.shard_numel
 
     def point_grads(self):
         """The unsharded parameters' .grad: views of the lent gradient buffer, zeroed, into
@@ -258,6 +296,8 @@ def _pre_forward(group):
             if not it.scheduled:
                 _schedule(group)
         group.unshard(it.step)
+        for other in group.forward_prefetch:
+            other.start_unshard(it.step)
         args, kwargs = _cast_inputs(group, args, kwargs)
         if torch.is_grad_enabled():
             group.ran_step = it.step
@@ -309,14 +349,20 @@ def _cast_inputs(group, args, kwargs):
 
 
 def _schedule(root):
-    """Tells the daemon, at the first forward, which units reshard after forward (FSDP2's
-    None: all but the root): it lends those a copy from the job's pool (max_inflight of
-    them), and the others a copy of their own, held through the backward."""
+    """Tells the daemon, at the first forward or gather, which units reshard after forward
+    (FSDP2's None: all but the root): it lends those a copy from the job's pool
+    (max_inflight of them), and the others a copy of their own, held through the
+    backward."""
     it = _ITERATION
-    reshard = {g.unit: g.reshard_after_forward if g.reshard_after_forward is not None
-               else g is not root for g in it.groups}
+    reshard = {g.unit: g.gives_back_after_forward(g is root) for g in it.groups}
     _client().set_schedule(reshard_after_forward=reshard)
     it.scheduled = True
+
+
+def _outermost():
+    """The group whose module no other group's holds: the root before a forward says so."""
+    inner = {id(m) for g in _ITERATION.groups for m in g.module.modules() if m is not g.module}
+    return next(g for g in reversed(_ITERATION.groups) if id(g.module) not in inner)
 
 
 def _post_forward(group):
@@ -330,9 +376,11 @@ def _post_forward(group):
         if output is None or not torch.is_grad_enabled():  # raised (always_call), or eval
             group.reshard()
         else:
-            reshard = group.reshard_after_forward
-            if reshard if reshard is not None else not root:  # None: all but the root
+            if group.gives_back_after_forward(root):
                 group.reshard()
+            elif not isinstance(group.reshard_after_forward, bool) and \
+                    group.reshard_after_forward is not None:
+                group.sharded_state()  # an int: the module's parameters go back, the copy stays
             for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(_pre_backward(group))
@@ -353,6 +401,9 @@ def _pre_backward(group):
             group.unshard(it.step, backward=group.trainable)
             if group.trainable:
                 group.point_grads()
+            for other in group.backward_prefetch:
+                if other.ran_step == it.step and other.backward_step != it.step:
+                    other.start_unshard(it.step, backward=other.trainable)
         return None
     return hook
 
@@ -360,13 +411,15 @@ def _pre_backward(group):
 def _finish_backward():
     """End of backward: the groups whose gradients did not all come are reduced now (the
     missing ones count as zero, so no rank waits for one), every reduce is waited for (the
-    optimizer reads the pieces next), and every module holds its DTensors again."""
+    optimizer reads the pieces next; with set_is_last_backward(False), at the module's next
+    gather instead), and every module holds its DTensors again."""
     it = _ITERATION
     for g in it.groups:
         if g.backward_step == it.step:
             g.reduce()
     for g in it.groups:
-        g.settle()
+        if it.last_backward:
+            g.settle()
         g.reshard()
     it.callback_queued = False
 
@@ -380,6 +433,39 @@ class FSDPModule:
         with it off holds each rank's unsharded gradients until the last micro-batch, one
         buffer per unit and rank; the daemon lends those per backward.)"""
         del requires_gradient_sync, recurse
+
+    def unshard(self, async_op=False):
+        """Gathers the module's parameters now (for the coming forward, or the one under
+        way): the module holds them unsharded until reshard(), and its forward gathers
+        nothing more. async_op: returns a handle whose wait() ends the gather."""
+        g = self._fsdpd_group
+        it = _ITERATION
+        if not it.scheduled:  # a gather before the first forward: the daemon learns first
+            _schedule(_outermost())
+        step = it.step if it.root is not None or it.callback_queued else it.step + 1
+        g.start_unshard(step)
+        handle = _UnshardHandle(g, step)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self):
+        """Gives the module's gathered parameters back: it holds its DTensors again."""
+        self._fsdpd_group.reshard()
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """The modules whose gather this module's forward starts once its own is done."""
+        self._fsdpd_group.forward_prefetch = [_group(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """The modules whose backward's gather this module's backward starts."""
+        self._fsdpd_group.backward_prefetch = [_group(m) for m in modules]
+
+    def set_is_last_backward(self, is_last_backward):
+        """False: the end of a backward leaves its reduces in flight (the next micro-batch's
+        gathers end them), as FSDP2 does; True, FSDP2's default: it waits for them."""
+        _ITERATION.last_backward = bool(is_last_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
         """From the next step on (the daemon hears it at the next forward)."""
@@ -405,6 +491,23 @@ class FSDPModule:
         a division when world is a power of two): nothing to change."""
 
 
+class _UnshardHandle:
+    """FSDP2's UnshardHandle: wait() ends the gather the module's unshard() started."""
+
+    def __init__(self, group, step):
+        self.group, self.step = group, step
+
+    def wait(self):
+        self.group.unshard(self.step)
+
+
+def _group(module):
+    g = getattr(module, "_fsdpd_group", None)
+    if g is None:
+        raise ValueError(f"fsdpd.torch: {type(module).__name__} was not given to fully_shard")
+    return g
+
+
 def _groups_of(module, recurse):
     modules = module.modules() if recurse else [module]
     return [m._fsdpd_group for m in modules if getattr(m, "_fsdpd_group", None)]
@@ -416,20 +519,28 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=None
     an earlier call on a submodule took and ignored_params, become one unit of the daemon's.
     mesh: a 1-D DeviceMesh of the job's ranks (None: one over the default process group), or
     a 2-D one (replicas, shards) for HSDP.
-    reshard_after_forward: True, False, or None (True but for the root). mp_policy: FSDP2's
+    reshard_after_forward: True, False, None (True but for the root), or an int dividing the
+    shard size: that size gives the copy back after the forward as True does; a smaller one
+    keeps the host's copy for the backward (fsdpd's post-forward group is the host, whose
+    ranks share one copy) while the module holds its DTensors. mp_policy: FSDP2's
     MixedPrecisionPolicy (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
     Returns the module, whose class is now also an FSDPModule."""
     if unsupported:
         raise TypeError(f"fsdpd.torch.fully_shard: {', '.join(sorted(unsupported))} not "
                         "supported yet")
-    if not isinstance(reshard_after_forward, (bool, type(None))):
-        raise NotImplementedError("fsdpd.torch.fully_shard: reshard_after_forward as an int "
-                                  "is not supported yet")
+    if not isinstance(reshard_after_forward, (bool, int, type(None))):
+        raise TypeError(f"fsdpd.torch.fully_shard: reshard_after_forward "
+                        f"{reshard_after_forward!r} is not a bool, an int or None")
     if mesh is None:
         import torch.distributed as dist
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fsdpd.torch.fully_shard: mesh {mesh!r} is not a DeviceMesh")
+    shards = mesh.size(mesh.ndim - 1)
+    if not isinstance(reshard_after_forward, (bool, type(None))) and \
+            not (1 <= reshard_after_forward <= shards and shards % reshard_after_forward == 0):
+        raise ValueError(f"fsdpd.torch.fully_shard: reshard_after_forward "
+                         f"{reshard_after_forward} must divide the mesh's shard size {shards}")
     mp = mp_policy or MixedPrecisionPolicy()
     ignored = {id(p) for p in (ignored_params or ())}
     taken = {id(p) for m in module.modules() if getattr(m, "_fsdpd_group", None)

@@ -26,6 +26,10 @@ reduce-scatters every micro-batch and adds the reduced shards, as fsdpd's no_syn
 model.clip_grad_norm_, FSDP2's torch.nn.utils.clip_grad_norm_ on its DTensor gradients).
 --bf16: parameters computed in bfloat16 and gradients reduced in fp32 (fsdpd's param_dtype
 and reduce_dtype, FSDP2's MixedPrecisionPolicy).
+--explicit (fsdp2, fully_shard): FSDP2's module methods in use: reshard_after_forward as an
+int (1 on even blocks, the world size on odd ones), forward and backward prefetch lists, the
+first block gathered before each forward by unshard(async_op=True), the last given back by
+reshard() after each step, set_is_last_backward(True).
 """
 
 import argparse
@@ -55,13 +59,15 @@ def micro_batches(step, accumulate):
     return [(tokens[:half], targets[:half]), (tokens[half:], targets[half:])]
 
 
-def train(args, model, parts_of, rank, world, no_sync, clip, save):
+def train(args, model, parts_of, rank, world, no_sync, clip, save,
+          before_forward=lambda: None, after_step=lambda: None):
     """The steps, the same on every side: parts_of(p) is (offset, flat part) of this rank's
     share of parameter p (or of its gradient, grad=True)."""
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     names = [n for n, _ in model.named_parameters()]
     for step in range(1, args.steps + 1):
         opt.zero_grad()
+        before_forward()
         parts = micro_batches(step, args.accumulate)
         total = 0.0
         for i, (tokens, targets) in enumerate(parts):
@@ -74,6 +80,7 @@ def train(args, model, parts_of, rank, world, no_sync, clip, save):
                  if p.grad is not None}  # frozen and unused parameters have none
         norm = float(clip()) if args.clip else None
         opt.step()
+        after_step()
         params = {n: parts_of(p) for n, p in zip(names, model.parameters())}
         if save:
             torch.save({"grads": grads, "params": params},
@@ -141,9 +148,17 @@ def run_fsdp2(args):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if args.bf16 else MixedPrecisionPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=args.strategy != "SHARD_GRAD_OP")
-    for block in net.blocks:
+    for i, block in enumerate(net.blocks):
+        if args.explicit:  # an int: 1 keeps the copy (FSDP2: on this rank), the world gives it back
+            kwargs["reshard_after_forward"] = 1 if i % 2 == 0 else world
         fully_shard(block, **kwargs)
+    kwargs["reshard_after_forward"] = args.strategy != "SHARD_GRAD_OP"
     model = fully_shard(net, **kwargs)
+    if args.explicit:  # the prefetch lists FSDP2's docs show, one block ahead each way
+        blocks = list(net.blocks)
+        for before, after in zip(blocks, blocks[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
     if args.meta:  # FSDP2's docs: materialize the sharded model, then initialize it
         model.to_empty(device="cpu")
         _init_sharded(model)
@@ -164,9 +179,20 @@ def run_fsdp2(args):
         model.set_requires_gradient_sync(args.sync_every or not skip)
         return contextlib.nullcontext()
 
+    def before_forward():
+        """--explicit: the first block gathered before the forward (async, then waited), the
+        last one given back after the step, every backward the last."""
+        if args.explicit:
+            model.set_is_last_backward(True)
+            net.blocks[0].unshard(async_op=True).wait()
+
+    def after_step():
+        if args.explicit:
+            net.blocks[-1].reshard()
+
     train(args, model, parts_of, rank, world, no_sync,
           lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
-          save=rank == 0)
+          save=rank == 0, before_forward=before_forward, after_step=after_step)
     dist.destroy_process_group()
 
 
@@ -213,6 +239,7 @@ def main():
     p.add_argument("--odd-parameters", action="store_true")
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--meta", action="store_true")
+    p.add_argument("--explicit", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -225,6 +225,17 @@ def test_an_fsdp2_script_accumulates_and_clips_on_fsdpd(fsdpd, tmp_path, case):
     _assert_bit_for_bit(ours, theirs)
 
 
+def test_fsdp2s_module_methods_as_fsdp2_runs_them(fsdpd, tmp_path):
+    """The same script using FSDP2's module methods: reshard_after_forward as an int (1 on
+    one block, keeping the copy for the backward; the world size on the other, giving it
+    back), forward and backward prefetch lists, the first block gathered before each
+    forward with unshard(async_op=True) and wait(), the last given back with reshard()
+    after each step, set_is_last_backward(True). Bit for bit; the prefetched gathers were
+    the daemon's (every block's copy was asked for ahead of its forward)."""
+    ours, theirs = _train(fsdpd, tmp_path, ["--explicit"], [([], STEPS)], ours="fully_shard")
+    _assert_bit_for_bit(ours, theirs)
+
+
 def test_frozen_unused_and_checkpointed_blocks_as_fsdp2_trains_them(fsdpd, tmp_path):
     """FSDP2's script on a model whose blocks each hold a frozen parameter (in the block's
     own unit) and a layer never called, each block's call under activation checkpointing
