@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp2_worker import ADAMW, emit, micro_batches  # noqa: E402
+from fsdp2_worker import ADAMW, emit, end_process_group, micro_batches  # noqa: E402
 from shard_model_worker import build  # noqa: E402
 from transformer import Block, loss_fn, rank_slice  # noqa: E402
 
@@ -88,7 +88,7 @@ def main():
     if rank == 0:
         torch.save({"params": params, "moments": moments},
                    os.path.join(args.out, f"final-rank-{rank}.pt"))
-    dist.destroy_process_group()
+    end_process_group(args.mode)
 
 
 if __name__ == "__main__":

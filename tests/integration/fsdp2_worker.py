@@ -47,6 +47,19 @@ ADAMW = dict(lr=1e-2, weight_decay=0.1, foreach=False)  # one arithmetic on both
 MAX_NORM = 0.05  # below the gradient's norm at every step, so that each step clips
 
 
+def end_process_group(mode):
+    """destroy_process_group, then, under torch's FSDP2, an exit that skips the
+    interpreter's teardown, where gloo's threads now and then abort the process ("terminate
+    called without an active exception"; pytorch/pytorch#179291 is about that teardown)
+    after everything it had to write is written."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    if mode == "fsdp2":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def emit(**record):
     print(json.dumps(record), flush=True)
 
@@ -193,7 +206,7 @@ def run_fsdp2(args):
     train(args, model, parts_of, rank, world, no_sync,
           lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
           save=rank == 0, before_forward=before_forward, after_step=after_step)
-    dist.destroy_process_group()
+    end_process_group(args.mode)
 
 
 @torch.no_grad()
