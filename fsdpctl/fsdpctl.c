@@ -1171,6 +1171,102 @@ static int cmd_trace(ctl_t *ctl, int argc, char **argv) {
   return r < 0 ? EXIT_ERROR : EXIT_OK;
 }
 
+static void why_json(const Fsdp__V1__WhyReply *w) {
+  json_object *o = json_object_new_object();
+  json_object_object_add(o, "job", json_string(w->job));
+  json_object_object_add(o, "verdict", json_string(w->verdict));
+  json_object *waiting = json_object_new_array();
+  for (size_t i = 0; i < w->n_waiting; i++) {
+    const Fsdp__V1__WaitingCollective *c = w->waiting[i];
+    json_object *jc = json_object_new_object();
+    json_object_object_add(jc, "unit", json_string(c->unit));
+    json_object_object_add(jc, "what", json_string(c->what));
+    json_object_object_add(jc, "step", json_object_new_uint64(c->step));
+    json_object_object_add(jc, "waited_ms", json_object_new_uint64(c->waited_ms));
+    json_object_object_add(jc, "asked", ranks_json(c->asked, c->n_asked));
+    json_object_object_add(jc, "missing", ranks_json(c->missing, c->n_missing));
+    json_object_object_add(jc, "running", json_object_new_boolean(c->running));
+    json_object_object_add(jc, "across_hosts", json_object_new_boolean(c->across_hosts));
+    json_object_array_add(waiting, jc);
+  }
+  json_object_object_add(o, "waiting", waiting);
+  json_object *ranks = json_object_new_array();
+  for (size_t i = 0; i < w->n_ranks; i++) {
+    const Fsdp__V1__RankActivity *r = w->ranks[i];
+    json_object *jr = json_object_new_object();
+    json_object_object_add(jr, "rank", json_object_new_int64(r->rank));
+    json_object_object_add(jr, "attached", json_object_new_boolean(r->attached));
+    if (r->last) {
+      json_object *l = json_object_new_object();
+      json_object_object_add(l, "what", json_string(r->last->kind ==
+                                                    FSDP__V1__OP_RECORD__KIND__GATHER
+                                                        ? "gather" : "reduce"));
+      json_object_object_add(l, "unit", json_string(r->last->unit));
+      json_object_object_add(l, "step", json_object_new_uint64(r->last->step));
+      json_object_object_add(l, "code", json_string(r->last->code));
+      json_object_object_add(jr, "last", l);
+      json_object_object_add(jr, "idle_ms", json_object_new_uint64(r->idle_ms));
+    }
+    json_object_array_add(ranks, jr);
+  }
+  json_object_object_add(o, "ranks", ranks);
+  print_json(o);
+}
+
+/* "0,2" in a column of width 8, "-" for none. */
+static void print_rank_column(const uint32_t *ranks, size_t n) {
+  char text[256] = "-";
+  size_t at = 0;
+  for (size_t i = 0; i < n && at < sizeof text - 12; i++)
+    at += (size_t)snprintf(text + at, sizeof text - at, "%s%" PRIu32, i ? "," : "", ranks[i]);
+  printf("%-8s", text);
+}
+
+/* The verdict, each collective under way, and what each local rank last did. */
+static int cmd_why(ctl_t *ctl, int argc, char **argv) {
+  if (argc < 1)
+    return usage_error("%s", "why needs a JOB");
+  Fsdp__V1__WhyRequest request = FSDP__V1__WHY_REQUEST__INIT;
+  request.job = argv[0];
+  ProtobufCMessage *reply = NULL;
+  int r = operator_call(ctl, "Why", &request.base, &fsdp__v1__why_reply__descriptor, &reply);
+  if (r < 0)
+    return rpc_error(ctl, "Operator.Why", r);
+  const Fsdp__V1__WhyReply *w = (const Fsdp__V1__WhyReply *)reply;
+  if (ctl->json) {
+    why_json(w);
+  } else {
+    printf("%s\n", w->verdict);
+    if (w->n_waiting)
+      printf("\n%-24s %-7s %8s %9s %-8s %-8s %s\n", "UNIT", "WHAT", "STEP", "WAITED", "ASKED",
+             "MISSING", "STATE");
+    for (size_t i = 0; i < w->n_waiting; i++) {
+      const Fsdp__V1__WaitingCollective *c = w->waiting[i];
+      printf("%-24s %-7s %8llu %8.1fs ", c->unit, c->what, (unsigned long long)c->step,
+             c->waited_ms / 1000.0);
+      print_rank_column(c->asked, c->n_asked);
+      printf(" ");
+      print_rank_column(c->missing, c->n_missing);
+      printf(" %s\n", c->running ? (c->across_hosts ? "running, rings among hosts" : "running")
+                                 : "waiting for ranks");
+    }
+    printf("\n%-5s %-8s %s\n", "RANK", "SESSION", "LAST OPERATION");
+    for (size_t i = 0; i < w->n_ranks; i++) {
+      const Fsdp__V1__RankActivity *a = w->ranks[i];
+      printf("%-5u %-8s ", a->rank, a->attached ? "yes" : "none");
+      if (a->last)
+        printf("%s of %s step %llu (%s), %.1f s ago\n",
+               a->last->kind == FSDP__V1__OP_RECORD__KIND__GATHER ? "gather" : "reduce",
+               a->last->unit, (unsigned long long)a->last->step, a->last->code,
+               a->idle_ms / 1000.0);
+      else
+        printf("none recorded\n");
+    }
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return EXIT_OK;
+}
+
 static int cmd_version(ctl_t *ctl, int argc, char **argv) {
   (void)argc, (void)argv;
   Fsdp__V1__StatusReply *s = NULL;
@@ -1235,6 +1331,8 @@ static const command_t commands[] = {
      cmd_export, true},
     {"trace", NULL, 1, "JOB", "JOB's last operations as --out FILE (Chrome trace JSON; --steps K)",
      cmd_trace, false},
+    {"why", NULL, 1, "JOB", "what JOB waits for, and what each of its local ranks last did",
+     cmd_why, false},
     {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version, false},
     {"help", NULL, 0, "", "this text", cmd_help, true},
 };

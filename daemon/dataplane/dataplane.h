@@ -444,6 +444,27 @@ const char *fsdp_dataplane_work_name(unsigned work);
  * when it goes on; from the housekeeping timer. */
 void fsdp_dataplane_check_stalls(fsdp_store_t *store, uint64_t now_ms, uint64_t stall_after_ms);
 
+/* A collective of a job under way, as fsdp_dataplane_each_wait finds it. */
+typedef struct fsdp_dataplane_wait {
+  const fsdp_unit_t *unit;
+  const char *what; /* "gather", "reduce" */
+  uint64_t step;
+  uint64_t waited_ms;    /* since its first local rank asked */
+  bool running;          /* every local rank asked: the daemon's work runs */
+  bool across_hosts;     /* running, its rings among hosts too */
+  fsdp_rank_set_t asked; /* the local ranks whose request is in */
+} fsdp_dataplane_wait_t;
+
+/* fn(data, wait) for each collective of the job under way (Operator.Why). */
+void fsdp_dataplane_each_wait(const fsdp_job_t *job, uint64_t now_ms,
+                              void (*fn)(void *data, const fsdp_dataplane_wait_t *wait),
+                              void *data);
+
+/* What the job's oldest collective under way waits for, as health's reason says it, in
+ * buf; false when none is under way. */
+bool fsdp_dataplane_describe_oldest(const fsdp_job_t *job, uint64_t now_ms, char *buf,
+                                    size_t size);
+
 /* How long the job's oldest collective under way has been (from its first rank's asking);
  * 0 without one. */
 uint64_t fsdp_dataplane_oldest_wait_ms(const fsdp_job_t *job, uint64_t now_ms);

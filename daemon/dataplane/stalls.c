@@ -1,5 +1,6 @@
 /* Stalls: a job's collective under way for longer than health.stall_after, found by the
- * housekeeping timer, for health (the job's service turns NOT_SERVING) and the metrics. */
+ * housekeeping timer, for health (the job's service turns NOT_SERVING) and the metrics; and
+ * each collective under way as Operator.Why lists them. */
 #include "daemon/dataplane/internal.h"
 
 #include <stdio.h>
@@ -52,6 +53,37 @@ static void describe(const fsdp_job_t *job, const fsdp_unit_t *u, waiter_kind_t 
   snprintf(buf, size, "job '%s' unit '%s' step %llu: its %s has waited %.1f s for local "
            "rank(s) %s",
            job->name, u->spec->unit, (unsigned long long)c->step, what, age_ms / 1000.0, ranks);
+}
+
+void fsdp_dataplane_each_wait(const fsdp_job_t *job, uint64_t now_ms,
+                              void (*fn)(void *data, const fsdp_dataplane_wait_t *wait),
+                              void *data) {
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    for (int k = 0; k < 2; k++) {
+      waiter_kind_t kind = k ? WAIT_REDUCE : WAIT_UNSHARD;
+      const fsdp_collection_t *c = collection_of((fsdp_unit_t *)u, kind);
+      if (c->count == 0)
+        continue;
+      fsdp_dataplane_wait_t w = {
+          .unit = u,
+          .what = kind == WAIT_UNSHARD ? "gather" : "reduce",
+          .step = c->step,
+          .waited_ms = now_ms > c->first_ms ? now_ms - c->first_ms : 0,
+          .running = c->running,
+          .across_hosts = c->running && fsdp_unit_plan_spans_hosts(&u->plan),
+          .asked = c->submitted,
+      };
+      fn(data, &w);
+    }
+}
+
+bool fsdp_dataplane_describe_oldest(const fsdp_job_t *job, uint64_t now_ms, char *buf,
+                                    size_t size) {
+  waiter_kind_t kind = WAIT_UNSHARD;
+  const fsdp_unit_t *u = oldest(job, &kind);
+  if (u)
+    describe(job, u, kind, fsdp_dataplane_oldest_wait_ms(job, now_ms), buf, size);
+  return u != NULL;
 }
 
 void fsdp_dataplane_check_stalls(fsdp_store_t *store, uint64_t now_ms,

@@ -191,6 +191,7 @@ static const fsdp_rpc_handler_t operator_handlers[] = {
     {"ListUnits", fsdp_operator_list_units, true},
     {"DescribeUnit", fsdp_operator_describe_unit, true},
     {"Trace", fsdp_operator_trace, true},
+    {"Why", fsdp_operator_why, true},
 };
 
 fsdp_rpc_service_t fsdp_operator_service(fsdp_services_context_t *ctx) {

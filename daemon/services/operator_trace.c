@@ -27,15 +27,11 @@ static void newest_step(void *data, const fsdp_op_record_t *r) {
     *newest = r->step;
 }
 
-static void add_record(void *data, const fsdp_op_record_t *r) {
-  trace_reply_t *t = data;
-  if (r->step < t->min_step) /* a unit's preparation has no step: before them all */
-    return;
-  Fsdp__V1__OpRecord *out = &t->records[t->n];
+void fsdp_operator_op_record(const fsdp_op_record_t *r, const char *unit,
+                             Fsdp__V1__OpRecord *out) {
   fsdp__v1__op_record__init(out);
   out->kind = (Fsdp__V1__OpRecord__Kind)r->kind;
-  out->unit = (char *)(r->unit_id < t->n_units && t->unit_names[r->unit_id]
-                           ? t->unit_names[r->unit_id] : "");
+  out->unit = (char *)unit;
   out->step = r->step;
   out->rank = r->rank;
   out->work = (char *)(r->kind == FSDP_RECORD_WORK ? fsdp_dataplane_work_name(r->work) : "");
@@ -44,7 +40,16 @@ static void add_record(void *data, const fsdp_op_record_t *r) {
   out->end_ns = r->end_ns;
   out->bytes = r->bytes;
   out->code = (char *)fsdp_wire_status_name(fsdp_wire_status_from_error(r->code));
-  t->record_ptrs[t->n] = out;
+}
+
+static void add_record(void *data, const fsdp_op_record_t *r) {
+  trace_reply_t *t = data;
+  if (r->step < t->min_step) /* a unit's preparation has no step: before them all */
+    return;
+  const char *unit = r->unit_id < t->n_units && t->unit_names[r->unit_id]
+                         ? t->unit_names[r->unit_id] : "";
+  fsdp_operator_op_record(r, unit, &t->records[t->n]);
+  t->record_ptrs[t->n] = &t->records[t->n];
   t->n++;
 }
 

@@ -3,9 +3,13 @@ two local ranks train three steps; the trace is Chrome's trace-event JSON with a
 rank's gathers and reduces and one for the daemon's work, each rank's operation once per
 step, its wait before its run, in order of time on each track; --steps keeps the last
 ones; the recorder keeps the newest trace.ops records; an unknown job, or a job without a
-recorder, is refused naming why."""
+recorder, is refused naming why. `fsdpctl why JOB` names the rank a collective waits for and
+what each rank last did."""
 
 import json
+
+import threading
+import time
 
 from fsdpd_harness import fsdpd  # noqa: F401
 from test_metrics import train
@@ -68,3 +72,32 @@ def test_the_recorder_keeps_the_newest_and_refusals_name_why(fsdpd, tmp_path):
     train(off, 1)
     r, _ = trace(off, tmp_path, "j")
     assert r.returncode == 1 and "trace.ops was 0 when it began" in r.stderr
+
+
+def test_why_names_the_rank_a_gather_waits_for_and_what_it_last_did(fsdpd):
+    """Two steps trained, then rank 0 asks for step 3's gather and rank 1 does not: `fsdpctl
+    why j` says the gather waits for local rank 1, whose last operation was step 2's reduce,
+    lists the collective (asked 0, missing 1) and each rank's last operation; --json says
+    the same. Once rank 1 asks, nothing waits."""
+    d = fsdpd()
+    ranks, _ = train(d, 2)
+    first = threading.Thread(target=ranks[0].op, args=("Unshard",), kwargs=dict(step=3))
+    first.start()
+    deadline = time.monotonic() + 10
+    while "waited" not in (out := d.fsdpctl("why", "j").stdout):
+        assert time.monotonic() < deadline, out
+        time.sleep(0.05)
+    assert out.startswith("job 'j' unit 'u' step 3: its gather has waited"), out
+    assert "for local rank(s) 1; local rank 1 last: reduce of unit 'u' step 2," in out, out
+    row = next(line.split() for line in out.splitlines() if line.startswith("u "))
+    assert row[:3] == ["u", "gather", "3"] and row[4:6] == ["0", "1"], out
+    w = json.loads(d.fsdpctl("--json", "why", "j").stdout)
+    assert [(c["unit"], c["what"], c["step"], c["asked"], c["missing"], c["running"])
+            for c in w["waiting"]] == [("u", "gather", 3, [0], [1], False)]
+    assert [(r["rank"], r["attached"], r["last"]["what"], r["last"]["step"], r["last"]["code"])
+            for r in w["ranks"]] == [(0, True, "reduce", 2, "OK"), (1, True, "reduce", 2, "OK")]
+    ranks[1].op("Unshard", step=3)
+    first.join(10)
+    assert d.fsdpctl("why", "j").stdout.startswith("job 'j': nothing waits")
+    r = d.fsdpctl("why", "nope")
+    assert r.returncode == 1 and "no job 'nope' in this daemon" in r.stderr
