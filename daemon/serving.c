@@ -4,16 +4,19 @@
 #include "daemon/internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <systemd/sd-daemon.h>
 
 #include "common/log.h"
 #include "daemon/services/fastpath.h"
+#include "daemon/services/operator_service.h"
 #include "daemon/services/trainer_events.h"
 
 /* The loop's clock in milliseconds (monotonic), as sessions and deadlines use it. */
@@ -199,6 +202,28 @@ static void retire_idle_jobs(fsdp_daemon_t *daemon, uint64_t now_ms) {
   }
 }
 
+/* A collective of the job timed out: its flight record goes beside the daemon's socket, in
+ * the run directory, and what its ranks hear names the file. */
+static void keep_record(void *data, const fsdp_job_t *job, char *note, size_t size) {
+  fsdp_daemon_t *daemon = data;
+  const char *dir = daemon->listener.run_dir;
+  char path[sizeof daemon->listener.run_dir + 128];
+  fsdp_status_t st = FSDP_STATUS_INIT;
+  int dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  int r = dir_fd < 0 ? fsdp_status_set(&st, -errno, "%s: %s", dir, strerror(errno))
+                     : fsdp_operator_write_record(job, dir_fd, dir, path, sizeof path, &st);
+  if (dir_fd >= 0)
+    close(dir_fd);
+  if (r < 0) {
+    log_warning("job '%s': its flight record at the timeout was not kept: %s", job->name,
+                st.message);
+    return;
+  }
+  log_warning("job '%s': its flight record at the timeout is %s (fsdpctl trace --record %s "
+              "--out FILE)", job->name, path, path);
+  snprintf(note, size, "; the job's flight record: %s", path);
+}
+
 void daemon_on_housekeeping(uv_timer_t *timer) {
   fsdp_daemon_t *daemon = timer->data;
   if (daemon->watchdog_usec)
@@ -207,7 +232,7 @@ void daemon_on_housekeeping(uv_timer_t *timer) {
                        (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_SESSION_LEASE),
                        on_session_expired, daemon);
   fsdp_channel_expire(&daemon->channel, uv_now(&daemon->loop));
-  fsdp_dataplane_expire(&daemon->store, uv_now(&daemon->loop));
+  fsdp_dataplane_expire(&daemon->store, uv_now(&daemon->loop), keep_record, daemon);
   fsdp_dataplane_check_stalls(
       &daemon->store, uv_now(&daemon->loop),
       (uint64_t)fsdp_config_number(&daemon->config, FSDP_OPTION_HEALTH_STALL_AFTER));

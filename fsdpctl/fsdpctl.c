@@ -1142,6 +1142,26 @@ static int cmd_export(ctl_t *ctl, int argc, char **argv) {
   return EXIT_OK;
 }
 
+/* trace's and record's: the records as --out's Chrome trace JSON, and what was written. */
+static int write_trace(const ctl_t *ctl, const Fsdp__V1__TraceReply *t) {
+  fsdp_status_t st;
+  if (fsdpctl_write_trace(t, ctl->out, &st) < 0) {
+    fprintf(stderr, "fsdpctl: %s\n", st.message);
+    return EXIT_ERROR;
+  }
+  if (ctl->json) {
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "out", json_string(ctl->out));
+    json_object_object_add(o, "records", json_object_new_uint64(t->n_records));
+    json_object_object_add(o, "recorded", json_object_new_uint64(t->recorded));
+    print_json(o);
+  } else {
+    printf("%zu operations of job %s (of %llu recorded) into %s\n", t->n_records, t->job,
+           (unsigned long long)t->recorded, ctl->out);
+  }
+  return EXIT_OK;
+}
+
 static int cmd_trace(ctl_t *ctl, int argc, char **argv) {
   if (argc < 1 || !ctl->out)
     return usage_error("%s", "trace needs a JOB and --out FILE");
@@ -1152,23 +1172,9 @@ static int cmd_trace(ctl_t *ctl, int argc, char **argv) {
   int r = operator_call(ctl, "Trace", &request.base, &fsdp__v1__trace_reply__descriptor, &reply);
   if (r < 0)
     return rpc_error(ctl, "Operator.Trace", r);
-  const Fsdp__V1__TraceReply *t = (const Fsdp__V1__TraceReply *)reply;
-  fsdp_status_t st;
-  r = fsdpctl_write_trace(t, ctl->out, &st);
-  if (r == 0 && ctl->json) {
-    json_object *o = json_object_new_object();
-    json_object_object_add(o, "out", json_string(ctl->out));
-    json_object_object_add(o, "records", json_object_new_uint64(t->n_records));
-    json_object_object_add(o, "recorded", json_object_new_uint64(t->recorded));
-    print_json(o);
-  } else if (r == 0) {
-    printf("%zu operations of job %s (of %llu recorded) into %s\n", t->n_records, t->job,
-           (unsigned long long)t->recorded, ctl->out);
-  } else {
-    fprintf(stderr, "fsdpctl: %s\n", st.message);
-  }
+  r = write_trace(ctl, (const Fsdp__V1__TraceReply *)reply);
   protobuf_c_message_free_unpacked(reply, NULL);
-  return r < 0 ? EXIT_ERROR : EXIT_OK;
+  return r;
 }
 
 static void why_json(const Fsdp__V1__WhyReply *w) {
@@ -1220,6 +1226,39 @@ static void print_rank_column(const uint32_t *ranks, size_t n) {
   for (size_t i = 0; i < n && at < sizeof text - 12; i++)
     at += (size_t)snprintf(text + at, sizeof text - at, "%s%" PRIu32, i ? "," : "", ranks[i]);
   printf("%-8s", text);
+}
+
+/* The most a record file may hold: trace.ops' largest, with room. */
+#define RECORD_FILE_MAX (256u << 20)
+
+/* A flight record a collective's timeout left (fsdp_operator_write_record: a packed
+ * TraceReply), read as any file the caller names may be: bounded, then checked by the
+ * decoder; written as trace's. */
+static int cmd_record(ctl_t *ctl, int argc, char **argv) {
+  if (argc < 1 || !ctl->out)
+    return usage_error("%s", "record needs a FILE and --out FILE");
+  FILE *f = fopen(argv[0], "rbe");
+  if (!f) {
+    fprintf(stderr, "fsdpctl: %s: %s\n", argv[0], strerror(errno));
+    return EXIT_ERROR;
+  }
+  uint8_t *bytes = malloc(RECORD_FILE_MAX + 1);
+  size_t n = bytes ? fread(bytes, 1, RECORD_FILE_MAX + 1, f) : 0;
+  bool failed = ferror(f);
+  fclose(f);
+  Fsdp__V1__TraceReply *t = NULL;
+  const char *why = !bytes ? "out of memory" : failed ? "cannot read it"
+                    : n > RECORD_FILE_MAX ? "larger than any record"
+                    : !(t = fsdp__v1__trace_reply__unpack(NULL, n, bytes))
+                        ? "not a flight record (it does not decode)" : NULL;
+  free(bytes);
+  if (why) {
+    fprintf(stderr, "fsdpctl: %s: %s\n", argv[0], why);
+    return EXIT_ERROR;
+  }
+  int r = write_trace(ctl, t);
+  fsdp__v1__trace_reply__free_unpacked(t, NULL);
+  return r;
 }
 
 /* The verdict, each collective under way, and what each local rank last did. */
@@ -1333,6 +1372,8 @@ static const command_t commands[] = {
      cmd_trace, false},
     {"why", NULL, 1, "JOB", "what JOB waits for, and what each of its local ranks last did",
      cmd_why, false},
+    {"record", NULL, 1, "FILE", "a record a collective's timeout left as --out FILE (Chrome "
+     "trace JSON)", cmd_record, true},
     {"version", NULL, 0, "", "versions of fsdpctl and of the daemon", cmd_version, false},
     {"help", NULL, 0, "", "this text", cmd_help, true},
 };

@@ -469,8 +469,15 @@ bool fsdp_dataplane_describe_oldest(const fsdp_job_t *job, uint64_t now_ms, char
  * 0 without one. */
 uint64_t fsdp_dataplane_oldest_wait_ms(const fsdp_job_t *job, uint64_t now_ms);
 
-/* Ends collectives whose deadline passed; from the housekeeping timer. */
-void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms);
+/* Called once for a job whose collective timed out, before its ranks are told: it may
+ * keep what the job did (its flight record) and add a note to what they hear. */
+typedef void (*fsdp_dataplane_timeout_fn)(void *data, const fsdp_job_t *job, char *note,
+                                          size_t size);
+
+/* Ends collectives whose deadline passed, each job's first calling on_timeout (NULL: none);
+ * from the housekeeping timer. */
+void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms,
+                           fsdp_dataplane_timeout_fn on_timeout, void *data);
 
 /* Another module's blocking work on the job, in turn with the casts, reduces and optimizer
  * steps, so that none of the data plane's runs meanwhile: run(arg) on a pool thread, then

@@ -341,8 +341,11 @@ static void expire_pool_waits(fsdp_job_t *job, uint64_t now_ms) {
   }
 }
 
-void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
+void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms,
+                           fsdp_dataplane_timeout_fn on_timeout, void *data) {
   for (fsdp_job_t *job = store->jobs; job; job = job->next) {
+    char note[FSDP_STATUS_MESSAGE_MAX / 2] = "";
+    bool noted = false;
     for (fsdp_unit_t *u = job->units; u; u = u->next) {
       for (size_t k = 0; k < sizeof collective_kinds / sizeof collective_kinds[0]; k++) {
         waiter_kind_t kind = collective_kinds[k];
@@ -350,14 +353,17 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms) {
         fsdp_rank_set_t missing_ranks;
         if (!fsdp_collection_expired(c, job->local_world_size, now_ms, &missing_ranks))
           continue;
+        if (!noted && on_timeout)
+          on_timeout(data, job, note, sizeof note);
+        noted = true;
         char missing[128], message[FSDP_STATUS_MESSAGE_MAX];
         fsdp_rank_set_format(&missing_ranks, true, job->local_world_size, missing,
                              sizeof missing);
         snprintf(message, sizeof message,
                  "unit '%s' step %llu: local rank(s) %s of job '%s' did not ask to %s in time "
-                 "(store.collective_timeout)",
+                 "(store.collective_timeout)%s",
                  u->spec->unit, (unsigned long long)c->step, missing, job->name,
-                 collection_verb(kind));
+                 collection_verb(kind), note);
         log_warning("%s", message);
         dp_abort_collection(job, u, kind, FSDP_E_ABORTED, message);
       }

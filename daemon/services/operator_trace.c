@@ -1,13 +1,21 @@
 /* Operator.Trace: a job's flight recorder (daemon/dataplane/dataplane.h), oldest first, for
- * fsdpctl trace. */
+ * fsdpctl trace; and the same record written to a file when a collective times out, which
+ * fsdpctl trace --record reads. */
 #include "daemon/services/operator_internal.h"
+#include "daemon/services/operator_service.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "daemon/services/calls.h"
 #include "daemon/services/context.h"
 #include "common/clock.h"
+#include "proto/limits.h"
 #include "proto/wire.h"
 #include "fsdp/v1/operator.pb-c.h"
 
@@ -53,6 +61,45 @@ static void add_record(void *data, const fsdp_op_record_t *r) {
   t->n++;
 }
 
+/* The job's records of its last `steps` steps (0: all) as a TraceReply in *reply, its
+ * storage in *t (trace_free); RESOURCE_EXHAUSTED without memory. */
+static int build_trace(const fsdp_job_t *job, uint64_t steps, trace_reply_t *t,
+                       Fsdp__V1__TraceReply *reply, fsdp_status_t *st) {
+  const fsdp_recorder_t *r = &job->flight->recorder;
+  *t = (trace_reply_t){.job = job};
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    if (u->id + 1u > t->n_units)
+      t->n_units = u->id + 1u;
+  size_t held = r->total < r->capacity ? (size_t)r->total : r->capacity;
+  t->unit_names = calloc(t->n_units ? t->n_units : 1, sizeof *t->unit_names);
+  t->records = calloc(held ? held : 1, sizeof *t->records);
+  t->record_ptrs = calloc(held ? held : 1, sizeof *t->record_ptrs);
+  if (!t->unit_names || !t->records || !t->record_ptrs)
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s''s trace",
+                           job->name);
+  for (const fsdp_unit_t *u = job->units; u; u = u->next)
+    t->unit_names[u->id] = u->spec->unit;
+  if (steps) {
+    uint64_t newest = 0;
+    fsdp_dataplane_each_record(job, newest_step, &newest);
+    t->min_step = newest >= steps ? newest - steps + 1 : 0;
+  }
+  fsdp_dataplane_each_record(job, add_record, t);
+  fsdp__v1__trace_reply__init(reply);
+  reply->job = (char *)job->name;
+  reply->n_records = t->n;
+  reply->records = t->record_ptrs;
+  reply->recorded = r->total;
+  reply->now_ns = fsdp_clock_now_ns();
+  return 0;
+}
+
+static void trace_free(trace_reply_t *t) {
+  free(t->unit_names);
+  free(t->records);
+  free(t->record_ptrs);
+}
+
 void fsdp_operator_trace(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   const Fsdp__V1__TraceRequest *rq = (const void *)request;
   fsdp_services_context_t *ctx = data;
@@ -62,43 +109,59 @@ void fsdp_operator_trace(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
                        rq->job);
     return;
   }
-  const fsdp_recorder_t *r = &job->flight->recorder;
-  if (!r->capacity) {
+  if (!job->flight->recorder.capacity) {
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
                        "job '%s' has no flight recorder: trace.ops was 0 when it began",
                        job->name);
     return;
   }
-  trace_reply_t t = {.job = job};
-  for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->id + 1u > t.n_units)
-      t.n_units = u->id + 1u;
-  size_t held = r->total < r->capacity ? (size_t)r->total : r->capacity;
-  t.unit_names = calloc(t.n_units ? t.n_units : 1, sizeof *t.unit_names);
-  t.records = calloc(held ? held : 1, sizeof *t.records);
-  t.record_ptrs = calloc(held ? held : 1, sizeof *t.record_ptrs);
-  if (!t.unit_names || !t.records || !t.record_ptrs) {
-    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for job '%s''s trace",
-                       job->name);
-    goto out;
+  trace_reply_t t;
+  Fsdp__V1__TraceReply reply;
+  fsdp_status_t st;
+  if (build_trace(job, rq->steps, &t, &reply, &st) < 0)
+    fsdp_services_fail_call(call, &st);
+  else
+    fsdp_rpc_call_reply(call, &reply.base);
+  trace_free(&t);
+}
+
+int fsdp_operator_write_record(const fsdp_job_t *job, int dir_fd, const char *dir, char *path,
+                               size_t size, fsdp_status_t *st) {
+  if (!job->flight->recorder.capacity)
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION, "trace.ops was 0 when it began");
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  char name[FSDP_JOB_NAME_MAX + 64];
+  snprintf(name, sizeof name, "%s.%lld%03ld.record", job->name, (long long)now.tv_sec,
+           now.tv_nsec / 1000000);
+  snprintf(path, size, "%s/%s", dir, name);
+  trace_reply_t t;
+  Fsdp__V1__TraceReply reply;
+  int r = build_trace(job, 0, &t, &reply, st);
+  uint8_t *bytes = r < 0 ? NULL : malloc(fsdp__v1__trace_reply__get_packed_size(&reply) + 1);
+  if (r == 0 && !bytes)
+    r = fsdp_status_set(st, -ENOMEM, "out of memory for job '%s''s record", job->name);
+  if (r == 0) {
+    size_t n = fsdp__v1__trace_reply__pack(&reply, bytes);
+    /* A name of its own in the daemon's directory, never a file or link already there. */
+    int fd = openat(dir_fd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0640);
+    if (fd < 0) {
+      r = fsdp_status_set(st, -errno, "%s: %s", path, strerror(errno));
+    } else {
+      for (size_t done = 0; r == 0 && done < n;) {
+        ssize_t w = write(fd, bytes + done, n - done);
+        if (w < 0 && errno != EINTR)
+          r = fsdp_status_set(st, -errno, "%s: %s", path, strerror(errno));
+        else if (w > 0)
+          done += (size_t)w;
+      }
+      if (close(fd) < 0 && r == 0)
+        r = fsdp_status_set(st, -errno, "%s: %s", path, strerror(errno));
+      if (r < 0)
+        unlinkat(dir_fd, name, 0);
+    }
   }
-  for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    t.unit_names[u->id] = u->spec->unit;
-  if (rq->steps) {
-    uint64_t newest = 0;
-    fsdp_dataplane_each_record(job, newest_step, &newest);
-    t.min_step = newest >= rq->steps ? newest - rq->steps + 1 : 0;
-  }
-  fsdp_dataplane_each_record(job, add_record, &t);
-  Fsdp__V1__TraceReply reply = FSDP__V1__TRACE_REPLY__INIT;
-  reply.job = (char *)job->name;
-  reply.n_records = t.n;
-  reply.records = t.record_ptrs;
-  reply.recorded = r->total;
-  reply.now_ns = fsdp_clock_now_ns();
-  fsdp_rpc_call_reply(call, &reply.base);
-out:
-  free(t.unit_names);
-  free(t.records);
-  free(t.record_ptrs);
+  free(bytes);
+  trace_free(&t);
+  return r;
 }

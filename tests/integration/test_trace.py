@@ -101,3 +101,36 @@ def test_why_names_the_rank_a_gather_waits_for_and_what_it_last_did(fsdpd):
     assert d.fsdpctl("why", "j").stdout.startswith("job 'j': nothing waits")
     r = d.fsdpctl("why", "nope")
     assert r.returncode == 1 and "no job 'nope' in this daemon" in r.stderr
+
+
+def test_a_timeout_keeps_the_flight_record_and_names_it(fsdpd, tmp_path):
+    """A gather rank 1 never asks for times out (store.collective_timeout): rank 0 hears
+    ABORTED naming rank 1 and the file where the daemon kept the job's flight record, in its
+    run directory; the log names it too; `fsdpctl record FILE --out` writes it as Chrome
+    trace JSON with a track per rank. A file that is no record is refused saying so."""
+    import grpc
+    import pytest
+    d = fsdpd("--set", "store.collective_timeout=500ms",
+              "--set", "daemon.housekeeping_interval=50ms")
+    ranks, _ = train(d, 1)
+    with pytest.raises(grpc.RpcError) as e:
+        ranks[0].op("Unshard", step=2)
+    message = e.value.details()
+    assert e.value.code() == grpc.StatusCode.ABORTED, message
+    assert "local rank(s) 1 of job 'j' did not ask to unshard in time " \
+        "(store.collective_timeout); the job's flight record: " in message, message
+    path = message.rsplit("the job's flight record: ", 1)[1]
+    assert path.startswith(str(d.run_dir)) and path.endswith(".record"), path
+    assert f"its flight record at the timeout is {path}" in d.stderr()
+    out = tmp_path / "timeout.json"
+    r = d.fsdpctl("record", path, "--out", str(out))
+    assert r.returncode == 0 and "operations of job j" in r.stdout, r.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"rank 0 gathers", "rank 1 gathers", "rank 0 reduces", "rank 1 reduces"} <= names
+    steps = {e["args"]["step"] for e in events if e["ph"] == "X" and "step" in e["args"]}
+    assert 1 in steps
+    garbage = tmp_path / "garbage.record"
+    garbage.write_bytes(b"\xff" * 64)
+    r = d.fsdpctl("record", str(garbage), "--out", str(tmp_path / "g.json"))
+    assert r.returncode == 1 and "not a flight record (it does not decode)" in r.stderr

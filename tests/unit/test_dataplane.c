@@ -376,7 +376,7 @@ typedef struct expiry {
 /* The daemon's housekeeping, as often as a test wants: ends what is past its deadline. */
 static void on_housekeeping(uv_timer_t *timer) {
   expiry_t *e = timer->data;
-  fsdp_dataplane_expire(e->store, uv_now(timer->loop));
+  fsdp_dataplane_expire(e->store, uv_now(timer->loop), NULL, NULL);
   if (e->waiting->calls)
     uv_close((uv_handle_t *)timer, NULL);
 }
@@ -391,7 +391,7 @@ static void test_deadline_names_the_missing_rank(void **state) {
   uint64_t deadline = uv_now(&f.loop) + 20;
   unshard(&f, 0, 1, deadline, &ops[0], &results[0]);
   unshard(&f, 2, 1, UINT64_MAX, &ops[1], &results[1]); /* the first one's deadline holds */
-  fsdp_dataplane_expire(&f.store, deadline - 1);
+  fsdp_dataplane_expire(&f.store, deadline - 1, NULL, NULL);
   assert_int_equal(results[0].calls + results[1].calls, 0);
 
   expiry_t e = {&f.store, &results[0]};
@@ -612,9 +612,9 @@ static void test_pool_wait_expires(void **state) {
   uint64_t deadline = uv_now(&f.loop) + 20;
   for (unsigned r = 0; r < 2; r++)
     unshard_unit(&f, w, r, 1, false, deadline, &w_ops[r], &waiting[r]);
-  fsdp_dataplane_expire(&f.store, deadline - 1);
+  fsdp_dataplane_expire(&f.store, deadline - 1, NULL, NULL);
   assert_int_equal(waiting[0].calls + waiting[1].calls, 0);
-  fsdp_dataplane_expire(&f.store, deadline);
+  fsdp_dataplane_expire(&f.store, deadline, NULL, NULL);
   const char *full = "unit 'w' step 1: no unsharded copy of job 'j' came free in time "
                      "(store.collective_timeout): its 2 (max_inflight) are held by 'u' (ranks "
                      "0, 1), 'v' (ranks 1)";
