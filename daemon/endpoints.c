@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "daemon/services/fastpath.h"
 #include "daemon/services/metrics.h"
+#include "daemon/services/status_page.h"
 
 /* Calls the TCP health endpoint holds at once. */
 #define HEALTH_MAX_INFLIGHT 64
@@ -53,13 +54,14 @@ static unsigned peer_max_connections(const fsdp_config_t *cfg) {
   return PEER_CONNECTIONS_PER_HOST * fsdp_config_host_count(cfg) + PEER_CONNECTIONS_EXTRA;
 }
 
-/* The metrics endpoint (HTTP, libmicrohttpd on the loop) when metrics.listen names one. */
+/* The metrics endpoint and status page (HTTP, libmicrohttpd on the loop) when metrics.listen
+ * names one. */
 static int start_metrics(fsdp_daemon_t *daemon, const char *address, fsdp_status_t *st) {
   if (!address[0])
     return 0;
   return fsdp_metrics_http_start(&daemon->loop, address, fsdp_services_render_metrics,
-                                 &daemon->handlers, &daemon->metrics, daemon->metrics_address,
-                                 sizeof daemon->metrics_address, st);
+                                 fsdp_services_render_page, &daemon->handlers, &daemon->metrics,
+                                 daemon->metrics_address, sizeof daemon->metrics_address, st);
 }
 
 /* The Peer service on its own TCP port, with the token and TLS of the peer.* keys; only

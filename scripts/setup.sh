@@ -22,6 +22,7 @@ for arg in "$@"; do
         python3-venv   # .venv/ (scripts/venv.sh): the tests' grpcio, protobuf, pytest, torch
         systemd        # systemd-analyze verify of the unit
         prometheus     # a real Prometheus scraping the daemon, and promtool check metrics
+        chromium       # the status page rendered headless (test_metrics)
       )
       ;;
     --bench)

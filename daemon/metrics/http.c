@@ -21,6 +21,7 @@ struct fsdp_metrics_http {
   uv_timer_t timer; /* its next timeout (idle connections) */
   unsigned closing; /* handles still to close */
   fsdp_metrics_render_fn render;
+  fsdp_metrics_page_fn page;
   void *data;
   unsigned long scrapes;
 };
@@ -48,6 +49,23 @@ static enum MHD_Result answer_plain(struct MHD_Connection *c, unsigned code, con
                      MHD_RESPMEM_PERSISTENT);
 }
 
+/* The status page, written into a memory stream, answered as it is. */
+static enum MHD_Result answer_page(struct MHD_Connection *c, fsdp_metrics_http_t *http) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *out = open_memstream(&text, &len);
+  if (!out)
+    return answer_plain(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory\n");
+  http->page(http->data, out);
+  bool failed = ferror(out);
+  if (fclose(out) != 0 || failed) {
+    free(text);
+    return answer_plain(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory\n");
+  }
+  return answer_text(c, MHD_HTTP_OK, "text/html; charset=utf-8", text, len,
+                     MHD_RESPMEM_MUST_FREE);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
                                   const char *method, const char *version,
                                   const char *upload_data, size_t *upload_data_size,
@@ -62,8 +80,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     *con_cls = http;
     return MHD_YES;
   }
+  if (strcmp(url, "/") == 0)
+    return answer_page(c, http);
   if (strcmp(url, "/metrics") != 0)
-    return answer_plain(c, MHD_HTTP_NOT_FOUND, "fsdpd serves /metrics\n");
+    return answer_plain(c, MHD_HTTP_NOT_FOUND, "fsdpd serves / and /metrics\n");
   fsdp_exposition_t e;
   fsdp_exposition_init(&e);
   http->render(http->data, &e);
@@ -98,6 +118,7 @@ static void on_poll(uv_poll_t *poll, int status, int events) {
 }
 
 int fsdp_metrics_http_start(uv_loop_t *loop, const char *address, fsdp_metrics_render_fn render,
+                            fsdp_metrics_page_fn page,
                             void *data, fsdp_metrics_http_t **ret_http, char *ret_address,
                             size_t size, fsdp_status_t *st) {
   int fd;
@@ -110,6 +131,7 @@ int fsdp_metrics_http_start(uv_loop_t *loop, const char *address, fsdp_metrics_r
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory for the metrics port");
   }
   http->render = render;
+  http->page = page;
   http->data = data;
   /* epoll without a thread of its own: the loop polls its descriptor and calls MHD_run. */
   http->mhd = MHD_start_daemon(MHD_USE_EPOLL, 0, NULL, NULL, on_request, http,

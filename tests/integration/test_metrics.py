@@ -106,10 +106,10 @@ def test_the_metrics_say_what_the_ranks_did(fsdpd):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_anything_but_get_metrics_is_refused(fsdpd):
+def test_anything_but_get_metrics_or_the_page_is_refused(fsdpd):
     d = fsdpd()
     base = d.metrics_url.rsplit("/", 1)[0]
-    for url, method, code in ((base + "/", "GET", 404), (base + "/metrics", "POST", 405)):
+    for url, method, code in ((base + "/nope", "GET", 404), (base + "/metrics", "POST", 405)):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"" if
                                                           method == "POST" else None), timeout=5)
@@ -233,3 +233,54 @@ def test_a_prefetch_waiting_for_a_copy_is_no_stall(fsdpd):
     for r in ranks:
         r.op("Reshard", unit="a", step=1)
     assert on_all(ranks, "Unshard", unit="b", step=1) == [None, None]
+
+
+def page(d):
+    with urllib.request.urlopen(d.metrics_url.rsplit("/", 1)[0] + "/", timeout=5) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "text/html; charset=utf-8"
+        return r.read().decode()
+
+
+def test_the_status_page_shows_the_jobs_units_and_their_last_steps(fsdpd, tmp_path):
+    """The page at / on the metrics port: the daemon, job j with its ranks attached, its
+    units (a name a page must escape among them, escaped) with their gathers and reduces,
+    and the last steps' timeline as SVG, a row a rank and one for the daemon's work, each
+    operation titled; a stalled job says why. Headless Chromium renders it (the screenshot
+    is left in the test's directory)."""
+    import threading
+    d = fsdpd("--set", "health.stall_after=200ms", "--set", "daemon.housekeeping_interval=50ms")
+    ranks = [Rank(d, r, 2) for r in range(2)]
+    odd = "<b>a&b</b>"
+    for r in ranks:
+        r.register(shapes=((37, 11),), param_dtype=BF16, requires_grad=True)
+        r.register(unit=odd, shapes=((8,),), param_dtype=BF16, requires_grad=True)
+    for step in (1, 2):
+        for unit in ("u", odd):
+            assert on_all(ranks, "Unshard", unit=unit, step=step, backward=True) == [None, None]
+            assert on_all(ranks, "ReduceScatter", unit=unit, step=step) == [None, None]
+    text = page(d)
+    assert "<h1>fsdpd " in text and "<h2>Job j</h2>" in text
+    assert "2 of 2 local ranks attached" in text
+    assert "<tr><td>u</td><td>407</td><td>2</td><td>2</td><td>2</td>" in text, text
+    assert "&lt;b&gt;a&amp;b&lt;/b&gt;" in text and odd not in text
+    svg = text[text.index("<svg"):text.index("</svg>")]
+    assert ">rank 0<" in svg and ">rank 1<" in svg and ">daemon work<" in svg
+    for what in ("gather", "reduce"):
+        assert [svg.count(f"rank {r}'s {what} of u step") for r in (0, 1)] == [2, 2] and \
+            svg.count(f"<title>the daemon's {what} of u step") == 2, (what, svg)
+    first = threading.Thread(target=ranks[0].op, args=("Unshard",), kwargs=dict(step=3))
+    first.start()
+    poll(lambda: "stalled: " in page(d), 10, what="the page to say the job stalls")
+    assert "for local rank(s) 1" in page(d)
+    chromium = shutil.which("chromium")
+    if chromium:
+        shot = tmp_path / "status-page.png"
+        r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                            f"--screenshot={shot}", "--window-size=1280,900",
+                            d.metrics_url.rsplit("/", 1)[0] + "/"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and shot.stat().st_size > 10000, r.stderr
+        print(f"status page screenshot: {shot}")
+    ranks[1].op("Unshard", step=3)
+    first.join(10)
