@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "collectives/local.h"
 #include "common/clock.h"
@@ -361,9 +362,11 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms,
                              sizeof missing);
         snprintf(message, sizeof message,
                  "unit '%s' step %llu: local rank(s) %s of job '%s' did not ask to %s in time "
-                 "(store.collective_timeout)%s",
+                 "(store.collective_timeout)",
                  u->spec->unit, (unsigned long long)c->step, missing, job->name,
-                 collection_verb(kind), note);
+                 collection_verb(kind));
+        size_t at = strlen(message); /* the note as far as it fits */
+        snprintf(message + at, sizeof message - at, "%s", note);
         log_warning("%s", message);
         dp_abort_collection(job, u, kind, FSDP_E_ABORTED, message);
       }

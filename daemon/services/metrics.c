@@ -1,6 +1,7 @@
 /* The daemon's metrics (metrics.h). */
 #include "daemon/services/metrics.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 
 #include <fsdp/fsdp_version.h>
@@ -148,22 +149,47 @@ static uint64_t optimizer_steps(fsdp_job_t *job, const fsdp_unit_t *u) {
   return fsdp_optimizer_unit_steps(job, u);
 }
 
-static void render_work(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
-  fsdp_exposition_family(e, "fsdpd_unit_work_seconds", "histogram",
-                         "The daemon's own work on a unit's collectives, its kernels' "
-                         "completion included: a gather's cast of this host's shards, a "
-                         "reduce's sum on one host (across hosts the rings sum as they go).");
+/* One histogram family over every unit: its gather's and its reduce's (which: the unit's
+ * flight's pair). */
+static void render_unit_histograms(const fsdp_services_context_t *ctx, fsdp_exposition_t *e,
+                                   const char *name, const char *help, bool queue) {
+  fsdp_exposition_family(e, name, "histogram", help);
   for (const fsdp_job_t *job = ctx->store->jobs; job; job = job->next)
     for (const fsdp_unit_t *u = job->units; u; u = u->next) {
       const fsdp_label_t gather[] = {{"fsdp_job", job->name}, {"unit", u->spec->unit},
                                      {"work", "gather"}};
       const fsdp_label_t reduce[] = {{"fsdp_job", job->name}, {"unit", u->spec->unit},
                                      {"work", "reduce"}};
-      fsdp_exposition_histogram(e, "fsdpd_unit_work_seconds", gather, N(gather),
-                                &u->flight->gather_work);
-      fsdp_exposition_histogram(e, "fsdpd_unit_work_seconds", reduce, N(reduce),
-                                &u->flight->reduce_work);
+      fsdp_exposition_histogram(e, name, gather, N(gather),
+                                queue ? &u->flight->gather_queue : &u->flight->gather_work);
+      fsdp_exposition_histogram(e, name, reduce, N(reduce),
+                                queue ? &u->flight->reduce_queue : &u->flight->reduce_work);
     }
+}
+
+/* The peers (several hosts): whether each is joined, and its heartbeat's round trip. */
+static void render_peers(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
+  unsigned hosts = ctx->peers ? fsdp_peers_host_count(ctx->peers) : 1;
+  if (hosts < 2)
+    return;
+  fsdp_exposition_family(e, "fsdpd_peer_up", "gauge",
+                         "1 while another host's daemon is joined (cluster.hosts), 0 else.");
+  fsdp_exposition_family(e, "fsdpd_peer_rtt_seconds", "gauge",
+                         "The latest heartbeat's round trip to another host's daemon; 0 "
+                         "before the first.");
+  unsigned self = fsdp_peers_host_rank(ctx->peers);
+  for (unsigned h = 0; h < hosts; h++) {
+    if (h == self)
+      continue;
+    fsdp_peer_info_t p;
+    fsdp_peers_get(ctx->peers, h, &p);
+    char host[16];
+    snprintf(host, sizeof host, "%u", h);
+    const fsdp_label_t labels[] = {{"host", host}};
+    fsdp_exposition_count(e, "fsdpd_peer_up", labels, N(labels), p.state == FSDP_PEER_JOINED);
+    fsdp_exposition_value(e, "fsdpd_peer_rtt_seconds", labels, N(labels),
+                          (double)p.rtt_us / 1e6);
+  }
 }
 
 void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
@@ -189,5 +215,15 @@ void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
                      reduces);
   render_unit_counts(ctx, e, "fsdpd_unit_optimizer_steps_total",
                      "Steps the daemon's optimizer took on a unit.", optimizer_steps);
-  render_work(ctx, e);
+  render_unit_histograms(ctx, e, "fsdpd_unit_work_seconds",
+                         "The daemon's own work on a unit's collectives, its kernels' "
+                         "completion included: a gather's cast of this host's shards, a "
+                         "reduce's sum on one host (across hosts the rings sum as they go).",
+                         false);
+  render_unit_histograms(ctx, e, "fsdpd_unit_queue_seconds",
+                         "How long that work waited in the daemon's queue (behind other "
+                         "units' and jobs' work) before it ran: with the work's own time, what "
+                         "the daemon added to a collective.",
+                         true);
+  render_peers(ctx, e);
 }

@@ -17,6 +17,10 @@ void fsdp_operator_describe_unit(fsdp_rpc_call_t *call, const ProtobufCMessage *
 void fsdp_operator_trace(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data);
 void fsdp_operator_why(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data);
 
+/* The job a report names (field 'job'), or NULL after failing the call NOT_FOUND. */
+const fsdp_job_t *fsdp_operator_job(fsdp_rpc_call_t *call, const fsdp_store_t *store,
+                                    const char *name);
+
 /* A flight record as the protocol says it (its strings borrowed: unit's, and static ones). */
 void fsdp_operator_op_record(const fsdp_op_record_t *record, const char *unit,
                              Fsdp__V1__OpRecord *out);

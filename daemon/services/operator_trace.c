@@ -100,15 +100,20 @@ static void trace_free(trace_reply_t *t) {
   free(t->record_ptrs);
 }
 
+const fsdp_job_t *fsdp_operator_job(fsdp_rpc_call_t *call, const fsdp_store_t *store,
+                                    const char *name) {
+  const fsdp_job_t *job = fsdp_store_find_job(store, name);
+  if (!job)
+    fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "field 'job': no job '%s' in this daemon", name);
+  return job;
+}
+
 void fsdp_operator_trace(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   const Fsdp__V1__TraceRequest *rq = (const void *)request;
   fsdp_services_context_t *ctx = data;
-  const fsdp_job_t *job = fsdp_store_find_job(ctx->store, rq->job);
-  if (!job) {
-    fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "field 'job': no job '%s' in this daemon",
-                       rq->job);
+  const fsdp_job_t *job = fsdp_operator_job(call, ctx->store, rq->job);
+  if (!job)
     return;
-  }
   if (!job->flight->recorder.capacity) {
     fsdp_rpc_call_fail(call, FSDP_E_FAILED_PRECONDITION,
                        "job '%s' has no flight recorder: trace.ops was 0 when it began",

@@ -65,10 +65,8 @@ static int oldest_first(const void *a, const void *b) {
 }
 
 static const char *unit_name(const fsdp_job_t *job, uint32_t id) {
-  for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->id == id)
-      return u->spec->unit;
-  return "";
+  const fsdp_unit_t *u = fsdp_store_unit_by_id(job, id);
+  return u ? u->spec->unit : "";
 }
 
 /* The verdict: the oldest wait as health says it, then what each rank it waits for did. */
@@ -98,12 +96,9 @@ static void verdict(const why_t *y, uint64_t now_ms, uint64_t now_ns, char *buf,
 void fsdp_operator_why(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
   const Fsdp__V1__WhyRequest *rq = (const void *)request;
   fsdp_services_context_t *ctx = data;
-  const fsdp_job_t *job = fsdp_store_find_job(ctx->store, rq->job);
-  if (!job) {
-    fsdp_rpc_call_fail(call, FSDP_E_NOT_FOUND, "field 'job': no job '%s' in this daemon",
-                       rq->job);
+  const fsdp_job_t *job = fsdp_operator_job(call, ctx->store, rq->job);
+  if (!job)
     return;
-  }
   uint64_t now_ms = uv_now(ctx->loop), now_ns = fsdp_clock_now_ns();
   why_t y = {.job = job, .world = job->local_world_size};
   fsdp_dataplane_each_wait(job, now_ms, count_wait, &y);

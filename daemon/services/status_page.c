@@ -146,12 +146,6 @@ static void find_times(void *data, const fsdp_op_record_t *r) {
     x->t1 = r->end_ns;
 }
 
-static const char *unit_name(const fsdp_job_t *job, uint32_t id) {
-  for (const fsdp_unit_t *u = job->units; u; u = u->next)
-    if (u->id == id)
-      return u->spec->unit;
-  return "";
-}
 
 static double x_of(const extent_t *x, uint64_t ns) {
   return (double)(ns - x->t0) * TIMELINE_WIDTH / (double)(x->t1 - x->t0);
@@ -173,7 +167,8 @@ static void draw(void *data, const fsdp_op_record_t *r) {
   else
     fprintf(x->out, "<g><title>rank %u's %s of ", r->rank,
             r->kind == FSDP_RECORD_GATHER ? "gather" : "reduce");
-  html(x->out, unit_name(x->job, r->unit_id));
+  const fsdp_unit_t *u = fsdp_store_unit_by_id(x->job, r->unit_id);
+  html(x->out, u ? u->spec->unit : "");
   fprintf(x->out, " step %" PRIu64 ": %.3f ms (%.3f ms waiting)</title>", r->step,
           (double)(r->end_ns - run_from) / 1e6, (double)(run_from - r->submit_ns) / 1e6);
   if (run_x > wait_x)

@@ -88,6 +88,9 @@ def test_the_metrics_say_what_the_ranks_did(fsdpd):
         assert value(found, "fsdpd_unit_work_seconds_count", work=work, **unit) == 3
         assert value(found, "fsdpd_unit_work_seconds_bucket", work=work, le="+Inf", **unit) == 3
         assert value(found, "fsdpd_unit_work_seconds_sum", work=work, **unit) > 0
+        # The queue's wait apart from the work's own time, one observation each.
+        assert value(found, "fsdpd_unit_queue_seconds_count", work=work, **unit) == 3
+        assert value(found, "fsdpd_unit_queue_seconds_sum", work=work, **unit) >= 0
     assert calls(found, "/fsdp.v1.Trainer/Unshard", "OK") == 6
     assert calls(found, "/fsdp.v1.Trainer/ReduceScatter", "OK") == 6
     assert calls(found, "/fsdp.v1.Trainer/ReduceScatter", "FAILED_PRECONDITION") == 1
@@ -284,3 +287,20 @@ def test_the_status_page_shows_the_jobs_units_and_their_last_steps(fsdpd, tmp_pa
         print(f"status page screenshot: {shot}")
     ranks[1].op("Unshard", step=3)
     first.join(10)
+
+
+def test_the_peers_are_in_the_metrics(fsdpd):
+    """Two daemons as two hosts: each says the other is up, with a heartbeat's round trip,
+    and names no series for itself; one host alone has no peer series."""
+    from test_cluster import start_cluster
+    c = start_cluster(fsdpd, 2, extra=["--set", "peer.heartbeat_interval=100ms"])
+    for h, d in enumerate(c.daemons):
+        other = str(1 - h)
+        poll(lambda: value(samples(scrape(d)), "fsdpd_peer_rtt_seconds", host=other), 10,
+             what="a heartbeat's round trip")
+        found = samples(scrape(d))
+        assert value(found, "fsdpd_peer_up", host=other) == 1
+        assert 0 < value(found, "fsdpd_peer_rtt_seconds", host=other) < 5
+        assert value(found, "fsdpd_peer_up", host=str(h)) is None
+    alone = fsdpd(name="alone")
+    assert "fsdpd_peer_up" not in scrape(alone)
