@@ -219,8 +219,8 @@ static void keep_record(void *data, const fsdp_job_t *job, char *note, size_t si
                 st.message);
     return;
   }
-  log_warning("job '%s': its flight record at the timeout is %s (fsdpctl trace --record %s "
-              "--out FILE)", job->name, path, path);
+  log_warning("job '%s': its flight record at the timeout is %s (fsdpctl record %s --out "
+              "FILE)", job->name, path, path);
   snprintf(note, size, "; the job's flight record: %s", path);
 }
 

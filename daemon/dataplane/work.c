@@ -137,15 +137,19 @@ static void work_done(uv_work_t *req, int status) {
     return;
   }
   dp_record_work(w, r);
-  double queued_s = w->start_ns > w->queued_ns ? (double)(w->start_ns - w->queued_ns) * 1e-9 : 0;
+  /* The queue's wait of work that ran (a cancelled one never started). */
+  bool ran = r >= 0 && w->start_ns >= w->queued_ns && w->start_ns;
+  double queued_s = ran ? (double)(w->start_ns - w->queued_ns) * 1e-9 : 0;
   if (w->kind == WORK_GATHER) {
     u->flight->last_gather_us = w->run_ns / 1000;
     fsdp_histogram_observe(&u->flight->gather_work, (double)w->run_ns * 1e-9);
-    fsdp_histogram_observe(&u->flight->gather_queue, queued_s);
+    if (ran)
+      fsdp_histogram_observe(&u->flight->gather_queue, queued_s);
   } else if (w->kind == WORK_REDUCE) {
     u->flight->last_reduce_us = w->run_ns / 1000;
     fsdp_histogram_observe(&u->flight->reduce_work, (double)w->run_ns * 1e-9);
-    fsdp_histogram_observe(&u->flight->reduce_queue, queued_s);
+    if (ran)
+      fsdp_histogram_observe(&u->flight->reduce_queue, queued_s);
   }
   if (w->kind == WORK_PREFAULT) {
     if (r < 0) {

@@ -167,28 +167,32 @@ static void render_unit_histograms(const fsdp_services_context_t *ctx, fsdp_expo
     }
 }
 
-/* The peers (several hosts): whether each is joined, and its heartbeat's round trip. */
+/* The peers (several hosts): whether each is joined, and its heartbeat's round trip; each
+ * family's samples together, as the format wants. */
 static void render_peers(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
   unsigned hosts = ctx->peers ? fsdp_peers_host_count(ctx->peers) : 1;
   if (hosts < 2)
     return;
-  fsdp_exposition_family(e, "fsdpd_peer_up", "gauge",
-                         "1 while another host's daemon is joined (cluster.hosts), 0 else.");
-  fsdp_exposition_family(e, "fsdpd_peer_rtt_seconds", "gauge",
-                         "The latest heartbeat's round trip to another host's daemon; 0 "
-                         "before the first.");
+  static const char *const families[][2] = {
+      {"fsdpd_peer_up", "1 while another host's daemon is joined (cluster.hosts), 0 else."},
+      {"fsdpd_peer_rtt_seconds",
+       "The latest heartbeat's round trip to another host's daemon; 0 before the first."}};
   unsigned self = fsdp_peers_host_rank(ctx->peers);
-  for (unsigned h = 0; h < hosts; h++) {
-    if (h == self)
-      continue;
-    fsdp_peer_info_t p;
-    fsdp_peers_get(ctx->peers, h, &p);
-    char host[16];
-    snprintf(host, sizeof host, "%u", h);
-    const fsdp_label_t labels[] = {{"host", host}};
-    fsdp_exposition_count(e, "fsdpd_peer_up", labels, N(labels), p.state == FSDP_PEER_JOINED);
-    fsdp_exposition_value(e, "fsdpd_peer_rtt_seconds", labels, N(labels),
-                          (double)p.rtt_us / 1e6);
+  for (size_t f = 0; f < 2; f++) {
+    fsdp_exposition_family(e, families[f][0], "gauge", families[f][1]);
+    for (unsigned h = 0; h < hosts; h++) {
+      if (h == self)
+        continue;
+      fsdp_peer_info_t p;
+      fsdp_peers_get(ctx->peers, h, &p);
+      char host[16];
+      snprintf(host, sizeof host, "%u", h);
+      const fsdp_label_t labels[] = {{"host", host}};
+      if (f == 0)
+        fsdp_exposition_count(e, families[f][0], labels, N(labels), p.state == FSDP_PEER_JOINED);
+      else
+        fsdp_exposition_value(e, families[f][0], labels, N(labels), (double)p.rtt_us / 1e6);
+    }
   }
 }
 

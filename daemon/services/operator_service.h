@@ -12,7 +12,7 @@ fsdp_rpc_service_t fsdp_operator_service(fsdp_services_context_t *ctx);
 
 /* Writes the job's flight recorder, as Operator.Trace gives it (a packed TraceReply), into
  * a file of a new name in the directory dir_fd (dir: its path, for messages), its path in
- * path: on a collective's timeout, for fsdpctl trace --record. */
+ * path: on a collective's timeout, for fsdpctl record. */
 int fsdp_operator_write_record(const fsdp_job_t *job, int dir_fd, const char *dir, char *path,
                                size_t size, fsdp_status_t *st);
 

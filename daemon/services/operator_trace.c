@@ -1,6 +1,6 @@
 /* Operator.Trace: a job's flight recorder (daemon/dataplane/dataplane.h), oldest first, for
  * fsdpctl trace; and the same record written to a file when a collective times out, which
- * fsdpctl trace --record reads. */
+ * fsdpctl record reads. */
 #include "daemon/services/operator_internal.h"
 #include "daemon/services/operator_service.h"
 
@@ -15,6 +15,7 @@
 #include "daemon/services/calls.h"
 #include "daemon/services/context.h"
 #include "common/clock.h"
+#include "common/io.h"
 #include "proto/limits.h"
 #include "proto/wire.h"
 #include "fsdp/v1/operator.pb-c.h"
@@ -153,13 +154,9 @@ int fsdp_operator_write_record(const fsdp_job_t *job, int dir_fd, const char *di
     if (fd < 0) {
       r = fsdp_status_set(st, -errno, "%s: %s", path, strerror(errno));
     } else {
-      for (size_t done = 0; r == 0 && done < n;) {
-        ssize_t w = write(fd, bytes + done, n - done);
-        if (w < 0 && errno != EINTR)
-          r = fsdp_status_set(st, -errno, "%s: %s", path, strerror(errno));
-        else if (w > 0)
-          done += (size_t)w;
-      }
+      int w = fsdp_write_all(fd, bytes, n);
+      if (w < 0)
+        r = fsdp_status_set(st, w, "%s: %s", path, strerror(-w));
       if (close(fd) < 0 && r == 0)
         r = fsdp_status_set(st, -errno, "%s: %s", path, strerror(errno));
       if (r < 0)

@@ -58,16 +58,26 @@ static void note_last(void *data, const fsdp_op_record_t *r) {
   y->has_last[r->rank] = true;
 }
 
-static int oldest_first(const void *a, const void *b) {
-  const Fsdp__V1__WaitingCollective *x = *(Fsdp__V1__WaitingCollective *const *)a;
-  const Fsdp__V1__WaitingCollective *y = *(Fsdp__V1__WaitingCollective *const *)b;
-  return x->waited_ms < y->waited_ms ? 1 : x->waited_ms > y->waited_ms ? -1 : 0;
+/* The longest waits first, ties in the data plane's order (units in order, a gather before
+ * a reduce): a stable sort, so that the first is the one health's reason names. */
+static void oldest_first(Fsdp__V1__WaitingCollective **w, size_t n) {
+  for (size_t i = 1; i < n; i++)
+    for (size_t j = i; j > 0 && w[j]->waited_ms > w[j - 1]->waited_ms; j--) {
+      Fsdp__V1__WaitingCollective *t = w[j];
+      w[j] = w[j - 1];
+      w[j - 1] = t;
+    }
 }
 
 static const char *unit_name(const fsdp_job_t *job, uint32_t id) {
   const fsdp_unit_t *u = fsdp_store_unit_by_id(job, id);
   return u ? u->spec->unit : "";
 }
+
+/* The missing ranks the verdict tells of; the table lists every one. With unit names of at
+ * most FSDP_UNIT_NAME_MAX bytes, the verdict then always fits its buffer whole. */
+#define VERDICT_RANKS 8
+#define VERDICT_BYTES 4096
 
 /* The verdict: the oldest wait as health says it, then what each rank it waits for did. */
 static void verdict(const why_t *y, uint64_t now_ms, uint64_t now_ns, char *buf, size_t size) {
@@ -76,7 +86,7 @@ static void verdict(const why_t *y, uint64_t now_ms, uint64_t now_ns, char *buf,
     return;
   }
   const Fsdp__V1__WaitingCollective *oldest = y->waiting_ptrs[0];
-  for (size_t i = 0; i < oldest->n_missing; i++) {
+  for (size_t i = 0; i < oldest->n_missing && i < VERDICT_RANKS; i++) {
     uint32_t r = oldest->missing[i];
     size_t at = strlen(buf);
     if (!y->attached[r]) {
@@ -90,6 +100,11 @@ static void verdict(const why_t *y, uint64_t now_ms, uint64_t now_ns, char *buf,
                r, l->kind == FSDP_RECORD_GATHER ? "gather" : "reduce",
                unit_name(y->job, l->unit_id), (unsigned long long)l->step, ago);
     }
+  }
+  if (oldest->n_missing > VERDICT_RANKS) {
+    size_t at = strlen(buf);
+    snprintf(buf + at, size - at, "; and %zu more (the table)",
+             oldest->n_missing - VERDICT_RANKS);
   }
 }
 
@@ -119,7 +134,7 @@ void fsdp_operator_why(fsdp_rpc_call_t *call, const ProtobufCMessage *request, v
     goto out;
   }
   fsdp_dataplane_each_wait(job, now_ms, add_wait, &y);
-  qsort(y.waiting_ptrs, y.n_waiting, sizeof *y.waiting_ptrs, oldest_first);
+  oldest_first(y.waiting_ptrs, y.n_waiting);
   fsdp_dataplane_each_record(job, note_last, &y);
   for (const fsdp_session_t *s = ctx->sessions->head; s; s = s->next)
     if (strcmp(s->job, job->name) == 0 && s->local_rank < y.world)
@@ -135,7 +150,7 @@ void fsdp_operator_why(fsdp_rpc_call_t *call, const ProtobufCMessage *request, v
     }
     rank_ptrs[r] = &ranks[r];
   }
-  char line[1024];
+  char line[VERDICT_BYTES];
   verdict(&y, now_ms, now_ns, line, sizeof line);
   Fsdp__V1__WhyReply reply = FSDP__V1__WHY_REPLY__INIT;
   reply.job = (char *)job->name;

@@ -54,15 +54,17 @@ static void page_head(const fsdp_services_context_t *ctx, FILE *out) {
         "th{background:#f2f2f2}.bad{color:#b00020;font-weight:bold}"
         "</style></head><body>\n", out);
   uint64_t up_s = (uv_now(ctx->loop) - ctx->started_ms) / 1000;
+  unsigned host = ctx->peers ? fsdp_peers_host_rank(ctx->peers) : 0;
+  unsigned hosts = ctx->peers ? fsdp_peers_host_count(ctx->peers) : 1;
   fprintf(out, "<h1>fsdpd %s</h1><p>backend %s, host %u of %u, up %" PRIu64 " s, %u session%s, "
           "%u job%s</p>\n", FSDP_VERSION_STRING, fsdp_backend_name(&ctx->dataplane->backend),
-          fsdp_peers_host_rank(ctx->peers), fsdp_peers_host_count(ctx->peers), up_s,
+          host, hosts, up_s,
           ctx->sessions->count, ctx->sessions->count == 1 ? "" : "s", ctx->store->n_jobs,
           ctx->store->n_jobs == 1 ? "" : "s");
 }
 
 static void peers_table(const fsdp_services_context_t *ctx, FILE *out) {
-  unsigned hosts = fsdp_peers_host_count(ctx->peers);
+  unsigned hosts = ctx->peers ? fsdp_peers_host_count(ctx->peers) : 1;
   if (hosts < 2)
     return;
   fputs("<h2>Peers</h2><table><tr><th>host</th><th>address</th><th>state</th>"

@@ -73,6 +73,7 @@ class _Iteration:
         self.callback_queued = False  # a backward runs, its end queued
         self.scheduled = False    # the daemon knows which units reshard after forward
         self.last_backward = True  # the end of a backward waits for its reduces
+        self.backward_pending = False  # a forward with a gradient ran, its backward not yet
 
 
 _ITERATION = _Iteration()
@@ -190,9 +191,9 @@ class _Group:
 
     def _end_started(self):
         if self.started:
+            step, self.started = self.started[0], None  # the client ends it, even failing
             self.unit.wait()
-            self.copy_step = self.started[0]
-            self.started = None
+            self.copy_step = step
 
     def unshard(self, step, backward=False):
         """The copy of step (with backward, the gradient buffer too), the module computing
@@ -292,6 +293,7 @@ def _pre_forward(group):
         if it.root is None:  # the outermost module's forward begins the step
             it.root = group
             it.step += 1
+            it.backward_pending = False
             it.callback_queued = False
             if not it.scheduled:
                 _schedule(group)
@@ -375,6 +377,10 @@ def _post_forward(group):
             it.root = None
         if output is None or not torch.is_grad_enabled():  # raised (always_call), or eval
             group.reshard()
+            if root:  # no backward ends this step: its prefetches end here
+                for g in it.groups:
+                    if g.started:
+                        g.reshard()
         else:
             if group.gives_back_after_forward(root):
                 group.reshard()
@@ -384,6 +390,7 @@ def _post_forward(group):
             for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(_pre_backward(group))
+                    it.backward_pending = it.backward_pending or root
         if group.mp.output_dtype is not None:
             output = cast_floats(output, group.mp.output_dtype)
         return output
@@ -422,6 +429,7 @@ def _finish_backward():
             g.settle()
         g.reshard()
     it.callback_queued = False
+    it.backward_pending = False
 
 
 class FSDPModule:
@@ -442,7 +450,10 @@ class FSDPModule:
         it = _ITERATION
         if not it.scheduled:  # a gather before the first forward: the daemon learns first
             _schedule(_outermost())
-        step = it.step if it.root is not None or it.callback_queued else it.step + 1
+        # During a step (its forward, the backward it waits for) the step's copy; between
+        # steps, the next one's.
+        current = it.root is not None or it.callback_queued or it.backward_pending
+        step = it.step if current else it.step + 1
         g.start_unshard(step)
         handle = _UnshardHandle(g, step)
         if async_op:

@@ -107,7 +107,8 @@ def test_a_timeout_keeps_the_flight_record_and_names_it(fsdpd, tmp_path):
     """A gather rank 1 never asks for times out (store.collective_timeout): rank 0 hears
     ABORTED naming rank 1 and the file where the daemon kept the job's flight record, in its
     run directory; the log names it too; `fsdpctl record FILE --out` writes it as Chrome
-    trace JSON with a track per rank. A file that is no record is refused saying so."""
+    trace JSON with a track per rank. A file that is no record, or a forged one (a rank past
+    the limit, more records than a recorder keeps), is refused saying so."""
     import grpc
     import pytest
     d = fsdpd("--set", "store.collective_timeout=500ms",
@@ -130,7 +131,15 @@ def test_a_timeout_keeps_the_flight_record_and_names_it(fsdpd, tmp_path):
     assert {"rank 0 gathers", "rank 1 gathers", "rank 0 reduces", "rank 1 reduces"} <= names
     steps = {e["args"]["step"] for e in events if e["ph"] == "X" and "step" in e["args"]}
     assert 1 in steps
-    garbage = tmp_path / "garbage.record"
-    garbage.write_bytes(b"\xff" * 64)
-    r = d.fsdpctl("record", str(garbage), "--out", str(tmp_path / "g.json"))
-    assert r.returncode == 1 and "not a flight record (it does not decode)" in r.stderr
+    from fsdpd_harness import operator_pb2
+    empty = operator_pb2.OpRecord()
+    for name, content, why in (
+            ("garbage", b"\xff" * 64, "not a flight record (it does not decode)"),
+            ("rank", operator_pb2.TraceReply(records=[operator_pb2.OpRecord(kind=1, rank=1000)]),
+             "a record of a local rank past the protocol's limit"),
+            ("many", operator_pb2.TraceReply(records=[empty] * 65537),
+             "more records than a flight recorder keeps")):
+        forged = tmp_path / f"{name}.record"
+        forged.write_bytes(content if isinstance(content, bytes) else content.SerializeToString())
+        r = d.fsdpctl("record", str(forged), "--out", str(tmp_path / f"{name}.json"))
+        assert r.returncode == 1 and why in r.stderr, (name, r.stderr)
