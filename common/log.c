@@ -10,6 +10,7 @@
 
 static _Atomic int log_level = FSDP_LOG_INFO;
 static bool log_to_journal;
+static fsdp_log_journal_sink_t journal_sink; /* set once, before any thread logs */
 
 static const char *const level_words[] = {"error", "warning", "info", "debug"};
 /* syslog priorities: LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG */
@@ -38,17 +39,38 @@ fsdp_log_level_t fsdp_log_get_level(void) {
   return (fsdp_log_level_t)atomic_load(&log_level);
 }
 
-void fsdp_log(fsdp_log_level_t level, const char *fmt, ...) {
+void fsdp_log_set_journal_sink(fsdp_log_journal_sink_t sink) {
+  journal_sink = sink;
+}
+
+static void vlog(fsdp_log_level_t level, const fsdp_log_field_t *fields, size_t n,
+                 const char *fmt, va_list ap) {
   if ((int)level > atomic_load(&log_level))
     return;
   char line[1024];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(line, sizeof line, fmt, ap);
-  va_end(ap);
+  if (log_to_journal && journal_sink && n) {
+    journal_sink(level_priorities[level], line, fields, n);
+    return;
+  }
   /* One fprintf per line keeps lines from different threads whole. */
   if (log_to_journal)
     fprintf(stderr, "<%d>%s\n", level_priorities[level], line);
   else
     fprintf(stderr, "fsdpd: %s: %s\n", level_words[level], line);
+}
+
+void fsdp_log(fsdp_log_level_t level, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vlog(level, NULL, 0, fmt, ap);
+  va_end(ap);
+}
+
+void fsdp_log_fields(fsdp_log_level_t level, const fsdp_log_field_t *fields, size_t n,
+                     const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vlog(level, fields, n, fmt, ap);
+  va_end(ap);
 }

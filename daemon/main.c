@@ -14,6 +14,7 @@
 #include "daemon/args.h"
 #include "daemon/cluster/address_check.h"
 #include "daemon/daemon.h"
+#include "daemon/journal.h"
 #include "daemon/rpc/rpc_server.h"
 
 extern char **environ;
@@ -26,6 +27,7 @@ int main(int argc, char **argv) {
   /* A trainer that disconnects mid-reply must not kill the daemon. */
   signal(SIGPIPE, SIG_IGN);
   fsdp_log_init();
+  fsdp_log_set_journal_sink(fsdp_daemon_journal_sink);
   fsdp_rpc_route_log(fsdp_log_get_level());
 
   fsdp_args_t args;

@@ -115,8 +115,11 @@ bool daemon_is_operator(void *data, int fd, const fsdp_credentials_t *cred) {
 }
 
 static void log_session_end(const fsdp_session_t *s, const char *why) {
-  log_info("session %016llx (job '%s' local rank %u, pid %d) ended: %s",
-           (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid, why);
+  char rank[16];
+  snprintf(rank, sizeof rank, "%u", s->local_rank);
+  const fsdp_log_field_t fields[] = {{"JOB", s->job}, {"RANK", rank}};
+  fsdp_log_fields(FSDP_LOG_INFO, fields, 2, "session %016llx (job '%s' local rank %u, pid %d) "
+                  "ended: %s", (unsigned long long)s->id, s->job, s->local_rank, (int)s->pid, why);
 }
 
 bool daemon_job_has_session(const fsdp_daemon_t *daemon, const fsdp_job_t *job,

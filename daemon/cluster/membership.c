@@ -96,9 +96,13 @@ static void drop(fsdp_membership_t *m, fsdp_member_t *p, uint64_t now, fsdp_peer
   snprintf(p->last_error, sizeof p->last_error, "%s", why);
   p->next_join_ms = now;
   p->backoff_ms = FSDP_MEMBERSHIP_BACKOFF_MIN_MS;
-  if (was_joined)
-    log_warning("peers: host %u (%s) is %s: %s", p->rank, p->address,
-                fsdp_peer_state_name(state), why);
+  if (was_joined) {
+    char host[16];
+    snprintf(host, sizeof host, "%u", p->rank);
+    const fsdp_log_field_t fields[] = {{"HOST", host}};
+    fsdp_log_fields(FSDP_LOG_WARNING, fields, 1, "peers: host %u (%s) is %s: %s", p->rank,
+                    p->address, fsdp_peer_state_name(state), why);
+  }
   if (p->announced) {
     p->announced = false;
     char msg[700];

@@ -97,8 +97,15 @@ void fsdp_dataplane_check_stalls(fsdp_store_t *store, uint64_t now_ms,
     bool stalled = u && age_ms >= stall_after_ms;
     if (stalled)
       describe(job, u, kind, age_ms, jf->stall, sizeof jf->stall);
-    if (stalled && !jf->stalled)
-      log_warning("%s (health.stall_after): fsdp.job.%s is NOT_SERVING", jf->stall, job->name);
+    if (stalled && !jf->stalled) {
+      char step[24];
+      snprintf(step, sizeof step, "%llu",
+               (unsigned long long)collection_of((fsdp_unit_t *)u, kind)->step);
+      const fsdp_log_field_t fields[] = {{"JOB", job->name}, {"UNIT", u->spec->unit},
+                                         {"STEP", step}};
+      fsdp_log_fields(FSDP_LOG_WARNING, fields, 3, "%s (health.stall_after): fsdp.job.%s is "
+                      "NOT_SERVING", jf->stall, job->name);
+    }
     else if (!stalled && jf->stalled)
       log_info("job '%s' goes on: fsdp.job.%s is SERVING again", job->name, job->name);
     jf->stalled = stalled;

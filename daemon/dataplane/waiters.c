@@ -367,7 +367,12 @@ void fsdp_dataplane_expire(fsdp_store_t *store, uint64_t now_ms,
                  collection_verb(kind));
         size_t at = strlen(message); /* the note as far as it fits */
         snprintf(message + at, sizeof message - at, "%s", note);
-        log_warning("%s", message);
+        char step[24];
+        snprintf(step, sizeof step, "%llu", (unsigned long long)c->step);
+        const fsdp_log_field_t fields[] = {{"JOB", job->name}, {"UNIT", u->spec->unit},
+                                           {"STEP", step}, {"RANK", missing},
+                                           {"CODE", "ABORTED"}};
+        fsdp_log_fields(FSDP_LOG_WARNING, fields, 5, "%s", message);
         dp_abort_collection(job, u, kind, FSDP_E_ABORTED, message);
       }
     }

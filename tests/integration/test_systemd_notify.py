@@ -1,13 +1,17 @@
 """fsdpd speaks systemd's notify protocol: READY with STATUS and MAINPID once serving,
 WATCHDOG pings at least twice per WATCHDOG_USEC, RELOADING then READY around a SIGHUP reload,
-STOPPING when SIGTERM starts the drain. A datagram socket stands in for systemd."""
+STOPPING when SIGTERM starts the drain; and journald's, a job's lines carrying its fields. A
+datagram socket stands in for systemd."""
 
+import os
 import signal
 import socket
 import threading
 import time
 
-from fsdpd_harness import fsdpd, poll  # noqa: F401  (fsdpd is a pytest fixture)
+import pytest
+
+from fsdpd_harness import fsdpd, poll, trainer_pb2  # noqa: F401  (fsdpd is a pytest fixture)
 
 
 class NotifySocket:
@@ -81,3 +85,54 @@ def test_no_watchdog_pings_without_watchdog(fsdpd, tmp_path):
         assert d.stop(signal.SIGTERM) == 0
     finally:
         notify.close()
+
+
+JOURNAL = "/run/systemd/journal/socket"
+
+
+@pytest.mark.skipif(os.path.exists(JOURNAL) or os.geteuid() != 0,
+                    reason="a journal runs here (or no root to stand one in)")
+def test_under_journald_a_jobs_lines_carry_its_fields(fsdpd, tmp_path):
+    """Under journald (JOURNAL_STREAM names its stderr) a line about a job is a journal entry
+    with the fields JOB, UNIT, STEP, RANK and CODE beside MESSAGE and PRIORITY: a session's
+    end says its job and rank, a collective's timeout its job, unit, step, the missing rank
+    and ABORTED. Plain lines keep the stream, with their priority. A datagram socket at
+    journald's path stands in for it."""
+    import grpc
+    from test_unshard import FP32, Rank
+    made = [p for p in ("/run/systemd", "/run/systemd/journal") if not os.path.isdir(p)]
+    for p in made:
+        os.mkdir(p, 0o755)
+    journal = NotifySocket(JOURNAL)
+    try:
+        log = tmp_path / "fsdpd0.stderr"  # the harness's name for it, made first to know it
+        log.touch()
+        st = os.stat(log)
+        d = fsdpd("--set", "store.collective_timeout=300ms",
+                  "--set", "daemon.housekeeping_interval=20ms",
+                  env={"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+        assert "<6>" in d.stderr() and "fsdpd: info:" not in d.stderr()
+        ranks = [Rank(d, r, 2) for r in range(2)]
+        for r in ranks:
+            r.register(shapes=((8,),), param_dtype=FP32)
+        with pytest.raises(grpc.RpcError):
+            ranks[0].op("Unshard", step=1)
+        d.call("/fsdp.v1.Trainer/Detach", trainer_pb2.DetachRequest(session_id=ranks[1].session),
+               trainer_pb2.DetachReply)
+        entries = lambda: [m for _, m in list(journal.messages)  # noqa: E731
+                           if "SYSLOG_IDENTIFIER" in m]
+        poll(lambda: any(m.get("RANK") == "1" and "JOB" in m and "UNIT" not in m
+                         for m in entries()), 10, what="the session's end in the journal")
+        timeout = next(m for m in entries() if m.get("CODE") == "ABORTED")
+        assert {k: timeout[k] for k in ("JOB", "UNIT", "STEP", "RANK", "PRIORITY",
+                                        "SYSLOG_IDENTIFIER")} == \
+            {"JOB": "j", "UNIT": "u", "STEP": "1", "RANK": "1", "PRIORITY": "4",
+             "SYSLOG_IDENTIFIER": "fsdpd"}
+        assert "did not ask to unshard in time" in timeout["MESSAGE"]
+        end = next(m for m in entries() if m.get("RANK") == "1" and "UNIT" not in m)
+        assert end["JOB"] == "j" and "ended: detached" in end["MESSAGE"], end
+    finally:
+        journal.close()
+        os.unlink(JOURNAL)
+        for p in reversed(made):
+            os.rmdir(p)
