@@ -106,13 +106,17 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
                                       bool attached, fsdp_checkpoints_done_fn done, void *data,
                                       fsdp_status_t *st);
 
-/* What Operator.Status shows of a job's checkpoints: its staging memory's bytes, and the last
- * save this daemon wrote (step 0 and path "": none; the path is the job's, valid until its
- * next save). */
+/* What Operator.Status and the metrics show of a job's checkpoints: its staging memory's
+ * bytes, the last save this daemon wrote (step 0 and path "": none; the path is the job's,
+ * valid until its next save), and the saves and loads that ended, by outcome, with the bytes
+ * and the time of those that succeeded (a save's: its snapshot and its writing). */
 typedef struct fsdp_checkpoints_job_info {
   size_t staging_bytes;
   uint64_t last_step;
   const char *last_path;
+  uint64_t saved, save_failed, loaded, load_failed;
+  uint64_t saved_bytes, loaded_bytes;
+  uint64_t save_ns, load_ns;
 } fsdp_checkpoints_job_info_t;
 void fsdp_checkpoints_job_info(const fsdp_job_t *job, fsdp_checkpoints_job_info_t *ret_info);
 

@@ -27,6 +27,16 @@ void fsdp_checkpoints_job_info(const fsdp_job_t *job, fsdp_checkpoints_job_info_
       .last_step = ck ? ck->last_step : 0,
       .last_path = ck && ck->last_path ? ck->last_path : "",
   };
+  if (ck) {
+    ret_info->saved = ck->saved;
+    ret_info->save_failed = ck->save_failed;
+    ret_info->loaded = ck->loaded;
+    ret_info->load_failed = ck->load_failed;
+    ret_info->saved_bytes = ck->saved_bytes;
+    ret_info->loaded_bytes = ck->loaded_bytes;
+    ret_info->save_ns = ck->save_ns;
+    ret_info->load_ns = ck->load_ns;
+  }
 }
 
 job_steps_t ck_job_steps(const fsdp_job_t *job) {

@@ -26,6 +26,8 @@ typedef struct fsdp_job_checkpoints {
   /* checkpoint.resume = latest: the checkpoint to load at the job's first gather, until
    * that gather starts the load (fsdp_dataplane_job_resuming says while it waits). */
   char *resume_from;
+  /* The saves and loads that ended (fsdp_checkpoints_job_info's counts). */
+  uint64_t saved, save_failed, loaded, load_failed, saved_bytes, loaded_bytes, save_ns, load_ns;
 } fsdp_job_checkpoints_t;
 
 /* Who asked for a checkpoint's work (checkpoint_job). */

@@ -43,10 +43,31 @@ static void log_loaded(fsdp_job_t *job, const checkpoint_work_t *c) {
                 job->name, c->path);
 }
 
+/* The job's counts of saves and loads, for the metrics. */
+static void count(fsdp_job_t *job, const checkpoint_work_t *c) {
+  fsdp_job_checkpoints_t *ck = ck_job(job);
+  if (!ck)
+    return;
+  bool ok = c->st.code >= 0;
+  uint64_t bytes = ok ? fsdp_checkpoint_staging_bytes(c->units, c->job.n_units) : 0;
+  if (c->stage == LOADING) {
+    ck->loaded += ok;
+    ck->load_failed += !ok;
+    ck->loaded_bytes += bytes;
+    ck->load_ns += ok ? c->snapshot_ns : 0;
+  } else {
+    ck->saved += ok;
+    ck->save_failed += !ok;
+    ck->saved_bytes += bytes;
+    ck->save_ns += ok ? c->snapshot_ns + c->write_ns : 0;
+  }
+}
+
 void ck_end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
   if (status < 0)
     fsdp_status_set(&c->st, status, "the checkpoint's work did not run: %s",
                     fsdp_strerror(status));
+  count(job, c);
   if (c->st.code < 0)
     log_error("job '%s': %s", job->name, c->st.message);
   else if (c->stage == LOADING)

@@ -6,6 +6,7 @@
 
 #include <fsdp/fsdp_version.h>
 
+#include "daemon/checkpoints/checkpoints.h"
 #include "daemon/dataplane/optimizer.h"
 #include "daemon/store/arena.h"
 #include "daemon/store/pool.h"
@@ -167,6 +168,43 @@ static void render_unit_histograms(const fsdp_services_context_t *ctx, fsdp_expo
     }
 }
 
+/* Each job's checkpoints: saves and loads by outcome, the bytes and seconds of those done. */
+static void render_checkpoints(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
+  static const char *const families[][2] = {
+      {"fsdpd_checkpoint_saves_total", "Saves of a job's state on this host that ended, by "
+                                       "outcome (ok, failed)."},
+      {"fsdpd_checkpoint_loads_total", "Loads into a job's units that ended, by outcome."},
+      {"fsdpd_checkpoint_bytes_total", "Bytes of the job's state that saves wrote and loads "
+                                       "read (op: save, load)."},
+      {"fsdpd_checkpoint_seconds_total", "Time of the saves (snapshot and writing) and loads "
+                                         "that succeeded (op: save, load)."}};
+  for (size_t f = 0; f < 4; f++) {
+    fsdp_exposition_family(e, families[f][0], "counter", families[f][1]);
+    for (const fsdp_job_t *job = ctx->store->jobs; job; job = job->next) {
+      fsdp_checkpoints_job_info_t info;
+      fsdp_checkpoints_job_info(job, &info);
+      if (f < 2) {
+        uint64_t ok = f == 0 ? info.saved : info.loaded;
+        uint64_t failed = f == 0 ? info.save_failed : info.load_failed;
+        const fsdp_label_t oks[] = {{"fsdp_job", job->name}, {"outcome", "ok"}};
+        const fsdp_label_t fails[] = {{"fsdp_job", job->name}, {"outcome", "failed"}};
+        fsdp_exposition_count(e, families[f][0], oks, N(oks), ok);
+        fsdp_exposition_count(e, families[f][0], fails, N(fails), failed);
+      } else {
+        const fsdp_label_t saves[] = {{"fsdp_job", job->name}, {"op", "save"}};
+        const fsdp_label_t loads[] = {{"fsdp_job", job->name}, {"op", "load"}};
+        if (f == 2) {
+          fsdp_exposition_count(e, families[f][0], saves, N(saves), info.saved_bytes);
+          fsdp_exposition_count(e, families[f][0], loads, N(loads), info.loaded_bytes);
+        } else {
+          fsdp_exposition_value(e, families[f][0], saves, N(saves), (double)info.save_ns / 1e9);
+          fsdp_exposition_value(e, families[f][0], loads, N(loads), (double)info.load_ns / 1e9);
+        }
+      }
+    }
+  }
+}
+
 /* The peers (several hosts): whether each is joined, and its heartbeat's round trip; each
  * family's samples together, as the format wants. */
 static void render_peers(const fsdp_services_context_t *ctx, fsdp_exposition_t *e) {
@@ -229,5 +267,6 @@ void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
                          "units' and jobs' work) before it ran: with the work's own time, what "
                          "the daemon added to a collective.",
                          true);
+  render_checkpoints(ctx, e);
   render_peers(ctx, e);
 }

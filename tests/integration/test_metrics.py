@@ -304,3 +304,35 @@ def test_the_peers_are_in_the_metrics(fsdpd):
         assert value(found, "fsdpd_peer_up", host=str(h)) is None
     alone = fsdpd(name="alone")
     assert "fsdpd_peer_up" not in scrape(alone)
+
+
+def test_checkpoints_are_in_the_metrics(fsdpd, tmp_path):
+    """A save and a load through fsdpctl: each counted by outcome, with the bytes of the
+    job's state (the same both ways) and their time; a load of a corrupted checkpoint is a
+    failed one."""
+    d = fsdpd()
+    train(d, 1)
+    saves = tmp_path / "saves"
+    r = d.fsdpctl("checkpoint", "save", "j", str(saves))
+    assert r.returncode == 0, r.stderr
+    r = d.fsdpctl("checkpoint", "load", "j", str(saves))
+    assert r.returncode == 0, r.stderr
+    found = samples(scrape(d))
+    job = {"fsdp_job": "j"}
+    assert value(found, "fsdpd_checkpoint_saves_total", outcome="ok", **job) == 1
+    assert value(found, "fsdpd_checkpoint_saves_total", outcome="failed", **job) == 0
+    assert value(found, "fsdpd_checkpoint_loads_total", outcome="ok", **job) == 1
+    saved = value(found, "fsdpd_checkpoint_bytes_total", op="save", **job)
+    assert saved >= 37 * 11 * 4 and value(found, "fsdpd_checkpoint_bytes_total", op="load",
+                                          **job) == saved
+    assert value(found, "fsdpd_checkpoint_seconds_total", op="save", **job) > 0
+    assert value(found, "fsdpd_checkpoint_seconds_total", op="load", **job) > 0
+    (step,) = saves.glob("step-*")
+    (blob,) = step.glob("host-0.bin")
+    data = bytearray(blob.read_bytes())
+    data[0] ^= 0xFF  # a block no longer matches its checksum
+    blob.write_bytes(bytes(data))
+    r = d.fsdpctl("checkpoint", "load", "j", str(saves))
+    assert r.returncode == 1 and "DATA_LOSS" in r.stderr + r.stdout, r.stderr
+    found = samples(scrape(d))
+    assert value(found, "fsdpd_checkpoint_loads_total", outcome="failed", **job) == 1
