@@ -40,7 +40,7 @@ world size (test_dcp.py).
 The module methods FSDP2 users call: unshard(async_op) and reshard(),
 set_modules_to_forward_prefetch / set_modules_to_backward_prefetch (the daemon prefetches
 by its own schedule too), set_is_last_backward, set_reshard_after_forward,
-set_requires_gradient_sync. Not yet: set_requires_all_reduce, set_gradient_divide_factor,
+set_requires_gradient_sync, set_requires_all_reduce. Not yet: set_gradient_divide_factor,
 set_reshard_after_backward.
 """
 
@@ -147,6 +147,8 @@ class _Group:
         self.ran_step = 0          # the step whose forward ran with a gradient
         self.backward_step = 0     # the step whose backward unsharded
         self.reducing = False
+        self.requires_all_reduce = True  # False: the reduce leaves the replicas' all-reduce
+        self.deferred = False      # to the next one (set_requires_all_reduce)
         self.started = None        # (step, backward) of an Unshard started, not yet waited
         self.forward_prefetch = []   # groups whose Unshard this one's forward starts
         self.backward_prefetch = []  # and its backward
@@ -268,7 +270,9 @@ class _Group:
                 for k, piece, p in zip(kept, self.unit.grad_pieces(), self.sharded):
                     if p.requires_grad and not k:
                         piece.zero_()
-        self.unit.reduce_scatter_async(_ITERATION.step, accumulate=keep)
+        self.deferred = not self.requires_all_reduce
+        self.unit.reduce_scatter_async(_ITERATION.step, accumulate=keep,
+                                       defer_all_reduce=self.deferred)
         self.reducing = True
 
     def settle(self):
@@ -278,6 +282,8 @@ class _Group:
             return
         self.reducing = False
         self.unit.wait()
+        if self.deferred:  # the daemon keeps the sum: the pieces are written by the next
+            return         # reduce, which all-reduces both among the replicas
         with torch.no_grad():
             for fired, piece, p in zip(self.fired, self.unit.grad_pieces(), self.sharded):
                 if p.requires_grad and p.grad is None and fired:
@@ -477,6 +483,14 @@ class FSDPModule:
         """False: the end of a backward leaves its reduces in flight (the next micro-batch's
         gathers end them), as FSDP2 does; True, FSDP2's default: it waits for them."""
         _ITERATION.last_backward = bool(is_last_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """HSDP: False reduce-scatters within the shard group and leaves the all-reduce among
+        the replicas to the next backward that asks for it, which all-reduces the sum of
+        both (the daemon keeps the partial sum); the sharded .grad are set then, as FSDP2's
+        are once the all-reduce ran."""
+        for g in _groups_of(self, recurse):
+            g.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
         """From the next step on (the daemon hears it at the next forward)."""

@@ -26,6 +26,8 @@ reduce-scatters every micro-batch and adds the reduced shards, as fsdpd's no_syn
 model.clip_grad_norm_, FSDP2's torch.nn.utils.clip_grad_norm_ on its DTensor gradients).
 --bf16: parameters computed in bfloat16 and gradients reduced in fp32 (fsdpd's param_dtype
 and reduce_dtype, FSDP2's MixedPrecisionPolicy).
+--defer-all-reduce (fsdp2, fully_shard, with --accumulate and HYBRID_SHARD): the first
+micro-batch under set_requires_all_reduce(False) instead of set_requires_gradient_sync.
 --explicit (fsdp2, fully_shard): FSDP2's module methods in use: reshard_after_forward as an
 int (1 on even blocks, the world size on odd ones), forward and backward prefetch lists, the
 first block gathered before each forward by unshard(async_op=True), the last given back by
@@ -189,7 +191,10 @@ def run_fsdp2(args):
 
     def no_sync(skip):
         import contextlib
-        model.set_requires_gradient_sync(args.sync_every or not skip)
+        if args.defer_all_reduce:  # HSDP: the first micro-batch reduce-scatters alone
+            model.set_requires_all_reduce(not skip)
+        else:
+            model.set_requires_gradient_sync(args.sync_every or not skip)
         return contextlib.nullcontext()
 
     def before_forward():
@@ -253,6 +258,7 @@ def main():
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--meta", action="store_true")
     p.add_argument("--explicit", action="store_true")
+    p.add_argument("--defer-all-reduce", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

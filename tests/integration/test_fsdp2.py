@@ -290,6 +290,17 @@ def test_hybrid_shard_on_two_daemons_trains_bit_for_bit_like_a_2d_mesh(fsdpd, tm
     _assert_bit_for_bit(ours, theirs)
 
 
+def test_hybrid_accumulation_without_the_replicas_all_reduce_as_fsdp2s(fsdpd, tmp_path):
+    """HSDP's accumulation as FSDP2 writes it: two micro-batches a step, the first under
+    set_requires_all_reduce(False) (reduce-scatter in the shard group, no all-reduce among
+    the replicas), the second all-reducing the sum of both, on 2 daemons x 2 trainers against
+    FSDP2 on the 2-D mesh. Bit for bit."""
+    args = ["--strategy", "HYBRID_SHARD", "--accumulate", "--defer-all-reduce"]
+    ours, theirs = _train(fsdpd, tmp_path, args, [([], STEPS)], world=4, hosts=2,
+                          ours="fully_shard")
+    _assert_bit_for_bit(ours, theirs)
+
+
 def test_accumulation_against_fsdp2_with_and_without_gradient_sync(fsdpd, tmp_path):
     """Each step two micro-batches, the first under fsdpd's no_sync(). fsdpd reduces each
     micro-batch and adds the reduced shards: (a1 + b1) / 2 + (a2 + b2) / 2 for ranks a, b.
