@@ -117,8 +117,9 @@ typedef struct fsdp_cuda_module {
   int (*nccl_id)(unsigned char id[FSDP_CUDA_NCCL_ID_BYTES], fsdp_status_t *st);
   /* Rank `rank` of `nranks` on GPU `ordinal` of the communicator `id` names, once every
    * rank joined. */
-  int (*comm_new)(int ordinal, int nranks, int rank, const unsigned char id[FSDP_CUDA_NCCL_ID_BYTES],
-                  int64_t deadline_ms, fsdp_cuda_comm_t **ret, fsdp_status_t *st);
+  int (*comm_new)(int ordinal, int nranks, int rank,
+                  const unsigned char id[FSDP_CUDA_NCCL_ID_BYTES], int64_t deadline_ms,
+                  fsdp_cuda_comm_t **ret, fsdp_status_t *st);
   void (*comm_free)(fsdp_cuda_comm_t *comm); /* NULL-safe */
   /* Collectives queued on the stream and waited for: count elements from each rank into
    * recv (count x nranks); each rank's count-element part of the sum of every rank's send

@@ -288,8 +288,8 @@ static int reduce(fsdp_cuda_comm_t *c, void *stream, const void *send, void *rec
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "%s: element type %d: the reductions are in fp32", what, (int)type);
   ncclRedOp_t op;
-  ncclResult_t e = nccl.red_op_create_pre_mul_sum(&op, &pre_scale, ncclFloat32, ncclScalarHostImmediate,
-                                            c->comm);
+  ncclResult_t e = nccl.red_op_create_pre_mul_sum(&op, &pre_scale, ncclFloat32,
+                                                  ncclScalarHostImmediate, c->comm);
   if (e != ncclSuccess)
     return nccl_failed(st, "ncclRedOpCreatePreMulSum", e, c->comm);
   e = scatter ? nccl.reduce_scatter(send, recv, count, nccl_type(type), op, c->comm, stream)

@@ -1,8 +1,9 @@
 /* The metrics endpoint: an HTTP server (libmicrohttpd) on a TCP port that answers GET
  * /metrics with what `render` writes, in Prometheus's text format, GET / with the HTML page
- * `page` writes, and anything else with 404 or 405. It runs on the daemon's loop: libmicrohttpd's epoll descriptor is polled
- * there and its work done there (no thread of its own), so `render` reads the daemon's
- * state as every handler does, without locks. A scrape costs the loop one rendering.
+ * `page` writes, and anything else with 404 or 405. It runs on the daemon's loop:
+ * libmicrohttpd's epoll descriptor is polled there and its work done there (no thread of its
+ * own), so `render` and `page` read the daemon's state as every handler does, without locks.
+ * A request costs the loop one rendering.
  *
  * Connections are bounded (a slow or idle client is dropped after a timeout), requests are
  * small (no body is read). Loop thread only. */
