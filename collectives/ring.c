@@ -87,6 +87,7 @@ struct fsdp_ring {
   uint64_t start_ms;
   uint8_t *state;
   size_t next_recv, next_send, recvs_done, sends_done;
+  uint64_t bytes_sent; /* of the chunks whose send completed */
   xfer_t *rx, *tx;
   /* Chunks this member makes itself, in the order of local_regions; produced[region * n_chunks
    * + chunk] once made (with a produce hook only). */
@@ -601,6 +602,7 @@ static void on_sent(fsdp_ucx_req_t *req, int status) {
                    x->unit % r->n_chunks, 0, 0);
   } else {
     r->sends_done++;
+    r->bytes_sent += x->bytes;
   }
   pump(r);
 }
@@ -673,6 +675,10 @@ static void pump(fsdp_ring_t *r) {
       fsdp_ucx_cancel(&r->ctrl_rx);
   }
   maybe_finish(r);
+}
+
+uint64_t fsdp_ring_bytes_sent(const fsdp_ring_t *r) {
+  return r->bytes_sent;
 }
 
 /* ---- Start and end ---- */

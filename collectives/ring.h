@@ -104,6 +104,10 @@ typedef struct fsdp_ring_args {
 
 typedef void (*fsdp_ring_cb)(fsdp_ring_t *ring, const fsdp_status_t *status, void *arg);
 
+/* The bytes this member sent to its right neighbour so far (chunks whose send completed),
+ * for the callback to count what the collective moved. */
+uint64_t fsdp_ring_bytes_sent(const fsdp_ring_t *ring);
+
 /* Starts a collective. Returns 0 and sets *ret_ring (cb will run, never from inside this
  * call), or FSDP_E_INVALID_ARGUMENT / -ENOMEM with st naming the argument and its value
  * (cb will not run). */

@@ -238,6 +238,7 @@ typedef struct fsdp_unit_flight {
   uint64_t gather_started_ns, reduce_started_ns; /* when the last collective of each began */
   fsdp_histogram_t gather_work, reduce_work;
   fsdp_histogram_t gather_queue, reduce_queue; /* their wait in the queue before they ran */
+  uint64_t ring_sent_bytes; /* what its rings sent to the next host over UCX */
   uint64_t gathers; /* gathers that completed */
   /* Across hosts, while the reduce's rings run (has_sum): the host's sum of its ranks'
    * gradients, lent by the job's pool of sums, at sum_offset of the arena. */

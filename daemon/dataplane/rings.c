@@ -131,9 +131,9 @@ static waiter_kind_t ring_waiter_kind(fsdp_ring_kind_t kind) {
 }
 
 static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *arg) {
-  (void)ring;
   ring_run_t *run = arg;
   fsdp_unit_t *u = run->unit;
+  u->flight->ring_sent_bytes += fsdp_ring_bytes_sent(ring);
   give_back_scratch(run->dp, run->scratch);
   if (status->code < 0) {
     fsdp_status_t st;

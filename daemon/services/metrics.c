@@ -141,6 +141,11 @@ static uint64_t gathered_bytes(fsdp_job_t *job, const fsdp_unit_t *u) {
   return u->flight->gathers * u->layout.numel * size;
 }
 
+static uint64_t ring_sent_bytes(fsdp_job_t *job, const fsdp_unit_t *u) {
+  (void)job;
+  return u->flight->ring_sent_bytes;
+}
+
 static uint64_t reduces(fsdp_job_t *job, const fsdp_unit_t *u) {
   (void)job;
   return u->flight->reduces;
@@ -257,6 +262,10 @@ void fsdp_services_render_metrics(void *data, fsdp_exposition_t *e) {
                      reduces);
   render_unit_counts(ctx, e, "fsdpd_unit_optimizer_steps_total",
                      "Steps the daemon's optimizer took on a unit.", optimizer_steps);
+  render_unit_counts(ctx, e, "fsdpd_unit_ring_sent_bytes_total",
+                     "Bytes of a unit's collectives among hosts this host's rings sent to the "
+                     "next host over UCX (all-gathers, reduce-scatters, all-reduces).",
+                     ring_sent_bytes);
   render_unit_histograms(ctx, e, "fsdpd_unit_work_seconds",
                          "The daemon's own work on a unit's collectives, its kernels' "
                          "completion included: a gather's cast of this host's shards, a "

@@ -291,9 +291,13 @@ def test_the_status_page_shows_the_jobs_units_and_their_last_steps(fsdpd, tmp_pa
 
 def test_the_peers_are_in_the_metrics(fsdpd):
     """Two daemons as two hosts: each says the other is up, with a heartbeat's round trip,
-    and names no series for itself; one host alone has no peer series."""
-    from test_cluster import start_cluster
+    and names no series for itself; one host alone has no peer series. A gather of a unit
+    sharded over both: each host's ring sent the other its half of the fp32 copy."""
+    from test_cluster import attach, start_cluster
     c = start_cluster(fsdpd, 2, extra=["--set", "peer.heartbeat_interval=100ms"])
+    hosts = attach(c)
+    layout = [r.register(shapes=((37, 11),)) for rs in hosts for r in rs][0]
+    assert on_all([r for rs in hosts for r in rs], "Unshard", step=1) == [None] * 4
     for h, d in enumerate(c.daemons):
         other = str(1 - h)
         poll(lambda: value(samples(scrape(d)), "fsdpd_peer_rtt_seconds", host=other), 10,
@@ -302,6 +306,8 @@ def test_the_peers_are_in_the_metrics(fsdpd):
         assert value(found, "fsdpd_peer_up", host=other) == 1
         assert 0 < value(found, "fsdpd_peer_rtt_seconds", host=other) < 5
         assert value(found, "fsdpd_peer_up", host=str(h)) is None
+        assert value(found, "fsdpd_unit_ring_sent_bytes_total", fsdp_job="j", unit="u") == \
+            layout.padded_numel // 2 * 4
     alone = fsdpd(name="alone")
     assert "fsdpd_peer_up" not in scrape(alone)
 
