@@ -242,6 +242,9 @@ def page(d):
     with urllib.request.urlopen(d.metrics_url.rsplit("/", 1)[0] + "/", timeout=5) as r:
         assert r.status == 200
         assert r.headers["Content-Type"] == "text/html; charset=utf-8"
+        assert r.headers["Content-Security-Policy"] == \
+            "default-src 'none'; style-src 'unsafe-inline'"
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
         return r.read().decode()
 
 
