@@ -1229,55 +1229,14 @@ static void print_rank_column(const uint32_t *ranks, size_t n) {
   printf("%-8s", text);
 }
 
-/* What a record file may hold: trace.ops' largest count of records (65536, each of a few
- * hundred bytes packed at most) of local ranks below the protocol's limit. */
+/* The most bytes a record file may hold: trace.ops' largest count of records, each of a few
+ * hundred bytes packed at most. */
 #define RECORD_FILE_MAX (32u << 20)
-#define RECORD_MAX 65536
 
 /* A flight record a collective's timeout left (fsdp_operator_write_record: a packed
- * TraceReply), read as any file the caller names may be: bounded, then checked by the
- * decoder; written as trace's. */
-/* How many records (TraceReply field 2) the packed bytes hold at their top level, counted
- * before decoding so that a file of many tiny records is refused before it is unpacked;
- * SIZE_MAX for bytes that are no message. */
-static size_t count_records(const uint8_t *p, size_t n) {
-  size_t records = 0, at = 0;
-  while (at < n) {
-    uint64_t key = 0, len = 0;
-    for (unsigned shift = 0;; shift += 7) { /* the field's key, a varint */
-      if (at >= n || shift > 63)
-        return SIZE_MAX;
-      key |= (uint64_t)(p[at] & 0x7f) << shift;
-      if (!(p[at++] & 0x80))
-        break;
-    }
-    switch (key & 7) {
-    case 0: /* varint: skip it */
-      while (at < n && (p[at] & 0x80))
-        at++;
-      if (at++ >= n)
-        return SIZE_MAX;
-      break;
-    case 2: /* length-delimited */
-      for (unsigned shift = 0;; shift += 7) {
-        if (at >= n || shift > 63)
-          return SIZE_MAX;
-        len |= (uint64_t)(p[at] & 0x7f) << shift;
-        if (!(p[at++] & 0x80))
-          break;
-      }
-      if (len > n - at)
-        return SIZE_MAX;
-      at += (size_t)len;
-      records += (key >> 3) == 2;
-      break;
-    default:
-      return SIZE_MAX; /* TraceReply has no other kind of field */
-    }
-  }
-  return records;
-}
-
+ * TraceReply), read as any file the caller names may be: bounded, its fields counted before
+ * it is unpacked and its contents checked as a request's (fsdp_wire_decode_request_bytes),
+ * then written as trace's. */
 static int cmd_record(ctl_t *ctl, int argc, char **argv) {
   if (argc < 1 || !ctl->out)
     return usage_error("%s", "record needs a FILE and --out FILE");
@@ -1291,14 +1250,15 @@ static int cmd_record(ctl_t *ctl, int argc, char **argv) {
   bool failed = ferror(f);
   fclose(f);
   Fsdp__V1__TraceReply *t = NULL;
-  size_t records = bytes && !failed && n <= RECORD_FILE_MAX ? count_records(bytes, n) : 0;
+  fsdp_status_t st = FSDP_STATUS_INIT;
   const char *why = !bytes ? "out of memory" : failed ? "cannot read it"
                     : n > RECORD_FILE_MAX ? "larger than any record"
-                    : records == SIZE_MAX ? "not a flight record (it does not decode)"
-                    : records > RECORD_MAX ? "more records than a flight recorder keeps"
-                    : !(t = fsdp__v1__trace_reply__unpack(NULL, n, bytes))
+                    : fsdp_wire_decode_request_bytes(&fsdp__v1__trace_reply__descriptor, bytes,
+                                                     n, (ProtobufCMessage **)&t, &st) < 0
                         ? "not a flight record (it does not decode)" : NULL;
   free(bytes);
+  if (!why && t->n_records > FSDP_WIRE_TRACE_RECORDS_MAX)
+    why = "more records than a flight recorder keeps";
   for (size_t i = 0; !why && i < t->n_records; i++)
     if (t->records[i]->rank >= FSDP_LOCAL_WORLD_MAX)
       why = "a record of a local rank past the protocol's limit";
@@ -1307,7 +1267,8 @@ static int cmd_record(ctl_t *ctl, int argc, char **argv) {
     t = NULL;
   }
   if (why) {
-    fprintf(stderr, "fsdpctl: %s: %s\n", argv[0], why);
+    fprintf(stderr, "fsdpctl: %s: %s%s%s\n", argv[0], why, st.code ? ": " : "",
+            st.code ? st.message : "");
     return EXIT_ERROR;
   }
   int r = write_trace(ctl, t);

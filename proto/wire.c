@@ -184,6 +184,8 @@ typedef struct field_count {
 unsigned fsdp_wire_request_max_fields(const ProtobufCMessageDescriptor *desc) {
   if (desc == &fsdp__v1__register_unit_request__descriptor)
     return FSDP_WIRE_REGISTER_UNIT_MAX_FIELDS;
+  if (desc == &fsdp__v1__trace_reply__descriptor)
+    return FSDP_WIRE_TRACE_MAX_FIELDS;
   return FSDP_WIRE_MAX_FIELDS;
 }
 

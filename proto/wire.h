@@ -44,6 +44,12 @@ bool fsdp_wire_method_is_server_streaming(const ProtobufCServiceDescriptor *serv
 #define FSDP_WIRE_PARAM_FIELDS 5
 #define FSDP_WIRE_REGISTER_UNIT_MAX_FIELDS \
   (FSDP_WIRE_MAX_FIELDS + FSDP_WIRE_PARAM_FIELDS * FSDP_UNIT_MAX_PARAMS)
+/* A job's flight record as fsdpctl reads it from a file a timeout left (a TraceReply): at
+ * most trace.ops' largest count of records, each itself and its fields. */
+#define FSDP_WIRE_TRACE_RECORDS_MAX 65536
+#define FSDP_WIRE_OP_RECORD_FIELDS 11
+#define FSDP_WIRE_TRACE_MAX_FIELDS \
+  (FSDP_WIRE_MAX_FIELDS + FSDP_WIRE_OP_RECORD_FIELDS * FSDP_WIRE_TRACE_RECORDS_MAX)
 
 /* The most fields a request of type desc may hold, at every level. */
 unsigned fsdp_wire_request_max_fields(const ProtobufCMessageDescriptor *desc);
