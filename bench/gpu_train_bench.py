@@ -70,19 +70,15 @@ def _fully_shard(net, block_class, device):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from train_bench import fully_shard_blocks  # bench/ is the script's directory
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    blocks = [m for m in net.modules() if isinstance(m, block_class)]
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    model = fully_shard(net, mesh=mesh, mp_policy=mp)
-    for block, after in zip(blocks, blocks[1:]):
-        block.set_modules_to_forward_prefetch([after])
-    return model
+    return fully_shard_blocks(net, block_class, mesh, mp)
 
 
 def worker(args):

@@ -317,6 +317,20 @@ class _CallTimer:
         return timed
 
 
+def fully_shard_blocks(net, block_class, mesh, mp):
+    """FSDP2 as its documentation sets it up: fully_shard on each block, then at the root,
+    each block prefetching the next one's all-gather in the forward (as fsdpd prefetches one
+    unit ahead). Returns the root."""
+    from torch.distributed.fsdp import fully_shard
+    blocks = [m for m in net.modules() if isinstance(m, block_class)]
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    model = fully_shard(net, mesh=mesh, mp_policy=mp)
+    for block, after in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([after])
+    return model
+
+
 def _fully_shard(net, block_class, param_dtype, world):
     """FSDP2 as its documentation sets it up: fully_shard on each block, then at the root (whose
     parameters, by FSDP2's default for the root, stay unsharded from the forward to the
@@ -326,18 +340,13 @@ def _fully_shard(net, block_class, param_dtype, world):
     memory tracker class for one step (FSDP2InFlight)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
     mesh = init_device_mesh("cpu", (world,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
-    blocks = [m for m in net.modules() if isinstance(m, block_class)]
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    model = fully_shard(net, mesh=mesh, mp_policy=mp)
-    for block, after in zip(blocks, blocks[1:]):
-        block.set_modules_to_forward_prefetch([after])
+    model = fully_shard_blocks(net, block_class, mesh, mp)
     # gloo has no ReduceOp.AVG, FSDP2's reduction for fp32 and bf16: it sums, then divides.
     model.set_force_sum_reduction_for_comms(True)
 
