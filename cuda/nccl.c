@@ -119,8 +119,11 @@ static void abort_comm(fsdp_cuda_comm_t *c) {
   c->broken = true;
 }
 
-/* Waits for the communicator's pending call (ncclInProgress) to end, at most to deadline_ms. */
-static int settle(fsdp_cuda_comm_t *c, const char *what, int64_t deadline_ms, fsdp_status_t *st) {
+/* Polls until the communicator's pending call (ncclInProgress) ended and, with a stream,
+ * what the stream queued (the collective) ran, at most to deadline_ms: an error the
+ * communicator reports, or the deadline, aborts it. */
+static int await(fsdp_cuda_comm_t *c, const cudaStream_t *stream, const char *what,
+                 int64_t deadline_ms, fsdp_status_t *st) {
   for (;;) {
     ncclResult_t state;
     ncclResult_t e = nccl.comm_get_async_error(c->comm, &state);
@@ -129,8 +132,13 @@ static int settle(fsdp_cuda_comm_t *c, const char *what, int64_t deadline_ms, fs
       abort_comm(c);
       return r;
     }
-    if (state == ncclSuccess)
-      return 0;
+    if (state == ncclSuccess) {
+      cudaError_t ce = stream ? cudaStreamQuery(*stream) : cudaSuccess;
+      if (ce == cudaSuccess)
+        return 0;
+      if (ce != cudaErrorNotReady)
+        return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "%s: %s", what, cudaGetErrorString(ce));
+    }
     if (fsdp_clock_now_ms() >= deadline_ms) {
       abort_comm(c);
       return fsdp_status_set(st, FSDP_E_DEADLINE_EXCEEDED,
@@ -182,7 +190,7 @@ int fsdp_cuda_comm_new(int ordinal, int nranks, int rank,
     r = nccl_failed(st, "ncclCommInitRankConfig", e, c->comm);
     abort_comm(c);
   } else {
-    r = settle(c, "ncclCommInitRankConfig", deadline_ms, st);
+    r = await(c, NULL, "ncclCommInitRankConfig", deadline_ms, st);
   }
   if (r < 0) {
     fsdp_cuda_comm_free(c);
@@ -202,7 +210,7 @@ void fsdp_cuda_comm_free(fsdp_cuda_comm_t *c) {
     ncclResult_t e = nccl.comm_finalize(c->comm);
     fsdp_status_t ignored;
     if ((e == ncclSuccess || e == ncclInProgress) &&
-        settle(c, "ncclCommFinalize", fsdp_clock_deadline_ms(10000), &ignored) == 0)
+        await(c, NULL, "ncclCommFinalize", fsdp_clock_deadline_ms(10000), &ignored) == 0)
       nccl.comm_destroy(c->comm);
     else
       abort_comm(c);
@@ -219,34 +227,6 @@ static ncclDataType_t nccl_type(fsdp_dtype_t type) {
   default:
     return ncclFloat32;
   }
-}
-
-/* Waits for what the stream queued (the collective) to run, polling the communicator's
- * error meanwhile, at most to deadline_ms. */
-static int wait_stream(fsdp_cuda_comm_t *c, cudaStream_t stream, const char *what,
-                       int64_t deadline_ms, fsdp_status_t *st) {
-  int r = settle(c, what, deadline_ms, st); /* the enqueue itself, non-blocking */
-  while (r == 0) {
-    cudaError_t ce = cudaStreamQuery(stream);
-    if (ce == cudaSuccess)
-      return 0;
-    if (ce != cudaErrorNotReady)
-      return fsdp_status_set(st, FSDP_E_UNAVAILABLE, "%s: %s", what, cudaGetErrorString(ce));
-    ncclResult_t state;
-    if (nccl.comm_get_async_error(c->comm, &state) == ncclSuccess && state != ncclSuccess &&
-        state != ncclInProgress) {
-      r = nccl_failed(st, what, state, c->comm);
-      abort_comm(c);
-    } else if (fsdp_clock_now_ms() >= deadline_ms) {
-      abort_comm(c);
-      r = fsdp_status_set(st, FSDP_E_DEADLINE_EXCEEDED,
-                          "%s: rank %d of %d on GPU %d: not done by its deadline; the "
-                          "communicator was aborted", what, c->rank, c->nranks, c->ordinal);
-    } else {
-      pause_briefly();
-    }
-  }
-  return r;
 }
 
 static int usable(const fsdp_cuda_comm_t *c, const char *what, fsdp_status_t *st) {
@@ -271,7 +251,7 @@ int fsdp_cuda_all_gather(fsdp_cuda_comm_t *c, void *stream, const void *send, vo
     abort_comm(c);
     return r;
   }
-  return wait_stream(c, stream, "ncclAllGather", deadline_ms, st);
+  return await(c, &(cudaStream_t){stream}, "ncclAllGather", deadline_ms, st);
 }
 
 /* reduce_scatter and all_reduce: the sum of every rank's send, each times pre_scale (the
@@ -298,7 +278,7 @@ static int reduce(fsdp_cuda_comm_t *c, void *stream, const void *send, void *rec
     r = nccl_failed(st, what, e, c->comm);
     abort_comm(c);
   } else {
-    r = wait_stream(c, stream, what, deadline_ms, st);
+    r = await(c, &(cudaStream_t){stream}, what, deadline_ms, st);
   }
   if (!c->broken)
     nccl.red_op_destroy(op, c->comm);
