@@ -3,6 +3,7 @@
  * exit status is part of the interface (see usage() and docs/fsdpctl.md): monitoring relies
  * on 3 meaning "reachable but not serving", distinct from 1 "could not ask". */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <json-c/json.h>
@@ -1240,8 +1242,19 @@ static void print_rank_column(const uint32_t *ranks, size_t n) {
 static int cmd_record(ctl_t *ctl, int argc, char **argv) {
   if (argc < 1 || !ctl->out)
     return usage_error("%s", "record needs a FILE and --out FILE");
-  FILE *f = fopen(argv[0], "rbe");
+  /* Non-blocking: a FIFO named here is refused, not waited on for a writer. */
+  int fd = open(argv[0], O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  struct stat sb;
+  if (fd < 0 || fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) {
+    fprintf(stderr, "fsdpctl: %s: %s\n", argv[0],
+            fd < 0 ? strerror(errno) : "not a regular file");
+    if (fd >= 0)
+      close(fd);
+    return EXIT_ERROR;
+  }
+  FILE *f = fdopen(fd, "rb");
   if (!f) {
+    close(fd);
     fprintf(stderr, "fsdpctl: %s: %s\n", argv[0], strerror(errno));
     return EXIT_ERROR;
   }

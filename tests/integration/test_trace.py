@@ -7,6 +7,7 @@ recorder, is refused naming why. `fsdpctl why JOB` names the rank a collective w
 what each rank last did."""
 
 import json
+import os
 
 import threading
 import time
@@ -108,7 +109,7 @@ def test_a_timeout_keeps_the_flight_record_and_names_it(fsdpd, tmp_path):
     ABORTED naming rank 1 and the file where the daemon kept the job's flight record, in its
     run directory; the log names it too; `fsdpctl record FILE --out` writes it as Chrome
     trace JSON with a track per rank. A file that is no record, or a forged one (a rank past
-    the limit, more records than a recorder keeps), is refused saying so."""
+    the limit, more records than a recorder keeps), or a FIFO, is refused saying so."""
     import grpc
     import pytest
     d = fsdpd("--set", "store.collective_timeout=500ms",
@@ -143,3 +144,7 @@ def test_a_timeout_keeps_the_flight_record_and_names_it(fsdpd, tmp_path):
         forged.write_bytes(content if isinstance(content, bytes) else content.SerializeToString())
         r = d.fsdpctl("record", str(forged), "--out", str(tmp_path / f"{name}.json"))
         assert r.returncode == 1 and why in r.stderr, (name, r.stderr)
+    fifo = tmp_path / "fifo.record"  # no writer ever comes: refused, not waited on
+    os.mkfifo(fifo)
+    r = d.fsdpctl("record", str(fifo), "--out", str(tmp_path / "fifo.json"), timeout=10)
+    assert r.returncode == 1 and "not a regular file" in r.stderr, r.stderr
