@@ -9,6 +9,9 @@
 #ifndef FSDP_PROTO_LIMITS_H
 #define FSDP_PROTO_LIMITS_H
 
+#include <stdbool.h>
+#include <string.h>
+
 /* The run directory (daemon.run_dir): the gRPC socket trainers and operators connect to,
  * the memory channel's socket (proto/fsdp/v1/channel.proto; AttachReply names its path),
  * and the lock file that says which daemon owns the directory. */
@@ -23,6 +26,18 @@
 #define FSDP_JOB_NAME_MAX 64      /* bytes of a job name, of [A-Za-z0-9._-] */
 #define FSDP_LOCAL_WORLD_MAX 256  /* a job's local ranks on one host */
 #define FSDP_JOB_TOKEN_MAX 256    /* bytes of a job token */
+
+/* Whether job is a job name: 1 to FSDP_JOB_NAME_MAX of [A-Za-z0-9._-]. */
+static inline bool fsdp_job_name_valid(const char *job) {
+  size_t len = strlen(job);
+  if (len == 0 || len > FSDP_JOB_NAME_MAX)
+    return false;
+  for (const char *c = job; *c; c++)
+    if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+          *c == '.' || *c == '_' || *c == '-'))
+      return false;
+  return true;
+}
 
 /* Trainer.RegisterUnit. */
 #define FSDP_UNIT_NAME_MAX 256           /* bytes in a unit or parameter name */

@@ -9,17 +9,6 @@
 
 #include "fsdp/v1/trainer.pb-c.h"
 
-static bool job_name_valid(const char *job) {
-  size_t len = strlen(job);
-  if (len == 0 || len > FSDP_JOB_NAME_MAX)
-    return false;
-  for (const char *c = job; *c; c++)
-    if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
-          *c == '.' || *c == '_' || *c == '-'))
-      return false;
-  return true;
-}
-
 static fsdp_session_t *find_id(const fsdp_sessions_t *sessions, uint64_t id) {
   for (fsdp_session_t *s = sessions->head; s; s = s->next)
     if (s->id == id)
@@ -83,7 +72,7 @@ static bool is_pid_of(pid_t peer_pid, pid_t pid) {
 
 static int check_request(const Fsdp__V1__AttachRequest *rq, const fsdp_credentials_t *cred,
                          fsdp_status_t *st) {
-  if (!job_name_valid(rq->job))
+  if (!fsdp_job_name_valid(rq->job))
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "field 'job' = '%.80s' must be 1 to %d of [A-Za-z0-9._-]", rq->job,
                            FSDP_JOB_NAME_MAX);
