@@ -115,6 +115,13 @@
     "How long a job's units and memory outlive its last session, so that trainers can attach "  \
     "again and go on; then they are freed, or sooner when a new job needs the slot or the "    \
     "memory (the job idle longest first).")                                                      \
+  X(RECOVER_FROM_REPLICAS, "store.recover_from_replicas", FSDP_OPT_BOOL, "true", 0, 0, NULL,   \
+    NULL, true, NULL,                                                                            \
+    "With several hosts and replicas (cluster.shard_group_hosts below the hosts), a job new to " \
+    "this daemon (after a restart, or on a spare taking the host's rank) first asks the hosts " \
+    "that replicate its shards whether they hold it trained; one that does gives it its step, " \
+    "and at its first gather its shards, optimizer state and step counts, copied from that "    \
+    "host's memory over UCX and checked, with no disk read. Else checkpoint.resume applies.")   \
   X(CHECKPOINT_DIR, "checkpoint.dir", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, true, NULL,        \
     "Where the daemon saves jobs on its own (checkpoint.every_steps, .on_stop) and resumes "   \
     "them from (checkpoint.resume), an absolute path, made if missing: "                        \

@@ -46,6 +46,8 @@ void daemon_apply_config(fsdp_daemon_t *daemon) {
       (uint64_t)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_WRITE_RATE),
       (unsigned)fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_DISK_SHARE),
       fsdp_config_number(cfg, FSDP_OPTION_CHECKPOINT_RESUME) == 1 /* latest */);
+  fsdp_checkpoints_configure_recovery(
+      &daemon->checkpoints, fsdp_config_number(cfg, FSDP_OPTION_RECOVER_FROM_REPLICAS) != 0);
   if (daemon->local_endpoint)
     fsdp_rpc_endpoint_set_max_inflight(
         daemon->local_endpoint, (unsigned)fsdp_config_number(cfg, FSDP_OPTION_MAX_INFLIGHT_CALLS));

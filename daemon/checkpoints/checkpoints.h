@@ -36,6 +36,8 @@ typedef struct fsdp_checkpoints {
   uint64_t write_rate; /* bytes per second; 0: no cap */
   unsigned disk_share; /* percent of the time a scheduled save writes at most; 100: all */
   bool resume; /* checkpoint.resume = latest */
+  bool recover;                       /* store.recover_from_replicas */
+  struct replica_look *replica_looks; /* jobs' starts, asking their replicas */
   atomic_int stopping; /* FSDP_CHECKPOINT_HURRY, _ABANDON: the daemon stops */
 } fsdp_checkpoints_t;
 
@@ -57,6 +59,40 @@ void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp);
 void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,
                                 unsigned keep, uint64_t write_rate, unsigned disk_share,
                                 bool resume);
+
+/* store.recover_from_replicas: a job new to this daemon whose first unit other hosts
+ * replicate (its replica ring: HYBRID_SHARD's other replica groups, NO_SHARD's every host)
+ * first asks them whether they hold it trained; the first that does gives it its step, and
+ * at its first gather its state, copied from that host's memory over UCX (no disk read). A
+ * job no replica holds looks in checkpoint.dir as configured. A replica that cannot say yet
+ * (it resumes itself, has not joined this daemon, does not answer) is asked again until
+ * store.collective_timeout; one that holds the job inside a step fails it at once: then the
+ * job's first gather fails naming why, rather than starting anew. */
+void fsdp_checkpoints_configure_recovery(fsdp_checkpoints_t *cp, bool from_replicas);
+
+/* A replica's answers to Peer.Recover (ask decoded by the Peer service). Where job (NULL:
+ * none of that name here) stands for ask's host: 0 with *ret_step its last completed step
+ * (0: it trained none); NOT_FOUND (no such job of that uid, or a unit whose shards are not
+ * the asking host's: no replica), FAILED_PRECONDITION (it resumes itself), ABORTED (its
+ * units reduced different steps: it stopped inside one). */
+int fsdp_checkpoints_replica_step(fsdp_checkpoints_t *cp, const fsdp_job_t *job,
+                                  const fsdp_peers_recover_t *ask, uint64_t *ret_step,
+                                  fsdp_status_t *st);
+
+/* Sends the job's state (a snapshot, as a save's, but holding no reduce: none of the job's
+ * can change it before the asking host joins its all-reduce) to ask's host, over UCX to the
+ * daemon it joined at that rank and incarnation, once the job's units are the ones ask names
+ * and it stands after ask's step (FAILED_PRECONDITION naming the unit and field, or the
+ * step, otherwise; UNAVAILABLE while another checkpoint of the job is under way). A send not
+ * taken within store.collective_timeout fails the connection to that host. done runs once,
+ * on the loop, once it is sent (st NULL and the answer: step, bytes, XXH64) or failed.
+ * Returns 0, or an error that st explains (done never runs). */
+typedef void (*fsdp_checkpoints_sent_fn)(void *data, const fsdp_status_t *st,
+                                         const fsdp_peers_recovered_t *answer);
+int fsdp_checkpoints_send_to_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
+                                     const fsdp_peers_recover_t *ask,
+                                     fsdp_checkpoints_sent_fn done, void *data,
+                                     fsdp_status_t *st);
 
 /* Who asks for a checkpoint: whose rights its files are used with (the caller's, as it
  * connected), and whether a trainer of the job asks, whose saves name at most the job's

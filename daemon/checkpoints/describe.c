@@ -11,6 +11,7 @@ static void free_job_checkpoints(fsdp_job_checkpoints_t *ck) {
   free(ck->staging);
   free(ck->last_path);
   free(ck->resume_from);
+  free(ck->recover_error);
   free(ck);
 }
 

@@ -26,12 +26,18 @@ typedef struct fsdp_job_checkpoints {
   /* checkpoint.resume = latest: the checkpoint to load at the job's first gather, until
    * that gather starts the load (fsdp_dataplane_job_resuming says while it waits). */
   char *resume_from;
+  /* store.recover_from_replicas: the job goes on from the state of replica host
+   * recover_host, copied from its memory at the job's first gather (recover), or fails that
+   * gather naming recover_error (its replicas held it inside a step). */
+  bool recover;
+  unsigned recover_host;
+  char *recover_error;
   /* The saves and loads that ended (fsdp_checkpoints_job_info's counts). */
   uint64_t saved, save_failed, loaded, load_failed, saved_bytes, loaded_bytes, save_ns, load_ns;
 } fsdp_job_checkpoints_t;
 
 /* Who asked for a checkpoint's work (checkpoint_job). */
-enum origin { BY_CALLER, BY_TRAINER, BY_SCHEDULE, BY_STOP, BY_RESUME };
+enum origin { BY_CALLER, BY_TRAINER, BY_SCHEDULE, BY_STOP, BY_RESUME, BY_REPLICA };
 
 /* Where the job stands among its steps. */
 typedef struct job_steps {
@@ -53,7 +59,8 @@ typedef struct checkpoint_work {
   fsdp_job_t *owner;
   /* A save waits for the job's step boundary, or for its staging memory, then takes its
    * snapshot (once no reduce of the job runs) and writes its files; a load loads. */
-  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING, LOADING } stage;
+  enum { SAVE_AT_BOUNDARY, SAVE_WAITING, SAVE_SNAPSHOT, SAVE_WRITING, SAVE_SENDING,
+         LOADING } stage;
   unsigned keep; /* a save's: how many of the directory's checkpoints stay */
   /* A save of the schedule's (checkpoint.every_steps): training goes on while it writes and
    * nobody waits for it, so it keeps to checkpoint.disk_share. A save a caller waits for
@@ -91,6 +98,15 @@ typedef struct checkpoint_work {
    * optimizer's record of a GPU's counts, which the loop cannot read (optimizer.h). */
   uint64_t *loaded_steps;
   uint64_t snapshot_ns, write_ns;
+  /* Recovery from a replica (replicas.c): a load's state comes from host `peer`'s memory
+   * instead of files, and a snapshot goes to host `peer` instead of a disk; the tag of what
+   * is sent names the asking daemon (peer_incarnation), xxh64 is its checksum, transfer the
+   * UCX side of it and what each side waits for. */
+  bool by_replica;
+  unsigned peer;
+  uint64_t peer_incarnation;
+  uint64_t xxh64;
+  struct replica_io *replica;
   fsdp_status_t st;
   fsdp_checkpoints_done_fn done;
   void *data;
@@ -98,15 +114,52 @@ typedef struct checkpoint_work {
   struct checkpoint_work *next; /* in cp->works */
 } checkpoint_work_t;
 
+/* requests.c */
+
+/* A checkpoint's work at `stage` into dir, in cp->works, with the rights of as (NULL, or a
+ * dir in checkpoint.dir/<job>/: the daemon's own); NULL with st set (verb naming the
+ * call) for want of memory or a path too long. */
+checkpoint_work_t *ck_new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                               const fsdp_identity_t *as, int stage, uint64_t step,
+                               fsdp_checkpoints_done_fn done, void *data, const char *verb,
+                               fsdp_status_t *st);
+
 /* job_start.c */
 
 /* The data plane's job_starts: starts the look beside the queue when checkpoint.dir is set
  * (then true: the job's registrations wait for fsdp_dataplane_looked). */
-bool ck_job_starts(void *ctx, fsdp_job_t *job);
+bool ck_job_starts(void *ctx, fsdp_job_t *job, const fsdp_unit_t *unit);
 
 /* Whether a start of the job looks (the job's memory must stay: the loop runs until every
  * look has ended, a stop included). */
 bool ck_looks_at_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
+
+/* The look in checkpoint.dir (host 0's clearing of unfinished saves, checkpoint.resume's
+ * search), when there is one to make: then true, and it ends with fsdp_dataplane_looked. */
+bool ck_disk_look(fsdp_checkpoints_t *cp, fsdp_job_t *job);
+
+/* replicas.c */
+
+/* The data plane's job_starts for a job whose first unit (unit) other hosts replicate, with
+ * store.recover_from_replicas: asks them whether they hold the job trained (then true: the
+ * job's registrations wait for fsdp_dataplane_looked, which the look calls on a later turn
+ * of the loop, or the disk's look it goes on to when none does). */
+bool ck_replicas_look(fsdp_checkpoints_t *cp, fsdp_job_t *job, const fsdp_unit_t *unit);
+
+/* The job's first gather: its state is copied from ck->recover_host's memory and loaded;
+ * done as a load's. Returns 0, or an error that st explains (done is not called). */
+int ck_recover_from_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
+                            fsdp_checkpoints_done_fn done, void *data, fsdp_status_t *st);
+
+/* A replica's snapshot is taken (stage SAVE_SENDING): it goes to the asking host. */
+void ck_send_snapshot(fsdp_checkpoints_t *cp, checkpoint_work_t *c);
+
+/* Whether a look of replicas.c uses the job. */
+bool ck_replicas_use_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
+
+/* Ends the sends to a recovering host that it has not taken within store.collective_timeout
+ * (their connection failed: UCX ends a send no other way); from the housekeeping. */
+void ck_expire_sends(fsdp_checkpoints_t *cp, uint64_t now_ms);
 
 /* describe.c */
 
@@ -147,6 +200,10 @@ void ck_copy_load(void *arg);
  * the job failed (c->st says why). */
 void ck_take_snapshot(uv_work_t *req);
 
+/* The job's staging memory for c's units, made or grown on first need (NULL with c->st set
+ * when there is no memory for it). Only one checkpoint of the job uses it at a time. */
+void *ck_staging(fsdp_job_t *job, checkpoint_work_t *c);
+
 /* On a thread of libuv's pool, beside the queue: a save's files, from its snapshot, written
  * by a thread of the lowest priority (the pool's threads run the queue's work too, so they
  * keep theirs), or by this one when none can start. */
@@ -159,6 +216,13 @@ void ck_free_checkpoint_work(checkpoint_work_t *c);
 
 /* On the loop: a checkpoint's end. */
 void ck_end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status);
+
+/* On the loop: a checkpoint ends, and the save waiting for it, if any, starts. */
+void ck_end_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c, int status);
+
+/* On the loop, once a load's state is in staging (read_load ran): the copy into the job's
+ * memory waits for the queue's turn. */
+void ck_load_read(uv_work_t *req, int status);
 
 /* Takes c out of cp->works, or puts it at their end. */
 void ck_unlink_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c);

@@ -12,6 +12,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "checkpoint/checkpoint.h"
 #include "common/clock.h"
 #include "common/failpoint.h"
@@ -34,10 +36,9 @@ static int copy_beside(void *backend, void *dst, const void *src, size_t bytes,
  * time per save (and the copies miss the TLB less). */
 #define STAGING_ALIGN ((size_t)2 << 20)
 
-/* The job's staging memory, made or grown on first need and kept for the next checkpoint:
- * a save's snapshot, or what a load reads before it goes into the job's memory. Only one
- * checkpoint of the job uses it at a time. */
-static void *staging(fsdp_job_t *job, checkpoint_work_t *c) {
+/* The job's staging memory is kept for the next checkpoint: a save's snapshot, or what a
+ * load reads before it goes into the job's memory. */
+void *ck_staging(fsdp_job_t *job, checkpoint_work_t *c) {
   fsdp_job_checkpoints_t *ck = job->checkpoints; /* made by the work's start */
   size_t bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
   if (bytes > ck->staging_bytes) {
@@ -81,7 +82,7 @@ void ck_read_load(uv_work_t *req) {
   checkpoint_work_t *c = req->data;
   uint64_t start_ns = fsdp_clock_now_ns();
   size_t n = c->job.n_units;
-  void *at = staging(c->owner, c);
+  void *at = ck_staging(c->owner, c);
   fsdp_identity_t saved;
   if (!at || !enter_identity(c, &saved))
     return;
@@ -122,11 +123,13 @@ void ck_take_snapshot(uv_work_t *req) {
     return;
   fsdp_failpoint("checkpoint-snapshot");
   uint64_t start_ns = fsdp_clock_now_ns();
-  void *at = staging(c->owner, c);
+  void *at = ck_staging(c->owner, c);
   if ((at ? fsdp_checkpoint_stage(c->units, c->job.n_units, at, copy_beside,
                                   &c->cp->dp->backend, &c->st)
           : c->st.code) == 0)
     fsdp_status_clear(&c->st);
+  if (c->st.code == 0 && c->by_replica) /* what it sends to the host that recovers */
+    c->xxh64 = XXH64(at, fsdp_checkpoint_staging_bytes(c->units, c->job.n_units), 0);
   c->snapshot_ns = fsdp_clock_now_ns() - start_ns;
 }
 

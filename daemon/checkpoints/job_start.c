@@ -1,4 +1,5 @@
-/* A job's start (the data plane's job_starts hook): host 0 removes what unfinished saves left
+/* A job's start (the data plane's job_starts hook): its replicas are asked whether they hold
+ * it (replicas.c); where none does, host 0 removes what unfinished saves left
  * in checkpoint.dir/<job>/ (fsdp_checkpoint_remove_unfinished), and with checkpoint.resume =
  * latest the newest checkpoint there is found, for the job to go on from it, loaded before
  * its first gather. One that cannot be read is still loaded then, and fails the job naming
@@ -90,8 +91,12 @@ bool ck_looks_at_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
   return false;
 }
 
-bool ck_job_starts(void *ctx, fsdp_job_t *job) {
+bool ck_job_starts(void *ctx, fsdp_job_t *job, const fsdp_unit_t *unit) {
   fsdp_checkpoints_t *cp = ctx;
+  return ck_replicas_look(cp, job, unit) || ck_disk_look(cp, job);
+}
+
+bool ck_disk_look(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
   if (!cp->dir[0])
     return false;
   start_look_t *l = calloc(1, sizeof *l);

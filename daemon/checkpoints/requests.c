@@ -28,6 +28,7 @@ void fsdp_checkpoints_abandon(fsdp_checkpoints_t *cp) {
 }
 
 void fsdp_checkpoints_expire(fsdp_checkpoints_t *cp, uint64_t now_ms) {
+  ck_expire_sends(cp, now_ms);
   for (checkpoint_work_t *c = cp->works; c; c = c->next) {
     if (c->stage != SAVE_AT_BOUNDARY || !c->boundary_deadline_ms ||
         now_ms < c->boundary_deadline_ms)
@@ -48,7 +49,7 @@ bool fsdp_checkpoints_uses_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *j
   for (const checkpoint_work_t *c = cp->works; c; c = c->next)
     if (c->owner == job)
       return true;
-  return ck_looks_at_job(cp, job);
+  return ck_looks_at_job(cp, job) || ck_replicas_use_job(cp, job);
 }
 
 void fsdp_checkpoints_cleanup(fsdp_checkpoints_t *cp) {
@@ -115,13 +116,10 @@ static bool in_job_dir(const fsdp_checkpoints_t *cp, const fsdp_job_t *job, cons
          (dir[n] == '\0' || dir[n] == '/');
 }
 
-/* A checkpoint's work at `stage` into dir, in cp->works, with the rights of as (NULL, or a
- * dir in checkpoint.dir/<job>/: the daemon's own); NULL with st set (verb naming the
- * call) for want of memory or a path too long. */
-static checkpoint_work_t *new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
-                                   const fsdp_identity_t *as, int stage, uint64_t step,
-                                   fsdp_checkpoints_done_fn done, void *data, const char *verb,
-                                   fsdp_status_t *st) {
+checkpoint_work_t *ck_new_work(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *dir,
+                               const fsdp_identity_t *as, int stage, uint64_t step,
+                               fsdp_checkpoints_done_fn done, void *data, const char *verb,
+                               fsdp_status_t *st) {
   if (strlen(dir) >= sizeof ((checkpoint_work_t *)NULL)->dir) {
     fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "%s: path too long", verb);
     return NULL;
@@ -163,7 +161,7 @@ static int checkpoint_job(fsdp_checkpoints_t *cp, fsdp_job_t *job, const char *d
                            "status shows it)",
                            verb, job->name, user->stage == LOADING ? "load" : "save");
   /* One checkpoint of a job at a time in its staging memory: later saves wait their turn. */
-  checkpoint_work_t *c = new_work(cp, job, dir, as,
+  checkpoint_work_t *c = ck_new_work(cp, job, dir, as,
                                   load ? LOADING : user ? SAVE_WAITING : SAVE_SNAPSHOT, step,
                                   done, data, verb, st);
   if (!c)
@@ -224,7 +222,7 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
   bool final = !attached || ck_masters_final(job, step);
   if (between && final)
     return checkpoint_job(cp, job, dir, NULL, false, BY_STOP, 0, done, data, st);
-  if (!new_work(cp, job, dir, NULL, SAVE_AT_BOUNDARY, 0, done, data, "SaveCheckpoint", st))
+  if (!ck_new_work(cp, job, dir, NULL, SAVE_AT_BOUNDARY, 0, done, data, "SaveCheckpoint", st))
     return st->code;
   log_info("job '%s': saves at its next step boundary", job->name);
   return 0;
@@ -233,16 +231,21 @@ int fsdp_checkpoints_save_at_boundary(fsdp_checkpoints_t *cp, fsdp_job_t *job, c
 typedef struct resume_call {
   fsdp_checkpoints_t *cp;
   fsdp_job_t *job;
+  bool from_replica; /* store.recover_from_replicas's, else checkpoint.resume's */
 } resume_call_t;
 
 static void resumed(void *data, const fsdp_status_t *st, const char *path, uint64_t step) {
   resume_call_t call = *(resume_call_t *)data;
   free(data);
   (void)path, (void)step; /* end_checkpoint logged them */
-  fsdp_dataplane_resumed(call.cp->dp, call.job, st);
+  fsdp_status_t said = *st;
+  if (st->code < 0 && !call.from_replica)
+    fsdp_status_set(&said, st->code, "checkpoint.resume = latest: %s", st->message);
+  fsdp_dataplane_resumed(call.cp->dp, call.job, &said);
 }
 
-/* Loads the checkpoint the job resumes from, once; its gathers wait for it. */
+/* Loads the checkpoint the job resumes from, or its state from a replica's memory, once;
+ * its gathers wait for it. */
 static void resume(void *ctx, fsdp_job_t *job) {
   fsdp_checkpoints_t *cp = ctx;
   char *from = job->checkpoints->resume_from;
@@ -251,20 +254,24 @@ static void resume(void *ctx, fsdp_job_t *job) {
   resume_call_t *call = malloc(sizeof *call);
   int r = call ? 0 : fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED, "out of memory");
   if (call) {
-    *call = (resume_call_t){.cp = cp, .job = job};
-    r = checkpoint_job(cp, job, from, NULL, true, BY_RESUME, 0, resumed, call, &st);
+    *call = (resume_call_t){.cp = cp, .job = job,
+                            .from_replica = job->checkpoints->recover ||
+                                            job->checkpoints->recover_error};
+    r = call->from_replica
+            ? ck_recover_from_replica(cp, job, resumed, call, &st)
+            : checkpoint_job(cp, job, from, NULL, true, BY_RESUME, 0, resumed, call, &st);
   }
   free(from);
-  if (r < 0) {
-    free(call);
+  if (r < 0 && call)
+    resumed(call, &st, "", 0);
+  else if (r < 0)
     fsdp_dataplane_resumed(cp->dp, job, &st);
-  }
 }
 
 const char *fsdp_checkpoints_save_state(const fsdp_checkpoints_t *cp, const fsdp_job_t *job) {
   static const char *const names[] = {"waiting for the step boundary",
                                       "waiting for the save before", "taking its snapshot",
-                                      "writing"};
+                                      "writing", "sending it to a replica"};
   int stage = -1;
   for (const checkpoint_work_t *c = cp->works; c; c = c->next)
     if (c->owner == job && c->stage != LOADING && (int)c->stage > stage)
@@ -299,6 +306,10 @@ static void resolve_configured(const char *dir, char *out, size_t size) {
       return;
     *cut = '\0';
   }
+}
+
+void fsdp_checkpoints_configure_recovery(fsdp_checkpoints_t *cp, bool from_replicas) {
+  cp->recover = from_replicas;
 }
 
 void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_t every_steps,

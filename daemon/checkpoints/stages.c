@@ -13,6 +13,7 @@
 static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job);
 
 void ck_free_checkpoint_work(checkpoint_work_t *c) {
+  free(c->replica);
   free(c->staged);
   free(c->loaded_steps);
   free(c->params);
@@ -48,6 +49,8 @@ static void count(fsdp_job_t *job, const checkpoint_work_t *c) {
   fsdp_job_checkpoints_t *ck = ck_job(job);
   if (!ck)
     return;
+  if (c->by_replica && c->stage != LOADING)
+    return; /* a replica's state sent to a host that recovers: no save */
   bool ok = c->st.code >= 0;
   uint64_t bytes = ok ? fsdp_checkpoint_staging_bytes(c->units, c->job.n_units) : 0;
   if (c->stage == LOADING) {
@@ -72,6 +75,12 @@ void ck_end_checkpoint(fsdp_job_t *job, checkpoint_work_t *c, int status) {
     log_error("job '%s': %s", job->name, c->st.message);
   else if (c->stage == LOADING)
     log_loaded(job, c);
+  else if (c->by_replica)
+    log_info("job '%s': its state after step %llu went to host %u, which recovers it (%zu "
+             "bytes; snapshot %.1f ms, sent in %.1f ms)",
+             job->name, (unsigned long long)c->step, c->peer,
+             fsdp_checkpoint_staging_bytes(c->units, c->job.n_units),
+             (double)c->snapshot_ns / 1e6, (double)c->write_ns / 1e6);
   else {
     log_info("job '%s': checkpoint of step %llu saved in %s (snapshot %.1f ms, written in "
              "%.1f ms beside training)",
@@ -152,8 +161,7 @@ static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job) {
     }
 }
 
-/* On the loop: a checkpoint ends, and the save waiting for it, if any, starts. */
-static void end_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c, int status) {
+void ck_end_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c, int status) {
   fsdp_job_t *job = c->owner;
   ck_unlink_work(cp, c);
   ck_end_checkpoint(job, c, status);
@@ -162,7 +170,7 @@ static void end_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c, int status) {
 
 static void checkpoint_written(uv_work_t *req, int status) {
   checkpoint_work_t *c = req->data;
-  end_work(c->cp, c, status);
+  ck_end_work(c->cp, c, status);
 }
 
 /* A save's snapshot is taken: its write starts. */
@@ -172,25 +180,30 @@ static void start_write(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
   if (r < 0) {
     fsdp_status_set(&c->st, FSDP_E_INTERNAL, "checkpoint: cannot start its write: %s",
                     uv_strerror(r));
-    end_work(cp, c, 0);
+    ck_end_work(cp, c, 0);
   }
 }
 
 /* On the loop, once the snapshot is taken: the job's reduces go on, and the write starts. */
 static void snapshot_taken(uv_work_t *req, int status) {
   checkpoint_work_t *c = req->data;
-  fsdp_dataplane_release_reduces(c->cp->dp, c->owner);
-  if (status == 0 && c->st.code == 0)
+  if (!c->by_replica) /* which held none */
+    fsdp_dataplane_release_reduces(c->cp->dp, c->owner);
+  if (status == 0 && c->st.code == 0 && c->by_replica) {
+    c->stage = SAVE_SENDING;
+    ck_send_snapshot(c->cp, c);
+  } else if (status == 0 && c->st.code == 0)
     start_write(c->cp, c);
   else
-    end_work(c->cp, c, status);
+    ck_end_work(c->cp, c, status);
 }
 
 static int start_snapshot(fsdp_checkpoints_t *cp, checkpoint_work_t *c, fsdp_status_t *st) {
   c->work.data = c;
   int r = uv_queue_work(cp->dp->loop, &c->work, ck_take_snapshot, snapshot_taken);
   if (r < 0) {
-    fsdp_dataplane_release_reduces(cp->dp, c->owner);
+    if (!c->by_replica)
+      fsdp_dataplane_release_reduces(cp->dp, c->owner);
     return fsdp_status_set(st, FSDP_E_INTERNAL, "checkpoint: cannot start its snapshot: %s",
                            uv_strerror(r));
   }
@@ -206,7 +219,7 @@ static void reduces_quiet(void *arg) {
   if (ck_describe(c->owner, c, &c->st) == 0)
     fsdp_status_clear(&c->st);
   if (start_snapshot(c->cp, c, &c->st) < 0)
-    end_work(c->cp, c, 0); /* libuv refused work: it cannot, but for a missing callback */
+    ck_end_work(c->cp, c, 0); /* libuv refused work: it cannot, but for a missing callback */
 }
 
 /* On the loop, once copy_load ran: the job's state is the checkpoint's step. */
@@ -218,13 +231,12 @@ static void load_copied(void *arg, int status) {
                              c->loaded_steps[i]);
   if (status == 0 && c->st.code == 0)
     fsdp_dataplane_reached_step(c->owner, c->step);
-  end_work(c->cp, c, status);
+  ck_end_work(c->cp, c, status);
 }
 
-/* On the loop, once read_load ran: the copy into the job's memory waits for the queue,
- * unless the job went into a step while the files were read (the load would land inside
+/* Unless the job went into a step while the files were read (the load would land inside
  * it, some units gathered before it and some after); a resume's gathers wait for it. */
-static void load_read(uv_work_t *req, int status) {
+void ck_load_read(uv_work_t *req, int status) {
   checkpoint_work_t *c = req->data;
   const fsdp_unit_t *busy =
       status == 0 && c->st.code == 0 && !c->resume ? ck_collective_running(c->owner) : NULL;
@@ -235,7 +247,7 @@ static void load_read(uv_work_t *req, int status) {
                     c->owner->name, busy->spec->unit);
   if (status < 0 || c->st.code < 0 ||
       fsdp_dataplane_queue_call(c->cp->dp, c->owner, ck_copy_load, load_copied, c, &c->st) < 0)
-    end_work(c->cp, c, status);
+    ck_end_work(c->cp, c, status);
 }
 
 int ck_queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c,
@@ -245,11 +257,15 @@ int ck_queue_checkpoint(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work
     return r;
   if (c->stage == LOADING) {
     c->work.data = c;
-    int q = uv_queue_work(cp->dp->loop, &c->work, ck_read_load, load_read);
+    int q = uv_queue_work(cp->dp->loop, &c->work, ck_read_load, ck_load_read);
     return q < 0 ? fsdp_status_set(st, FSDP_E_INTERNAL, "checkpoint: cannot start its load: %s",
                                    uv_strerror(q))
                  : 0;
   }
+  /* A replica's state for a host that recovers: no reduce changes it until that host takes
+   * part (replicas.c), so the snapshot waits for none. */
+  if (c->by_replica)
+    return start_snapshot(cp, c, st);
   /* While a reduce runs, the step under way ends: the snapshot starts after it. */
   if (!fsdp_dataplane_hold_reduces(cp->dp, job, ck_job_steps(job).newest, reduces_quiet, c))
     return 0;

@@ -359,3 +359,37 @@ int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *r
                                  rq->reason);
   return 0;
 }
+
+bool fsdp_peers_joined_as(const fsdp_peers_t *peers, unsigned host, uint64_t incarnation) {
+  fsdp_peer_info_t info;
+  fsdp_peers_get(peers, host, &info);
+  return info.state == FSDP_PEER_JOINED && info.incarnation == incarnation;
+}
+
+int fsdp_peers_accept_recover(fsdp_peers_t *peers, const Fsdp__V1__RecoverRequest *rq,
+                              fsdp_peers_recover_t *ret_ask,
+                              fsdp_peers_recover_unit_t **ret_units, fsdp_status_t *st) {
+  *ret_units = NULL;
+  int r = fsdp_peer_check_recover(&peers->rules, rq, st);
+  if (r < 0)
+    return r;
+  if (!fsdp_peers_joined_as(peers, rq->host_rank, rq->incarnation))
+    return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
+                           "Recover from host %u, incarnation %016llx: that host has not "
+                           "joined this one at that incarnation: ask once it has",
+                           rq->host_rank, (unsigned long long)rq->incarnation);
+  if (rq->n_units && !(*ret_units = calloc(rq->n_units, sizeof **ret_units)))
+    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "Recover: out of memory");
+  for (size_t i = 0; i < rq->n_units; i++) {
+    const Fsdp__V1__RecoverUnit *u = rq->units[i];
+    (*ret_units)[i] = (fsdp_peers_recover_unit_t){
+        .name = u->name, .numel = u->numel, .shard_numel = u->shard_numel,
+        .host_first_shard = u->host_first_shard, .host_shards = u->host_shards,
+        .optimizer_arrays = u->optimizer_arrays};
+  }
+  *ret_ask = (fsdp_peers_recover_t){.host = rq->host_rank, .incarnation = rq->incarnation,
+                                    .job = rq->job, .uid = rq->uid, .fetch = rq->fetch,
+                                    .step = rq->step, .bytes = rq->bytes, .units = *ret_units,
+                                    .n_units = rq->n_units};
+  return 0;
+}

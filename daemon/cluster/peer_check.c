@@ -7,6 +7,7 @@
 #include <fsdp/fsdp_version.h>
 
 #include "proto/host/formats.h"
+#include "proto/limits.h"
 
 /* A host rank that is one of our peers; rank names the field for the message. */
 static int check_rank(const fsdp_peer_rules_t *rules, unsigned rank, fsdp_status_t *st) {
@@ -133,5 +134,35 @@ int fsdp_peer_check_leave(const fsdp_peer_rules_t *rules, const Fsdp__V1__LeaveR
     return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
                            "field 'reason' holds %zu bytes from host %u, at most %d", len,
                            rq->host_rank, FSDP_PEER_REASON_MAX);
+  return 0;
+}
+
+int fsdp_peer_check_recover(const fsdp_peer_rules_t *rules, const Fsdp__V1__RecoverRequest *rq,
+                            fsdp_status_t *st) {
+  int r = check_rank(rules, rq->host_rank, st);
+  if (r < 0)
+    return r;
+  if (rq->incarnation == 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'incarnation' = 0 in the Recover of host %u; expected its "
+                           "daemon's random nonzero id",
+                           rq->host_rank);
+  if (!fsdp_job_name_valid(rq->job))
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "field 'job' = '%.80s' must be 1 to %d of [A-Za-z0-9._-]", rq->job,
+                           FSDP_JOB_NAME_MAX);
+  if (!rq->fetch)
+    return 0;
+  if (rq->bytes == 0 || rq->n_units == 0 || rq->step == 0)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                           "a Recover that fetches names the step (%llu), the units (%zu) and "
+                           "the bytes (%llu) it takes; none may be 0",
+                           (unsigned long long)rq->step, rq->n_units,
+                           (unsigned long long)rq->bytes);
+  for (size_t i = 0; i < rq->n_units; i++)
+    if (strlen(rq->units[i]->name) > FSDP_UNIT_NAME_MAX)
+      return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT,
+                             "field 'units[%zu].name' holds %zu bytes, at most %d", i,
+                             strlen(rq->units[i]->name), FSDP_UNIT_NAME_MAX);
   return 0;
 }

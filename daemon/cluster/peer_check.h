@@ -42,5 +42,9 @@ int fsdp_peer_check_heartbeat_reply(const fsdp_peer_rules_t *rules, unsigned hos
                                     const Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st);
 int fsdp_peer_check_leave(const fsdp_peer_rules_t *rules, const Fsdp__V1__LeaveRequest *rq,
                           fsdp_status_t *st);
+/* A Recover: a peer's host rank, a nonzero incarnation, a job name, and for a fetch the
+ * bytes and units it names (names of units, at most FSDP_UNIT_NAME_MAX bytes). */
+int fsdp_peer_check_recover(const fsdp_peer_rules_t *rules, const Fsdp__V1__RecoverRequest *rq,
+                            fsdp_status_t *st);
 
 #endif

@@ -6,7 +6,8 @@
  * Calls. Each call is one batch of all six client ops, tagged with its own context, on a
  * completion queue that the bridge (daemon/rpc/cq_bridge.h) drains onto the loop, where the
  * reply is decoded and acted on. A peer has at most one Join and one Heartbeat in flight;
- * every call has a deadline (peer.timeout, shorter for Leave). */
+ * every call has a deadline (peer.timeout, shorter for Leave). A recovery's Recover
+ * (fsdp_peers_recover) goes the same way, with its caller's deadline and callback. */
 #include "daemon/cluster/peers_internal.h"
 
 #include <errno.h>
@@ -27,7 +28,7 @@
 /* A Leave must not hold up a stop. */
 #define LEAVE_DEADLINE_MAX_MS 1000
 
-typedef enum call_kind { CALL_JOIN, CALL_HEARTBEAT, CALL_LEAVE } call_kind_t;
+typedef enum call_kind { CALL_JOIN, CALL_HEARTBEAT, CALL_LEAVE, CALL_RECOVER } call_kind_t;
 
 typedef struct peer peer_t;
 
@@ -45,6 +46,9 @@ struct pcall {
   const char *error_string;
   bool success;
   uint64_t sent_ns;
+  /* CALL_RECOVER's caller. */
+  fsdp_peers_recover_fn done;
+  void *done_data;
   struct pcall *all_prev, *all_next; /* every call in flight */
 };
 
@@ -70,6 +74,8 @@ static const char *method_path(call_kind_t kind) {
     return "/fsdp.v1.Peer/Heartbeat";
   case CALL_LEAVE:
     return "/fsdp.v1.Peer/Leave";
+  case CALL_RECOVER:
+    return "/fsdp.v1.Peer/Recover";
   }
   return "";
 }
@@ -163,7 +169,7 @@ bool fsdp_peers_send_heartbeat(void *data, unsigned host_rank) {
 
 /* A call's failure in words: "Join: UNAVAILABLE: <details>". */
 static void describe_failure(const pcall_t *c, char *buf, size_t size) {
-  const char *name = c->kind == CALL_JOIN ? "Join" : c->kind == CALL_HEARTBEAT ? "Heartbeat" : "Leave";
+  const char *path = method_path(c->kind), *name = strrchr(path, '/') + 1;
   int len = (int)GRPC_SLICE_LENGTH(c->details);
   snprintf(buf, size, "%s: %s: %.*s", name, fsdp_wire_status_name(c->status), len,
            (const char *)GRPC_SLICE_START_PTR(c->details));
@@ -274,6 +280,72 @@ static void on_heartbeat_done(fsdp_peers_t *peers, peer_t *p, pcall_t *c) {
                                      (uv_hrtime() - c->sent_ns) / 1000);
 }
 
+/* A recovery's Recover: its caller hears the answer, or the status naming the host. */
+static void on_recover_done(pcall_t *c) {
+  fsdp_status_t st = {0};
+  ProtobufCMessage *msg = NULL;
+  fsdp_peers_recovered_t answer = {0};
+  if (c->status != GRPC_STATUS_OK) {
+    char failure[512];
+    describe_failure(c, failure, sizeof failure);
+    fsdp_status_set(&st, fsdp_wire_error_from_status(c->status), "host %u (%s): %s",
+                    c->peer->rank, c->peer->m->address, failure);
+  } else if (fsdp_wire_decode(&fsdp__v1__recover_reply__descriptor, c->recv, &msg, &st) < 0) {
+    fsdp_status_t bad = st;
+    fsdp_status_set(&st, FSDP_E_UNAVAILABLE, "host %u (%s): Recover: bad reply: %s",
+                    c->peer->rank, c->peer->m->address, bad.message);
+  } else {
+    const Fsdp__V1__RecoverReply *reply = (const void *)msg;
+    answer = (fsdp_peers_recovered_t){reply->step, reply->bytes, reply->xxh64};
+    protobuf_c_message_free_unpacked(msg, NULL);
+  }
+  c->done(c->done_data, st.code < 0 ? &st : NULL, &answer);
+}
+
+int fsdp_peers_recover(fsdp_peers_t *peers, unsigned host_rank, const fsdp_peers_recover_t *ask,
+                       uint64_t deadline_ms, fsdp_peers_recover_fn done, void *data,
+                       fsdp_status_t *st) {
+  if (host_rank >= peers->n || host_rank == peers->self)
+    return fsdp_status_set(st, FSDP_E_INVALID_ARGUMENT, "Recover: host %u is not a peer",
+                           host_rank);
+  if (leaving(peers))
+    return fsdp_status_set(st, FSDP_E_CANCELLED, "Recover: the daemon is stopping");
+  Fsdp__V1__RecoverUnit *units = calloc(ask->n_units ? ask->n_units : 1, sizeof *units);
+  Fsdp__V1__RecoverUnit **ptrs = calloc(ask->n_units ? ask->n_units : 1, sizeof *ptrs);
+  pcall_t *c = NULL;
+  if (units && ptrs) {
+    for (size_t i = 0; i < ask->n_units; i++) {
+      const fsdp_peers_recover_unit_t *u = &ask->units[i];
+      fsdp__v1__recover_unit__init(&units[i]);
+      units[i].name = (char *)u->name;
+      units[i].numel = u->numel;
+      units[i].shard_numel = u->shard_numel;
+      units[i].host_first_shard = u->host_first_shard;
+      units[i].host_shards = u->host_shards;
+      units[i].optimizer_arrays = u->optimizer_arrays;
+      ptrs[i] = &units[i];
+    }
+    Fsdp__V1__RecoverRequest rq = FSDP__V1__RECOVER_REQUEST__INIT;
+    rq.host_rank = peers->self;
+    rq.incarnation = peers->incarnation;
+    rq.job = (char *)ask->job;
+    rq.uid = ask->uid;
+    rq.fetch = ask->fetch;
+    rq.step = ask->step;
+    rq.bytes = ask->bytes;
+    rq.n_units = ask->n_units;
+    rq.units = ptrs;
+    c = start_call(peers, &peers->peers[host_rank], CALL_RECOVER, &rq.base, deadline_ms);
+  }
+  free(ptrs);
+  free(units);
+  if (!c)
+    return fsdp_status_set(st, FSDP_E_INTERNAL, "Recover to host %u could not start", host_rank);
+  c->done = done;
+  c->done_data = data;
+  return 0;
+}
+
 static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
   if (c->all_prev)
     c->all_prev->all_next = c->all_next;
@@ -295,6 +367,9 @@ static void on_call_done(fsdp_peers_t *peers, pcall_t *c) {
     if (c->status != GRPC_STATUS_OK)
       log_warning("peers: Leave to host %u (%s): %s", p->rank, p->m->address,
                   fsdp_wire_status_name(c->status));
+    break;
+  case CALL_RECOVER:
+    on_recover_done(c);
     break;
   }
   pcall_free(c);

@@ -117,6 +117,44 @@ void fsdp_peers_when_ready(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter,
                            fsdp_peers_ready_fn cb, void *data);
 void fsdp_peers_wait_cancel(fsdp_peers_t *peers, fsdp_peers_waiter_t *waiter);
 
+/* Peer.Recover, in plain values (daemon/checkpoints/replicas.c asks and answers it; the
+ * Peer service decodes it): a host that started empty asks a replica of its shards where a
+ * job stands (units NULL), or to send the job's state (the units as the asking host holds
+ * them, the step it goes on after, and the bytes it takes). */
+typedef struct fsdp_peers_recover_unit {
+  const char *name;
+  uint64_t numel, shard_numel;
+  uint32_t host_first_shard, host_shards, optimizer_arrays;
+} fsdp_peers_recover_unit_t;
+
+typedef struct fsdp_peers_recover {
+  unsigned host;        /* the asking host's rank */
+  uint64_t incarnation; /* the asking daemon's */
+  const char *job;
+  uint64_t uid;
+  bool fetch;
+  uint64_t step, bytes;
+  const fsdp_peers_recover_unit_t *units;
+  size_t n_units;
+} fsdp_peers_recover_t;
+
+/* What a replica answers: the job's last completed step (0: none trained), and for a
+ * fetch the bytes sent and their XXH64 (seed 0). */
+typedef struct fsdp_peers_recovered {
+  uint64_t step, bytes, xxh64;
+} fsdp_peers_recovered_t;
+
+/* Sends ask (its host and incarnation: this daemon's, whatever it says) to host_rank with the table's
+ * token and credentials and a deadline of deadline_ms. done runs once, on the loop, never
+ * inside this call: with st NULL and the answer, or with st naming the host and the status
+ * (CANCELLED when the daemon stops). Returns 0, or an error (done never runs): a host that
+ * is not a peer, a daemon stopping, a call gRPC would not start. */
+typedef void (*fsdp_peers_recover_fn)(void *data, const fsdp_status_t *st,
+                                      const fsdp_peers_recovered_t *answer);
+int fsdp_peers_recover(fsdp_peers_t *peers, unsigned host_rank, const fsdp_peers_recover_t *ask,
+                       uint64_t deadline_ms, fsdp_peers_recover_fn done, void *data,
+                       fsdp_status_t *st);
+
 /* Server side, for the Peer service (daemon/services/peer_service.c). Every message first passes
  * daemon/cluster/peer_check.h (a refusal names the field and value), and an invalid one changes no
  * state of a relationship. `from` is the caller's address ("ipv4:10.0.0.2:41234"), for
@@ -142,5 +180,14 @@ int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRe
                                 Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st);
 int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *rq,
                             fsdp_status_t *st);
+/* A Recover (fsdp_peer_check_recover's checks) from the daemon this one has joined at the
+ * host rank it names, into *ret_ask, whose strings and units point into rq and
+ * *ret_units (the caller frees it): FAILED_PRECONDITION when that host is not JOINED at that
+ * incarnation (what is sent in answer goes to the joined daemon's data-plane address only). */
+int fsdp_peers_accept_recover(fsdp_peers_t *peers, const Fsdp__V1__RecoverRequest *rq,
+                              fsdp_peers_recover_t *ret_ask,
+                              fsdp_peers_recover_unit_t **ret_units, fsdp_status_t *st);
+/* Whether host is JOINED at incarnation now: what a replica checks again before it sends. */
+bool fsdp_peers_joined_as(const fsdp_peers_t *peers, unsigned host, uint64_t incarnation);
 
 #endif

@@ -108,6 +108,8 @@ typedef struct fsdp_recorder {
 } fsdp_recorder_t;
 
 typedef struct fsdp_job_flight {
+  /* The newest run (a session's generation) whose ranks registered a unit of the job. */
+  uint64_t generation;
   /* The schedule the daemon runs (SetSchedule; see "Prefetch" above). The
    * forward order, n_order units (each unit's order_index is its place, -1 outside it):
    * given, or recorded from local rank 0's forward Unshards of each step (`recorded`, of
@@ -184,7 +186,8 @@ typedef struct fsdp_unit_flight {
    * (fsdp_unit_t.copy_in_masters). While has_copy, the copy is at copy_offset of the shared arena: from the job's pool (copy_pooled) when it
    * was gathered for a unit that reshards after forward, else a block of its own; it holds
    * `gathered_step` once `gathered` (`gathered_again`: the step's second gather, for the
-   * backward), and goes back when the last holder lets go. */
+   * backward; `gathered_generation`: the run whose ranks asked for it), and goes back when the
+   * last holder lets go. */
   bool reshard_after_forward; /* the schedule's (SetSchedule), or the strategy's default */
   bool copy_pooled;
   bool has_copy;
@@ -194,6 +197,7 @@ typedef struct fsdp_unit_flight {
   bool gathered;
   bool gathered_again;
   uint64_t gathered_step;
+  uint64_t gathered_generation;
   /* Each local rank's full-gradient buffer (arena offsets), lent by the backward's Unshard
    * until the unit's ReduceScatter ends; local_world_size of them. From the ranks' pools
    * (grads_pooled) for a unit resharded after forward, else blocks of their own. */
@@ -266,9 +270,10 @@ typedef struct ring_run ring_run_t;
  * job_starts, the one that makes a job resume. */
 typedef struct fsdp_dataplane_hooks {
   void *ctx;
-  /* A job's first unit registers: returns whether it looks for a checkpoint to resume
-   * from, which then ends with fsdp_dataplane_looked; the job's registrations wait. */
-  bool (*job_starts)(void *ctx, fsdp_job_t *job);
+  /* A job's first unit (unit) registers: returns whether it looks for what to resume from,
+   * which then ends with fsdp_dataplane_looked, never inside this call; the job's
+   * registrations wait. */
+  bool (*job_starts)(void *ctx, fsdp_job_t *job, const fsdp_unit_t *unit);
   /* The first gather of a job that resumes: the resume's load starts, and the job's gathers
    * wait for fsdp_dataplane_resumed. */
   void (*resume)(void *ctx, fsdp_job_t *job);
@@ -290,6 +295,7 @@ typedef struct fsdp_dataplane {
   fsdp_fabric_t *fabric;
   uint64_t collective_timeout_ms; /* each ring's deadline after it starts */
   ring_run_t *cluster_waiting;
+  ring_run_t *running_rings; /* rings started and not yet ended, every job's */
   fsdp_peers_waiter_t cluster_waiter;
   bool waiting_for_cluster;
   void *free_scratch; /* the rings' staging buffers not in use, linked through their start */
@@ -371,6 +377,25 @@ void fsdp_dataplane_cleanup(fsdp_dataplane_t *dp);
  * among hosts once it starts. Again with NULLs when they close. */
 void fsdp_dataplane_set_cluster(fsdp_dataplane_t *dp, fsdp_peers_t *peers, fsdp_fabric_t *fabric,
                                 uint64_t collective_timeout_ms);
+
+/* A job's state between this host and `host`, for a host that recovers it from a replica
+ * (daemon/checkpoints/replicas.c): one message of len bytes of host memory, sent (send) or
+ * received into buf, tagged with the job, the step and the incarnation of the daemon that
+ * receives it (`receiver`), so that a receive matches that send alone. done runs once, on
+ * the loop, never inside the call: st NULL, or why it failed (the host lost, cancelled, a
+ * message of another length). Returns 0 with *ret the transfer until done has run, or an
+ * error (done never runs): no connection to the host. */
+typedef struct fsdp_dataplane_transfer fsdp_dataplane_transfer_t;
+typedef void (*fsdp_dataplane_transfer_fn)(void *data, const fsdp_status_t *st);
+int fsdp_dataplane_transfer_state(fsdp_dataplane_t *dp, bool send, unsigned host,
+                                  const char *job, uint64_t step, uint64_t receiver, void *buf,
+                                  size_t len, fsdp_dataplane_transfer_fn done, void *data,
+                                  fsdp_dataplane_transfer_t **ret, fsdp_status_t *st);
+/* Ends a transfer before its done has run: a receive that no message has matched yet is
+ * cancelled (why NULL); otherwise (why: the reason) the connection to its host is failed,
+ * which ends every transfer with that host (UCX ends a send, or a receive being filled, no
+ * other way; the next use connects again). */
+void fsdp_dataplane_transfer_end(fsdp_dataplane_transfer_t *t, const char *why);
 
 /* Registration of a unit the store accepted for who's rank: done once the unit's persistent
  * buffers are ready (fsdp_dataplane_buffers says where). The first registration takes them

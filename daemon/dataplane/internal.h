@@ -324,6 +324,12 @@ void dp_start_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
  * them (each group holds every shard once, and replicas hold the same gradient shards), each
  * part rounded to fp32 and added in fp32 in the ring's order: member 1's, plus member 2's,
  * ..., plus member 0's, which every member then receives. */
+/* A newer run of the job began (job->flight->generation): the rings of its older runs end
+ * (ABORTED, saying so), those running cancelled, those waiting for the cluster at once, and
+ * those that would start later when they would, so that a host whose run was lost with a
+ * host is free for the new one (a snapshot for a host that recovers waits for none of them). */
+void dp_supersede_rings(fsdp_dataplane_t *dp, fsdp_job_t *job);
+
 void dp_start_norm_ring(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *u,
                         double part);
 

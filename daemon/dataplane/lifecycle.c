@@ -94,11 +94,15 @@ void fsdp_dataplane_register(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t 
   dp_op_init(op, unit, who, WAIT_REGISTER, done, data);
   fsdp_status_t st;
   fsdp_job_flight_t *jf = job->flight;
+  if (who->generation > jf->generation) { /* a new run: its trainers register first */
+    jf->generation = who->generation;
+    dp_supersede_rings(dp, job);
+  }
   switch (unit->flight->state) {
   case FSDP_UNIT_NEW:
     dp_recorder_make(dp, job);
     if (!jf->resume_looked && dp->hooks.job_starts)
-      jf->looking = dp->hooks.job_starts(dp->hooks.ctx, job);
+      jf->looking = dp->hooks.job_starts(dp->hooks.ctx, job, unit);
     jf->resume_looked = true;
     if (jf->resume_pending && !unit->spec->scratch)
       unit->flight->reduced_step = jf->resume_step; /* its trainers go on after it */
@@ -161,7 +165,7 @@ void fsdp_dataplane_resumed(fsdp_dataplane_t *dp, fsdp_job_t *job, const fsdp_st
     if (st->code < 0) {
       u->flight->state = FSDP_UNIT_FAILED;
       fsdp_status_set(&u->flight->error, st->code,
-                      "job '%s' cannot resume (checkpoint.resume = latest): %s", job->name,
+                      "job '%s' cannot resume: %s", job->name,
                       st->message);
     }
     if (!u->flight->gather_after_resume)

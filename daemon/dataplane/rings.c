@@ -36,7 +36,10 @@ typedef struct ring_run {
   uint64_t region_numel; /* elements per region of the ring */
   size_t elem_size;      /* of the ring's dtype */
   void *scratch;         /* a sum's staging buffer, from the pool */
-  struct ring_run *next; /* while waiting for the cluster */
+  uint64_t generation;   /* the run of the job it belongs to */
+  fsdp_ring_t *ring;     /* once started, until it ends */
+  bool superseded;       /* cancelled: a newer run of the job began */
+  struct ring_run *next; /* while waiting for the cluster, then among the running */
 } ring_run_t;
 
 /* The unit's element at the start of a ring chunk. */
@@ -130,17 +133,41 @@ static waiter_kind_t ring_waiter_kind(fsdp_ring_kind_t kind) {
   return kind == FSDP_RING_ALL_GATHER ? WAIT_UNSHARD : WAIT_REDUCE;
 }
 
+/* Takes run out of the list it is in (NULL-terminated through next). */
+static void unlink_run(ring_run_t **list, const ring_run_t *run) {
+  for (ring_run_t **p = list; *p; p = &(*p)->next)
+    if (*p == run) {
+      *p = run->next;
+      return;
+    }
+}
+
+/* Why a run of an older generation ends, into st. */
+static void superseded(const ring_run_t *run, fsdp_status_t *st) {
+  fsdp_status_set(st, FSDP_E_ABORTED,
+                  "job '%s' unit '%s' step %llu: generation %llu's %s ended: generation %llu "
+                  "of the job began",
+                  run->job->name, run->unit->spec->unit,
+                  (unsigned long long)collection_of(run->unit, ring_waiter_kind(run->kind))->step,
+                  (unsigned long long)run->generation, fsdp_ring_kind_name(run->kind),
+                  (unsigned long long)run->job->flight->generation);
+}
+
 static void on_ring_done(fsdp_ring_t *ring, const fsdp_status_t *status, void *arg) {
   ring_run_t *run = arg;
   fsdp_unit_t *u = run->unit;
+  unlink_run(&run->dp->running_rings, run);
   u->flight->ring_sent_bytes += fsdp_ring_bytes_sent(ring);
   give_back_scratch(run->dp, run->scratch);
   if (status->code < 0) {
     fsdp_status_t st;
-    fsdp_status_set(&st, status->code, "job '%s' unit '%s' step %llu: %s", run->job->name,
-                    u->spec->unit,
-                    (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step,
-                    status->message);
+    if (run->superseded && status->code == FSDP_E_CANCELLED)
+      superseded(run, &st);
+    else
+      fsdp_status_set(&st, status->code, "job '%s' unit '%s' step %llu: %s", run->job->name,
+                      u->spec->unit,
+                      (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step,
+                      status->message);
     dp_finish_collective(run->job, u, ring_waiter_kind(run->kind), &st);
   } else if (run->norm) {
     dp_norm_known(run->dp, run->job, u, run->norm_parts[0]);
@@ -263,11 +290,16 @@ static void start_run(ring_run_t *run) {
   fsdp_unit_t *u = run->unit;
   const fsdp_collection_t *c = collection_of(u, ring_waiter_kind(run->kind));
   fsdp_ucx_peer_t *peers[FSDP_RING_MAX] = {0};
+  fsdp_status_t st;
+  if (run->generation < run->job->flight->generation) {
+    superseded(run, &st); /* its hosts go on with the newer run, never with this one */
+    fail_run(run, &st);
+    return;
+  }
   if (connect_ring(run, peers) != 0)
     return;
   fsdp_ring_args_t args = {.kind = run->kind, .hook_arg = run};
   args.buf = ring_buffer(run, &args.dtype, &args.buf_mem);
-  fsdp_status_t st;
   if (run->kind != FSDP_RING_ALL_GATHER && !(run->scratch = take_scratch(dp))) {
     fsdp_status_set(&st, FSDP_E_RESOURCE_EXHAUSTED,
                     "job '%s' unit '%s' step %llu: out of memory for the %s's staging buffer",
@@ -291,11 +323,14 @@ static void start_run(ring_run_t *run) {
     args.scratch_mem = fsdp_fabric_memory(dp->fabric, run->scratch, RING_SCRATCH);
   }
   reduce_hooks(run, &args);
-  fsdp_ring_t *ring;
-  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &ring, &st) < 0) {
+  if (fsdp_ring_start(fsdp_fabric_ucx(dp->fabric), &args, on_ring_done, run, &run->ring, &st) <
+      0) {
     give_back_scratch(dp, run->scratch);
     fail_run(run, &st);
+    return;
   }
+  run->next = dp->running_rings;
+  dp->running_rings = run;
 }
 
 /* A run like `proto`, started. */
@@ -308,6 +343,7 @@ static void launch_run(const ring_run_t *proto) {
     return;
   }
   *run = *proto;
+  run->generation = collection_of(run->unit, ring_waiter_kind(run->kind))->generation;
   start_run(run);
 }
 
@@ -339,6 +375,26 @@ static void on_cluster_ready(void *data, int status, const char *why) {
     fsdp_status_set(&st, status, "job '%s' unit '%s' step %llu: the hosts did not all join: %s",
                     run->job->name, u->spec->unit,
                     (unsigned long long)collection_of(u, ring_waiter_kind(run->kind))->step, why);
+    fail_run(run, &st);
+  }
+}
+
+void dp_supersede_rings(fsdp_dataplane_t *dp, fsdp_job_t *job) {
+  uint64_t generation = job->flight->generation;
+  for (ring_run_t *run = dp->running_rings; run; run = run->next)
+    if (run->job == job && run->generation < generation && !run->superseded) {
+      run->superseded = true;
+      fsdp_ring_cancel(run->ring); /* on_ring_done ends it, later */
+    }
+  for (ring_run_t **p = &dp->cluster_waiting; *p;) {
+    ring_run_t *run = *p;
+    if (run->job != job || run->generation >= generation) {
+      p = &run->next;
+      continue;
+    }
+    *p = run->next;
+    fsdp_status_t st;
+    superseded(run, &st);
     fail_run(run, &st);
   }
 }

@@ -122,6 +122,16 @@ static void unshard(fsdp_dataplane_t *dp, fsdp_job_t *job, fsdp_unit_t *unit,
     return;
   }
   uint64_t round = dp_gather_round(step, again);
+  if (round < dp_gather_round(unit->flight->gathered_step, unit->flight->gathered_again) &&
+      fsdp_rank_set_empty(&unit->flight->holders) && !c->running &&
+      op->who.generation > unit->flight->gathered_generation) {
+    /* A new run repeats the step its predecessor did not finish (a host was lost in it):
+     * what that run gathered ahead is not ahead of this one. */
+    dp_give_back_copy(job, unit);
+    unit->flight->gathered = false;
+    unit->flight->gathered_step = 0;
+    unit->flight->gathered_again = false;
+  }
   uint64_t held = dp_gather_round(unit->flight->gathered_step, unit->flight->gathered_again);
   if (unit->flight->gathered && round == held) {
     dp_lend(job, unit, op); /* the fast path: this step's copy is there */

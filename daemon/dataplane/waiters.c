@@ -203,6 +203,7 @@ void dp_finish_collective(fsdp_job_t *job, fsdp_unit_t *u, waiter_kind_t kind,
     u->flight->gathered = true;
     u->flight->gathered_step = c->step;
     u->flight->gathered_again = c->regather;
+    u->flight->gathered_generation = c->generation;
     u->flight->holders = c->submitted;
     u->flight->gather_ahead = false;
     fsdp_collection_reset(c);

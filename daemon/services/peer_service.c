@@ -1,4 +1,4 @@
-/* Peer.Join, Heartbeat and Leave, handed to the peer table, which checks them
+/* Peer.Join, Heartbeat, Leave and Recover, handed to the peer table, which checks them
  * (daemon/cluster/peer_check.h) before anything else. Every refusal names the method, the field and
  * the value; a Join refused for its settings names the key and both hosts' values. */
 #include "daemon/services/peer_service.h"
@@ -59,13 +59,73 @@ static void peer_leave(fsdp_rpc_call_t *call, const ProtobufCMessage *request, v
   fsdp_rpc_call_reply(call, &reply.base);
 }
 
+/* A Recover that fetches is answered once the job's state is sent; the answer goes only
+ * if the caller still waits. */
+typedef struct recover_call {
+  fsdp_rpc_call_t *call; /* NULL once cancelled */
+} recover_call_t;
+
+static void on_recover_cancel(fsdp_rpc_call_t *call, void *data) {
+  (void)call;
+  ((recover_call_t *)data)->call = NULL;
+}
+
+static void reply_recovered(fsdp_rpc_call_t *call, const fsdp_peers_recovered_t *answer) {
+  Fsdp__V1__RecoverReply reply = FSDP__V1__RECOVER_REPLY__INIT;
+  reply.step = answer->step;
+  reply.bytes = answer->bytes;
+  reply.xxh64 = answer->xxh64;
+  fsdp_rpc_call_reply(call, &reply.base);
+}
+
+static void on_recover_sent(void *data, const fsdp_status_t *st,
+                            const fsdp_peers_recovered_t *answer) {
+  recover_call_t *rc = data;
+  if (rc->call && st)
+    fsdp_services_fail_call(rc->call, st);
+  else if (rc->call)
+    reply_recovered(rc->call, answer);
+  free(rc);
+}
+
+/* A host that started empty asks for a job's state (daemon/checkpoints/replicas.c). */
+static void peer_recover(fsdp_rpc_call_t *call, const ProtobufCMessage *request, void *data) {
+  fsdp_services_context_t *ctx = data;
+  const Fsdp__V1__RecoverRequest *rq = (const void *)request;
+  fsdp_peers_recover_t ask;
+  fsdp_peers_recover_unit_t *units;
+  fsdp_status_t st;
+  recover_call_t *rc = NULL;
+  fsdp_job_t *job = fsdp_store_find_job(ctx->store, rq->job);
+  if (fsdp_peers_accept_recover(ctx->peers, rq, &ask, &units, &st) < 0) {
+    fsdp_services_fail_call(call, &st);
+  } else if (!ask.fetch) {
+    fsdp_peers_recovered_t answer = {0};
+    if (fsdp_checkpoints_replica_step(ctx->checkpoints, job, &ask, &answer.step, &st) < 0)
+      fsdp_services_fail_call(call, &st);
+    else
+      reply_recovered(call, &answer);
+  } else if (!(rc = malloc(sizeof *rc))) {
+    fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "Recover: out of memory");
+  } else if ((rc->call = call, fsdp_checkpoints_send_to_replica(ctx->checkpoints, job, &ask,
+                                                                 on_recover_sent, rc, &st)) < 0) {
+    free(rc);
+    fsdp_services_fail_call(call, &st);
+  } else {
+    fsdp_rpc_call_on_cancel(call, on_recover_cancel, rc);
+  }
+  free(units);
+}
+
 /* Join is work a drain refuses: a draining daemon takes no new peer. Heartbeat and Leave are
  * served while draining, so that a drain for maintenance does not make the peers count this
- * host as lost, and a stopping host still hears the others leave. */
+ * host as lost, and a stopping host still hears the others leave; Recover too, for a job
+ * this host serves already. */
 static const fsdp_rpc_handler_t peer_handlers[] = {
     {"Join", peer_join, false},
     {"Heartbeat", peer_heartbeat, true},
     {"Leave", peer_leave, true},
+    {"Recover", peer_recover, true},
 };
 
 fsdp_rpc_service_t fsdp_peer_service(fsdp_services_context_t *ctx) {

@@ -87,10 +87,13 @@ int fsdp_ring_frame_unpack(const uint8_t *bytes, size_t len, fsdp_ring_frame_t *
  * generation (8 bytes each, little-endian), then the ring kind (fsdp_ring_kind_t, whose
  * values are part of this format; FSDP_OP_KIND_REGATHER for a step's second all-gather, the
  * one for the backward of a unit resharded after its forward; FSDP_OP_KIND_NORM for the
- * all-reduce of a unit's part of the gradient's norm, which clipping sums among hosts) xored
- * into the hash and multiplied once more. */
+ * all-reduce of a unit's part of the gradient's norm, which clipping sums among hosts;
+ * FSDP_OP_KIND_RECOVER for a job's state sent to a host that recovers it from a replica, with
+ * unit "" and the asking daemon's incarnation for the generation) xored into the hash and
+ * multiplied once more. */
 #define FSDP_OP_KIND_REGATHER 3u
 #define FSDP_OP_KIND_NORM 4u
+#define FSDP_OP_KIND_RECOVER 5u
 
 uint32_t fsdp_op_id(const char *job, const char *unit, uint64_t step, uint64_t generation,
                     uint32_t ring_kind);

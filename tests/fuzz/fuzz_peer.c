@@ -1,5 +1,5 @@
 /* Fuzz harness for what a peer daemon sends: the first byte picks the message (a Join, a
- * Heartbeat, a Leave as the Peer service receives them; the replies to this daemon's Join
+ * Heartbeat, a Leave, a Recover as the Peer service receives them; the replies to this daemon's Join
  * and Heartbeat; or raw data-plane address bytes), the rest is decoded as the RPC layer does
  * and checked by the very functions the daemon runs on it (daemon/cluster/peer_check.h,
  * fsdp_ucx_address_check), against the rules of host 0 of a 3-host cluster. A refusal must
@@ -28,7 +28,7 @@ static Fsdp__V1__Setting settings[] = {
 static const fsdp_peer_rules_t rules = {
     .n_hosts = 3, .self = 0, .settings = settings, .n_settings = 4};
 
-enum { JOIN, HEARTBEAT, LEAVE, JOIN_REPLY, HEARTBEAT_REPLY, ADDRESS, KINDS };
+enum { JOIN, HEARTBEAT, LEAVE, JOIN_REPLY, HEARTBEAT_REPLY, ADDRESS, RECOVER, KINDS };
 
 static const ProtobufCMessageDescriptor *const descriptors[] = {
     [JOIN] = &fsdp__v1__join_request__descriptor,
@@ -36,6 +36,7 @@ static const ProtobufCMessageDescriptor *const descriptors[] = {
     [LEAVE] = &fsdp__v1__leave_request__descriptor,
     [JOIN_REPLY] = &fsdp__v1__join_reply__descriptor,
     [HEARTBEAT_REPLY] = &fsdp__v1__heartbeat_reply__descriptor,
+    [RECOVER] = &fsdp__v1__recover_request__descriptor,
 };
 
 static int check(unsigned kind, const ProtobufCMessage *msg, fsdp_status_t *st) {
@@ -48,6 +49,8 @@ static int check(unsigned kind, const ProtobufCMessage *msg, fsdp_status_t *st) 
     return fsdp_peer_check_leave(&rules, (const void *)msg, st);
   case JOIN_REPLY:
     return fsdp_peer_check_join_reply(&rules, 1, "127.0.0.1:7101", (const void *)msg, st);
+  case RECOVER:
+    return fsdp_peer_check_recover(&rules, (const void *)msg, st);
   default:
     return fsdp_peer_check_heartbeat_reply(&rules, 1, (const void *)msg, st);
   }

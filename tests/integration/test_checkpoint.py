@@ -812,7 +812,7 @@ def test_a_resume_that_cannot_load_fails_the_job_naming_why(fsdpd, tmp_path):
     errors = on_all(ranks, "Unshard", step=2)
     for e in errors:
         assert e is not None and e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
-        assert "cannot resume (checkpoint.resume = latest)" in e.details(), e.details()
+        assert "cannot resume: checkpoint.resume = latest:" in e.details(), e.details()
         assert "unit 'u' has numel 17, the job's 6" in e.details(), e.details()
 
 
