@@ -10,7 +10,7 @@ CMAKE_ARGS ?=
 
 CTEST = ctest --output-on-failure --no-tests=error -j$(JOBS)
 
-.PHONY: all setup setup-test build run test test-asan bench clean
+.PHONY: all setup setup-test build run test test-asan test-faults bench clean
 
 all: build
 
@@ -41,6 +41,12 @@ test-asan: setup-test
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitizers/lsan.supp \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST)
+
+# The fault matrix (tests/faults/, docs/RELIABILITY.md): each row FAULT_RUNS times in a row,
+# each under an external deadline. Longer than the default suite, so apart from it.
+FAULT_RUNS ?= 10
+test-faults: setup-test build
+	FSDP_BUILD_DIR=$(CURDIR)/$(BUILD) tests/faults/run.sh $(FAULT_RUNS)
 
 bench: build
 	$(BUILD)/bin/fsdp-rpc-bench
