@@ -65,7 +65,7 @@ void fsdp_checkpoints_configure(fsdp_checkpoints_t *cp, const char *dir, uint64_
  * first asks them whether they hold it trained; the first that does gives it its step, and
  * at its first gather its state, copied from that host's memory over UCX (no disk read). A
  * job no replica holds looks in checkpoint.dir as configured. A replica that cannot say yet
- * (it resumes itself, has not joined this daemon, does not answer) is asked again until
+ * (it resumes itself, does not answer) is asked again until
  * store.collective_timeout; one that holds the job inside a step fails it at once: then the
  * job's first gather fails naming why, rather than starting anew. */
 void fsdp_checkpoints_configure_recovery(fsdp_checkpoints_t *cp, bool from_replicas);

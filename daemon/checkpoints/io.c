@@ -36,8 +36,13 @@ static int copy_beside(void *backend, void *dst, const void *src, size_t bytes,
  * time per save (and the copies miss the TLB less). */
 #define STAGING_ALIGN ((size_t)2 << 20)
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
 /* The job's staging memory is kept for the next checkpoint: a save's snapshot, or what a
- * load reads before it goes into the job's memory. */
+ * load reads before it goes into the job's memory. Made faulted in (MADV_POPULATE_WRITE,
+ * Linux 5.14), several times faster than the copies' first touches of each page. */
 void *ck_staging(fsdp_job_t *job, checkpoint_work_t *c) {
   fsdp_job_checkpoints_t *ck = job->checkpoints; /* made by the work's start */
   size_t bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
@@ -46,8 +51,10 @@ void *ck_staging(fsdp_job_t *job, checkpoint_work_t *c) {
     ck->staging_bytes = 0;
     bytes = (bytes + STAGING_ALIGN - 1) / STAGING_ALIGN * STAGING_ALIGN;
     ck->staging = aligned_alloc(STAGING_ALIGN, bytes); /* checkpoint.h's too */
-    if (ck->staging)
-      madvise(ck->staging, bytes, MADV_HUGEPAGE); /* best effort */
+    if (ck->staging) { /* best effort: faulted in at once, where the kernel can */
+      madvise(ck->staging, bytes, MADV_HUGEPAGE);
+      madvise(ck->staging, bytes, MADV_POPULATE_WRITE);
+    }
     if (!ck->staging) {
       fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
                       "checkpoint: no memory for the %zu bytes of its staging", bytes);

@@ -22,9 +22,9 @@
 #include "common/clock.h"
 #include "common/log.h"
 
-/* How often a look asks again while a replica cannot say yet (it resumes itself, has not
- * joined this daemon, or did not answer). */
-#define LOOK_RETRY_MS 500
+/* How often a look asks again while a replica cannot say yet (it resumes itself, or did
+ * not answer). */
+#define LOOK_RETRY_MS 200
 
 /* The UCX side of a state sent or fetched, and what each side waits for. */
 typedef struct replica_io {
@@ -439,25 +439,16 @@ static void on_fetch_answer(void *data, const fsdp_status_t *st,
 }
 
 /* Posts the receive of the state into the staging memory, then asks for it. */
-static int start_fetch(fsdp_checkpoints_t *cp, checkpoint_work_t *c, fsdp_status_t *st) {
+static int ask_for_state(fsdp_checkpoints_t *cp, checkpoint_work_t *c, fsdp_status_t *st) {
   replica_io_t *io = c->replica;
   size_t n = c->job.n_units;
-  void *at = ck_staging(c->owner, c);
-  if (!at)
-    return fsdp_status_set(st, c->st.code, "%s", c->st.message);
-  if (!(c->staged = malloc((n ? n : 1) * sizeof *c->staged)))
-    return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "Recover: out of memory");
-  memcpy(c->staged, c->units, n * sizeof *c->staged);
-  if (fsdp_checkpoint_stage(c->staged, n, at, NULL, NULL, st) < 0)
-    return st->code;
-  io->bytes = fsdp_checkpoint_staging_bytes(c->units, n);
-  io->start_ns = fsdp_clock_now_ns();
   fsdp_peers_t *peers = cp->dp->peers;
   if (!peers)
     return fsdp_status_set(st, FSDP_E_CANCELLED, "the daemon stops");
+  io->start_ns = fsdp_clock_now_ns();
   if (fsdp_dataplane_transfer_state(cp->dp, false, c->peer, c->owner->name, c->step,
-                                    fsdp_peers_incarnation(peers), at, io->bytes, on_received,
-                                    io, &io->transfer, st) < 0)
+                                    fsdp_peers_incarnation(peers), c->owner->checkpoints->staging,
+                                    io->bytes, on_received, io, &io->transfer, st) < 0)
     return st->code;
   fsdp_peers_recover_unit_t *units = calloc(n ? n : 1, sizeof *units);
   for (size_t i = 0; units && i < n; i++) {
@@ -480,6 +471,30 @@ static int start_fetch(fsdp_checkpoints_t *cp, checkpoint_work_t *c, fsdp_status
     fsdp_dataplane_transfer_end(io->transfer, NULL);
   }
   return 0;
+}
+
+/* On the pool: the staging memory the state arrives in, made (faulted in: it takes a while
+ * for a large job) and laid out as a snapshot of the job's units. */
+static void prepare_staging(uv_work_t *req) {
+  checkpoint_work_t *c = req->data;
+  size_t n = c->job.n_units;
+  void *at = ck_staging(c->owner, c);
+  if (!at)
+    return;
+  if (!(c->staged = malloc((n ? n : 1) * sizeof *c->staged))) {
+    fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED, "Recover: out of memory");
+    return;
+  }
+  memcpy(c->staged, c->units, n * sizeof *c->staged);
+  fsdp_checkpoint_stage(c->staged, n, at, NULL, NULL, &c->st);
+}
+
+static void staging_prepared(uv_work_t *req, int status) {
+  checkpoint_work_t *c = req->data;
+  replica_io_t *io = c->replica;
+  if (status == 0 && c->st.code == 0 && ask_for_state(io->cp, c, &c->st) == 0)
+    return;
+  ck_end_work(io->cp, c, status);
 }
 
 int ck_recover_from_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
@@ -511,7 +526,11 @@ int ck_recover_from_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
     c->loaded.step = c->step;
     for (size_t i = 0; i < c->job.n_units; i++)
       c->loaded.optimizer_state |= c->units[i].arrays > 0;
-    r = start_fetch(cp, c, st);
+    c->replica->bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
+    c->work.data = c;
+    if (uv_queue_work(cp->dp->loop, &c->work, prepare_staging, staging_prepared) < 0)
+      r = fsdp_status_set(st, FSDP_E_INTERNAL, "job '%s': its recovery could not start",
+                          job->name);
   }
   if (r < 0) {
     ck_unlink_work(cp, c);

@@ -373,7 +373,9 @@ int fsdp_peers_accept_recover(fsdp_peers_t *peers, const Fsdp__V1__RecoverReques
   int r = fsdp_peer_check_recover(&peers->rules, rq, st);
   if (r < 0)
     return r;
-  if (!fsdp_peers_joined_as(peers, rq->host_rank, rq->incarnation))
+  /* Only a fetch sends anything, to the daemon joined at that rank: where a job stands
+   * goes back in the reply to the caller alone. */
+  if (rq->fetch && !fsdp_peers_joined_as(peers, rq->host_rank, rq->incarnation))
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "Recover from host %u, incarnation %016llx: that host has not "
                            "joined this one at that incarnation: ask once it has",

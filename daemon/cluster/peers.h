@@ -180,10 +180,10 @@ int fsdp_peers_accept_heartbeat(fsdp_peers_t *peers, const Fsdp__V1__HeartbeatRe
                                 Fsdp__V1__HeartbeatReply *reply, fsdp_status_t *st);
 int fsdp_peers_accept_leave(fsdp_peers_t *peers, const Fsdp__V1__LeaveRequest *rq,
                             fsdp_status_t *st);
-/* A Recover (fsdp_peer_check_recover's checks) from the daemon this one has joined at the
- * host rank it names, into *ret_ask, whose strings and units point into rq and
- * *ret_units (the caller frees it): FAILED_PRECONDITION when that host is not JOINED at that
- * incarnation (what is sent in answer goes to the joined daemon's data-plane address only). */
+/* A Recover (fsdp_peer_check_recover's checks) into *ret_ask, whose strings and units point
+ * into rq and *ret_units (the caller frees it). One that fetches must come from the daemon
+ * this one has joined at the host rank it names (FAILED_PRECONDITION when that host is not
+ * JOINED at that incarnation): what is sent goes to that daemon's data-plane address only. */
 int fsdp_peers_accept_recover(fsdp_peers_t *peers, const Fsdp__V1__RecoverRequest *rq,
                               fsdp_peers_recover_t *ret_ask,
                               fsdp_peers_recover_unit_t **ret_units, fsdp_status_t *st);
