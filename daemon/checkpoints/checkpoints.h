@@ -83,7 +83,7 @@ int fsdp_checkpoints_replica_step(fsdp_checkpoints_t *cp, const fsdp_job_t *job,
  * can change it before the asking host joins its all-reduce) to ask's host, over UCX to the
  * daemon it joined at that rank and incarnation, once the job's units are the ones ask names
  * and it stands after ask's step (FAILED_PRECONDITION naming the unit and field, or the
- * step, otherwise; UNAVAILABLE while another checkpoint of the job is under way). A send not
+ * step, otherwise); after the checkpoint of the job under way, if any. A send not
  * taken within store.collective_timeout fails the connection to that host. done runs once,
  * on the loop, once it is sent (st NULL and the answer: step, bytes, XXH64) or failed.
  * Returns 0, or an error that st explains (done never runs). */

@@ -187,17 +187,14 @@ int fsdp_checkpoints_send_to_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "host %u holds job '%s' after step %llu, not %llu", self, job->name,
                            (unsigned long long)step, (unsigned long long)ask->step);
-  if (ck_staging_user(cp, job))
-    return fsdp_status_set(st, FSDP_E_UNAVAILABLE,
-                           "host %u: a checkpoint of job '%s' is under way: ask again once it "
-                           "ends",
-                           self, job->name);
   replica_io_t *io = calloc(1, sizeof *io);
   if (!io)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "Recover: out of memory");
   *io = (replica_io_t){.cp = cp, .sent = done, .sent_data = data};
-  checkpoint_work_t *c = ck_new_work(cp, job, "", NULL, SAVE_SNAPSHOT, step, sent, io,
-                                     "Recover", st);
+  /* A checkpoint of the job under way has the staging memory: the snapshot waits for it. */
+  bool wait = ck_staging_user(cp, job) != NULL;
+  checkpoint_work_t *c = ck_new_work(cp, job, "", NULL, wait ? SAVE_WAITING : SAVE_SNAPSHOT,
+                                     step, sent, io, "Recover", st);
   if (!c) {
     free(io);
     return st->code;
@@ -207,10 +204,12 @@ int fsdp_checkpoints_send_to_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
   c->peer_incarnation = ask->incarnation;
   c->replica = io;
   io->c = c;
+  c->asked_at = ck_job_steps(job);
   int r = ck_describe(job, c, st);
   if (r == 0 && (r = same_units(c, ask, self, st)) == 0) {
     io->bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
-    r = ck_queue_checkpoint(cp, job, c, st);
+    if (!wait)
+      r = ck_queue_checkpoint(cp, job, c, st);
   }
   if (r < 0) {
     ck_unlink_work(cp, c);

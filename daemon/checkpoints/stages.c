@@ -131,6 +131,8 @@ const checkpoint_work_t *ck_staging_user(const fsdp_checkpoints_t *cp,
 
 void ck_start_save(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c) {
   job_steps_t now = ck_job_steps(job);
+  if (c->by_replica) /* the job cannot move before the host it goes to joins it */
+    now = c->asked_at;
   bool moved = now.completed != c->asked_at.completed || now.newest != c->asked_at.newest ||
                now.reducing;
   bool between = now.even && !now.reducing && ck_masters_final(job, now.completed);

@@ -2,10 +2,11 @@
 deadline and prints docs/RELIABILITY.md's table): 2 replica groups x 2 hosts, four daemons on
 this machine (cluster.shard_group_hosts 2, HYBRID_SHARD), 2 trainers each, the daemons' AdamW
 with clipping, no checkpoint directory. The same cluster first trains a job uninterrupted;
-then a second job, whose host 1 loses its trainer (SIGKILL, as the backward of step 3
-starts) and its daemon (SIGKILL). A new daemon takes host 1's rank, the job's trainers start
-again on every host (generation 1), host 1 copies its shards, optimizer state and step from
-its replica (host 3, the same place in the other group), and the job ends with losses and
+then a second job, whose lost host (host 1, or host 2 of the other group) loses its trainer
+(SIGKILL, as the backward of step 3 starts) and its daemon (SIGKILL). A new daemon takes its
+rank, the job's trainers start again on every host (generation 1), the lost host copies its
+shards, optimizer state and step from its replica (the same place in the other group: host
+3, or host 0), and the job ends with losses and
 parameters bit for bit the uninterrupted job's. Meanwhile the surviving daemons keep
 serving: their threads are as many as before, their descriptors grow by what the second job
 holds and nothing more, and fsdpctl shows every host joined again.
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.skipif(built_with("FSDP_SANITIZE"),
                                        "preloaded into the interpreter")
 
 ARGS = ("--optim", "adamw", "--clip", "--strategy", "HYBRID_SHARD")
-HOSTS, LOCAL, LOST = 4, 2, 1
+HOSTS, LOCAL = 4, 2
 
 
 def _ranks(c, job, restarts=0, kill=None):
@@ -71,36 +72,37 @@ def _as_reference(records):
         {"final": True, "state": _final(records[0])}]
 
 
-def test_a_lost_host_of_a_replica_group_recovers_and_the_job_ends_bit_for_bit(fsdpd):
+@pytest.mark.parametrize("lost", [1, 2], ids=["host1-of-group0", "host2-of-group1"])
+def test_a_lost_host_of_a_replica_group_recovers_and_the_job_ends_bit_for_bit(fsdpd, lost):
     c = Cluster(fsdpd, HOSTS, lws=LOCAL,
                 extra=[*DAEMON_ARGS, "--set", f"cluster.shard_group_hosts={HOSTS // 2}",
                        "--set", "store.collective_timeout=5s"])
     wait_all_joined(c)
-    survivors = [d for i, d in enumerate(c.daemons) if i != LOST]
+    survivors = [d for i, d in enumerate(c.daemons) if i != lost]
     before = [_counts(d) for d in survivors]
     whole = _finish(_ranks(c, "whole"))
     after_whole = [_counts(d) for d in survivors]
 
-    first = _ranks(c, "lossy", kill=LOST * LOCAL)
-    on_lost = range(LOST * LOCAL, (LOST + 1) * LOCAL)
+    first = _ranks(c, "lossy", kill=lost * LOCAL)
+    on_lost = range(lost * LOCAL, (lost + 1) * LOCAL)
     on_others = [g for g in range(HOSTS * LOCAL) if g not in on_lost]
     before_loss = dict(zip(on_lost, _finish([first[g] for g in on_lost], expect_rc=None)))
     assert [first[g].returncode for g in on_lost] == [-9, 3], before_loss
-    c.daemons[LOST].kill()
+    c.daemons[lost].kill()
     # Each of the others hears the loss within the collective timeout.
     before_loss.update(zip(on_others, _finish([first[g] for g in on_others], expect_rc=None)))
     assert all(first[g].returncode == 3 for g in on_others), before_loss
 
-    again_daemon = c.restart(LOST)
+    again_daemon = c.restart(lost)
     wait_all_joined(c)
     again = _finish(_ranks(c, "lossy", restarts=1))
     for records in again:
         assert records[0]["resumed"] and records[0]["start"] == 3, records[0]
         assert sorted(_losses(records)) == list(range(3, STEPS + 1))
-    replica = (LOST + HOSTS // 2) % HOSTS
+    replica = (lost + HOSTS // 2) % HOSTS
     log = again_daemon.stderr()
     assert f"host {replica}, a replica of this host's shards, holds it after step 2" in log, log
-    assert f"went to host {LOST}, which recovers it" in c.daemons[replica].stderr()
+    assert f"went to host {lost}, which recovers it" in c.daemons[replica].stderr()
 
     # Steps 1 and 2 of the first run, 3 and 4 of the second: the uninterrupted job's bits.
     firsts = [_losses(before_loss[g]) for g in range(HOSTS * LOCAL)]
