@@ -38,17 +38,7 @@ os.environ.setdefault("FSDPD_LIB", str(BUILD_DIR / "lib" / "libfsdp.so"))
 
 import fsdpd  # noqa: E402
 import torch  # noqa: E402
-
-
-def drop_caches():
-    """Whether the page cache could be dropped (root only)."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+from page_cache import drop_caches  # noqa: E402 (bench/, this script's own folder)
 
 
 def busy_cpu_s():

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from page_cache import drop_caches  # bench/, this script's own folder
+
 SOURCE_DIR = Path(os.environ.get("FSDP_SOURCE_DIR", Path(__file__).resolve().parents[1]))
 BUILD_DIR = Path(os.environ.get("FSDP_BUILD_DIR", SOURCE_DIR / "build"))
 
@@ -117,18 +119,6 @@ def finish(procs, ok=True):
             sys.exit(f"a trainer exited {p.returncode}:\n{err}")
         outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     return outs
-
-
-def drop_caches():
-    """Whether the page cache could be dropped (root only): a disk's load then reads the
-    disk, not the copy its save left in memory."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def one_run(base, numel, job_bytes, options, save_to):

@@ -121,7 +121,8 @@
     "this daemon (after a restart, or on a spare taking the host's rank) first asks the hosts " \
     "that replicate its shards whether they hold it trained; one that does gives it its step, " \
     "and at its first gather its shards, optimizer state and step counts, copied from that "    \
-    "host's memory over UCX and checked, with no disk read. Else checkpoint.resume applies.")   \
+    "host's memory over UCX and checked, with no disk read. A job no replica holds goes on to " \
+    "checkpoint.resume.")                                                                        \
   X(CHECKPOINT_DIR, "checkpoint.dir", FSDP_OPT_STRING, "", 0, 0, NULL, NULL, true, NULL,        \
     "Where the daemon saves jobs on its own (checkpoint.every_steps, .on_stop) and resumes "   \
     "them from (checkpoint.resume), an absolute path, made if missing: "                        \

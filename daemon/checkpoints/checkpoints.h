@@ -83,8 +83,9 @@ int fsdp_checkpoints_replica_step(fsdp_checkpoints_t *cp, const fsdp_job_t *job,
  * can change it before the asking host joins its all-reduce) to ask's host, over UCX to the
  * daemon it joined at that rank and incarnation, once the job's units are the ones ask names
  * and it stands after ask's step (FAILED_PRECONDITION naming the unit and field, or the
- * step, otherwise); after the checkpoint of the job under way, if any. A send not
- * taken within store.collective_timeout fails the connection to that host. done runs once,
+ * step, otherwise). The snapshot is in memory of its own, so it waits for no save of the
+ * job. A send not taken within store.collective_timeout fails the connection to that host.
+ * done runs once,
  * on the loop, once it is sent (st NULL and the answer: step, bytes, XXH64) or failed.
  * Returns 0, or an error that st explains (done never runs). */
 typedef void (*fsdp_checkpoints_sent_fn)(void *data, const fsdp_status_t *st,
@@ -93,6 +94,10 @@ int fsdp_checkpoints_send_to_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
                                      const fsdp_peers_recover_t *ask,
                                      fsdp_checkpoints_sent_fn done, void *data,
                                      fsdp_status_t *st);
+
+/* The host that asked the send started with `data` no longer waits (its call ended): what
+ * has not been sent yet is not sent; done still runs (CANCELLED). */
+void fsdp_checkpoints_abandon_send(fsdp_checkpoints_t *cp, const void *data);
 
 /* Who asks for a checkpoint: whose rights its files are used with (the caller's, as it
  * connected), and whether a trainer of the job asks, whose saves name at most the job's

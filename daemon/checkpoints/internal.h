@@ -154,6 +154,13 @@ int ck_recover_from_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
 /* A replica's snapshot is taken (stage SAVE_SENDING): it goes to the asking host. */
 void ck_send_snapshot(fsdp_checkpoints_t *cp, checkpoint_work_t *c);
 
+/* A replica's snapshot for the host that asked: memory of the work's own (NULL with c->st
+ * set when there is none), not the job's staging memory. On a pool thread. */
+void *ck_replica_snapshot(checkpoint_work_t *c);
+
+/* Frees what a work of replicas.c holds (NULL-safe). */
+void ck_free_replica_io(struct replica_io *io);
+
 /* Whether a look of replicas.c uses the job. */
 bool ck_replicas_use_job(const fsdp_checkpoints_t *cp, const fsdp_job_t *job);
 
@@ -203,6 +210,9 @@ void ck_take_snapshot(uv_work_t *req);
 /* The job's staging memory for c's units, made or grown on first need (NULL with c->st set
  * when there is no memory for it). Only one checkpoint of the job uses it at a time. */
 void *ck_staging(fsdp_job_t *job, checkpoint_work_t *c);
+
+/* Staging memory of bytes (a multiple of its alignment), made faulted in; NULL without. */
+void *ck_alloc_staging(size_t bytes);
 
 /* On a thread of libuv's pool, beside the queue: a save's files, from its snapshot, written
  * by a thread of the lowest priority (the pool's threads run the queue's work too, so they

@@ -32,10 +32,14 @@ typedef struct replica_io {
   checkpoint_work_t *c;
   fsdp_dataplane_transfer_t *transfer; /* while it runs */
   size_t bytes;
+  /* The replica's snapshot, in memory of its own rather than the job's staging memory, so
+   * that it waits for no save of the job (and none for it); freed with the work. */
+  void *snapshot;
   uint64_t start_ns;
-  /* The replica's: the time by which the state must be taken (loop time), and who hears
-   * the end. */
+  /* The replica's: the time by which the state must be taken (loop time), whether the
+   * host that asked went away meanwhile (then nothing is sent), and who hears the end. */
   uint64_t deadline_ms;
+  bool abandoned;
   fsdp_checkpoints_sent_fn sent;
   void *sent_data;
   /* The fetch's: its two halves, the receive and the Recover call, end in either order. */
@@ -67,6 +71,9 @@ static int replica_state(const fsdp_job_t *job, const fsdp_peers_recover_t *ask,
                              "'%s' is %s",
                              self, ask->host, job->name, u->spec->unit,
                              fsdp_unit_strategy_name(u->spec->strategy));
+  /* A replica still looking itself holds nothing trained yet, and says so: the hosts of a
+   * job that starts everywhere at once look at each other, and each goes on as its own look
+   * decides (the same checkpoint.dir, if any, for all). */
   if (fsdp_dataplane_job_resuming(job))
     return fsdp_status_set(st, FSDP_E_FAILED_PRECONDITION,
                            "host %u: job '%s' resumes itself (its state is not loaded yet)",
@@ -144,13 +151,17 @@ void ck_send_snapshot(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
   io->start_ns = fsdp_clock_now_ns();
   io->deadline_ms = uv_now(cp->dp->loop) + cp->dp->collective_timeout_ms;
   /* What is sent goes to the daemon that asked, not to one that took its rank since. */
-  if (!cp->dp->peers || !fsdp_peers_joined_as(cp->dp->peers, c->peer, c->peer_incarnation))
+  if (io->abandoned)
+    fsdp_status_set(&c->st, FSDP_E_CANCELLED,
+                    "job '%s': host %u no longer waits for its state: not sent", c->owner->name,
+                    c->peer);
+  else if (!cp->dp->peers || !fsdp_peers_joined_as(cp->dp->peers, c->peer, c->peer_incarnation))
     fsdp_status_set(&c->st, FSDP_E_FAILED_PRECONDITION,
                     "job '%s': host %u's daemon is no longer the one that asked for its state",
                     c->owner->name, c->peer);
   else if (fsdp_dataplane_transfer_state(cp->dp, true, c->peer, c->owner->name, c->step,
-                                         c->peer_incarnation, c->owner->checkpoints->staging,
-                                         io->bytes, on_sent, io, &io->transfer, &c->st) == 0)
+                                         c->peer_incarnation, io->snapshot, io->bytes, on_sent,
+                                         io, &io->transfer, &c->st) == 0)
     return;
   ck_end_work(cp, c, 0);
 }
@@ -191,10 +202,8 @@ int fsdp_checkpoints_send_to_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
   if (!io)
     return fsdp_status_set(st, FSDP_E_RESOURCE_EXHAUSTED, "Recover: out of memory");
   *io = (replica_io_t){.cp = cp, .sent = done, .sent_data = data};
-  /* A checkpoint of the job under way has the staging memory: the snapshot waits for it. */
-  bool wait = ck_staging_user(cp, job) != NULL;
-  checkpoint_work_t *c = ck_new_work(cp, job, "", NULL, wait ? SAVE_WAITING : SAVE_SNAPSHOT,
-                                     step, sent, io, "Recover", st);
+  checkpoint_work_t *c = ck_new_work(cp, job, "", NULL, SAVE_SNAPSHOT, step, sent, io,
+                                     "Recover", st);
   if (!c) {
     free(io);
     return st->code;
@@ -204,18 +213,37 @@ int fsdp_checkpoints_send_to_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
   c->peer_incarnation = ask->incarnation;
   c->replica = io;
   io->c = c;
-  c->asked_at = ck_job_steps(job);
   int r = ck_describe(job, c, st);
   if (r == 0 && (r = same_units(c, ask, self, st)) == 0) {
     io->bytes = fsdp_checkpoint_staging_bytes(c->units, c->job.n_units);
-    if (!wait)
-      r = ck_queue_checkpoint(cp, job, c, st);
+    r = ck_queue_checkpoint(cp, job, c, st);
   }
   if (r < 0) {
     ck_unlink_work(cp, c);
     ck_free_checkpoint_work(c); /* and io */
   }
   return r;
+}
+
+void fsdp_checkpoints_abandon_send(fsdp_checkpoints_t *cp, const void *data) {
+  for (checkpoint_work_t *c = cp->works; c; c = c->next)
+    if (c->by_replica && c->stage != LOADING && c->replica->sent_data == data)
+      c->replica->abandoned = true;
+}
+
+void *ck_replica_snapshot(checkpoint_work_t *c) {
+  replica_io_t *io = c->replica;
+  if (!io->snapshot && !(io->snapshot = ck_alloc_staging(io->bytes)))
+    fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
+                    "job '%s': no memory for the %zu bytes of the state host %u asked for",
+                    c->owner->name, io->bytes, c->peer);
+  return io->snapshot;
+}
+
+void ck_free_replica_io(replica_io_t *io) {
+  if (io)
+    free(io->snapshot);
+  free(io);
 }
 
 /* ---- The asking host's side: the look ---- */

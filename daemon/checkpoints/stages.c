@@ -13,7 +13,7 @@
 static void start_waiting_save(fsdp_checkpoints_t *cp, fsdp_job_t *job);
 
 void ck_free_checkpoint_work(checkpoint_work_t *c) {
-  free(c->replica);
+  ck_free_replica_io(c->replica);
   free(c->staged);
   free(c->loaded_steps);
   free(c->params);
@@ -124,15 +124,13 @@ void ck_append_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
 const checkpoint_work_t *ck_staging_user(const fsdp_checkpoints_t *cp,
                                          const fsdp_job_t *job) {
   for (const checkpoint_work_t *c = cp->works; c; c = c->next)
-    if (c->owner == job && c->stage >= SAVE_SNAPSHOT)
+    if (c->owner == job && c->stage >= SAVE_SNAPSHOT && !(c->by_replica && c->stage != LOADING))
       return c;
   return NULL;
 }
 
 void ck_start_save(fsdp_checkpoints_t *cp, fsdp_job_t *job, checkpoint_work_t *c) {
   job_steps_t now = ck_job_steps(job);
-  if (c->by_replica) /* the job cannot move before the host it goes to joins it */
-    now = c->asked_at;
   bool moved = now.completed != c->asked_at.completed || now.newest != c->asked_at.newest ||
                now.reducing;
   bool between = now.even && !now.reducing && ck_masters_final(job, now.completed);

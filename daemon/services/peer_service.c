@@ -63,11 +63,14 @@ static void peer_leave(fsdp_rpc_call_t *call, const ProtobufCMessage *request, v
  * if the caller still waits. */
 typedef struct recover_call {
   fsdp_rpc_call_t *call; /* NULL once cancelled */
+  fsdp_checkpoints_t *checkpoints;
 } recover_call_t;
 
 static void on_recover_cancel(fsdp_rpc_call_t *call, void *data) {
   (void)call;
-  ((recover_call_t *)data)->call = NULL;
+  recover_call_t *rc = data;
+  rc->call = NULL;
+  fsdp_checkpoints_abandon_send(rc->checkpoints, rc);
 }
 
 static void reply_recovered(fsdp_rpc_call_t *call, const fsdp_peers_recovered_t *answer) {
@@ -107,8 +110,9 @@ static void peer_recover(fsdp_rpc_call_t *call, const ProtobufCMessage *request,
       reply_recovered(call, &answer);
   } else if (!(rc = malloc(sizeof *rc))) {
     fsdp_rpc_call_fail(call, FSDP_E_RESOURCE_EXHAUSTED, "Recover: out of memory");
-  } else if ((rc->call = call, fsdp_checkpoints_send_to_replica(ctx->checkpoints, job, &ask,
-                                                                 on_recover_sent, rc, &st)) < 0) {
+  } else if ((*rc = (recover_call_t){call, ctx->checkpoints},
+              fsdp_checkpoints_send_to_replica(ctx->checkpoints, job, &ask, on_recover_sent, rc,
+                                               &st)) < 0) {
     free(rc);
     fsdp_services_fail_call(call, &st);
   } else {
