@@ -150,11 +150,11 @@ void ck_send_snapshot(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
   replica_io_t *io = c->replica;
   io->start_ns = fsdp_clock_now_ns();
   io->deadline_ms = uv_now(cp->dp->loop) + cp->dp->collective_timeout_ms;
-  /* What is sent goes to the daemon that asked, not to one that took its rank since. */
   if (io->abandoned)
     fsdp_status_set(&c->st, FSDP_E_CANCELLED,
                     "job '%s': host %u no longer waits for its state: not sent", c->owner->name,
                     c->peer);
+  /* What is sent goes to the daemon that asked, not to one that took its rank since. */
   else if (!cp->dp->peers || !fsdp_peers_joined_as(cp->dp->peers, c->peer, c->peer_incarnation))
     fsdp_status_set(&c->st, FSDP_E_FAILED_PRECONDITION,
                     "job '%s': host %u's daemon is no longer the one that asked for its state",
