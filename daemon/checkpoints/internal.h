@@ -140,6 +140,12 @@ bool ck_disk_look(fsdp_checkpoints_t *cp, fsdp_job_t *job);
 
 /* replicas.c */
 
+/* Whether c is a replica's snapshot sent to a host that recovers (no save: it uses memory of
+ * its own, and counts as none of the job's checkpoints). */
+static inline bool ck_is_replica_send(const checkpoint_work_t *c) {
+  return c->by_replica && c->stage != LOADING;
+}
+
 /* The data plane's job_starts for a job whose first unit (unit) other hosts replicate, with
  * store.recover_from_replicas: asks them whether they hold the job trained (then true: the
  * job's registrations wait for fsdp_dataplane_looked, which the look calls on a later turn

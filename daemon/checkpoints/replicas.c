@@ -227,7 +227,7 @@ int fsdp_checkpoints_send_to_replica(fsdp_checkpoints_t *cp, fsdp_job_t *job,
 
 void fsdp_checkpoints_abandon_send(fsdp_checkpoints_t *cp, const void *data) {
   for (checkpoint_work_t *c = cp->works; c; c = c->next)
-    if (c->by_replica && c->stage != LOADING && c->replica->sent_data == data)
+    if (ck_is_replica_send(c) && c->replica->sent_data == data)
       c->replica->abandoned = true;
 }
 

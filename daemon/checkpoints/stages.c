@@ -49,8 +49,8 @@ static void count(fsdp_job_t *job, const checkpoint_work_t *c) {
   fsdp_job_checkpoints_t *ck = ck_job(job);
   if (!ck)
     return;
-  if (c->by_replica && c->stage != LOADING)
-    return; /* a replica's state sent to a host that recovers: no save */
+  if (ck_is_replica_send(c))
+    return; /* no save */
   bool ok = c->st.code >= 0;
   uint64_t bytes = ok ? fsdp_checkpoint_staging_bytes(c->units, c->job.n_units) : 0;
   if (c->stage == LOADING) {
@@ -124,7 +124,7 @@ void ck_append_work(fsdp_checkpoints_t *cp, checkpoint_work_t *c) {
 const checkpoint_work_t *ck_staging_user(const fsdp_checkpoints_t *cp,
                                          const fsdp_job_t *job) {
   for (const checkpoint_work_t *c = cp->works; c; c = c->next)
-    if (c->owner == job && c->stage >= SAVE_SNAPSHOT && !(c->by_replica && c->stage != LOADING))
+    if (c->owner == job && c->stage >= SAVE_SNAPSHOT && !ck_is_replica_send(c))
       return c;
   return NULL;
 }

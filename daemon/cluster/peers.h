@@ -144,8 +144,8 @@ typedef struct fsdp_peers_recovered {
   uint64_t step, bytes, xxh64;
 } fsdp_peers_recovered_t;
 
-/* Sends ask (its host and incarnation: this daemon's, whatever it says) to host_rank with the table's
- * token and credentials and a deadline of deadline_ms. done runs once, on the loop, never
+/* Sends ask (its host and incarnation: this daemon's, whatever it says) to host_rank with
+ * the table's token and credentials and a deadline of deadline_ms. done runs once, on the loop, never
  * inside this call: with st NULL and the answer, or with st naming the host and the status
  * (CANCELLED when the daemon stops). Returns 0, or an error (done never runs): a host that
  * is not a peer, a daemon stopping, a call gRPC would not start. */

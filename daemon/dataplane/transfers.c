@@ -21,8 +21,8 @@ static void on_transfer_done(fsdp_ucx_req_t *req, int status) {
   fsdp_status_t st = {0};
   if (status < 0) {
     const char *why = fsdp_ucx_peer_error(t->peer);
-    fsdp_status_set(&st, status, "the %s of the state %s host %u %s: %s", t->send ? "send" : "receive",
-                    t->send ? "to" : "from", t->host,
+    fsdp_status_set(&st, status, "the %s of the state %s host %u %s: %s",
+                    t->send ? "send" : "receive", t->send ? "to" : "from", t->host,
                     status == FSDP_E_CANCELLED ? "was cancelled" : "failed",
                     why ? why : fsdp_strerror(status));
   }

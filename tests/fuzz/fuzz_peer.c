@@ -1,6 +1,6 @@
 /* Fuzz harness for what a peer daemon sends: the first byte picks the message (a Join, a
- * Heartbeat, a Leave, a Recover as the Peer service receives them; the replies to this daemon's Join
- * and Heartbeat; or raw data-plane address bytes), the rest is decoded as the RPC layer does
+ * Heartbeat, a Leave, a Recover as the Peer service receives them; the replies to this
+ * daemon's Join and Heartbeat; or raw data-plane address bytes), the rest is decoded as the RPC layer does
  * and checked by the very functions the daemon runs on it (daemon/cluster/peer_check.h,
  * fsdp_ucx_address_check), against the rules of host 0 of a 3-host cluster. A refusal must
  * say why; a check must give the same answer twice; a Join or Join reply that passes must
