@@ -217,8 +217,9 @@ void ck_take_snapshot(uv_work_t *req);
  * when there is no memory for it). Only one checkpoint of the job uses it at a time. */
 void *ck_staging(fsdp_job_t *job, checkpoint_work_t *c);
 
-/* Staging memory of bytes (a multiple of its alignment), made faulted in; NULL without. */
-void *ck_alloc_staging(size_t bytes);
+/* Staging memory of at least *bytes, which it rounds up to a multiple of its alignment (the
+ * size made), faulted in; NULL without. */
+void *ck_alloc_staging(size_t *bytes);
 
 /* On a thread of libuv's pool, beside the queue: a save's files, from its snapshot, written
  * by a thread of the lowest priority (the pool's threads run the queue's work too, so they

@@ -43,12 +43,12 @@ static int copy_beside(void *backend, void *dst, const void *src, size_t bytes,
 /* The job's staging memory is kept for the next checkpoint: a save's snapshot, or what a
  * load reads before it goes into the job's memory. Made faulted in (MADV_POPULATE_WRITE,
  * Linux 5.14), several times faster than the copies' first touches of each page. */
-void *ck_alloc_staging(size_t bytes) {
-  bytes = (bytes + STAGING_ALIGN - 1) / STAGING_ALIGN * STAGING_ALIGN;
-  void *at = aligned_alloc(STAGING_ALIGN, bytes); /* checkpoint.h's too */
+void *ck_alloc_staging(size_t *bytes) {
+  *bytes = (*bytes + STAGING_ALIGN - 1) / STAGING_ALIGN * STAGING_ALIGN;
+  void *at = aligned_alloc(STAGING_ALIGN, *bytes); /* checkpoint.h's too */
   if (at) { /* best effort: faulted in at once, where the kernel can */
-    madvise(at, bytes, MADV_HUGEPAGE);
-    madvise(at, bytes, MADV_POPULATE_WRITE);
+    madvise(at, *bytes, MADV_HUGEPAGE);
+    madvise(at, *bytes, MADV_POPULATE_WRITE);
   }
   return at;
 }
@@ -59,8 +59,7 @@ void *ck_staging(fsdp_job_t *job, checkpoint_work_t *c) {
   if (bytes > ck->staging_bytes) {
     free(ck->staging);
     ck->staging_bytes = 0;
-    bytes = (bytes + STAGING_ALIGN - 1) / STAGING_ALIGN * STAGING_ALIGN;
-    ck->staging = ck_alloc_staging(bytes);
+    ck->staging = ck_alloc_staging(&bytes);
     if (!ck->staging) {
       fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
                       "checkpoint: no memory for the %zu bytes of its staging", bytes);

@@ -233,7 +233,8 @@ void fsdp_checkpoints_abandon_send(fsdp_checkpoints_t *cp, const void *data) {
 
 void *ck_replica_snapshot(checkpoint_work_t *c) {
   replica_io_t *io = c->replica;
-  if (!io->snapshot && !(io->snapshot = ck_alloc_staging(io->bytes)))
+  size_t size = io->bytes;
+  if (!io->snapshot && !(io->snapshot = ck_alloc_staging(&size)))
     fsdp_status_set(&c->st, FSDP_E_RESOURCE_EXHAUSTED,
                     "job '%s': no memory for the %zu bytes of the state host %u asked for",
                     c->owner->name, io->bytes, c->peer);
